@@ -1,0 +1,48 @@
+"""python -m bench SUITE [--quick] [--json PATH]: run a benchmark suite.
+
+Each suite measures its references in the same run (these machines are shared
+and noisy, so only ratios travel), prints a table and writes JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# suite name -> module in bench/ with run(report, args)
+SUITES = {
+    "wire": "bench.wire",
+}
+
+EPILOG = """examples:
+    python -m bench wire --quick            # a short run, table + bench-results/wire.json
+    python -m bench wire --json /tmp/w.json
+    python -m bench all                     # every suite, in full
+"""
+
+
+def main(argv=None) -> int:
+    from .contract import Report
+    p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
+    p.add_argument("suite", choices=[*SUITES, "all"], help="suite to run")
+    p.add_argument("--quick", action="store_true", help="short run (under 2 minutes)")
+    p.add_argument("--json", metavar="PATH", help="where to write the JSON (default bench-results/SUITE.json)")
+    args = p.parse_args(argv)
+    names = list(SUITES) if args.suite == "all" else [args.suite]
+    if args.json and len(names) > 1:
+        p.error("--json names one file: use it with a single suite")
+    for name in names:
+        report = Report(name, quick=args.quick)
+        try:
+            importlib.import_module(SUITES[name]).run(report, args)
+        except KeyboardInterrupt:
+            report.note("interrupted: partial results")
+            report.finish(args.json)
+            return 130
+        report.finish(args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

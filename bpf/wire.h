@@ -1,0 +1,87 @@
+/* wire.h - the request and response packets (UDP payloads), defined once.
+ *
+ * Every other side is generated from or checked against this file:
+ *   - BPF programs and native C include it;
+ *   - the cffi layout extension (native/ffi_wire.py) takes the text between
+ *     the LAYOUT markers verbatim as its cdef;
+ *   - datapath/wire.py's struct formats are proven equal, field by field,
+ *     by tests/test_wire_layout.py.
+ *
+ * Byte order: little-endian for every multi-byte field (x86-64 and arm64
+ * hosts read it natively; the XDP program never swaps). Fields sit at their
+ * natural alignment, so the structs have no implicit padding; reserved
+ * fields must be zero.
+ */
+#ifndef DP_WIRE_H
+#define DP_WIRE_H
+
+#ifndef __DP_CFFI__
+#include <linux/types.h>
+#endif
+
+/* LAYOUT BEGIN */
+#define DP_WIRE_MAGIC 0x31575044        /* "DPW1" read as little-endian bytes */
+#define DP_WIRE_VERSION 1
+#define DP_MAX_CHUNK_TOKENS 128          /* a chunk never carries more */
+#define DP_MAX_RESP_BODY 1024            /* response body fits one MTU-1500 frame */
+#define DP_DEFAULT_PORT 7878             /* UDP port the ingress listens on */
+
+/* kind */
+#define DP_KIND_OPEN 1           /* announces a request: chunk_count, max_output_tokens */
+#define DP_KIND_CHUNK 2          /* carries 1..128 prompt tokens */
+#define DP_KIND_CLOSE 3          /* client is done with the session */
+#define DP_KIND_COUNT_TOKENS 4   /* price the tokens, do not run them */
+#define DP_KIND_RESPONSE 5       /* server to client */
+
+/* flags */
+#define DP_FLAG_TRACE 0x0001       /* carry per-stage timestamps back in the response */
+#define DP_FLAGS_KNOWN 0x0001      /* any other bit is invalid */
+
+/* status (HTTP meanings) */
+#define DP_STATUS_OK 200
+#define DP_STATUS_BAD_REQUEST 400
+#define DP_STATUS_TOO_LARGE 413
+#define DP_STATUS_UNPROCESSABLE 422
+#define DP_STATUS_RATE_LIMITED 429
+#define DP_STATUS_UNAVAILABLE 503
+
+/* Request header: 48 bytes, then n_tokens uint32 token ids. */
+struct dp_req_hdr {
+    __u32 magic;              /*  0 DP_WIRE_MAGIC */
+    __u8  version;            /*  4 DP_WIRE_VERSION */
+    __u8  kind;               /*  5 DP_KIND_* */
+    __u16 flags;              /*  6 DP_FLAG_* */
+    __u32 tenant;             /*  8 API key id */
+    __u32 max_output_tokens;  /* 12 declared by the client */
+    __u64 session_id;         /* 16 */
+    __u64 request_id;         /* 24 */
+    __u16 chunk_index;        /* 32 0-based, < chunk_count */
+    __u16 chunk_count;        /* 34 >= 1 */
+    __u16 n_tokens;           /* 36 CHUNK, COUNT_TOKENS: 1..128; OPEN, CLOSE: 0 */
+    __u16 reserved;           /* 38 zero */
+    __u64 send_ns;            /* 40 client's CLOCK_MONOTONIC stamp at send */
+};
+
+/* Response header: 40 bytes, then body_len bytes of body. */
+struct dp_resp_hdr {
+    __u32 magic;              /*  0 DP_WIRE_MAGIC */
+    __u8  version;            /*  4 DP_WIRE_VERSION */
+    __u8  kind;               /*  5 DP_KIND_RESPONSE */
+    __u16 flags;              /*  6 DP_FLAG_* */
+    __u32 tenant;             /*  8 */
+    __u16 status;             /* 12 DP_STATUS_* */
+    __u16 body_len;           /* 14 <= DP_MAX_RESP_BODY */
+    __u64 session_id;         /* 16 */
+    __u64 request_id;         /* 24 */
+    __u64 send_ns;            /* 32 echoed from the request */
+};
+/* LAYOUT END */
+
+#define DP_REQ_HDR_LEN 48
+#define DP_RESP_HDR_LEN 40
+_Static_assert(sizeof(struct dp_req_hdr) == DP_REQ_HDR_LEN, "request header is 48 bytes");
+_Static_assert(sizeof(struct dp_resp_hdr) == DP_RESP_HDR_LEN, "response header is 40 bytes");
+_Static_assert(__builtin_offsetof(struct dp_req_hdr, send_ns) == 40, "send_ns at 40");
+_Static_assert(__builtin_offsetof(struct dp_resp_hdr, send_ns) == 32, "send_ns at 32");
+
+#endif /* DP_WIRE_H */

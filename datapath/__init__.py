@@ -1,0 +1,1 @@
+"""zerolayer's data path: wire codec, topology, BPF loading, orchestration and CLI."""

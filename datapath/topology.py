@@ -1,0 +1,130 @@
+"""Network namespaces and veths for the data path, built with pyroute2.
+
+    host netns  dp<pid>t<seq>h         client netns dp<pid>t<seq>c<n>
+      h<n>  198.18.<n>.1/24  <--veth-->  c<n>  198.18.<n>.2/24
+
+Both ends live in namespaces this process created, so nothing on the
+machine's own interfaces changes and an XDP program on h<n> sees only test
+traffic. Addresses come from 198.18.0.0/15 (RFC 2544 benchmarking). Every
+name carries the creating process's pid: two runs never collide, and
+sweep_stale() can remove what a killed run left behind without touching
+anything that belongs to a live process.
+"""
+from __future__ import annotations
+
+import ipaddress
+import itertools
+import os
+import re
+
+from pyroute2 import NetNS, netns
+
+PREFIX = "dp"
+NAME_RE = re.compile(rf"^{PREFIX}(\d+)t\d+[hc]\d*$")
+SUBNET = ipaddress.ip_network("198.18.0.0/15")
+MAX_CLIENTS = 256
+_seq = itertools.count()
+
+
+def host_addr(n: int) -> str:
+    return f"198.18.{n}.1"
+
+
+def client_addr(n: int) -> str:
+    return f"198.18.{n}.2"
+
+
+class Topology:
+    """A host namespace joined to `clients` client namespaces by veth pairs.
+
+    Use as a context manager; everything is removed on exit, also when the
+    body raises or the setup itself fails half-way.
+    """
+
+    def __init__(self, clients: int = 1, mtu: int = 1500, queues: int = 1):
+        if not 1 <= clients <= MAX_CLIENTS:
+            raise ValueError(f"clients must be 1..{MAX_CLIENTS}, not {clients}")
+        if not 68 <= mtu <= 65535:
+            raise ValueError(f"mtu must be 68..65535, not {mtu}")
+        if not 1 <= queues <= 64:
+            raise ValueError(f"queues must be 1..64, not {queues}")
+        self.clients, self.mtu, self.queues = clients, mtu, queues
+        tag = f"{PREFIX}{os.getpid()}t{next(_seq)}"
+        self.host_ns = f"{tag}h"
+        self.client_ns = [f"{tag}c{n}" for n in range(clients)]
+        self.host_if = [f"h{n}" for n in range(clients)]
+        self.client_if = [f"c{n}" for n in range(clients)]
+        self.host_ip = [host_addr(n) for n in range(clients)]
+        self.client_ip = [client_addr(n) for n in range(clients)]
+        self._made: list[str] = []
+
+    def __enter__(self):
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _build(self):
+        for name in (self.host_ns, *self.client_ns):
+            netns.create(name)
+            self._made.append(name)
+            with NetNS(name) as ns:
+                ns.link("set", index=ns.link_lookup(ifname="lo")[0], state="up")
+        with NetNS(self.host_ns) as host:
+            for n in range(self.clients):
+                host.link("add", ifname=self.host_if[n], kind="veth", mtu=self.mtu,
+                          num_tx_queues=self.queues, num_rx_queues=self.queues,
+                          peer={"ifname": self.client_if[n], "mtu": self.mtu,
+                                "num_tx_queues": self.queues, "num_rx_queues": self.queues,
+                                "net_ns_fd": self.client_ns[n]})
+                idx = host.link_lookup(ifname=self.host_if[n])[0]
+                host.addr("add", index=idx, address=self.host_ip[n], prefixlen=24)
+                host.link("set", index=idx, state="up")
+        for n in range(self.clients):
+            with NetNS(self.client_ns[n]) as client:
+                idx = client.link_lookup(ifname=self.client_if[n])[0]
+                client.addr("add", index=idx, address=self.client_ip[n], prefixlen=24)
+                client.link("set", index=idx, state="up")
+
+    def close(self):
+        while self._made:
+            name = self._made.pop()
+            try:
+                netns.remove(name)
+            except OSError:
+                pass  # already gone
+
+    def namespaces(self) -> list[str]:
+        return [self.host_ns, *self.client_ns]
+
+
+def enter(name: str):
+    """Move the calling thread into netns `name` (use in a child process or a preexec_fn)."""
+    netns.setns(name)
+
+
+def ours() -> list[str]:
+    """Every namespace on the machine that this module's naming scheme made."""
+    return [n for n in netns.listnetns() if NAME_RE.match(n)]
+
+
+def sweep_stale() -> list[str]:
+    """Remove namespaces whose creating process is dead (a run killed with SIGKILL).
+
+    Namespaces of live processes are left alone, whoever they belong to.
+    """
+    removed = []
+    for name in ours():
+        pid = int(NAME_RE.match(name).group(1))
+        if pid != os.getpid() and not os.path.exists(f"/proc/{pid}"):
+            try:
+                netns.remove(name)
+                removed.append(name)
+            except OSError:
+                pass
+    return removed

@@ -1,0 +1,1 @@
+"""KV-delta persistence on block devices, the NVMe-oF way (see issue: snapshot store)."""

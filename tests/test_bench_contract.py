@@ -1,0 +1,27 @@
+"""Every suite writes the contract's JSON and prints a table."""
+import json
+import subprocess
+import sys
+
+
+def test_wire_suite_follows_the_contract(tmp_path):
+    out = tmp_path / "wire.json"
+    r = subprocess.run([sys.executable, "-m", "bench", "wire", "--quick", "--json", str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    data = json.loads(out.read_text())
+    assert {"suite", "machine", "references", "metrics", "ratios"} <= set(data)
+    assert data["suite"] == "wire" and data["quick"] is True
+    assert {"cores", "kernel", "cpu_model"} <= set(data["machine"])
+    assert data["references"] and data["metrics"]
+    for name, value in data["ratios"].items():
+        metric, ref = name.split("_vs_")
+        assert abs(value - data["metrics"][metric] / data["references"][ref]) < 1e-9
+    assert "encode_chunk128_ns_vs_struct_pack_chunk128_ns" in r.stdout
+
+
+def test_bench_help_and_bad_suite():
+    r = subprocess.run([sys.executable, "-m", "bench", "-h"], capture_output=True, text=True)
+    assert r.returncode == 0 and "examples" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "bench", "nope"], capture_output=True, text=True)
+    assert r.returncode == 2 and "invalid choice" in r.stderr

@@ -1,0 +1,129 @@
+"""Namespaces and veths: real traffic between them, and nothing left behind."""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from datapath import topology
+from datapath.topology import Topology
+
+pytestmark = pytest.mark.root
+
+
+def udp_echo_across(topo: Topology, n: int = 0) -> bytes:
+    """Send one datagram from the client netns to a socket in the host netns; return what arrived."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # receiver in the host namespace
+        try:
+            os.close(r)
+            topology.enter(topo.host_ns)
+            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            s.bind((topo.host_ip[n], 9999))
+            s.settimeout(5)
+            os.write(w, b"R")
+            data, _ = s.recvfrom(2048)
+            os.write(w, data)
+        finally:
+            os._exit(0)
+    os.close(w)
+    assert os.read(r, 1) == b"R"
+    sender = os.fork()
+    if sender == 0:
+        try:
+            topology.enter(topo.client_ns[n])
+            socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b"hello", (topo.host_ip[n], 9999))
+        finally:
+            os._exit(0)
+    os.waitpid(sender, 0)
+    os.waitpid(pid, 0)
+    data = os.read(r, 2048)
+    os.close(r)
+    return data
+
+
+def test_traffic_crosses_the_veth(topology):
+    assert udp_echo_across(topology) == b"hello"
+    assert topology.host_ip[0] == "198.18.0.1" and topology.client_ip[0] == "198.18.0.2"
+
+
+def test_several_clients_mtu_and_queues():
+    with Topology(clients=3, mtu=9000, queues=2) as topo:
+        assert set(topo.namespaces()) <= set(topology.ours())
+        for n in range(3):
+            assert udp_echo_across(topo, n) == b"hello"
+        from pyroute2 import NetNS
+        with NetNS(topo.host_ns) as ns:
+            link = ns.get_links(ns.link_lookup(ifname="h2")[0])[0]
+            assert link.get_attr("IFLA_MTU") == 9000
+            assert link.get_attr("IFLA_NUM_RX_QUEUES") == 2
+        names = topo.namespaces()
+    assert not set(names) & set(topology.ours())
+
+
+def test_bad_arguments_are_refused():
+    for kw in (dict(clients=0), dict(clients=257), dict(mtu=10), dict(queues=0)):
+        with pytest.raises(ValueError):
+            Topology(**kw)
+
+
+FAILING_TEST = textwrap.dedent("""
+    import pytest
+
+    @pytest.mark.root
+    @pytest.mark.bpf
+    def test_fails_with_everything_up(topology, xdp_program):
+        b, fn, att = xdp_program("count.bpf.c", "xdp_count", topology.host_if[0], topology.host_ns)
+        print("PROG_ID", att.prog_id(), "NETNS", " ".join(topology.namespaces()), flush=True)
+        assert False, "deliberate failure"
+""")
+
+
+@pytest.mark.bpf
+def test_failing_test_leaves_nothing_behind(tmp_path):
+    path = tmp_path / "test_deliberate_failure.py"
+    path.write_text(FAILING_TEST)
+    env = {k: v for k, v in os.environ.items() if k != "CI"}
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "datapath.testing", "-s", "-q",
+                             "-p", "no:cacheprovider", str(path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 1, out
+    assert "deliberate failure" in out
+    line = next(l for l in out.splitlines() if l.startswith("PROG_ID"))
+    words = line.split()
+    prog_id, names = int(words[1]), words[3:]
+    assert names and all(n.startswith(f"dp{proc.pid}t") for n in names)
+    assert not set(names) & set(topology.ours()), "namespaces left behind"
+    show = subprocess.run(["bpftool", "prog", "show", "id", str(prog_id)], capture_output=True, text=True)
+    assert show.returncode != 0, f"program {prog_id} still loaded: {show.stdout}"
+
+
+def test_sweep_removes_what_a_killed_run_left():
+    code = ("from datapath.topology import Topology; import sys, time\n"
+            "t = Topology(clients=2).__enter__(); print(' '.join(t.namespaces()), flush=True); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        names = proc.stdout.readline().split()
+        assert len(names) == 3 and set(names) <= set(topology.ours())
+        mine = Topology(clients=1).__enter__()  # a live run's namespaces must survive the sweep
+        try:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+            removed = topology.sweep_stale()
+            assert set(names) <= set(removed)
+            assert not set(mine.namespaces()) & set(removed)
+            assert set(mine.namespaces()) <= set(topology.ours())
+        finally:
+            mine.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        topology.sweep_stale()
+    assert not set(names) & set(topology.ours())

@@ -1,0 +1,158 @@
+"""The Python codec: round trips, and every malformed buffer names its field."""
+import struct
+
+import pytest
+from hypothesis import given, strategies as st
+
+from datapath import wire
+from datapath.wire import WireError
+
+u16 = st.integers(0, 0xFFFF)
+u32 = st.integers(0, 0xFFFFFFFF)
+u64 = st.integers(0, (1 << 64) - 1)
+
+
+@st.composite
+def requests(draw):
+    kind = draw(st.sampled_from(sorted(wire.REQUEST_KINDS)))
+    count = draw(st.integers(1, 0xFFFF))
+    n = draw(st.integers(1, wire.MAX_CHUNK_TOKENS)) if kind in wire.KINDS_WITH_TOKENS else 0
+    return wire.Request(kind=kind, tenant=draw(u32), session_id=draw(u64), request_id=draw(u64),
+                        chunk_index=draw(st.integers(0, count - 1)), chunk_count=count,
+                        tokens=tuple(draw(st.lists(u32, min_size=n, max_size=n))),
+                        max_output_tokens=draw(u32), flags=draw(st.sampled_from([0, wire.FLAG_TRACE])),
+                        send_ns=draw(u64))
+
+
+@st.composite
+def responses(draw):
+    return wire.Response(tenant=draw(u32), session_id=draw(u64), request_id=draw(u64),
+                         status=draw(st.sampled_from(wire.STATUSES)),
+                         body=draw(st.binary(max_size=wire.MAX_RESP_BODY)),
+                         flags=draw(st.sampled_from([0, wire.FLAG_TRACE])), send_ns=draw(u64))
+
+
+@given(requests())
+def test_request_round_trip(req):
+    buf = wire.encode_request(req)
+    assert len(buf) == wire.REQ_HDR_LEN + 4 * req.n_tokens
+    assert wire.decode_request(buf) == req
+    assert wire.decode_request(bytearray(buf)) == req
+    assert wire.decode_request(memoryview(buf)) == req
+
+
+@given(responses())
+def test_response_round_trip(resp):
+    buf = wire.encode_response(resp)
+    assert wire.decode_response(buf) == resp
+
+
+def chunk(**kw):
+    fields = dict(kind=wire.KIND_CHUNK, tenant=1, session_id=2, request_id=3, tokens=(5, 6, 7))
+    fields.update(kw)
+    return wire.encode_request(wire.Request(**fields))
+
+
+def patch(buf: bytes, field: str, value: int, offsets=wire.REQ_OFFSETS, fields=wire.REQ_FIELDS) -> bytes:
+    off, _ = offsets[field]
+    code = dict(fields)[field]
+    return buf[:off] + struct.pack("<" + code, value) + buf[off + struct.calcsize("<" + code):]
+
+
+def test_truncated_at_every_byte_names_the_cut_field():
+    buf = chunk()
+    for n in range(wire.REQ_HDR_LEN):
+        with pytest.raises(WireError) as e:
+            wire.decode_request(buf[:n])
+        off, size = wire.REQ_OFFSETS[e.value.field]
+        assert off <= n < off + size, (n, e.value)
+        assert "truncated" in e.value.reason
+    for n in range(wire.REQ_HDR_LEN, len(buf)):  # cut inside the tokens
+        with pytest.raises(WireError) as e:
+            wire.decode_request(buf[:n])
+        assert e.value.field == "tokens"
+
+
+def test_response_truncated_at_every_byte():
+    buf = wire.encode_response(wire.Response(tenant=1, session_id=2, request_id=3, status=200, body=b"hi"))
+    for n in range(len(buf)):
+        with pytest.raises(WireError) as e:
+            wire.decode_response(buf[:n])
+        if n < wire.RESP_HDR_LEN:
+            off, size = wire.RESP_OFFSETS[e.value.field]
+            assert off <= n < off + size
+        else:
+            assert e.value.field == "body"
+
+
+# (name, field patched, value, field the error must name)
+MALFORMED = [
+    ("bad magic", "magic", 0xDEADBEEF, "magic"),
+    ("bad version", "version", 2, "version"),
+    ("version zero", "version", 0, "version"),
+    ("unknown kind", "kind", 9, "kind"),
+    ("response kind in a request", "kind", wire.KIND_RESPONSE, "kind"),
+    ("unknown flag", "flags", 0x8000, "flags"),
+    ("reserved set", "reserved", 1, "reserved"),
+    ("zero chunk count", "chunk_count", 0, "chunk_count"),
+    ("index past count", "chunk_index", 1, "chunk_index"),
+    ("token count 0", "n_tokens", 0, "n_tokens"),
+    ("token count 129", "n_tokens", 129, "n_tokens"),
+    ("token count claims more than sent", "n_tokens", 4, "tokens"),
+    ("token count claims fewer than sent", "n_tokens", 2, "tokens"),
+]
+
+
+@pytest.mark.parametrize("name,field,value,named", MALFORMED, ids=[m[0] for m in MALFORMED])
+def test_malformed_request_names_field(name, field, value, named):
+    with pytest.raises(WireError) as e:
+        wire.decode_request(patch(chunk(), field, value))
+    assert e.value.field == named
+    assert named in str(e.value)
+
+
+def test_token_count_129_with_matching_length_still_rejected():
+    raw = wire.pack_request_raw(tokens=tuple(range(129)))
+    with pytest.raises(WireError) as e:
+        wire.decode_request(raw)
+    assert e.value.field == "n_tokens"
+
+
+def test_open_and_close_carry_no_tokens():
+    raw = wire.pack_request_raw(kind=wire.KIND_OPEN, tokens=(1,))
+    with pytest.raises(WireError) as e:
+        wire.decode_request(raw)
+    assert e.value.field == "n_tokens"
+    ok = wire.decode_request(wire.pack_request_raw(kind=wire.KIND_OPEN, chunk_count=3, max_output_tokens=9))
+    assert ok.kind == wire.KIND_OPEN and ok.chunk_count == 3 and ok.tokens == ()
+
+
+def test_trailing_bytes_rejected():
+    with pytest.raises(WireError) as e:
+        wire.decode_request(chunk() + b"\0")
+    assert e.value.field == "tokens"
+
+
+def test_encoder_refuses_what_decoder_would_reject():
+    with pytest.raises(WireError) as e:
+        chunk(tokens=tuple(range(129)))
+    assert e.value.field == "n_tokens"
+    with pytest.raises(WireError) as e:
+        chunk(tokens=())
+    assert e.value.field == "n_tokens"
+    with pytest.raises(WireError):
+        chunk(tenant=1 << 32)
+    with pytest.raises(WireError) as e:
+        wire.encode_response(wire.Response(tenant=1, session_id=2, request_id=3, status=201))
+    assert e.value.field == "status"
+
+
+@pytest.mark.parametrize("field,value,named", [
+    ("magic", 1, "magic"), ("kind", wire.KIND_CHUNK, "kind"), ("status", 204, "status"),
+    ("body_len", wire.MAX_RESP_BODY + 1, "body_len"), ("body_len", 3, "body"),
+])
+def test_malformed_response_names_field(field, value, named):
+    buf = wire.encode_response(wire.Response(tenant=1, session_id=2, request_id=3, status=429, body=b"xy"))
+    with pytest.raises(WireError) as e:
+        wire.decode_response(patch(buf, field, value, wire.RESP_OFFSETS, wire.RESP_FIELDS))
+    assert e.value.field == named

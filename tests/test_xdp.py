@@ -1,0 +1,81 @@
+"""The reference XDP program through the kernel's test runner and live on a veth."""
+import os
+import socket
+import time
+
+import pytest
+
+from datapath import packet, topology, wire
+from datapath.xdp import XDP_PASS, BpfUnavailable, load_xdp, prog_test_run
+
+pytestmark = [pytest.mark.root, pytest.mark.bpf]
+PORT = wire.DEFAULT_PORT
+PAYLOAD = b"\0" * 48
+
+# (name, frame, counter expected to go up): the count program passes everything.
+CASES = [
+    ("udp to port", packet.udp_frame(PAYLOAD, PORT), "dp"),
+    ("udp other port", packet.udp_frame(PAYLOAD, 53), "other"),
+    ("vlan udp to port", packet.udp_frame(PAYLOAD, PORT, vlan=10), "dp"),
+    ("ipv6 udp to port", packet.udp_frame(PAYLOAD, PORT, v6=True), "dp"),
+    ("ipv4 options", packet.udp_frame(PAYLOAD, PORT, ip_options=b"\x01\x01\x01\x00"), "dp"),
+    ("first fragment", packet.udp_frame(PAYLOAD, PORT, mf=True), "other"),
+    ("tcp", packet.ethernet(packet.ETH_P_IP, packet.ipv4(packet.IPPROTO_TCP, b"\0" * 20)), "other"),
+    ("ethernet header only", b"\0" * 14, "other"),
+]
+
+
+@pytest.fixture(scope="module")
+def count_prog():
+    b, fn = load_xdp("count.bpf.c", "xdp_count")
+    yield b, fn
+    b.cleanup()
+
+
+def counters(b):
+    return b[b"counts"].sum(0).value, b[b"counts"].sum(1).value
+
+
+@pytest.mark.parametrize("name,frame,which", CASES, ids=[c[0] for c in CASES])
+def test_count_table(count_prog, name, frame, which):
+    b, fn = count_prog
+    before = counters(b)
+    verdict, ns, out = prog_test_run(fn.fd, frame, repeat=1)
+    after = counters(b)
+    assert verdict == XDP_PASS
+    assert out == frame, "the count program never rewrites a packet"
+    assert after[0] - before[0] == (which == "dp")
+    assert after[1] - before[1] == (which == "other")
+
+
+def test_live_on_a_veth(topology, xdp_program):
+    b, fn, att = xdp_program("count.bpf.c", "xdp_count", topology.host_if[0], topology.host_ns)
+    assert att.mode in ("native", "generic") and att.prog_id()
+    sent = 25
+    pid = os.fork()
+    if pid == 0:
+        try:
+            from datapath.topology import enter
+            enter(topology.client_ns[0])
+            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            for _ in range(sent):
+                s.sendto(PAYLOAD, (topology.host_ip[0], PORT))
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    deadline = time.monotonic() + 5
+    while counters(b)[0] < sent and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert counters(b)[0] == sent
+    att.detach()
+    assert att.prog_id() is None
+
+
+def test_missing_source_is_a_clear_error():
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_xdp("no-such.bpf.c", "x")
+
+
+def test_compile_error_is_a_clear_error(tmp_path):
+    with pytest.raises(BpfUnavailable, match="could not compile"):
+        load_xdp("count.bpf.c", "xdp_count", cflags=["-DDP_PORT=this_is_not_a_number("])
