@@ -1,5 +1,7 @@
 /* chunk.h - the chunk record that travels from ingress to the workers, defined once.
  *
+ * Types are the kernel's (__u32...) so BPF programs can include it too.
+ *
  * One record per chunk of at most DP_MAX_CHUNK_TOKENS tokens. The ingress
  * consumer fills it from the wire header (bpf/wire.h) and the XDP stamp; the
  * router stamps it and groups records into micro-batches; a lane carries a
@@ -10,7 +12,6 @@
 #ifndef DP_CHUNK_H
 #define DP_CHUNK_H
 
-#include <stdint.h>
 #include "wire.h"
 
 /* LAYOUT BEGIN */
@@ -18,27 +19,27 @@
 #define DP_CHUNK_LEN 608                  /* header + DP_MAX_CHUNK_TOKENS tokens */
 
 struct dp_chunk {
-    uint64_t session_id;          /*  0 */
-    uint64_t request_id;          /*  8 */
-    uint32_t tenant;              /* 16 */
-    uint32_t max_output_tokens;   /* 20 */
-    uint16_t chunk_index;         /* 24 index in the request after re-chunking */
-    uint16_t chunk_count;         /* 26 */
-    uint16_t n_tokens;            /* 28 1..DP_MAX_CHUNK_TOKENS (0 for open/close) */
-    uint8_t  kind;                /* 30 DP_KIND_* */
-    uint8_t  queue;               /* 31 ingress queue it arrived on */
-    uint32_t batch_seq;           /* 32 micro-batch number on its lane (router) */
-    uint16_t batch_len;           /* 36 chunks in that micro-batch */
-    uint16_t batch_pos;           /* 38 position in it */
-    uint64_t t_send;              /* 40 client send stamp (from the wire) */
-    uint64_t t_xdp;               /* 48 XDP program */
-    uint64_t t_consumer;          /* 56 ring-buffer consumer */
-    uint64_t t_router;            /* 64 router dequeued it */
-    uint64_t t_lane;              /* 72 placed in its worker's lane */
-    uint64_t t_worker;            /* 80 worker picked the batch up */
-    uint32_t flags;               /* 88 DP_FLAG_* from the wire */
-    uint32_t reserved;            /* 92 */
-    uint32_t tokens[DP_MAX_CHUNK_TOKENS]; /* 96 */
+    __u64 session_id;          /*  0 */
+    __u64 request_id;          /*  8 */
+    __u32 tenant;              /* 16 */
+    __u32 max_output_tokens;   /* 20 */
+    __u16 chunk_index;         /* 24 index in the request after re-chunking */
+    __u16 chunk_count;         /* 26 */
+    __u16 n_tokens;            /* 28 1..DP_MAX_CHUNK_TOKENS (0 for open/close) */
+    __u8   kind;                /* 30 DP_KIND_* */
+    __u8   queue;               /* 31 ingress queue it arrived on */
+    __u32 batch_seq;           /* 32 micro-batch number on its lane (router) */
+    __u16 batch_len;           /* 36 chunks in that micro-batch */
+    __u16 batch_pos;           /* 38 position in it */
+    __u64 t_send;              /* 40 client send stamp (from the wire) */
+    __u64 t_xdp;               /* 48 XDP program */
+    __u64 t_consumer;          /* 56 ring-buffer consumer */
+    __u64 t_router;            /* 64 router dequeued it */
+    __u64 t_lane;              /* 72 placed in its worker's lane */
+    __u64 t_worker;            /* 80 worker picked the batch up */
+    __u32 flags;               /* 88 DP_FLAG_* from the wire */
+    __u32 reserved;            /* 92 */
+    __u32 tokens[DP_MAX_CHUNK_TOKENS]; /* 96 */
 };
 /* LAYOUT END */
 
