@@ -8,11 +8,10 @@ import pytest
 
 from datapath import wire
 from datapath.chunk import make_batch
-from datapath.serving import kvdelta
 from datapath.serving.devices import SimulatedDevice, profile
 from datapath.serving.model import KVCache, Model, ModelConfig, sample
 from datapath.serving.worker import Worker
-from memstore import MemoryStore
+from serving_support import MemoryStore, chunks, prompt, run
 
 BIG = 1 << 30
 
@@ -20,29 +19,6 @@ BIG = 1 << 30
 @pytest.fixture(scope="module")
 def model():
     return Model(ModelConfig(), seed=0)
-
-
-def prompt(seed, n):
-    return [int(t) for t in np.random.default_rng(seed).integers(0, 512, n)]
-
-
-def chunks(sid, rid, tokens, max_out, t_send=0):
-    """A request cut into chunks of at most 128 tokens, as the router would send them."""
-    parts = [tokens[i:i + 128] for i in range(0, len(tokens), 128)]
-    return [dict(session_id=sid, request_id=rid, kind=wire.KIND_CHUNK, chunk_index=i, chunk_count=len(parts),
-                 max_output_tokens=max_out, tokens=p, t_send=t_send) for i, p in enumerate(parts)]
-
-
-def run(worker, batches, max_steps=500):
-    """Feed micro-batches (lists of chunk dicts), then step until idle; all completions."""
-    done = []
-    for seq, b in enumerate(batches):
-        done += worker.step(make_batch(b, batch_seq=seq))
-    for _ in range(max_steps):
-        if not worker.busy:
-            return done
-        done += worker.step()
-    raise AssertionError("worker still busy")
 
 
 def test_request_lifecycle(model):
