@@ -1,6 +1,8 @@
 """datapath: the data path's command line.
 
     datapath doctor            check this machine can run the data path
+    datapath worker            run one worker (serving side)
+    datapath model info        the tiny model's sizes
 """
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ import sys
 EPILOG = """examples:
     sudo .venv/bin/datapath doctor     # one line per check, exit 0 if the data path can run
     python -m datapath doctor          # the same
+    datapath model info                # parameters, KV bytes per token, delta sizes per codec
+    datapath worker --demo 4           # a worker running 4 requests in-process
 """
 
 
@@ -21,6 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("doctor", help="check root, kernel, BPF features, bcc, headers, extensions, loop, kvm, qemu",
                    description="One line per check: OK, WARN (optional) or FAIL with a fix. "
                                "Exit 0 only when the data path can run. Cleans up all it creates.")
+    from .serving import commands as serving_commands
+    serving_commands.add_parsers(sub)
     return p
 
 
@@ -29,6 +35,9 @@ def main(argv=None) -> int:
     if args.command == "doctor":
         from . import doctor
         return doctor.run()
+    if args.command in ("worker", "model"):
+        from .serving import commands as serving_commands
+        return serving_commands.run(args)
     return 2
 
 

@@ -1,0 +1,160 @@
+"""`datapath worker` and `datapath model info`: the serving side's commands.
+
+datapath/cli.py calls add_parsers(); each command returns an exit code and
+turns user errors into one sentence.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from .devices import PROFILES
+
+WORKER_EPILOG = """examples:
+    datapath worker --batches ipc:///tmp/zl-w0-in --completions ipc:///tmp/zl-w0-out
+    datapath worker --batches tcp://198.18.0.1:5555 --completions tcp://198.18.0.1:5556 --device l4 --sim busy
+    datapath worker --demo 4 --prompt-tokens 300 --output-tokens 16     # no lane: 4 requests in-process
+
+The lane's other end (the router) binds both endpoints: PUSH micro-batches of
+dp_chunk records (one message each, an empty message stops the worker) and
+PULL completions. No snapshot store is attached from the command line yet, so
+sessions stay resident and are never evicted.
+"""
+
+MODEL_EPILOG = """examples:
+    datapath model info                          # the default model: 1 KiB of KV per token
+    datapath model info --layers 32 --kv-heads 8 --head-dim 128 --heads 32 --d-model 4096
+"""
+
+
+def _model_args(p: argparse.ArgumentParser):
+    from .model import ModelConfig
+    d = ModelConfig()
+    g = p.add_argument_group("model shape")
+    g.add_argument("--vocab", type=int, default=d.vocab)
+    g.add_argument("--layers", type=int, default=d.n_layers)
+    g.add_argument("--d-model", type=int, default=d.d_model)
+    g.add_argument("--heads", type=int, default=d.n_heads)
+    g.add_argument("--kv-heads", type=int, default=d.n_kv_heads)
+    g.add_argument("--head-dim", type=int, default=d.head_dim)
+    g.add_argument("--d-ff", type=int, default=d.d_ff)
+    g.add_argument("--seed", type=int, default=0, help="weights seed (default 0)")
+
+
+def _config(args) -> dict:
+    return dict(vocab=args.vocab, n_layers=args.layers, d_model=args.d_model, n_heads=args.heads,
+                n_kv_heads=args.kv_heads, head_dim=args.head_dim, d_ff=args.d_ff)
+
+
+def add_parsers(sub):
+    from .kvdelta import CODECS
+    w = sub.add_parser("worker", help="run one worker on a ZeroMQ lane (or an in-process demo)",
+                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=WORKER_EPILOG,
+                       description="A worker: the tiny model, per-session KV caches, one model step per micro-batch.")
+    w.add_argument("--batches", metavar="ENDPOINT", help="ZeroMQ endpoint to PULL micro-batches from")
+    w.add_argument("--completions", metavar="ENDPOINT", help="ZeroMQ endpoint to PUSH completions to")
+    w.add_argument("--codec", choices=list(CODECS), default="zstd", help="KV delta codec (default zstd)")
+    w.add_argument("--kv-budget-mib", type=float, help="KV memory budget (default: the device's, else 256)")
+    w.add_argument("--device", choices=list(PROFILES), help="simulate this device's step times")
+    w.add_argument("--sim", choices=["sleep", "busy"], default="sleep", help="how simulated time is spent")
+    w.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    w.add_argument("--demo", type=int, metavar="N", help="no lane: run N synthetic requests in-process and print them")
+    w.add_argument("--prompt-tokens", type=int, default=300, help="demo prompt length (default 300)")
+    w.add_argument("--output-tokens", type=int, default=16, help="demo output length (default 16)")
+    _model_args(w)
+    m = sub.add_parser("model", help="the tiny model: sizes", formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog=MODEL_EPILOG, description="Sizes of the model and of its KV deltas, per codec.")
+    msub = m.add_subparsers(dest="model_command", metavar="SUBCOMMAND")
+    msub.required = True
+    info = msub.add_parser("info", help="parameters, KV bytes per token, stored delta sizes per codec",
+                           formatter_class=argparse.RawDescriptionHelpFormatter, epilog=MODEL_EPILOG)
+    _model_args(info)
+
+
+def run(args) -> int:
+    try:
+        return model_info(args) if args.command == "model" else worker(args)
+    except ValueError as e:  # bad shapes, lengths: already one sentence
+        print(f"datapath {args.command}: {e}")
+        return 2
+
+
+def model_info(args) -> int:
+    from . import kvdelta
+    from .model import LLAMA3_8B_KV_BYTES_PER_TOKEN, KVCache, Model, ModelConfig
+    config = ModelConfig(**_config(args))
+    model = Model(config, args.seed)
+    c = config
+    print(f"model: vocab {c.vocab}, {c.n_layers} layers, d_model {c.d_model}, {c.n_heads} heads, "
+          f"{c.n_kv_heads} KV heads x head dim {c.head_dim}, d_ff {c.d_ff}, seed {args.seed}")
+    print(f"parameters: {c.n_params:,} ({c.n_params * 4 / 2**20:.1f} MiB in float32)")
+    print(f"KV per token: 2 x {c.n_layers} layers x {c.n_kv_heads} KV heads x {c.head_dim} x 2 bytes (fp16) "
+          f"= {c.kv_bytes_per_token:,} bytes")
+    print(f"  for comparison, Llama-3-8B (2 x 32 x 8 x 128 x 2): {LLAMA3_8B_KV_BYTES_PER_TOKEN:,} bytes")
+    cache = KVCache(config)
+    model.prefill(cache, np.random.default_rng(0).integers(0, c.vocab, 129))
+    print("stored delta (measured on a random 129-token prompt; header included):")
+    for name in kvdelta.CODECS:
+        step = len(kvdelta.encode(kvdelta.export_delta(cache, 128, 129), config, name))
+        chunk = len(kvdelta.encode(kvdelta.export_delta(cache, 0, 128), config, name))
+        print(f"  {name:<10} decode step {step:>7,} B   128-token chunk {chunk:>9,} B")
+    return 0
+
+
+def worker(args) -> int:
+    import zmq
+
+    from .devices import profile
+    from .worker import WorkerOptions, worker_process
+    if args.demo is None and not (args.batches and args.completions):
+        print("datapath worker: give --batches and --completions endpoints, or --demo N to run without a lane")
+        return 2
+    if args.kv_budget_mib is not None:
+        budget = int(args.kv_budget_mib * 2**20)
+    else:
+        from .model import ModelConfig
+        budget = profile(args.device).kv_budget_bytes(ModelConfig(**_config(args))) if args.device else 256 << 20
+    opts = WorkerOptions(config=_config(args), seed=args.seed, kv_budget_bytes=budget, codec=args.codec,
+                         temperature=args.temperature, device=args.device, sim_mode=args.sim)
+    if args.demo is not None:
+        return _demo(opts, args)
+    print(f"worker: lane {args.batches} -> {args.completions}, codec {args.codec}, KV budget {budget / 2**20:.0f} MiB"
+          + (f", simulating {args.device} ({args.sim})" if args.device else "") + "; no snapshot store attached")
+    try:
+        worker_process(args.batches, args.completions, None, opts)
+    except zmq.ZMQError as e:
+        print(f"datapath worker: cannot use the lane endpoints ({e}): check the addresses and that the router binds them")
+        return 1
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def _demo(opts, args) -> int:
+    from .. import wire
+    from ..chunk import make_batch
+    w = opts.build(None)
+    rng = np.random.default_rng(args.seed)
+    pending = []
+    for sid in range(1, args.demo + 1):
+        toks = rng.integers(0, w.model.config.vocab, args.prompt_tokens).tolist()
+        parts = [toks[i:i + 128] for i in range(0, len(toks), 128)]
+        pending.append([dict(session_id=sid, request_id=1, kind=wire.KIND_CHUNK, chunk_index=i,
+                             chunk_count=len(parts), max_output_tokens=args.output_tokens, tokens=p,
+                             t_send=time.monotonic_ns()) for i, p in enumerate(parts)])
+    # one chunk of every pending request per micro-batch, like a router's round robin
+    seq, done = 0, []
+    while pending or w.busy:
+        batch = [req.pop(0) for req in pending]
+        pending = [req for req in pending if req]
+        done += w.step(make_batch(batch, seq) if batch else None)
+        seq += 1
+    for c in done:
+        ms = (c.stamps["t_done"] - c.stamps["t_send"]) / 1e6
+        print(f"session {c.session_id}: {c.status}, {len(c.tokens)} tokens {c.tokens[:8]}..., {ms:.1f} ms, "
+              f"context {c.context_tokens}, worker KV resident {c.kv_bytes_resident / 2**10:.0f} KiB")
+    print(f"{w.stats['steps']} model steps" + (f", {w.stats['simulated_s']:.3f} s simulated on {opts.device}"
+                                               if opts.device else ""))
+    return 0

@@ -1,0 +1,27 @@
+"""`datapath model info` and `datapath worker`: sizes printed, user errors in one sentence."""
+from datapath.cli import main
+
+
+def test_model_info_prints_the_formula_and_measured_sizes(capsys):
+    assert main(["model", "info"]) == 0
+    out = capsys.readouterr().out
+    assert "= 1,024 bytes" in out and "Llama-3-8B (2 x 32 x 8 x 128 x 2): 131,072 bytes" in out
+    assert "raw        decode step   1,072 B   128-token chunk   131,120 B" in out
+    assert main(["model", "info", "--layers", "2"]) == 0
+    assert "= 512 bytes" in capsys.readouterr().out
+
+
+def test_worker_demo_runs_requests(capsys):
+    assert main(["worker", "--demo", "2", "--prompt-tokens", "130", "--output-tokens", "3"]) == 0
+    out = capsys.readouterr().out
+    assert out.count(": ok, 3 tokens") == 2 and "context 132" in out
+
+
+def test_user_errors_are_one_sentence(capsys):
+    assert main(["worker"]) == 2
+    assert capsys.readouterr().out.strip() == \
+        "datapath worker: give --batches and --completions endpoints, or --demo N to run without a lane"
+    assert main(["model", "info", "--heads", "3"]) == 2
+    assert "Traceback" not in capsys.readouterr().out
+    assert main(["worker", "--batches", "nonsense", "--completions", "nonsense"]) == 1
+    assert "cannot use the lane endpoints" in capsys.readouterr().out
