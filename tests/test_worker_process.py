@@ -2,6 +2,9 @@
 
 Restore on another process, then continue, equals a session never evicted;
 a worker killed mid-batch leaves only whole, acknowledged deltas behind.
+Bit-identical logits need the same BLAS threading on both sides (OpenBLAS
+splits the sums differently with more threads), so the in-process reference
+runs with one BLAS thread, as worker processes do.
 """
 import multiprocessing
 import os
@@ -16,7 +19,7 @@ import pytest
 from datapath.chunk import make_batch
 from datapath.serving import kvdelta
 from datapath.serving.model import Model, ModelConfig
-from datapath.serving.worker import Worker, WorkerOptions, ZmqLaneDriver, worker_process
+from datapath.serving.worker import Worker, WorkerOptions, ZmqLaneDriver, one_blas_thread, worker_process
 from serving_support import StoreServer, chunks, prompt, run
 
 SPAWN = multiprocessing.get_context("spawn")
@@ -69,7 +72,8 @@ def test_restore_on_another_process_equals_never_evicted(store, workers):
     d1 = ask(a, turn1)
     d2 = ask(b, turn2)
     ref = Worker(Model(ModelConfig(), 0), None, return_logits=True)
-    r1, r2 = run(ref, [turn1])[0], run(ref, [turn2])[0]
+    with one_blas_thread():
+        r1, r2 = run(ref, [turn1])[0], run(ref, [turn2])[0]
     assert d1.status == d2.status == "ok"
     assert d2.restored_tokens == 260 + 4, "worker b restored what worker a snapshotted"
     assert d1.tokens == r1.tokens and d2.tokens == r2.tokens
@@ -100,5 +104,7 @@ def test_worker_killed_mid_batch_leaves_the_store_whole(store, workers):
     _, b = workers(WorkerOptions(codec="lz4"))
     retried = ask(b, turn2)
     ref = Worker(Model(ModelConfig(), 0), None)
-    run(ref, [turn1])
-    assert retried.restored_tokens == 141 and retried.tokens == run(ref, [turn2])[0].tokens
+    with one_blas_thread():
+        run(ref, [turn1])
+        want = run(ref, [turn2])[0].tokens
+    assert retried.restored_tokens == 141 and retried.tokens == want

@@ -371,6 +371,14 @@ def worker_process(batches: str, completions: str, store: SnapshotStore | None, 
     worker = options.build(store)
     lane = ZmqWorkerLane(batches, completions)
     try:
-        serve(worker, lane)
+        with one_blas_thread():
+            serve(worker, lane)
     finally:
         lane.close()
+
+
+def one_blas_thread():
+    """A worker is one core's worth of compute: BLAS threads would fight the router and the other
+    workers for the cores, and on 2 shared cores they make a tiny model's matmuls slower, not faster."""
+    from threadpoolctl import threadpool_limits
+    return threadpool_limits(limits=1, user_api="blas")
