@@ -155,3 +155,13 @@ def test_simulated_worker_spends_the_profile_time_and_keeps_real_kv(model):
     assert elapsed >= want  # a lower bound only: the machine may be slower, never faster
     assert a.tokens == b.tokens and np.array_equal(a.logits, b.logits)
     assert a.snapshot_bytes == b.snapshot_bytes > 0
+
+
+def test_zero_output_tokens_snapshots_the_prompt_only(model):
+    from datapath.serving.worker import Completion
+    store = MemoryStore()
+    (done,) = run(Worker(model, store, return_logits=True), [chunks(2, 1, prompt(2, 130), 0)])
+    assert done.status == "ok" and done.tokens == [] and done.logits.shape == (0, 512)
+    assert [(m["token_start"], m["token_end"]) for m in store.meta(2)] == [(0, 130)]
+    back = Completion.from_frames(done.to_frames())
+    assert back.tokens == [] and back.logits.shape == (0, 512) and back.stamps == done.stamps

@@ -19,6 +19,12 @@ The two interfaces other stages plug in:
     Lane           recv_batch(timeout_ms) -> records | None   raises LaneClosed at the end
                    send_completions(completions) -> None
 
+Worker.step reads the records only during the call (prompt tokens are copied
+into the KV cache), so a ring lane may hand out views of its slots and reuse
+them once step returns. The KV budget counts allocated cache bytes; it is
+exceeded (and counted in stats["over_budget_steps"]) only when every resident
+session is generating or not yet durable.
+
 ZmqWorkerLane/ZmqLaneDriver are the ZeroMQ lane (one message per micro-batch);
 the shared-memory ring lane implements the same two methods.
 """
@@ -64,16 +70,21 @@ class Completion:
     logits: np.ndarray | None = None  # (tokens, vocab) the outputs were sampled from, if asked for
 
     def to_frames(self) -> list[bytes]:
+        """One JSON frame, plus the logits' float32 bytes when present (shape in the JSON)."""
         d = asdict(self)
         logits = d.pop("logits")
-        head = json.dumps(d).encode()
-        return [head] if logits is None else [head, np.ascontiguousarray(logits, np.float32).tobytes()]
+        if logits is None:
+            return [json.dumps(d).encode()]
+        d["logits_shape"] = list(logits.shape)
+        return [json.dumps(d).encode(), np.ascontiguousarray(logits, np.float32).tobytes()]
 
     @classmethod
     def from_frames(cls, frames: list[bytes]) -> "Completion":
-        c = cls(**json.loads(frames[0]))
-        if len(frames) > 1:
-            c.logits = np.frombuffer(frames[1], np.float32).reshape(len(c.tokens), -1)
+        d = json.loads(frames[0])
+        shape = d.pop("logits_shape", None)
+        c = cls(**d)
+        if shape is not None:
+            c.logits = np.frombuffer(frames[1], np.float32).reshape(shape)
         return c
 
 
@@ -231,7 +242,8 @@ class Worker:
         req, s.request = s.request, None
         c = Completion(sid, req.request_id, "ok", req.tokens, req.stamps, restored_tokens=req.restored_tokens,
                        context_tokens=s.cache.length,
-                       logits=np.array(req.logits) if self.return_logits else None)
+                       logits=np.array(req.logits, np.float32).reshape(len(req.tokens), self.model.config.vocab)
+                       if self.return_logits else None)
         if self.store is not None and s.cache.length > s.cache.snapshot_len:
             blob = kvdelta.encode(kvdelta.export_delta(s.cache), self.model.config, self.codec)
             meta = dict(token_start=s.cache.snapshot_len, token_end=s.cache.length, codec=self.codec,
