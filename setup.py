@@ -5,6 +5,6 @@ from setuptools import setup
 setup(
     cffi_modules=[
         "native/ffi_wire.py:ffibuilder",
-        "native/ffi_chunk.py:ffibuilder",
+        "native/ffi_dataplane.py:ffibuilder",
     ],
 )

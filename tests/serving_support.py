@@ -1,15 +1,19 @@
-"""Test support for the serving side: the in-memory store stand-in and request helpers.
+"""Test support for the serving side: the in-memory store stand-in and a driver playing the router.
 
 MemoryStore is the stand-in for the snapshot store (issue 6), for tests only:
 it implements the worker's SnapshotStore interface; StoreServer hosts one in a
 manager process so that several real worker processes share it.
+
+drive() speaks the router's protocol to one worker, deterministically (the
+native router's batches depend on timing): per step, one KIND_DECODE record
+for each generating request first, then prompt pieces (the last flagged
+CHUNK_F_FINAL) up to a chunk cap; tokens come back in the completion entries.
 """
 from multiprocessing.managers import BaseManager
 
 import numpy as np
 
-from datapath import wire
-from datapath.chunk import make_batch
+from datapath import records, wire
 
 
 class MemoryStore:
@@ -46,20 +50,84 @@ def prompt(seed, n):
     return [int(t) for t in np.random.default_rng(seed).integers(0, 512, n)]
 
 
-def chunks(sid, rid, tokens, max_out, t_send=0):
-    """A request cut into chunks of at most 128 tokens, as the router would send them."""
-    parts = [tokens[i:i + 128] for i in range(0, len(tokens), 128)]
-    return [dict(session_id=sid, request_id=rid, kind=wire.KIND_CHUNK, chunk_index=i, chunk_count=len(parts),
-                 max_output_tokens=max_out, tokens=p, t_send=t_send) for i, p in enumerate(parts)]
+def prefill_records(sid, rid, tokens, max_out, piece=128, t_send=0):
+    """A request's prompt as the router sends it: pieces of at most `piece` tokens, the last FINAL."""
+    parts = [tokens[i:i + piece] for i in range(0, len(tokens), piece)]
+    arr = np.zeros(len(parts), dtype=records.CHUNK)
+    for i, p in enumerate(parts):
+        arr[i]["session_id"], arr[i]["request_id"], arr[i]["kind"] = sid, rid, wire.KIND_CHUNK
+        arr[i]["chunk_index"], arr[i]["chunk_count"] = i, len(parts)
+        arr[i]["max_output_tokens"], arr[i]["n_tokens"], arr[i]["t_send"] = max_out, len(p), t_send
+        arr[i]["tokens"][:len(p)] = p
+    arr[-1]["flags"] |= records.CHUNK_F_FINAL
+    return arr
 
 
-def run(worker, batches, max_steps=500):
-    """Feed micro-batches (lists of chunk dicts), then step until idle; all completions."""
-    done = []
-    for seq, b in enumerate(batches):
-        done += worker.step(make_batch(b, batch_seq=seq))
-    for _ in range(max_steps):
-        if not worker.busy:
-            return done
-        done += worker.step()
-    raise AssertionError("worker still busy")
+def decode_record(sid, rid, max_out):
+    rec = np.zeros(1, dtype=records.CHUNK)
+    rec["session_id"], rec["request_id"], rec["kind"], rec["max_output_tokens"] = sid, rid, records.KIND_DECODE, max_out
+    return rec
+
+
+def as_batch(recs, seq=0):
+    batch = np.concatenate(recs) if recs else np.zeros(0, dtype=records.CHUNK)
+    batch["batch_seq"], batch["batch_len"], batch["batch_pos"] = seq, len(batch), np.arange(len(batch))
+    return batch
+
+
+def drive(exchange, requests, max_chunks=4, piece=128):
+    """Run requests [(session, request, prompt, max_out)] to the end; {request: output tokens}.
+
+    exchange(batch) -> completion record: Worker.step, or a lane round trip.
+    """
+    pending = {rid: list(prefill_records(sid, rid, toks, max_out, piece)) for sid, rid, toks, max_out in requests}
+    meta = {rid: (sid, max_out) for sid, rid, _, max_out in requests}
+    out = {rid: [] for rid in pending}
+    decoding = []
+    seq = 0
+    while pending or decoding:
+        recs = [decode_record(meta[rid][0], rid, meta[rid][1]) for rid in decoding]
+        for rid in list(pending):
+            while pending[rid] and len(recs) < max_chunks:
+                recs.append(pending[rid].pop(0).reshape(1))
+            if not pending[rid]:
+                del pending[rid]
+        batch = as_batch(recs, seq)
+        comp = exchange(batch)
+        assert comp["batch_seq"][0] == seq and comp["n"][0] == len(batch)
+        e = comp["e"][0]
+        assert (e["status"][:len(batch)] == wire.STATUS_OK).all(), e["status"][:len(batch)]
+        for i, rec in enumerate(batch):
+            rid = int(rec["request_id"])
+            if rec["kind"] == records.KIND_DECODE or rec["flags"] & records.CHUNK_F_FINAL:
+                if meta[rid][1]:
+                    out[rid].append(int(e["token"][i]))
+        decoding = [rid for rid in meta if rid not in pending and len(out[rid]) < meta[rid][1]]
+        seq += 1
+    return out
+
+
+class ZmqRouterEnd:
+    """The router's end of a ZeroMQ lane, for tests: binds both endpoints, one message per batch."""
+
+    def __init__(self, batches: str, completions: str):
+        import zmq
+        ctx = zmq.Context.instance()
+        self.push, self.pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+        self.push.bind(batches)
+        self.pull.bind(completions)
+
+    def send(self, batch):
+        self.push.send(batch.tobytes())
+
+    def exchange(self, batch, timeout_s=60):
+        self.send(batch)
+        assert self.pull.poll(int(timeout_s * 1000)), "no completion in time"
+        return np.frombuffer(self.pull.recv(), dtype=records.COMPLETION)
+
+    def close_lane(self):
+        self.push.send(b"")
+
+    def close(self):
+        self.push.close(linger=0)
+        self.pull.close(linger=0)

@@ -11,17 +11,19 @@ def test_model_info_prints_the_formula_and_measured_sizes(capsys):
     assert "= 512 bytes" in capsys.readouterr().out
 
 
-def test_worker_demo_runs_requests(capsys):
+def test_worker_demo_runs_requests_through_the_native_router(capsys):
     assert main(["worker", "--demo", "2", "--prompt-tokens", "130", "--output-tokens", "3"]) == 0
     out = capsys.readouterr().out
-    assert out.count(": ok, 3 tokens") == 2 and "context 132" in out
+    assert out.count(": status 200, 3 tokens") == 2 and "KV resident 512 KiB" in out
 
 
 def test_user_errors_are_one_sentence(capsys):
     assert main(["worker"]) == 2
     assert capsys.readouterr().out.strip() == \
-        "datapath worker: give --batches and --completions endpoints, or --demo N to run without a lane"
+        "datapath worker: give --lane NAME, or --batches and --completions endpoints, or --demo N"
     assert main(["model", "info", "--heads", "3"]) == 2
     assert "Traceback" not in capsys.readouterr().out
     assert main(["worker", "--batches", "nonsense", "--completions", "nonsense"]) == 1
     assert "cannot use the lane endpoints" in capsys.readouterr().out
+    assert main(["worker", "--lane", "zl-no-such-lane"]) == 1
+    assert "no ring named 'zl-no-such-lane.lane'" in capsys.readouterr().out

@@ -1,10 +1,12 @@
-"""Real worker processes on ZeroMQ ipc lanes sharing one store (the in-memory stand-in in a manager process).
+"""Real worker processes sharing one store (the in-memory stand-in, in a manager process).
 
-Restore on another process, then continue, equals a session never evicted;
-a worker killed mid-batch leaves only whole, acknowledged deltas behind.
-Bit-identical logits need the same BLAS threading on both sides (OpenBLAS
-splits the sums differently with more threads), so the in-process reference
-runs with one BLAS thread, as worker processes do.
+Over ZeroMQ ipc lanes, driven deterministically: restore on another process,
+then continue, equals a session never evicted (tokens, and the KV it stores
+byte for byte); a worker killed mid-batch leaves only its acknowledged deltas.
+Over the native router and shared-memory lanes: the same restore, end to end.
+Bit-identity needs the same BLAS threading on both sides (OpenBLAS splits sums
+differently with more threads), so in-process references run with one BLAS
+thread, as worker processes do.
 """
 import multiprocessing
 import os
@@ -16,11 +18,13 @@ import time
 import numpy as np
 import pytest
 
-from datapath.chunk import make_batch
+from datapath import lanes, records
+from datapath.ring import Ring, unlink
+from datapath.router import Router
 from datapath.serving import kvdelta
 from datapath.serving.model import Model, ModelConfig
-from datapath.serving.worker import Worker, WorkerOptions, ZmqLaneDriver, one_blas_thread, worker_process
-from serving_support import StoreServer, chunks, prompt, run
+from datapath.serving.worker import Worker, WorkerOptions, one_blas_thread, worker_process
+from serving_support import MemoryStore, StoreServer, ZmqRouterEnd, as_batch, drive, prefill_records, prompt
 
 SPAWN = multiprocessing.get_context("spawn")
 
@@ -32,79 +36,129 @@ def store():
 
 
 @pytest.fixture
-def workers(store):
-    """factory: workers(options) -> lane driver of a new worker process; all stopped at teardown."""
-    tmp = tempfile.mkdtemp(prefix="zl5-")  # ipc paths must stay short
+def processes():
+    """start(lane_spec, store, options) -> a worker process; all stopped at teardown."""
     started = []
 
-    def start(options: WorkerOptions):
-        n = len(started)
-        ep_in, ep_out = f"ipc://{tmp}/w{n}-batches", f"ipc://{tmp}/w{n}-done"
-        lane = ZmqLaneDriver(ep_in, ep_out)
-        proc = SPAWN.Process(target=worker_process, args=(ep_in, ep_out, store, options), daemon=True)
+    def start(lane_spec, store, options):
+        stop = SPAWN.Event()
+        proc = SPAWN.Process(target=worker_process, args=(lane_spec, store, options, stop), daemon=True)
         proc.start()
-        started.append((proc, lane))
-        return proc, lane
+        started.append((proc, stop))
+        return proc
 
     yield start
-    for proc, lane in started:
-        if proc.is_alive():
-            lane.close_lane()
-            proc.join(10)
+    for proc, stop in started:
+        stop.set()
+        proc.join(10)
         if proc.is_alive():
             proc.kill()
             proc.join()
-        lane.close()
+
+
+@pytest.fixture
+def zmq_lanes():
+    tmp = tempfile.mkdtemp(prefix="zl5-")  # ipc paths must stay short
+    made = []
+
+    def make():
+        n = len(made)
+        spec = ("zmq", f"ipc://{tmp}/w{n}-batches", f"ipc://{tmp}/w{n}-done")
+        made.append(ZmqRouterEnd(*spec[1:]))
+        return spec, made[-1]
+
+    yield make
+    for end in made:
+        end.close()
     shutil.rmtree(tmp, ignore_errors=True)
 
 
-def ask(lane, request, timeout_s=60):
-    lane.send_batch(make_batch(request))
-    done = lane.recv_completion(int(timeout_s * 1000))
-    assert done is not None, "no completion in time"
-    return done
-
-
-def test_restore_on_another_process_equals_never_evicted(store, workers):
-    opts = WorkerOptions(codec="zstd", return_logits=True)
-    (pa, a), (pb, b) = workers(opts), workers(opts)
-    turn1, turn2 = chunks(77, 1, prompt(11, 260), 5), chunks(77, 2, prompt(12, 90), 7)
-    d1 = ask(a, turn1)
-    d2 = ask(b, turn2)
-    ref = Worker(Model(ModelConfig(), 0), None, return_logits=True)
+def reference(turns, codec):
+    """Tokens and stored deltas of a worker that never evicts, in this process."""
+    store = MemoryStore()
+    w = Worker(Model(ModelConfig(), 0), store, codec=codec)
     with one_blas_thread():
-        r1, r2 = run(ref, [turn1])[0], run(ref, [turn2])[0]
-    assert d1.status == d2.status == "ok"
-    assert d2.restored_tokens == 260 + 4, "worker b restored what worker a snapshotted"
-    assert d1.tokens == r1.tokens and d2.tokens == r2.tokens
-    assert np.array_equal(d2.logits, r2.logits)
+        out = [drive(w.step, [t], max_chunks=64) for t in turns]
+    return out, store.restore(turns[0][0])
+
+
+def test_restore_on_another_process_equals_never_evicted(store, processes, zmq_lanes):
+    (spec_a, a), (spec_b, b) = zmq_lanes(), zmq_lanes()
+    pa, pb = processes(spec_a, store, WorkerOptions(codec="zstd")), processes(spec_b, store, WorkerOptions(codec="zstd"))
+    turns = [(77, 1, prompt(11, 260), 5), (77, 2, prompt(12, 90), 7)]
+    got = [drive(a.exchange, [turns[0]], max_chunks=64), drive(b.exchange, [turns[1]], max_chunks=64)]
+    want, want_chain = reference(turns, "zstd")
+    assert got == want
     assert [(m["token_start"], m["token_end"]) for m in store.meta(77)] == [(0, 264), (264, 264 + 90 + 6)]
-    assert d2.stamps["t_restored"] <= d2.stamps["t_prefill_done"]
+    assert store.restore(77) == want_chain, "worker b's KV after the restore is the never-evicted KV, byte for byte"
     a.close_lane(), b.close_lane()
     pa.join(10), pb.join(10)
     assert pa.exitcode == 0 and pb.exitcode == 0
 
 
-def test_worker_killed_mid_batch_leaves_the_store_whole(store, workers):
-    # l4 profile, sleeping: each step lasts ~70 ms, so 200 output tokens keep the worker inside steps
-    slow = WorkerOptions(codec="lz4", device="l4", sim_mode="sleep")
-    pa, a = workers(slow)
-    turn1, turn2 = chunks(5, 1, prompt(21, 140), 2), chunks(5, 2, prompt(22, 30), 200)
-    assert ask(a, turn1).status == "ok"
-    a.send_batch(make_batch(turn2))
-    time.sleep(0.5)
+def test_worker_killed_mid_batch_leaves_the_store_whole(store, processes, zmq_lanes):
+    # dpu profile, sleeping: a 10-token prefill step lasts ~0.4 s, long enough to kill the worker inside it
+    (spec_a, a), (spec_c, c) = zmq_lanes(), zmq_lanes()
+    pa = processes(spec_a, store, WorkerOptions(codec="lz4", device="dpu", sim_mode="sleep"))
+    turns = [(5, 1, prompt(21, 10), 2), (5, 2, prompt(22, 10), 20)]
+    drive(a.exchange, [turns[0]])
+    a.send(as_batch([prefill_records(*turns[1])]))
+    time.sleep(0.15)
     os.kill(pa.pid, signal.SIGKILL)
     pa.join(10)
     assert pa.exitcode == -signal.SIGKILL
-    chain = store.restore(5)
-    assert [(m["token_start"], m["token_end"]) for m in store.meta(5)] == [(0, 141)], \
+    assert [(m["token_start"], m["token_end"]) for m in store.meta(5)] == [(0, 11)], \
         "only the acknowledged delta of request 1"
-    assert kvdelta.restore(chain, ModelConfig()).length == 141
-    # the request is retried on another worker, which continues from the last durable snapshot
-    _, b = workers(WorkerOptions(codec="lz4"))
-    retried = ask(b, turn2)
-    ref = Worker(Model(ModelConfig(), 0), None)
-    with one_blas_thread():
-        run(ref, [turn1])
-        want = run(ref, [turn2])[0].tokens
-    assert retried.restored_tokens == 141 and retried.tokens == want
+    assert kvdelta.restore(store.restore(5), ModelConfig()).length == 11
+    # the router retries the request on another worker, which continues from the last durable snapshot
+    processes(spec_c, store, WorkerOptions(codec="lz4"))
+    assert drive(c.exchange, [turns[1]]) == reference(turns, "lz4")[0][1]
+
+
+def chunk_records(sid, rid, tokens, max_out):
+    """Chunk records as ingress hands them to the router (no FINAL flag: the router sets it)."""
+    recs = prefill_records(sid, rid, tokens, max_out)
+    recs["flags"] = 0
+    return recs
+
+
+def test_native_router_and_shm_lanes_restore_on_the_other_worker(store, processes):
+    tag = f"zl5-{os.getpid()}"
+    names = [f"{tag}.in", f"{tag}.out"]
+    inp = Ring.create(names[0], records.CHUNK.itemsize, 1024, role="producer")
+    egress = Ring.create(names[1], records.RESPONSE.itemsize, 64, role="consumer")
+    router = Router()
+    lane_names = [f"{tag}.w{k}" for k in range(2)]
+    try:
+        router.add_input(inp)
+        router.set_egress(egress)
+        for k, name in enumerate(lane_names):
+            router.add_worker(*lanes.create_shm_lane(name))
+            processes(("shm", name), store, WorkerOptions(index=k, codec="zstd"))
+        turns = [(9, 101, prompt(31, 300), 6), (9, 102, prompt(32, 50), 6)]
+        router.set_up(1, False)
+        router.start()
+        responses = []
+        for k, turn in enumerate(turns):
+            router.set_up(k, True)
+            router.set_up(1 - k, False)
+            recs = chunk_records(*turn)
+            assert inp.enqueue(recs.tobytes()) == len(recs)
+            deadline = time.monotonic() + 60
+            while not (raw := egress.dequeue(1)) and time.monotonic() < deadline:
+                time.sleep(0.005)
+            (resp,) = np.frombuffer(raw, dtype=records.RESPONSE)
+            responses.append(resp)
+        router.stop()
+        want, want_chain = reference(turns, "zstd")
+        for resp, turn, w, worker in zip(responses, turns, want, (0, 1)):
+            assert resp["status"] == 200 and resp["worker"] == worker and resp["request_id"] == turn[1]
+            assert resp["tokens"][:resp["n_out"]].tolist() == w[turn[1]]
+        assert store.restore(9) == want_chain, "the second worker restored the first one's snapshot"
+    finally:
+        router.close()
+        inp.close(), egress.close()
+        for n in names:
+            unlink(n)
+        for n in lane_names:
+            lanes.unlink_shm_lane(n)

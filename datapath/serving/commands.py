@@ -13,14 +13,17 @@ import numpy as np
 from .devices import PROFILES
 
 WORKER_EPILOG = """examples:
-    datapath worker --batches ipc:///tmp/zl-w0-in --completions ipc:///tmp/zl-w0-out
+    datapath worker --lane zl-w0                 # attach the shared-memory lane the router created
     datapath worker --batches tcp://198.18.0.1:5555 --completions tcp://198.18.0.1:5556 --device l4 --sim busy
-    datapath worker --demo 4 --prompt-tokens 300 --output-tokens 16     # no lane: 4 requests in-process
+    datapath worker --demo 4 --prompt-tokens 300 --output-tokens 16
 
-The lane's other end (the router) binds both endpoints: PUSH micro-batches of
-dp_chunk records (one message each, an empty message stops the worker) and
-PULL completions. No snapshot store is attached from the command line yet, so
-sessions stay resident and are never evicted.
+--lane NAME attaches /dev/shm/dp-NAME.lane and .done (made by the router's
+control plane). A ZeroMQ lane's other end binds both endpoints: it PUSHes
+micro-batches of dp_chunk records (one message each; an empty message stops
+the worker) and PULLs one dp_completion per batch. --demo runs the native
+router in this process with one shared-memory lane and this worker, feeds it
+N requests and prints the responses. No snapshot store is attached from the
+command line yet, so sessions stay resident and are never evicted.
 """
 
 MODEL_EPILOG = """examples:
@@ -53,6 +56,8 @@ def add_parsers(sub):
     w = sub.add_parser("worker", help="run one worker on a ZeroMQ lane (or an in-process demo)",
                        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=WORKER_EPILOG,
                        description="A worker: the tiny model, per-session KV caches, one model step per micro-batch.")
+    w.add_argument("--lane", metavar="NAME", help="shared-memory lane to attach (created by the router)")
+    w.add_argument("--index", type=int, default=0, help="this worker's index in completions (default 0)")
     w.add_argument("--batches", metavar="ENDPOINT", help="ZeroMQ endpoint to PULL micro-batches from")
     w.add_argument("--completions", metavar="ENDPOINT", help="ZeroMQ endpoint to PUSH completions to")
     w.add_argument("--codec", choices=list(CODECS), default="zstd", help="KV delta codec (default zstd)")
@@ -60,7 +65,7 @@ def add_parsers(sub):
     w.add_argument("--device", choices=list(PROFILES), help="simulate this device's step times")
     w.add_argument("--sim", choices=["sleep", "busy"], default="sleep", help="how simulated time is spent")
     w.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    w.add_argument("--demo", type=int, metavar="N", help="no lane: run N synthetic requests in-process and print them")
+    w.add_argument("--demo", type=int, metavar="N", help="run N requests through an in-process router and print them")
     w.add_argument("--prompt-tokens", type=int, default=300, help="demo prompt length (default 300)")
     w.add_argument("--output-tokens", type=int, default=16, help="demo output length (default 16)")
     _model_args(w)
@@ -106,24 +111,29 @@ def model_info(args) -> int:
 def worker(args) -> int:
     import zmq
 
+    from ..ring import RingError
     from .devices import profile
+    from .model import ModelConfig
     from .worker import WorkerOptions, worker_process
-    if args.demo is None and not (args.batches and args.completions):
-        print("datapath worker: give --batches and --completions endpoints, or --demo N to run without a lane")
+    if args.demo is None and not args.lane and not (args.batches and args.completions):
+        print("datapath worker: give --lane NAME, or --batches and --completions endpoints, or --demo N")
         return 2
     if args.kv_budget_mib is not None:
         budget = int(args.kv_budget_mib * 2**20)
     else:
-        from .model import ModelConfig
         budget = profile(args.device).kv_budget_bytes(ModelConfig(**_config(args))) if args.device else 256 << 20
-    opts = WorkerOptions(config=_config(args), seed=args.seed, kv_budget_bytes=budget, codec=args.codec,
-                         temperature=args.temperature, device=args.device, sim_mode=args.sim)
+    opts = WorkerOptions(config=_config(args), seed=args.seed, index=args.index, kv_budget_bytes=budget,
+                         codec=args.codec, temperature=args.temperature, device=args.device, sim_mode=args.sim)
     if args.demo is not None:
         return _demo(opts, args)
-    print(f"worker: lane {args.batches} -> {args.completions}, codec {args.codec}, KV budget {budget / 2**20:.0f} MiB"
+    spec = ("shm", args.lane) if args.lane else ("zmq", args.batches, args.completions)
+    print(f"worker {args.index}: lane {' -> '.join(spec[1:])}, codec {args.codec}, KV budget {budget / 2**20:.0f} MiB"
           + (f", simulating {args.device} ({args.sim})" if args.device else "") + "; no snapshot store attached")
     try:
-        worker_process(args.batches, args.completions, None, opts)
+        worker_process(spec, None, opts)
+    except (FileNotFoundError, RingError) as e:
+        print(f"datapath worker: {e}")
+        return 1
     except zmq.ZMQError as e:
         print(f"datapath worker: cannot use the lane endpoints ({e}): check the addresses and that the router binds them")
         return 1
@@ -133,28 +143,61 @@ def worker(args) -> int:
 
 
 def _demo(opts, args) -> int:
-    from .. import wire
-    from ..chunk import make_batch
+    """The native router, one shared-memory lane and this worker, in this process."""
+    import os
+
+    from .. import lanes, records, wire
+    from ..lanes import ShmWorkerLane
+    from ..ring import Ring, unlink
+    from ..router import Router
+    from .worker import one_blas_thread
+    tag = f"zl-demo-{os.getpid()}"
+    names = [f"{tag}.in", f"{tag}.out"]
+    inp = Ring.create(names[0], records.CHUNK.itemsize, 1024, role="producer")
+    egress = Ring.create(names[1], records.RESPONSE.itemsize, 256, role="consumer")
+    router = Router()
     w = opts.build(None)
-    rng = np.random.default_rng(args.seed)
-    pending = []
-    for sid in range(1, args.demo + 1):
-        toks = rng.integers(0, w.model.config.vocab, args.prompt_tokens).tolist()
-        parts = [toks[i:i + 128] for i in range(0, len(toks), 128)]
-        pending.append([dict(session_id=sid, request_id=1, kind=wire.KIND_CHUNK, chunk_index=i,
-                             chunk_count=len(parts), max_output_tokens=args.output_tokens, tokens=p,
-                             t_send=time.monotonic_ns()) for i, p in enumerate(parts)])
-    # one chunk of every pending request per micro-batch, like a router's round robin
-    seq, done = 0, []
-    while pending or w.busy:
-        batch = [req.pop(0) for req in pending]
-        pending = [req for req in pending if req]
-        done += w.step(make_batch(batch, seq) if batch else None)
-        seq += 1
-    for c in done:
-        ms = (c.stamps["t_done"] - c.stamps["t_send"]) / 1e6
-        print(f"session {c.session_id}: {c.status}, {len(c.tokens)} tokens {c.tokens[:8]}..., {ms:.1f} ms, "
-              f"context {c.context_tokens}, worker KV resident {c.kv_bytes_resident / 2**10:.0f} KiB")
-    print(f"{w.stats['steps']} model steps" + (f", {w.stats['simulated_s']:.3f} s simulated on {opts.device}"
-                                               if opts.device else ""))
-    return 0
+    lane = None
+    try:
+        router.add_input(inp)
+        router.set_egress(egress)
+        router.add_worker(*lanes.create_shm_lane(f"{tag}.w0"))
+        lane = ShmWorkerLane(f"{tag}.w0")
+        rng = np.random.default_rng(args.seed)
+        for rid in range(1, args.demo + 1):
+            toks = rng.integers(0, w.model.config.vocab, args.prompt_tokens)
+            parts = [toks[i:i + 128] for i in range(0, len(toks), 128)]
+            recs = np.zeros(len(parts), dtype=records.CHUNK)
+            for i, part in enumerate(parts):
+                recs[i]["session_id"], recs[i]["request_id"], recs[i]["kind"] = rid, rid, wire.KIND_CHUNK
+                recs[i]["chunk_index"], recs[i]["chunk_count"], recs[i]["n_tokens"] = i, len(parts), len(part)
+                recs[i]["max_output_tokens"], recs[i]["t_send"] = args.output_tokens, time.monotonic_ns()
+                recs[i]["tokens"][:len(part)] = part
+            inp.enqueue(recs.tobytes())
+        router.start()
+        got = []
+        deadline = time.monotonic() + 600
+        with one_blas_thread():
+            while len(got) < args.demo and time.monotonic() < deadline:
+                batch = lane.recv_batch(0.01)
+                if batch is not None:
+                    while not lane.send_completion(w.step(batch)):
+                        time.sleep(1e-4)
+                got += list(np.frombuffer(egress.dequeue(256), dtype=records.RESPONSE))
+        router.stop()
+    finally:
+        router.close()
+        if lane is not None:
+            lane.close()
+        inp.close(), egress.close()
+        for n in names:
+            unlink(n)
+        lanes.unlink_shm_lane(f"{tag}.w0")
+    for r in got:
+        ms = (r["t_done"] - r["t_send"]) / 1e6
+        toks = r["tokens"][:r["n_out"]].tolist()
+        print(f"request {r['request_id']}: status {r['status']}, {r['n_out']} tokens {toks[:8]}..., {ms:.1f} ms")
+    st = w.stats
+    print(f"worker: {st['steps']} model steps for {st['records']} records, KV resident {w.kv_bytes_resident / 2**10:.0f} KiB"
+          + (f", {st['simulated_s']:.3f} s simulated on {opts.device}" if opts.device else ""))
+    return 0 if len(got) == args.demo else 1

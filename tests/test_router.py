@@ -1,0 +1,256 @@
+"""The native router: micro-batch semantics, reassembly, refusals, driven pass by pass.
+
+The test plays the worker: it reads each batch from the lane and answers it
+with a completion, so every record the router emits is checked.
+"""
+import itertools
+import os
+
+import numpy as np
+import pytest
+
+from datapath import lanes, records, wire
+from datapath.ring import Ring, unlink
+from datapath.router import Router, policies
+
+_seq = itertools.count()
+
+
+class Bench:
+    """Rings around one router: an input ring, n worker lanes, an egress ring."""
+
+    def __init__(self, n_workers=1, **router_kw):
+        tag = f"rt{os.getpid()}-{next(_seq)}"
+        self.names = [f"{tag}.in", f"{tag}.out"]
+        self.input = Ring.create(self.names[0], records.CHUNK.itemsize, 1024, role="producer")
+        self.egress = Ring.create(self.names[1], records.RESPONSE.itemsize, 1024, role="consumer")
+        self.router = Router(**router_kw)
+        self.router.add_input(self.input)
+        self.router.set_egress(self.egress)
+        self.lanes, self.workers = [], []
+        for k in range(n_workers):
+            name = f"{tag}.w{k}"
+            lane, done = lanes.create_shm_lane(name)
+            self.router.add_worker(lane, done)
+            self.lanes.append(name)
+            self.workers.append(lanes.ShmWorkerLane(name))
+        self.responses = []
+
+    def send(self, *chunks):
+        arr = np.concatenate(chunks)
+        assert self.input.enqueue(arr.tobytes()) == len(arr)
+
+    def step(self, k=0, sample=lambda rec: 1000 + int(rec["request_id"]), eos=None):
+        """One worker step: take a batch (or None), answer it, let the router see the answer."""
+        batch = self.workers[k].recv_batch(0)
+        if batch is not None:
+            tokens = [sample(r) for r in batch]
+            assert self.workers[k].send_completion(lanes.completion_for(batch, tokens, worker=k, eos=eos))
+        self.router.poll()
+        self.collect()
+        return batch
+
+    def collect(self):
+        raw = self.egress.dequeue(1024)
+        self.responses += list(np.frombuffer(raw, dtype=records.RESPONSE))
+
+    def run(self, k=0, max_steps=1000, **kw):
+        """Steps until the router has nothing left for worker k; returns the batches seen."""
+        self.router.poll()
+        seen = []
+        for _ in range(max_steps):
+            b = self.step(k, **kw)
+            if b is None:
+                if self.router.stats()["active_requests"] == 0 or not self.router.poll():
+                    if self.workers[k].lane.stats()["depth"] == 0 and self.router.stats()["active_requests"] == 0:
+                        break
+                continue
+            seen.append(b)
+        return seen
+
+    def close(self):
+        self.router.close()
+        for w in self.workers:
+            w.close()
+        for ring in (self.input, self.egress):
+            ring.close()
+        for n in self.names:
+            unlink(n)
+        for n in self.lanes:
+            lanes.unlink_shm_lane(n)
+
+
+@pytest.fixture
+def bench_factory():
+    made = []
+
+    def make(**kw):
+        b = Bench(**kw)
+        made.append(b)
+        return b
+
+    yield make
+    for b in made:
+        b.close()
+
+
+def chunks_of(request_id, tokens, session=None, max_out=0, tenant=0, t_send=0):
+    """A request cut into <= 128-token chunk records, as ingress delivers them."""
+    pieces = [tokens[i:i + 128] for i in range(0, len(tokens), 128)]
+    arr = np.zeros(len(pieces), dtype=records.CHUNK)
+    for i, p in enumerate(pieces):
+        arr[i]["session_id"] = request_id if session is None else session
+        arr[i]["request_id"] = request_id
+        arr[i]["tenant"] = tenant
+        arr[i]["max_output_tokens"] = max_out
+        arr[i]["chunk_index"] = i
+        arr[i]["chunk_count"] = len(pieces)
+        arr[i]["n_tokens"] = len(p)
+        arr[i]["kind"] = wire.KIND_CHUNK
+        arr[i]["t_send"] = t_send
+        arr[i]["tokens"][:len(p)] = p
+    return arr
+
+
+def prefill_seen(batches):
+    """{request_id: tokens in the order the worker received them}."""
+    out = {}
+    for b in batches:
+        for r in b:
+            if r["kind"] == wire.KIND_CHUNK:
+                out.setdefault(int(r["request_id"]), []).extend(r["tokens"][:r["n_tokens"]].tolist())
+    return out
+
+
+def test_one_request_prefill_then_decode(bench_factory):
+    b = bench_factory()
+    toks = list(range(300))
+    b.send(chunks_of(7, toks, max_out=4))
+    batches = b.run()
+    assert [len(x) for x in batches] == [3, 1, 1, 1]          # 300 tokens fit one 512 budget; 3 decode steps
+    assert prefill_seen(batches) == {7: toks}
+    assert batches[0]["flags"][-1] & records.CHUNK_F_FINAL and not batches[0]["flags"][0] & records.CHUNK_F_FINAL
+    assert all(x["kind"][0] == records.KIND_DECODE for x in batches[1:])
+    (resp,) = b.responses
+    assert resp["status"] == 200 and resp["request_id"] == 7 and resp["n_out"] == 4
+    assert list(resp["tokens"][:4]) == [1007] * 4
+    assert b.router.stats()["active_requests"] == 0
+
+
+def test_budget_cap_and_rechunking(bench_factory):
+    b = bench_factory(token_budget=200, max_chunks=5)
+    reqs = {rid: list(range(rid * 1000, rid * 1000 + 90 + 37 * rid)) for rid in range(1, 9)}
+    for rid, toks in reqs.items():
+        b.send(chunks_of(rid, toks, max_out=3))
+    batches = b.run()
+    for x in batches:
+        assert len(x) <= 5
+        assert int(sum(int(r["n_tokens"]) if r["kind"] == wire.KIND_CHUNK else 1 for r in x)) <= 200
+        assert x["n_tokens"].max() <= 128
+        kinds = list(x["kind"])
+        assert kinds == sorted(kinds, key=lambda k: k != records.KIND_DECODE), "decode records come first"
+    assert prefill_seen(batches) == reqs                        # split pieces reassemble exactly, in order
+    assert b.router.stats()["splits"] > 0
+    assert sorted(int(r["request_id"]) for r in b.responses) == sorted(reqs)
+    assert all(r["n_out"] == 3 for r in b.responses)
+
+
+def test_dynamic_does_not_wait_for_a_full_batch(bench_factory):
+    b = bench_factory(max_batch_size=32)
+    b.send(chunks_of(1, [5, 6, 7], max_out=1))
+    b.router.poll()
+    batch = b.workers[0].recv_batch(0)
+    assert batch is not None and len(batch) == 1 and batch["n_tokens"][0] == 3
+
+
+def test_static_waits_for_a_full_batch_then_runs_it_to_the_end(bench_factory):
+    b = bench_factory(batching="static", max_batch_size=4, batch_timeout_s=60)
+    for rid in range(1, 4):
+        b.send(chunks_of(rid, [1, 2, 3], max_out=2))
+    b.router.poll()
+    assert b.workers[0].recv_batch(0) is None                  # 3 of 4: it waits
+    b.send(chunks_of(4, [1, 2, 3], max_out=2))
+    b.router.poll()
+    first = b.step()
+    assert sorted(first["request_id"].tolist()) == [1, 2, 3, 4]
+    b.send(chunks_of(5, [9], max_out=2))                        # arrives while the batch runs
+    second = b.step()
+    assert sorted(second["request_id"].tolist()) == [1, 2, 3, 4]   # decode steps of the same set only
+    assert set(second["kind"].tolist()) == {records.KIND_DECODE}
+    b.step()
+    assert len(b.responses) == 4
+    assert b.workers[0].recv_batch(0) is None                  # request 5 alone waits for a full batch
+
+
+def test_static_timeout_sends_a_partial_batch(bench_factory):
+    import time
+    b = bench_factory(batching="static", max_batch_size=32, batch_timeout_s=0.02)
+    b.send(chunks_of(1, [1, 2], max_out=1))
+    b.router.poll()
+    assert b.workers[0].recv_batch(0) is None
+    time.sleep(0.03)
+    b.router.poll()
+    batch = b.workers[0].recv_batch(0)
+    assert batch is not None and batch["request_id"].tolist() == [1]
+
+
+def test_out_of_order_and_duplicate_chunks(bench_factory):
+    b = bench_factory()
+    toks = list(range(400))
+    arr = chunks_of(3, toks, max_out=1)
+    b.send(arr[[3, 1]])
+    b.router.poll()
+    assert b.workers[0].recv_batch(0) is None                  # nothing in order yet
+    b.send(arr[[0, 0, 2]])                                       # chunk 0 twice
+    batches = b.run()
+    assert prefill_seen(batches) == {3: toks}
+    assert b.router.stats()["duplicate_chunks"] == 1
+    assert len(b.responses) == 1
+
+
+def test_eos_ends_a_request_early(bench_factory):
+    b = bench_factory()
+    b.send(chunks_of(9, [1], max_out=50))
+    b.router.poll()
+    b.step()                                                     # prefill
+    b.step(eos=[True])                                           # first decode says end of sequence
+    assert len(b.responses) == 1 and b.responses[0]["n_out"] == 2
+
+
+def test_malformed_chunks_and_full_table_are_answered(bench_factory):
+    b = bench_factory(max_requests=8)
+    bad = chunks_of(1, [1, 2])
+    bad["n_tokens"] = 0
+    worse = chunks_of(2, [1, 2])
+    worse["chunk_index"] = 5
+    b.send(bad, worse)
+    for rid in range(10, 30):
+        b.send(chunks_of(rid, [1], max_out=1))
+    b.router.poll()
+    b.collect()
+    statuses = sorted(int(r["status"]) for r in b.responses)
+    assert statuses.count(400) == 2
+    assert statuses.count(503) == 20 - 8                          # 8 slots; the rest refused, not lost
+    st = b.router.stats()
+    assert st["bad_chunks"] == 2 and st["table_full"] == 12 and st["active_requests"] == 8
+
+
+def test_requests_spread_over_workers(bench_factory):
+    b = bench_factory(n_workers=3, policy="round_robin")
+    for rid in range(1, 7):
+        b.send(chunks_of(rid, [1, 2, 3], max_out=1))
+    b.router.poll()
+    got = [sorted(b.workers[k].recv_batch(0)["request_id"].tolist()) for k in range(3)]
+    assert got == [[1, 4], [2, 5], [3, 6]]
+
+
+def test_bad_router_arguments():
+    with pytest.raises(ValueError, match="known: round_robin"):
+        Router(policy="nope")
+    with pytest.raises(ValueError):
+        Router(batching="lazy")
+    with pytest.raises(ValueError):
+        Router(max_requests=100)
+    with pytest.raises(ValueError):
+        Router(max_chunks=65)
+    assert policies() == ["round_robin", "least_loaded", "power_of_two", "affinity", "weighted"]
