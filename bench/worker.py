@@ -10,7 +10,8 @@
   references.memcpy_ns_per_kib           copying the same bytes (numpy copyto)
   metrics.restore_ms_ctx<len>            a session's KV rebuilt from its stored zstd delta (CRC check,
                                          decompress, import), against
-  references.recompute_ms_ctx<len>       prefilling the same <len> tokens from scratch (128-token chunks)
+  references.recompute_ms_ctx<len>       prefilling the same <len> tokens from scratch (128-token chunks;
+                                         best of 3, one run at 8192)
   metrics.int8_*                         int8_zstd restores on 100 seeded prompts: greedy-token
                                          mismatch rates and the largest logit error, against the exact cache
 
@@ -70,12 +71,14 @@ def _run(report, args):
     prompt = rng.integers(0, cfg.vocab, longest)
     base = None
     for n in sorted(set(restore_contexts) | {longest}):
-        cache = KVCache(cfg)
-        t = time.perf_counter_ns()
-        model.prefill(cache, prompt[:n], chunk=128)
-        ms = (time.perf_counter_ns() - t) / 1e6
+        best = float("inf")
+        for _ in range(1 if n >= 8192 else 3):  # best of 3: a noisy reference would flatter restore
+            cache = KVCache(cfg)
+            t = time.perf_counter_ns()
+            model.prefill(cache, prompt[:n], chunk=128)
+            best = min(best, (time.perf_counter_ns() - t) / 1e6)
         if n in restore_contexts:
-            report.reference(f"recompute_ms_ctx{n}", ms, "ms")
+            report.reference(f"recompute_ms_ctx{n}", best, "ms")
         base = cache
 
     for n in restore_contexts:
