@@ -139,6 +139,17 @@ def test_protocol_errors_are_answered_per_record(model):
     assert comp["e"][0]["token"][3] and w.stats["refused"] == 4
     late = prefill_records(4, 4, prompt(5, 3), 4)  # prompt after the final piece
     assert w.step(as_batch([late]))["e"][0]["status"][0] == 422
+    out_of_vocab = prefill_records(5, 5, [1, 2, 512], 1)
+    assert w.step(as_batch([out_of_vocab]))["e"][0]["status"][0] == 400
+
+
+def test_context_past_max_context_is_refused_not_fatal():
+    small = Model(ModelConfig(max_context=200), seed=0)
+    w = Worker(small, None)
+    comp = w.step(as_batch([prefill_records(1, 1, prompt(1, 150), 1), prefill_records(1, 1, prompt(2, 60), 1)]))
+    assert list(comp["e"][0]["status"][:3]) == [200, 200, 413]
+    ok = w.step(as_batch([prefill_records(2, 2, prompt(3, 10), 1)]))
+    assert ok["e"][0]["status"][0] == 200 and ok["e"][0]["token"][0]
 
 
 def test_close_frees_the_session_here_and_in_the_store(model):

@@ -160,12 +160,18 @@ class Worker:
             return wire.STATUS_OK
         if kind != wire.KIND_CHUNK or not 1 <= rec["n_tokens"] <= wire.MAX_CHUNK_TOKENS:
             return wire.STATUS_BAD_REQUEST
+        tokens = rec["tokens"][:rec["n_tokens"]]
+        if tokens.max() >= self.model.config.vocab:
+            return wire.STATUS_BAD_REQUEST  # one bad record must not fail the whole step
         s = self.sessions.get(sid)
         if s is None:
             try:
                 s = self._restore(sid)
             except kvdelta.DeltaError:
                 return wire.STATUS_UNAVAILABLE
+        queued = sum(len(x) for x in segments[sid].tokens) if sid in segments else 0
+        if s.cache.length + queued + len(tokens) > self.model.config.max_context:
+            return wire.STATUS_TOO_LARGE
         if s.request is None or s.request.request_id != rid:
             # A new request on the session (one the router gave up on is superseded).
             stamps = {name: int(rec[name]) for name in ("t_send", "t_xdp", "t_router", "t_lane") if rec[name]}
@@ -176,7 +182,7 @@ class Worker:
         if s.request.prefill_done or (seg is not None and (seg.decode or seg.answer is not None)):
             return wire.STATUS_UNPROCESSABLE  # prompt after the final piece
         seg = segments.setdefault(sid, _Segment(sid, False))
-        seg.tokens.append(rec["tokens"][:rec["n_tokens"]])
+        seg.tokens.append(tokens)
         if rec["flags"] & records.CHUNK_F_FINAL:
             seg.answer = i
         return wire.STATUS_OK
