@@ -75,6 +75,14 @@ class Router:
         self.n_workers += 1
         return k
 
+    def add_zmq_worker(self, endpoint: str, weight: int = 1) -> int:
+        """A worker behind ZeroMQ (lanes.ZmqWorkerLane bound at endpoint: tcp://host:port or ipc://path)."""
+        if not endpoint.startswith(("tcp://", "ipc://")):
+            raise ValueError(f"endpoint must be tcp://host:port or ipc://path, not {endpoint!r}")
+        k = _check(lib.dp_router_add_zmq_worker(self._rt, endpoint.encode(), weight), f"zmq worker at {endpoint}")
+        self.n_workers += 1
+        return k
+
     def set_egress(self, ring: Ring):
         self._rings.append(ring)
         _check(lib.dp_router_set_egress(self._rt, ring.ptr), f"egress ring {ring.name!r}")

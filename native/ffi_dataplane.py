@@ -50,6 +50,7 @@ struct dp_router_config {
 struct dp_worker_stats {
     uint64_t batches, records, tokens, decode_steps, completions;
     uint32_t depth, busy, decoding, up;
+    uint64_t lane_depth, lane_full_events;
 };
 struct dp_router_stats {
     uint64_t chunks_in, requests_in, control_in, bad_chunks, duplicate_chunks, table_full;
@@ -63,6 +64,7 @@ struct dp_router *dp_router_create(const struct dp_router_config *cfg, const cha
 void dp_router_destroy(struct dp_router *rt);
 int dp_router_add_input(struct dp_router *rt, struct dp_ring *in);
 int dp_router_add_worker(struct dp_router *rt, struct dp_ring *lane, struct dp_ring *done, uint32_t weight);
+int dp_router_add_zmq_worker(struct dp_router *rt, const char *endpoint, uint32_t weight);
 int dp_router_set_egress(struct dp_router *rt, struct dp_ring *egress);
 int dp_router_set_policy(struct dp_router *rt, const char *policy, double param);
 int dp_router_set_weight(struct dp_router *rt, uint32_t worker, uint32_t weight);
@@ -98,7 +100,7 @@ ffibuilder.set_source(
     sources=[f"native/{s}" for s in SOURCES],  # relative: setuptools refuses absolute paths
     include_dirs=[str(NATIVE), str(BPF)],
     extra_compile_args=["-O2", "-Wall", "-std=gnu11"],
-    libraries=["rt", "pthread"],
+    libraries=["rt", "pthread", "zmq"],
 )
 
 if __name__ == "__main__":

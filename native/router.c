@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <zmq.h>
 
 #define NIL UINT32_MAX
 #define INPUT_BURST 32
@@ -43,7 +44,12 @@ struct batch_meta {             /* what the router remembers of each record it s
 };
 
 struct worker {
-    struct dp_ring *lane, *done;
+    int kind;                           /* DP_LANE_SHM or DP_LANE_ZMQ */
+    struct dp_ring *lane, *done;        /* shm */
+    void *zsock;                        /* zmq: a DEALER connected to the worker's */
+    uint8_t *stage;                     /* zmq: the batch being built, sent as one message */
+    struct dp_completion *cbuf;         /* zmq: the last completion received */
+    uint32_t unsent;                    /* zmq: records of a built batch the socket refused */
     uint32_t fifo_head, fifo_tail;      /* requests with pending chunks (dynamic) / complete requests (static) */
     uint32_t *decoding;                 /* requests in decode on this worker */
     uint32_t n_decoding, decode_cursor;
@@ -65,6 +71,7 @@ struct dp_router {
     struct dp_ring *in[DP_MAX_INPUTS];
     uint32_t n_in, in_cursor;
     struct dp_ring *egress;
+    void *zctx;                         /* created with the first zmq lane */
     struct req *reqs;                   /* slab of cfg.max_requests */
     uint32_t req_free;                  /* free slots, linked through fifo_next */
     struct { uint64_t id; uint32_t slot; } *hash;   /* 2 x max_requests entries */
@@ -404,6 +411,56 @@ static uint32_t drain_inputs(struct dp_router *rt)
     return total;
 }
 
+/* --- lanes: one interface over shm rings and zmq sockets ----------------------------- */
+
+static void *lane_slot(struct worker *w, uint32_t i)
+{
+    return w->kind == DP_LANE_SHM ? dp_ring_prod_slot(w->lane, i) : w->stage + (size_t)i * sizeof(struct dp_chunk);
+}
+
+/* Room for a full batch? (shm: free slots; zmq: the socket takes a message now) */
+static int lane_ready(struct dp_router *rt, struct worker *w)
+{
+    if (w->kind == DP_LANE_SHM) {
+        uint32_t room = dp_ring_prod_reserve(w->lane, rt->cfg.max_chunks);
+        if (room < rt->cfg.max_chunks)   /* the worker has not taken its last batch yet */
+            dp_ring_note_full(w->lane, rt->cfg.max_chunks, room);
+        return room == rt->cfg.max_chunks;
+    }
+    int ev = 0;
+    size_t len = sizeof(ev);
+    return zmq_getsockopt(w->zsock, ZMQ_EVENTS, &ev, &len) == 0 && (ev & ZMQ_POLLOUT);
+}
+
+/* Publish n built records as one batch; 0 if a zmq socket refused it (kept for a retry). */
+static int lane_commit(struct worker *w, uint32_t n)
+{
+    if (w->kind == DP_LANE_SHM) {
+        dp_ring_prod_commit(w->lane, n);   /* the whole batch becomes visible at once */
+        return 1;
+    }
+    if (zmq_send(w->zsock, w->stage, (size_t)n * sizeof(struct dp_chunk), ZMQ_DONTWAIT) < 0) {
+        w->unsent = n;
+        return 0;
+    }
+    w->unsent = 0;
+    return 1;
+}
+
+static const struct dp_completion *lane_completion(struct worker *w)
+{
+    if (w->kind == DP_LANE_SHM)
+        return w->done && dp_ring_cons_peek(w->done, 1) ? dp_ring_cons_slot(w->done, 0) : NULL;
+    int n = zmq_recv(w->zsock, w->cbuf, sizeof(*w->cbuf), ZMQ_DONTWAIT);
+    return n >= (int)offsetof(struct dp_completion, e) ? w->cbuf : NULL;
+}
+
+static void lane_completion_done(struct worker *w)
+{
+    if (w->kind == DP_LANE_SHM)
+        dp_ring_cons_release(w->done, 1);
+}
+
 /* --- completions -------------------------------------------------------------------- */
 
 static void decoding_remove(struct worker *w, uint32_t ri)
@@ -450,9 +507,9 @@ static uint32_t take_completions(struct dp_router *rt)
     uint32_t n = 0;
     for (uint32_t k = 0; k < rt->view.n; k++) {
         struct worker *w = &rt->w[k];
-        if (!w->busy || !w->done || !dp_ring_cons_peek(w->done, 1))
+        const struct dp_completion *c;
+        if (!w->busy || w->unsent || !(c = lane_completion(w)))
             continue;
-        const struct dp_completion *c = dp_ring_cons_slot(w->done, 0);
         if (c->batch_seq == w->batch_seq) {
             uint32_t len = w->batch_len;
             w->busy = 0;
@@ -463,7 +520,7 @@ static uint32_t take_completions(struct dp_router *rt)
             rt->st.completions++;
             n++;
         }
-        dp_ring_cons_release(w->done, 1);  /* a stale completion (wrong seq) is dropped */
+        lane_completion_done(w);  /* a stale completion (wrong seq) is dropped */
         w->st.busy = w->busy;
     }
     return n;
@@ -479,7 +536,7 @@ struct builder {
 
 static struct dp_chunk *add_record(struct dp_router *rt, struct builder *b, uint32_t ri, uint8_t kind, uint8_t final)
 {
-    struct dp_chunk *out = dp_ring_prod_slot(b->w->lane, b->n);
+    struct dp_chunk *out = lane_slot(b->w, b->n);
     b->w->meta[b->n] = (struct batch_meta){ ri, kind, final };
     rt->reqs[ri].inflight++;
     if (!rt->reqs[ri].t_first_lane)
@@ -588,15 +645,17 @@ static uint32_t send_batches(struct dp_router *rt)
     uint64_t now = now_ns();
     for (uint32_t k = 0; k < rt->view.n; k++) {
         struct worker *w = &rt->w[k];
-        if (w->busy || !rt->view.up[k] || !w->lane)
+        if (w->unsent) {                 /* a zmq batch the socket refused: it goes first, unchanged */
+            if (lane_commit(w, w->unsent))
+                w->busy = 1, w->st.busy = 1;
+            continue;
+        }
+        if (w->busy || !rt->view.up[k])
             continue;
         if (rt->cfg.batching == DP_BATCH_DYNAMIC && !w->n_decoding && w->fifo_head == NIL)
             continue;
-        uint32_t room = dp_ring_prod_reserve(w->lane, rt->cfg.max_chunks);
-        if (room < rt->cfg.max_chunks) {  /* the worker has not taken its last batch yet */
-            dp_ring_note_full(w->lane, rt->cfg.max_chunks, room);
+        if (!lane_ready(rt, w))
             continue;
-        }
         struct builder b = { w, 0, 0, rt->cfg.token_budget, rt->cfg.max_chunks, now };
         if (rt->cfg.batching == DP_BATCH_DYNAMIC)
             build_dynamic(rt, &b);
@@ -607,16 +666,15 @@ static uint32_t send_batches(struct dp_router *rt)
         w->batch_seq++;
         uint64_t t_lane = now_ns();
         for (uint32_t i = 0; i < b.n; i++) {
-            struct dp_chunk *c = dp_ring_prod_slot(w->lane, i);
+            struct dp_chunk *c = lane_slot(w, i);
             c->batch_seq = w->batch_seq;
             c->batch_len = (uint16_t)b.n;
             c->batch_pos = (uint16_t)i;
             c->t_lane = t_lane;
         }
-        dp_ring_prod_commit(w->lane, b.n);   /* the whole batch becomes visible at once */
-        w->busy = 1;
         w->batch_len = b.n;
-        w->st.busy = 1;
+        if (lane_commit(w, b.n))
+            w->busy = 1, w->st.busy = 1;
         w->st.batches++;
         w->st.records += b.n;
         w->st.tokens += b.tokens;
@@ -753,8 +811,15 @@ void dp_router_destroy(struct dp_router *rt)
         return;
     dp_router_stop(rt);
     dp_policy_fini(&rt->policy);
-    for (uint32_t k = 0; k < rt->view.n; k++)
+    for (uint32_t k = 0; k < rt->view.n; k++) {
         free(rt->w[k].decoding);
+        free(rt->w[k].stage);
+        free(rt->w[k].cbuf);
+        if (rt->w[k].zsock)
+            zmq_close(rt->w[k].zsock);
+    }
+    if (rt->zctx)
+        zmq_ctx_term(rt->zctx);
     free(rt->reqs);
     free(rt->hash);
     free(rt->pool);
@@ -772,19 +837,23 @@ int dp_router_add_input(struct dp_router *rt, struct dp_ring *in)
     return rc;
 }
 
-int dp_router_add_worker(struct dp_router *rt, struct dp_ring *lane, struct dp_ring *done, uint32_t weight)
+static int add_worker(struct dp_router *rt, int kind, struct dp_ring *lane, struct dp_ring *done, void *zsock,
+                      uint32_t weight)
 {
-    if (lane->h->slot_size < sizeof(struct dp_chunk) || lane->h->capacity < rt->cfg.max_chunks ||
-        done->h->slot_size < sizeof(struct dp_completion))
-        return -EINVAL;
     pthread_mutex_lock(&rt->lock);
     int k = -ENOSPC;
     if (rt->view.n < DP_MAX_WORKERS) {
         k = (int)rt->view.n;
         struct worker *w = &rt->w[k];
         memset(w, 0, sizeof(*w));
+        w->kind = kind;
         w->lane = lane;
         w->done = done;
+        w->zsock = zsock;
+        if (kind == DP_LANE_ZMQ) {
+            w->stage = malloc((size_t)DP_MAX_BATCH_CHUNKS * sizeof(struct dp_chunk));
+            w->cbuf = malloc(sizeof(*w->cbuf));
+        }
         w->fifo_head = w->fifo_tail = NIL;
         w->decoding = calloc(rt->cfg.max_requests, sizeof(uint32_t));
         w->st.up = 1;
@@ -795,6 +864,35 @@ int dp_router_add_worker(struct dp_router *rt, struct dp_ring *lane, struct dp_r
         rt->view.generation++;
     }
     pthread_mutex_unlock(&rt->lock);
+    return k;
+}
+
+int dp_router_add_worker(struct dp_router *rt, struct dp_ring *lane, struct dp_ring *done, uint32_t weight)
+{
+    if (lane->h->slot_size < sizeof(struct dp_chunk) || lane->h->capacity < rt->cfg.max_chunks ||
+        done->h->slot_size < sizeof(struct dp_completion))
+        return -EINVAL;
+    return add_worker(rt, DP_LANE_SHM, lane, done, NULL, weight);
+}
+
+int dp_router_add_zmq_worker(struct dp_router *rt, const char *endpoint, uint32_t weight)
+{
+    if (!rt->zctx && !(rt->zctx = zmq_ctx_new()))
+        return -errno;
+    void *s = zmq_socket(rt->zctx, ZMQ_DEALER);
+    if (!s)
+        return -errno;
+    int linger = 0, hwm = 4;
+    zmq_setsockopt(s, ZMQ_LINGER, &linger, sizeof(linger));
+    zmq_setsockopt(s, ZMQ_SNDHWM, &hwm, sizeof(hwm));
+    if (zmq_connect(s, endpoint) < 0) {
+        int e = errno;
+        zmq_close(s);
+        return -e;
+    }
+    int k = add_worker(rt, DP_LANE_ZMQ, NULL, NULL, s, weight);
+    if (k < 0)
+        zmq_close(s);
     return k;
 }
 
@@ -877,6 +975,12 @@ int dp_router_worker_stats(struct dp_router *rt, uint32_t worker, struct dp_work
         return -EINVAL;
     pthread_mutex_lock(&rt->lock);
     *s = rt->w[worker].st;
+    if (rt->w[worker].kind == DP_LANE_SHM) {
+        struct dp_ring_stats rs;
+        dp_ring_get_stats(rt->w[worker].lane, &rs);
+        s->lane_depth = rs.depth;
+        s->lane_full_events = rs.full_events;
+    }
     pthread_mutex_unlock(&rt->lock);
     return 0;
 }

@@ -51,6 +51,7 @@ struct dp_router_config {
 struct dp_worker_stats {
     uint64_t batches, records, tokens, decode_steps, completions;
     uint32_t depth, busy, decoding, up;
+    uint64_t lane_depth, lane_full_events;   /* shm lanes: the ring's own counters */
 };
 
 struct dp_router_stats {
@@ -67,8 +68,12 @@ struct dp_router *dp_router_create(const struct dp_router_config *cfg, const cha
 void dp_router_destroy(struct dp_router *rt);
 int dp_router_add_input(struct dp_router *rt, struct dp_ring *in);
 /* A worker: its lane (router produces) and completion ring (router consumes),
- * or a ZeroMQ lane (see lane_zmq.c). Returns the worker index. */
+ * Returns the worker index. */
 int dp_router_add_worker(struct dp_router *rt, struct dp_ring *lane, struct dp_ring *done, uint32_t weight);
+/* A worker on another host (or process) behind a ZeroMQ DEALER socket bound at
+ * `endpoint` (tcp:// or ipc://): one message per micro-batch (batch_len
+ * dp_chunk records), one dp_completion message back. */
+int dp_router_add_zmq_worker(struct dp_router *rt, const char *endpoint, uint32_t weight);
 int dp_router_set_egress(struct dp_router *rt, struct dp_ring *egress);
 int dp_router_set_policy(struct dp_router *rt, const char *policy, double param);
 int dp_router_set_weight(struct dp_router *rt, uint32_t worker, uint32_t weight);

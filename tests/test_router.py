@@ -11,6 +11,7 @@ import pytest
 
 from datapath import lanes, records, wire
 from datapath.ring import Ring, unlink
+from datapath.records import request_chunks as chunks_of
 from datapath.router import Router, policies
 
 _seq = itertools.count()
@@ -92,24 +93,6 @@ def bench_factory():
     yield make
     for b in made:
         b.close()
-
-
-def chunks_of(request_id, tokens, session=None, max_out=0, tenant=0, t_send=0):
-    """A request cut into <= 128-token chunk records, as ingress delivers them."""
-    pieces = [tokens[i:i + 128] for i in range(0, len(tokens), 128)]
-    arr = np.zeros(len(pieces), dtype=records.CHUNK)
-    for i, p in enumerate(pieces):
-        arr[i]["session_id"] = request_id if session is None else session
-        arr[i]["request_id"] = request_id
-        arr[i]["tenant"] = tenant
-        arr[i]["max_output_tokens"] = max_out
-        arr[i]["chunk_index"] = i
-        arr[i]["chunk_count"] = len(pieces)
-        arr[i]["n_tokens"] = len(p)
-        arr[i]["kind"] = wire.KIND_CHUNK
-        arr[i]["t_send"] = t_send
-        arr[i]["tokens"][:len(p)] = p
-    return arr
 
 
 def prefill_seen(batches):
