@@ -4,6 +4,7 @@ The test plays the worker: it reads each batch from the lane and answers it
 with a completion, so every record the router emits is checked.
 """
 import itertools
+import time
 import os
 
 import numpy as np
@@ -166,7 +167,6 @@ def test_static_waits_for_a_full_batch_then_runs_it_to_the_end(bench_factory):
 
 
 def test_static_timeout_sends_a_partial_batch(bench_factory):
-    import time
     b = bench_factory(batching="static", max_batch_size=32, batch_timeout_s=0.02)
     b.send(chunks_of(1, [1, 2], max_out=1))
     b.router.poll()
@@ -237,3 +237,40 @@ def test_bad_router_arguments():
     with pytest.raises(ValueError):
         Router(max_chunks=65)
     assert policies() == ["round_robin", "least_loaded", "power_of_two", "affinity", "weighted"]
+
+
+def test_weights_and_health_change_live(bench_factory):
+    b = bench_factory(n_workers=2, policy="weighted")
+    b.router.set_weight(1, 0)
+    for rid in range(1, 5):
+        b.send(chunks_of(rid, [1], max_out=1))
+    b.router.poll()
+    assert len(b.workers[0].recv_batch(0)) == 4 and b.workers[1].recv_batch(0) is None
+    b.router.set_weight(0, 0)
+    b.router.set_weight(1, 5)
+    b.router.set_up(0, False)   # also draining worker 0: it gets no new batches
+    for rid in range(5, 9):
+        b.send(chunks_of(rid, [1], max_out=1))
+    b.router.poll()
+    assert sorted(b.workers[1].recv_batch(0)["request_id"].tolist()) == [5, 6, 7, 8]
+    st = b.router.worker_stats(1)
+    assert st["batches"] == 1 and st["records"] == 4 and st["up"] == 1
+    assert b.router.worker_stats(0)["up"] == 0
+    b.router.set_policy("affinity", 0.5)
+    with pytest.raises(ValueError):
+        b.router.set_weight(7, 1)
+
+
+def test_started_router_thread_pinned_and_stopped(bench_factory):
+    b = bench_factory()
+    b.router.start(cpu=0)
+    b.send(chunks_of(1, [1, 2], max_out=1))
+    deadline = time.monotonic() + 5
+    batch = None
+    while batch is None and time.monotonic() < deadline:
+        batch = b.workers[0].recv_batch(0.01)
+    assert batch is not None and batch["t_router"][0] <= batch["t_lane"][0]
+    with pytest.raises(RuntimeError):
+        b.router.start()
+    b.router.stop()
+    assert b.router.stats()["loops"] > 0
