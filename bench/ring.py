@@ -34,9 +34,23 @@ def _cores():
     return (cores[0], cores[1]) if len(cores) > 1 else (cores[0], cores[0])
 
 
-def _pinned(cpu, fn, *args):
+def _pinned(cpu, fn):
     os.sched_setaffinity(0, {cpu})
-    fn(*args)
+    fn()
+
+
+def _across_cores(child, parent):
+    """Run child() in a forked process pinned to one core and parent() here, pinned to the other."""
+    a, b = _cores()
+    p = ctx.Process(target=_pinned, args=(b, child))
+    p.start()
+    old = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {a})
+    try:
+        return parent()
+    finally:
+        os.sched_setaffinity(0, old)
+        p.join(30)
 
 
 def _name(what):
@@ -46,20 +60,8 @@ def _name(what):
 def pingpong_oneway_ns(iters: int) -> float:
     shared = mmap.mmap(-1, 4096)   # anonymous shared mapping: the child sees the same page
     line = ffi.cast("uint64_t *", ffi.from_buffer(shared))
-    a, b = _cores()
-
-    def serve():
-        lib.dp_pingpong(line, 0, iters, 60 * SEC)
-
-    p = ctx.Process(target=_pinned, args=(b, serve))
-    p.start()
-    old = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, {a})
-    try:
-        ns = lib.dp_pingpong(line, 1, iters, 60 * SEC)
-    finally:
-        os.sched_setaffinity(0, old)
-        p.join(30)
+    ns = _across_cores(lambda: lib.dp_pingpong(line, 0, iters, 60 * SEC),
+                       lambda: lib.dp_pingpong(line, 1, iters, 60 * SEC))
     if ns < 0:
         raise RuntimeError("ping-pong timed out")
     return ns
@@ -77,24 +79,20 @@ def ring_oneway_ns(n: int) -> np.ndarray:
     name = _name("lat")
     shared = mmap.mmap(-1, 8 * n)
     samples = np.frombuffer(shared, dtype=np.uint64)
-    a, b = _cores()
     Ring.create(name, 64, 64).close()
 
     def consume():
         with Ring.attach(name, "consumer") as r:
             lib.dp_latency_consume(r.ptr, n, ffi.cast("uint64_t *", ffi.from_buffer(shared)), 60 * SEC)
 
-    p = ctx.Process(target=_pinned, args=(b, consume))
-    p.start()
-    old = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, {a})
-    try:
+    def produce():
         with Ring.attach(name, "producer") as r:
             time.sleep(0.05)  # let the consumer attach and spin
-            sent = lib.dp_latency_produce(r.ptr, n, 2000, 60 * SEC)   # 2 us apart: latency, not queueing
+            return lib.dp_latency_produce(r.ptr, n, 2000, 60 * SEC)   # 2 us apart: latency, not queueing
+
+    try:
+        sent = _across_cores(consume, produce)
     finally:
-        os.sched_setaffinity(0, old)
-        p.join(30)
         unlink(name)
     if sent != n:
         raise RuntimeError(f"latency run sent {sent} of {n}")
@@ -104,7 +102,6 @@ def ring_oneway_ns(n: int) -> np.ndarray:
 def ring_mchunks_per_s(n: int) -> float:
     name = _name("tput")
     Ring.create(name, records.CHUNK.itemsize, 1024).close()
-    a, b = _cores()
     done = ctx.Queue()
 
     def consume():
@@ -113,19 +110,16 @@ def ring_mchunks_per_s(n: int) -> float:
             got = lib.dp_seq_consume(r.ptr, 0, n, 32, 96, 60 * SEC, err)
         done.put((got, err[0], time.monotonic_ns()))
 
-    p = ctx.Process(target=_pinned, args=(b, consume))
-    p.start()
-    old = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, {a})
-    try:
+    def produce():
         with Ring.attach(name, "producer") as r:
             time.sleep(0.05)
             t0 = time.monotonic_ns()
             lib.dp_seq_produce(r.ptr, 0, n, 32, 96, 60 * SEC)
-        got, errors, t1 = done.get(timeout=120)
+        return (t0, *done.get(timeout=120))
+
+    try:
+        t0, got, errors, t1 = _across_cores(consume, produce)
     finally:
-        os.sched_setaffinity(0, old)
-        p.join(30)
         unlink(name)
     if got != n or errors:
         raise RuntimeError(f"throughput run: {got} of {n} records, {errors} sequence errors")
@@ -194,8 +188,7 @@ def lane_batch_us(kind: str, rounds: int) -> float:
 
 def run(report, args):
     quick = args.quick
-    a, b = _cores()
-    report.machine["pinned_cores"] = [a, b]
+    report.machine["pinned_cores"] = list(_cores())
     report.note("two pinned processes; on this 2-core VM the benchmark shares cores with everything else")
 
     report.reference("pingpong_oneway_ns", pingpong_oneway_ns(200_000 if quick else 1_000_000), "ns")

@@ -31,6 +31,7 @@
 #include "policy.h"
 #include "ring.h"
 
+/* CDEF BEGIN */
 #define DP_MAX_INPUTS 16
 #define DP_LANE_SHM 0
 #define DP_LANE_ZMQ 1
@@ -92,5 +93,6 @@ int dp_policy_map(const char *policy, double param, uint64_t seed, const struct 
                   const uint64_t *sessions, int32_t *out, uint32_t n);
 /* Policy cost: ns per decision over `decisions` random sessions with n workers at random depths. */
 double dp_policy_bench(const char *policy, uint32_t n_workers, uint64_t decisions);
+/* CDEF END */
 
 #endif /* DP_ROUTER_H */
