@@ -41,7 +41,8 @@ def _struct_dict(cdata) -> dict:
 class Router:
     def __init__(self, policy: str = "round_robin", batching: str = "dynamic", token_budget: int = 512,
                  max_chunks: int = 64, max_batch_size: int = 32, batch_timeout_s: float = 0.05,
-                 max_requests: int = 4096, pool_chunks: int = 8192, seed: int = 1, policy_param: float = 0.0):
+                 max_requests: int = 4096, pool_chunks: int = 8192, seed: int = 1, policy_param: float = 0.0,
+                 reassembly_timeout_s: float = 1.0):
         self._rt = None
         if batching not in BATCHING:
             raise ValueError(f"batching must be dynamic or static, not {batching!r}")
@@ -54,7 +55,8 @@ class Router:
         cfg = ffi.new("struct dp_router_config *", dict(
             batching=BATCHING[batching], token_budget=token_budget, max_chunks=max_chunks,
             max_batch_size=max_batch_size, batch_timeout_ns=max(1, int(batch_timeout_s * 1e9)),
-            max_requests=max_requests, pool_chunks=pool_chunks, seed=seed))
+            max_requests=max_requests, pool_chunks=pool_chunks, seed=seed,
+            reassembly_timeout_ns=max(1, int(reassembly_timeout_s * 1e9))))
         err = ffi.new("int *")
         self._rt = lib.dp_router_create(cfg, policy.encode(), policy_param, err)
         if self._rt == ffi.NULL:

@@ -14,6 +14,8 @@
 
 #define NIL UINT32_MAX
 #define INPUT_BURST 32
+#define RECENT_BITS 12              /* finished request ids remembered, to spot late duplicates */
+#define EXPIRY_SCAN_NS 10000000ull  /* look for stalled reassemblies every 10 ms */
 
 enum { REQ_FREE = 0, REQ_PREFILL, REQ_DECODE, REQ_DONE };
 
@@ -34,7 +36,7 @@ struct req {
     uint32_t ooo;                                /* chunks that came early, unsorted list */
     uint32_t fifo_next;                          /* worker's prefill (dynamic) or ready (static) FIFO */
     uint32_t inflight;                           /* records in the worker's current batch */
-    uint64_t t_send, t_xdp, t_first_lane, t_ready;
+    uint64_t t_send, t_xdp, t_first_lane, t_ready, t_last;
     uint32_t out[DP_MAX_OUTPUT_TOKENS];
 };
 
@@ -79,6 +81,8 @@ struct dp_router {
     struct pooled *pool;
     uint32_t pool_free;                 /* free list head */
     uint32_t done_head, done_tail;      /* finished requests waiting for egress room (via fifo_next) */
+    uint64_t recent[1u << RECENT_BITS]; /* direct-mapped: ids of requests that finished lately */
+    uint64_t next_expiry_scan;
     struct dp_router_stats st;
 };
 
@@ -226,9 +230,20 @@ static int emit(struct dp_router *rt, const struct req *r, uint16_t status, uint
     return 1;
 }
 
+static void remember_done(struct dp_router *rt, uint64_t id)
+{
+    rt->recent[dp_hash64(id) & ((1u << RECENT_BITS) - 1)] = id;
+}
+
+static int recently_done(const struct dp_router *rt, uint64_t id)
+{
+    return rt->recent[dp_hash64(id) & ((1u << RECENT_BITS) - 1)] == id;
+}
+
 static void finish(struct dp_router *rt, uint32_t ri)
 {
     struct req *r = &rt->reqs[ri];
+    remember_done(rt, r->request_id);
     struct worker *w = &rt->w[r->worker];
     if (r->in_set) {                    /* static: leave the running batch now, before the slot is reused */
         for (uint32_t s = 0; s < w->n_set; s++)
@@ -344,6 +359,10 @@ static int ingest(struct dp_router *rt, const struct dp_chunk *c, uint64_t t)
     if (rt->pool_free == NIL)
         return 0;
     uint32_t ri = req_find(rt, c->request_id);
+    if (ri == NIL && recently_done(rt, c->request_id)) {
+        rt->st.late_duplicates++;        /* a repeat of a request already answered */
+        return 1;
+    }
     if (ri == NIL) {
         int wk = dp_policy_pick(&rt->policy, &rt->view, c->session_id, c->tenant);
         if (wk < 0 || (ri = req_insert(rt, c->request_id)) == NIL) {
@@ -383,6 +402,7 @@ static int ingest(struct dp_router *rt, const struct dp_chunk *c, uint64_t t)
     memcpy(pc, c, DP_CHUNK_HDR_LEN + c->n_tokens * sizeof(uint32_t));
     pc->t_router = t;
     r->received++;
+    r->t_last = t;
     rt->st.chunks_in++;
     accept_chunk(rt, ri, p);
     return 1;
@@ -686,6 +706,60 @@ static uint32_t send_batches(struct dp_router *rt)
     return sent;
 }
 
+/* --- stalled reassemblies ------------------------------------------------------------- */
+
+static void fifo_remove(struct dp_router *rt, struct worker *w, uint32_t ri)
+{
+    for (uint32_t x = w->fifo_head, prev = NIL; x != NIL; prev = x, x = rt->reqs[x].fifo_next) {
+        if (x != ri)
+            continue;
+        if (prev == NIL)
+            w->fifo_head = rt->reqs[x].fifo_next;
+        else
+            rt->reqs[prev].fifo_next = rt->reqs[x].fifo_next;
+        if (w->fifo_tail == ri)
+            w->fifo_tail = prev;
+        rt->reqs[ri].in_fifo = 0;
+        return;
+    }
+}
+
+/* Requests still missing chunks, with nothing in flight, idle past the timeout:
+ * answer 400 and free what they hold. */
+static uint32_t expire_stalled(struct dp_router *rt, uint64_t now)
+{
+    uint32_t n = 0;
+    if (now < rt->next_expiry_scan)
+        return 0;
+    rt->next_expiry_scan = now + EXPIRY_SCAN_NS;
+    for (uint32_t ri = 0; ri < rt->cfg.max_requests; ri++) {
+        struct req *r = &rt->reqs[ri];
+        if (r->state != REQ_PREFILL || r->received == r->chunk_count || r->inflight ||
+            now - r->t_last < rt->cfg.reassembly_timeout_ns)
+            continue;
+        if (!emit(rt, NULL, DP_STATUS_BAD_REQUEST, r->request_id, r->session_id, r->tenant,
+                  &(struct dp_chunk){ .t_send = r->t_send, .t_xdp = r->t_xdp }))
+            break;                       /* egress full: try again at the next scan */
+        struct worker *w = &rt->w[r->worker];
+        if (r->in_fifo)
+            fifo_remove(rt, w, ri);
+        for (uint32_t p = r->pending_head, next; p != NIL; p = next) {
+            next = rt->pool[p].next;
+            pool_put(rt, p);
+            depth_add(rt, r->worker, -1);
+        }
+        for (uint32_t p = r->ooo, next; p != NIL; p = next) {
+            next = rt->pool[p].next;
+            pool_put(rt, p);
+        }
+        rt->st.expired++;
+        rt->st.responses++;
+        req_free(rt, ri);
+        n++;
+    }
+    return n;
+}
+
 /* --- lifecycle and control ------------------------------------------------------------ */
 
 uint32_t dp_router_poll(struct dp_router *rt)
@@ -695,6 +769,7 @@ uint32_t dp_router_poll(struct dp_router *rt)
     work += take_completions(rt);
     work += drain_inputs(rt);
     work += send_batches(rt);
+    work += expire_stalled(rt, now_ns());
     rt->st.loops++;
     pthread_mutex_unlock(&rt->lock);
     return work;
@@ -759,6 +834,8 @@ struct dp_router *dp_router_create(const struct dp_router_config *cfg, const cha
         c.max_batch_size = 32;
     if (!c.batch_timeout_ns)
         c.batch_timeout_ns = 50000000ull;
+    if (!c.reassembly_timeout_ns)
+        c.reassembly_timeout_ns = 1000000000ull;
     if (!c.max_requests)
         c.max_requests = 4096;
     if (!c.pool_chunks)

@@ -18,8 +18,11 @@
  *     steps) before it takes new ones.
  *
  * Nothing is dropped silently: a malformed chunk or a full request table
- * yields a 400/503 response record; a full chunk pool or lane stops the
- * router from taking more input (the input ring's full counter shows it).
+ * yields a 400/503 response record; a request still missing chunks after
+ * reassembly_timeout is answered 400 and its state freed; a chunk of a request
+ * that has just finished is counted as a late duplicate, not run again; a
+ * full chunk pool or lane stops the router from taking more input (the input
+ * ring's full counter shows it).
  */
 #ifndef DP_ROUTER_H
 #define DP_ROUTER_H
@@ -47,6 +50,7 @@ struct dp_router_config {
     uint32_t max_requests;      /* request table size (power of two) */
     uint32_t pool_chunks;       /* chunks buffered in the router */
     uint64_t seed;              /* policy randomness */
+    uint64_t reassembly_timeout_ns;  /* a request missing chunks this long is answered 400 and freed */
 };
 
 struct dp_worker_stats {
@@ -58,7 +62,7 @@ struct dp_worker_stats {
 struct dp_router_stats {
     uint64_t chunks_in, requests_in, control_in, bad_chunks, duplicate_chunks, table_full;
     uint64_t batches, records_out, tokens_out, decode_out, splits;
-    uint64_t completions, responses, egress_stalls, input_stalls, loops;
+    uint64_t completions, responses, egress_stalls, input_stalls, loops, expired, late_duplicates;
     uint32_t active_requests, pool_free;
 };
 
