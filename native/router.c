@@ -29,6 +29,7 @@ struct req {
     uint32_t tenant, max_output;
     uint16_t chunk_count, received, next_index;  /* chunks seen; next index to schedule in order */
     uint16_t n_out;
+    uint16_t status;                             /* 0 while all is well, else the error to answer with */
     uint8_t state, in_fifo, in_set;
     int16_t worker;
     uint32_t decode_left;                        /* decode steps still to schedule */
@@ -255,7 +256,8 @@ static void finish(struct dp_router *rt, uint32_t ri)
     }
     r->state = REQ_DONE;
     r->fifo_next = NIL;
-    if (rt->done_head == NIL && emit(rt, r, DP_STATUS_OK, r->request_id, r->session_id, r->tenant, NULL)) {
+    if (rt->done_head == NIL && emit(rt, r, r->status ? r->status : DP_STATUS_OK, r->request_id, r->session_id,
+                                     r->tenant, NULL)) {
         rt->st.responses++;
         req_free(rt, ri);
         return;
@@ -274,7 +276,7 @@ static uint32_t flush_done(struct dp_router *rt)
     while (rt->done_head != NIL) {
         uint32_t ri = rt->done_head;
         struct req *r = &rt->reqs[ri];
-        if (!emit(rt, r, DP_STATUS_OK, r->request_id, r->session_id, r->tenant, NULL))
+        if (!emit(rt, r, r->status ? r->status : DP_STATUS_OK, r->request_id, r->session_id, r->tenant, NULL))
             break;
         rt->done_head = r->fifo_next;
         if (rt->done_head == NIL)
@@ -492,6 +494,44 @@ static void decoding_remove(struct worker *w, uint32_t ri)
         }
 }
 
+static void fifo_remove(struct dp_router *rt, struct worker *w, uint32_t ri);
+
+static void drop_pending(struct dp_router *rt, struct req *r)
+{
+    for (uint32_t p = r->pending_head, next; p != NIL; p = next) {
+        next = rt->pool[p].next;
+        pool_put(rt, p);
+        depth_add(rt, r->worker, -1);
+    }
+    for (uint32_t p = r->ooo, next; p != NIL; p = next) {
+        next = rt->pool[p].next;
+        pool_put(rt, p);
+    }
+    r->pending_head = r->pending_tail = r->ooo = NIL;
+}
+
+/* The worker refused a record of this request: it ends with that status once
+ * nothing of it is in flight; chunks still to come count as late duplicates. */
+static void fail_request(struct dp_router *rt, int wk, uint32_t ri, uint16_t status)
+{
+    struct req *r = &rt->reqs[ri];
+    struct worker *w = &rt->w[wk];
+    if (!r->status)
+        r->status = status;
+    if (r->in_fifo)
+        fifo_remove(rt, w, ri);
+    drop_pending(rt, r);
+    if (r->state == REQ_DECODE) {
+        decoding_remove(w, ri);
+        w->st.decoding = w->n_decoding;
+        depth_add(rt, wk, -1);
+    }
+    r->state = REQ_DONE;                /* nothing more is scheduled for it */
+    r->decode_left = 0;
+    if (r->inflight == 0)
+        finish(rt, ri);
+}
+
 static void complete_entry(struct dp_router *rt, int wk, const struct batch_meta *m,
                            const struct dp_completion_entry *e)
 {
@@ -499,6 +539,16 @@ static void complete_entry(struct dp_router *rt, int wk, const struct batch_meta
     struct worker *w = &rt->w[wk];
     int ended = 0;
     r->inflight--;
+    if (r->status) {                     /* already failed: finish once the last record is back */
+        if (r->inflight == 0)
+            finish(rt, m->req);
+        return;
+    }
+    if (e->status && e->status != DP_STATUS_OK) {
+        rt->st.refused_by_worker++;
+        fail_request(rt, wk, m->req, e->status);
+        return;
+    }
     if (m->kind == DP_KIND_CHUNK && !m->final)
         return;
     if (r->max_output && r->n_out < DP_MAX_OUTPUT_TOKENS)
@@ -740,18 +790,9 @@ static uint32_t expire_stalled(struct dp_router *rt, uint64_t now)
         if (!emit(rt, NULL, DP_STATUS_BAD_REQUEST, r->request_id, r->session_id, r->tenant,
                   &(struct dp_chunk){ .t_send = r->t_send, .t_xdp = r->t_xdp }))
             break;                       /* egress full: try again at the next scan */
-        struct worker *w = &rt->w[r->worker];
         if (r->in_fifo)
-            fifo_remove(rt, w, ri);
-        for (uint32_t p = r->pending_head, next; p != NIL; p = next) {
-            next = rt->pool[p].next;
-            pool_put(rt, p);
-            depth_add(rt, r->worker, -1);
-        }
-        for (uint32_t p = r->ooo, next; p != NIL; p = next) {
-            next = rt->pool[p].next;
-            pool_put(rt, p);
-        }
+            fifo_remove(rt, &rt->w[r->worker], ri);
+        drop_pending(rt, r);
         rt->st.expired++;
         rt->st.responses++;
         req_free(rt, ri);

@@ -63,6 +63,7 @@ struct dp_router_stats {
     uint64_t chunks_in, requests_in, control_in, bad_chunks, duplicate_chunks, table_full;
     uint64_t batches, records_out, tokens_out, decode_out, splits;
     uint64_t completions, responses, egress_stalls, input_stalls, loops, expired, late_duplicates;
+    uint64_t refused_by_worker;
     uint32_t active_requests, pool_free;
 };
 

@@ -359,3 +359,21 @@ def test_late_duplicate_of_a_finished_request_is_not_run_again(bench_factory):
     assert b.workers[0].recv_batch(0) is None
     st = b.router.stats()
     assert st["late_duplicates"] == 1 and st["active_requests"] == 0
+
+
+def test_a_record_the_worker_refuses_ends_its_request_with_that_status(bench_factory):
+    b = bench_factory(n_workers=1)
+    b.send(chunks_of(6, list(range(300)), max_out=5), chunks_of(7, [1], max_out=2))
+    b.router.poll()
+    batch = b.workers[0].recv_batch(0)
+    comp = lanes.completion_for(batch, [1006] * len(batch))
+    comp["e"][0]["status"][0] = 503          # the worker could not take request 6's first piece
+    b.workers[0].send_completion(comp)
+    b.run()
+    by_id = {int(r["request_id"]): r for r in b.responses}
+    assert by_id[6]["status"] == 503 and by_id[7]["status"] == 200 and by_id[7]["n_out"] == 2
+    st = b.router.stats()
+    assert st["refused_by_worker"] == 1 and st["active_requests"] == 0 and st["pool_free"] == 8192
+    b.send(chunks_of(6, list(range(300)), max_out=5)[[2]])   # a straggler of the failed request
+    b.router.poll()
+    assert b.router.stats()["late_duplicates"] == 1
