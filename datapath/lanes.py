@@ -8,8 +8,12 @@ Every lane has the same worker-side interface:
 `shm`: two rings in shared memory for a worker on the same host:
     <name>.lane (router -> worker, dp_chunk slots) and <name>.done (worker -> router).
 The router commits a batch with one index update, so a worker never sees
-half a batch. (The `zmq` lane for workers on other hosts carries the same
-records, one message per batch.)
+half a batch.
+
+`zmq`: a DEALER socket the worker binds (tcp:// for another host, ipc:// for
+another process); the router's DEALER connects to it. One message per
+micro-batch (its dp_chunk records back to back, read in place without a
+copy), one dp_completion message back.
 """
 from __future__ import annotations
 
@@ -92,3 +96,36 @@ def completion_for(batch: np.ndarray, tokens, worker: int = 0, t_start: int = 0,
     if eos is not None:
         e["flags"][:n] = np.where(eos, records.CE_EOS, 0)
     return comp
+
+
+class ZmqWorkerLane:
+    """The worker's end of a zmq lane: binds `endpoint`, the router connects."""
+
+    def __init__(self, endpoint: str):
+        import zmq
+        self._zmq = zmq
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.linger = 0
+        try:
+            self.sock.bind(endpoint)
+        except zmq.ZMQError as e:
+            self.close()
+            raise OSError(f"cannot bind zmq lane at {endpoint}: {e}") from None
+        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def recv_batch(self, timeout_s: float) -> np.ndarray | None:
+        if not self.sock.poll(int(timeout_s * 1000) if timeout_s >= 0 else None):
+            return None
+        frame = self.sock.recv(copy=False)
+        if len(frame.buffer) % records.CHUNK.itemsize:
+            raise ValueError(f"zmq lane: a {len(frame.buffer)}-byte message is not whole chunk records")
+        return np.frombuffer(frame.buffer, dtype=records.CHUNK)
+
+    def send_completion(self, comp: np.ndarray) -> bool:
+        self.sock.send(np.ascontiguousarray(comp, dtype=records.COMPLETION).tobytes(), copy=False)
+        return True
+
+    def close(self):
+        self.sock.close(0)
+        self.ctx.term()

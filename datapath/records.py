@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._dataplane import ffi, lib
+from .wire import KIND_CHUNK
 
 MAX_CHUNK_TOKENS = lib.DP_MAX_CHUNK_TOKENS
 MAX_BATCH_CHUNKS = lib.DP_MAX_BATCH_CHUNKS
@@ -44,3 +45,23 @@ def dtype_of(cname: str) -> np.dtype:
 CHUNK = dtype_of("struct dp_chunk")
 COMPLETION = dtype_of("struct dp_completion")
 RESPONSE = dtype_of("struct dp_response_rec")
+
+
+def request_chunks(request_id: int, tokens, session: int | None = None, max_out: int = 0, tenant: int = 0,
+                   t_send: int = 0) -> np.ndarray:
+    """A request cut into <= 128-token chunk records, as the ingress delivers them."""
+    tokens = list(tokens)
+    pieces = [tokens[i:i + MAX_CHUNK_TOKENS] for i in range(0, len(tokens), MAX_CHUNK_TOKENS)] or [[]]
+    arr = np.zeros(len(pieces), dtype=CHUNK)
+    arr["session_id"] = request_id if session is None else session
+    arr["request_id"] = request_id
+    arr["tenant"] = tenant
+    arr["max_output_tokens"] = max_out
+    arr["chunk_index"] = np.arange(len(pieces))
+    arr["chunk_count"] = len(pieces)
+    arr["kind"] = KIND_CHUNK
+    arr["t_send"] = t_send
+    for i, p in enumerate(pieces):
+        arr[i]["n_tokens"] = len(p)
+        arr[i]["tokens"][:len(p)] = p
+    return arr

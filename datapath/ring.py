@@ -93,14 +93,14 @@ class Ring:
         n = len(buf) // rec_len
         if n > MAX_BURST:
             raise ValueError(f"{n} records in one call exceeds {MAX_BURST}")
-        return lib.dp_ring_enqueue_burst(self.ptr, buf, n, rec_len, rec_len)
+        return lib.dp_ring_enqueue_copy(self.ptr, buf, n, rec_len, rec_len)
 
     def dequeue(self, max_records: int) -> bytes:
         """Up to max_records records, as slot_size-byte records back to back."""
         if not 0 <= max_records <= MAX_BURST:
             raise ValueError(f"max_records must be 0..{MAX_BURST}, not {max_records}")
         out = ffi.new("uint8_t[]", max_records * self.slot_size or 1)
-        k = lib.dp_ring_dequeue_burst(self.ptr, out, max_records)
+        k = lib.dp_ring_dequeue_copy(self.ptr, out, max_records)
         return bytes(ffi.buffer(out, k * self.slot_size))
 
     def wait(self, timeout_s: float) -> int:

@@ -41,7 +41,8 @@ def _struct_dict(cdata) -> dict:
 class Router:
     def __init__(self, policy: str = "round_robin", batching: str = "dynamic", token_budget: int = 512,
                  max_chunks: int = 64, max_batch_size: int = 32, batch_timeout_s: float = 0.05,
-                 max_requests: int = 4096, pool_chunks: int = 8192, seed: int = 1, policy_param: float = 0.0):
+                 max_requests: int = 4096, pool_chunks: int = 8192, seed: int = 1, policy_param: float = 0.0,
+                 reassembly_timeout_s: float = 1.0):
         self._rt = None
         if batching not in BATCHING:
             raise ValueError(f"batching must be dynamic or static, not {batching!r}")
@@ -54,7 +55,8 @@ class Router:
         cfg = ffi.new("struct dp_router_config *", dict(
             batching=BATCHING[batching], token_budget=token_budget, max_chunks=max_chunks,
             max_batch_size=max_batch_size, batch_timeout_ns=max(1, int(batch_timeout_s * 1e9)),
-            max_requests=max_requests, pool_chunks=pool_chunks, seed=seed))
+            max_requests=max_requests, pool_chunks=pool_chunks, seed=seed,
+            reassembly_timeout_ns=max(1, int(reassembly_timeout_s * 1e9))))
         err = ffi.new("int *")
         self._rt = lib.dp_router_create(cfg, policy.encode(), policy_param, err)
         if self._rt == ffi.NULL:
@@ -72,6 +74,14 @@ class Router:
         self._rings += [lane, done]
         k = _check(lib.dp_router_add_worker(self._rt, lane.ptr, done.ptr, weight),
                    f"worker lane {lane.name!r}/{done.name!r} (slot sizes or capacity too small?)")
+        self.n_workers += 1
+        return k
+
+    def add_zmq_worker(self, endpoint: str, weight: int = 1) -> int:
+        """A worker behind ZeroMQ (lanes.ZmqWorkerLane bound at endpoint: tcp://host:port or ipc://path)."""
+        if not endpoint.startswith(("tcp://", "ipc://")):
+            raise ValueError(f"endpoint must be tcp://host:port or ipc://path, not {endpoint!r}")
+        k = _check(lib.dp_router_add_zmq_worker(self._rt, endpoint.encode(), weight), f"zmq worker at {endpoint}")
         self.n_workers += 1
         return k
 

@@ -15,6 +15,7 @@
 
 #include <stdint.h>
 
+/* CDEF BEGIN */
 #define DP_MAX_WORKERS 256
 
 struct dp_workers {
@@ -25,6 +26,8 @@ struct dp_workers {
     uint32_t weight[DP_MAX_WORKERS];     /* relative share for `weighted`, set live from Python */
     uint8_t up[DP_MAX_WORKERS];          /* 1 if healthy and accepting work */
 };
+const char *dp_policy_name(unsigned i);  /* registry walk; NULL past the end */
+/* CDEF END */
 
 struct dp_policy;
 
@@ -46,7 +49,6 @@ struct dp_policy {
 
 int dp_policy_init(struct dp_policy *p, const char *name, uint64_t seed, double param);
 void dp_policy_fini(struct dp_policy *p);
-const char *dp_policy_name(unsigned i);  /* registry walk; NULL past the end */
 
 static inline int dp_policy_pick(struct dp_policy *p, const struct dp_workers *w, uint64_t session, uint32_t tenant)
 {

@@ -221,6 +221,16 @@ void dp_ring_get_stats(const struct dp_ring *r, struct dp_ring_stats *s)
     s->consumer_pid = h->consumer_pid;
 }
 
+uint32_t dp_ring_enqueue_copy(struct dp_ring *r, const void *recs, uint32_t n, uint32_t rec_len, uint32_t stride)
+{
+    return dp_ring_enqueue_burst(r, recs, n, rec_len, stride);
+}
+
+uint32_t dp_ring_dequeue_copy(struct dp_ring *r, void *out, uint32_t max)
+{
+    return dp_ring_dequeue_burst(r, out, max);
+}
+
 void dp_ring_wake_consumer(struct dp_ring *r)
 {
     __atomic_fetch_add(&r->h->futex, 1, __ATOMIC_RELEASE);

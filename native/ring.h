@@ -36,8 +36,31 @@
 #define DP_RING_VERSION 1
 #define DP_CACHELINE 64
 
+/* CDEF BEGIN: the API the cffi binding sees (native/ffi_dataplane.py reads it verbatim) */
 enum dp_wait { DP_WAIT_SPIN = 0, DP_WAIT_YIELD = 1, DP_WAIT_SLEEP = 2 };
 enum dp_role { DP_ROLE_OBSERVER = 0, DP_ROLE_PRODUCER = 1, DP_ROLE_CONSUMER = 2 };
+
+struct dp_ring;
+struct dp_ring_stats {
+    uint64_t capacity, slot_size, enqueued, dequeued, depth, full_events, refused, sleeps;
+    int64_t producer_pid, consumer_pid;
+};
+
+/* control path (ring.c); each returns NULL / negative errno on failure */
+struct dp_ring *dp_ring_create(const char *name, uint32_t slot_size, uint32_t capacity, int wait_mode, int *err);
+struct dp_ring *dp_ring_attach(const char *name, int role, int *err);
+int dp_ring_claim(struct dp_ring *r, int role);  /* take a role on a handle (after create) */
+void dp_ring_close(struct dp_ring *r);
+int dp_ring_unlink(const char *name);
+void dp_ring_get_stats(const struct dp_ring *r, struct dp_ring_stats *s);
+void dp_ring_wake_consumer(struct dp_ring *r);
+/* Wait until at least one record is readable or timeout_ns passes (0: no wait,
+ * < 0: forever); returns the readable count. Spins/yields/sleeps per wait_mode. */
+uint32_t dp_ring_wait(struct dp_ring *r, int64_t timeout_ns);
+/* copying versions of the burst calls, for callers that cannot inline (Python) */
+uint32_t dp_ring_enqueue_copy(struct dp_ring *r, const void *recs, uint32_t n, uint32_t rec_len, uint32_t stride);
+uint32_t dp_ring_dequeue_copy(struct dp_ring *r, void *out, uint32_t max);
+/* CDEF END */
 
 struct dp_ring_hdr {
     /* line 0: fixed at create */
@@ -71,23 +94,6 @@ struct dp_ring {             /* a process's handle (not shared) */
     int role;
     int fd;
 };
-
-struct dp_ring_stats {
-    uint64_t capacity, slot_size, enqueued, dequeued, depth, full_events, refused, sleeps;
-    int64_t producer_pid, consumer_pid;
-};
-
-/* control path (ring.c); each returns NULL / negative errno on failure */
-struct dp_ring *dp_ring_create(const char *name, uint32_t slot_size, uint32_t capacity, int wait_mode, int *err);
-struct dp_ring *dp_ring_attach(const char *name, int role, int *err);
-int dp_ring_claim(struct dp_ring *r, int role);  /* take a role on a handle (after create) */
-void dp_ring_close(struct dp_ring *r);
-int dp_ring_unlink(const char *name);
-void dp_ring_get_stats(const struct dp_ring *r, struct dp_ring_stats *s);
-void dp_ring_wake_consumer(struct dp_ring *r);
-/* Wait until at least one record is readable or timeout_ns passes (0: no wait,
- * < 0: forever); returns the readable count. Spins/yields/sleeps per wait_mode. */
-uint32_t dp_ring_wait(struct dp_ring *r, int64_t timeout_ns);
 
 static inline void *dp_ring_slot(const struct dp_ring *r, uint64_t idx)
 {

@@ -10,9 +10,12 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <zmq.h>
 
 #define NIL UINT32_MAX
 #define INPUT_BURST 32
+#define RECENT_BITS 12              /* finished request ids remembered, to spot late duplicates */
+#define EXPIRY_SCAN_NS 10000000ull  /* look for stalled reassemblies every 10 ms */
 
 enum { REQ_FREE = 0, REQ_PREFILL, REQ_DECODE, REQ_DONE };
 
@@ -26,6 +29,7 @@ struct req {
     uint32_t tenant, max_output;
     uint16_t chunk_count, received, next_index;  /* chunks seen; next index to schedule in order */
     uint16_t n_out;
+    uint16_t status;                             /* 0 while all is well, else the error to answer with */
     uint8_t state, in_fifo, in_set;
     int16_t worker;
     uint32_t decode_left;                        /* decode steps still to schedule */
@@ -33,7 +37,7 @@ struct req {
     uint32_t ooo;                                /* chunks that came early, unsorted list */
     uint32_t fifo_next;                          /* worker's prefill (dynamic) or ready (static) FIFO */
     uint32_t inflight;                           /* records in the worker's current batch */
-    uint64_t t_send, t_xdp, t_first_lane, t_ready;
+    uint64_t t_send, t_xdp, t_first_lane, t_ready, t_last;
     uint32_t out[DP_MAX_OUTPUT_TOKENS];
 };
 
@@ -43,7 +47,12 @@ struct batch_meta {             /* what the router remembers of each record it s
 };
 
 struct worker {
-    struct dp_ring *lane, *done;
+    int kind;                           /* DP_LANE_SHM or DP_LANE_ZMQ */
+    struct dp_ring *lane, *done;        /* shm */
+    void *zsock;                        /* zmq: a DEALER connected to the worker's */
+    uint8_t *stage;                     /* zmq: the batch being built, sent as one message */
+    struct dp_completion *cbuf;         /* zmq: the last completion received */
+    uint32_t unsent;                    /* zmq: records of a built batch the socket refused */
     uint32_t fifo_head, fifo_tail;      /* requests with pending chunks (dynamic) / complete requests (static) */
     uint32_t *decoding;                 /* requests in decode on this worker */
     uint32_t n_decoding, decode_cursor;
@@ -65,6 +74,7 @@ struct dp_router {
     struct dp_ring *in[DP_MAX_INPUTS];
     uint32_t n_in, in_cursor;
     struct dp_ring *egress;
+    void *zctx;                         /* created with the first zmq lane */
     struct req *reqs;                   /* slab of cfg.max_requests */
     uint32_t req_free;                  /* free slots, linked through fifo_next */
     struct { uint64_t id; uint32_t slot; } *hash;   /* 2 x max_requests entries */
@@ -72,6 +82,8 @@ struct dp_router {
     struct pooled *pool;
     uint32_t pool_free;                 /* free list head */
     uint32_t done_head, done_tail;      /* finished requests waiting for egress room (via fifo_next) */
+    uint64_t recent[1u << RECENT_BITS]; /* direct-mapped: ids of requests that finished lately */
+    uint64_t next_expiry_scan;
     struct dp_router_stats st;
 };
 
@@ -219,9 +231,20 @@ static int emit(struct dp_router *rt, const struct req *r, uint16_t status, uint
     return 1;
 }
 
+static void remember_done(struct dp_router *rt, uint64_t id)
+{
+    rt->recent[dp_hash64(id) & ((1u << RECENT_BITS) - 1)] = id;
+}
+
+static int recently_done(const struct dp_router *rt, uint64_t id)
+{
+    return rt->recent[dp_hash64(id) & ((1u << RECENT_BITS) - 1)] == id;
+}
+
 static void finish(struct dp_router *rt, uint32_t ri)
 {
     struct req *r = &rt->reqs[ri];
+    remember_done(rt, r->request_id);
     struct worker *w = &rt->w[r->worker];
     if (r->in_set) {                    /* static: leave the running batch now, before the slot is reused */
         for (uint32_t s = 0; s < w->n_set; s++)
@@ -233,7 +256,8 @@ static void finish(struct dp_router *rt, uint32_t ri)
     }
     r->state = REQ_DONE;
     r->fifo_next = NIL;
-    if (rt->done_head == NIL && emit(rt, r, DP_STATUS_OK, r->request_id, r->session_id, r->tenant, NULL)) {
+    if (rt->done_head == NIL && emit(rt, r, r->status ? r->status : DP_STATUS_OK, r->request_id, r->session_id,
+                                     r->tenant, NULL)) {
         rt->st.responses++;
         req_free(rt, ri);
         return;
@@ -252,7 +276,7 @@ static uint32_t flush_done(struct dp_router *rt)
     while (rt->done_head != NIL) {
         uint32_t ri = rt->done_head;
         struct req *r = &rt->reqs[ri];
-        if (!emit(rt, r, DP_STATUS_OK, r->request_id, r->session_id, r->tenant, NULL))
+        if (!emit(rt, r, r->status ? r->status : DP_STATUS_OK, r->request_id, r->session_id, r->tenant, NULL))
             break;
         rt->done_head = r->fifo_next;
         if (rt->done_head == NIL)
@@ -337,6 +361,10 @@ static int ingest(struct dp_router *rt, const struct dp_chunk *c, uint64_t t)
     if (rt->pool_free == NIL)
         return 0;
     uint32_t ri = req_find(rt, c->request_id);
+    if (ri == NIL && recently_done(rt, c->request_id)) {
+        rt->st.late_duplicates++;        /* a repeat of a request already answered */
+        return 1;
+    }
     if (ri == NIL) {
         int wk = dp_policy_pick(&rt->policy, &rt->view, c->session_id, c->tenant);
         if (wk < 0 || (ri = req_insert(rt, c->request_id)) == NIL) {
@@ -376,6 +404,7 @@ static int ingest(struct dp_router *rt, const struct dp_chunk *c, uint64_t t)
     memcpy(pc, c, DP_CHUNK_HDR_LEN + c->n_tokens * sizeof(uint32_t));
     pc->t_router = t;
     r->received++;
+    r->t_last = t;
     rt->st.chunks_in++;
     accept_chunk(rt, ri, p);
     return 1;
@@ -404,6 +433,56 @@ static uint32_t drain_inputs(struct dp_router *rt)
     return total;
 }
 
+/* --- lanes: one interface over shm rings and zmq sockets ----------------------------- */
+
+static void *lane_slot(struct worker *w, uint32_t i)
+{
+    return w->kind == DP_LANE_SHM ? dp_ring_prod_slot(w->lane, i) : w->stage + (size_t)i * sizeof(struct dp_chunk);
+}
+
+/* Room for a full batch? (shm: free slots; zmq: the socket takes a message now) */
+static int lane_ready(struct dp_router *rt, struct worker *w)
+{
+    if (w->kind == DP_LANE_SHM) {
+        uint32_t room = dp_ring_prod_reserve(w->lane, rt->cfg.max_chunks);
+        if (room < rt->cfg.max_chunks)   /* the worker has not taken its last batch yet */
+            dp_ring_note_full(w->lane, rt->cfg.max_chunks, room);
+        return room == rt->cfg.max_chunks;
+    }
+    int ev = 0;
+    size_t len = sizeof(ev);
+    return zmq_getsockopt(w->zsock, ZMQ_EVENTS, &ev, &len) == 0 && (ev & ZMQ_POLLOUT);
+}
+
+/* Publish n built records as one batch; 0 if a zmq socket refused it (kept for a retry). */
+static int lane_commit(struct worker *w, uint32_t n)
+{
+    if (w->kind == DP_LANE_SHM) {
+        dp_ring_prod_commit(w->lane, n);   /* the whole batch becomes visible at once */
+        return 1;
+    }
+    if (zmq_send(w->zsock, w->stage, (size_t)n * sizeof(struct dp_chunk), ZMQ_DONTWAIT) < 0) {
+        w->unsent = n;
+        return 0;
+    }
+    w->unsent = 0;
+    return 1;
+}
+
+static const struct dp_completion *lane_completion(struct worker *w)
+{
+    if (w->kind == DP_LANE_SHM)
+        return w->done && dp_ring_cons_peek(w->done, 1) ? dp_ring_cons_slot(w->done, 0) : NULL;
+    int n = zmq_recv(w->zsock, w->cbuf, sizeof(*w->cbuf), ZMQ_DONTWAIT);
+    return n >= (int)offsetof(struct dp_completion, e) ? w->cbuf : NULL;
+}
+
+static void lane_completion_done(struct worker *w)
+{
+    if (w->kind == DP_LANE_SHM)
+        dp_ring_cons_release(w->done, 1);
+}
+
 /* --- completions -------------------------------------------------------------------- */
 
 static void decoding_remove(struct worker *w, uint32_t ri)
@@ -415,6 +494,44 @@ static void decoding_remove(struct worker *w, uint32_t ri)
         }
 }
 
+static void fifo_remove(struct dp_router *rt, struct worker *w, uint32_t ri);
+
+static void drop_pending(struct dp_router *rt, struct req *r)
+{
+    for (uint32_t p = r->pending_head, next; p != NIL; p = next) {
+        next = rt->pool[p].next;
+        pool_put(rt, p);
+        depth_add(rt, r->worker, -1);
+    }
+    for (uint32_t p = r->ooo, next; p != NIL; p = next) {
+        next = rt->pool[p].next;
+        pool_put(rt, p);
+    }
+    r->pending_head = r->pending_tail = r->ooo = NIL;
+}
+
+/* The worker refused a record of this request: it ends with that status once
+ * nothing of it is in flight; chunks still to come count as late duplicates. */
+static void fail_request(struct dp_router *rt, int wk, uint32_t ri, uint16_t status)
+{
+    struct req *r = &rt->reqs[ri];
+    struct worker *w = &rt->w[wk];
+    if (!r->status)
+        r->status = status;
+    if (r->in_fifo)
+        fifo_remove(rt, w, ri);
+    drop_pending(rt, r);
+    if (r->state == REQ_DECODE) {
+        decoding_remove(w, ri);
+        w->st.decoding = w->n_decoding;
+        depth_add(rt, wk, -1);
+    }
+    r->state = REQ_DONE;                /* nothing more is scheduled for it */
+    r->decode_left = 0;
+    if (r->inflight == 0)
+        finish(rt, ri);
+}
+
 static void complete_entry(struct dp_router *rt, int wk, const struct batch_meta *m,
                            const struct dp_completion_entry *e)
 {
@@ -422,6 +539,16 @@ static void complete_entry(struct dp_router *rt, int wk, const struct batch_meta
     struct worker *w = &rt->w[wk];
     int ended = 0;
     r->inflight--;
+    if (r->status) {                     /* already failed: finish once the last record is back */
+        if (r->inflight == 0)
+            finish(rt, m->req);
+        return;
+    }
+    if (e->status && e->status != DP_STATUS_OK) {
+        rt->st.refused_by_worker++;
+        fail_request(rt, wk, m->req, e->status);
+        return;
+    }
     if (m->kind == DP_KIND_CHUNK && !m->final)
         return;
     if (r->max_output && r->n_out < DP_MAX_OUTPUT_TOKENS)
@@ -450,9 +577,9 @@ static uint32_t take_completions(struct dp_router *rt)
     uint32_t n = 0;
     for (uint32_t k = 0; k < rt->view.n; k++) {
         struct worker *w = &rt->w[k];
-        if (!w->busy || !w->done || !dp_ring_cons_peek(w->done, 1))
+        const struct dp_completion *c;
+        if (!w->busy || w->unsent || !(c = lane_completion(w)))
             continue;
-        const struct dp_completion *c = dp_ring_cons_slot(w->done, 0);
         if (c->batch_seq == w->batch_seq) {
             uint32_t len = w->batch_len;
             w->busy = 0;
@@ -463,7 +590,7 @@ static uint32_t take_completions(struct dp_router *rt)
             rt->st.completions++;
             n++;
         }
-        dp_ring_cons_release(w->done, 1);  /* a stale completion (wrong seq) is dropped */
+        lane_completion_done(w);  /* a stale completion (wrong seq) is dropped */
         w->st.busy = w->busy;
     }
     return n;
@@ -479,7 +606,7 @@ struct builder {
 
 static struct dp_chunk *add_record(struct dp_router *rt, struct builder *b, uint32_t ri, uint8_t kind, uint8_t final)
 {
-    struct dp_chunk *out = dp_ring_prod_slot(b->w->lane, b->n);
+    struct dp_chunk *out = lane_slot(b->w, b->n);
     b->w->meta[b->n] = (struct batch_meta){ ri, kind, final };
     rt->reqs[ri].inflight++;
     if (!rt->reqs[ri].t_first_lane)
@@ -588,15 +715,17 @@ static uint32_t send_batches(struct dp_router *rt)
     uint64_t now = now_ns();
     for (uint32_t k = 0; k < rt->view.n; k++) {
         struct worker *w = &rt->w[k];
-        if (w->busy || !rt->view.up[k] || !w->lane)
+        if (w->unsent) {                 /* a zmq batch the socket refused: it goes first, unchanged */
+            if (lane_commit(w, w->unsent))
+                w->busy = 1, w->st.busy = 1;
+            continue;
+        }
+        if (w->busy || !rt->view.up[k])
             continue;
         if (rt->cfg.batching == DP_BATCH_DYNAMIC && !w->n_decoding && w->fifo_head == NIL)
             continue;
-        uint32_t room = dp_ring_prod_reserve(w->lane, rt->cfg.max_chunks);
-        if (room < rt->cfg.max_chunks) {  /* the worker has not taken its last batch yet */
-            dp_ring_note_full(w->lane, rt->cfg.max_chunks, room);
+        if (!lane_ready(rt, w))
             continue;
-        }
         struct builder b = { w, 0, 0, rt->cfg.token_budget, rt->cfg.max_chunks, now };
         if (rt->cfg.batching == DP_BATCH_DYNAMIC)
             build_dynamic(rt, &b);
@@ -607,16 +736,15 @@ static uint32_t send_batches(struct dp_router *rt)
         w->batch_seq++;
         uint64_t t_lane = now_ns();
         for (uint32_t i = 0; i < b.n; i++) {
-            struct dp_chunk *c = dp_ring_prod_slot(w->lane, i);
+            struct dp_chunk *c = lane_slot(w, i);
             c->batch_seq = w->batch_seq;
             c->batch_len = (uint16_t)b.n;
             c->batch_pos = (uint16_t)i;
             c->t_lane = t_lane;
         }
-        dp_ring_prod_commit(w->lane, b.n);   /* the whole batch becomes visible at once */
-        w->busy = 1;
         w->batch_len = b.n;
-        w->st.busy = 1;
+        if (lane_commit(w, b.n))
+            w->busy = 1, w->st.busy = 1;
         w->st.batches++;
         w->st.records += b.n;
         w->st.tokens += b.tokens;
@@ -628,6 +756,51 @@ static uint32_t send_batches(struct dp_router *rt)
     return sent;
 }
 
+/* --- stalled reassemblies ------------------------------------------------------------- */
+
+static void fifo_remove(struct dp_router *rt, struct worker *w, uint32_t ri)
+{
+    for (uint32_t x = w->fifo_head, prev = NIL; x != NIL; prev = x, x = rt->reqs[x].fifo_next) {
+        if (x != ri)
+            continue;
+        if (prev == NIL)
+            w->fifo_head = rt->reqs[x].fifo_next;
+        else
+            rt->reqs[prev].fifo_next = rt->reqs[x].fifo_next;
+        if (w->fifo_tail == ri)
+            w->fifo_tail = prev;
+        rt->reqs[ri].in_fifo = 0;
+        return;
+    }
+}
+
+/* Requests still missing chunks, with nothing in flight, idle past the timeout:
+ * answer 400 and free what they hold. */
+static uint32_t expire_stalled(struct dp_router *rt, uint64_t now)
+{
+    uint32_t n = 0;
+    if (now < rt->next_expiry_scan)
+        return 0;
+    rt->next_expiry_scan = now + EXPIRY_SCAN_NS;
+    for (uint32_t ri = 0; ri < rt->cfg.max_requests; ri++) {
+        struct req *r = &rt->reqs[ri];
+        if (r->state != REQ_PREFILL || r->received == r->chunk_count || r->inflight ||
+            now - r->t_last < rt->cfg.reassembly_timeout_ns)
+            continue;
+        if (!emit(rt, NULL, DP_STATUS_BAD_REQUEST, r->request_id, r->session_id, r->tenant,
+                  &(struct dp_chunk){ .t_send = r->t_send, .t_xdp = r->t_xdp }))
+            break;                       /* egress full: try again at the next scan */
+        if (r->in_fifo)
+            fifo_remove(rt, &rt->w[r->worker], ri);
+        drop_pending(rt, r);
+        rt->st.expired++;
+        rt->st.responses++;
+        req_free(rt, ri);
+        n++;
+    }
+    return n;
+}
+
 /* --- lifecycle and control ------------------------------------------------------------ */
 
 uint32_t dp_router_poll(struct dp_router *rt)
@@ -637,6 +810,7 @@ uint32_t dp_router_poll(struct dp_router *rt)
     work += take_completions(rt);
     work += drain_inputs(rt);
     work += send_batches(rt);
+    work += expire_stalled(rt, now_ns());
     rt->st.loops++;
     pthread_mutex_unlock(&rt->lock);
     return work;
@@ -701,6 +875,8 @@ struct dp_router *dp_router_create(const struct dp_router_config *cfg, const cha
         c.max_batch_size = 32;
     if (!c.batch_timeout_ns)
         c.batch_timeout_ns = 50000000ull;
+    if (!c.reassembly_timeout_ns)
+        c.reassembly_timeout_ns = 1000000000ull;
     if (!c.max_requests)
         c.max_requests = 4096;
     if (!c.pool_chunks)
@@ -753,8 +929,15 @@ void dp_router_destroy(struct dp_router *rt)
         return;
     dp_router_stop(rt);
     dp_policy_fini(&rt->policy);
-    for (uint32_t k = 0; k < rt->view.n; k++)
+    for (uint32_t k = 0; k < rt->view.n; k++) {
         free(rt->w[k].decoding);
+        free(rt->w[k].stage);
+        free(rt->w[k].cbuf);
+        if (rt->w[k].zsock)
+            zmq_close(rt->w[k].zsock);
+    }
+    if (rt->zctx)
+        zmq_ctx_term(rt->zctx);
     free(rt->reqs);
     free(rt->hash);
     free(rt->pool);
@@ -772,19 +955,23 @@ int dp_router_add_input(struct dp_router *rt, struct dp_ring *in)
     return rc;
 }
 
-int dp_router_add_worker(struct dp_router *rt, struct dp_ring *lane, struct dp_ring *done, uint32_t weight)
+static int add_worker(struct dp_router *rt, int kind, struct dp_ring *lane, struct dp_ring *done, void *zsock,
+                      uint32_t weight)
 {
-    if (lane->h->slot_size < sizeof(struct dp_chunk) || lane->h->capacity < rt->cfg.max_chunks ||
-        done->h->slot_size < sizeof(struct dp_completion))
-        return -EINVAL;
     pthread_mutex_lock(&rt->lock);
     int k = -ENOSPC;
     if (rt->view.n < DP_MAX_WORKERS) {
         k = (int)rt->view.n;
         struct worker *w = &rt->w[k];
         memset(w, 0, sizeof(*w));
+        w->kind = kind;
         w->lane = lane;
         w->done = done;
+        w->zsock = zsock;
+        if (kind == DP_LANE_ZMQ) {
+            w->stage = malloc((size_t)DP_MAX_BATCH_CHUNKS * sizeof(struct dp_chunk));
+            w->cbuf = malloc(sizeof(*w->cbuf));
+        }
         w->fifo_head = w->fifo_tail = NIL;
         w->decoding = calloc(rt->cfg.max_requests, sizeof(uint32_t));
         w->st.up = 1;
@@ -795,6 +982,35 @@ int dp_router_add_worker(struct dp_router *rt, struct dp_ring *lane, struct dp_r
         rt->view.generation++;
     }
     pthread_mutex_unlock(&rt->lock);
+    return k;
+}
+
+int dp_router_add_worker(struct dp_router *rt, struct dp_ring *lane, struct dp_ring *done, uint32_t weight)
+{
+    if (lane->h->slot_size < sizeof(struct dp_chunk) || lane->h->capacity < rt->cfg.max_chunks ||
+        done->h->slot_size < sizeof(struct dp_completion))
+        return -EINVAL;
+    return add_worker(rt, DP_LANE_SHM, lane, done, NULL, weight);
+}
+
+int dp_router_add_zmq_worker(struct dp_router *rt, const char *endpoint, uint32_t weight)
+{
+    if (!rt->zctx && !(rt->zctx = zmq_ctx_new()))
+        return -errno;
+    void *s = zmq_socket(rt->zctx, ZMQ_DEALER);
+    if (!s)
+        return -errno;
+    int linger = 0, hwm = 4;
+    zmq_setsockopt(s, ZMQ_LINGER, &linger, sizeof(linger));
+    zmq_setsockopt(s, ZMQ_SNDHWM, &hwm, sizeof(hwm));
+    if (zmq_connect(s, endpoint) < 0) {
+        int e = errno;
+        zmq_close(s);
+        return -e;
+    }
+    int k = add_worker(rt, DP_LANE_ZMQ, NULL, NULL, s, weight);
+    if (k < 0)
+        zmq_close(s);
     return k;
 }
 
@@ -877,6 +1093,12 @@ int dp_router_worker_stats(struct dp_router *rt, uint32_t worker, struct dp_work
         return -EINVAL;
     pthread_mutex_lock(&rt->lock);
     *s = rt->w[worker].st;
+    if (rt->w[worker].kind == DP_LANE_SHM) {
+        struct dp_ring_stats rs;
+        dp_ring_get_stats(rt->w[worker].lane, &rs);
+        s->lane_depth = rs.depth;
+        s->lane_full_events = rs.full_events;
+    }
     pthread_mutex_unlock(&rt->lock);
     return 0;
 }

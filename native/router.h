@@ -18,8 +18,11 @@
  *     steps) before it takes new ones.
  *
  * Nothing is dropped silently: a malformed chunk or a full request table
- * yields a 400/503 response record; a full chunk pool or lane stops the
- * router from taking more input (the input ring's full counter shows it).
+ * yields a 400/503 response record; a request still missing chunks after
+ * reassembly_timeout is answered 400 and its state freed; a chunk of a request
+ * that has just finished is counted as a late duplicate, not run again; a
+ * full chunk pool or lane stops the router from taking more input (the input
+ * ring's full counter shows it).
  */
 #ifndef DP_ROUTER_H
 #define DP_ROUTER_H
@@ -31,6 +34,7 @@
 #include "policy.h"
 #include "ring.h"
 
+/* CDEF BEGIN */
 #define DP_MAX_INPUTS 16
 #define DP_LANE_SHM 0
 #define DP_LANE_ZMQ 1
@@ -46,17 +50,20 @@ struct dp_router_config {
     uint32_t max_requests;      /* request table size (power of two) */
     uint32_t pool_chunks;       /* chunks buffered in the router */
     uint64_t seed;              /* policy randomness */
+    uint64_t reassembly_timeout_ns;  /* a request missing chunks this long is answered 400 and freed */
 };
 
 struct dp_worker_stats {
     uint64_t batches, records, tokens, decode_steps, completions;
     uint32_t depth, busy, decoding, up;
+    uint64_t lane_depth, lane_full_events;   /* shm lanes: the ring's own counters */
 };
 
 struct dp_router_stats {
     uint64_t chunks_in, requests_in, control_in, bad_chunks, duplicate_chunks, table_full;
     uint64_t batches, records_out, tokens_out, decode_out, splits;
-    uint64_t completions, responses, egress_stalls, input_stalls, loops;
+    uint64_t completions, responses, egress_stalls, input_stalls, loops, expired, late_duplicates;
+    uint64_t refused_by_worker;
     uint32_t active_requests, pool_free;
 };
 
@@ -67,8 +74,12 @@ struct dp_router *dp_router_create(const struct dp_router_config *cfg, const cha
 void dp_router_destroy(struct dp_router *rt);
 int dp_router_add_input(struct dp_router *rt, struct dp_ring *in);
 /* A worker: its lane (router produces) and completion ring (router consumes),
- * or a ZeroMQ lane (see lane_zmq.c). Returns the worker index. */
+ * Returns the worker index. */
 int dp_router_add_worker(struct dp_router *rt, struct dp_ring *lane, struct dp_ring *done, uint32_t weight);
+/* A worker on another host (or process) behind a ZeroMQ DEALER socket bound at
+ * `endpoint` (tcp:// or ipc://): one message per micro-batch (batch_len
+ * dp_chunk records), one dp_completion message back. */
+int dp_router_add_zmq_worker(struct dp_router *rt, const char *endpoint, uint32_t weight);
 int dp_router_set_egress(struct dp_router *rt, struct dp_ring *egress);
 int dp_router_set_policy(struct dp_router *rt, const char *policy, double param);
 int dp_router_set_weight(struct dp_router *rt, uint32_t worker, uint32_t weight);
@@ -87,5 +98,6 @@ int dp_policy_map(const char *policy, double param, uint64_t seed, const struct 
                   const uint64_t *sessions, int32_t *out, uint32_t n);
 /* Policy cost: ns per decision over `decisions` random sessions with n workers at random depths. */
 double dp_policy_bench(const char *policy, uint32_t n_workers, uint64_t decisions);
+/* CDEF END */
 
 #endif /* DP_ROUTER_H */

@@ -4,6 +4,7 @@ The test plays the worker: it reads each batch from the lane and answers it
 with a completion, so every record the router emits is checked.
 """
 import itertools
+import time
 import os
 
 import numpy as np
@@ -11,6 +12,7 @@ import pytest
 
 from datapath import lanes, records, wire
 from datapath.ring import Ring, unlink
+from datapath.records import request_chunks as chunks_of
 from datapath.router import Router, policies
 
 _seq = itertools.count()
@@ -94,24 +96,6 @@ def bench_factory():
         b.close()
 
 
-def chunks_of(request_id, tokens, session=None, max_out=0, tenant=0, t_send=0):
-    """A request cut into <= 128-token chunk records, as ingress delivers them."""
-    pieces = [tokens[i:i + 128] for i in range(0, len(tokens), 128)]
-    arr = np.zeros(len(pieces), dtype=records.CHUNK)
-    for i, p in enumerate(pieces):
-        arr[i]["session_id"] = request_id if session is None else session
-        arr[i]["request_id"] = request_id
-        arr[i]["tenant"] = tenant
-        arr[i]["max_output_tokens"] = max_out
-        arr[i]["chunk_index"] = i
-        arr[i]["chunk_count"] = len(pieces)
-        arr[i]["n_tokens"] = len(p)
-        arr[i]["kind"] = wire.KIND_CHUNK
-        arr[i]["t_send"] = t_send
-        arr[i]["tokens"][:len(p)] = p
-    return arr
-
-
 def prefill_seen(batches):
     """{request_id: tokens in the order the worker received them}."""
     out = {}
@@ -183,7 +167,6 @@ def test_static_waits_for_a_full_batch_then_runs_it_to_the_end(bench_factory):
 
 
 def test_static_timeout_sends_a_partial_batch(bench_factory):
-    import time
     b = bench_factory(batching="static", max_batch_size=32, batch_timeout_s=0.02)
     b.send(chunks_of(1, [1, 2], max_out=1))
     b.router.poll()
@@ -254,3 +237,143 @@ def test_bad_router_arguments():
     with pytest.raises(ValueError):
         Router(max_chunks=65)
     assert policies() == ["round_robin", "least_loaded", "power_of_two", "affinity", "weighted"]
+
+
+def test_weights_and_health_change_live(bench_factory):
+    b = bench_factory(n_workers=2, policy="weighted")
+    b.router.set_weight(1, 0)
+    for rid in range(1, 5):
+        b.send(chunks_of(rid, [1], max_out=1))
+    b.router.poll()
+    assert len(b.workers[0].recv_batch(0)) == 4 and b.workers[1].recv_batch(0) is None
+    b.router.set_weight(0, 0)
+    b.router.set_weight(1, 5)
+    b.router.set_up(0, False)   # also draining worker 0: it gets no new batches
+    for rid in range(5, 9):
+        b.send(chunks_of(rid, [1], max_out=1))
+    b.router.poll()
+    assert sorted(b.workers[1].recv_batch(0)["request_id"].tolist()) == [5, 6, 7, 8]
+    st = b.router.worker_stats(1)
+    assert st["batches"] == 1 and st["records"] == 4 and st["up"] == 1
+    assert b.router.worker_stats(0)["up"] == 0
+    b.router.set_policy("affinity", 0.5)
+    with pytest.raises(ValueError):
+        b.router.set_weight(7, 1)
+
+
+def test_started_router_thread_pinned_and_stopped(bench_factory):
+    b = bench_factory()
+    b.router.start(cpu=0)
+    b.send(chunks_of(1, [1, 2], max_out=1))
+    deadline = time.monotonic() + 5
+    batch = None
+    while batch is None and time.monotonic() < deadline:
+        batch = b.workers[0].recv_batch(0.01)
+    assert batch is not None and batch["t_router"][0] <= batch["t_lane"][0]
+    with pytest.raises(RuntimeError):
+        b.router.start()
+    b.router.stop()
+    assert b.router.stats()["loops"] > 0
+
+
+@pytest.mark.parametrize("batching,policy,seed", [
+    ("dynamic", "round_robin", 1), ("dynamic", "affinity", 2), ("dynamic", "power_of_two", 3),
+    ("static", "least_loaded", 4), ("static", "weighted", 5),
+])
+def test_random_traffic_every_request_answered_once_and_intact(bench_factory, batching, policy, seed):
+    """Random sizes, shuffled chunk order, duplicates, EOS and budgets: the invariants hold."""
+    rng = np.random.default_rng(seed)
+    n_workers = 3
+    b = bench_factory(n_workers=n_workers, batching=batching, policy=policy,
+                      token_budget=int(rng.integers(64, 700)), max_chunks=int(rng.integers(4, 65)),
+                      max_batch_size=int(rng.integers(1, 9)), batch_timeout_s=0.001, max_requests=64)
+    want, max_out = {}, {}
+    pending = []
+    for rid in range(1, 121):
+        toks = rng.integers(0, 50000, size=int(rng.integers(1, 700))).tolist()
+        want[rid] = toks
+        max_out[rid] = int(rng.integers(0, 6))
+        arr = chunks_of(rid, toks, session=int(rng.integers(1, 40)), max_out=max_out[rid])
+        order = rng.permutation(len(arr))
+        dup = [int(order[0])] if rng.random() < 0.2 else []
+        pending += [arr[[i]] for i in list(order) + dup]
+    seen, stepped = {}, 0
+    for _ in range(20000):
+        if pending and rng.random() < 0.6:
+            k = int(rng.integers(1, 6))
+            batch, pending = pending[:k], pending[k:]
+            if b.input.enqueue(np.concatenate(batch).tobytes()) < len(batch):
+                pending = batch + pending   # input ring full: resend later, as ingress would
+        for k in range(n_workers):
+            got = b.step(k, eos=None)
+            if got is not None:
+                stepped += 1
+                for x in got:
+                    if x["kind"] == wire.KIND_CHUNK:
+                        seen.setdefault(int(x["request_id"]), []).extend(x["tokens"][:x["n_tokens"]].tolist())
+                    assert x["n_tokens"] <= 128
+        if not pending and len(b.responses) >= len(want) and b.router.stats()["active_requests"] == 0:
+            break
+        if rng.random() < 0.3:
+            time.sleep(0.0005)  # let static batches time out
+    ids = [int(r["request_id"]) for r in b.responses]
+    assert sorted(ids) == sorted(want), "every request answered exactly once"
+    assert seen == want, "prefill tokens arrive whole and in order"
+    for r in b.responses:
+        rid = int(r["request_id"])
+        assert r["status"] == 200
+        assert r["n_out"] == min(max_out[rid], records.MAX_OUTPUT_TOKENS)
+        assert all(t == 1000 + rid for t in r["tokens"][:r["n_out"]])
+    st = b.router.stats()
+    assert st["active_requests"] == 0 and st["pool_free"] == 8192
+    assert all(b.router.worker_stats(k)["depth"] == 0 for k in range(n_workers))
+
+
+def test_incomplete_request_expires_with_400(bench_factory):
+    b = bench_factory(reassembly_timeout_s=0.05)
+    arr = chunks_of(4, list(range(200)), max_out=2)
+    b.send(arr[[0]])                          # chunk 1 of 2 never comes
+    b.router.poll()
+    first = b.step()
+    assert first["request_id"].tolist() == [4] and not first["flags"][0] & records.CHUNK_F_FINAL
+    deadline = time.monotonic() + 5
+    while not b.responses and time.monotonic() < deadline:
+        time.sleep(0.01)
+        b.router.poll()
+        b.collect()
+    (resp,) = b.responses
+    assert resp["status"] == 400 and resp["request_id"] == 4
+    st = b.router.stats()
+    assert st["expired"] == 1 and st["active_requests"] == 0 and st["pool_free"] == 8192
+    assert b.router.worker_stats(0)["depth"] == 0
+
+
+def test_late_duplicate_of_a_finished_request_is_not_run_again(bench_factory):
+    b = bench_factory()
+    arr = chunks_of(5, [1, 2, 3], max_out=1)
+    b.send(arr)
+    b.run()
+    assert len(b.responses) == 1
+    b.send(arr)                               # the same chunk again, after the answer
+    b.router.poll()
+    assert b.workers[0].recv_batch(0) is None
+    st = b.router.stats()
+    assert st["late_duplicates"] == 1 and st["active_requests"] == 0
+
+
+def test_a_record_the_worker_refuses_ends_its_request_with_that_status(bench_factory):
+    b = bench_factory(n_workers=1)
+    b.send(chunks_of(6, list(range(300)), max_out=5), chunks_of(7, [1], max_out=2))
+    b.router.poll()
+    batch = b.workers[0].recv_batch(0)
+    comp = lanes.completion_for(batch, [1006] * len(batch))
+    comp["e"][0]["status"][0] = 503          # the worker could not take request 6's first piece
+    b.workers[0].send_completion(comp)
+    b.run()
+    by_id = {int(r["request_id"]): r for r in b.responses}
+    assert by_id[6]["status"] == 503 and by_id[7]["status"] == 200 and by_id[7]["n_out"] == 2
+    st = b.router.stats()
+    assert st["refused_by_worker"] == 1 and st["active_requests"] == 0 and st["pool_free"] == 8192
+    b.send(chunks_of(6, list(range(300)), max_out=5)[[2]])   # a straggler of the failed request
+    b.router.poll()
+    assert b.router.stats()["late_duplicates"] == 1
