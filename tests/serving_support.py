@@ -108,26 +108,20 @@ def drive(exchange, requests, max_chunks=4, piece=128):
 
 
 class ZmqRouterEnd:
-    """The router's end of a ZeroMQ lane, for tests: binds both endpoints, one message per batch."""
+    """The router's end of a ZeroMQ lane, for tests: a DEALER connecting to the worker's."""
 
-    def __init__(self, batches: str, completions: str):
+    def __init__(self, endpoint: str):
         import zmq
-        ctx = zmq.Context.instance()
-        self.push, self.pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-        self.push.bind(batches)
-        self.pull.bind(completions)
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.connect(endpoint)
 
     def send(self, batch):
-        self.push.send(batch.tobytes())
+        self.sock.send(batch.tobytes())
 
     def exchange(self, batch, timeout_s=60):
         self.send(batch)
-        assert self.pull.poll(int(timeout_s * 1000)), "no completion in time"
-        return np.frombuffer(self.pull.recv(), dtype=records.COMPLETION)
-
-    def close_lane(self):
-        self.push.send(b"")
+        assert self.sock.poll(int(timeout_s * 1000)), "no completion in time"
+        return np.frombuffer(self.sock.recv(), dtype=records.COMPLETION)
 
     def close(self):
-        self.push.close(linger=0)
-        self.pull.close(linger=0)
+        self.sock.close(linger=0)

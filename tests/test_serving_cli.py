@@ -20,10 +20,10 @@ def test_worker_demo_runs_requests_through_the_native_router(capsys):
 def test_user_errors_are_one_sentence(capsys):
     assert main(["worker"]) == 2
     assert capsys.readouterr().out.strip() == \
-        "datapath worker: give --lane NAME, or --batches and --completions endpoints, or --demo N"
+        "datapath worker: give one of --lane NAME, --zmq ENDPOINT or --demo N"
     assert main(["model", "info", "--heads", "3"]) == 2
     assert "Traceback" not in capsys.readouterr().out
-    assert main(["worker", "--batches", "nonsense", "--completions", "nonsense"]) == 1
-    assert "cannot use the lane endpoints" in capsys.readouterr().out
+    assert main(["worker", "--zmq", "nonsense"]) == 1
+    assert "cannot bind zmq lane at nonsense" in capsys.readouterr().out
     assert main(["worker", "--lane", "zl-no-such-lane"]) == 1
     assert "no ring named 'zl-no-such-lane.lane'" in capsys.readouterr().out

@@ -3,7 +3,8 @@
 Over ZeroMQ ipc lanes, driven deterministically: restore on another process,
 then continue, equals a session never evicted (tokens, and the KV it stores
 byte for byte); a worker killed mid-batch leaves only its acknowledged deltas.
-Over the native router and shared-memory lanes: the same restore, end to end.
+Behind the native router, on shared-memory and on ZeroMQ lanes: the same
+restore, end to end.
 Bit-identity needs the same BLAS threading on both sides (OpenBLAS splits sums
 differently with more threads), so in-process references run with one BLAS
 thread, as worker processes do.
@@ -49,11 +50,13 @@ def processes():
 
     yield start
     for proc, stop in started:
+        killed_by_test = proc.exitcode is not None
         stop.set()
         proc.join(10)
         if proc.is_alive():
             proc.kill()
             proc.join()
+        assert killed_by_test or proc.exitcode == 0, "a stopped worker exits cleanly"
 
 
 @pytest.fixture
@@ -62,9 +65,8 @@ def zmq_lanes():
     made = []
 
     def make():
-        n = len(made)
-        spec = ("zmq", f"ipc://{tmp}/w{n}-batches", f"ipc://{tmp}/w{n}-done")
-        made.append(ZmqRouterEnd(*spec[1:]))
+        spec = ("zmq", f"ipc://{tmp}/w{len(made)}")
+        made.append(ZmqRouterEnd(spec[1]))
         return spec, made[-1]
 
     yield make
@@ -84,16 +86,13 @@ def reference(turns, codec):
 
 def test_restore_on_another_process_equals_never_evicted(store, processes, zmq_lanes):
     (spec_a, a), (spec_b, b) = zmq_lanes(), zmq_lanes()
-    pa, pb = processes(spec_a, store, WorkerOptions(codec="zstd")), processes(spec_b, store, WorkerOptions(codec="zstd"))
+    processes(spec_a, store, WorkerOptions(codec="zstd")), processes(spec_b, store, WorkerOptions(codec="zstd"))
     turns = [(77, 1, prompt(11, 260), 5), (77, 2, prompt(12, 90), 7)]
     got = [drive(a.exchange, [turns[0]], max_chunks=64), drive(b.exchange, [turns[1]], max_chunks=64)]
     want, want_chain = reference(turns, "zstd")
     assert got == want
     assert [(m["token_start"], m["token_end"]) for m in store.meta(77)] == [(0, 264), (264, 264 + 90 + 6)]
     assert store.restore(77) == want_chain, "worker b's KV after the restore is the never-evicted KV, byte for byte"
-    a.close_lane(), b.close_lane()
-    pa.join(10), pb.join(10)
-    assert pa.exitcode == 0 and pb.exitcode == 0
 
 
 def test_worker_killed_mid_batch_leaves_the_store_whole(store, processes, zmq_lanes):
@@ -115,34 +114,35 @@ def test_worker_killed_mid_batch_leaves_the_store_whole(store, processes, zmq_la
     assert drive(c.exchange, [turns[1]]) == reference(turns, "lz4")[0][1]
 
 
-def chunk_records(sid, rid, tokens, max_out):
-    """Chunk records as ingress hands them to the router (no FINAL flag: the router sets it)."""
-    recs = prefill_records(sid, rid, tokens, max_out)
-    recs["flags"] = 0
-    return recs
-
-
-def test_native_router_and_shm_lanes_restore_on_the_other_worker(store, processes):
-    tag = f"zl5-{os.getpid()}"
+@pytest.mark.parametrize("kind", ["shm", "zmq"])
+def test_native_router_restores_on_the_other_worker(store, processes, kind):
+    tag = f"zl5-{os.getpid()}-{kind}"
     names = [f"{tag}.in", f"{tag}.out"]
+    tmp = tempfile.mkdtemp(prefix="zl5-")
     inp = Ring.create(names[0], records.CHUNK.itemsize, 1024, role="producer")
     egress = Ring.create(names[1], records.RESPONSE.itemsize, 64, role="consumer")
     router = Router()
-    lane_names = [f"{tag}.w{k}" for k in range(2)]
+    lane_names = [f"{tag}.w{k}" for k in range(2)] if kind == "shm" else []
     try:
         router.add_input(inp)
         router.set_egress(egress)
-        for k, name in enumerate(lane_names):
-            router.add_worker(*lanes.create_shm_lane(name))
-            processes(("shm", name), store, WorkerOptions(index=k, codec="zstd"))
+        for k in range(2):
+            opts = WorkerOptions(index=k, codec="zstd")
+            if kind == "shm":
+                router.add_worker(*lanes.create_shm_lane(lane_names[k]))
+                processes(("shm", lane_names[k]), store, opts)
+            else:
+                endpoint = f"ipc://{tmp}/w{k}"
+                processes(("zmq", endpoint), store, opts)
+                router.add_zmq_worker(endpoint)
         turns = [(9, 101, prompt(31, 300), 6), (9, 102, prompt(32, 50), 6)]
         router.set_up(1, False)
         router.start()
         responses = []
-        for k, turn in enumerate(turns):
+        for k, (sid, rid, toks, max_out) in enumerate(turns):
             router.set_up(k, True)
             router.set_up(1 - k, False)
-            recs = chunk_records(*turn)
+            recs = records.request_chunks(rid, toks, session=sid, max_out=max_out)
             assert inp.enqueue(recs.tobytes()) == len(recs)
             deadline = time.monotonic() + 60
             while not (raw := egress.dequeue(1)) and time.monotonic() < deadline:
@@ -162,3 +162,4 @@ def test_native_router_and_shm_lanes_restore_on_the_other_worker(store, processe
             unlink(n)
         for n in lane_names:
             lanes.unlink_shm_lane(n)
+        shutil.rmtree(tmp, ignore_errors=True)

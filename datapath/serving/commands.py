@@ -14,13 +14,13 @@ from .devices import PROFILES
 
 WORKER_EPILOG = """examples:
     datapath worker --lane zl-w0                 # attach the shared-memory lane the router created
-    datapath worker --batches tcp://198.18.0.1:5555 --completions tcp://198.18.0.1:5556 --device l4 --sim busy
+    datapath worker --zmq tcp://198.18.0.1:5555 --device l4 --sim busy   # the router connects to it
     datapath worker --demo 4 --prompt-tokens 300 --output-tokens 16
 
 --lane NAME attaches /dev/shm/dp-NAME.lane and .done (made by the router's
-control plane). A ZeroMQ lane's other end binds both endpoints: it PUSHes
-micro-batches of dp_chunk records (one message each; an empty message stops
-the worker) and PULLs one dp_completion per batch. --demo runs the native
+control plane). --zmq ENDPOINT binds a ZeroMQ lane there (datapath.lanes) for
+the router to connect to: one message per micro-batch of dp_chunk records,
+one dp_completion back. Ctrl-C stops the worker. --demo runs the native
 router in this process with one shared-memory lane and this worker, feeds it
 N requests and prints the responses. No snapshot store is attached from the
 command line yet, so sessions stay resident and are never evicted.
@@ -58,8 +58,7 @@ def add_parsers(sub):
                        description="A worker: the tiny model, per-session KV caches, one model step per micro-batch.")
     w.add_argument("--lane", metavar="NAME", help="shared-memory lane to attach (created by the router)")
     w.add_argument("--index", type=int, default=0, help="this worker's index in completions (default 0)")
-    w.add_argument("--batches", metavar="ENDPOINT", help="ZeroMQ endpoint to PULL micro-batches from")
-    w.add_argument("--completions", metavar="ENDPOINT", help="ZeroMQ endpoint to PUSH completions to")
+    w.add_argument("--zmq", metavar="ENDPOINT", help="bind a ZeroMQ lane at tcp://HOST:PORT or ipc://PATH")
     w.add_argument("--codec", choices=list(CODECS), default="zstd", help="KV delta codec (default zstd)")
     w.add_argument("--kv-budget-mib", type=float, help="KV memory budget (default: the device's, else 256)")
     w.add_argument("--device", choices=list(PROFILES), help="simulate this device's step times")
@@ -109,14 +108,12 @@ def model_info(args) -> int:
 
 
 def worker(args) -> int:
-    import zmq
-
     from ..ring import RingError
     from .devices import profile
     from .model import ModelConfig
     from .worker import WorkerOptions, worker_process
-    if args.demo is None and not args.lane and not (args.batches and args.completions):
-        print("datapath worker: give --lane NAME, or --batches and --completions endpoints, or --demo N")
+    if (args.demo is not None) + bool(args.lane) + bool(args.zmq) != 1:
+        print("datapath worker: give one of --lane NAME, --zmq ENDPOINT or --demo N")
         return 2
     if args.kv_budget_mib is not None:
         budget = int(args.kv_budget_mib * 2**20)
@@ -126,16 +123,13 @@ def worker(args) -> int:
                          codec=args.codec, temperature=args.temperature, device=args.device, sim_mode=args.sim)
     if args.demo is not None:
         return _demo(opts, args)
-    spec = ("shm", args.lane) if args.lane else ("zmq", args.batches, args.completions)
-    print(f"worker {args.index}: lane {' -> '.join(spec[1:])}, codec {args.codec}, KV budget {budget / 2**20:.0f} MiB"
+    spec = ("shm", args.lane) if args.lane else ("zmq", args.zmq)
+    print(f"worker {args.index}: {spec[0]} lane {spec[1]}, codec {args.codec}, KV budget {budget / 2**20:.0f} MiB"
           + (f", simulating {args.device} ({args.sim})" if args.device else "") + "; no snapshot store attached")
     try:
         worker_process(spec, None, opts)
-    except (FileNotFoundError, RingError) as e:
+    except (OSError, RingError) as e:  # no such ring, or an endpoint that cannot be bound
         print(f"datapath worker: {e}")
-        return 1
-    except zmq.ZMQError as e:
-        print(f"datapath worker: cannot use the lane endpoints ({e}): check the addresses and that the router binds them")
         return 1
     except KeyboardInterrupt:
         pass

@@ -20,11 +20,10 @@ The two interfaces other stages plug in:
     SnapshotStore  put(key, delta, meta) -> None   returns only once durable
                    restore(key) -> list[bytes]     the chain, oldest first; [] if none
                    delete(key) -> None
-    Lane           recv_batch(timeout_s) -> CHUNK records | None   (LaneClosed at the end)
+    Lane           recv_batch(timeout_s) -> CHUNK records | None
                    send_completion(comp) -> bool                    one COMPLETION record
 
-datapath.lanes.ShmWorkerLane is the shared-memory lane; ZmqWorkerLane below is
-the ZeroMQ one (one message per micro-batch, one per completion).
+as datapath.lanes.ShmWorkerLane (shared memory) and ZmqWorkerLane (ZeroMQ) do.
 
 Worker.step reads the records only during the call (prompt tokens are copied
 into the KV cache), so a lane may hand out views of its slots. The KV budget
@@ -56,10 +55,6 @@ class SnapshotStore(Protocol):
 class Lane(Protocol):
     def recv_batch(self, timeout_s: float) -> np.ndarray | None: ...
     def send_completion(self, comp: np.ndarray) -> bool: ...
-
-
-class LaneClosed(Exception):
-    """The lane's producer said it is done."""
 
 
 @dataclass
@@ -269,12 +264,9 @@ class Worker:
 
 
 def serve(worker: Worker, lane: Lane, stop: Callable[[], bool] = lambda: False, timeout_s: float = 0.05):
-    """Answer micro-batches until the lane closes or stop() says so."""
+    """Answer micro-batches until stop() says so."""
     while not stop():
-        try:
-            batch = lane.recv_batch(timeout_s)
-        except LaneClosed:
-            return
+        batch = lane.recv_batch(timeout_s)
         if batch is None:
             continue
         comp = worker.step(batch)
@@ -283,39 +275,6 @@ def serve(worker: Worker, lane: Lane, stop: Callable[[], bool] = lambda: False, 
             if stop():
                 return
             time.sleep(1e-4)
-
-
-class ZmqWorkerLane:
-    """The worker's end of a ZeroMQ lane: PULL micro-batches (one message each), PUSH completions.
-
-    The router's end binds both endpoints; an empty message closes the lane.
-    """
-
-    def __init__(self, batches: str, completions: str):
-        import zmq
-        self.ctx = zmq.Context.instance()
-        self.pull = self.ctx.socket(zmq.PULL)
-        self.pull.connect(batches)
-        self.push = self.ctx.socket(zmq.PUSH)
-        self.push.connect(completions)
-
-    def recv_batch(self, timeout_s: float) -> np.ndarray | None:
-        if not self.pull.poll(int(timeout_s * 1000)):
-            return None
-        msg = self.pull.recv(copy=False)
-        if len(msg) == 0:
-            raise LaneClosed
-        if len(msg) % records.CHUNK.itemsize:
-            raise ValueError(f"a micro-batch is whole {records.CHUNK.itemsize}-byte dp_chunk records, got {len(msg)} bytes")
-        return np.frombuffer(msg.buffer, dtype=records.CHUNK)
-
-    def send_completion(self, comp: np.ndarray) -> bool:
-        self.push.send(np.ascontiguousarray(comp, dtype=records.COMPLETION).tobytes())
-        return True
-
-    def close(self):
-        self.pull.close(linger=0)
-        self.push.close(linger=1000)
 
 
 @dataclass
@@ -348,14 +307,13 @@ def one_blas_thread():
 def worker_process(lane_spec: tuple, store: SnapshotStore | None, options: WorkerOptions, stop_event=None):
     """Entry point of a worker process (multiprocessing target, and `datapath worker`).
 
-    lane_spec: ("shm", name) to attach a lane the router created, or ("zmq", batches, completions).
+    lane_spec: ("shm", name) to attach a lane the router created, or ("zmq", endpoint) to bind
+    one the router connects to.
     """
+    from ..lanes import ShmWorkerLane, ZmqWorkerLane
     worker = options.build(store)
-    if lane_spec[0] == "shm":
-        from ..lanes import ShmWorkerLane
-        lane = ShmWorkerLane(lane_spec[1])
-    else:
-        lane = ZmqWorkerLane(*lane_spec[1:])
+    kind, where = lane_spec
+    lane = ShmWorkerLane(where) if kind == "shm" else ZmqWorkerLane(where)
     try:
         with one_blas_thread():
             serve(worker, lane, stop_event.is_set if stop_event is not None else (lambda: False))
