@@ -104,6 +104,12 @@ def model_info(args) -> int:
         step = len(kvdelta.encode(kvdelta.export_delta(cache, 128, 129), config, name))
         chunk = len(kvdelta.encode(kvdelta.export_delta(cache, 0, 128), config, name))
         print(f"  {name:<10} decode step {step:>7,} B   128-token chunk {chunk:>9,} B")
+    print("simulated devices (Llama-3-8B step times; `datapath/serving/devices.py` has the sources):")
+    for p in PROFILES.values():
+        print(f"  {p.name:<5} decode {p.decode_s_per_token(1, 2048) * 1e3:6.2f} ms/token at batch 1, "
+              f"{p.decode_s_per_token(32, 2048) * 1e3:6.2f} at batch 32 (context 2048); prefill "
+              f"{p.prefill_s_per_token(1, 0) * 1e3:6.3f} ms/token; KV room {p.kv_capacity_tokens:>9,} tokens "
+              f"({p.kv_budget_bytes(config) / 2**20:,.0f} MiB of this model's KV); USD {p.price_per_hour:.2f}/h")
     return 0
 
 
