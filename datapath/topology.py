@@ -16,6 +16,8 @@ import ipaddress
 import itertools
 import os
 import re
+import socket
+import threading
 
 from pyroute2 import NetNS, netns
 
@@ -106,6 +108,29 @@ class Topology:
 def enter(name: str):
     """Move the calling thread into netns `name` (use in a child process or a preexec_fn)."""
     netns.setns(name)
+
+
+def socket_in(name: str, family=socket.AF_INET, kind=socket.SOCK_DGRAM) -> socket.socket:
+    """A socket that lives in netns `name`, usable from this (unmoved) process.
+
+    setns() moves only the calling thread, so a short-lived thread enters the
+    namespace and creates the socket there; the socket keeps its namespace.
+    """
+    box: list = []
+
+    def make():
+        try:
+            netns.setns(name)
+            box.append(socket.socket(family, kind))
+        except BaseException as e:  # handed to the caller below
+            box.append(e)
+
+    t = threading.Thread(target=make, name=f"socket-in-{name}")
+    t.start()
+    t.join()
+    if isinstance(box[0], BaseException):
+        raise box[0]
+    return box[0]
 
 
 def ours() -> list[str]:

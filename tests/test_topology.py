@@ -10,7 +10,7 @@ import time
 import pytest
 
 from datapath import topology
-from datapath.topology import Topology
+from datapath.topology import Topology, socket_in
 
 pytestmark = pytest.mark.root
 
@@ -127,3 +127,16 @@ def test_sweep_removes_what_a_killed_run_left():
             proc.wait()
         topology.sweep_stale()
     assert not set(names) & set(topology.ours())
+
+
+def test_socket_in_a_namespace_from_an_unmoved_process(topology):
+    rx = socket_in(topology.host_ns)
+    try:
+        rx.bind((topology.host_ip[0], 9998))   # the address exists only in the host namespace
+        rx.settimeout(5)
+        tx = socket_in(topology.client_ns[0])
+        tx.sendto(b"ping", (topology.host_ip[0], 9998))
+        assert rx.recv(16) == b"ping"
+        tx.close()
+    finally:
+        rx.close()

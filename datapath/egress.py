@@ -1,0 +1,66 @@
+"""The response path: a native thread turns the router's egress records into UDP
+responses (bpf/wire.h) to the client, and keeps each response's stamps."""
+from __future__ import annotations
+
+import ipaddress
+import socket
+
+import numpy as np
+
+from ._dataplane import ffi, lib
+from .records import dtype_of
+from .ring import Ring
+
+TRACE = dtype_of("struct dp_trace")
+STATUS_SLOTS = (200, 400, 413, 422, 429, 503)
+
+
+class Responder:
+    """Drains `egress` (its consumer) and sends each response to (dst_ip, dst_port) from `sock`.
+
+    sock: a UDP socket, opened in the namespace the responses leave from
+    (topology.socket_in); the responder keeps it open while it runs.
+    """
+
+    def __init__(self, egress: Ring, sock: socket.socket, dst_ip: str, dst_port: int, trace_cap: int = 1 << 20,
+                 cpu: int | None = None):
+        if not 1 <= dst_port <= 65535:
+            raise ValueError(f"dst_port must be 1..65535, not {dst_port}")
+        self.egress, self.sock = egress, sock
+        self._trace = np.zeros(trace_cap, dtype=TRACE)
+        self._r = ffi.new("struct dp_responder *")
+        self._r.egress = egress.ptr
+        self._r.fd = sock.fileno()
+        self._r.dst_ip = int.from_bytes(ipaddress.IPv4Address(dst_ip).packed, "little")  # network order in memory
+        self._r.dst_port = socket.htons(dst_port)
+        self._r.cpu = -1 if cpu is None else cpu
+        self._r.trace = ffi.cast("struct dp_trace *", ffi.from_buffer(self._trace))
+        self._r.trace_cap = trace_cap
+
+    def start(self):
+        rc = lib.dp_responder_start(self._r)
+        if rc:
+            raise RuntimeError(f"cannot start the responder thread ({rc})")
+
+    def stop(self):
+        lib.dp_responder_stop(self._r)
+
+    def poll(self) -> int:
+        """One pass without the thread (tests)."""
+        return lib.dp_responder_poll(self._r)
+
+    def stats(self) -> dict:
+        r = self._r
+        return {"sent": r.sent, "send_errors": r.send_errors, "traced": r.traced,
+                "by_status": {s: r.by_status[i] for i, s in enumerate(STATUS_SLOTS) if r.by_status[i]}}
+
+    def trace(self) -> np.ndarray:
+        """The stamps of every response traced so far (a copy)."""
+        return self._trace[:self._r.traced].copy()
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()

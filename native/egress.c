@@ -1,0 +1,126 @@
+/* egress.c - see egress.h. */
+#define _GNU_SOURCE
+#include "egress.h"
+
+#include <errno.h>
+#include <netinet/in.h>
+#include <sched.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+
+static uint64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + ts.tv_nsec;
+}
+
+static int status_slot(uint16_t s)
+{
+    switch (s) {
+    case DP_STATUS_OK: return 0;
+    case DP_STATUS_BAD_REQUEST: return 1;
+    case DP_STATUS_TOO_LARGE: return 2;
+    case DP_STATUS_UNPROCESSABLE: return 3;
+    case DP_STATUS_RATE_LIMITED: return 4;
+    default: return 5;
+    }
+}
+
+uint32_t dp_responder_poll(struct dp_responder *r)
+{
+    static __thread uint8_t pkt[DP_EGRESS_BURST][DP_RESP_HDR_LEN + DP_MAX_RESP_BODY];
+    struct mmsghdr msgs[DP_EGRESS_BURST];
+    struct iovec iov[DP_EGRESS_BURST];
+    struct sockaddr_in dst = { .sin_family = AF_INET, .sin_port = r->dst_port, .sin_addr.s_addr = r->dst_ip };
+    uint32_t n = dp_ring_cons_peek(r->egress, DP_EGRESS_BURST);
+    if (!n)
+        return 0;
+    for (uint32_t i = 0; i < n; i++) {
+        const struct dp_response_rec *rec = dp_ring_cons_slot(r->egress, i);
+        struct dp_resp_hdr *h = (struct dp_resp_hdr *)pkt[i];
+        uint32_t body = rec->n_out * 4u;
+        if (body > DP_MAX_RESP_BODY)
+            body = DP_MAX_RESP_BODY;
+        h->magic = DP_WIRE_MAGIC;
+        h->version = DP_WIRE_VERSION;
+        h->kind = DP_KIND_RESPONSE;
+        h->flags = 0;
+        h->tenant = rec->tenant;
+        h->status = rec->status;
+        h->body_len = (uint16_t)body;
+        h->session_id = rec->session_id;
+        h->request_id = rec->request_id;
+        h->send_ns = rec->t_send;
+        memcpy(pkt[i] + DP_RESP_HDR_LEN, rec->tokens, body);
+        iov[i] = (struct iovec){ pkt[i], DP_RESP_HDR_LEN + body };
+        msgs[i] = (struct mmsghdr){ .msg_hdr = { .msg_name = &dst, .msg_namelen = sizeof(dst), .msg_iov = &iov[i],
+                                                 .msg_iovlen = 1 } };
+    }
+    uint32_t done = 0;
+    while (done < n) {
+        int k = sendmmsg(r->fd, msgs + done, n - done, 0);
+        if (k < 0) {
+            if (errno == EINTR)
+                continue;
+            r->send_errors += n - done;  /* the socket refused: counted, the records are released */
+            break;
+        }
+        done += (uint32_t)k;
+    }
+    uint64_t t = now_ns();
+    for (uint32_t i = 0; i < n; i++) {
+        const struct dp_response_rec *rec = dp_ring_cons_slot(r->egress, i);
+        r->by_status[status_slot(rec->status)]++;
+        if (r->traced < r->trace_cap)
+            r->trace[r->traced++] = (struct dp_trace){ rec->request_id, rec->t_send, rec->t_xdp, rec->t_first_lane,
+                                                       rec->t_done, t, rec->status, rec->n_out };
+    }
+    r->sent += done;
+    dp_ring_cons_release(r->egress, n);
+    return n;
+}
+
+static void *responder_main(void *arg)
+{
+    struct dp_responder *r = arg;
+    unsigned idle = 0;
+    while (!__atomic_load_n(&r->stop, __ATOMIC_ACQUIRE)) {
+        if (dp_responder_poll(r))
+            idle = 0;
+        else if (++idle > 1024)
+            sched_yield();
+    }
+    return NULL;
+}
+
+int dp_responder_start(struct dp_responder *r)
+{
+    if (r->running)
+        return -EBUSY;
+    r->stop = 0;
+    _Static_assert(sizeof(pthread_t) == sizeof(unsigned long), "pthread_t fits the thread field");
+    pthread_t t;
+    int rc = pthread_create(&t, NULL, responder_main, r);
+    if (rc)
+        return -rc;
+    r->thread = (unsigned long)t;
+    if (r->cpu >= 0) {
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        CPU_SET(r->cpu, &set);
+        pthread_setaffinity_np(t, sizeof(set), &set);
+    }
+    r->running = 1;
+    return 0;
+}
+
+void dp_responder_stop(struct dp_responder *r)
+{
+    if (!r->running)
+        return;
+    __atomic_store_n(&r->stop, 1, __ATOMIC_RELEASE);
+    pthread_join((pthread_t)r->thread, NULL);
+    r->running = 0;
+}

@@ -1,0 +1,52 @@
+/* egress.h - the response path: router egress ring -> UDP responses to the client.
+ *
+ * A C thread drains struct dp_response_rec records from the router's egress
+ * ring, encodes each as a response packet (bpf/wire.h: header, then the
+ * output tokens as little-endian uint32) and sends them with sendmmsg from a
+ * UDP socket Python opened in the host namespace, to one client address.
+ * It keeps a trace of every response's stamps for the report. Nothing per
+ * response runs in Python.
+ */
+#ifndef DP_EGRESS_H
+#define DP_EGRESS_H
+
+#include <pthread.h>
+#include <stdint.h>
+
+#include "chunk.h"
+#include "ring.h"
+
+/* CDEF BEGIN */
+#define DP_EGRESS_BURST 32
+
+struct dp_trace {            /* one response's life, for the report */
+    uint64_t request_id;
+    uint64_t t_send;         /* client stamp of the first chunk */
+    uint64_t t_xdp;
+    uint64_t t_first_lane;
+    uint64_t t_done;         /* router saw the last completion */
+    uint64_t t_out;          /* response handed to the kernel */
+    uint32_t status;
+    uint32_t n_out;
+};
+
+struct dp_responder {
+    struct dp_ring *egress;  /* router -> here (this thread consumes) */
+    int fd;                  /* UDP socket, not connected */
+    uint32_t dst_ip;         /* network order */
+    uint16_t dst_port;       /* network order */
+    int cpu;
+    unsigned long thread;    /* pthread_t (glibc), spelled so cffi can parse it */
+    int stop, running;
+    uint64_t sent, send_errors, by_status[6];   /* 200 400 413 422 429 503 */
+    struct dp_trace *trace;  /* the first trace_cap responses */
+    uint64_t trace_cap, traced;
+};
+
+int dp_responder_start(struct dp_responder *r);
+void dp_responder_stop(struct dp_responder *r);
+/* One pass without a thread (tests): responses sent. */
+uint32_t dp_responder_poll(struct dp_responder *r);
+/* CDEF END */
+
+#endif /* DP_EGRESS_H */

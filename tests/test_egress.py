@@ -1,0 +1,48 @@
+"""The responder: egress records become response packets a client can decode."""
+import itertools
+import os
+import socket
+
+import numpy as np
+
+from datapath import records, wire
+from datapath.egress import Responder
+from datapath.ring import Ring, unlink
+
+_seq = itertools.count()
+
+
+def test_responses_reach_the_client_intact():
+    name = f"eg{os.getpid()}-{next(_seq)}"
+    egress = Ring.create(name, records.RESPONSE.itemsize, 64, role="producer")
+    rx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    rx.bind(("127.0.0.1", 0))
+    rx.settimeout(5)
+    tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        recs = np.zeros(3, dtype=records.RESPONSE)
+        recs["request_id"] = [1, 2, 3]
+        recs["session_id"] = 77
+        recs["tenant"] = 5
+        recs["status"] = [200, 429, 200]
+        recs["n_out"] = [3, 0, 256]
+        recs["t_send"] = [10, 20, 30]
+        recs[0]["tokens"][:3] = [7, 8, 9]
+        recs[2]["tokens"][:] = np.arange(256)
+        egress.enqueue(recs.tobytes())
+        resp = Responder(Ring.attach(name, "consumer"), tx, "127.0.0.1", rx.getsockname()[1], trace_cap=2)
+        assert resp.poll() == 3
+        got = [wire.decode_response(rx.recv(2048)) for _ in range(3)]
+        assert [g.request_id for g in got] == [1, 2, 3]
+        assert [g.status for g in got] == [200, 429, 200]
+        assert np.frombuffer(got[0].body, "<u4").tolist() == [7, 8, 9] and got[1].body == b""
+        assert np.frombuffer(got[2].body, "<u4").tolist() == list(range(256))
+        assert got[0].send_ns == 10 and got[0].session_id == 77 and got[0].tenant == 5
+        st = resp.stats()
+        assert st["sent"] == 3 and st["by_status"] == {200: 2, 429: 1} and st["traced"] == 2
+        tr = resp.trace()
+        assert tr["request_id"].tolist() == [1, 2] and (tr["t_out"] > 0).all()
+        assert egress.stats()["depth"] == 0
+    finally:
+        rx.close(), tx.close(), egress.close()
+        unlink(name)
