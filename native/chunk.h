@@ -18,7 +18,7 @@
 #define DP_CHUNK_HDR_LEN 96
 #define DP_CHUNK_LEN 608                  /* header + DP_MAX_CHUNK_TOKENS tokens */
 #define DP_KIND_DECODE 6                  /* router -> worker: one decode step, no tokens */
-#define DP_CHUNK_F_FINAL 0x10000          /* last prefill piece of its request: sample after it */
+#define DP_CHUNK_F_FINAL 0x8000           /* last prefill piece of its request: sample after it */
 #define DP_MAX_BATCH_CHUNKS 64            /* records in one micro-batch, at most */
 #define DP_MAX_OUTPUT_TOKENS 256          /* output tokens a response carries (1 KiB body) */
 #define DP_CE_EOS 1                       /* completion entry: the model ended the sequence */
@@ -42,8 +42,9 @@ struct dp_chunk {
     __u64 t_router;            /* 64 router dequeued it */
     __u64 t_lane;              /* 72 placed in its worker's lane */
     __u64 t_worker;            /* 80 worker picked the batch up */
-    __u32 flags;               /* 88 DP_FLAG_* from the wire, DP_CHUNK_F_* */
-    __u32 reserved;            /* 92 */
+    __u16 flags;               /* 88 DP_FLAG_* from the wire, DP_CHUNK_F_* */
+    __u16 client_port;         /* 90 the client's UDP port (network order): where the response goes */
+    __u32 client_ip;           /* 92 the client's IPv4 address (network order), 0 if unknown */
     __u32 tokens[DP_MAX_CHUNK_TOKENS]; /* 96 */
 };
 
@@ -77,7 +78,8 @@ struct dp_response_rec {
     __u64 t_first_lane;        /* 40 first piece placed in a lane */
     __u64 t_done;              /* 48 router saw the last completion */
     __u16 worker;              /* 56 */
-    __u16 reserved[3];         /* 58 */
+    __u16 client_port;         /* 58 copied from the request's first chunk */
+    __u32 client_ip;           /* 60 */
     __u32 tokens[DP_MAX_OUTPUT_TOKENS]; /* 64 */
 };
 /* LAYOUT END */

@@ -33,7 +33,7 @@ uint32_t dp_responder_poll(struct dp_responder *r)
     static __thread uint8_t pkt[DP_EGRESS_BURST][DP_RESP_HDR_LEN + DP_MAX_RESP_BODY];
     struct mmsghdr msgs[DP_EGRESS_BURST];
     struct iovec iov[DP_EGRESS_BURST];
-    struct sockaddr_in dst = { .sin_family = AF_INET, .sin_port = r->dst_port, .sin_addr.s_addr = r->dst_ip };
+    struct sockaddr_in dst[DP_EGRESS_BURST];
     uint32_t n = dp_ring_cons_peek(r->egress, DP_EGRESS_BURST);
     if (!n)
         return 0;
@@ -55,8 +55,11 @@ uint32_t dp_responder_poll(struct dp_responder *r)
         h->send_ns = rec->t_send;
         memcpy(pkt[i] + DP_RESP_HDR_LEN, rec->tokens, body);
         iov[i] = (struct iovec){ pkt[i], DP_RESP_HDR_LEN + body };
-        msgs[i] = (struct mmsghdr){ .msg_hdr = { .msg_name = &dst, .msg_namelen = sizeof(dst), .msg_iov = &iov[i],
-                                                 .msg_iovlen = 1 } };
+        dst[i] = (struct sockaddr_in){ .sin_family = AF_INET,
+                                       .sin_port = rec->client_ip ? rec->client_port : r->dst_port,
+                                       .sin_addr.s_addr = rec->client_ip ? rec->client_ip : r->dst_ip };
+        msgs[i] = (struct mmsghdr){ .msg_hdr = { .msg_name = &dst[i], .msg_namelen = sizeof(dst[i]),
+                                                 .msg_iov = &iov[i], .msg_iovlen = 1 } };
     }
     uint32_t done = 0;
     while (done < n) {

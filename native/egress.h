@@ -3,7 +3,9 @@
  * A C thread drains struct dp_response_rec records from the router's egress
  * ring, encodes each as a response packet (bpf/wire.h: header, then the
  * output tokens as little-endian uint32) and sends them with sendmmsg from a
- * UDP socket Python opened in the host namespace, to one client address.
+ * UDP socket Python opened in the host namespace (bound to the ingress
+ * address and port, so a client's connected socket accepts the answer), to
+ * the client address its request came from (or a default one).
  * It keeps a trace of every response's stamps for the report. Nothing per
  * response runs in Python.
  */
@@ -33,7 +35,7 @@ struct dp_trace {            /* one response's life, for the report */
 struct dp_responder {
     struct dp_ring *egress;  /* router -> here (this thread consumes) */
     int fd;                  /* UDP socket, not connected */
-    uint32_t dst_ip;         /* network order */
+    uint32_t dst_ip;         /* network order: where responses go whose request named no client */
     uint16_t dst_port;       /* network order */
     int cpu;
     unsigned long thread;    /* pthread_t (glibc), spelled so cffi can parse it */

@@ -38,6 +38,8 @@ struct req {
     uint32_t fifo_next;                          /* worker's prefill (dynamic) or ready (static) FIFO */
     uint32_t inflight;                           /* records in the worker's current batch */
     uint64_t t_send, t_xdp, t_first_lane, t_ready, t_last;
+    uint32_t client_ip;                          /* where the response goes (from the first chunk) */
+    uint16_t client_port;
     uint32_t out[DP_MAX_OUTPUT_TOKENS];
 };
 
@@ -225,6 +227,8 @@ static int emit(struct dp_router *rt, const struct req *r, uint16_t status, uint
     o->t_first_lane = r ? r->t_first_lane : 0;
     o->t_done = now_ns();
     o->worker = r ? (uint16_t)r->worker : 0xffff;
+    o->client_ip = r ? r->client_ip : c->client_ip;
+    o->client_port = r ? r->client_port : c->client_port;
     if (n)
         memcpy(o->tokens, r->out, n * sizeof(uint32_t));
     dp_ring_prod_commit(rt->egress, 1);
@@ -386,6 +390,8 @@ static int ingest(struct dp_router *rt, const struct dp_chunk *c, uint64_t t)
         r->pending_head = r->pending_tail = r->ooo = r->fifo_next = NIL;
         r->t_send = c->t_send;
         r->t_xdp = c->t_xdp;
+        r->client_ip = c->client_ip;
+        r->client_port = c->client_port;
         rt->st.requests_in++;
     }
     struct req *r = &rt->reqs[ri];
@@ -788,7 +794,8 @@ static uint32_t expire_stalled(struct dp_router *rt, uint64_t now)
             now - r->t_last < rt->cfg.reassembly_timeout_ns)
             continue;
         if (!emit(rt, NULL, DP_STATUS_BAD_REQUEST, r->request_id, r->session_id, r->tenant,
-                  &(struct dp_chunk){ .t_send = r->t_send, .t_xdp = r->t_xdp }))
+                  &(struct dp_chunk){ .t_send = r->t_send, .t_xdp = r->t_xdp, .client_ip = r->client_ip,
+                                      .client_port = r->client_port }))
             break;                       /* egress full: try again at the next scan */
         if (r->in_fifo)
             fifo_remove(rt, &rt->w[r->worker], ri);

@@ -46,3 +46,27 @@ def test_responses_reach_the_client_intact():
     finally:
         rx.close(), tx.close(), egress.close()
         unlink(name)
+
+
+def test_each_response_goes_to_the_client_its_request_came_from():
+    name = f"eg{os.getpid()}-{next(_seq)}"
+    egress = Ring.create(name, records.RESPONSE.itemsize, 64, role="producer")
+    default, client = (socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(2))
+    tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        for s in (default, client):
+            s.bind(("127.0.0.1", 0))
+            s.settimeout(5)
+        recs = np.zeros(2, dtype=records.RESPONSE)
+        recs["request_id"] = [1, 2]
+        recs["status"] = 200
+        recs[1]["client_ip"] = int.from_bytes(socket.inet_aton("127.0.0.1"), "little")
+        recs[1]["client_port"] = socket.htons(client.getsockname()[1])
+        egress.enqueue(recs.tobytes())
+        resp = Responder(Ring.attach(name, "consumer"), tx, "127.0.0.1", default.getsockname()[1])
+        assert resp.poll() == 2
+        assert wire.decode_response(default.recv(2048)).request_id == 1
+        assert wire.decode_response(client.recv(2048)).request_id == 2
+    finally:
+        default.close(), client.close(), tx.close(), egress.close()
+        unlink(name)
