@@ -5,5 +5,6 @@ from setuptools import setup
 setup(
     cffi_modules=[
         "native/ffi_wire.py:ffibuilder",
+        "native/ffi_ingress.py:ffibuilder",
     ],
 )

@@ -1,0 +1,307 @@
+"""The XDP ingress: load bpf/steer.bpf.c with bcc, attach it, steer, count, consume.
+
+    with Ingress(queues=4) as ig:                    # compile (tunables as -D cflags)
+        ig.attach(topo.host_if[0], topo.host_ns)     # native, else generic: ig.mode says which
+        with ig.consumer() as c:                     # the C thread busy-polling the ring buffers
+            ig.set_policy("tenant"); ig.route_tenant(7, 2); ig.set_rate(7, tokens_per_minute=6000)
+            ...
+        ig.counters()                                # {"queued": ..., "drop_bad_magic": ...}
+
+The ring-buffer record is struct dp_chunk itself (native/chunk.h): XDP writes
+it, the consumer stamps t_consumer and passes it on. Detaching is certain:
+the context manager detaches on exit, on error, on Ctrl-C and on SIGTERM
+(turned into SystemExit while an Ingress is open), and an attachment never
+outlives the namespace it lives in.
+"""
+from __future__ import annotations
+
+import signal
+import threading
+
+from . import xdp
+from ._ingress import ffi, lib
+
+DEFAULT_QUEUES = 4
+DEFAULT_RING_PAGES = 256        # 1 MiB per queue: ~1700 records of 616 bytes
+POLICIES = {"hash": lib.DP_POLICY_SESSION_HASH, "session": lib.DP_POLICY_SESSION_PIN,
+            "tenant": lib.DP_POLICY_TENANT}
+# names from the enums in bpf/steer.h: "bad_magic", ..., "pass", "queued", "reply_429"
+DROP_REASONS = [name[len("DP_DROP_"):].lower() for value, name in
+                sorted(ffi.typeof("enum dp_drop").elements.items()) if name != "DP_DROP_MAX"]
+EVENTS = [name[len("DP_EV_"):].lower() for value, name in
+          sorted(ffi.typeof("enum dp_event").elements.items()) if name != "DP_EV_MAX"]
+NS_PER_MINUTE = 60_000_000_000
+
+
+def session_queue(session_id: int, queues: int) -> int:
+    """The queue the default policy gives a session (the XDP program's hash)."""
+    return ((session_id * lib.DP_SESSION_HASH_MUL) % (1 << 64) >> 32) % queues
+
+
+def log2_hist(buckets, unit: str = "ns") -> str:
+    """A log2 histogram in the style of bcc's print_log2_hist (bucket b: 2^(b-1) .. 2^b - 1)."""
+    last = max((i for i, v in enumerate(buckets) if v), default=-1)
+    if last < 0:
+        return "     (no samples)"
+    first = min(i for i, v in enumerate(buckets) if v)
+    top = max(buckets)
+    lines = [f"{unit:>20}{'':>21}: count     distribution"]
+    for b in range(first, last + 1):
+        lo, hi = ((1 << b) >> 1, (1 << b) - 1)
+        lines.append(f"{lo:>20} -> {hi:<17}: {buckets[b]:<9} |{'*' * round(40 * buckets[b] / top):<40}|")
+    return "\n".join(lines)
+
+
+class Ingress:
+    """The steering program, compiled with bcc; maps by name; attach/detach."""
+
+    def __init__(self, queues: int = DEFAULT_QUEUES, port: int | None = None,
+                 ring_pages: int = DEFAULT_RING_PAGES):
+        from . import wire
+        if not 1 <= queues <= lib.DP_MAX_QUEUES:
+            raise ValueError(f"queues must be 1..{lib.DP_MAX_QUEUES}, not {queues}")
+        if ring_pages < 1 or ring_pages & (ring_pages - 1):
+            raise ValueError(f"ring_pages must be a power of two, not {ring_pages}")
+        self.queues, self.port, self.ring_pages = queues, port or wire.DEFAULT_PORT, ring_pages
+        if not 1 <= self.port <= 65535:
+            raise ValueError(f"port must be 1..65535, not {self.port}")
+        self.cflags = [f"-I{xdp.BPF_DIR.parent / 'native'}", f"-DDP_QUEUES={queues}",
+                       f"-DDP_PORT={self.port}", f"-DDP_RING_PAGES={ring_pages}"]
+        self.bpf = None
+        self.fn = None
+        self.attachments: list[xdp.XdpAttachment] = []
+        self._old_sigterm = None
+
+    # --- life cycle -----------------------------------------------------------------
+    def load(self):
+        self.bpf, self.fn = None, None
+        b = xdp.load("steer.bpf.c", self.cflags)
+        try:
+            self.fn = b.load_func(b"xdp_steer", xdp.import_bcc().BPF.XDP)
+        except Exception as e:  # bcc raises bare Exception with the verifier log on stderr
+            b.cleanup()
+            raise xdp.BpfUnavailable(f"the kernel refused bpf/steer.bpf.c: {e}") from e
+        self.bpf = b
+        return self
+
+    def attach(self, ifname: str, netns: str | None = None, mode: str = "auto") -> str:
+        """Attach to ifname in netns (a veth this process made); returns the mode in use."""
+        att = xdp.XdpAttachment(self.fn.fd, ifname, netns, mode)
+        att.__enter__()
+        self.attachments.append(att)
+        return att.mode
+
+    @property
+    def mode(self) -> str | None:
+        return self.attachments[-1].mode if self.attachments else None
+
+    def close(self):
+        while self.attachments:
+            self.attachments.pop().detach()
+        if self.bpf is not None:
+            self.bpf.cleanup()
+            self.bpf = None
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._old_sigterm = signal.signal(signal.SIGTERM, _sigterm_exit)
+        try:
+            return self.load()
+        except BaseException:
+            self.__exit__()
+            raise
+
+    def __exit__(self, *exc):
+        self.close()
+        if self._old_sigterm is not None:
+            signal.signal(signal.SIGTERM, self._old_sigterm)
+            self._old_sigterm = None
+
+    # --- maps -------------------------------------------------------------------------
+    def table(self, name: str):
+        return self.bpf[name.encode()]
+
+    def ring_fds(self) -> list[int]:
+        return [self.table(f"ring{q}").map_fd for q in range(self.queues)]
+
+    def _percpu_sums(self, name: str, n: int) -> list[int]:
+        t = self.table(name)
+        return [t.sum(t.Key(i)).value for i in range(n)]
+
+    def counters(self) -> dict[str, int]:
+        """Every counter by name: events ("pass", "queued", "reply_429"), drop_<reason>, queue<n>."""
+        out = dict(zip(EVENTS, self._percpu_sums("events", len(EVENTS))))
+        out.update(zip((f"drop_{r}" for r in DROP_REASONS), self._percpu_sums("drops", len(DROP_REASONS))))
+        out.update(zip((f"queue{q}" for q in range(self.queues)), self._percpu_sums("queue_pkts", self.queues)))
+        return out
+
+    def set_policy(self, mode: str):
+        """hash (default), session (pins, else hash) or tenant (tenant routes, else hash)."""
+        if mode not in POLICIES:
+            raise ValueError(f"policy must be one of {sorted(POLICIES)}, not {mode!r}")
+        t = self.table("policy")
+        t[t.Key(0)] = t.Leaf(POLICIES[mode], 0)
+
+    def _queue(self, queue: int) -> int:
+        if not 0 <= queue < self.queues:
+            raise ValueError(f"queue must be 0..{self.queues - 1}, not {queue}")
+        return queue
+
+    def pin_session(self, session_id: int, queue: int):
+        t = self.table("pins")
+        t[t.Key(session_id)] = t.Leaf(self._queue(queue))
+
+    def route_tenant(self, tenant: int, queue: int):
+        t = self.table("tenant_queue")
+        t[t.Key(tenant)] = t.Leaf(self._queue(queue))
+
+    def set_rate(self, tenant: int, tokens_per_minute: int, burst_tokens: int | None = None):
+        """A token bucket for tenant: tokens_per_minute, holding at most burst_tokens (default: 1 s worth,
+        at least one full chunk). The bucket starts full."""
+        if tokens_per_minute < 1 or tokens_per_minute > NS_PER_MINUTE:
+            raise ValueError(f"tokens_per_minute must be 1..{NS_PER_MINUTE}, not {tokens_per_minute}")
+        burst = burst_tokens if burst_tokens is not None else max(tokens_per_minute // 60, lib.DP_MAX_CHUNK_TOKENS)
+        if burst < lib.DP_MAX_CHUNK_TOKENS:
+            raise ValueError(f"burst_tokens must be at least one full chunk ({lib.DP_MAX_CHUNK_TOKENS}), not {burst}")
+        ns_per_token = NS_PER_MINUTE // tokens_per_minute
+        t = self.table("buckets")
+        t[t.Key(tenant)] = t.Leaf(ns_per_token, burst * ns_per_token, 0)
+
+    def clear_rate(self, tenant: int):
+        t = self.table("buckets")
+        try:
+            del t[t.Key(tenant)]
+        except KeyError:
+            pass
+
+    def consumer(self, sink_capacity: int = 1 << 16, samples: int = 1 << 20, cpu: int = -1) -> "Consumer":
+        return Consumer(self.ring_fds(), sink_capacity, samples, cpu)
+
+
+def _sigterm_exit(signum, frame):
+    raise SystemExit(128 + signum)   # unwinds with-blocks, so the program is detached
+
+
+class Sink:
+    """Where consumers put records (until the router's ring is wired in: an SPSC array)."""
+
+    def __init__(self, capacity: int = 1 << 16):
+        if capacity < 1 or capacity & (capacity - 1):
+            raise ValueError(f"sink capacity must be a power of two, not {capacity}")
+        self.ptr = ffi.gc(lib.dp_sink_new(capacity), lib.dp_sink_free)
+        if self.ptr == ffi.NULL:
+            raise MemoryError("cannot allocate the sink")
+        self._buf = ffi.new("struct dp_chunk[]", 4096)
+
+    @property
+    def full(self) -> int:
+        return self.ptr.full
+
+    def drain(self, limit: int = 1 << 30) -> list[dict]:
+        """Every record waiting, as dicts (tests and tools: control path, not per chunk in production)."""
+        out = []
+        while len(out) < limit:
+            n = lib.dp_sink_drain(self.ptr, self._buf, min(4096, limit - len(out)))
+            if not n:
+                break
+            out += [chunk_dict(self._buf[i]) for i in range(n)]
+        return out
+
+
+CHUNK_FIELDS = [name for name, _ in ffi.typeof("struct dp_chunk").fields if name != "tokens"]
+
+
+def chunk_dict(c) -> dict:
+    d = {name: getattr(c, name) for name in CHUNK_FIELDS}
+    d["tokens"] = list(c.tokens[0:c.n_tokens])
+    return d
+
+
+def lat_samples(lat) -> list[int]:
+    return list(ffi.unpack(lat.samples, lat.n)) if lat.n else []
+
+
+def percentile(sorted_values, p: float) -> float:
+    if not sorted_values:
+        return float("nan")
+    return float(sorted_values[min(len(sorted_values) - 1, int(p / 100 * len(sorted_values)))])
+
+
+class _Thread:
+    """A C consumer thread's Python handle: start/stop, stats, the sink."""
+
+    _start = _stop = None
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    def start(self):
+        rc = self._start(self.ptr, self.cpu)
+        if rc:
+            raise OSError(-rc, "cannot start the consumer thread")
+
+    def stop(self):
+        self._stop(self.ptr)
+
+
+class Consumer(_Thread):
+    """The C thread that busy-polls the steering program's ring buffers (libbpf ring_buffer__consume)."""
+
+    _start, _stop = lib.dp_consumer_start, lib.dp_consumer_stop
+
+    def __init__(self, ring_fds, sink_capacity: int = 1 << 16, samples: int = 1 << 20, cpu: int = -1):
+        self.sink = Sink(sink_capacity)
+        fds = ffi.new("int[]", list(ring_fds))
+        ptr = lib.dp_consumer_new(fds, len(ring_fds), self.sink.ptr, samples)
+        if ptr == ffi.NULL:
+            raise OSError("libbpf could not set up the ring-buffer consumer (ring_buffer__new failed)")
+        self.ptr = ffi.gc(ptr, lib.dp_consumer_free)
+        self.cpu = cpu
+
+    @property
+    def records(self) -> int:
+        return self.ptr.records
+
+    def reset(self):
+        """Clear the latency records (call while stopped)."""
+        lib.dp_lat_reset(ffi.addressof(self.ptr.xdp_lat))
+        lib.dp_lat_reset(ffi.addressof(self.ptr.send_lat))
+
+    def xdp_latency(self) -> list[int]:
+        return lat_samples(self.ptr.xdp_lat)
+
+    def send_latency(self) -> list[int]:
+        return lat_samples(self.ptr.send_lat)
+
+
+class UdpIngress(_Thread):
+    """The same downstream interface from a plain UDP socket (a C recvmmsg thread): no root, no bcc."""
+
+    _start, _stop = lib.dp_udp_rx_start, lib.dp_udp_rx_stop
+
+    def __init__(self, sock, queues: int = DEFAULT_QUEUES, sink_capacity: int = 1 << 16,
+                 samples: int = 1 << 20, cpu: int = -1):
+        self.sock = sock   # kept open as long as the thread may read it
+        self.sink = Sink(sink_capacity)
+        ptr = lib.dp_udp_rx_new(sock.fileno(), queues, self.sink.ptr, samples)
+        if ptr == ffi.NULL:
+            raise ValueError(f"cannot set up the UDP ingress (queues must be 1..{lib.DP_MAX_QUEUES})")
+        self.ptr = ffi.gc(ptr, lib.dp_udp_rx_free)
+        self.cpu = cpu
+
+    @property
+    def records(self) -> int:
+        return self.ptr.records
+
+    def drops(self) -> dict[str, int]:
+        return {r: self.ptr.drops[i] for i, r in enumerate(DROP_REASONS)}
+
+    def reset(self):
+        lib.dp_lat_reset(ffi.addressof(self.ptr.send_lat))
+
+    def send_latency(self) -> list[int]:
+        return lat_samples(self.ptr.send_lat)

@@ -1,0 +1,355 @@
+/* ingress.c - ring-buffer and UDP-socket consumers, their sink and latency records. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <sched.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <sys/socket.h>
+#include <bpf/libbpf.h>
+
+#include "chunk.h"
+#include "steer.h"
+#include "ingress.h"
+
+#define RX_BATCH 32
+
+_Static_assert(DP_DROP_MAX == sizeof(((struct dp_udp_rx *)0)->drops) / 8, "drops[] has a slot per reason");
+_Static_assert(DP_MAX_QUEUES == sizeof(((struct dp_consumer *)0)->per_queue) / 8, "per_queue[] has a slot per queue");
+
+uint64_t dp_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);   /* the clock bpf_ktime_get_ns() reads */
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static inline void cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+static void pin(int cpu)
+{
+    if (cpu >= 0) {
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        CPU_SET(cpu, &set);
+        pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
+    }
+}
+
+/* --- latency records ----------------------------------------------------------- */
+
+int dp_lat_init(struct dp_lat *l, uint64_t cap)
+{
+    memset(l, 0, sizeof(*l));
+    if (cap && !(l->samples = calloc(cap, sizeof(uint64_t))))
+        return -ENOMEM;
+    l->cap = cap;
+    return 0;
+}
+
+void dp_lat_reset(struct dp_lat *l)
+{
+    memset(l->hist, 0, sizeof(l->hist));
+    l->count = l->n = 0;
+}
+
+void dp_lat_free(struct dp_lat *l)
+{
+    free(l->samples);
+    l->samples = NULL;
+    l->cap = l->n = 0;
+}
+
+void dp_lat_add(struct dp_lat *l, uint64_t v)
+{
+    l->hist[v ? 64 - __builtin_clzll(v) : 0]++;   /* bucket b holds 2^(b-1) .. 2^b - 1 */
+    l->count++;
+    if (l->n < l->cap)
+        l->samples[l->n++] = v;
+}
+
+/* --- the sink ------------------------------------------------------------------- */
+
+struct dp_sink *dp_sink_new(uint32_t capacity)
+{
+    struct dp_sink *s;
+    if (!capacity || (capacity & (capacity - 1)))
+        return NULL;
+    if (!(s = calloc(1, sizeof(*s))))
+        return NULL;
+    if (!(s->slots = aligned_alloc(64, (size_t)capacity * sizeof(struct dp_chunk)))) {
+        free(s);
+        return NULL;
+    }
+    s->mask = capacity - 1;
+    return s;
+}
+
+void dp_sink_free(struct dp_sink *s)
+{
+    if (s) {
+        free(s->slots);
+        free(s);
+    }
+}
+
+/* The one place records leave a consumer. Copies the header and the tokens
+ * the record carries, never the unused tail, and stamps t_consumer in the
+ * copy (libbpf maps ring-buffer data read-only). */
+static int sink_put(struct dp_sink *s, const struct dp_chunk *c, uint64_t now)
+{
+    uint64_t tail = s->tail;
+    struct dp_chunk *slot = &s->slots[tail & s->mask];
+    if (tail - __atomic_load_n(&s->head, __ATOMIC_ACQUIRE) > s->mask) {
+        s->full++;
+        return -1;
+    }
+    memcpy(slot, c, DP_CHUNK_HDR_LEN + (size_t)c->n_tokens * sizeof(uint32_t));
+    slot->t_consumer = now;
+    __atomic_store_n(&s->tail, tail + 1, __ATOMIC_RELEASE);
+    return 0;
+}
+
+uint32_t dp_sink_drain(struct dp_sink *s, struct dp_chunk *out, uint32_t max)
+{
+    uint64_t head = s->head, tail = __atomic_load_n(&s->tail, __ATOMIC_ACQUIRE);
+    uint32_t n = 0;
+    for (; head + n != tail && n < max; n++)
+        memcpy(&out[n], &s->slots[(head + n) & s->mask], sizeof(struct dp_chunk));
+    __atomic_store_n(&s->head, head + n, __ATOMIC_RELEASE);
+    return n;
+}
+
+/* --- BPF ring-buffer consumer ---------------------------------------------------- */
+
+static int on_record(void *ctx, void *data, size_t size)
+{
+    struct dp_consumer *c = ctx;
+    const struct dp_chunk *rec = data;   /* XDP wrote a whole struct dp_chunk */
+    uint64_t now = dp_now_ns();
+
+    if (size < sizeof(*rec))
+        return 0;
+    dp_lat_add(&c->xdp_lat, now - rec->t_xdp);
+    if (rec->t_send)
+        dp_lat_add(&c->send_lat, now - rec->t_send);
+    c->records++;
+    c->per_queue[rec->queue & 7]++;
+    sink_put(c->sink, rec, now);
+    return 0;
+}
+
+static void *consumer_main(void *arg)
+{
+    struct dp_consumer *c = arg;
+    pin(c->cpu);
+    while (!__atomic_load_n(&c->stop, __ATOMIC_RELAXED)) {
+        int n = ring_buffer__consume(c->rb);
+        c->polls++;
+        if (n < 0)
+            c->errors++;
+        else if (n == 0)
+            cpu_relax();
+    }
+    ring_buffer__consume(c->rb);   /* what arrived before stop */
+    return NULL;
+}
+
+struct dp_consumer *dp_consumer_new(const int *ring_fds, int n, struct dp_sink *sink, uint64_t samples)
+{
+    struct dp_consumer *c = calloc(1, sizeof(*c));
+    if (!c || n < 1)
+        goto fail;
+    c->sink = sink;
+    c->cpu = -1;
+    if (dp_lat_init(&c->xdp_lat, samples) || dp_lat_init(&c->send_lat, samples))
+        goto fail;
+    if (!(c->rb = ring_buffer__new(ring_fds[0], on_record, c, NULL)))
+        goto fail;
+    for (int i = 1; i < n; i++)
+        if (ring_buffer__add(c->rb, ring_fds[i], on_record, c))
+            goto fail;
+    return c;
+fail:
+    dp_consumer_free(c);
+    return NULL;
+}
+
+int dp_consumer_start(struct dp_consumer *c, int cpu)
+{
+    if (c->running)
+        return -EBUSY;
+    c->cpu = cpu;
+    c->stop = 0;
+    if (pthread_create(&c->thread, NULL, consumer_main, c))
+        return -errno;
+    c->running = 1;
+    return 0;
+}
+
+void dp_consumer_stop(struct dp_consumer *c)
+{
+    if (!c->running)
+        return;
+    __atomic_store_n(&c->stop, 1, __ATOMIC_RELAXED);
+    pthread_join(c->thread, NULL);
+    c->running = 0;
+}
+
+void dp_consumer_free(struct dp_consumer *c)
+{
+    if (!c)
+        return;
+    dp_consumer_stop(c);
+    ring_buffer__free(c->rb);
+    dp_lat_free(&c->xdp_lat);
+    dp_lat_free(&c->send_lat);
+    free(c);
+}
+
+/* --- UDP socket ingress ---------------------------------------------------------- */
+
+int dp_req_check(const uint8_t *buf, uint32_t len)
+{
+    struct dp_req_hdr h;
+    if (len < sizeof(h))
+        return 1 + DP_DROP_TRUNCATED;
+    memcpy(&h, buf, sizeof(h));
+    if (h.magic != DP_WIRE_MAGIC)
+        return 1 + DP_DROP_BAD_MAGIC;
+    if (h.version != DP_WIRE_VERSION)
+        return 1 + DP_DROP_BAD_VERSION;
+    if (h.flags & ~DP_FLAGS_KNOWN)
+        return 1 + DP_DROP_BAD_FLAGS;
+    if (h.kind == DP_KIND_CHUNK || h.kind == DP_KIND_COUNT_TOKENS) {
+        if (h.n_tokens < 1 || h.n_tokens > DP_MAX_CHUNK_TOKENS)
+            return 1 + DP_DROP_BAD_TOKENS;
+    } else if (h.kind == DP_KIND_OPEN || h.kind == DP_KIND_CLOSE) {
+        if (h.n_tokens)
+            return 1 + DP_DROP_BAD_TOKENS;
+    } else {
+        return 1 + DP_DROP_BAD_KIND;
+    }
+    if (h.reserved)
+        return 1 + DP_DROP_BAD_FLAGS;
+    if (h.chunk_count == 0 || h.chunk_index >= h.chunk_count)
+        return 1 + DP_DROP_BAD_CHUNK;
+    if (len != sizeof(h) + h.n_tokens * 4u)
+        return 1 + DP_DROP_LENGTH;
+    return 0;
+}
+
+static void udp_record(struct dp_udp_rx *r, const uint8_t *buf, uint32_t len, uint64_t now)
+{
+    const struct dp_req_hdr *h = (const void *)buf;
+    struct dp_chunk c;
+    int why = dp_req_check(buf, len);
+
+    if (why) {
+        r->bad++;
+        r->drops[why - 1]++;
+        return;
+    }
+    c.session_id = h->session_id;
+    c.request_id = h->request_id;
+    c.tenant = h->tenant;
+    c.max_output_tokens = h->max_output_tokens;
+    c.chunk_index = h->chunk_index;
+    c.chunk_count = h->chunk_count;
+    c.n_tokens = h->n_tokens;
+    c.kind = h->kind;
+    c.queue = (uint32_t)((h->session_id * DP_SESSION_HASH_MUL) >> 32) % r->queues;
+    c.batch_seq = c.batch_len = c.batch_pos = 0;
+    c.t_send = h->send_ns;
+    c.t_xdp = 0;                   /* the stage did not run */
+    c.t_consumer = 0;              /* sink_put stamps it */
+    c.t_router = c.t_lane = c.t_worker = 0;
+    c.flags = h->flags;
+    c.reserved = 0;
+    memcpy(c.tokens, buf + sizeof(*h), h->n_tokens * 4u);
+    if (c.t_send)
+        dp_lat_add(&r->send_lat, now - c.t_send);
+    r->records++;
+    sink_put(r->sink, &c, now);
+}
+
+static void *udp_rx_main(void *arg)
+{
+    struct dp_udp_rx *r = arg;
+    static __thread uint8_t bufs[RX_BATCH][DP_REQ_HDR_LEN + DP_MAX_CHUNK_TOKENS * 4 + 1];
+    struct mmsghdr msgs[RX_BATCH];
+    struct iovec iov[RX_BATCH];
+
+    pin(r->cpu);
+    for (int i = 0; i < RX_BATCH; i++) {
+        iov[i].iov_base = bufs[i];
+        iov[i].iov_len = sizeof(bufs[i]);   /* one byte more than a valid request: too long shows */
+        memset(&msgs[i].msg_hdr, 0, sizeof(msgs[i].msg_hdr));
+        msgs[i].msg_hdr.msg_iov = &iov[i];
+        msgs[i].msg_hdr.msg_iovlen = 1;
+    }
+    /* busy-polls like the ring-buffer consumer, so the two differ in path, not in waiting */
+    while (!__atomic_load_n(&r->stop, __ATOMIC_RELAXED)) {
+        int n = recvmmsg(r->fd, msgs, RX_BATCH, MSG_DONTWAIT, NULL);
+        if (n <= 0) {
+            cpu_relax();
+            continue;
+        }
+        uint64_t now = dp_now_ns();
+        for (int i = 0; i < n; i++)
+            udp_record(r, bufs[i], msgs[i].msg_len, now);
+    }
+    return NULL;
+}
+
+struct dp_udp_rx *dp_udp_rx_new(int fd, int queues, struct dp_sink *sink, uint64_t samples)
+{
+    struct dp_udp_rx *r = calloc(1, sizeof(*r));
+    if (!r || queues < 1 || queues > DP_MAX_QUEUES)
+        goto fail;
+    r->fd = fd;
+    r->queues = queues;
+    r->sink = sink;
+    r->cpu = -1;
+    if (dp_lat_init(&r->send_lat, samples))
+        goto fail;
+    return r;
+fail:
+    dp_udp_rx_free(r);
+    return NULL;
+}
+
+int dp_udp_rx_start(struct dp_udp_rx *r, int cpu)
+{
+    if (r->running)
+        return -EBUSY;
+    r->cpu = cpu;
+    r->stop = 0;
+    if (pthread_create(&r->thread, NULL, udp_rx_main, r))
+        return -errno;
+    r->running = 1;
+    return 0;
+}
+
+void dp_udp_rx_stop(struct dp_udp_rx *r)
+{
+    if (!r->running)
+        return;
+    __atomic_store_n(&r->stop, 1, __ATOMIC_RELAXED);
+    pthread_join(r->thread, NULL);
+    r->running = 0;
+}
+
+void dp_udp_rx_free(struct dp_udp_rx *r)
+{
+    if (!r)
+        return;
+    dp_udp_rx_stop(r);
+    dp_lat_free(&r->send_lat);
+    free(r);
+}
