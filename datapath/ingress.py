@@ -15,6 +15,7 @@ outlives the namespace it lives in.
 """
 from __future__ import annotations
 
+import os
 import signal
 import threading
 
@@ -70,6 +71,7 @@ class Ingress:
         self.bpf = None
         self.fn = None
         self.attachments: list[xdp.XdpAttachment] = []
+        self._peer_prog = None
         self._old_sigterm = None
 
     # --- life cycle -----------------------------------------------------------------
@@ -84,27 +86,41 @@ class Ingress:
         self.bpf = b
         return self
 
-    def attach(self, ifname: str, netns: str | None = None, mode: str = "auto") -> str:
-        """Attach to ifname in netns (a veth this process made); returns the mode in use."""
+    def attach(self, ifname: str, netns: str | None = None, mode: str = "auto",
+               veth_peer: tuple[str, str | None] | None = None) -> str:
+        """Attach to ifname in netns (a veth this process made); returns the mode in use.
+
+        veth_peer (ifname, netns): the other end of that veth. In native mode a
+        veth delivers XDP_TX frames (the 429s) only to a peer running NAPI, which
+        it does once an XDP program is attached there, so the pass-everything
+        count program goes on the peer. A physical NIC needs nothing of the kind.
+        """
         att = xdp.XdpAttachment(self.fn.fd, ifname, netns, mode)
         att.__enter__()
         self.attachments.append(att)
+        if veth_peer and att.mode == "native":
+            self._peer_prog = self._peer_prog or xdp.load_xdp("count.bpf.c", "xdp_count")
+            peer = xdp.XdpAttachment(self._peer_prog[1].fd, *veth_peer, mode="native")
+            peer.__enter__()
+            self.attachments.append(peer)
         return att.mode
 
     @property
     def mode(self) -> str | None:
-        return self.attachments[-1].mode if self.attachments else None
+        """The steering program's XDP mode (of its first attachment)."""
+        return self.attachments[0].mode if self.attachments else None
 
     def close(self):
         while self.attachments:
             self.attachments.pop().detach()
-        if self.bpf is not None:
-            self.bpf.cleanup()
-            self.bpf = None
+        for b in (self.bpf, self._peer_prog and self._peer_prog[0]):
+            if b is not None:
+                b.cleanup()
+        self.bpf = self._peer_prog = None
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
-            self._old_sigterm = signal.signal(signal.SIGTERM, _sigterm_exit)
+            self._old_sigterm = signal.signal(signal.SIGTERM, _SigtermExit())
         try:
             return self.load()
         except BaseException:
@@ -178,8 +194,20 @@ class Ingress:
         return Consumer(self.ring_fds(), sink_capacity, samples, cpu)
 
 
-def _sigterm_exit(signum, frame):
-    raise SystemExit(128 + signum)   # unwinds with-blocks, so the program is detached
+class _SigtermExit:
+    """SIGTERM as SystemExit, so with-blocks unwind and the program is detached.
+
+    Only in the process that installed it: a forked child (pyroute2's netns
+    helpers are) must die as usual, not unwind the parent's with-blocks and
+    tear down its namespaces."""
+
+    def __init__(self):
+        self.pid = os.getpid()
+
+    def __call__(self, signum, frame):
+        if os.getpid() != self.pid:
+            os._exit(128 + signum)
+        raise SystemExit(128 + signum)
 
 
 class Sink:
