@@ -86,13 +86,11 @@ static __always_inline int pass(void)
     return XDP_PASS;
 }
 
-static __always_inline __u32 pick_queue(struct dp_req_hdr *req)
+static __always_inline __u32 pick_queue(struct dp_req_hdr *req, __u32 mode)
 {
-    __u32 zero = 0, *q = NULL;
+    __u32 *q = NULL;
     __u64 sid = req->session_id;
     __u32 tenant = req->tenant;
-    struct dp_policy *p = policy.lookup(&zero);
-    __u32 mode = p ? p->mode : DP_POLICY_SESSION_HASH;
 
     if (mode == DP_POLICY_SESSION_PIN)
         q = pins.lookup(&sid);
@@ -201,7 +199,8 @@ int xdp_steer(struct xdp_md *ctx)
     struct dp_req_hdr *req;
     struct dp_chunk *rec;
     int proto, frag = 0, v6 = 0, udp_len;
-    __u32 n, kind, q, len, off;
+    __u32 n, kind, q, len, off, zero = 0;
+    struct dp_policy *pol;
     __u64 now, *cnt;
 
     proto = parse_ethhdr(&c, data_end, &eth);
@@ -265,12 +264,15 @@ int xdp_steer(struct xdp_md *ctx)
         return drop(DP_DROP_TRUNCATED);
 
     now = bpf_ktime_get_ns();
-    if (kind == DP_KIND_CHUNK && over_limit(req->tenant, n, now)) {
+    pol = policy.lookup(&zero);
+    if (!pol)
+        return XDP_ABORTED;   /* an array always has index 0: unreachable */
+    if (pol->rate_limits && kind == DP_KIND_CHUNK && over_limit(req->tenant, n, now)) {
         drop(DP_DROP_RATE_LIMITED);
         return reply_429(ctx, eth, iph, ip6h, v6, udph, req);
     }
 
-    q = pick_queue(req);
+    q = pick_queue(req, pol->mode);
     rec = reserve_record(q);
     if (!rec)
         return drop(DP_DROP_RING_FULL);
@@ -305,13 +307,12 @@ int xdp_steer(struct xdp_md *ctx)
             return drop(DP_DROP_TRUNCATED);
         }
     }
-    rec->t_xdp = bpf_ktime_get_ns();
+    rec->t_xdp = now;
     /* no wakeup: the consumer busy-polls, nobody sleeps in epoll on these rings */
     ring0.ringbuf_submit(rec, BPF_RB_NO_WAKEUP);
 
     cnt = queue_pkts.lookup(&q);
     if (cnt)
         *cnt += 1;
-    event(DP_EV_QUEUED);
     return XDP_DROP;
 }

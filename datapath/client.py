@@ -45,7 +45,7 @@ def interleave(sessions: list[list[bytes]]) -> list[bytes]:
 
 
 def send(sock: socket.socket, packets: list[bytes], rate: float, count: int, duration: float,
-         batch: int = 32, stamp_seq: bool = True, drain_ms: int = 50, seed: int = 1) -> dict:
+         batch: int = 32, stamp_seq: bool = True, drain_ms: int = 50, seed: int = 1, spin_us: int = 50) -> dict:
     """Send `count` packets (cycling through `packets`) on a connected UDP socket. Returns the C stats."""
     if not packets or rate <= 0 or count < 1 or duration <= 0:
         raise ValueError("send needs packets, rate > 0, count >= 1 and duration > 0")
@@ -55,7 +55,8 @@ def send(sock: socket.socket, packets: list[bytes], rate: float, count: int, dur
     buf = ffi.new("uint8_t[]", b"".join(p.ljust(stride, b"\0") for p in packets))
     lens = ffi.new("uint16_t[]", [len(p) for p in packets])
     cfg = ffi.new("struct dp_send_cfg *", dict(rate_pps=rate, count=count, max_ns=int(duration * 1e9),
-                                                seed=seed, batch=batch, drain_ms=drain_ms, stamp_seq=stamp_seq))
+                                                seed=seed, batch=batch, drain_ms=drain_ms, stamp_seq=stamp_seq,
+                                                spin_ns=spin_us * 1000))
     st = ffi.new("struct dp_send_stats *")
     if lib.dp_lat_init(ffi.addressof(st.rtt), 1 << 16):
         raise MemoryError("cannot allocate the response latency samples")
@@ -72,8 +73,10 @@ def send(sock: socket.socket, packets: list[bytes], rate: float, count: int, dur
         lib.dp_lat_free(ffi.addressof(st.rtt))
 
 
-def run_in_netns(netns: str, fn, *args, cpu: int | None = None, timeout: float = 120.0, **kwargs):
-    """fn(*args, **kwargs) in a forked child inside netns; returns its (JSON-able) result."""
+def run_in_netns(netns: str, fn, *args, cpu: int | None = None, rt_priority: int = 0,
+                 timeout: float = 120.0, **kwargs):
+    """fn(*args, **kwargs) in a forked child inside netns (pinned to cpu, SCHED_FIFO at rt_priority
+    if > 0); returns its (JSON-able) result."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -83,6 +86,8 @@ def run_in_netns(netns: str, fn, *args, cpu: int | None = None, timeout: float =
             topology.enter(netns)
             if cpu is not None:
                 os.sched_setaffinity(0, {cpu})
+            if rt_priority:
+                os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(rt_priority))
             out = {"ok": fn(*args, **kwargs)}
             code = 0
         except BaseException as e:  # report it to the parent, never unwind into its code
@@ -122,10 +127,10 @@ def _send_to(dst: str, port: int, packets, **kw) -> dict:
 
 
 def send_from(netns: str, dst: str, packets: list[bytes], rate: float, count: int, duration: float,
-              port: int = wire.DEFAULT_PORT, cpu: int | None = None, **kw) -> dict:
+              port: int = wire.DEFAULT_PORT, cpu: int | None = None, rt_priority: int = 0, **kw) -> dict:
     """The load generator in the client namespace, sending to dst:port (an address in 198.18.0.0/15)."""
     if ipaddress.ip_address(dst) not in topology.SUBNET:
         raise ValueError(f"{dst} is outside {topology.SUBNET}: the load generator only sends to test namespaces")
     return run_in_netns(netns, _send_to, dst, port, packets, rate=rate, count=count, duration=duration,
-                        cpu=cpu, timeout=duration + 30, **kw)
+                        cpu=cpu, rt_priority=rt_priority, timeout=duration + 30, **kw)
 

@@ -145,10 +145,12 @@ class Ingress:
         return [t.sum(t.Key(i)).value for i in range(n)]
 
     def counters(self) -> dict[str, int]:
-        """Every counter by name: events ("pass", "queued", "reply_429"), drop_<reason>, queue<n>."""
+        """Every counter by name: "pass", "reply_429", drop_<reason>, queue<n>, and "queued" (their sum)."""
         out = dict(zip(EVENTS, self._percpu_sums("events", len(EVENTS))))
         out.update(zip((f"drop_{r}" for r in DROP_REASONS), self._percpu_sums("drops", len(DROP_REASONS))))
-        out.update(zip((f"queue{q}" for q in range(self.queues)), self._percpu_sums("queue_pkts", self.queues)))
+        per_queue = self._percpu_sums("queue_pkts", self.queues)
+        out.update(zip((f"queue{q}" for q in range(self.queues)), per_queue))
+        out["queued"] = sum(per_queue)
         return out
 
     def set_policy(self, mode: str):
@@ -156,7 +158,11 @@ class Ingress:
         if mode not in POLICIES:
             raise ValueError(f"policy must be one of {sorted(POLICIES)}, not {mode!r}")
         t = self.table("policy")
-        t[t.Key(0)] = t.Leaf(POLICIES[mode], 0)
+        t[t.Key(0)] = t.Leaf(POLICIES[mode], t[t.Key(0)].rate_limits)
+
+    def _count_rate_limits(self):
+        t = self.table("policy")
+        t[t.Key(0)] = t.Leaf(t[t.Key(0)].mode, len(self.table("buckets")))
 
     def _queue(self, queue: int) -> int:
         if not 0 <= queue < self.queues:
@@ -182,6 +188,7 @@ class Ingress:
         ns_per_token = NS_PER_MINUTE // tokens_per_minute
         t = self.table("buckets")
         t[t.Key(tenant)] = t.Leaf(ns_per_token, burst * ns_per_token, 0)
+        self._count_rate_limits()
 
     def clear_rate(self, tenant: int):
         t = self.table("buckets")
@@ -189,9 +196,11 @@ class Ingress:
             del t[t.Key(tenant)]
         except KeyError:
             pass
+        self._count_rate_limits()
 
-    def consumer(self, sink_capacity: int = 1 << 16, samples: int = 1 << 20, cpu: int = -1) -> "Consumer":
-        return Consumer(self.ring_fds(), sink_capacity, samples, cpu)
+    def consumer(self, sink_capacity: int = 1 << 16, samples: int = 1 << 20, cpu: int = -1,
+                 rt_priority: int = 0) -> "Consumer":
+        return Consumer(self.ring_fds(), sink_capacity, samples, cpu, rt_priority)
 
 
 class _SigtermExit:
@@ -256,7 +265,11 @@ def percentile(sorted_values, p: float) -> float:
 
 
 class _Thread:
-    """A C consumer thread's Python handle: start/stop, stats, the sink."""
+    """A C consumer thread's Python handle: start/stop, stats, the sink.
+
+    cpu pins the thread; rt_priority > 0 runs it SCHED_FIFO (for benchmarks on
+    shared cores: a busy-poller under the normal scheduler waits for whole time
+    slices while another process has its core)."""
 
     _start = _stop = None
 
@@ -268,7 +281,7 @@ class _Thread:
         self.stop()
 
     def start(self):
-        rc = self._start(self.ptr, self.cpu)
+        rc = self._start(self.ptr, self.cpu, self.rt_priority)
         if rc:
             raise OSError(-rc, "cannot start the consumer thread")
 
@@ -281,14 +294,15 @@ class Consumer(_Thread):
 
     _start, _stop = lib.dp_consumer_start, lib.dp_consumer_stop
 
-    def __init__(self, ring_fds, sink_capacity: int = 1 << 16, samples: int = 1 << 20, cpu: int = -1):
+    def __init__(self, ring_fds, sink_capacity: int = 1 << 16, samples: int = 1 << 20, cpu: int = -1,
+                 rt_priority: int = 0):
         self.sink = Sink(sink_capacity)
         fds = ffi.new("int[]", list(ring_fds))
         ptr = lib.dp_consumer_new(fds, len(ring_fds), self.sink.ptr, samples)
         if ptr == ffi.NULL:
             raise OSError("libbpf could not set up the ring-buffer consumer (ring_buffer__new failed)")
         self.ptr = ffi.gc(ptr, lib.dp_consumer_free)
-        self.cpu = cpu
+        self.cpu, self.rt_priority = cpu, rt_priority
 
     @property
     def records(self) -> int:
@@ -312,14 +326,15 @@ class UdpIngress(_Thread):
     _start, _stop = lib.dp_udp_rx_start, lib.dp_udp_rx_stop
 
     def __init__(self, sock, queues: int = DEFAULT_QUEUES, sink_capacity: int = 1 << 16,
-                 samples: int = 1 << 20, cpu: int = -1):
+                 samples: int = 1 << 20, cpu: int = -1, reply_status: int = 0, rt_priority: int = 0):
         self.sock = sock   # kept open as long as the thread may read it
         self.sink = Sink(sink_capacity)
         ptr = lib.dp_udp_rx_new(sock.fileno(), queues, self.sink.ptr, samples)
         if ptr == ffi.NULL:
             raise ValueError(f"cannot set up the UDP ingress (queues must be 1..{lib.DP_MAX_QUEUES})")
         self.ptr = ffi.gc(ptr, lib.dp_udp_rx_free)
-        self.cpu = cpu
+        self.ptr.reply_status = reply_status   # answer instead of forwarding (the user-space 429 path)
+        self.cpu, self.rt_priority = cpu, rt_priority
 
     @property
     def records(self) -> int:

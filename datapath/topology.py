@@ -16,6 +16,7 @@ import ipaddress
 import itertools
 import os
 import re
+import socket
 
 from pyroute2 import NetNS, netns
 
@@ -106,6 +107,15 @@ class Topology:
 def enter(name: str):
     """Move the calling thread into netns `name` (use in a child process or a preexec_fn)."""
     netns.setns(name)
+
+
+def socket_in(name: str, family=socket.AF_INET, type=socket.SOCK_DGRAM) -> socket.socket:
+    """A socket that lives in netns `name` (sockets keep the namespace they were made in)."""
+    netns.pushns(name)
+    try:
+        return socket.socket(family, type)
+    finally:
+        netns.popns()
 
 
 def ours() -> list[str]:

@@ -31,13 +31,21 @@ static inline void cpu_relax(void)
 #endif
 }
 
-static void pin(int cpu)
+/* Pin the calling thread and, if asked, make it SCHED_FIFO: a busy-poller
+ * sharing a core with other work under the normal scheduler waits whole time
+ * slices (milliseconds) for the core. The kernel's RT throttling
+ * (sched_rt_runtime_us) still leaves the other tasks their share. */
+static void pin(int cpu, int rt_priority)
 {
     if (cpu >= 0) {
         cpu_set_t set;
         CPU_ZERO(&set);
         CPU_SET(cpu, &set);
         pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
+    }
+    if (rt_priority > 0) {
+        struct sched_param sp = { .sched_priority = rt_priority };
+        pthread_setschedparam(pthread_self(), SCHED_FIFO, &sp);
     }
 }
 
@@ -147,7 +155,7 @@ static int on_record(void *ctx, void *data, size_t size)
 static void *consumer_main(void *arg)
 {
     struct dp_consumer *c = arg;
-    pin(c->cpu);
+    pin(c->cpu, c->rt_priority);
     while (!__atomic_load_n(&c->stop, __ATOMIC_RELAXED)) {
         int n = ring_buffer__consume(c->rb);
         c->polls++;
@@ -180,11 +188,12 @@ fail:
     return NULL;
 }
 
-int dp_consumer_start(struct dp_consumer *c, int cpu)
+int dp_consumer_start(struct dp_consumer *c, int cpu, int rt_priority)
 {
     if (c->running)
         return -EBUSY;
     c->cpu = cpu;
+    c->rt_priority = rt_priority;
     c->stop = 0;
     if (pthread_create(&c->thread, NULL, consumer_main, c))
         return -errno;
@@ -244,7 +253,19 @@ int dp_req_check(const uint8_t *buf, uint32_t len)
     return 0;
 }
 
-static void udp_record(struct dp_udp_rx *r, const uint8_t *buf, uint32_t len, uint64_t now)
+static void udp_reply(struct dp_udp_rx *r, const struct dp_req_hdr *h, const struct msghdr *from)
+{
+    struct dp_resp_hdr resp = {
+        .magic = DP_WIRE_MAGIC, .version = DP_WIRE_VERSION, .kind = DP_KIND_RESPONSE, .flags = h->flags,
+        .tenant = h->tenant, .status = r->reply_status, .body_len = 0, .session_id = h->session_id,
+        .request_id = h->request_id, .send_ns = h->send_ns,
+    };
+    if (sendto(r->fd, &resp, sizeof(resp), MSG_DONTWAIT, from->msg_name, from->msg_namelen) == sizeof(resp))
+        r->replies++;
+}
+
+static void udp_record(struct dp_udp_rx *r, const uint8_t *buf, uint32_t len, uint64_t now,
+                       const struct msghdr *from)
 {
     const struct dp_req_hdr *h = (const void *)buf;
     struct dp_chunk c;
@@ -253,6 +274,10 @@ static void udp_record(struct dp_udp_rx *r, const uint8_t *buf, uint32_t len, ui
     if (why) {
         r->bad++;
         r->drops[why - 1]++;
+        return;
+    }
+    if (r->reply_status) {
+        udp_reply(r, h, from);
         return;
     }
     c.session_id = h->session_id;
@@ -284,12 +309,15 @@ static void *udp_rx_main(void *arg)
     static __thread uint8_t bufs[RX_BATCH][DP_REQ_HDR_LEN + DP_MAX_CHUNK_TOKENS * 4 + 1];
     struct mmsghdr msgs[RX_BATCH];
     struct iovec iov[RX_BATCH];
+    struct sockaddr_storage from[RX_BATCH];
 
-    pin(r->cpu);
+    pin(r->cpu, r->rt_priority);
     for (int i = 0; i < RX_BATCH; i++) {
         iov[i].iov_base = bufs[i];
         iov[i].iov_len = sizeof(bufs[i]);   /* one byte more than a valid request: too long shows */
         memset(&msgs[i].msg_hdr, 0, sizeof(msgs[i].msg_hdr));
+        msgs[i].msg_hdr.msg_name = &from[i];
+        msgs[i].msg_hdr.msg_namelen = sizeof(from[i]);
         msgs[i].msg_hdr.msg_iov = &iov[i];
         msgs[i].msg_hdr.msg_iovlen = 1;
     }
@@ -301,8 +329,10 @@ static void *udp_rx_main(void *arg)
             continue;
         }
         uint64_t now = dp_now_ns();
-        for (int i = 0; i < n; i++)
-            udp_record(r, bufs[i], msgs[i].msg_len, now);
+        for (int i = 0; i < n; i++) {
+            udp_record(r, bufs[i], msgs[i].msg_len, now, &msgs[i].msg_hdr);
+            msgs[i].msg_hdr.msg_namelen = sizeof(from[i]);   /* recvmmsg shrank it */
+        }
     }
     return NULL;
 }
@@ -324,11 +354,12 @@ fail:
     return NULL;
 }
 
-int dp_udp_rx_start(struct dp_udp_rx *r, int cpu)
+int dp_udp_rx_start(struct dp_udp_rx *r, int cpu, int rt_priority)
 {
     if (r->running)
         return -EBUSY;
     r->cpu = cpu;
+    r->rt_priority = rt_priority;
     r->stop = 0;
     if (pthread_create(&r->thread, NULL, udp_rx_main, r))
         return -errno;

@@ -43,6 +43,7 @@ struct dp_consumer {
     int stop;                  /* set by Python, read with __atomic_load_n */
     int running;
     int cpu;                   /* pinned there, or -1 */
+    int rt_priority;           /* SCHED_FIFO priority while running, 0: the normal scheduler */
     uint64_t records;          /* records taken from the ring buffers */
     uint64_t per_queue[8];
     uint64_t polls;            /* ring_buffer__consume calls */
@@ -59,10 +60,14 @@ struct dp_udp_rx {
     int stop;                  /* set by Python, read with __atomic_load_n */
     int running;
     int cpu;
+    int rt_priority;
     uint64_t records;
     uint64_t bad;              /* datagrams that failed validation */
     uint64_t drops[11];        /* by enum dp_drop */
     struct dp_lat send_lat;    /* t_consumer - t_send */
+    uint32_t reply_status;     /* answer each valid request with this status (0: never); measures
+                                  the user-space alternative to the XDP_TX 429 */
+    uint64_t replies;
 };
 
 struct dp_sink *dp_sink_new(uint32_t capacity);   /* a power of two */
@@ -75,13 +80,13 @@ void dp_lat_free(struct dp_lat *l);
 
 /* Consumer of the steering program's ring buffers (map fds from bcc). */
 struct dp_consumer *dp_consumer_new(const int *ring_fds, int n, struct dp_sink *sink, uint64_t samples);
-int dp_consumer_start(struct dp_consumer *c, int cpu);
+int dp_consumer_start(struct dp_consumer *c, int cpu, int rt_priority);
 void dp_consumer_stop(struct dp_consumer *c);
 void dp_consumer_free(struct dp_consumer *c);
 
 /* UDP socket ingress with the same downstream interface. */
 struct dp_udp_rx *dp_udp_rx_new(int fd, int queues, struct dp_sink *sink, uint64_t samples);
-int dp_udp_rx_start(struct dp_udp_rx *r, int cpu);
+int dp_udp_rx_start(struct dp_udp_rx *r, int cpu, int rt_priority);
 void dp_udp_rx_stop(struct dp_udp_rx *r);
 void dp_udp_rx_free(struct dp_udp_rx *r);
 
@@ -97,6 +102,7 @@ struct dp_send_cfg {
     uint32_t batch;            /* sendmmsg batch limit */
     uint32_t drain_ms;         /* keep reading responses this long after the last send */
     int stamp_seq;             /* write the sequence number into request_id */
+    uint32_t spin_ns;          /* sleep through gaps longer than this, spin the rest */
 };
 
 struct dp_send_stats {

@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <time.h>
 
 #include "chunk.h"
 #include "ingress.h"
@@ -33,6 +34,12 @@ static uint64_t next_gap(uint64_t *rng, double rate)
 {
     double u = ((xorshift(rng) >> 11) + 1) * (1.0 / 9007199254740993.0);   /* (0, 1] */
     return (uint64_t)(-log(u) / rate * 1e9);
+}
+
+static void sleep_until(uint64_t t)
+{
+    struct timespec ts = { .tv_sec = t / 1000000000ull, .tv_nsec = t % 1000000000ull };
+    clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL);
 }
 
 static void read_responses(int fd, struct dp_send_stats *st)
@@ -81,6 +88,8 @@ int dp_send_poisson(int fd, const uint8_t *pkts, uint32_t stride, const uint16_t
             break;
         if (now < due) {
             read_responses(fd, st);
+            if (due - now > cfg->spin_ns)
+                sleep_until(due - cfg->spin_ns);   /* give the core back; spin only the last stretch */
             continue;
         }
         if (now - due > st->max_late_ns)

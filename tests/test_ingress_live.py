@@ -8,7 +8,7 @@ import pytest
 
 from datapath import client, wire
 from datapath.ingress import Ingress, UdpIngress, session_queue
-from datapath.topology import Topology
+from datapath.topology import Topology, socket_in
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf]
 QUEUES = 4
@@ -123,12 +123,7 @@ def test_rate_limit_cuts_one_tenant_and_spares_the_other(live):
 
 
 def test_udp_ingress_has_the_same_downstream(topology):
-    from pyroute2 import netns
-    netns.pushns(topology.host_ns)
-    try:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    finally:
-        netns.popns()
+    sock = socket_in(topology.host_ns)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 22)
     sock.bind((topology.host_ip[0], wire.DEFAULT_PORT))
     with sock, UdpIngress(sock, queues=QUEUES) as rx:
@@ -143,3 +138,14 @@ def test_udp_ingress_has_the_same_downstream(topology):
     assert len(recs) == n - 2 and rx.drops()["bad_magic"] == 2
     assert all(r["queue"] == session_queue(r["session_id"], QUEUES) and r["t_xdp"] == 0 for r in recs)
     assert all(r["t_consumer"] >= r["t_send"] > 0 for r in recs)
+
+
+def test_udp_ingress_can_answer_instead(topology):
+    """The user-space 429 path the benchmark compares XDP_TX with."""
+    sock = socket_in(topology.host_ns)
+    sock.bind((topology.host_ip[0], wire.DEFAULT_PORT))
+    with sock, UdpIngress(sock, reply_status=wire.STATUS_RATE_LIMITED) as rx:
+        res = client.send_from(topology.client_ns[0], topology.host_ip[0], sessions(2, 2), rate=2_000,
+                               count=50, duration=10, drain_ms=200)
+    assert res["sent"] == 50 and rx.ptr.replies == 50 and rx.records == 0
+    assert res["resp_429"] == 50 and len(res["rtt_ns"]) == 50

@@ -143,6 +143,7 @@ def ig(ingress):
     ig.set_policy("hash")
     for name in ("pins", "tenant_queue", "buckets"):
         ig.table(name).clear()
+    ig.clear_rate(7)
     settle(ig, consumer)
     return ig, consumer
 
