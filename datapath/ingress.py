@@ -234,6 +234,10 @@ class Sink:
     def full(self) -> int:
         return self.ptr.full
 
+    def discard(self) -> int:
+        """Drop every record waiting (a benchmark's stand-in for the router); returns how many."""
+        return lib.dp_sink_drain(self.ptr, ffi.NULL, 1 << 31)
+
     def drain(self, limit: int = 1 << 30) -> list[dict]:
         """Every record waiting, as dicts (tests and tools: control path, not per chunk in production)."""
         out = []

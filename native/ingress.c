@@ -128,7 +128,8 @@ uint32_t dp_sink_drain(struct dp_sink *s, struct dp_chunk *out, uint32_t max)
     uint64_t head = s->head, tail = __atomic_load_n(&s->tail, __ATOMIC_ACQUIRE);
     uint32_t n = 0;
     for (; head + n != tail && n < max; n++)
-        memcpy(&out[n], &s->slots[(head + n) & s->mask], sizeof(struct dp_chunk));
+        if (out)   /* NULL: discard (benchmarks stand in for the router this way) */
+            memcpy(&out[n], &s->slots[(head + n) & s->mask], sizeof(struct dp_chunk));
     __atomic_store_n(&s->head, head + n, __ATOMIC_RELEASE);
     return n;
 }
