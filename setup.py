@@ -5,6 +5,7 @@ from setuptools import setup
 setup(
     cffi_modules=[
         "native/ffi_wire.py:ffibuilder",
+        "native/ffi_dataplane.py:ffibuilder",
         "native/ffi_ingress.py:ffibuilder",
     ],
 )

@@ -12,6 +12,7 @@ import sys
 # suite name -> module in bench/ with run(report, args)
 SUITES = {
     "wire": "bench.wire",
+    "ring": "bench.ring",
     "ingress": "bench.ingress",
 }
 

@@ -19,8 +19,13 @@ import os
 import signal
 import threading
 
+import numpy as np
+
 from . import xdp
+from ._dataplane import ffi as _dp_ffi
 from ._ingress import ffi, lib
+from .records import CHUNK
+from .ring import Ring
 
 DEFAULT_QUEUES = 4
 DEFAULT_RING_PAGES = 256        # 1 MiB per queue: ~1700 records of 616 bytes
@@ -36,7 +41,7 @@ NS_PER_MINUTE = 60_000_000_000
 
 def session_queue(session_id: int, queues: int) -> int:
     """The queue the default policy gives a session (the XDP program's hash)."""
-    return ((session_id * lib.DP_SESSION_HASH_MUL) % (1 << 64) >> 32) % queues
+    return ((int(session_id) * lib.DP_SESSION_HASH_MUL) % (1 << 64) >> 32) % queues
 
 
 def log2_hist(buckets, unit: str = "ns") -> str:
@@ -198,9 +203,9 @@ class Ingress:
             pass
         self._count_rate_limits()
 
-    def consumer(self, sink_capacity: int = 1 << 16, samples: int = 1 << 20, cpu: int = -1,
-                 rt_priority: int = 0) -> "Consumer":
-        return Consumer(self.ring_fds(), sink_capacity, samples, cpu, rt_priority)
+    def consumer(self, out: Ring, samples: int = 1 << 20, cpu: int = -1, rt_priority: int = 0) -> "Consumer":
+        """The C consumer of this program's ring buffers, writing into `out` (see output_ring)."""
+        return Consumer(self.ring_fds(), out, samples, cpu, rt_priority)
 
 
 class _SigtermExit:
@@ -219,43 +224,19 @@ class _SigtermExit:
         raise SystemExit(128 + signum)
 
 
-class Sink:
-    """Where consumers put records (until the router's ring is wired in: an SPSC array)."""
-
-    def __init__(self, capacity: int = 1 << 16):
-        if capacity < 1 or capacity & (capacity - 1):
-            raise ValueError(f"sink capacity must be a power of two, not {capacity}")
-        self.ptr = ffi.gc(lib.dp_sink_new(capacity), lib.dp_sink_free)
-        if self.ptr == ffi.NULL:
-            raise MemoryError("cannot allocate the sink")
-        self._buf = ffi.new("struct dp_chunk[]", 4096)
-
-    @property
-    def full(self) -> int:
-        return self.ptr.full
-
-    def discard(self) -> int:
-        """Drop every record waiting (a benchmark's stand-in for the router); returns how many."""
-        return lib.dp_sink_drain(self.ptr, ffi.NULL, 1 << 31)
-
-    def drain(self, limit: int = 1 << 30) -> list[dict]:
-        """Every record waiting, as dicts (tests and tools: control path, not per chunk in production)."""
-        out = []
-        while len(out) < limit:
-            n = lib.dp_sink_drain(self.ptr, self._buf, min(4096, limit - len(out)))
-            if not n:
-                break
-            out += [chunk_dict(self._buf[i]) for i in range(n)]
-        return out
+def output_ring(name: str, capacity: int = 1 << 14) -> Ring:
+    """A router input ring for a consumer to fill: one struct dp_chunk per slot, this process its producer."""
+    return Ring.create(name, ffi.sizeof("struct dp_chunk"), capacity, role="producer")
 
 
-CHUNK_FIELDS = [name for name, _ in ffi.typeof("struct dp_chunk").fields if name != "tokens"]
+def _ring_ptr(ring: Ring):
+    """ring's C handle as this extension's type (the ring's own binding is datapath._dataplane)."""
+    return ffi.cast("struct dp_ring *", int(_dp_ffi.cast("uintptr_t", ring.ptr)))
 
 
-def chunk_dict(c) -> dict:
-    d = {name: getattr(c, name) for name in CHUNK_FIELDS}
-    d["tokens"] = list(c.tokens[0:c.n_tokens])
-    return d
+def take(ring: Ring, limit: int = 1 << 16) -> np.ndarray:
+    """Records waiting in ring (a consumer handle), as a records.CHUNK array: tests and tools."""
+    return np.frombuffer(ring.dequeue(limit), dtype=CHUNK)
 
 
 def lat_samples(lat) -> list[int]:
@@ -269,7 +250,7 @@ def percentile(sorted_values, p: float) -> float:
 
 
 class _Thread:
-    """A C consumer thread's Python handle: start/stop, stats, the sink.
+    """A C consumer thread's Python handle: start/stop, stats.
 
     cpu pins the thread; rt_priority > 0 runs it SCHED_FIFO (for benchmarks on
     shared cores: a busy-poller under the normal scheduler waits for whole time
@@ -298,19 +279,24 @@ class Consumer(_Thread):
 
     _start, _stop = lib.dp_consumer_start, lib.dp_consumer_stop
 
-    def __init__(self, ring_fds, sink_capacity: int = 1 << 16, samples: int = 1 << 20, cpu: int = -1,
-                 rt_priority: int = 0):
-        self.sink = Sink(sink_capacity)
+    def __init__(self, ring_fds, out: Ring, samples: int = 1 << 20, cpu: int = -1, rt_priority: int = 0):
+        self.out = out   # kept open as long as the thread may write it
         fds = ffi.new("int[]", list(ring_fds))
-        ptr = lib.dp_consumer_new(fds, len(ring_fds), self.sink.ptr, samples)
+        ptr = lib.dp_consumer_new(fds, len(ring_fds), _ring_ptr(out), samples)
         if ptr == ffi.NULL:
-            raise OSError("libbpf could not set up the ring-buffer consumer (ring_buffer__new failed)")
+            raise OSError("cannot set up the ring-buffer consumer: libbpf's ring_buffer__new failed, or the "
+                          "output ring's slots are smaller than a chunk or this process is not its producer")
         self.ptr = ffi.gc(ptr, lib.dp_consumer_free)
         self.cpu, self.rt_priority = cpu, rt_priority
 
     @property
     def records(self) -> int:
         return self.ptr.records
+
+    @property
+    def out_full(self) -> int:
+        """Records dropped because the output ring was full."""
+        return self.ptr.out.full
 
     def reset(self):
         """Clear the latency records (call while stopped)."""
@@ -329,13 +315,13 @@ class UdpIngress(_Thread):
 
     _start, _stop = lib.dp_udp_rx_start, lib.dp_udp_rx_stop
 
-    def __init__(self, sock, queues: int = DEFAULT_QUEUES, sink_capacity: int = 1 << 16,
-                 samples: int = 1 << 20, cpu: int = -1, reply_status: int = 0, rt_priority: int = 0):
-        self.sock = sock   # kept open as long as the thread may read it
-        self.sink = Sink(sink_capacity)
-        ptr = lib.dp_udp_rx_new(sock.fileno(), queues, self.sink.ptr, samples)
+    def __init__(self, sock, out: Ring, queues: int = DEFAULT_QUEUES, samples: int = 1 << 20, cpu: int = -1,
+                 reply_status: int = 0, rt_priority: int = 0):
+        self.sock, self.out = sock, out   # kept open as long as the thread may use them
+        ptr = lib.dp_udp_rx_new(sock.fileno(), queues, _ring_ptr(out), samples)
         if ptr == ffi.NULL:
-            raise ValueError(f"cannot set up the UDP ingress (queues must be 1..{lib.DP_MAX_QUEUES})")
+            raise ValueError(f"cannot set up the UDP ingress (queues must be 1..{lib.DP_MAX_QUEUES}; the output "
+                             "ring needs chunk-sized slots and this process as its producer)")
         self.ptr = ffi.gc(ptr, lib.dp_udp_rx_free)
         self.ptr.reply_status = reply_status   # answer instead of forwarding (the user-space 429 path)
         self.cpu, self.rt_priority = cpu, rt_priority

@@ -17,6 +17,11 @@
 /* LAYOUT BEGIN */
 #define DP_CHUNK_HDR_LEN 96
 #define DP_CHUNK_LEN 608                  /* header + DP_MAX_CHUNK_TOKENS tokens */
+#define DP_KIND_DECODE 6                  /* router -> worker: one decode step, no tokens */
+#define DP_CHUNK_F_FINAL 0x10000          /* last prefill piece of its request: sample after it */
+#define DP_MAX_BATCH_CHUNKS 64            /* records in one micro-batch, at most */
+#define DP_MAX_OUTPUT_TOKENS 256          /* output tokens a response carries (1 KiB body) */
+#define DP_CE_EOS 1                       /* completion entry: the model ended the sequence */
 
 struct dp_chunk {
     __u64 session_id;          /*  0 */
@@ -37,14 +42,50 @@ struct dp_chunk {
     __u64 t_router;            /* 64 router dequeued it */
     __u64 t_lane;              /* 72 placed in its worker's lane */
     __u64 t_worker;            /* 80 worker picked the batch up */
-    __u32 flags;               /* 88 DP_FLAG_* from the wire */
+    __u32 flags;               /* 88 DP_FLAG_* from the wire, DP_CHUNK_F_* */
     __u32 reserved;            /* 92 */
     __u32 tokens[DP_MAX_CHUNK_TOKENS]; /* 96 */
+};
+
+/* Worker -> router, one per micro-batch: entry i answers the batch's record i. */
+struct dp_completion_entry {
+    __u64 request_id;          /*  0 */
+    __u32 token;               /*  8 token sampled after this record (final prefill, decode) */
+    __u16 status;              /* 12 DP_STATUS_* */
+    __u16 flags;               /* 14 DP_CE_* */
+};
+
+struct dp_completion {
+    __u32 batch_seq;           /*  0 */
+    __u16 worker;              /*  4 */
+    __u16 n;                   /*  6 entries used */
+    __u64 t_start;             /*  8 worker step start */
+    __u64 t_end;               /* 16 worker step end */
+    __u64 kv_bytes;            /* 24 KV cache bytes resident after the step */
+    struct dp_completion_entry e[DP_MAX_BATCH_CHUNKS]; /* 32 */
+};
+
+/* Router -> egress, one per finished (or refused) request. */
+struct dp_response_rec {
+    __u64 request_id;          /*  0 */
+    __u64 session_id;          /*  8 */
+    __u32 tenant;              /* 16 */
+    __u16 status;              /* 20 DP_STATUS_* */
+    __u16 n_out;               /* 22 output tokens in tokens[] */
+    __u64 t_send;              /* 24 client stamp of the first chunk */
+    __u64 t_xdp;               /* 32 first chunk at XDP */
+    __u64 t_first_lane;        /* 40 first piece placed in a lane */
+    __u64 t_done;              /* 48 router saw the last completion */
+    __u16 worker;              /* 56 */
+    __u16 reserved[3];         /* 58 */
+    __u32 tokens[DP_MAX_OUTPUT_TOKENS]; /* 64 */
 };
 /* LAYOUT END */
 
 _Static_assert(sizeof(struct dp_chunk) == DP_CHUNK_LEN, "chunk record size");
 _Static_assert(__builtin_offsetof(struct dp_chunk, tokens) == DP_CHUNK_HDR_LEN, "tokens follow the header");
 _Static_assert(DP_CHUNK_HDR_LEN % 32 == 0, "header is a whole number of half cache lines");
+_Static_assert(sizeof(struct dp_completion) == 32 + 16 * DP_MAX_BATCH_CHUNKS, "completion record size");
+_Static_assert(sizeof(struct dp_response_rec) == 64 + 4 * DP_MAX_OUTPUT_TOKENS, "response record size");
 
 #endif /* DP_CHUNK_H */

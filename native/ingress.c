@@ -1,4 +1,4 @@
-/* ingress.c - ring-buffer and UDP-socket consumers, their sink and latency records. */
+/* ingress.c - ring-buffer and UDP-socket consumers, their output and latency records. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <sched.h>
@@ -81,57 +81,44 @@ void dp_lat_add(struct dp_lat *l, uint64_t v)
         l->samples[l->n++] = v;
 }
 
-/* --- the sink ------------------------------------------------------------------- */
+/* --- downstream: the router's input ring ----------------------------------------- */
 
-struct dp_sink *dp_sink_new(uint32_t capacity)
+static void out_flush(struct dp_out *o)
 {
-    struct dp_sink *s;
-    if (!capacity || (capacity & (capacity - 1)))
-        return NULL;
-    if (!(s = calloc(1, sizeof(*s))))
-        return NULL;
-    if (!(s->slots = aligned_alloc(64, (size_t)capacity * sizeof(struct dp_chunk)))) {
-        free(s);
-        return NULL;
-    }
-    s->mask = capacity - 1;
-    return s;
+    if (o->pending)
+        dp_ring_prod_commit(o->ring, o->pending);
+    o->reserved = o->pending = 0;
 }
 
-void dp_sink_free(struct dp_sink *s)
+/* The one place records leave a consumer. Copies the header and the tokens the
+ * record carries into a reserved slot (never the unused tail) and stamps
+ * t_consumer in the copy (libbpf maps ring-buffer data read-only). */
+static void out_put(struct dp_out *o, const struct dp_chunk *c, uint64_t now)
 {
-    if (s) {
-        free(s->slots);
-        free(s);
+    struct dp_chunk *slot;
+    if (o->pending == o->reserved) {
+        out_flush(o);
+        o->reserved = dp_ring_prod_reserve(o->ring, DP_INGRESS_BURST);
+        if (!o->reserved) {
+            dp_ring_note_full(o->ring, 1, 0);
+            o->full++;
+            return;
+        }
     }
-}
-
-/* The one place records leave a consumer. Copies the header and the tokens
- * the record carries, never the unused tail, and stamps t_consumer in the
- * copy (libbpf maps ring-buffer data read-only). */
-static int sink_put(struct dp_sink *s, const struct dp_chunk *c, uint64_t now)
-{
-    uint64_t tail = s->tail;
-    struct dp_chunk *slot = &s->slots[tail & s->mask];
-    if (tail - __atomic_load_n(&s->head, __ATOMIC_ACQUIRE) > s->mask) {
-        s->full++;
-        return -1;
-    }
+    slot = dp_ring_prod_slot(o->ring, o->pending++);
     memcpy(slot, c, DP_CHUNK_HDR_LEN + (size_t)c->n_tokens * sizeof(uint32_t));
     slot->t_consumer = now;
-    __atomic_store_n(&s->tail, tail + 1, __ATOMIC_RELEASE);
-    return 0;
+    if (o->pending == o->reserved)
+        out_flush(o);
 }
 
-uint32_t dp_sink_drain(struct dp_sink *s, struct dp_chunk *out, uint32_t max)
+static int out_init(struct dp_out *o, struct dp_ring *ring)
 {
-    uint64_t head = s->head, tail = __atomic_load_n(&s->tail, __ATOMIC_ACQUIRE);
-    uint32_t n = 0;
-    for (; head + n != tail && n < max; n++)
-        if (out)   /* NULL: discard (benchmarks stand in for the router this way) */
-            memcpy(&out[n], &s->slots[(head + n) & s->mask], sizeof(struct dp_chunk));
-    __atomic_store_n(&s->head, head + n, __ATOMIC_RELEASE);
-    return n;
+    memset(o, 0, sizeof(*o));
+    if (!ring || ring->h->slot_size < sizeof(struct dp_chunk) || ring->role != DP_ROLE_PRODUCER)
+        return -EINVAL;
+    o->ring = ring;
+    return 0;
 }
 
 /* --- BPF ring-buffer consumer ---------------------------------------------------- */
@@ -149,7 +136,7 @@ static int on_record(void *ctx, void *data, size_t size)
         dp_lat_add(&c->send_lat, now - rec->t_send);
     c->records++;
     c->per_queue[rec->queue & 7]++;
-    sink_put(c->sink, rec, now);
+    out_put(&c->out, rec, now);
     return 0;
 }
 
@@ -159,6 +146,7 @@ static void *consumer_main(void *arg)
     pin(c->cpu, c->rt_priority);
     while (!__atomic_load_n(&c->stop, __ATOMIC_RELAXED)) {
         int n = ring_buffer__consume(c->rb);
+        out_flush(&c->out);   /* publish what this pass found */
         c->polls++;
         if (n < 0)
             c->errors++;
@@ -166,15 +154,15 @@ static void *consumer_main(void *arg)
             cpu_relax();
     }
     ring_buffer__consume(c->rb);   /* what arrived before stop */
+    out_flush(&c->out);
     return NULL;
 }
 
-struct dp_consumer *dp_consumer_new(const int *ring_fds, int n, struct dp_sink *sink, uint64_t samples)
+struct dp_consumer *dp_consumer_new(const int *ring_fds, int n, struct dp_ring *out, uint64_t samples)
 {
     struct dp_consumer *c = calloc(1, sizeof(*c));
-    if (!c || n < 1)
+    if (!c || n < 1 || out_init(&c->out, out))
         goto fail;
-    c->sink = sink;
     c->cpu = -1;
     if (dp_lat_init(&c->xdp_lat, samples) || dp_lat_init(&c->send_lat, samples))
         goto fail;
@@ -293,7 +281,7 @@ static void udp_record(struct dp_udp_rx *r, const uint8_t *buf, uint32_t len, ui
     c.batch_seq = c.batch_len = c.batch_pos = 0;
     c.t_send = h->send_ns;
     c.t_xdp = 0;                   /* the stage did not run */
-    c.t_consumer = 0;              /* sink_put stamps it */
+    c.t_consumer = 0;              /* out_put stamps it */
     c.t_router = c.t_lane = c.t_worker = 0;
     c.flags = h->flags;
     c.reserved = 0;
@@ -301,7 +289,7 @@ static void udp_record(struct dp_udp_rx *r, const uint8_t *buf, uint32_t len, ui
     if (c.t_send)
         dp_lat_add(&r->send_lat, now - c.t_send);
     r->records++;
-    sink_put(r->sink, &c, now);
+    out_put(&r->out, &c, now);
 }
 
 static void *udp_rx_main(void *arg)
@@ -334,18 +322,18 @@ static void *udp_rx_main(void *arg)
             udp_record(r, bufs[i], msgs[i].msg_len, now, &msgs[i].msg_hdr);
             msgs[i].msg_hdr.msg_namelen = sizeof(from[i]);   /* recvmmsg shrank it */
         }
+        out_flush(&r->out);
     }
     return NULL;
 }
 
-struct dp_udp_rx *dp_udp_rx_new(int fd, int queues, struct dp_sink *sink, uint64_t samples)
+struct dp_udp_rx *dp_udp_rx_new(int fd, int queues, struct dp_ring *out, uint64_t samples)
 {
     struct dp_udp_rx *r = calloc(1, sizeof(*r));
-    if (!r || queues < 1 || queues > DP_MAX_QUEUES)
+    if (!r || queues < 1 || queues > DP_MAX_QUEUES || out_init(&r->out, out))
         goto fail;
     r->fd = fd;
     r->queues = queues;
-    r->sink = sink;
     r->cpu = -1;
     if (dp_lat_init(&r->send_lat, samples))
         goto fail;

@@ -3,8 +3,10 @@
  *
  * Each consumer is a C thread started from Python that busy-polls its source,
  * stamps t_consumer, records latencies (log2 histogram + raw samples) and
- * hands every record to its sink. Nothing per chunk runs in Python.
- * The sink is the one place records leave: sink_put() in ingress.c.
+ * writes every record into the router's input ring (native/ring.h, this
+ * thread is its producer): in place, header plus the tokens it carries,
+ * published once per burst of up to DP_INGRESS_BURST records. Nothing per
+ * chunk runs in Python. The one place records leave is out_put() in ingress.c.
  */
 #ifndef DP_INGRESS_H
 #define DP_INGRESS_H
@@ -12,8 +14,11 @@
 #include <stdint.h>
 #include <pthread.h>
 
-/* LAYOUT BEGIN */
+#include "ring.h"
+
+/* CDEF BEGIN: what the cffi binding sees (native/ffi_ingress.py reads it verbatim) */
 #define DP_LAT_BUCKETS 65
+#define DP_INGRESS_BURST 32
 
 /* Latency record: bucket 0 counts v = 0, bucket b >= 1 counts 2^(b-1) <= v < 2^b (bcc's log2). */
 struct dp_lat {
@@ -24,21 +29,17 @@ struct dp_lat {
     uint64_t n;
 };
 
-/* Downstream of a consumer until the router's ring is wired in: a bounded
- * SPSC array of records, drained by dp_sink_drain. */
-struct dp_sink {
-    struct dp_chunk *slots;
-    uint64_t mask;
-    uint64_t tail;         /* written by the consumer thread */
-    uint64_t pad1[7];
-    uint64_t head;         /* written by the drainer */
-    uint64_t pad2[7];
-    uint64_t full;         /* records refused because the sink was full */
+/* Where a consumer writes: the router's input ring, and what it could not place. */
+struct dp_out {
+    struct dp_ring *ring;      /* slot_size >= sizeof(struct dp_chunk) */
+    uint32_t reserved;         /* slots reserved for this burst */
+    uint32_t pending;          /* of them, filled and not yet published */
+    uint64_t full;             /* records dropped: the ring was full */
 };
 
 struct dp_consumer {
     struct ring_buffer *rb;    /* libbpf, over the BPF ring buffers' fds */
-    struct dp_sink *sink;
+    struct dp_out out;
     pthread_t thread;
     int stop;                  /* set by Python, read with __atomic_load_n */
     int running;
@@ -55,7 +56,7 @@ struct dp_consumer {
 struct dp_udp_rx {
     int fd;                    /* a bound UDP socket (non-blocking reads) */
     int queues;                /* records are spread by the same session hash as XDP */
-    struct dp_sink *sink;
+    struct dp_out out;
     pthread_t thread;
     int stop;                  /* set by Python, read with __atomic_load_n */
     int running;
@@ -70,22 +71,18 @@ struct dp_udp_rx {
     uint64_t replies;
 };
 
-struct dp_sink *dp_sink_new(uint32_t capacity);   /* a power of two */
-void dp_sink_free(struct dp_sink *s);
-uint32_t dp_sink_drain(struct dp_sink *s, struct dp_chunk *out, uint32_t max);
-
 int dp_lat_init(struct dp_lat *l, uint64_t cap);
 void dp_lat_reset(struct dp_lat *l);
 void dp_lat_free(struct dp_lat *l);
 
 /* Consumer of the steering program's ring buffers (map fds from bcc). */
-struct dp_consumer *dp_consumer_new(const int *ring_fds, int n, struct dp_sink *sink, uint64_t samples);
+struct dp_consumer *dp_consumer_new(const int *ring_fds, int n, struct dp_ring *out, uint64_t samples);
 int dp_consumer_start(struct dp_consumer *c, int cpu, int rt_priority);
 void dp_consumer_stop(struct dp_consumer *c);
 void dp_consumer_free(struct dp_consumer *c);
 
 /* UDP socket ingress with the same downstream interface. */
-struct dp_udp_rx *dp_udp_rx_new(int fd, int queues, struct dp_sink *sink, uint64_t samples);
+struct dp_udp_rx *dp_udp_rx_new(int fd, int queues, struct dp_ring *out, uint64_t samples);
 int dp_udp_rx_start(struct dp_udp_rx *r, int cpu, int rt_priority);
 void dp_udp_rx_stop(struct dp_udp_rx *r);
 void dp_udp_rx_free(struct dp_udp_rx *r);
@@ -121,7 +118,7 @@ int dp_send_poisson(int fd, const uint8_t *pkts, uint32_t stride, const uint16_t
 
 /* Reference: one-way cross-core hand-off of a cache line between two pinned threads. */
 double dp_pingpong_oneway_ns(uint64_t rounds, int cpu_a, int cpu_b);
-/* LAYOUT END */
+/* CDEF END */
 
 uint64_t dp_now_ns(void);
 void dp_lat_add(struct dp_lat *l, uint64_t v);

@@ -16,7 +16,7 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 VENV="$ROOT/.venv"
 PKGS=(python3-bpfcc bpftool libbpf1 libbpf-dev iproute2 iputils-ping util-linux build-essential
-      python3-dev python3-venv pkg-config libelf-dev zlib1g-dev)
+      python3-dev python3-venv pkg-config libelf-dev zlib1g-dev libzmq3-dev)
 
 say() { echo "setup: $*"; }
 

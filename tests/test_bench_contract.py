@@ -3,6 +3,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def test_wire_suite_follows_the_contract(tmp_path):
     out = tmp_path / "wire.json"
@@ -25,3 +27,21 @@ def test_bench_help_and_bad_suite():
     assert r.returncode == 0 and "examples" in r.stdout
     r = subprocess.run([sys.executable, "-m", "bench", "nope"], capture_output=True, text=True)
     assert r.returncode == 2 and "invalid choice" in r.stderr
+
+
+RING_KEYS = ["ring_op_ns_bulk1", "ring_op_ns_bulk8", "ring_op_ns_bulk32", "ring_oneway_p50_ns", "ring_oneway_p99_ns",
+             "ring_oneway_p999_ns", "ring_mchunks_per_s", "policy_ns_power_of_two_256", "policy_ns_affinity_4",
+             "lane_batch_us_shm", "lane_batch_us_zmq_ipc", "lane_batch_us_zmq_tcp"]
+
+
+@pytest.mark.slow
+def test_ring_suite_reports_every_figure(tmp_path):
+    out = tmp_path / "ring.json"
+    r = subprocess.run([sys.executable, "-m", "bench", "ring", "--quick", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    data = json.loads(out.read_text())
+    assert data["references"]["pingpong_oneway_ns"] > 0
+    for key in RING_KEYS:
+        assert data["metrics"][key] > 0, key
+    assert "ring_oneway_p50_ns_vs_pingpong_oneway_ns" in data["ratios"]

@@ -1,24 +1,40 @@
 """The ingress live on a veth: real packets from the client namespace through XDP to the C consumer."""
+import contextlib
+import itertools
 import os
-import socket
 import threading
 import time
 
 import pytest
 
-from datapath import client, wire
-from datapath.ingress import Ingress, UdpIngress, session_queue
+from datapath import client, ring, wire
+from datapath.ingress import Ingress, UdpIngress, output_ring, session_queue, take
 from datapath.topology import Topology, socket_in
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf]
 QUEUES = 4
 
 
+_names = itertools.count()
+
+
+@contextlib.contextmanager
+def rings(capacity=1 << 16):
+    """A router input ring: (producer handle for the consumer, consumer handle for the test)."""
+    name = f"test-live-{os.getpid()}-{next(_names)}"
+    try:
+        with output_ring(name, capacity) as out, ring.Ring.attach(name, "consumer") as rd:
+            yield out, rd
+    finally:
+        ring.unlink(name)
+
+
 @pytest.fixture
 def live():
-    with Topology(clients=1) as topo, Ingress(queues=QUEUES) as ig:
+    with Topology(clients=1) as topo, Ingress(queues=QUEUES) as ig, rings() as (out, rd):
         ig.attach(topo.host_if[0], topo.host_ns, veth_peer=(topo.client_if[0], topo.client_ns[0]))
-        with ig.consumer() as consumer:
+        with ig.consumer(out) as consumer:
+            consumer.ring = rd
             yield topo, ig, consumer
 
 
@@ -27,12 +43,12 @@ def sessions(n, chunks, tokens=8, tenant=1, first=1000):
         tenant, first + s, r, range(s, s + tokens))] for s in range(n)])
 
 
-def drain_until(consumer, n, timeout=10.0):
+def drain_until(reader, n, timeout=10.0):
     got, deadline = [], time.monotonic() + timeout
     while len(got) < n and time.monotonic() < deadline:
-        got += consumer.sink.drain()
+        got += list(take(reader))
         time.sleep(0.002)
-    return got + consumer.sink.drain()
+    return got + list(take(reader))
 
 
 def test_chunks_reach_their_queues_in_order(live):
@@ -42,7 +58,7 @@ def test_chunks_reach_their_queues_in_order(live):
     n = 4 * len(pkts)
     res = client.send_from(topo.client_ns[0], topo.host_ip[0], pkts, rate=20_000, count=n, duration=10)
     assert res["sent"] == n and res["send_errors"] == 0
-    recs = drain_until(consumer, n)
+    recs = drain_until(consumer.ring, n)
     assert len(recs) == n
     last = {}
     for r in recs:
@@ -86,7 +102,7 @@ def test_policy_change_mid_stream_moves_new_chunks_and_loses_none(live):
         res = client.send_from(topo.client_ns[0], topo.host_ip[0], pkts, rate=rate, count=n, duration=10)
     finally:
         switch.cancel()
-    recs = drain_until(consumer, n)
+    recs = drain_until(consumer.ring, n)
     assert res["sent"] == n and len(recs) == n, "a chunk was lost"
     recs.sort(key=lambda r: r["request_id"])   # the sender's sequence number
     moved = [i for i, r in enumerate(recs) if r["queue"] == target and r["queue"] != session_queue(r["session_id"], QUEUES)]
@@ -110,7 +126,7 @@ def test_rate_limit_cuts_one_tenant_and_spares_the_other(live):
     deadline = time.monotonic() + 5
     while consumer.records < c["queued"] and time.monotonic() < deadline:
         time.sleep(0.01)
-    recs = consumer.sink.drain()
+    recs = take(consumer.ring)
     by_tenant = {7: 0, 8: 0}
     for r in recs:
         by_tenant[r["tenant"]] += 1
@@ -124,16 +140,15 @@ def test_rate_limit_cuts_one_tenant_and_spares_the_other(live):
 
 def test_udp_ingress_has_the_same_downstream(topology):
     sock = socket_in(topology.host_ns)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 22)
     sock.bind((topology.host_ip[0], wire.DEFAULT_PORT))
-    with sock, UdpIngress(sock, queues=QUEUES) as rx:
+    with sock, rings() as (out, rd), UdpIngress(sock, out, queues=QUEUES) as rx:
         pkts = sessions(4, 4) + [wire.pack_request_raw((1, 2), magic=1)]
         n = 2 * len(pkts)
         res = client.send_from(topology.client_ns[0], topology.host_ip[0], pkts, rate=5_000, count=n, duration=10)
         deadline = time.monotonic() + 5
         while rx.records + rx.ptr.bad < n and time.monotonic() < deadline:
             time.sleep(0.01)
-        recs = rx.sink.drain()
+        recs = drain_until(rd, n - 2)
     assert res["sent"] == n
     assert len(recs) == n - 2 and rx.drops()["bad_magic"] == 2
     assert all(r["queue"] == session_queue(r["session_id"], QUEUES) and r["t_xdp"] == 0 for r in recs)
@@ -144,8 +159,9 @@ def test_udp_ingress_can_answer_instead(topology):
     """The user-space 429 path the benchmark compares XDP_TX with."""
     sock = socket_in(topology.host_ns)
     sock.bind((topology.host_ip[0], wire.DEFAULT_PORT))
-    with sock, UdpIngress(sock, reply_status=wire.STATUS_RATE_LIMITED) as rx:
+    with sock, rings() as (out, rd), UdpIngress(sock, out, reply_status=wire.STATUS_RATE_LIMITED) as rx:
         res = client.send_from(topology.client_ns[0], topology.host_ip[0], sessions(2, 2), rate=2_000,
                                count=50, duration=10, drain_ms=200)
+        assert not len(take(rd)), "answered requests do not go downstream"
     assert res["sent"] == 50 and rx.ptr.replies == 50 and rx.records == 0
     assert res["resp_429"] == 50 and len(res["rtt_ns"]) == 50

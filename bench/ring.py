@@ -1,0 +1,208 @@
+"""bench ring: the shared-memory ring, the routing policies and the lanes.
+
+Measured in one run (two pinned processes on cores 0 and 1 where there are two):
+  references.pingpong_oneway_ns       a bare cache-line ping-pong between two processes
+  metrics.ring_op_ns_bulk1|8|32       enqueue+dequeue per 64-byte record, one thread
+  metrics.ring_oneway_p50|p99|p999_ns one record at a time, producer stamp to consumer stamp (C, CLOCK_MONOTONIC)
+  metrics.ring_mchunks_per_s          dp_chunk slots, 32-record bursts, 96-byte headers written in place
+  metrics.policy_ns_<policy>_<n>      one routing decision, n = 4, 16, 64, 256 workers
+  metrics.lane_batch_us_shm|zmq_ipc|zmq_tcp  a 16-chunk batch delivered to a worker process and acknowledged (p50)
+"""
+from __future__ import annotations
+
+import itertools
+import mmap
+import multiprocessing
+import os
+import tempfile
+import time
+
+import numpy as np
+
+from datapath import lanes, records
+from datapath._dataplane import ffi, lib
+from datapath.ring import Ring, unlink
+from datapath.router import policies
+
+SEC = 1_000_000_000
+ctx = multiprocessing.get_context("fork")
+_seq = itertools.count()
+
+
+def _cores():
+    cores = sorted(os.sched_getaffinity(0))
+    return (cores[0], cores[1]) if len(cores) > 1 else (cores[0], cores[0])
+
+
+def _pinned(cpu, fn):
+    os.sched_setaffinity(0, {cpu})
+    fn()
+
+
+def _across_cores(child, parent):
+    """Run child() in a forked process pinned to one core and parent() here, pinned to the other."""
+    a, b = _cores()
+    p = ctx.Process(target=_pinned, args=(b, child))
+    p.start()
+    old = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {a})
+    try:
+        return parent()
+    finally:
+        os.sched_setaffinity(0, old)
+        p.join(30)
+
+
+def _name(what):
+    return f"bench{os.getpid()}-{what}-{next(_seq)}"
+
+
+def pingpong_oneway_ns(iters: int) -> float:
+    shared = mmap.mmap(-1, 4096)   # anonymous shared mapping: the child sees the same page
+    line = ffi.cast("uint64_t *", ffi.from_buffer(shared))
+    ns = _across_cores(lambda: lib.dp_pingpong(line, 0, iters, 60 * SEC),
+                       lambda: lib.dp_pingpong(line, 1, iters, 60 * SEC))
+    if ns < 0:
+        raise RuntimeError("ping-pong timed out")
+    return ns
+
+
+def ring_op_ns(bulk: int, items: int) -> float:
+    name = _name("op")
+    with Ring.create(name, 64, 1024, role="producer") as r:
+        ns = min(lib.dp_ring_op_ns(r.ptr, bulk, items, 64) for _ in range(3))
+    unlink(name)
+    return ns
+
+
+def ring_oneway_ns(n: int) -> np.ndarray:
+    name = _name("lat")
+    shared = mmap.mmap(-1, 8 * n)
+    samples = np.frombuffer(shared, dtype=np.uint64)
+    Ring.create(name, 64, 64).close()
+
+    def consume():
+        with Ring.attach(name, "consumer") as r:
+            lib.dp_latency_consume(r.ptr, n, ffi.cast("uint64_t *", ffi.from_buffer(shared)), 60 * SEC)
+
+    def produce():
+        with Ring.attach(name, "producer") as r:
+            time.sleep(0.05)  # let the consumer attach and spin
+            return lib.dp_latency_produce(r.ptr, n, 2000, 60 * SEC)   # 2 us apart: latency, not queueing
+
+    try:
+        sent = _across_cores(consume, produce)
+    finally:
+        unlink(name)
+    if sent != n:
+        raise RuntimeError(f"latency run sent {sent} of {n}")
+    return samples.copy()
+
+
+def ring_mchunks_per_s(n: int) -> float:
+    name = _name("tput")
+    Ring.create(name, records.CHUNK.itemsize, 1024).close()
+    done = ctx.Queue()
+
+    def consume():
+        err = ffi.new("uint64_t *")
+        with Ring.attach(name, "consumer") as r:
+            got = lib.dp_seq_consume(r.ptr, 0, n, 32, 96, 60 * SEC, err)
+        done.put((got, err[0], time.monotonic_ns()))
+
+    def produce():
+        with Ring.attach(name, "producer") as r:
+            time.sleep(0.05)
+            t0 = time.monotonic_ns()
+            lib.dp_seq_produce(r.ptr, 0, n, 32, 96, 60 * SEC)
+        return (t0, *done.get(timeout=120))
+
+    try:
+        t0, got, errors, t1 = _across_cores(consume, produce)
+    finally:
+        unlink(name)
+    if got != n or errors:
+        raise RuntimeError(f"throughput run: {got} of {n} records, {errors} sequence errors")
+    return n / ((t1 - t0) / 1e9) / 1e6
+
+
+def _echo(kind, where, stop_after_s):
+    lane = lanes.ShmWorkerLane(where) if kind == "shm" else lanes.ZmqWorkerLane(where)
+    deadline = time.monotonic() + stop_after_s
+    try:
+        while time.monotonic() < deadline:
+            batch = lane.recv_batch(0.05)
+            if batch is not None:
+                lane.send_completion(lanes.completion_for(batch, np.zeros(len(batch), np.uint32)))
+    finally:
+        lane.close()
+
+
+def lane_batch_us(kind: str, rounds: int) -> float:
+    """Python-driven round trips of one 16-chunk batch through a lane to an echoing worker process."""
+    batch = records.request_chunks(1, range(16 * 128))
+    batch["batch_len"] = 16
+    batch["batch_pos"] = np.arange(16)
+    payload = batch.tobytes()
+    times = []
+    if kind == "shm":
+        where = _name("lane")
+        lane, done = lanes.create_shm_lane(where)
+        p = ctx.Process(target=_echo, args=("shm", where, 120))
+        p.start()
+        try:
+            for i in range(rounds):
+                t = time.perf_counter_ns()
+                lane.enqueue(payload)
+                while not done.dequeue(1):
+                    pass
+                times.append(time.perf_counter_ns() - t)
+        finally:
+            p.kill()
+            p.join(5)
+            lane.close(), done.close()
+            lanes.unlink_shm_lane(where)
+    else:
+        import zmq
+        tmp = tempfile.mkdtemp()
+        where = f"ipc://{tmp}/lane" if kind == "zmq_ipc" else f"tcp://127.0.0.1:{31000 + os.getpid() % 20000}"
+        p = ctx.Process(target=_echo, args=("zmq", where, 120))
+        p.start()
+        zc = zmq.Context()
+        s = zc.socket(zmq.DEALER)
+        s.linger = 0
+        s.connect(where)
+        try:
+            for i in range(rounds):
+                t = time.perf_counter_ns()
+                s.send(payload, copy=False)
+                s.recv()
+                times.append(time.perf_counter_ns() - t)
+        finally:
+            s.close(0)
+            zc.term()
+            p.kill()
+            p.join(5)
+    return float(np.percentile(times[rounds // 10:], 50)) / 1000   # the first 10% warm up
+
+
+def run(report, args):
+    quick = args.quick
+    report.machine["pinned_cores"] = list(_cores())
+    report.note("two pinned processes; on this 2-core VM the benchmark shares cores with everything else")
+
+    report.reference("pingpong_oneway_ns", pingpong_oneway_ns(200_000 if quick else 1_000_000), "ns")
+    for bulk in (1, 8, 32):
+        report.metric(f"ring_op_ns_bulk{bulk}", ring_op_ns(bulk, 2_000_000 if quick else 20_000_000), "ns")
+    lat = ring_oneway_ns(50_000 if quick else 500_000)
+    for q, name in ((50, "p50"), (99, "p99"), (99.9, "p999")):
+        report.metric(f"ring_oneway_{name}_ns", float(np.percentile(lat, q)), "ns")
+    report.metric("ring_mchunks_per_s", ring_mchunks_per_s(5_000_000 if quick else 50_000_000), "M/s")
+    for pol in policies():
+        for n in (4, 16, 64, 256):
+            report.metric(f"policy_ns_{pol}_{n}", lib.dp_policy_bench(pol.encode(), n, 1_000_000 if quick else 10_000_000), "ns")
+    rounds = 2_000 if quick else 20_000
+    for kind in ("shm", "zmq_ipc", "zmq_tcp"):
+        report.metric(f"lane_batch_us_{kind}", lane_batch_us(kind, rounds), "us")
+    report.note("lane_batch_us_*: a Python driver and a Python echo worker on each side, per batch (never per chunk)")
+    report.ratio("ring_oneway_p50_ns", "pingpong_oneway_ns")

@@ -1,0 +1,131 @@
+"""Lanes: how a micro-batch reaches a worker and its completion comes back.
+
+Every lane has the same worker-side interface:
+
+    batch = lane.recv_batch(timeout_s)    # numpy array of records.CHUNK, one whole batch, or None
+    lane.send_completion(comp)            # one records.COMPLETION answering that batch
+
+`shm`: two rings in shared memory for a worker on the same host:
+    <name>.lane (router -> worker, dp_chunk slots) and <name>.done (worker -> router).
+The router commits a batch with one index update, so a worker never sees
+half a batch.
+
+`zmq`: a DEALER socket the worker binds (tcp:// for another host, ipc:// for
+another process); the router's DEALER connects to it. One message per
+micro-batch (its dp_chunk records back to back, read in place without a
+copy), one dp_completion message back.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import records
+from .ring import Ring
+
+DEFAULT_LANE_SLOTS = 256
+
+
+def lane_names(name: str) -> tuple[str, str]:
+    return f"{name}.lane", f"{name}.done"
+
+
+def create_shm_lane(name: str, slots: int = DEFAULT_LANE_SLOTS, wait: str = "yield") -> tuple[Ring, Ring]:
+    """Create a worker's lane and completion ring; returns (lane, done) for the router."""
+    if slots < records.MAX_BATCH_CHUNKS:
+        raise ValueError(f"a lane needs at least {records.MAX_BATCH_CHUNKS} slots (one full batch), not {slots}")
+    lane_name, done_name = lane_names(name)
+    lane = Ring.create(lane_name, records.CHUNK.itemsize, slots, wait=wait, role="producer")
+    try:
+        done = Ring.create(done_name, records.COMPLETION.itemsize, 64, wait="spin", role="consumer")
+    except BaseException:
+        lane.close()
+        lane.unlink()
+        raise
+    return lane, done
+
+
+def unlink_shm_lane(name: str):
+    from .ring import unlink
+    for n in lane_names(name):
+        unlink(n)
+
+
+class ShmWorkerLane:
+    """The worker's end of an shm lane (attaches by name)."""
+
+    def __init__(self, name: str):
+        lane_name, done_name = lane_names(name)
+        self.lane = Ring.attach(lane_name, "consumer")
+        try:
+            self.done = Ring.attach(done_name, "producer")
+        except BaseException:
+            self.lane.close()
+            raise
+
+    def recv_batch(self, timeout_s: float) -> np.ndarray | None:
+        if not self.lane.wait(timeout_s):
+            return None
+        first = np.frombuffer(self.lane.dequeue(1), dtype=records.CHUNK)
+        rest = int(first["batch_len"][0]) - 1
+        if rest <= 0:
+            return first.copy()
+        more = np.frombuffer(self.lane.dequeue(rest), dtype=records.CHUNK)
+        return np.concatenate([first, more])
+
+    def send_completion(self, comp: np.ndarray) -> bool:
+        return self.done.enqueue(np.ascontiguousarray(comp, dtype=records.COMPLETION).tobytes()) == 1
+
+    def close(self):
+        self.lane.close()
+        self.done.close()
+
+
+def completion_for(batch: np.ndarray, tokens, worker: int = 0, t_start: int = 0, t_end: int = 0,
+                   kv_bytes: int = 0, eos=None) -> np.ndarray:
+    """A completion answering `batch`: tokens[i] is what record i sampled."""
+    comp = np.zeros(1, dtype=records.COMPLETION)
+    n = len(batch)
+    comp["batch_seq"] = batch["batch_seq"][0]
+    comp["worker"] = worker
+    comp["n"] = n
+    comp["t_start"], comp["t_end"], comp["kv_bytes"] = t_start, t_end, kv_bytes
+    e = comp["e"][0]
+    e["request_id"][:n] = batch["request_id"]
+    e["token"][:n] = tokens
+    e["status"][:n] = 200
+    if eos is not None:
+        e["flags"][:n] = np.where(eos, records.CE_EOS, 0)
+    return comp
+
+
+class ZmqWorkerLane:
+    """The worker's end of a zmq lane: binds `endpoint`, the router connects."""
+
+    def __init__(self, endpoint: str):
+        import zmq
+        self._zmq = zmq
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.linger = 0
+        try:
+            self.sock.bind(endpoint)
+        except zmq.ZMQError as e:
+            self.close()
+            raise OSError(f"cannot bind zmq lane at {endpoint}: {e}") from None
+        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def recv_batch(self, timeout_s: float) -> np.ndarray | None:
+        if not self.sock.poll(int(timeout_s * 1000) if timeout_s >= 0 else None):
+            return None
+        frame = self.sock.recv(copy=False)
+        if len(frame.buffer) % records.CHUNK.itemsize:
+            raise ValueError(f"zmq lane: a {len(frame.buffer)}-byte message is not whole chunk records")
+        return np.frombuffer(frame.buffer, dtype=records.CHUNK)
+
+    def send_completion(self, comp: np.ndarray) -> bool:
+        self.sock.send(np.ascontiguousarray(comp, dtype=records.COMPLETION).tobytes(), copy=False)
+        return True
+
+    def close(self):
+        self.sock.close(0)
+        self.ctx.term()

@@ -1,0 +1,143 @@
+"""The native router (native/router.h) from Python: build, wire, start, steer, read counters.
+
+Python calls it per control action (add a worker, change the policy, read
+stats) or, in tests, per poll pass; chunks never pass through Python.
+"""
+from __future__ import annotations
+
+import errno
+import os
+
+from ._dataplane import ffi, lib
+from .ring import Ring
+
+BATCHING = {"dynamic": lib.DP_BATCH_DYNAMIC, "static": lib.DP_BATCH_STATIC}
+
+
+def policies() -> list[str]:
+    names, i = [], 0
+    while (p := lib.dp_policy_name(i)) != ffi.NULL:
+        names.append(ffi.string(p).decode())
+        i += 1
+    return names
+
+
+def _check(rc: int, what: str) -> int:
+    if rc >= 0:
+        return rc
+    if -rc == errno.ENOENT:
+        raise ValueError(f"{what}: unknown policy (known: {', '.join(policies())})")
+    if -rc == errno.EINVAL:
+        raise ValueError(f"{what}: invalid argument")
+    if -rc == errno.EBUSY:
+        raise RuntimeError(f"{what}: not while requests are in flight / already running")
+    raise OSError(-rc, f"{what}: {os.strerror(-rc)}")
+
+
+def _struct_dict(cdata) -> dict:
+    return {name: getattr(cdata, name) for name, _ in ffi.typeof(cdata[0]).fields}
+
+
+class Router:
+    def __init__(self, policy: str = "round_robin", batching: str = "dynamic", token_budget: int = 512,
+                 max_chunks: int = 64, max_batch_size: int = 32, batch_timeout_s: float = 0.05,
+                 max_requests: int = 4096, pool_chunks: int = 8192, seed: int = 1, policy_param: float = 0.0,
+                 reassembly_timeout_s: float = 1.0):
+        self._rt = None
+        if batching not in BATCHING:
+            raise ValueError(f"batching must be dynamic or static, not {batching!r}")
+        for name, v, lo, hi in (("token_budget", token_budget, 1, 1 << 20), ("max_chunks", max_chunks, 1, 64),
+                                ("max_batch_size", max_batch_size, 1, 64), ("pool_chunks", pool_chunks, 1, 1 << 22)):
+            if not lo <= v <= hi:
+                raise ValueError(f"{name} must be {lo}..{hi}, not {v}")
+        if max_requests < 8 or max_requests & (max_requests - 1):
+            raise ValueError(f"max_requests must be a power of two >= 8, not {max_requests}")
+        cfg = ffi.new("struct dp_router_config *", dict(
+            batching=BATCHING[batching], token_budget=token_budget, max_chunks=max_chunks,
+            max_batch_size=max_batch_size, batch_timeout_ns=max(1, int(batch_timeout_s * 1e9)),
+            max_requests=max_requests, pool_chunks=pool_chunks, seed=seed,
+            reassembly_timeout_ns=max(1, int(reassembly_timeout_s * 1e9))))
+        err = ffi.new("int *")
+        self._rt = lib.dp_router_create(cfg, policy.encode(), policy_param, err)
+        if self._rt == ffi.NULL:
+            self._rt = None
+            _check(err[0], f"router with policy {policy!r}")
+        self._rings: list[Ring] = []   # keep the rings alive as long as the router uses them
+        self.policy, self.batching = policy, batching
+        self.n_workers = 0
+
+    def add_input(self, ring: Ring) -> int:
+        self._rings.append(ring)
+        return _check(lib.dp_router_add_input(self._rt, ring.ptr), f"input ring {ring.name!r} (slots too small?)")
+
+    def add_worker(self, lane: Ring, done: Ring, weight: int = 1) -> int:
+        self._rings += [lane, done]
+        k = _check(lib.dp_router_add_worker(self._rt, lane.ptr, done.ptr, weight),
+                   f"worker lane {lane.name!r}/{done.name!r} (slot sizes or capacity too small?)")
+        self.n_workers += 1
+        return k
+
+    def add_zmq_worker(self, endpoint: str, weight: int = 1) -> int:
+        """A worker behind ZeroMQ (lanes.ZmqWorkerLane bound at endpoint: tcp://host:port or ipc://path)."""
+        if not endpoint.startswith(("tcp://", "ipc://")):
+            raise ValueError(f"endpoint must be tcp://host:port or ipc://path, not {endpoint!r}")
+        k = _check(lib.dp_router_add_zmq_worker(self._rt, endpoint.encode(), weight), f"zmq worker at {endpoint}")
+        self.n_workers += 1
+        return k
+
+    def set_egress(self, ring: Ring):
+        self._rings.append(ring)
+        _check(lib.dp_router_set_egress(self._rt, ring.ptr), f"egress ring {ring.name!r}")
+
+    def set_policy(self, policy: str, param: float = 0.0):
+        _check(lib.dp_router_set_policy(self._rt, policy.encode(), param), f"policy {policy!r}")
+        self.policy = policy
+
+    def set_weight(self, worker: int, weight: int):
+        _check(lib.dp_router_set_weight(self._rt, worker, weight), f"weight of worker {worker}")
+
+    def set_up(self, worker: int, up: bool):
+        _check(lib.dp_router_set_up(self._rt, worker, int(up)), f"health of worker {worker}")
+
+    def set_batching(self, batching: str, token_budget: int = 512, max_chunks: int = 64,
+                     max_batch_size: int = 32, batch_timeout_s: float = 0.05):
+        if batching not in BATCHING:
+            raise ValueError(f"batching must be dynamic or static, not {batching!r}")
+        _check(lib.dp_router_set_batching(self._rt, BATCHING[batching], token_budget, max_chunks, max_batch_size,
+                                          int(batch_timeout_s * 1e9)), "batching")
+        self.batching = batching
+
+    def poll(self) -> int:
+        """One pass (drain inputs, take completions, send batches); for tests and single-threaded use."""
+        return lib.dp_router_poll(self._rt)
+
+    def start(self, cpu: int | None = None):
+        """Run the router in its own native thread (pinned to `cpu` if given)."""
+        _check(lib.dp_router_start(self._rt, -1 if cpu is None else cpu), "start")
+
+    def stop(self):
+        lib.dp_router_stop(self._rt)
+
+    def stats(self) -> dict:
+        st = ffi.new("struct dp_router_stats *")
+        lib.dp_router_get_stats(self._rt, st)
+        return _struct_dict(st)
+
+    def worker_stats(self, worker: int) -> dict:
+        st = ffi.new("struct dp_worker_stats *")
+        _check(lib.dp_router_worker_stats(self._rt, worker, st), f"worker {worker}")
+        return _struct_dict(st)
+
+    def close(self):
+        if self._rt is not None:
+            lib.dp_router_destroy(self._rt)
+            self._rt = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        self.close()

@@ -1,0 +1,43 @@
+/* registry.c - the routing policies by name. One line per policy. */
+#include <errno.h>
+#include <string.h>
+
+#include "../policy.h"
+
+extern const struct dp_policy_ops dp_policy_round_robin, dp_policy_least_loaded, dp_policy_power_of_two,
+    dp_policy_affinity, dp_policy_weighted;
+
+static const struct dp_policy_ops *const registry[] = {
+    &dp_policy_round_robin,
+    &dp_policy_least_loaded,
+    &dp_policy_power_of_two,
+    &dp_policy_affinity,
+    &dp_policy_weighted,
+};
+
+const char *dp_policy_name(unsigned i)
+{
+    return i < sizeof(registry) / sizeof(registry[0]) ? registry[i]->name : NULL;
+}
+
+int dp_policy_init(struct dp_policy *p, const char *name, uint64_t seed, double param)
+{
+    memset(p, 0, sizeof(*p));
+    for (unsigned i = 0; i < sizeof(registry) / sizeof(registry[0]); i++) {
+        if (strcmp(registry[i]->name, name) == 0) {
+            p->ops = registry[i];
+            p->rng = seed ? seed : 0x2545f4914f6cdd1dull;
+            p->param = param;
+            p->seen_generation = UINT64_MAX;
+            return p->ops->init ? p->ops->init(p) : 0;
+        }
+    }
+    return -ENOENT;
+}
+
+void dp_policy_fini(struct dp_policy *p)
+{
+    if (p->ops && p->ops->fini)
+        p->ops->fini(p);
+    p->ops = NULL;
+}

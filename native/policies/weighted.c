@@ -1,0 +1,57 @@
+/* weighted.c - weighted random choice: worker j gets weight[j] / sum of the up
+ * workers' weights. Cumulative weights are rebuilt when the generation changes
+ * (Python sets weights live and bumps it); a decision is a binary search. */
+#include <errno.h>
+#include <stdlib.h>
+
+#include "../policy.h"
+
+struct cumul {
+    uint32_t n;
+    uint64_t total;
+    uint64_t upto[DP_MAX_WORKERS];
+    uint32_t worker[DP_MAX_WORKERS];
+};
+
+static int init(struct dp_policy *p)
+{
+    p->priv = calloc(1, sizeof(struct cumul));
+    return p->priv ? 0 : -ENOMEM;
+}
+
+static int pick(struct dp_policy *p, const struct dp_workers *w, uint64_t session, uint32_t tenant)
+{
+    (void)session, (void)tenant;
+    struct cumul *c = p->priv;
+    if (p->seen_generation != w->generation) {
+        c->n = 0;
+        c->total = 0;
+        for (uint32_t j = 0; j < w->n; j++)
+            if (w->up[j] && w->weight[j]) {
+                c->total += w->weight[j];
+                c->upto[c->n] = c->total;
+                c->worker[c->n++] = j;
+            }
+        p->seen_generation = w->generation;
+    }
+    if (c->total == 0)
+        return dp_next_up(w, 0);   /* all weights zero: any up worker */
+    uint64_t x = dp_rand(p) % c->total;
+    uint32_t lo = 0, hi = c->n - 1;  /* first upto > x */
+    while (lo < hi) {
+        uint32_t mid = (lo + hi) / 2;
+        if (c->upto[mid] > x)
+            hi = mid;
+        else
+            lo = mid + 1;
+    }
+    return (int)c->worker[lo];
+}
+
+static void fini(struct dp_policy *p)
+{
+    free(p->priv);
+    p->priv = NULL;
+}
+
+const struct dp_policy_ops dp_policy_weighted = { "weighted", init, pick, fini };

@@ -1,0 +1,87 @@
+/* policy.h - routing policies: which worker gets a new request.
+ *
+ * One signature for all (struct dp_policy_ops.pick), a registry in
+ * policies/registry.c, one file per policy in policies/. A policy is asked
+ * once per request (all chunks and decode steps of a request follow its KV
+ * cache to the same worker), sees each worker's lane depth, weight and health
+ * in struct dp_workers, and returns a worker index, or -1 if none is up.
+ *
+ * Adding a policy: write policies/<name>.c defining
+ *     const struct dp_policy_ops dp_policy_<name> = { "<name>", init, pick, fini };
+ * and add one line to policies/registry.c.
+ */
+#ifndef DP_POLICY_H
+#define DP_POLICY_H
+
+#include <stdint.h>
+
+/* CDEF BEGIN */
+#define DP_MAX_WORKERS 256
+
+struct dp_workers {
+    uint32_t n;                          /* workers 0..n-1 */
+    uint32_t total_depth;                /* sum of depth[] (kept by the router) */
+    uint64_t generation;                 /* bumped when n, up[] or weight[] change */
+    uint32_t depth[DP_MAX_WORKERS];      /* chunks queued for or in flight on each worker */
+    uint32_t weight[DP_MAX_WORKERS];     /* relative share for `weighted`, set live from Python */
+    uint8_t up[DP_MAX_WORKERS];          /* 1 if healthy and accepting work */
+};
+const char *dp_policy_name(unsigned i);  /* registry walk; NULL past the end */
+/* CDEF END */
+
+struct dp_policy;
+
+struct dp_policy_ops {
+    const char *name;
+    int (*init)(struct dp_policy *p);    /* may allocate p->priv; 0 or -errno */
+    int (*pick)(struct dp_policy *p, const struct dp_workers *w, uint64_t session, uint32_t tenant);
+    void (*fini)(struct dp_policy *p);
+};
+
+struct dp_policy {
+    const struct dp_policy_ops *ops;
+    uint64_t rng;        /* xorshift64 state, seeded at create */
+    uint32_t cursor;     /* round-robin position */
+    double param;        /* policy parameter (affinity: load bound epsilon) */
+    uint64_t seen_generation;
+    void *priv;          /* policy-owned state */
+};
+
+int dp_policy_init(struct dp_policy *p, const char *name, uint64_t seed, double param);
+void dp_policy_fini(struct dp_policy *p);
+
+static inline int dp_policy_pick(struct dp_policy *p, const struct dp_workers *w, uint64_t session, uint32_t tenant)
+{
+    return p->ops->pick(p, w, session, tenant);
+}
+
+static inline uint64_t dp_rand(struct dp_policy *p)
+{
+    uint64_t x = p->rng;
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    return p->rng = x;
+}
+
+/* splitmix64 finaliser: a cheap, well-mixed hash of a session id */
+static inline uint64_t dp_hash64(uint64_t x)
+{
+    x += 0x9e3779b97f4a7c15ull;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
+}
+
+/* first up worker at or after i (wrapping), or -1 */
+static inline int dp_next_up(const struct dp_workers *w, uint32_t i)
+{
+    for (uint32_t k = 0; k < w->n; k++) {
+        uint32_t j = (i + k) % w->n;
+        if (w->up[j])
+            return (int)j;
+    }
+    return -1;
+}
+
+#endif /* DP_POLICY_H */

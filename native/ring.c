@@ -1,0 +1,283 @@
+/* ring.c - the control path of ring.h: create, attach, roles, stats, waiting. */
+#define _GNU_SOURCE
+#include "ring.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#define DP_RING_MAX_BYTES (1ull << 34)   /* 16 GiB: a sanity bound, not a design limit */
+#define SPIN_ITERS 2000                  /* ~1-2 us of polling before yielding */
+#define YIELD_ITERS 200
+
+static int shm_path(const char *name, char *out, size_t n)
+{
+    if (!name || !*name || strchr(name, '/') || strlen(name) > 200)
+        return -EINVAL;
+    snprintf(out, n, "/dp-%s", name);
+    return 0;
+}
+
+static uint64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + ts.tv_nsec;
+}
+
+static int pid_alive(int32_t pid)
+{
+    return pid > 0 && (kill(pid, 0) == 0 || errno == EPERM);
+}
+
+/* Take a role: free, or held by a dead process (taken over), else -EBUSY. */
+static int claim(int32_t *slot)
+{
+    int32_t me = getpid();
+    for (;;) {
+        int32_t cur = __atomic_load_n(slot, __ATOMIC_ACQUIRE);
+        if (cur == me)
+            return 0;
+        if (pid_alive(cur))
+            return -EBUSY;
+        if (__atomic_compare_exchange_n(slot, &cur, me, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+            return 0;
+    }
+}
+
+static struct dp_ring *map_ring(int fd, size_t size, int role, int *err)
+{
+    void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) {
+        *err = -errno;
+        return NULL;
+    }
+    struct dp_ring *r = calloc(1, sizeof(*r));
+    if (!r) {
+        munmap(p, size);
+        *err = -ENOMEM;
+        return NULL;
+    }
+    r->h = p;
+    r->slots = (uint8_t *)p + r->h->data_offset;
+    r->role = role;
+    r->fd = fd;
+    return r;
+}
+
+static int take_role(struct dp_ring *r, int role)
+{
+    if (role == DP_ROLE_PRODUCER)
+        return claim(&r->h->producer_pid);
+    if (role == DP_ROLE_CONSUMER) {
+        int rc = claim(&r->h->consumer_pid);
+        /* a new consumer starts from the released head, whatever the dead one cached */
+        if (rc == 0)
+            r->h->tail_cache = r->h->head;
+        return rc;
+    }
+    return role == DP_ROLE_OBSERVER ? 0 : -EINVAL;
+}
+
+int dp_ring_claim(struct dp_ring *r, int role)
+{
+    int rc = take_role(r, role);
+    if (rc == 0)
+        r->role = role;
+    return rc;
+}
+
+struct dp_ring *dp_ring_create(const char *name, uint32_t slot_size, uint32_t capacity, int wait_mode, int *err)
+{
+    char path[256];
+    int rc = shm_path(name, path, sizeof(path));
+    if (rc) {
+        *err = rc;
+        return NULL;
+    }
+    if (slot_size == 0 || slot_size % 8 || capacity < 2 || (capacity & (capacity - 1)) ||
+        wait_mode < DP_WAIT_SPIN || wait_mode > DP_WAIT_SLEEP ||
+        (uint64_t)slot_size * capacity > DP_RING_MAX_BYTES) {
+        *err = -EINVAL;
+        return NULL;
+    }
+    uint64_t data_off = (sizeof(struct dp_ring_hdr) + 4095) & ~4095ull;
+    uint64_t size = data_off + (uint64_t)slot_size * capacity;
+    int fd = shm_open(path, O_RDWR | O_CREAT | O_EXCL, 0600);
+    if (fd < 0) {
+        *err = -errno;
+        return NULL;
+    }
+    if (ftruncate(fd, (off_t)size) < 0) {
+        *err = -errno;
+        close(fd);
+        shm_unlink(path);
+        return NULL;
+    }
+    struct dp_ring *r = map_ring(fd, size, DP_ROLE_OBSERVER, err);
+    if (!r) {
+        close(fd);
+        shm_unlink(path);
+        return NULL;
+    }
+    struct dp_ring_hdr *h = r->h;   /* fresh pages are zero: indices, counters, pids */
+    h->version = DP_RING_VERSION;
+    h->slot_size = slot_size;
+    h->capacity = capacity;
+    h->mask = capacity - 1;
+    h->wait_mode = (uint32_t)wait_mode;
+    h->data_offset = data_off;
+    h->map_size = size;
+    r->slots = (uint8_t *)h + data_off;
+    __atomic_store_n(&h->magic, DP_RING_MAGIC, __ATOMIC_RELEASE);  /* attachers check it last */
+    return r;
+}
+
+struct dp_ring *dp_ring_attach(const char *name, int role, int *err)
+{
+    char path[256];
+    struct stat st;
+    int rc = shm_path(name, path, sizeof(path));
+    if (rc) {
+        *err = rc;
+        return NULL;
+    }
+    int fd = shm_open(path, O_RDWR, 0);
+    if (fd < 0) {
+        *err = -errno;
+        return NULL;
+    }
+    if (fstat(fd, &st) < 0 || st.st_size < (off_t)sizeof(struct dp_ring_hdr)) {
+        *err = -EPROTO;
+        close(fd);
+        return NULL;
+    }
+    struct dp_ring *r = map_ring(fd, (size_t)st.st_size, role, err);
+    if (!r) {
+        close(fd);
+        return NULL;
+    }
+    struct dp_ring_hdr *h = r->h;
+    if (__atomic_load_n(&h->magic, __ATOMIC_ACQUIRE) != DP_RING_MAGIC || h->version != DP_RING_VERSION ||
+        h->map_size != (uint64_t)st.st_size) {
+        *err = -EPROTO;
+        dp_ring_close(r);
+        return NULL;
+    }
+    rc = take_role(r, role);
+    if (rc) {
+        *err = rc;
+        r->role = DP_ROLE_OBSERVER;
+        dp_ring_close(r);
+        return NULL;
+    }
+    return r;
+}
+
+void dp_ring_close(struct dp_ring *r)
+{
+    if (!r)
+        return;
+    int32_t me = getpid();
+    if (r->role == DP_ROLE_PRODUCER)
+        __atomic_compare_exchange_n(&r->h->producer_pid, &me, 0, 0, __ATOMIC_RELEASE, __ATOMIC_RELAXED);
+    else if (r->role == DP_ROLE_CONSUMER)
+        __atomic_compare_exchange_n(&r->h->consumer_pid, &me, 0, 0, __ATOMIC_RELEASE, __ATOMIC_RELAXED);
+    munmap(r->h, r->h->map_size);
+    close(r->fd);
+    free(r);
+}
+
+int dp_ring_unlink(const char *name)
+{
+    char path[256];
+    int rc = shm_path(name, path, sizeof(path));
+    if (rc)
+        return rc;
+    return shm_unlink(path) < 0 ? -errno : 0;
+}
+
+void dp_ring_get_stats(const struct dp_ring *r, struct dp_ring_stats *s)
+{
+    const struct dp_ring_hdr *h = r->h;
+    s->capacity = h->capacity;
+    s->slot_size = h->slot_size;
+    s->enqueued = __atomic_load_n(&h->tail, __ATOMIC_ACQUIRE);
+    s->dequeued = __atomic_load_n(&h->head, __ATOMIC_ACQUIRE);
+    s->depth = s->enqueued - s->dequeued;
+    s->full_events = h->full_events;
+    s->refused = h->refused;
+    s->sleeps = h->sleeps;
+    s->producer_pid = h->producer_pid;
+    s->consumer_pid = h->consumer_pid;
+}
+
+uint32_t dp_ring_enqueue_copy(struct dp_ring *r, const void *recs, uint32_t n, uint32_t rec_len, uint32_t stride)
+{
+    return dp_ring_enqueue_burst(r, recs, n, rec_len, stride);
+}
+
+uint32_t dp_ring_dequeue_copy(struct dp_ring *r, void *out, uint32_t max)
+{
+    return dp_ring_dequeue_burst(r, out, max);
+}
+
+void dp_ring_wake_consumer(struct dp_ring *r)
+{
+    __atomic_fetch_add(&r->h->futex, 1, __ATOMIC_RELEASE);
+    syscall(SYS_futex, &r->h->futex, FUTEX_WAKE, 1, NULL, NULL, 0);
+}
+
+static void cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+uint32_t dp_ring_wait(struct dp_ring *r, int64_t timeout_ns)
+{
+    struct dp_ring_hdr *h = r->h;
+    uint64_t deadline = timeout_ns < 0 ? UINT64_MAX : now_ns() + (uint64_t)timeout_ns;
+    uint32_t n;
+    for (unsigned i = 0;; i++) {
+        if ((n = dp_ring_cons_peek(r, UINT32_MAX)))
+            return n;
+        if (timeout_ns == 0 || ((i & 63) == 0 && now_ns() >= deadline))
+            return 0;
+        if (i < SPIN_ITERS || h->wait_mode == DP_WAIT_SPIN) {
+            cpu_relax();
+        } else if (i < SPIN_ITERS + YIELD_ITERS || h->wait_mode == DP_WAIT_YIELD) {
+            sched_yield();
+        } else {
+            /* Read the futex word before announcing the sleep: a producer that
+             * commits after our last look at tail bumps it, so the wait returns. */
+            uint32_t seen = __atomic_load_n(&h->futex, __ATOMIC_ACQUIRE);
+            __atomic_store_n(&h->sleeping, 1, __ATOMIC_RELAXED);
+            __atomic_thread_fence(__ATOMIC_SEQ_CST);
+            uint64_t t = now_ns();
+            if (!(n = dp_ring_cons_peek(r, UINT32_MAX)) && t < deadline) {
+                uint64_t left = deadline - t;
+                if (left > 100000000ull)
+                    left = 100000000ull;   /* re-check the deadline at least every 100 ms */
+                struct timespec ts = { .tv_sec = (time_t)(left / 1000000000ull), .tv_nsec = (long)(left % 1000000000ull) };
+                h->sleeps++;
+                syscall(SYS_futex, &h->futex, FUTEX_WAIT, seen, &ts, NULL, 0);
+            }
+            __atomic_store_n(&h->sleeping, 0, __ATOMIC_RELAXED);
+            if (n)
+                return n;
+        }
+    }
+}

@@ -1,0 +1,17 @@
+/* ring_bench.h - C loops for ring tests and benchmarks (see ring_bench.c). */
+#ifndef DP_RING_BENCH_H
+#define DP_RING_BENCH_H
+#include "ring.h"
+
+/* CDEF BEGIN */
+
+uint64_t dp_seq_produce(struct dp_ring *r, uint64_t first, uint64_t n, uint32_t burst, uint32_t rec_len,
+                        uint64_t timeout_ns);
+uint64_t dp_seq_consume(struct dp_ring *r, uint64_t first, uint64_t n, uint32_t burst, uint32_t rec_len,
+                        uint64_t timeout_ns, uint64_t *errors);
+double dp_ring_op_ns(struct dp_ring *r, uint32_t bulk, uint64_t items, uint32_t rec_len);
+double dp_pingpong(volatile uint64_t *line, int role, uint64_t iters, uint64_t timeout_ns);
+uint64_t dp_latency_produce(struct dp_ring *r, uint64_t n, uint64_t gap_ns, uint64_t timeout_ns);
+uint64_t dp_latency_consume(struct dp_ring *r, uint64_t n, uint64_t *samples, uint64_t timeout_ns);
+/* CDEF END */
+#endif

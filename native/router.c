@@ -1,0 +1,1153 @@
+/* router.c - see router.h. Single-threaded by design: one router thread owns
+ * all of this state; control calls from Python take the same mutex the
+ * thread holds for one poll pass (uncontended: ~20 ns a pass, not a chunk). */
+#define _GNU_SOURCE
+#include "router.h"
+
+#include <errno.h>
+#include <sched.h>
+#include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <zmq.h>
+
+#define NIL UINT32_MAX
+#define INPUT_BURST 32
+#define RECENT_BITS 12              /* finished request ids remembered, to spot late duplicates */
+#define EXPIRY_SCAN_NS 10000000ull  /* look for stalled reassemblies every 10 ms */
+
+enum { REQ_FREE = 0, REQ_PREFILL, REQ_DECODE, REQ_DONE };
+
+struct pooled {                 /* a buffered chunk, linked into its request's pending list */
+    uint32_t next;
+    struct dp_chunk c;
+};
+
+struct req {
+    uint64_t request_id, session_id;
+    uint32_t tenant, max_output;
+    uint16_t chunk_count, received, next_index;  /* chunks seen; next index to schedule in order */
+    uint16_t n_out;
+    uint16_t status;                             /* 0 while all is well, else the error to answer with */
+    uint8_t state, in_fifo, in_set;
+    int16_t worker;
+    uint32_t decode_left;                        /* decode steps still to schedule */
+    uint32_t pending_head, pending_tail;         /* in-order chunks waiting (pool indices) */
+    uint32_t ooo;                                /* chunks that came early, unsorted list */
+    uint32_t fifo_next;                          /* worker's prefill (dynamic) or ready (static) FIFO */
+    uint32_t inflight;                           /* records in the worker's current batch */
+    uint64_t t_send, t_xdp, t_first_lane, t_ready, t_last;
+    uint32_t out[DP_MAX_OUTPUT_TOKENS];
+};
+
+struct batch_meta {             /* what the router remembers of each record it sent */
+    uint32_t req;
+    uint8_t kind, final;
+};
+
+struct worker {
+    int kind;                           /* DP_LANE_SHM or DP_LANE_ZMQ */
+    struct dp_ring *lane, *done;        /* shm */
+    void *zsock;                        /* zmq: a DEALER connected to the worker's */
+    uint8_t *stage;                     /* zmq: the batch being built, sent as one message */
+    struct dp_completion *cbuf;         /* zmq: the last completion received */
+    uint32_t unsent;                    /* zmq: records of a built batch the socket refused */
+    uint32_t fifo_head, fifo_tail;      /* requests with pending chunks (dynamic) / complete requests (static) */
+    uint32_t *decoding;                 /* requests in decode on this worker */
+    uint32_t n_decoding, decode_cursor;
+    uint32_t set[DP_MAX_BATCH_CHUNKS];  /* static: the batch being run */
+    uint32_t n_set;
+    uint32_t busy, batch_seq, batch_len;
+    struct batch_meta meta[DP_MAX_BATCH_CHUNKS];
+    struct dp_worker_stats st;
+};
+
+struct dp_router {
+    struct dp_router_config cfg;
+    pthread_mutex_t lock;
+    pthread_t thread;
+    int running, stop;
+    struct dp_policy policy;
+    struct dp_workers view;
+    struct worker w[DP_MAX_WORKERS];
+    struct dp_ring *in[DP_MAX_INPUTS];
+    uint32_t n_in, in_cursor;
+    struct dp_ring *egress;
+    void *zctx;                         /* created with the first zmq lane */
+    struct req *reqs;                   /* slab of cfg.max_requests */
+    uint32_t req_free;                  /* free slots, linked through fifo_next */
+    struct { uint64_t id; uint32_t slot; } *hash;   /* 2 x max_requests entries */
+    uint32_t hash_mask;
+    struct pooled *pool;
+    uint32_t pool_free;                 /* free list head */
+    uint32_t done_head, done_tail;      /* finished requests waiting for egress room (via fifo_next) */
+    uint64_t recent[1u << RECENT_BITS]; /* direct-mapped: ids of requests that finished lately */
+    uint64_t next_expiry_scan;
+    struct dp_router_stats st;
+};
+
+static uint64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + ts.tv_nsec;
+}
+
+/* --- request table: a slab of request slots (indices stay put while a request
+ * lives) and an open-addressing index on request_id, with backward-shift
+ * deletion so lookups never cross a hole and never need tombstones. -------- */
+
+static uint32_t hash_home(const struct dp_router *rt, uint64_t id)
+{
+    return (uint32_t)dp_hash64(id) & rt->hash_mask;
+}
+
+static uint32_t req_find(struct dp_router *rt, uint64_t id)
+{
+    for (uint32_t i = hash_home(rt, id);; i = (i + 1) & rt->hash_mask) {
+        if (rt->hash[i].slot == NIL)
+            return NIL;
+        if (rt->hash[i].id == id)
+            return rt->hash[i].slot;
+    }
+}
+
+static uint32_t req_insert(struct dp_router *rt, uint64_t id)
+{
+    uint32_t r = rt->req_free;
+    if (r == NIL)
+        return NIL;
+    rt->req_free = rt->reqs[r].fifo_next;
+    uint32_t i = hash_home(rt, id);
+    while (rt->hash[i].slot != NIL)       /* the index has twice the slab's size: never full */
+        i = (i + 1) & rt->hash_mask;
+    rt->hash[i].id = id;
+    rt->hash[i].slot = r;
+    rt->st.active_requests++;
+    return r;
+}
+
+static void req_free(struct dp_router *rt, uint32_t r)
+{
+    uint32_t i = hash_home(rt, rt->reqs[r].request_id);
+    while (rt->hash[i].slot != r)
+        i = (i + 1) & rt->hash_mask;
+    rt->hash[i].slot = NIL;
+    for (uint32_t j = (i + 1) & rt->hash_mask; rt->hash[j].slot != NIL; j = (j + 1) & rt->hash_mask) {
+        uint32_t home = hash_home(rt, rt->hash[j].id);
+        /* entry j may fill the hole at i unless its home lies in the cyclic range (i, j] */
+        int stays = i <= j ? (home > i && home <= j) : (home > i || home <= j);
+        if (!stays) {
+            rt->hash[i] = rt->hash[j];
+            rt->hash[j].slot = NIL;
+            i = j;
+        }
+    }
+    rt->reqs[r].state = REQ_FREE;
+    rt->reqs[r].fifo_next = rt->req_free;
+    rt->req_free = r;
+    rt->st.active_requests--;
+}
+
+/* --- chunk pool ----------------------------------------------------------------- */
+
+static uint32_t pool_get(struct dp_router *rt)
+{
+    uint32_t i = rt->pool_free;
+    if (i != NIL) {
+        rt->pool_free = rt->pool[i].next;
+        rt->pool[i].next = NIL;
+        rt->st.pool_free--;
+    }
+    return i;
+}
+
+static void pool_put(struct dp_router *rt, uint32_t i)
+{
+    rt->pool[i].next = rt->pool_free;
+    rt->pool_free = i;
+    rt->st.pool_free++;
+}
+
+/* --- per-worker queues ----------------------------------------------------------- */
+
+static void fifo_push(struct dp_router *rt, struct worker *w, uint32_t r)
+{
+    rt->reqs[r].fifo_next = NIL;
+    rt->reqs[r].in_fifo = 1;
+    if (w->fifo_tail == NIL)
+        w->fifo_head = r;
+    else
+        rt->reqs[w->fifo_tail].fifo_next = r;
+    w->fifo_tail = r;
+}
+
+static uint32_t fifo_pop(struct dp_router *rt, struct worker *w)
+{
+    uint32_t r = w->fifo_head;
+    if (r != NIL) {
+        w->fifo_head = rt->reqs[r].fifo_next;
+        if (w->fifo_head == NIL)
+            w->fifo_tail = NIL;
+        rt->reqs[r].in_fifo = 0;
+    }
+    return r;
+}
+
+static void depth_add(struct dp_router *rt, int worker, int32_t d)
+{
+    rt->view.depth[worker] += (uint32_t)d;
+    rt->view.total_depth += (uint32_t)d;
+    rt->w[worker].st.depth = rt->view.depth[worker];
+}
+
+/* --- responses -------------------------------------------------------------------- */
+
+static int emit(struct dp_router *rt, const struct req *r, uint16_t status, uint64_t request_id, uint64_t session,
+                uint32_t tenant, const struct dp_chunk *c)
+{
+    if (!rt->egress)
+        return 1;  /* no egress attached: responses are counted only */
+    if (dp_ring_prod_reserve(rt->egress, 1) != 1) {
+        dp_ring_note_full(rt->egress, 1, 0);
+        return 0;
+    }
+    struct dp_response_rec *o = dp_ring_prod_slot(rt->egress, 0);
+    uint16_t n = r ? r->n_out : 0;
+    o->request_id = request_id;
+    o->session_id = session;
+    o->tenant = tenant;
+    o->status = status;
+    o->n_out = n;
+    o->t_send = r ? r->t_send : c->t_send;
+    o->t_xdp = r ? r->t_xdp : c->t_xdp;
+    o->t_first_lane = r ? r->t_first_lane : 0;
+    o->t_done = now_ns();
+    o->worker = r ? (uint16_t)r->worker : 0xffff;
+    if (n)
+        memcpy(o->tokens, r->out, n * sizeof(uint32_t));
+    dp_ring_prod_commit(rt->egress, 1);
+    return 1;
+}
+
+static void remember_done(struct dp_router *rt, uint64_t id)
+{
+    rt->recent[dp_hash64(id) & ((1u << RECENT_BITS) - 1)] = id;
+}
+
+static int recently_done(const struct dp_router *rt, uint64_t id)
+{
+    return rt->recent[dp_hash64(id) & ((1u << RECENT_BITS) - 1)] == id;
+}
+
+static void finish(struct dp_router *rt, uint32_t ri)
+{
+    struct req *r = &rt->reqs[ri];
+    remember_done(rt, r->request_id);
+    struct worker *w = &rt->w[r->worker];
+    if (r->in_set) {                    /* static: leave the running batch now, before the slot is reused */
+        for (uint32_t s = 0; s < w->n_set; s++)
+            if (w->set[s] == ri) {
+                w->set[s] = w->set[--w->n_set];
+                break;
+            }
+        r->in_set = 0;
+    }
+    r->state = REQ_DONE;
+    r->fifo_next = NIL;
+    if (rt->done_head == NIL && emit(rt, r, r->status ? r->status : DP_STATUS_OK, r->request_id, r->session_id,
+                                     r->tenant, NULL)) {
+        rt->st.responses++;
+        req_free(rt, ri);
+        return;
+    }
+    rt->st.egress_stalls++;             /* keep it until the egress ring has room */
+    if (rt->done_tail == NIL)
+        rt->done_head = ri;
+    else
+        rt->reqs[rt->done_tail].fifo_next = ri;
+    rt->done_tail = ri;
+}
+
+static uint32_t flush_done(struct dp_router *rt)
+{
+    uint32_t n = 0;
+    while (rt->done_head != NIL) {
+        uint32_t ri = rt->done_head;
+        struct req *r = &rt->reqs[ri];
+        if (!emit(rt, r, r->status ? r->status : DP_STATUS_OK, r->request_id, r->session_id, r->tenant, NULL))
+            break;
+        rt->done_head = r->fifo_next;
+        if (rt->done_head == NIL)
+            rt->done_tail = NIL;
+        rt->st.responses++;
+        req_free(rt, ri);
+        n++;
+    }
+    return n;
+}
+
+/* --- ingest ------------------------------------------------------------------------- */
+
+static void pending_append(struct dp_router *rt, struct req *r, uint32_t p)
+{
+    rt->pool[p].next = NIL;
+    if (r->pending_tail == NIL)
+        r->pending_head = p;
+    else
+        rt->pool[r->pending_tail].next = p;
+    r->pending_tail = p;
+}
+
+/* Chunk p (pool index) of request ri arrived: queue it in order, then any early successors. */
+static void accept_chunk(struct dp_router *rt, uint32_t ri, uint32_t p)
+{
+    struct req *r = &rt->reqs[ri];
+    struct worker *w = &rt->w[r->worker];
+    uint16_t idx = rt->pool[p].c.chunk_index;
+    if (idx != r->next_index) {          /* early: park it */
+        rt->pool[p].next = r->ooo;
+        r->ooo = p;
+        return;
+    }
+    for (;;) {
+        pending_append(rt, r, p);
+        depth_add(rt, r->worker, 1);
+        r->next_index++;
+        /* is its successor parked? */
+        uint32_t *link = &r->ooo;
+        p = NIL;
+        while (*link != NIL) {
+            if (rt->pool[*link].c.chunk_index == r->next_index) {
+                p = *link;
+                *link = rt->pool[p].next;
+                break;
+            }
+            link = &rt->pool[*link].next;
+        }
+        if (p == NIL)
+            break;
+    }
+    if (rt->cfg.batching == DP_BATCH_DYNAMIC) {
+        if (!r->in_fifo)
+            fifo_push(rt, w, ri);
+    } else if (r->next_index == r->chunk_count && !r->in_fifo && !r->in_set) {
+        r->t_ready = now_ns();
+        fifo_push(rt, w, ri);            /* complete: it may join a static batch */
+    }
+}
+
+static int bad_chunk(const struct dp_chunk *c)
+{
+    return c->n_tokens < 1 || c->n_tokens > DP_MAX_CHUNK_TOKENS || c->chunk_count < 1 ||
+           c->chunk_index >= c->chunk_count;
+}
+
+/* Returns 0 if the router has no room for it now (the record stays in its ring). */
+static int ingest(struct dp_router *rt, const struct dp_chunk *c, uint64_t t)
+{
+    if (c->kind != DP_KIND_CHUNK) {      /* open/close/count_tokens are the control plane's */
+        rt->st.control_in++;
+        return 1;
+    }
+    if (bad_chunk(c)) {
+        if (!emit(rt, NULL, DP_STATUS_BAD_REQUEST, c->request_id, c->session_id, c->tenant, c))
+            return 0;
+        rt->st.bad_chunks++;
+        rt->st.responses++;
+        return 1;
+    }
+    if (rt->pool_free == NIL)
+        return 0;
+    uint32_t ri = req_find(rt, c->request_id);
+    if (ri == NIL && recently_done(rt, c->request_id)) {
+        rt->st.late_duplicates++;        /* a repeat of a request already answered */
+        return 1;
+    }
+    if (ri == NIL) {
+        int wk = dp_policy_pick(&rt->policy, &rt->view, c->session_id, c->tenant);
+        if (wk < 0 || (ri = req_insert(rt, c->request_id)) == NIL) {
+            if (!emit(rt, NULL, DP_STATUS_UNAVAILABLE, c->request_id, c->session_id, c->tenant, c))
+                return 0;
+            rt->st.table_full++;
+            rt->st.responses++;
+            return 1;
+        }
+        struct req *r = &rt->reqs[ri];
+        memset(r, 0, offsetof(struct req, out));
+        r->request_id = c->request_id;
+        r->session_id = c->session_id;
+        r->tenant = c->tenant;
+        r->max_output = c->max_output_tokens;
+        r->chunk_count = c->chunk_count;
+        r->worker = (int16_t)wk;
+        r->state = REQ_PREFILL;
+        r->pending_head = r->pending_tail = r->ooo = r->fifo_next = NIL;
+        r->t_send = c->t_send;
+        r->t_xdp = c->t_xdp;
+        rt->st.requests_in++;
+    }
+    struct req *r = &rt->reqs[ri];
+    if (r->state != REQ_PREFILL || c->chunk_count != r->chunk_count || c->chunk_index < r->next_index ||
+        r->received >= r->chunk_count) {
+        rt->st.duplicate_chunks++;       /* a repeat or a chunk of a request already past prefill */
+        return 1;
+    }
+    for (uint32_t x = r->ooo; x != NIL; x = rt->pool[x].next)
+        if (rt->pool[x].c.chunk_index == c->chunk_index) {
+            rt->st.duplicate_chunks++;
+            return 1;
+        }
+    uint32_t p = pool_get(rt);
+    struct dp_chunk *pc = &rt->pool[p].c;
+    memcpy(pc, c, DP_CHUNK_HDR_LEN + c->n_tokens * sizeof(uint32_t));
+    pc->t_router = t;
+    r->received++;
+    r->t_last = t;
+    rt->st.chunks_in++;
+    accept_chunk(rt, ri, p);
+    return 1;
+}
+
+static uint32_t drain_inputs(struct dp_router *rt)
+{
+    uint32_t total = 0;
+    uint64_t t = 0;
+    for (uint32_t k = 0; k < rt->n_in; k++) {
+        struct dp_ring *in = rt->in[(rt->in_cursor + k) % rt->n_in];
+        uint32_t n = dp_ring_cons_peek(in, INPUT_BURST), i;
+        if (!n)
+            continue;
+        if (!t)
+            t = now_ns();
+        for (i = 0; i < n; i++)
+            if (!ingest(rt, dp_ring_cons_slot(in, i), t))
+                break;
+        if (i < n)
+            rt->st.input_stalls++;
+        dp_ring_cons_release(in, i);
+        total += i;
+    }
+    rt->in_cursor++;
+    return total;
+}
+
+/* --- lanes: one interface over shm rings and zmq sockets ----------------------------- */
+
+static void *lane_slot(struct worker *w, uint32_t i)
+{
+    return w->kind == DP_LANE_SHM ? dp_ring_prod_slot(w->lane, i) : w->stage + (size_t)i * sizeof(struct dp_chunk);
+}
+
+/* Room for a full batch? (shm: free slots; zmq: the socket takes a message now) */
+static int lane_ready(struct dp_router *rt, struct worker *w)
+{
+    if (w->kind == DP_LANE_SHM) {
+        uint32_t room = dp_ring_prod_reserve(w->lane, rt->cfg.max_chunks);
+        if (room < rt->cfg.max_chunks)   /* the worker has not taken its last batch yet */
+            dp_ring_note_full(w->lane, rt->cfg.max_chunks, room);
+        return room == rt->cfg.max_chunks;
+    }
+    int ev = 0;
+    size_t len = sizeof(ev);
+    return zmq_getsockopt(w->zsock, ZMQ_EVENTS, &ev, &len) == 0 && (ev & ZMQ_POLLOUT);
+}
+
+/* Publish n built records as one batch; 0 if a zmq socket refused it (kept for a retry). */
+static int lane_commit(struct worker *w, uint32_t n)
+{
+    if (w->kind == DP_LANE_SHM) {
+        dp_ring_prod_commit(w->lane, n);   /* the whole batch becomes visible at once */
+        return 1;
+    }
+    if (zmq_send(w->zsock, w->stage, (size_t)n * sizeof(struct dp_chunk), ZMQ_DONTWAIT) < 0) {
+        w->unsent = n;
+        return 0;
+    }
+    w->unsent = 0;
+    return 1;
+}
+
+static const struct dp_completion *lane_completion(struct worker *w)
+{
+    if (w->kind == DP_LANE_SHM)
+        return w->done && dp_ring_cons_peek(w->done, 1) ? dp_ring_cons_slot(w->done, 0) : NULL;
+    int n = zmq_recv(w->zsock, w->cbuf, sizeof(*w->cbuf), ZMQ_DONTWAIT);
+    return n >= (int)offsetof(struct dp_completion, e) ? w->cbuf : NULL;
+}
+
+static void lane_completion_done(struct worker *w)
+{
+    if (w->kind == DP_LANE_SHM)
+        dp_ring_cons_release(w->done, 1);
+}
+
+/* --- completions -------------------------------------------------------------------- */
+
+static void decoding_remove(struct worker *w, uint32_t ri)
+{
+    for (uint32_t d = 0; d < w->n_decoding; d++)
+        if (w->decoding[d] == ri) {
+            w->decoding[d] = w->decoding[--w->n_decoding];
+            return;
+        }
+}
+
+static void fifo_remove(struct dp_router *rt, struct worker *w, uint32_t ri);
+
+static void drop_pending(struct dp_router *rt, struct req *r)
+{
+    for (uint32_t p = r->pending_head, next; p != NIL; p = next) {
+        next = rt->pool[p].next;
+        pool_put(rt, p);
+        depth_add(rt, r->worker, -1);
+    }
+    for (uint32_t p = r->ooo, next; p != NIL; p = next) {
+        next = rt->pool[p].next;
+        pool_put(rt, p);
+    }
+    r->pending_head = r->pending_tail = r->ooo = NIL;
+}
+
+/* The worker refused a record of this request: it ends with that status once
+ * nothing of it is in flight; chunks still to come count as late duplicates. */
+static void fail_request(struct dp_router *rt, int wk, uint32_t ri, uint16_t status)
+{
+    struct req *r = &rt->reqs[ri];
+    struct worker *w = &rt->w[wk];
+    if (!r->status)
+        r->status = status;
+    if (r->in_fifo)
+        fifo_remove(rt, w, ri);
+    drop_pending(rt, r);
+    if (r->state == REQ_DECODE) {
+        decoding_remove(w, ri);
+        w->st.decoding = w->n_decoding;
+        depth_add(rt, wk, -1);
+    }
+    r->state = REQ_DONE;                /* nothing more is scheduled for it */
+    r->decode_left = 0;
+    if (r->inflight == 0)
+        finish(rt, ri);
+}
+
+static void complete_entry(struct dp_router *rt, int wk, const struct batch_meta *m,
+                           const struct dp_completion_entry *e)
+{
+    struct req *r = &rt->reqs[m->req];
+    struct worker *w = &rt->w[wk];
+    int ended = 0;
+    r->inflight--;
+    if (r->status) {                     /* already failed: finish once the last record is back */
+        if (r->inflight == 0)
+            finish(rt, m->req);
+        return;
+    }
+    if (e->status && e->status != DP_STATUS_OK) {
+        rt->st.refused_by_worker++;
+        fail_request(rt, wk, m->req, e->status);
+        return;
+    }
+    if (m->kind == DP_KIND_CHUNK && !m->final)
+        return;
+    if (r->max_output && r->n_out < DP_MAX_OUTPUT_TOKENS)
+        r->out[r->n_out++] = e->token;
+    if (m->kind == DP_KIND_CHUNK) {      /* prefill done: the first output token is sampled */
+        r->decode_left = r->max_output > 1 ? r->max_output - 1 : 0;
+        ended = r->decode_left == 0 || (e->flags & DP_CE_EOS);
+        if (!ended) {
+            r->state = REQ_DECODE;
+            w->decoding[w->n_decoding++] = m->req;
+            w->st.decoding = w->n_decoding;
+            depth_add(rt, wk, 1);
+        }
+    } else if (r->decode_left == 0 || (e->flags & DP_CE_EOS)) {
+        ended = 1;
+        decoding_remove(w, m->req);
+        w->st.decoding = w->n_decoding;
+        depth_add(rt, wk, -1);
+    }
+    if (ended && r->inflight == 0)
+        finish(rt, m->req);
+}
+
+static uint32_t take_completions(struct dp_router *rt)
+{
+    uint32_t n = 0;
+    for (uint32_t k = 0; k < rt->view.n; k++) {
+        struct worker *w = &rt->w[k];
+        const struct dp_completion *c;
+        if (!w->busy || w->unsent || !(c = lane_completion(w)))
+            continue;
+        if (c->batch_seq == w->batch_seq) {
+            uint32_t len = w->batch_len;
+            w->busy = 0;
+            w->batch_len = 0;  /* meta stays valid below: nothing reuses it before the next batch */
+            for (uint32_t i = 0; i < len; i++)
+                complete_entry(rt, (int)k, &w->meta[i], i < c->n ? &c->e[i] : &(struct dp_completion_entry){ 0 });
+            w->st.completions++;
+            rt->st.completions++;
+            n++;
+        }
+        lane_completion_done(w);  /* a stale completion (wrong seq) is dropped */
+        w->st.busy = w->busy;
+    }
+    return n;
+}
+
+/* --- batching ----------------------------------------------------------------------- */
+
+struct builder {
+    struct worker *w;
+    uint32_t n, tokens, budget, cap;
+    uint64_t t;
+};
+
+static struct dp_chunk *add_record(struct dp_router *rt, struct builder *b, uint32_t ri, uint8_t kind, uint8_t final)
+{
+    struct dp_chunk *out = lane_slot(b->w, b->n);
+    b->w->meta[b->n] = (struct batch_meta){ ri, kind, final };
+    rt->reqs[ri].inflight++;
+    if (!rt->reqs[ri].t_first_lane)
+        rt->reqs[ri].t_first_lane = b->t;
+    b->n++;
+    return out;
+}
+
+static void add_decode(struct dp_router *rt, struct builder *b, uint32_t ri)
+{
+    struct req *r = &rt->reqs[ri];
+    struct dp_chunk *out = add_record(rt, b, ri, DP_KIND_DECODE, 0);
+    memset(out, 0, DP_CHUNK_HDR_LEN);
+    out->session_id = r->session_id;
+    out->request_id = r->request_id;
+    out->tenant = r->tenant;
+    out->max_output_tokens = r->max_output;
+    out->kind = DP_KIND_DECODE;
+    out->t_router = b->t;
+    out->t_send = r->t_send;
+    r->decode_left--;
+    b->tokens++;
+    b->w->st.decode_steps++;
+    rt->st.decode_out++;
+}
+
+/* Move up to `room` tokens of r's first pending chunk into the batch; split if it does not fit. */
+static void add_prefill(struct dp_router *rt, struct builder *b, uint32_t ri, uint32_t room)
+{
+    struct req *r = &rt->reqs[ri];
+    uint32_t p = r->pending_head;
+    struct dp_chunk *c = &rt->pool[p].c;
+    uint32_t take = c->n_tokens <= room ? c->n_tokens : room;
+    int whole = take == c->n_tokens;
+    int final = whole && r->next_index == r->chunk_count && rt->pool[p].next == NIL && r->received == r->chunk_count;
+    struct dp_chunk *out = add_record(rt, b, ri, DP_KIND_CHUNK, (uint8_t)final);
+    memcpy(out, c, DP_CHUNK_HDR_LEN);
+    memcpy(out->tokens, c->tokens, take * sizeof(uint32_t));
+    out->n_tokens = (uint16_t)take;
+    out->flags = c->flags | (final ? DP_CHUNK_F_FINAL : 0);
+    b->tokens += take;
+    if (whole) {
+        r->pending_head = rt->pool[p].next;
+        if (r->pending_head == NIL)
+            r->pending_tail = NIL;
+        pool_put(rt, p);
+        depth_add(rt, r->worker, -1);
+    } else {                             /* re-chunk: the rest stays first in line */
+        memmove(c->tokens, c->tokens + take, (c->n_tokens - take) * sizeof(uint32_t));
+        c->n_tokens -= (uint16_t)take;
+        rt->st.splits++;
+    }
+}
+
+static void build_dynamic(struct dp_router *rt, struct builder *b)
+{
+    struct worker *w = b->w;
+    /* decode first: one step per decoding request, fairly rotated when the budget is short */
+    for (uint32_t k = 0; k < w->n_decoding && b->n < b->cap && b->tokens < b->budget; k++) {
+        uint32_t ri = w->decoding[(w->decode_cursor + k) % w->n_decoding];
+        if (rt->reqs[ri].decode_left)
+            add_decode(rt, b, ri);
+    }
+    if (w->n_decoding)
+        w->decode_cursor = (w->decode_cursor + 1) % w->n_decoding;
+    /* then prefill, first come first served, chunks of different requests interleaving */
+    while (b->n < b->cap && b->tokens < b->budget && w->fifo_head != NIL) {
+        uint32_t ri = w->fifo_head;
+        struct req *r = &rt->reqs[ri];
+        add_prefill(rt, b, ri, b->budget - b->tokens);
+        if (r->pending_head == NIL)
+            fifo_pop(rt, w);
+    }
+}
+
+static void build_static(struct dp_router *rt, struct builder *b, uint64_t now)
+{
+    struct worker *w = b->w;
+    if (w->n_set == 0) {                 /* form a batch: full, or the oldest waited long enough */
+        uint32_t waiting = 0;
+        for (uint32_t x = w->fifo_head; x != NIL && waiting < rt->cfg.max_batch_size; x = rt->reqs[x].fifo_next)
+            waiting++;
+        if (!waiting || (waiting < rt->cfg.max_batch_size &&
+                         now - rt->reqs[w->fifo_head].t_ready < rt->cfg.batch_timeout_ns))
+            return;
+        while (w->n_set < waiting) {
+            uint32_t ri = fifo_pop(rt, w);
+            rt->reqs[ri].in_set = 1;
+            w->set[w->n_set++] = ri;
+        }
+    }
+    /* one step over the set: all its prefill (whole chunks, no budget), else a decode step each */
+    for (uint32_t s = 0; s < w->n_set && b->n < b->cap; s++) {
+        uint32_t ri = w->set[s];
+        struct req *r = &rt->reqs[ri];
+        while (r->pending_head != NIL && b->n < b->cap)
+            add_prefill(rt, b, ri, DP_MAX_CHUNK_TOKENS);
+        if (r->state == REQ_DECODE && r->decode_left && !r->inflight && b->n < b->cap)
+            add_decode(rt, b, ri);
+    }
+}
+
+static uint32_t send_batches(struct dp_router *rt)
+{
+    uint32_t sent = 0;
+    uint64_t now = now_ns();
+    for (uint32_t k = 0; k < rt->view.n; k++) {
+        struct worker *w = &rt->w[k];
+        if (w->unsent) {                 /* a zmq batch the socket refused: it goes first, unchanged */
+            if (lane_commit(w, w->unsent))
+                w->busy = 1, w->st.busy = 1;
+            continue;
+        }
+        if (w->busy || !rt->view.up[k])
+            continue;
+        if (rt->cfg.batching == DP_BATCH_DYNAMIC && !w->n_decoding && w->fifo_head == NIL)
+            continue;
+        if (!lane_ready(rt, w))
+            continue;
+        struct builder b = { w, 0, 0, rt->cfg.token_budget, rt->cfg.max_chunks, now };
+        if (rt->cfg.batching == DP_BATCH_DYNAMIC)
+            build_dynamic(rt, &b);
+        else
+            build_static(rt, &b, now);
+        if (!b.n)
+            continue;
+        w->batch_seq++;
+        uint64_t t_lane = now_ns();
+        for (uint32_t i = 0; i < b.n; i++) {
+            struct dp_chunk *c = lane_slot(w, i);
+            c->batch_seq = w->batch_seq;
+            c->batch_len = (uint16_t)b.n;
+            c->batch_pos = (uint16_t)i;
+            c->t_lane = t_lane;
+        }
+        w->batch_len = b.n;
+        if (lane_commit(w, b.n))
+            w->busy = 1, w->st.busy = 1;
+        w->st.batches++;
+        w->st.records += b.n;
+        w->st.tokens += b.tokens;
+        rt->st.batches++;
+        rt->st.records_out += b.n;
+        rt->st.tokens_out += b.tokens;
+        sent++;
+    }
+    return sent;
+}
+
+/* --- stalled reassemblies ------------------------------------------------------------- */
+
+static void fifo_remove(struct dp_router *rt, struct worker *w, uint32_t ri)
+{
+    for (uint32_t x = w->fifo_head, prev = NIL; x != NIL; prev = x, x = rt->reqs[x].fifo_next) {
+        if (x != ri)
+            continue;
+        if (prev == NIL)
+            w->fifo_head = rt->reqs[x].fifo_next;
+        else
+            rt->reqs[prev].fifo_next = rt->reqs[x].fifo_next;
+        if (w->fifo_tail == ri)
+            w->fifo_tail = prev;
+        rt->reqs[ri].in_fifo = 0;
+        return;
+    }
+}
+
+/* Requests still missing chunks, with nothing in flight, idle past the timeout:
+ * answer 400 and free what they hold. */
+static uint32_t expire_stalled(struct dp_router *rt, uint64_t now)
+{
+    uint32_t n = 0;
+    if (now < rt->next_expiry_scan)
+        return 0;
+    rt->next_expiry_scan = now + EXPIRY_SCAN_NS;
+    for (uint32_t ri = 0; ri < rt->cfg.max_requests; ri++) {
+        struct req *r = &rt->reqs[ri];
+        if (r->state != REQ_PREFILL || r->received == r->chunk_count || r->inflight ||
+            now - r->t_last < rt->cfg.reassembly_timeout_ns)
+            continue;
+        if (!emit(rt, NULL, DP_STATUS_BAD_REQUEST, r->request_id, r->session_id, r->tenant,
+                  &(struct dp_chunk){ .t_send = r->t_send, .t_xdp = r->t_xdp }))
+            break;                       /* egress full: try again at the next scan */
+        if (r->in_fifo)
+            fifo_remove(rt, &rt->w[r->worker], ri);
+        drop_pending(rt, r);
+        rt->st.expired++;
+        rt->st.responses++;
+        req_free(rt, ri);
+        n++;
+    }
+    return n;
+}
+
+/* --- lifecycle and control ------------------------------------------------------------ */
+
+uint32_t dp_router_poll(struct dp_router *rt)
+{
+    pthread_mutex_lock(&rt->lock);
+    uint32_t work = flush_done(rt);
+    work += take_completions(rt);
+    work += drain_inputs(rt);
+    work += send_batches(rt);
+    work += expire_stalled(rt, now_ns());
+    rt->st.loops++;
+    pthread_mutex_unlock(&rt->lock);
+    return work;
+}
+
+static void *router_main(void *arg)
+{
+    struct dp_router *rt = arg;
+    unsigned idle = 0;
+    while (!__atomic_load_n(&rt->stop, __ATOMIC_ACQUIRE)) {
+        if (dp_router_poll(rt))
+            idle = 0;
+        else if (++idle > 4096)
+            sched_yield();   /* idle for a while: let a worker on this core run */
+    }
+    return NULL;
+}
+
+int dp_router_start(struct dp_router *rt, int cpu)
+{
+    if (rt->running)
+        return -EBUSY;
+    rt->stop = 0;
+    int rc = pthread_create(&rt->thread, NULL, router_main, rt);
+    if (rc)
+        return -rc;
+    if (cpu >= 0) {
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        CPU_SET(cpu, &set);
+        pthread_setaffinity_np(rt->thread, sizeof(set), &set);
+    }
+    rt->running = 1;
+    return 0;
+}
+
+void dp_router_stop(struct dp_router *rt)
+{
+    if (!rt->running)
+        return;
+    __atomic_store_n(&rt->stop, 1, __ATOMIC_RELEASE);
+    pthread_join(rt->thread, NULL);
+    rt->running = 0;
+}
+
+static int check_batching(uint32_t batching, uint32_t budget, uint32_t max_chunks, uint32_t max_batch)
+{
+    if (batching > DP_BATCH_STATIC || budget < 1 || max_chunks < 1 || max_chunks > DP_MAX_BATCH_CHUNKS ||
+        max_batch < 1 || max_batch > DP_MAX_BATCH_CHUNKS)
+        return -EINVAL;
+    return 0;
+}
+
+struct dp_router *dp_router_create(const struct dp_router_config *cfg, const char *policy, double param, int *err)
+{
+    struct dp_router_config c = *cfg;
+    if (!c.token_budget)
+        c.token_budget = 512;
+    if (!c.max_chunks)
+        c.max_chunks = DP_MAX_BATCH_CHUNKS;
+    if (!c.max_batch_size)
+        c.max_batch_size = 32;
+    if (!c.batch_timeout_ns)
+        c.batch_timeout_ns = 50000000ull;
+    if (!c.reassembly_timeout_ns)
+        c.reassembly_timeout_ns = 1000000000ull;
+    if (!c.max_requests)
+        c.max_requests = 4096;
+    if (!c.pool_chunks)
+        c.pool_chunks = 8192;
+    if (check_batching(c.batching, c.token_budget, c.max_chunks, c.max_batch_size) ||
+        (c.max_requests & (c.max_requests - 1)) || c.max_requests < 8 || c.max_requests > (1u << 20) ||
+        c.pool_chunks > (1u << 22)) {
+        *err = -EINVAL;
+        return NULL;
+    }
+    struct dp_router *rt = calloc(1, sizeof(*rt));
+    if (!rt) {
+        *err = -ENOMEM;
+        return NULL;
+    }
+    rt->cfg = c;
+    pthread_mutex_init(&rt->lock, NULL);
+    rt->reqs = calloc(c.max_requests, sizeof(struct req));
+    rt->hash = malloc(2 * (size_t)c.max_requests * sizeof(*rt->hash));
+    rt->pool = malloc((size_t)c.pool_chunks * sizeof(struct pooled));
+    rt->hash_mask = 2 * c.max_requests - 1;
+    if (!rt->reqs || !rt->pool || !rt->hash) {
+        dp_router_destroy(rt);
+        *err = -ENOMEM;
+        return NULL;
+    }
+    rt->pool_free = NIL;
+    for (uint32_t i = c.pool_chunks; i-- > 0;)
+        pool_put(rt, i);
+    for (uint32_t i = 0; i <= rt->hash_mask; i++)
+        rt->hash[i].slot = NIL;
+    rt->req_free = NIL;
+    for (uint32_t i = c.max_requests; i-- > 0;) {
+        rt->reqs[i].fifo_next = rt->req_free;
+        rt->req_free = i;
+    }
+    rt->done_head = rt->done_tail = NIL;
+    int rc = dp_policy_init(&rt->policy, policy, c.seed, param);
+    if (rc) {
+        dp_router_destroy(rt);
+        *err = rc;
+        return NULL;
+    }
+    return rt;
+}
+
+void dp_router_destroy(struct dp_router *rt)
+{
+    if (!rt)
+        return;
+    dp_router_stop(rt);
+    dp_policy_fini(&rt->policy);
+    for (uint32_t k = 0; k < rt->view.n; k++) {
+        free(rt->w[k].decoding);
+        free(rt->w[k].stage);
+        free(rt->w[k].cbuf);
+        if (rt->w[k].zsock)
+            zmq_close(rt->w[k].zsock);
+    }
+    if (rt->zctx)
+        zmq_ctx_term(rt->zctx);
+    free(rt->reqs);
+    free(rt->hash);
+    free(rt->pool);
+    pthread_mutex_destroy(&rt->lock);
+    free(rt);
+}
+
+int dp_router_add_input(struct dp_router *rt, struct dp_ring *in)
+{
+    if (in->h->slot_size < sizeof(struct dp_chunk))
+        return -EINVAL;
+    pthread_mutex_lock(&rt->lock);
+    int rc = rt->n_in < DP_MAX_INPUTS ? (rt->in[rt->n_in++] = in, (int)rt->n_in - 1) : -ENOSPC;
+    pthread_mutex_unlock(&rt->lock);
+    return rc;
+}
+
+static int add_worker(struct dp_router *rt, int kind, struct dp_ring *lane, struct dp_ring *done, void *zsock,
+                      uint32_t weight)
+{
+    pthread_mutex_lock(&rt->lock);
+    int k = -ENOSPC;
+    if (rt->view.n < DP_MAX_WORKERS) {
+        k = (int)rt->view.n;
+        struct worker *w = &rt->w[k];
+        memset(w, 0, sizeof(*w));
+        w->kind = kind;
+        w->lane = lane;
+        w->done = done;
+        w->zsock = zsock;
+        if (kind == DP_LANE_ZMQ) {
+            w->stage = malloc((size_t)DP_MAX_BATCH_CHUNKS * sizeof(struct dp_chunk));
+            w->cbuf = malloc(sizeof(*w->cbuf));
+        }
+        w->fifo_head = w->fifo_tail = NIL;
+        w->decoding = calloc(rt->cfg.max_requests, sizeof(uint32_t));
+        w->st.up = 1;
+        rt->view.up[k] = 1;
+        rt->view.weight[k] = weight;
+        rt->view.depth[k] = 0;
+        rt->view.n++;
+        rt->view.generation++;
+    }
+    pthread_mutex_unlock(&rt->lock);
+    return k;
+}
+
+int dp_router_add_worker(struct dp_router *rt, struct dp_ring *lane, struct dp_ring *done, uint32_t weight)
+{
+    if (lane->h->slot_size < sizeof(struct dp_chunk) || lane->h->capacity < rt->cfg.max_chunks ||
+        done->h->slot_size < sizeof(struct dp_completion))
+        return -EINVAL;
+    return add_worker(rt, DP_LANE_SHM, lane, done, NULL, weight);
+}
+
+int dp_router_add_zmq_worker(struct dp_router *rt, const char *endpoint, uint32_t weight)
+{
+    if (!rt->zctx && !(rt->zctx = zmq_ctx_new()))
+        return -errno;
+    void *s = zmq_socket(rt->zctx, ZMQ_DEALER);
+    if (!s)
+        return -errno;
+    int linger = 0, hwm = 4;
+    zmq_setsockopt(s, ZMQ_LINGER, &linger, sizeof(linger));
+    zmq_setsockopt(s, ZMQ_SNDHWM, &hwm, sizeof(hwm));
+    if (zmq_connect(s, endpoint) < 0) {
+        int e = errno;
+        zmq_close(s);
+        return -e;
+    }
+    int k = add_worker(rt, DP_LANE_ZMQ, NULL, NULL, s, weight);
+    if (k < 0)
+        zmq_close(s);
+    return k;
+}
+
+int dp_router_set_egress(struct dp_router *rt, struct dp_ring *egress)
+{
+    if (egress && egress->h->slot_size < sizeof(struct dp_response_rec))
+        return -EINVAL;
+    pthread_mutex_lock(&rt->lock);
+    rt->egress = egress;
+    pthread_mutex_unlock(&rt->lock);
+    return 0;
+}
+
+int dp_router_set_policy(struct dp_router *rt, const char *policy, double param)
+{
+    struct dp_policy p;
+    int rc = dp_policy_init(&p, policy, rt->cfg.seed, param);
+    if (rc)
+        return rc;
+    pthread_mutex_lock(&rt->lock);
+    dp_policy_fini(&rt->policy);
+    rt->policy = p;              /* requests already placed stay where their KV is */
+    pthread_mutex_unlock(&rt->lock);
+    return 0;
+}
+
+int dp_router_set_weight(struct dp_router *rt, uint32_t worker, uint32_t weight)
+{
+    if (worker >= rt->view.n)
+        return -EINVAL;
+    pthread_mutex_lock(&rt->lock);
+    rt->view.weight[worker] = weight;
+    rt->view.generation++;
+    pthread_mutex_unlock(&rt->lock);
+    return 0;
+}
+
+int dp_router_set_up(struct dp_router *rt, uint32_t worker, int up)
+{
+    if (worker >= rt->view.n)
+        return -EINVAL;
+    pthread_mutex_lock(&rt->lock);
+    rt->view.up[worker] = up ? 1 : 0;
+    rt->w[worker].st.up = rt->view.up[worker];
+    rt->view.generation++;
+    pthread_mutex_unlock(&rt->lock);
+    return 0;
+}
+
+int dp_router_set_batching(struct dp_router *rt, uint32_t batching, uint32_t budget, uint32_t max_chunks,
+                           uint32_t max_batch, uint64_t timeout_ns)
+{
+    int rc = check_batching(batching, budget, max_chunks, max_batch);
+    if (rc)
+        return rc;
+    pthread_mutex_lock(&rt->lock);
+    if (batching != rt->cfg.batching && rt->st.active_requests)
+        rc = -EBUSY;             /* switching modes with requests in flight would strand them */
+    else {
+        rt->cfg.batching = batching;
+        rt->cfg.token_budget = budget;
+        rt->cfg.max_chunks = max_chunks;
+        rt->cfg.max_batch_size = max_batch;
+        rt->cfg.batch_timeout_ns = timeout_ns;
+    }
+    pthread_mutex_unlock(&rt->lock);
+    return rc;
+}
+
+void dp_router_get_stats(struct dp_router *rt, struct dp_router_stats *s)
+{
+    pthread_mutex_lock(&rt->lock);
+    *s = rt->st;
+    pthread_mutex_unlock(&rt->lock);
+}
+
+int dp_router_worker_stats(struct dp_router *rt, uint32_t worker, struct dp_worker_stats *s)
+{
+    if (worker >= rt->view.n)
+        return -EINVAL;
+    pthread_mutex_lock(&rt->lock);
+    *s = rt->w[worker].st;
+    if (rt->w[worker].kind == DP_LANE_SHM) {
+        struct dp_ring_stats rs;
+        dp_ring_get_stats(rt->w[worker].lane, &rs);
+        s->lane_depth = rs.depth;
+        s->lane_full_events = rs.full_events;
+    }
+    pthread_mutex_unlock(&rt->lock);
+    return 0;
+}
+
+int dp_policy_map(const char *policy, double param, uint64_t seed, const struct dp_workers *w,
+                  const uint64_t *sessions, int32_t *out, uint32_t n)
+{
+    struct dp_policy p;
+    int rc = dp_policy_init(&p, policy, seed, param);
+    if (rc)
+        return rc;
+    for (uint32_t i = 0; i < n; i++)
+        out[i] = dp_policy_pick(&p, w, sessions[i], 0);
+    dp_policy_fini(&p);
+    return 0;
+}
+
+double dp_policy_bench(const char *policy, uint32_t n_workers, uint64_t decisions)
+{
+    struct dp_policy p;
+    static struct dp_workers w;
+    if (n_workers < 1 || n_workers > DP_MAX_WORKERS || dp_policy_init(&p, policy, 12345, 0))
+        return -1;
+    memset(&w, 0, sizeof(w));
+    w.n = n_workers;
+    w.generation = 1;
+    uint64_t x = 88172645463325252ull, sink = 0;
+    for (uint32_t j = 0; j < n_workers; j++) {
+        w.up[j] = 1;
+        w.weight[j] = 1 + j % 4;
+        w.depth[j] = (uint32_t)(dp_hash64(j) % 64);
+        w.total_depth += w.depth[j];
+    }
+    dp_policy_pick(&p, &w, 1, 0);     /* builds any policy tables outside the timing */
+    uint64_t t = now_ns();
+    for (uint64_t i = 0; i < decisions; i++) {
+        x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+        int k = dp_policy_pick(&p, &w, x, (uint32_t)i);
+        sink += (uint64_t)k;
+        /* the chosen worker's lane grows and another drains, as under load */
+        w.depth[k]++;
+        w.total_depth++;
+        uint32_t d = (uint32_t)(x % n_workers);
+        if (w.depth[d]) {
+            w.depth[d]--;
+            w.total_depth--;
+        }
+    }
+    double ns = (double)(now_ns() - t) / (double)decisions;
+    dp_policy_fini(&p);
+    return sink == UINT64_MAX ? -2 : ns;   /* sink keeps the loop from being optimised away */
+}

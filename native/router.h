@@ -1,0 +1,103 @@
+/* router.h - the micro-batching router: input rings -> per-worker lanes.
+ *
+ * It drains chunk records (struct dp_chunk) from its input rings, keeps
+ * bounded per-request state, picks a worker per request with a routing policy
+ * (policy.h), forms micro-batches and places each in the worker's lane with
+ * one commit; completions come back on a per-worker completion ring (one SPSC
+ * ring per producer), finished requests leave on the egress ring as
+ * struct dp_response_rec.
+ *
+ *   dynamic (default): whenever a worker is free, its batch is built at once:
+ *     one decode step for each of its decoding requests first, then prefill
+ *     chunks in arrival order, up to a token budget and a chunk cap; a chunk
+ *     that does not fit the remaining budget is split (re-chunked), so no
+ *     batch waits to fill and no piece exceeds 128 tokens.
+ *   static (the classic server, for comparison): a worker takes up to
+ *     max_batch_size complete requests once that many wait or the oldest has
+ *     waited batch_timeout; it runs them to the end (all prefill, then decode
+ *     steps) before it takes new ones.
+ *
+ * Nothing is dropped silently: a malformed chunk or a full request table
+ * yields a 400/503 response record; a request still missing chunks after
+ * reassembly_timeout is answered 400 and its state freed; a chunk of a request
+ * that has just finished is counted as a late duplicate, not run again; a
+ * full chunk pool or lane stops the router from taking more input (the input
+ * ring's full counter shows it).
+ */
+#ifndef DP_ROUTER_H
+#define DP_ROUTER_H
+
+#include <pthread.h>
+#include <stdint.h>
+
+#include "chunk.h"
+#include "policy.h"
+#include "ring.h"
+
+/* CDEF BEGIN */
+#define DP_MAX_INPUTS 16
+#define DP_LANE_SHM 0
+#define DP_LANE_ZMQ 1
+
+enum dp_batching { DP_BATCH_DYNAMIC = 0, DP_BATCH_STATIC = 1 };
+
+struct dp_router_config {
+    uint32_t batching;          /* enum dp_batching */
+    uint32_t token_budget;      /* dynamic: tokens per step (default 512) */
+    uint32_t max_chunks;        /* records per batch (<= DP_MAX_BATCH_CHUNKS) */
+    uint32_t max_batch_size;    /* static: requests per batch (default 32) */
+    uint64_t batch_timeout_ns;  /* static: the longest the oldest request waits for a full batch */
+    uint32_t max_requests;      /* request table size (power of two) */
+    uint32_t pool_chunks;       /* chunks buffered in the router */
+    uint64_t seed;              /* policy randomness */
+    uint64_t reassembly_timeout_ns;  /* a request missing chunks this long is answered 400 and freed */
+};
+
+struct dp_worker_stats {
+    uint64_t batches, records, tokens, decode_steps, completions;
+    uint32_t depth, busy, decoding, up;
+    uint64_t lane_depth, lane_full_events;   /* shm lanes: the ring's own counters */
+};
+
+struct dp_router_stats {
+    uint64_t chunks_in, requests_in, control_in, bad_chunks, duplicate_chunks, table_full;
+    uint64_t batches, records_out, tokens_out, decode_out, splits;
+    uint64_t completions, responses, egress_stalls, input_stalls, loops, expired, late_duplicates;
+    uint64_t refused_by_worker;
+    uint32_t active_requests, pool_free;
+};
+
+struct dp_router;
+
+struct dp_router *dp_router_create(const struct dp_router_config *cfg, const char *policy, double policy_param,
+                                   int *err);
+void dp_router_destroy(struct dp_router *rt);
+int dp_router_add_input(struct dp_router *rt, struct dp_ring *in);
+/* A worker: its lane (router produces) and completion ring (router consumes),
+ * Returns the worker index. */
+int dp_router_add_worker(struct dp_router *rt, struct dp_ring *lane, struct dp_ring *done, uint32_t weight);
+/* A worker on another host (or process) behind a ZeroMQ DEALER socket bound at
+ * `endpoint` (tcp:// or ipc://): one message per micro-batch (batch_len
+ * dp_chunk records), one dp_completion message back. */
+int dp_router_add_zmq_worker(struct dp_router *rt, const char *endpoint, uint32_t weight);
+int dp_router_set_egress(struct dp_router *rt, struct dp_ring *egress);
+int dp_router_set_policy(struct dp_router *rt, const char *policy, double param);
+int dp_router_set_weight(struct dp_router *rt, uint32_t worker, uint32_t weight);
+int dp_router_set_up(struct dp_router *rt, uint32_t worker, int up);
+int dp_router_set_batching(struct dp_router *rt, uint32_t batching, uint32_t token_budget, uint32_t max_chunks,
+                           uint32_t max_batch_size, uint64_t batch_timeout_ns);
+/* One pass: drain inputs, take completions, send batches. Returns work done. */
+uint32_t dp_router_poll(struct dp_router *rt);
+int dp_router_start(struct dp_router *rt, int cpu);   /* a pthread polling until stop; cpu < 0: no pinning */
+void dp_router_stop(struct dp_router *rt);
+void dp_router_get_stats(struct dp_router *rt, struct dp_router_stats *s);
+int dp_router_worker_stats(struct dp_router *rt, uint32_t worker, struct dp_worker_stats *s);
+
+/* Decisions of a fresh policy for sessions[] against a fixed view (tests). */
+int dp_policy_map(const char *policy, double param, uint64_t seed, const struct dp_workers *w,
+                  const uint64_t *sessions, int32_t *out, uint32_t n);
+/* Policy cost: ns per decision over `decisions` random sessions with n workers at random depths. */
+double dp_policy_bench(const char *policy, uint32_t n_workers, uint64_t decisions);
+/* CDEF END */
+
+#endif /* DP_ROUTER_H */

@@ -1,0 +1,189 @@
+"""The shared-memory SPSC ring between real processes: nothing lost, duplicated or reordered."""
+import itertools
+import multiprocessing
+import os
+import signal
+import struct
+import time
+
+import pytest
+
+from datapath import ring as ringmod
+from datapath._dataplane import ffi, lib
+from datapath.ring import Ring, RingBusy
+
+SEC = 1_000_000_000
+_names = itertools.count()
+ctx = multiprocessing.get_context("fork")
+
+
+@pytest.fixture
+def ring_name():
+    name = f"test{os.getpid()}-{next(_names)}"
+    yield name
+    ringmod.unlink(name)
+
+
+def produce(name, first, n, burst, rec_len, q=None):
+    with Ring.attach(name, "producer") as r:
+        done = lib.dp_seq_produce(r.ptr, first, n, burst, rec_len, 60 * SEC)
+    if q:
+        q.put(done)
+
+
+def consume(name, first, n, burst, rec_len, q):
+    errors = ffi.new("uint64_t *")
+    with Ring.attach(name, "consumer") as r:
+        done = lib.dp_seq_consume(r.ptr, first, n, burst, rec_len, 60 * SEC, errors)
+    q.put((done, errors[0]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("wait", ["spin", "sleep"])
+def test_ten_million_records_between_two_processes(ring_name, wait):
+    n = 10_000_000
+    Ring.create(ring_name, 32, 1024, wait=wait).close()
+    q = ctx.Queue()
+    cons = ctx.Process(target=consume, args=(ring_name, 0, n, 32, 32, q))
+    prod = ctx.Process(target=produce, args=(ring_name, 0, n, 32, 32, q))
+    cons.start()
+    prod.start()
+    results = [q.get(timeout=120), q.get(timeout=120)]
+    prod.join(10)
+    cons.join(10)
+    assert n in results  # the producer's count
+    assert (n, 0) in results, results  # the consumer's: all records, no sequence error
+    with Ring.attach(ring_name) as r:
+        st = r.stats()
+    assert st["enqueued"] == st["dequeued"] == n and st["depth"] == 0
+
+
+@pytest.mark.parametrize("capacity", [2, 4, 8, 64, 1024])
+def test_wrap_around_at_every_boundary(ring_name, capacity):
+    errors = ffi.new("uint64_t *")
+    with Ring.create(ring_name, 16, capacity, role="producer") as r:
+        seq = 0
+        # every burst size from 1 to capacity, so the tail crosses the end at every offset
+        for burst in range(1, capacity + 1):
+            for _ in range(3):
+                assert lib.dp_seq_produce(r.ptr, seq, burst, burst, 16, SEC) == burst
+                assert lib.dp_seq_consume(r.ptr, seq, burst, capacity, 16, SEC, errors) == burst
+                assert errors[0] == 0, (burst, seq)
+                seq += burst
+        assert r.stats()["enqueued"] == seq and r.stats()["full_events"] == 0
+
+
+def test_full_and_empty_counted_exactly(ring_name):
+    with Ring.create(ring_name, 8, 8, role="producer") as r:
+        assert r.dequeue(4) == b""
+        recs = b"".join(struct.pack("<Q", i) for i in range(13))
+        assert r.enqueue(recs) == 8                         # 5 refused
+        assert r.enqueue(struct.pack("<Q", 99)) == 0        # 1 refused
+        st = r.stats()
+        assert (st["full_events"], st["refused"], st["depth"]) == (2, 6, 8)
+        out = r.dequeue(3)
+        assert out == recs[:24]
+        assert r.enqueue(recs[:40]) == 3                    # 2 refused, never overwrites
+        st = r.stats()
+        assert (st["full_events"], st["refused"]) == (3, 8)
+        rest = r.dequeue(100)
+        assert rest == recs[24:64] + recs[:24]
+        assert r.dequeue(1) == b"" and r.stats()["depth"] == 0
+
+
+def test_partial_record_length_copies_only_that(ring_name):
+    with Ring.create(ring_name, 64, 4, role="producer") as r:
+        assert r.enqueue(b"a" * 16 + b"b" * 16, rec_len=16) == 2
+        out = r.dequeue(2)
+        assert out[:16] == b"a" * 16 and out[64:80] == b"b" * 16
+
+
+def slow_consumer(name, q):
+    errors = ffi.new("uint64_t *")
+    r = Ring.attach(name, "consumer")
+    q.put("attached")
+    lib.dp_seq_consume(r.ptr, 0, 1 << 40, 7, 16, 60 * SEC, errors)  # killed long before the end
+
+
+@pytest.mark.slow
+def test_consumer_killed_mid_stream(ring_name):
+    total = 20_000_000
+    Ring.create(ring_name, 16, 256).close()
+    q = ctx.Queue()
+    cons = ctx.Process(target=slow_consumer, args=(ring_name, q))
+    cons.start()
+    assert q.get(timeout=10) == "attached"
+    with pytest.raises(RingBusy):
+        Ring.attach(ring_name, "consumer")  # a live consumer holds the role
+    prod_q = ctx.Queue()
+    prod = ctx.Process(target=produce, args=(ring_name, 0, total, 16, 16, prod_q))
+    prod.start()
+    with Ring.attach(ring_name) as obs:
+        deadline = time.monotonic() + 10
+        while obs.stats()["dequeued"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)
+    os.kill(cons.pid, signal.SIGKILL)  # mid-stream: it has consumed some, the producer is still going
+    cons.join(10)
+    # the producer keeps working: it fills the ring, is told so, and its timeout bounds it
+    with Ring.attach(ring_name) as obs:
+        deadline = time.monotonic() + 10
+        while obs.stats()["depth"] < 256 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        st = obs.stats()
+        assert st["depth"] == 256 and st["full_events"] > 0
+        resume = st["dequeued"]
+    assert 0 < resume < total
+    # a new consumer takes the dead one's role and continues exactly where it released
+    errors = ffi.new("uint64_t *")
+    with Ring.attach(ring_name, "consumer") as r:
+        got = lib.dp_seq_consume(r.ptr, resume, total - resume, 32, 16, 60 * SEC, errors)
+    assert (got, errors[0]) == (total - resume, 0)
+    assert prod_q.get(timeout=60) == total
+    prod.join(10)
+
+
+def sleeper(name, q):
+    with Ring.attach(name, "consumer") as r:
+        q.put("waiting")
+        n = r.wait(10.0)
+        q.put((n, r.stats()["sleeps"]))
+
+
+def test_sleeping_consumer_is_woken(ring_name):
+    with Ring.create(ring_name, 8, 16, wait="sleep", role="producer") as r:
+        q = ctx.Queue()
+        p = ctx.Process(target=sleeper, args=(ring_name, q))
+        p.start()
+        assert q.get(timeout=10) == "waiting"
+        time.sleep(0.3)  # long past the spin and yield phases: it is in the futex
+        assert r.enqueue(b"\1" * 8) == 1
+        n, sleeps = q.get(timeout=10)
+        p.join(10)
+        assert n == 1 and sleeps >= 1
+
+
+def test_bad_input_is_a_clear_error(ring_name):
+    with pytest.raises(FileNotFoundError, match="create it first"):
+        Ring.attach(f"missing-{ring_name}")
+    for kw in (dict(slot_size=12, capacity=8), dict(slot_size=8, capacity=6), dict(slot_size=8, capacity=1)):
+        with pytest.raises(ValueError):
+            Ring.create(ring_name, **kw)
+    with pytest.raises(ValueError):
+        Ring.create("a/b", 8, 8)
+    with pytest.raises(ValueError, match="wait"):
+        Ring.create(ring_name, 8, 8, wait="nap")
+    with Ring.create(ring_name, 16, 8) as r:
+        with pytest.raises(FileExistsError):
+            Ring.create(ring_name, 16, 8)
+        with pytest.raises(ValueError, match="does not fit"):
+            r.enqueue(b"x" * 32, rec_len=32)
+        with pytest.raises(ValueError, match="whole number"):
+            r.enqueue(b"x" * 20)
+        with pytest.raises(ValueError):
+            r.dequeue(-1)
+        with pytest.raises(ValueError):
+            r.dequeue(1 << 40)
+        with pytest.raises(ValueError, match="role"):
+            Ring.attach(ring_name, "boss")
+    with pytest.raises(ringmod.RingError, match="closed"):
+        r.enqueue(b"x" * 16)

@@ -1,0 +1,379 @@
+"""The native router: micro-batch semantics, reassembly, refusals, driven pass by pass.
+
+The test plays the worker: it reads each batch from the lane and answers it
+with a completion, so every record the router emits is checked.
+"""
+import itertools
+import time
+import os
+
+import numpy as np
+import pytest
+
+from datapath import lanes, records, wire
+from datapath.ring import Ring, unlink
+from datapath.records import request_chunks as chunks_of
+from datapath.router import Router, policies
+
+_seq = itertools.count()
+
+
+class Bench:
+    """Rings around one router: an input ring, n worker lanes, an egress ring."""
+
+    def __init__(self, n_workers=1, **router_kw):
+        tag = f"rt{os.getpid()}-{next(_seq)}"
+        self.names = [f"{tag}.in", f"{tag}.out"]
+        self.input = Ring.create(self.names[0], records.CHUNK.itemsize, 1024, role="producer")
+        self.egress = Ring.create(self.names[1], records.RESPONSE.itemsize, 1024, role="consumer")
+        self.router = Router(**router_kw)
+        self.router.add_input(self.input)
+        self.router.set_egress(self.egress)
+        self.lanes, self.workers = [], []
+        for k in range(n_workers):
+            name = f"{tag}.w{k}"
+            lane, done = lanes.create_shm_lane(name)
+            self.router.add_worker(lane, done)
+            self.lanes.append(name)
+            self.workers.append(lanes.ShmWorkerLane(name))
+        self.responses = []
+
+    def send(self, *chunks):
+        arr = np.concatenate(chunks)
+        assert self.input.enqueue(arr.tobytes()) == len(arr)
+
+    def step(self, k=0, sample=lambda rec: 1000 + int(rec["request_id"]), eos=None):
+        """One worker step: take a batch (or None), answer it, let the router see the answer."""
+        batch = self.workers[k].recv_batch(0)
+        if batch is not None:
+            tokens = [sample(r) for r in batch]
+            assert self.workers[k].send_completion(lanes.completion_for(batch, tokens, worker=k, eos=eos))
+        self.router.poll()
+        self.collect()
+        return batch
+
+    def collect(self):
+        raw = self.egress.dequeue(1024)
+        self.responses += list(np.frombuffer(raw, dtype=records.RESPONSE))
+
+    def run(self, k=0, max_steps=1000, **kw):
+        """Steps until the router has nothing left for worker k; returns the batches seen."""
+        self.router.poll()
+        seen = []
+        for _ in range(max_steps):
+            b = self.step(k, **kw)
+            if b is None:
+                if self.router.stats()["active_requests"] == 0 or not self.router.poll():
+                    if self.workers[k].lane.stats()["depth"] == 0 and self.router.stats()["active_requests"] == 0:
+                        break
+                continue
+            seen.append(b)
+        return seen
+
+    def close(self):
+        self.router.close()
+        for w in self.workers:
+            w.close()
+        for ring in (self.input, self.egress):
+            ring.close()
+        for n in self.names:
+            unlink(n)
+        for n in self.lanes:
+            lanes.unlink_shm_lane(n)
+
+
+@pytest.fixture
+def bench_factory():
+    made = []
+
+    def make(**kw):
+        b = Bench(**kw)
+        made.append(b)
+        return b
+
+    yield make
+    for b in made:
+        b.close()
+
+
+def prefill_seen(batches):
+    """{request_id: tokens in the order the worker received them}."""
+    out = {}
+    for b in batches:
+        for r in b:
+            if r["kind"] == wire.KIND_CHUNK:
+                out.setdefault(int(r["request_id"]), []).extend(r["tokens"][:r["n_tokens"]].tolist())
+    return out
+
+
+def test_one_request_prefill_then_decode(bench_factory):
+    b = bench_factory()
+    toks = list(range(300))
+    b.send(chunks_of(7, toks, max_out=4))
+    batches = b.run()
+    assert [len(x) for x in batches] == [3, 1, 1, 1]          # 300 tokens fit one 512 budget; 3 decode steps
+    assert prefill_seen(batches) == {7: toks}
+    assert batches[0]["flags"][-1] & records.CHUNK_F_FINAL and not batches[0]["flags"][0] & records.CHUNK_F_FINAL
+    assert all(x["kind"][0] == records.KIND_DECODE for x in batches[1:])
+    (resp,) = b.responses
+    assert resp["status"] == 200 and resp["request_id"] == 7 and resp["n_out"] == 4
+    assert list(resp["tokens"][:4]) == [1007] * 4
+    assert b.router.stats()["active_requests"] == 0
+
+
+def test_budget_cap_and_rechunking(bench_factory):
+    b = bench_factory(token_budget=200, max_chunks=5)
+    reqs = {rid: list(range(rid * 1000, rid * 1000 + 90 + 37 * rid)) for rid in range(1, 9)}
+    for rid, toks in reqs.items():
+        b.send(chunks_of(rid, toks, max_out=3))
+    batches = b.run()
+    for x in batches:
+        assert len(x) <= 5
+        assert int(sum(int(r["n_tokens"]) if r["kind"] == wire.KIND_CHUNK else 1 for r in x)) <= 200
+        assert x["n_tokens"].max() <= 128
+        kinds = list(x["kind"])
+        assert kinds == sorted(kinds, key=lambda k: k != records.KIND_DECODE), "decode records come first"
+    assert prefill_seen(batches) == reqs                        # split pieces reassemble exactly, in order
+    assert b.router.stats()["splits"] > 0
+    assert sorted(int(r["request_id"]) for r in b.responses) == sorted(reqs)
+    assert all(r["n_out"] == 3 for r in b.responses)
+
+
+def test_dynamic_does_not_wait_for_a_full_batch(bench_factory):
+    b = bench_factory(max_batch_size=32)
+    b.send(chunks_of(1, [5, 6, 7], max_out=1))
+    b.router.poll()
+    batch = b.workers[0].recv_batch(0)
+    assert batch is not None and len(batch) == 1 and batch["n_tokens"][0] == 3
+
+
+def test_static_waits_for_a_full_batch_then_runs_it_to_the_end(bench_factory):
+    b = bench_factory(batching="static", max_batch_size=4, batch_timeout_s=60)
+    for rid in range(1, 4):
+        b.send(chunks_of(rid, [1, 2, 3], max_out=2))
+    b.router.poll()
+    assert b.workers[0].recv_batch(0) is None                  # 3 of 4: it waits
+    b.send(chunks_of(4, [1, 2, 3], max_out=2))
+    b.router.poll()
+    first = b.step()
+    assert sorted(first["request_id"].tolist()) == [1, 2, 3, 4]
+    b.send(chunks_of(5, [9], max_out=2))                        # arrives while the batch runs
+    second = b.step()
+    assert sorted(second["request_id"].tolist()) == [1, 2, 3, 4]   # decode steps of the same set only
+    assert set(second["kind"].tolist()) == {records.KIND_DECODE}
+    b.step()
+    assert len(b.responses) == 4
+    assert b.workers[0].recv_batch(0) is None                  # request 5 alone waits for a full batch
+
+
+def test_static_timeout_sends_a_partial_batch(bench_factory):
+    b = bench_factory(batching="static", max_batch_size=32, batch_timeout_s=0.02)
+    b.send(chunks_of(1, [1, 2], max_out=1))
+    b.router.poll()
+    assert b.workers[0].recv_batch(0) is None
+    time.sleep(0.03)
+    b.router.poll()
+    batch = b.workers[0].recv_batch(0)
+    assert batch is not None and batch["request_id"].tolist() == [1]
+
+
+def test_out_of_order_and_duplicate_chunks(bench_factory):
+    b = bench_factory()
+    toks = list(range(400))
+    arr = chunks_of(3, toks, max_out=1)
+    b.send(arr[[3, 1]])
+    b.router.poll()
+    assert b.workers[0].recv_batch(0) is None                  # nothing in order yet
+    b.send(arr[[0, 0, 2]])                                       # chunk 0 twice
+    batches = b.run()
+    assert prefill_seen(batches) == {3: toks}
+    assert b.router.stats()["duplicate_chunks"] == 1
+    assert len(b.responses) == 1
+
+
+def test_eos_ends_a_request_early(bench_factory):
+    b = bench_factory()
+    b.send(chunks_of(9, [1], max_out=50))
+    b.router.poll()
+    b.step()                                                     # prefill
+    b.step(eos=[True])                                           # first decode says end of sequence
+    assert len(b.responses) == 1 and b.responses[0]["n_out"] == 2
+
+
+def test_malformed_chunks_and_full_table_are_answered(bench_factory):
+    b = bench_factory(max_requests=8)
+    bad = chunks_of(1, [1, 2])
+    bad["n_tokens"] = 0
+    worse = chunks_of(2, [1, 2])
+    worse["chunk_index"] = 5
+    b.send(bad, worse)
+    for rid in range(10, 30):
+        b.send(chunks_of(rid, [1], max_out=1))
+    b.router.poll()
+    b.collect()
+    statuses = sorted(int(r["status"]) for r in b.responses)
+    assert statuses.count(400) == 2
+    assert statuses.count(503) == 20 - 8                          # 8 slots; the rest refused, not lost
+    st = b.router.stats()
+    assert st["bad_chunks"] == 2 and st["table_full"] == 12 and st["active_requests"] == 8
+
+
+def test_requests_spread_over_workers(bench_factory):
+    b = bench_factory(n_workers=3, policy="round_robin")
+    for rid in range(1, 7):
+        b.send(chunks_of(rid, [1, 2, 3], max_out=1))
+    b.router.poll()
+    got = [sorted(b.workers[k].recv_batch(0)["request_id"].tolist()) for k in range(3)]
+    assert got == [[1, 4], [2, 5], [3, 6]]
+
+
+def test_bad_router_arguments():
+    with pytest.raises(ValueError, match="known: round_robin"):
+        Router(policy="nope")
+    with pytest.raises(ValueError):
+        Router(batching="lazy")
+    with pytest.raises(ValueError):
+        Router(max_requests=100)
+    with pytest.raises(ValueError):
+        Router(max_chunks=65)
+    assert policies() == ["round_robin", "least_loaded", "power_of_two", "affinity", "weighted"]
+
+
+def test_weights_and_health_change_live(bench_factory):
+    b = bench_factory(n_workers=2, policy="weighted")
+    b.router.set_weight(1, 0)
+    for rid in range(1, 5):
+        b.send(chunks_of(rid, [1], max_out=1))
+    b.router.poll()
+    assert len(b.workers[0].recv_batch(0)) == 4 and b.workers[1].recv_batch(0) is None
+    b.router.set_weight(0, 0)
+    b.router.set_weight(1, 5)
+    b.router.set_up(0, False)   # also draining worker 0: it gets no new batches
+    for rid in range(5, 9):
+        b.send(chunks_of(rid, [1], max_out=1))
+    b.router.poll()
+    assert sorted(b.workers[1].recv_batch(0)["request_id"].tolist()) == [5, 6, 7, 8]
+    st = b.router.worker_stats(1)
+    assert st["batches"] == 1 and st["records"] == 4 and st["up"] == 1
+    assert b.router.worker_stats(0)["up"] == 0
+    b.router.set_policy("affinity", 0.5)
+    with pytest.raises(ValueError):
+        b.router.set_weight(7, 1)
+
+
+def test_started_router_thread_pinned_and_stopped(bench_factory):
+    b = bench_factory()
+    b.router.start(cpu=0)
+    b.send(chunks_of(1, [1, 2], max_out=1))
+    deadline = time.monotonic() + 5
+    batch = None
+    while batch is None and time.monotonic() < deadline:
+        batch = b.workers[0].recv_batch(0.01)
+    assert batch is not None and batch["t_router"][0] <= batch["t_lane"][0]
+    with pytest.raises(RuntimeError):
+        b.router.start()
+    b.router.stop()
+    assert b.router.stats()["loops"] > 0
+
+
+@pytest.mark.parametrize("batching,policy,seed", [
+    ("dynamic", "round_robin", 1), ("dynamic", "affinity", 2), ("dynamic", "power_of_two", 3),
+    ("static", "least_loaded", 4), ("static", "weighted", 5),
+])
+def test_random_traffic_every_request_answered_once_and_intact(bench_factory, batching, policy, seed):
+    """Random sizes, shuffled chunk order, duplicates, EOS and budgets: the invariants hold."""
+    rng = np.random.default_rng(seed)
+    n_workers = 3
+    b = bench_factory(n_workers=n_workers, batching=batching, policy=policy,
+                      token_budget=int(rng.integers(64, 700)), max_chunks=int(rng.integers(4, 65)),
+                      max_batch_size=int(rng.integers(1, 9)), batch_timeout_s=0.001, max_requests=64)
+    want, max_out = {}, {}
+    pending = []
+    for rid in range(1, 121):
+        toks = rng.integers(0, 50000, size=int(rng.integers(1, 700))).tolist()
+        want[rid] = toks
+        max_out[rid] = int(rng.integers(0, 6))
+        arr = chunks_of(rid, toks, session=int(rng.integers(1, 40)), max_out=max_out[rid])
+        order = rng.permutation(len(arr))
+        dup = [int(order[0])] if rng.random() < 0.2 else []
+        pending += [arr[[i]] for i in list(order) + dup]
+    seen, stepped = {}, 0
+    for _ in range(20000):
+        if pending and rng.random() < 0.6:
+            k = int(rng.integers(1, 6))
+            batch, pending = pending[:k], pending[k:]
+            if b.input.enqueue(np.concatenate(batch).tobytes()) < len(batch):
+                pending = batch + pending   # input ring full: resend later, as ingress would
+        for k in range(n_workers):
+            got = b.step(k, eos=None)
+            if got is not None:
+                stepped += 1
+                for x in got:
+                    if x["kind"] == wire.KIND_CHUNK:
+                        seen.setdefault(int(x["request_id"]), []).extend(x["tokens"][:x["n_tokens"]].tolist())
+                    assert x["n_tokens"] <= 128
+        if not pending and len(b.responses) >= len(want) and b.router.stats()["active_requests"] == 0:
+            break
+        if rng.random() < 0.3:
+            time.sleep(0.0005)  # let static batches time out
+    ids = [int(r["request_id"]) for r in b.responses]
+    assert sorted(ids) == sorted(want), "every request answered exactly once"
+    assert seen == want, "prefill tokens arrive whole and in order"
+    for r in b.responses:
+        rid = int(r["request_id"])
+        assert r["status"] == 200
+        assert r["n_out"] == min(max_out[rid], records.MAX_OUTPUT_TOKENS)
+        assert all(t == 1000 + rid for t in r["tokens"][:r["n_out"]])
+    st = b.router.stats()
+    assert st["active_requests"] == 0 and st["pool_free"] == 8192
+    assert all(b.router.worker_stats(k)["depth"] == 0 for k in range(n_workers))
+
+
+def test_incomplete_request_expires_with_400(bench_factory):
+    b = bench_factory(reassembly_timeout_s=0.05)
+    arr = chunks_of(4, list(range(200)), max_out=2)
+    b.send(arr[[0]])                          # chunk 1 of 2 never comes
+    b.router.poll()
+    first = b.step()
+    assert first["request_id"].tolist() == [4] and not first["flags"][0] & records.CHUNK_F_FINAL
+    deadline = time.monotonic() + 5
+    while not b.responses and time.monotonic() < deadline:
+        time.sleep(0.01)
+        b.router.poll()
+        b.collect()
+    (resp,) = b.responses
+    assert resp["status"] == 400 and resp["request_id"] == 4
+    st = b.router.stats()
+    assert st["expired"] == 1 and st["active_requests"] == 0 and st["pool_free"] == 8192
+    assert b.router.worker_stats(0)["depth"] == 0
+
+
+def test_late_duplicate_of_a_finished_request_is_not_run_again(bench_factory):
+    b = bench_factory()
+    arr = chunks_of(5, [1, 2, 3], max_out=1)
+    b.send(arr)
+    b.run()
+    assert len(b.responses) == 1
+    b.send(arr)                               # the same chunk again, after the answer
+    b.router.poll()
+    assert b.workers[0].recv_batch(0) is None
+    st = b.router.stats()
+    assert st["late_duplicates"] == 1 and st["active_requests"] == 0
+
+
+def test_a_record_the_worker_refuses_ends_its_request_with_that_status(bench_factory):
+    b = bench_factory(n_workers=1)
+    b.send(chunks_of(6, list(range(300)), max_out=5), chunks_of(7, [1], max_out=2))
+    b.router.poll()
+    batch = b.workers[0].recv_batch(0)
+    comp = lanes.completion_for(batch, [1006] * len(batch))
+    comp["e"][0]["status"][0] = 503          # the worker could not take request 6's first piece
+    b.workers[0].send_completion(comp)
+    b.run()
+    by_id = {int(r["request_id"]): r for r in b.responses}
+    assert by_id[6]["status"] == 503 and by_id[7]["status"] == 200 and by_id[7]["n_out"] == 2
+    st = b.router.stats()
+    assert st["refused_by_worker"] == 1 and st["active_requests"] == 0 and st["pool_free"] == 8192
+    b.send(chunks_of(6, list(range(300)), max_out=5)[[2]])   # a straggler of the failed request
+    b.router.poll()
+    assert b.router.stats()["late_duplicates"] == 1
