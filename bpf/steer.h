@@ -17,6 +17,7 @@
 
 /* LAYOUT BEGIN */
 #define DP_MAX_QUEUES 8          /* ring buffers the program can declare */
+#define DP_LAT_BUCKETS 65        /* log2 buckets: 0, then 2^(b-1) .. 2^b - 1 ns */
 
 /* Why a packet to the data path's port was dropped (index of the `drops` per-CPU array). */
 enum dp_drop {

@@ -31,6 +31,11 @@ BPF_PERCPU_ARRAY(drops, __u64, DP_DROP_MAX);
 BPF_PERCPU_ARRAY(events, __u64, DP_EV_MAX);
 BPF_PERCPU_ARRAY(queue_pkts, __u64, DP_QUEUES);
 
+/* XDP-to-consumer latency, log2 ns: the C consumer mmaps this array and counts
+ * into it with plain stores, so `datapath ingress stats` in another process
+ * reads it like the counters. The program itself never touches it. */
+BPF_F_TABLE("array", __u32, __u64, lat_hist, DP_LAT_BUCKETS, BPF_F_MMAPABLE);
+
 /* control, rewritten by Python while traffic flows */
 BPF_ARRAY(policy, struct dp_policy, 1);
 BPF_HASH(pins, __u64, __u32, 65536);          /* session_id -> queue */

@@ -15,6 +15,7 @@ outlives the namespace it lives in.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import threading
@@ -89,6 +90,13 @@ class Ingress:
             b.cleanup()
             raise xdp.BpfUnavailable(f"the kernel refused bpf/steer.bpf.c: {e}") from e
         self.bpf = b
+        # lat_hist is written by the C consumer only; binding it to the program lists it among the
+        # program's maps, where `datapath ingress stats` looks (BPF_PROG_BIND_MAP, Linux 5.10)
+        lib_bpf = xdp.libbpf()
+        lib_bpf.bpf_prog_bind_map.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+        if lib_bpf.bpf_prog_bind_map(self.fn.fd, self.table("lat_hist").map_fd, None):
+            self.close()
+            raise xdp.BpfUnavailable("cannot bind lat_hist to the steering program (BPF_PROG_BIND_MAP needs Linux 5.10)")
         return self
 
     def attach(self, ifname: str, netns: str | None = None, mode: str = "auto",
@@ -205,7 +213,7 @@ class Ingress:
 
     def consumer(self, out: Ring, samples: int = 1 << 20, cpu: int = -1, rt_priority: int = 0) -> "Consumer":
         """The C consumer of this program's ring buffers, writing into `out` (see output_ring)."""
-        return Consumer(self.ring_fds(), out, samples, cpu, rt_priority)
+        return Consumer(self.ring_fds(), out, samples, cpu, rt_priority, hist_fd=self.table("lat_hist").map_fd)
 
 
 class _SigtermExit:
@@ -279,10 +287,11 @@ class Consumer(_Thread):
 
     _start, _stop = lib.dp_consumer_start, lib.dp_consumer_stop
 
-    def __init__(self, ring_fds, out: Ring, samples: int = 1 << 20, cpu: int = -1, rt_priority: int = 0):
+    def __init__(self, ring_fds, out: Ring, samples: int = 1 << 20, cpu: int = -1, rt_priority: int = 0,
+                 hist_fd: int = -1):
         self.out = out   # kept open as long as the thread may write it
         fds = ffi.new("int[]", list(ring_fds))
-        ptr = lib.dp_consumer_new(fds, len(ring_fds), _ring_ptr(out), samples)
+        ptr = lib.dp_consumer_new(fds, len(ring_fds), hist_fd, _ring_ptr(out), samples)
         if ptr == ffi.NULL:
             raise OSError("cannot set up the ring-buffer consumer: libbpf's ring_buffer__new failed, or the "
                           "output ring's slots are smaller than a chunk or this process is not its producer")

@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <bpf/libbpf.h>
 
@@ -73,9 +74,14 @@ void dp_lat_free(struct dp_lat *l)
     l->cap = l->n = 0;
 }
 
+static inline int lat_bucket(uint64_t v)
+{
+    return v ? 64 - __builtin_clzll(v) : 0;   /* bucket b holds 2^(b-1) .. 2^b - 1 */
+}
+
 void dp_lat_add(struct dp_lat *l, uint64_t v)
 {
-    l->hist[v ? 64 - __builtin_clzll(v) : 0]++;   /* bucket b holds 2^(b-1) .. 2^b - 1 */
+    l->hist[lat_bucket(v)]++;
     l->count++;
     if (l->n < l->cap)
         l->samples[l->n++] = v;
@@ -132,6 +138,8 @@ static int on_record(void *ctx, void *data, size_t size)
     if (size < sizeof(*rec))
         return 0;
     dp_lat_add(&c->xdp_lat, now - rec->t_xdp);
+    if (c->map_hist)
+        c->map_hist[lat_bucket(now - rec->t_xdp)]++;
     if (rec->t_send)
         dp_lat_add(&c->send_lat, now - rec->t_send);
     c->records++;
@@ -158,11 +166,20 @@ static void *consumer_main(void *arg)
     return NULL;
 }
 
-struct dp_consumer *dp_consumer_new(const int *ring_fds, int n, struct dp_ring *out, uint64_t samples)
+#define HIST_MAP_BYTES 4096   /* DP_LAT_BUCKETS u64s, a page: what mmap of the array gives */
+_Static_assert(DP_LAT_BUCKETS * 8 <= HIST_MAP_BYTES, "lat_hist fits one page");
+
+struct dp_consumer *dp_consumer_new(const int *ring_fds, int n, int hist_fd, struct dp_ring *out, uint64_t samples)
 {
     struct dp_consumer *c = calloc(1, sizeof(*c));
     if (!c || n < 1 || out_init(&c->out, out))
         goto fail;
+    if (hist_fd >= 0) {
+        void *p = mmap(NULL, HIST_MAP_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, hist_fd, 0);
+        if (p == MAP_FAILED)
+            goto fail;
+        c->map_hist = p;
+    }
     c->cpu = -1;
     if (dp_lat_init(&c->xdp_lat, samples) || dp_lat_init(&c->send_lat, samples))
         goto fail;
@@ -205,6 +222,8 @@ void dp_consumer_free(struct dp_consumer *c)
         return;
     dp_consumer_stop(c);
     ring_buffer__free(c->rb);
+    if (c->map_hist)
+        munmap(c->map_hist, HIST_MAP_BYTES);
     dp_lat_free(&c->xdp_lat);
     dp_lat_free(&c->send_lat);
     free(c);

@@ -15,9 +15,9 @@
 #include <pthread.h>
 
 #include "ring.h"
+#include "steer.h"
 
 /* CDEF BEGIN: what the cffi binding sees (native/ffi_ingress.py reads it verbatim) */
-#define DP_LAT_BUCKETS 65
 #define DP_INGRESS_BURST 32
 
 /* Latency record: bucket 0 counts v = 0, bucket b >= 1 counts 2^(b-1) <= v < 2^b (bcc's log2). */
@@ -51,6 +51,7 @@ struct dp_consumer {
     uint64_t errors;           /* consume returned an error */
     struct dp_lat xdp_lat;     /* t_consumer - t_xdp */
     struct dp_lat send_lat;    /* t_consumer - t_send */
+    uint64_t *map_hist;        /* the program's lat_hist array, mmapped (or NULL) */
 };
 
 struct dp_udp_rx {
@@ -76,7 +77,8 @@ void dp_lat_reset(struct dp_lat *l);
 void dp_lat_free(struct dp_lat *l);
 
 /* Consumer of the steering program's ring buffers (map fds from bcc). */
-struct dp_consumer *dp_consumer_new(const int *ring_fds, int n, struct dp_ring *out, uint64_t samples);
+/* hist_fd: the program's mmapable lat_hist array (or -1), counted into as well */
+struct dp_consumer *dp_consumer_new(const int *ring_fds, int n, int hist_fd, struct dp_ring *out, uint64_t samples);
 int dp_consumer_start(struct dp_consumer *c, int cpu, int rt_priority);
 void dp_consumer_stop(struct dp_consumer *c);
 void dp_consumer_free(struct dp_consumer *c);
