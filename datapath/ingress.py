@@ -1,17 +1,20 @@
 """The XDP ingress: load bpf/steer.bpf.c with bcc, attach it, steer, count, consume.
 
-    with Ingress(queues=4) as ig:                    # compile (tunables as -D cflags)
-        ig.attach(topo.host_if[0], topo.host_ns)     # native, else generic: ig.mode says which
-        with ig.consumer() as c:                     # the C thread busy-polling the ring buffers
+    with Ingress(queues=4) as ig, output_ring("in0") as out:   # compile (tunables as -D cflags)
+        ig.attach(topo.host_if[0], topo.host_ns)               # native, else generic: ig.mode says which
+        with ig.consumer(out, cpu=1):                          # the C thread busy-polling the ring buffers
+            router.add_input(Ring.attach("in0", "consumer"))   # downstream: the router drains "in0"
             ig.set_policy("tenant"); ig.route_tenant(7, 2); ig.set_rate(7, tokens_per_minute=6000)
             ...
-        ig.counters()                                # {"queued": ..., "drop_bad_magic": ...}
+        ig.counters()                                          # {"queued": ..., "drop_bad_magic": ...}
 
 The ring-buffer record is struct dp_chunk itself (native/chunk.h): XDP writes
-it, the consumer stamps t_consumer and passes it on. Detaching is certain:
-the context manager detaches on exit, on error, on Ctrl-C and on SIGTERM
-(turned into SystemExit while an Ingress is open), and an attachment never
-outlives the namespace it lives in.
+it, the C consumer stamps t_consumer and copies header + tokens into a slot of
+the router's input ring (native/ring.h), publishing once per burst. UdpIngress
+feeds the same kind of ring from a plain UDP socket. Detaching is certain: the
+context manager detaches on exit, on error, on Ctrl-C and on SIGTERM (turned
+into SystemExit while an Ingress is open), and an attachment never outlives
+the namespace it lives in.
 """
 from __future__ import annotations
 
