@@ -36,7 +36,7 @@ from datapath import client, ring, wire
 from datapath.ingress import Ingress, UdpIngress, output_ring, percentile
 from datapath.packet import udp_frame
 from datapath.topology import Topology, socket_in
-from datapath.xdp import load_xdp, prog_test_run
+from datapath.xdp import BpfUnavailable, load_xdp, prog_test_run
 from datapath._ingress import lib
 
 SENDER_CPU, RECEIVER_CPU, RT = 0, 1, 1
@@ -273,7 +273,15 @@ def xdp_figures(report, topo, pkts, segments, quick):
 
 
 def run(report, args):
-    quick = args.quick
+    if os.geteuid() != 0:
+        raise SystemExit("bench ingress: needs root (namespaces, XDP, SCHED_FIFO): run it with sudo")
+    try:
+        _run(report, args.quick)
+    except BpfUnavailable as e:
+        raise SystemExit(f"bench ingress: {e}") from None
+
+
+def _run(report, quick):
     segments = 2 if quick else 6
     report.machine["scheduling"] = (f"sender CPU {SENDER_CPU}, receivers CPU {RECEIVER_CPU}, all SCHED_FIFO {RT}, "
                                     f"{SEGMENT_S} s segments")

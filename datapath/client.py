@@ -118,8 +118,7 @@ def run_in_netns(netns: str, fn, *args, cpu: int | None = None, rt_priority: int
 
 
 def _send_to(dst: str, port: int, packets, **kw) -> dict:
-    family = socket.AF_INET6 if ":" in dst else socket.AF_INET
-    with socket.socket(family, socket.SOCK_DGRAM) as s:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 22)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 22)
         s.connect((dst, port))

@@ -149,8 +149,11 @@ def run(interval: float = 1.0, count: int | None = None, prog_id: int | None = N
     import sys
     out = out or sys.stdout
     if ebpf:
-        for name in ("steer.h", "steer_maps.h", "steer.bpf.c"):
-            print(f"/* ---- bpf/{name} ---- */\n{(BPF_DIR / name).read_text()}", file=out)
+        try:
+            for name in ("steer.h", "steer_maps.h", "steer.bpf.c"):
+                print(f"/* ---- bpf/{name} ---- */\n{(BPF_DIR / name).read_text()}", file=out, flush=True)
+        except BrokenPipeError:   # `| head`: the reader has what it wanted
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     if os.geteuid() != 0:
         print("datapath ingress stats: needs root to read BPF maps: run it with sudo", file=sys.stderr)

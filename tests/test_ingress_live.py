@@ -72,6 +72,23 @@ def test_chunks_reach_their_queues_in_order(live):
     assert consumer.records == n and consumer.ptr.errors == 0
 
 
+def test_generic_mode_steers_and_answers_too():
+    """The fallback mode: XDP after the skb is built, XDP_TX through the generic path (no peer program)."""
+    with Topology(clients=1) as topo, Ingress(queues=QUEUES) as ig, rings() as (out, rd):
+        assert ig.attach(topo.host_if[0], topo.host_ns, mode="generic") == "generic" == ig.mode
+        ig.set_rate(9, tokens_per_minute=1, burst_tokens=128)
+        # tenant 9 sends 12 chunks of 16 tokens: 8 fit its 128-token bucket, 4 are answered with 429
+        pkts = sessions(4, 4) + sessions(1, 12, tokens=16, tenant=9, first=5000)
+        with ig.consumer(out):
+            res = client.send_from(topo.client_ns[0], topo.host_ip[0], pkts, rate=2_000, count=len(pkts),
+                                   duration=10, drain_ms=200)
+            recs = drain_until(rd, 16 + 8)
+            counters = ig.counters()
+    assert res["sent"] == len(pkts) and len(recs) == 16 + 8
+    assert all(r["queue"] == session_queue(r["session_id"], QUEUES) for r in recs)
+    assert counters["drop_rate_limited"] == counters["reply_429"] == res["resp_429"] == 4
+
+
 def test_ping_works_with_the_program_attached(live):
     topo, ig, consumer = live
     before = ig.counters()["pass"]
