@@ -14,6 +14,7 @@ SUITES = {
     "wire": "bench.wire",
     "ring": "bench.ring",
     "ingress": "bench.ingress",
+    "worker": "bench.worker",
 }
 
 EPILOG = """examples:

@@ -2,6 +2,8 @@
 
     datapath doctor            check this machine can run the data path
     datapath ingress stats     per-queue packets, drops by reason, XDP-to-consumer latency
+    datapath worker            run one worker (serving side)
+    datapath model info        the tiny model's sizes
 """
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ EPILOG = """examples:
     python -m datapath doctor          # the same
     sudo .venv/bin/datapath ingress stats        # a report every second of the running ingress
     sudo .venv/bin/datapath ingress stats 5 3    # three 5-second reports
+    datapath model info                # parameters, KV bytes per token, delta sizes per codec
+    datapath worker --demo 4           # a worker running 4 requests in-process
 """
 
 
@@ -36,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("count", nargs="?", type=_positive(int), default=None, help="number of reports")
     st.add_argument("-p", "--prog-id", type=int, help="the program's id, when several are loaded")
     st.add_argument("--ebpf", action="store_true", help=argparse.SUPPRESS)   # print the BPF C, as bcc tools do
+    from .serving import commands as serving_commands
+    serving_commands.add_parsers(sub)
     return p
 
 
@@ -59,6 +65,9 @@ def main(argv=None) -> int:
     if args.command == "ingress":
         from . import ingress_stats
         return ingress_stats.run(args.interval, args.count, args.prog_id, args.ebpf)
+    if args.command in ("worker", "model"):
+        from .serving import commands as serving_commands
+        return serving_commands.run(args)
     return 2
 
 

@@ -1,0 +1,1 @@
+"""The serving side: the model, KV deltas, simulated devices and the worker."""

@@ -1,0 +1,203 @@
+"""`datapath worker` and `datapath model info`: the serving side's commands.
+
+datapath/cli.py calls add_parsers(); each command returns an exit code and
+turns user errors into one sentence.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from .devices import PROFILES
+
+WORKER_EPILOG = """examples:
+    datapath worker --lane zl-w0                 # attach the shared-memory lane the router created
+    datapath worker --zmq tcp://198.18.0.1:5555 --device l4 --sim busy   # the router connects to it
+    datapath worker --demo 4 --prompt-tokens 300 --output-tokens 16
+
+--lane NAME attaches /dev/shm/dp-NAME.lane and .done (made by the router's
+control plane). --zmq ENDPOINT binds a ZeroMQ lane there (datapath.lanes) for
+the router to connect to: one message per micro-batch of dp_chunk records,
+one dp_completion back. Ctrl-C stops the worker. --demo runs the native
+router in this process with one shared-memory lane and this worker, feeds it
+N requests and prints the responses. No snapshot store is attached from the
+command line yet, so sessions stay resident and are never evicted.
+"""
+
+MODEL_EPILOG = """examples:
+    datapath model info                          # the default model: 1 KiB of KV per token
+    datapath model info --layers 32 --kv-heads 8 --head-dim 128 --heads 32 --d-model 4096
+"""
+
+
+def _model_args(p: argparse.ArgumentParser):
+    from .model import ModelConfig
+    d = ModelConfig()
+    g = p.add_argument_group("model shape")
+    g.add_argument("--vocab", type=int, default=d.vocab)
+    g.add_argument("--layers", type=int, default=d.n_layers)
+    g.add_argument("--d-model", type=int, default=d.d_model)
+    g.add_argument("--heads", type=int, default=d.n_heads)
+    g.add_argument("--kv-heads", type=int, default=d.n_kv_heads)
+    g.add_argument("--head-dim", type=int, default=d.head_dim)
+    g.add_argument("--d-ff", type=int, default=d.d_ff)
+    g.add_argument("--seed", type=int, default=0, help="weights seed (default 0)")
+
+
+def _config(args) -> dict:
+    return dict(vocab=args.vocab, n_layers=args.layers, d_model=args.d_model, n_heads=args.heads,
+                n_kv_heads=args.kv_heads, head_dim=args.head_dim, d_ff=args.d_ff)
+
+
+def add_parsers(sub):
+    from .kvdelta import CODECS
+    w = sub.add_parser("worker", help="run one worker on a ZeroMQ lane (or an in-process demo)",
+                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=WORKER_EPILOG,
+                       description="A worker: the tiny model, per-session KV caches, one model step per micro-batch.")
+    w.add_argument("--lane", metavar="NAME", help="shared-memory lane to attach (created by the router)")
+    w.add_argument("--index", type=int, default=0, help="this worker's index in completions (default 0)")
+    w.add_argument("--zmq", metavar="ENDPOINT", help="bind a ZeroMQ lane at tcp://HOST:PORT or ipc://PATH")
+    w.add_argument("--codec", choices=list(CODECS), default="zstd", help="KV delta codec (default zstd)")
+    w.add_argument("--kv-budget-mib", type=float, help="KV memory budget (default: the device's, else 256)")
+    w.add_argument("--device", choices=list(PROFILES), help="simulate this device's step times")
+    w.add_argument("--sim", choices=["sleep", "busy"], default="sleep", help="how simulated time is spent")
+    w.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    w.add_argument("--demo", type=int, metavar="N", help="run N requests through an in-process router and print them")
+    w.add_argument("--prompt-tokens", type=int, default=300, help="demo prompt length (default 300)")
+    w.add_argument("--output-tokens", type=int, default=16, help="demo output length (default 16)")
+    _model_args(w)
+    m = sub.add_parser("model", help="the tiny model: sizes", formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog=MODEL_EPILOG, description="Sizes of the model and of its KV deltas, per codec.")
+    msub = m.add_subparsers(dest="model_command", metavar="SUBCOMMAND")
+    msub.required = True
+    info = msub.add_parser("info", help="parameters, KV bytes per token, stored delta sizes per codec",
+                           formatter_class=argparse.RawDescriptionHelpFormatter, epilog=MODEL_EPILOG)
+    _model_args(info)
+
+
+def run(args) -> int:
+    try:
+        return model_info(args) if args.command == "model" else worker(args)
+    except ValueError as e:  # bad shapes, lengths: already one sentence
+        print(f"datapath {args.command}: {e}")
+        return 2
+
+
+def model_info(args) -> int:
+    from . import kvdelta
+    from .model import LLAMA3_8B_KV_BYTES_PER_TOKEN, KVCache, Model, ModelConfig
+    config = ModelConfig(**_config(args))
+    model = Model(config, args.seed)
+    c = config
+    print(f"model: vocab {c.vocab}, {c.n_layers} layers, d_model {c.d_model}, {c.n_heads} heads, "
+          f"{c.n_kv_heads} KV heads x head dim {c.head_dim}, d_ff {c.d_ff}, seed {args.seed}")
+    print(f"parameters: {c.n_params:,} ({c.n_params * 4 / 2**20:.1f} MiB in float32)")
+    print(f"KV per token: 2 x {c.n_layers} layers x {c.n_kv_heads} KV heads x {c.head_dim} x 2 bytes (fp16) "
+          f"= {c.kv_bytes_per_token:,} bytes")
+    print(f"  for comparison, Llama-3-8B (2 x 32 x 8 x 128 x 2): {LLAMA3_8B_KV_BYTES_PER_TOKEN:,} bytes")
+    cache = KVCache(config)
+    model.prefill(cache, np.random.default_rng(0).integers(0, c.vocab, 129))
+    print("stored delta (measured on a random 129-token prompt; header included):")
+    for name in kvdelta.CODECS:
+        step = len(kvdelta.encode(kvdelta.export_delta(cache, 128, 129), config, name))
+        chunk = len(kvdelta.encode(kvdelta.export_delta(cache, 0, 128), config, name))
+        print(f"  {name:<10} decode step {step:>7,} B   128-token chunk {chunk:>9,} B")
+    print("simulated devices (Llama-3-8B step times; `datapath/serving/devices.py` has the sources):")
+    for p in PROFILES.values():
+        print(f"  {p.name:<5} decode {p.decode_s_per_token(1, 2048) * 1e3:6.2f} ms/token at batch 1, "
+              f"{p.decode_s_per_token(32, 2048) * 1e3:6.2f} at batch 32 (context 2048); prefill "
+              f"{p.prefill_s_per_token(1, 0) * 1e3:6.3f} ms/token; KV room {p.kv_capacity_tokens:>9,} tokens "
+              f"({p.kv_budget_bytes(config) / 2**20:,.0f} MiB of this model's KV); USD {p.price_per_hour:.2f}/h")
+    return 0
+
+
+def worker(args) -> int:
+    from ..ring import RingError
+    from .devices import profile
+    from .model import ModelConfig
+    from .worker import WorkerOptions, worker_process
+    if (args.demo is not None) + bool(args.lane) + bool(args.zmq) != 1:
+        print("datapath worker: give one of --lane NAME, --zmq ENDPOINT or --demo N")
+        return 2
+    if args.kv_budget_mib is not None:
+        budget = int(args.kv_budget_mib * 2**20)
+    else:
+        budget = profile(args.device).kv_budget_bytes(ModelConfig(**_config(args))) if args.device else 256 << 20
+    opts = WorkerOptions(config=_config(args), seed=args.seed, index=args.index, kv_budget_bytes=budget,
+                         codec=args.codec, temperature=args.temperature, device=args.device, sim_mode=args.sim)
+    if args.demo is not None:
+        return _demo(opts, args)
+    spec = ("shm", args.lane) if args.lane else ("zmq", args.zmq)
+    print(f"worker {args.index}: {spec[0]} lane {spec[1]}, codec {args.codec}, KV budget {budget / 2**20:.0f} MiB"
+          + (f", simulating {args.device} ({args.sim})" if args.device else "") + "; no snapshot store attached")
+    try:
+        worker_process(spec, None, opts)
+    except (OSError, RingError) as e:  # no such ring, or an endpoint that cannot be bound
+        print(f"datapath worker: {e}")
+        return 1
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def _demo(opts, args) -> int:
+    """The native router, one shared-memory lane and this worker, in this process."""
+    import os
+
+    from .. import lanes, records, wire
+    from ..lanes import ShmWorkerLane
+    from ..ring import Ring, unlink
+    from ..router import Router
+    from .worker import one_blas_thread
+    tag = f"zl-demo-{os.getpid()}"
+    names = [f"{tag}.in", f"{tag}.out"]
+    inp = Ring.create(names[0], records.CHUNK.itemsize, 1024, role="producer")
+    egress = Ring.create(names[1], records.RESPONSE.itemsize, 256, role="consumer")
+    router = Router()
+    w = opts.build(None)
+    lane = None
+    try:
+        router.add_input(inp)
+        router.set_egress(egress)
+        router.add_worker(*lanes.create_shm_lane(f"{tag}.w0"))
+        lane = ShmWorkerLane(f"{tag}.w0")
+        rng = np.random.default_rng(args.seed)
+        for rid in range(1, args.demo + 1):
+            toks = rng.integers(0, w.model.config.vocab, args.prompt_tokens)
+            parts = [toks[i:i + 128] for i in range(0, len(toks), 128)]
+            recs = np.zeros(len(parts), dtype=records.CHUNK)
+            for i, part in enumerate(parts):
+                recs[i]["session_id"], recs[i]["request_id"], recs[i]["kind"] = rid, rid, wire.KIND_CHUNK
+                recs[i]["chunk_index"], recs[i]["chunk_count"], recs[i]["n_tokens"] = i, len(parts), len(part)
+                recs[i]["max_output_tokens"], recs[i]["t_send"] = args.output_tokens, time.monotonic_ns()
+                recs[i]["tokens"][:len(part)] = part
+            inp.enqueue(recs.tobytes())
+        router.start()
+        got = []
+        deadline = time.monotonic() + 600
+        with one_blas_thread():
+            while len(got) < args.demo and time.monotonic() < deadline:
+                batch = lane.recv_batch(0.01)
+                if batch is not None:
+                    while not lane.send_completion(w.step(batch)):
+                        time.sleep(1e-4)
+                got += list(np.frombuffer(egress.dequeue(256), dtype=records.RESPONSE))
+        router.stop()
+    finally:
+        router.close()
+        if lane is not None:
+            lane.close()
+        inp.close(), egress.close()
+        for n in names:
+            unlink(n)
+        lanes.unlink_shm_lane(f"{tag}.w0")
+    for r in got:
+        ms = (r["t_done"] - r["t_send"]) / 1e6
+        toks = r["tokens"][:r["n_out"]].tolist()
+        print(f"request {r['request_id']}: status {r['status']}, {r['n_out']} tokens {toks[:8]}..., {ms:.1f} ms")
+    st = w.stats
+    print(f"worker: {st['steps']} model steps for {st['records']} records, KV resident {w.kv_bytes_resident / 2**10:.0f} KiB"
+          + (f", {st['simulated_s']:.3f} s simulated on {opts.device}" if opts.device else ""))
+    return 0 if len(got) == args.demo else 1

@@ -1,0 +1,321 @@
+"""The worker: one model step per micro-batch, sessions' KV in a budget, snapshots and restores.
+
+The router (native/router.c) drives it. A micro-batch arrives on the lane as
+consecutive dp_chunk records (datapath.records.CHUNK): prompt pieces
+(KIND_CHUNK, the request's last one flagged CHUNK_F_FINAL) and decode steps
+(KIND_DECODE, no tokens). Worker.step runs them all as one forward pass and
+answers with one dp_completion whose entry i answers record i: the token
+sampled after a final piece or a decode step, a status, and the step's start
+and end stamps and the KV bytes resident.
+
+A request is finished once it has sampled max_output_tokens tokens. Its new KV
+entries (its prompt and all but its last output token) then go to the store
+as one delta; only once put() has returned, i.e. the delta is durable, may the
+session be evicted (least recently used first) when the KV budget is
+exceeded. A record for a session this worker does not hold restores the
+session's chain of deltas from the store, whichever worker wrote them.
+
+The two interfaces other stages plug in:
+
+    SnapshotStore  put(key, delta, meta) -> None   returns only once durable
+                   restore(key) -> list[bytes]     the chain, oldest first; [] if none
+                   delete(key) -> None
+    Lane           recv_batch(timeout_s) -> CHUNK records | None
+                   send_completion(comp) -> bool                    one COMPLETION record
+
+as datapath.lanes.ShmWorkerLane (shared memory) and ZmqWorkerLane (ZeroMQ) do.
+
+Worker.step reads the records only during the call (prompt tokens are copied
+into the KV cache), so a lane may hand out views of its slots. The KV budget
+counts allocated cache bytes; it is exceeded (counted in
+stats["over_budget_steps"]) only while every resident session is in a
+request or not yet durable.
+"""
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import numpy as np
+
+from .. import records, wire
+from . import kvdelta
+from .devices import SimulatedDevice
+from .model import KVCache, Model, ModelConfig, sample
+
+
+class SnapshotStore(Protocol):
+    def put(self, key: int, delta: bytes, meta: dict) -> None: ...
+    def restore(self, key: int) -> list[bytes]: ...
+    def delete(self, key: int) -> None: ...
+
+
+class Lane(Protocol):
+    def recv_batch(self, timeout_s: float) -> np.ndarray | None: ...
+    def send_completion(self, comp: np.ndarray) -> bool: ...
+
+
+@dataclass
+class RequestDone:
+    """The worker's own account of a finished request (the router builds the client's response)."""
+    session_id: int
+    request_id: int
+    tokens: list[int]
+    context_tokens: int               # the session's KV length when it finished
+    restored_tokens: int              # KV tokens this request's session got from the store
+    snapshot_bytes: int = 0           # stored size of the delta written at completion
+    snapshot_error: str | None = None
+    stamps: dict[str, int] = field(default_factory=dict)  # CLOCK_MONOTONIC ns
+    logits: np.ndarray | None = None  # (tokens, vocab) the outputs were sampled from, if asked for
+
+
+@dataclass
+class _Request:
+    request_id: int
+    max_output_tokens: int
+    restored_tokens: int
+    stamps: dict[str, int]
+    prefill_done: bool = False
+    tokens: list[int] = field(default_factory=list)
+    logits: list[np.ndarray] = field(default_factory=list)
+
+
+@dataclass
+class _Session:
+    cache: KVCache
+    request: _Request | None = None
+    restored_tokens: int = 0  # handed to the session's next request, which reports them
+
+
+@dataclass
+class _Segment:
+    """One session's share of a step: its prompt pieces, or one decode token."""
+    session_id: int
+    decode: bool
+    tokens: list[np.ndarray] = field(default_factory=list)
+    answer: int | None = None  # the record whose entry carries the sampled token
+
+
+class Worker:
+    def __init__(self, model: Model, store: SnapshotStore | None = None, *, index: int = 0,
+                 kv_budget_bytes: int = 256 << 20, codec: str = "zstd", temperature: float = 0.0, seed: int = 0,
+                 device: SimulatedDevice | None = None, return_logits: bool = False):
+        if codec not in kvdelta.CODECS:
+            raise ValueError(f"unknown KV codec {codec!r}: choose one of {', '.join(kvdelta.CODECS)}")
+        self.model, self.store, self.index, self.kv_budget_bytes = model, store, index, kv_budget_bytes
+        self.codec, self.temperature, self.seed = codec, temperature, seed
+        self.device, self.return_logits = device, return_logits
+        self.sessions: OrderedDict[int, _Session] = OrderedDict()  # least recently used first
+        self.finished: list[RequestDone] = []  # appended as requests finish; the caller drains it
+        self.stats = dict(steps=0, records=0, refused=0, snapshots=0, snapshot_failures=0, restores=0,
+                          evictions=0, over_budget_steps=0, simulated_s=0.0)
+
+    @property
+    def kv_bytes_resident(self) -> int:
+        return sum(s.cache.nbytes for s in self.sessions.values())
+
+    def holds(self, session_id: int) -> bool:
+        return session_id in self.sessions
+
+    def step(self, batch: np.ndarray) -> np.ndarray:
+        """Run one micro-batch as one model step; its completion record."""
+        t_start = time.monotonic_ns()
+        comp = np.zeros(1, dtype=records.COMPLETION)
+        entries = comp["e"][0]
+        n = len(batch)
+        entries["request_id"][:n] = batch["request_id"]
+        entries["status"][:n] = wire.STATUS_OK
+        segments: dict[int, _Segment] = {}
+        for i, rec in enumerate(batch):
+            status = self._take(i, rec, segments, t_start)
+            if status != wire.STATUS_OK:
+                entries["status"][i] = status
+                self.stats["refused"] += 1
+        self.stats["records"] += n
+        if segments:
+            self._run(list(segments.values()), entries, t_start)
+        comp["batch_seq"] = batch["batch_seq"][0] if n else 0
+        comp["worker"], comp["n"], comp["t_start"] = self.index, n, t_start
+        self._evict()
+        comp["kv_bytes"] = self.kv_bytes_resident
+        comp["t_end"] = time.monotonic_ns()
+        return comp
+
+    def _take(self, i: int, rec, segments: dict[int, _Segment], t_start: int) -> int:
+        """Place record i in its session's segment; the status its entry gets."""
+        sid, rid, kind = int(rec["session_id"]), int(rec["request_id"]), int(rec["kind"])
+        if kind == records.KIND_DECODE:
+            s = self.sessions.get(sid)
+            req = s.request if s is not None else None
+            if req is None or req.request_id != rid or not req.prefill_done or sid in segments:
+                return wire.STATUS_UNPROCESSABLE  # no such request generating here, or twice in one step
+            segments[sid] = _Segment(sid, True, [np.array([req.tokens[-1]])], answer=i)
+            return wire.STATUS_OK
+        if kind != wire.KIND_CHUNK or not 1 <= rec["n_tokens"] <= wire.MAX_CHUNK_TOKENS:
+            return wire.STATUS_BAD_REQUEST
+        tokens = rec["tokens"][:rec["n_tokens"]]
+        if tokens.max() >= self.model.config.vocab:
+            return wire.STATUS_BAD_REQUEST  # one bad record must not fail the whole step
+        s = self.sessions.get(sid)
+        if s is None:
+            try:
+                s = self._restore(sid)
+            except kvdelta.DeltaError:
+                return wire.STATUS_UNAVAILABLE
+        queued = sum(len(x) for x in segments[sid].tokens) if sid in segments else 0
+        if s.cache.length + queued + len(tokens) > self.model.config.max_context:
+            return wire.STATUS_TOO_LARGE
+        if s.request is None or s.request.request_id != rid:
+            # A new request on the session (one the router gave up on is superseded).
+            stamps = {name: int(rec[name]) for name in ("t_send", "t_xdp", "t_router", "t_lane") if rec[name]}
+            stamps["t_worker"] = t_start
+            s.request = _Request(rid, int(rec["max_output_tokens"]), s.restored_tokens, stamps)
+            s.restored_tokens = 0
+        seg = segments.get(sid)
+        if s.request.prefill_done or (seg is not None and (seg.decode or seg.answer is not None)):
+            return wire.STATUS_UNPROCESSABLE  # prompt after the final piece
+        seg = segments.setdefault(sid, _Segment(sid, False))
+        seg.tokens.append(tokens)
+        if rec["flags"] & records.CHUNK_F_FINAL:
+            seg.answer = i
+        return wire.STATUS_OK
+
+    def _run(self, segs: list[_Segment], entries, t_start: int):
+        """The forward pass over all segments, then sampling, finishing and the simulated device time."""
+        caches = [self.sessions[s.session_id].cache for s in segs]
+        contexts = [c.length for c in caches]
+        tokens = [np.concatenate(s.tokens) for s in segs]
+        logits = self.model.forward(list(zip(caches, tokens)))
+        self.stats["steps"] += 1
+        if self.device is not None:
+            sim = self.device.profile.step_s(
+                prefill=[(len(t), ctx) for s, t, ctx in zip(segs, tokens, contexts) if not s.decode],
+                decode_contexts=[ctx for s, ctx in zip(segs, contexts) if s.decode])
+            self.stats["simulated_s"] += sim
+            self.device.spend_until(t_start + int(sim * 1e9))
+        t_step = time.monotonic_ns()
+        for seg, lg in zip(segs, logits):
+            s = self.sessions[seg.session_id]
+            self.sessions.move_to_end(seg.session_id)
+            if seg.answer is None:
+                continue  # prompt pieces before the final one
+            req = s.request
+            if not seg.decode:
+                req.prefill_done = True
+                req.stamps["t_prefill_done"] = t_step
+            if len(req.tokens) < req.max_output_tokens:
+                tok = sample(lg, self.temperature, (self.seed, seg.session_id, s.cache.length))
+                req.tokens.append(tok)
+                entries["token"][seg.answer] = tok
+                if self.return_logits:
+                    req.logits.append(lg)
+            if len(req.tokens) >= req.max_output_tokens:
+                self.finished.append(self._finish(seg.session_id, s, t_step))
+
+    def _restore(self, sid: int) -> _Session:
+        chain = self.store.restore(sid) if self.store is not None else []
+        cache = kvdelta.restore(chain, self.model.config) if chain else KVCache(self.model.config)
+        if chain:
+            self.stats["restores"] += 1
+        s = self.sessions[sid] = _Session(cache, restored_tokens=cache.length)
+        return s
+
+    def _finish(self, sid: int, s: _Session, t_step: int) -> RequestDone:
+        req, s.request = s.request, None
+        vocab = self.model.config.vocab
+        done = RequestDone(sid, req.request_id, req.tokens, s.cache.length, req.restored_tokens, stamps=req.stamps,
+                           logits=np.array(req.logits, np.float32).reshape(len(req.tokens), vocab)
+                           if self.return_logits else None)
+        done.stamps["t_last_token"] = t_step
+        if self.store is not None and s.cache.length > s.cache.snapshot_len:
+            blob = kvdelta.encode(kvdelta.export_delta(s.cache), self.model.config, self.codec)
+            meta = dict(token_start=s.cache.snapshot_len, token_end=s.cache.length, codec=self.codec,
+                        request_id=req.request_id)
+            try:
+                self.store.put(sid, blob, meta)
+            except Exception as e:  # the session stays resident and unsnapshotted, so it is never evicted
+                self.stats["snapshot_failures"] += 1
+                done.snapshot_error = f"{type(e).__name__}: {e}"
+            else:
+                s.cache.snapshot_len = s.cache.length
+                self.stats["snapshots"] += 1
+                done.snapshot_bytes = len(blob)
+                done.stamps["t_snapshot"] = time.monotonic_ns()
+        return done
+
+    def close(self, sid: int):
+        """The client is done with the session (a control-plane call): free it here and in the store."""
+        self.sessions.pop(sid, None)
+        if self.store is not None:
+            self.store.delete(sid)
+
+    def _evict(self):
+        """Least recently used first, and only sessions that are idle and fully in the store."""
+        while self.kv_bytes_resident > self.kv_budget_bytes:
+            victim = next((sid for sid, s in self.sessions.items()
+                           if s.request is None and s.cache.snapshot_len == s.cache.length), None)
+            if victim is None:
+                self.stats["over_budget_steps"] += 1
+                return
+            del self.sessions[victim]
+            self.stats["evictions"] += 1
+
+
+def serve(worker: Worker, lane: Lane, stop: Callable[[], bool] = lambda: False, timeout_s: float = 0.05):
+    """Answer micro-batches until stop() says so."""
+    while not stop():
+        batch = lane.recv_batch(timeout_s)
+        if batch is None:
+            continue
+        comp = worker.step(batch)
+        worker.finished.clear()  # the router builds responses from the completions
+        while not lane.send_completion(comp):  # completion ring full: the router is behind
+            if stop():
+                return
+            time.sleep(1e-4)
+
+
+@dataclass
+class WorkerOptions:
+    """What a worker process needs to build its model and worker (picklable, for multiprocessing)."""
+    config: dict = field(default_factory=dict)
+    seed: int = 0
+    index: int = 0
+    kv_budget_bytes: int = 256 << 20
+    codec: str = "zstd"
+    temperature: float = 0.0
+    device: str | None = None
+    sim_mode: str = "sleep"
+
+    def build(self, store: SnapshotStore | None, return_logits: bool = False) -> Worker:
+        from .devices import profile
+        model = Model(ModelConfig(**self.config), self.seed)
+        device = SimulatedDevice(profile(self.device), self.sim_mode) if self.device else None
+        return Worker(model, store, index=self.index, kv_budget_bytes=self.kv_budget_bytes, codec=self.codec,
+                      temperature=self.temperature, seed=self.seed, device=device, return_logits=return_logits)
+
+
+def one_blas_thread():
+    """A worker is one core's worth of compute: BLAS threads would fight the router and the other
+    workers for the cores, and on 2 shared cores they make a tiny model's matmuls slower, not faster."""
+    from threadpoolctl import threadpool_limits
+    return threadpool_limits(limits=1, user_api="blas")
+
+
+def worker_process(lane_spec: tuple, store: SnapshotStore | None, options: WorkerOptions, stop_event=None):
+    """Entry point of a worker process (multiprocessing target, and `datapath worker`).
+
+    lane_spec: ("shm", name) to attach a lane the router created, or ("zmq", endpoint) to bind
+    one the router connects to.
+    """
+    from ..lanes import ShmWorkerLane, ZmqWorkerLane
+    worker = options.build(store)
+    kind, where = lane_spec
+    lane = ShmWorkerLane(where) if kind == "shm" else ZmqWorkerLane(where)
+    try:
+        with one_blas_thread():
+            serve(worker, lane, stop_event.is_set if stop_event is not None else (lambda: False))
+    finally:
+        lane.close()

@@ -1,0 +1,105 @@
+"""KV deltas: sizes follow the formula, lossless codecs round-trip exactly, int8 is bounded, corruption is caught."""
+import numpy as np
+import pytest
+
+from datapath.serving import kvdelta
+from datapath.serving.kvdelta import CODECS, DeltaError
+from datapath.serving.model import KVCache, Model, ModelConfig
+
+LOSSLESS = [n for n, c in CODECS.items() if c.lossless]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Model(ModelConfig(), seed=0)
+
+
+@pytest.fixture(scope="module")
+def session(model):
+    """A session with a 200-token prompt snapshotted, then 1 decode step."""
+    cache = KVCache(model.config)
+    model.prefill(cache, np.random.default_rng(4).integers(0, 512, 200))
+    cache.snapshot_len = cache.length
+    model.decode(cache, 17)
+    return cache
+
+
+def test_raw_sizes_match_the_formula(model, session):
+    per_token = model.config.kv_bytes_per_token
+    step = kvdelta.encode(kvdelta.export_delta(session), model.config, "raw")
+    chunk = kvdelta.encode(kvdelta.export_delta(session, 0, 128), model.config, "raw")
+    assert len(step) == kvdelta.HEADER_LEN + 1 * per_token <= 4096
+    assert len(chunk) == kvdelta.HEADER_LEN + 128 * per_token
+    assert kvdelta.header(step)["token_start"] == 200 and kvdelta.header(step)["token_end"] == 201
+
+
+@pytest.mark.parametrize("codec", list(CODECS))
+def test_round_trip(model, session, codec):
+    delta = kvdelta.export_delta(session, 0, session.length)
+    blob = kvdelta.encode(delta, model.config, codec)
+    back = kvdelta.decode(blob, model.config)
+    assert (back.token_start, back.token_end) == (0, 201)
+    assert kvdelta.header(blob)["codec"] == codec
+    if CODECS[codec].lossless:
+        assert np.array_equal(back.k, delta.k) and np.array_equal(back.v, delta.v)
+    else:
+        # per-channel int8: error at most half a quantization step of that channel (+ fp16 rounding)
+        for got, want in ((back.k, delta.k), (back.v, delta.v)):
+            want32 = want.astype(np.float32)
+            step = np.abs(want32).max(axis=2, keepdims=True) / 127
+            assert np.all(np.abs(got.astype(np.float32) - want32) <= step * 0.51 + np.abs(want32) * 1e-3 + 1e-6)
+            assert not np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("codec", LOSSLESS)
+def test_chain_restore_is_exact(model, session, codec):
+    chain = [kvdelta.encode(kvdelta.export_delta(session, a, b), model.config, codec)
+             for a, b in ((0, 128), (128, 200), (200, 201))]
+    cache = kvdelta.restore(chain, model.config)
+    assert cache.length == cache.snapshot_len == 201
+    assert np.array_equal(cache.k[:, :, :201], session.k[:, :, :201])
+    assert np.array_equal(cache.v[:, :, :201], session.v[:, :, :201])
+    with pytest.raises(DeltaError, match="missing or out of order"):
+        kvdelta.restore([chain[0], chain[2]], model.config)
+
+
+@pytest.mark.parametrize("codec", list(CODECS))
+@pytest.mark.parametrize("where", ["payload", "header", "crc"])
+def test_corruption_fails_with_a_clear_error(model, session, codec, where):
+    blob = bytearray(kvdelta.encode(kvdelta.export_delta(session, 0, 64), model.config, codec))
+    pos = {"payload": len(blob) - 10, "header": 34, "crc": kvdelta.CRC_OFFSET}[where]
+    blob[pos] ^= 0x40
+    with pytest.raises(DeltaError, match="corrupted: CRC-32"):
+        kvdelta.decode(bytes(blob), model.config)
+
+
+@pytest.mark.parametrize("mangle,message", [
+    (lambda b: b[:-1], "truncated"),
+    (lambda b: b[:20], "shorter than its 48-byte header"),
+    (lambda b: b"XXXX" + b[4:], "not a KV delta"),
+])
+def test_malformed_deltas(model, session, mangle, message):
+    blob = kvdelta.encode(kvdelta.export_delta(session, 0, 8), model.config, "zstd")
+    with pytest.raises(DeltaError, match=message):
+        kvdelta.decode(mangle(blob), model.config)
+
+
+def test_delta_for_another_model_is_refused(model, session):
+    blob = kvdelta.encode(kvdelta.export_delta(session, 0, 8), model.config, "raw")
+    other = ModelConfig(n_layers=2)
+    with pytest.raises(DeltaError, match="4 layers x 2 KV heads x 32 dims, this one has 2 x 2 x 32"):
+        kvdelta.decode(blob, other)
+
+
+def test_unknown_codec():
+    with pytest.raises(ValueError, match="unknown KV codec 'gzip'"):
+        kvdelta.encode(None, ModelConfig(), "gzip")
+
+
+def test_int8_restore_bounds_logit_error(model, session):
+    """Continue from an int8-restored cache: logits stay close to the exact cache's."""
+    chain = [kvdelta.encode(kvdelta.export_delta(session, 0, 201), model.config, "int8_zstd")]
+    lossy, exact = kvdelta.restore(chain, model.config), session.clone()
+    a, b = model.decode(exact, 99), model.decode(lossy, 99)
+    err = np.abs(a - b).max()
+    assert 0 < err < 0.25, err  # logits spread ~4; measured ~0.02 here

@@ -1,0 +1,199 @@
+"""The worker core, driven directly with dp_chunk records in the router's protocol.
+
+The snapshot store is the in-memory stand-in (tests/serving_support.py).
+"""
+import numpy as np
+import pytest
+
+from datapath import wire
+from datapath.serving.devices import SimulatedDevice, profile
+from datapath.serving.model import KVCache, Model, ModelConfig, sample
+from datapath.serving.worker import Worker
+from serving_support import MemoryStore, as_batch, decode_record, drive, prefill_records, prompt
+
+BIG = 1 << 30
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Model(ModelConfig(), seed=0)
+
+
+def finished(worker):
+    done, worker.finished = worker.finished, []
+    return done
+
+
+def test_request_lifecycle(model):
+    store = MemoryStore()
+    w = Worker(model, store, kv_budget_bytes=BIG, codec="zstd", return_logits=True)
+    toks = prompt(1, 300)
+    got = drive(w.step, [(5, 1, toks, 8)], max_chunks=2)
+    (done,) = finished(w)
+    # the same computation by hand, in the same order: pieces 0+1 in one step, piece 2, then decode
+    cache = KVCache(model.config)
+    model.forward([(cache, np.array(toks[:256]))])
+    lg = model.forward([(cache, np.array(toks[256:]))])[0]
+    want, want_logits = [], []
+    for _ in range(8):
+        want.append(sample(lg))
+        want_logits.append(lg)
+        if len(want) < 8:
+            lg = model.decode(cache, want[-1])
+    assert got[1] == done.tokens == want and np.array_equal(done.logits, np.array(want_logits))
+    s = done.stamps
+    assert s["t_worker"] <= s["t_prefill_done"] <= s["t_last_token"] <= s["t_snapshot"]
+    assert done.context_tokens == 300 + 7 and done.restored_tokens == 0
+    (meta,) = store.meta(5)
+    assert (meta["token_start"], meta["token_end"], meta["codec"]) == (0, 307, "zstd")
+    assert done.snapshot_bytes == len(store.restore(5)[0])
+
+
+def test_completion_record_answers_every_record(model):
+    w = Worker(model, None, index=3)
+    batch = as_batch([prefill_records(1, 10, prompt(1, 200), 2, piece=100), prefill_records(2, 20, prompt(2, 5), 1)],
+                     seq=42)
+    comp = w.step(batch)
+    c, e = comp[0], comp["e"][0]
+    assert (c["batch_seq"], c["worker"], c["n"]) == (42, 3, 3)
+    assert list(e["request_id"][:3]) == [10, 10, 20] and (e["status"][:3] == 200).all()
+    assert e["token"][0] == 0 and e["token"][1] and e["token"][2], "tokens only after final pieces"
+    assert c["t_start"] <= c["t_end"] and c["kv_bytes"] == w.kv_bytes_resident > 0
+    comp = w.step(as_batch([decode_record(1, 10, 2)], seq=43))
+    assert comp["e"][0]["status"][0] == 200 and comp["n"][0] == 1
+    assert [d.request_id for d in finished(w)] == [20, 10]
+
+
+@pytest.mark.parametrize("codec", ["raw", "zstd", "lz4"])
+def test_evict_restore_continue_equals_never_evicted(model, codec):
+    store = MemoryStore()
+    first = Worker(model, store, kv_budget_bytes=0, codec=codec)
+    second = Worker(model, store, kv_budget_bytes=BIG, codec=codec, return_logits=True)
+    ref = Worker(model, MemoryStore(), kv_budget_bytes=BIG, codec=codec, return_logits=True)
+    turn1, turn2 = (9, 1, prompt(2, 200), 6), (9, 2, prompt(3, 150), 6)
+    a1 = drive(first.step, [turn1])
+    assert not first.holds(9) and first.stats["evictions"] == 1, "budget 0: evicted once durable"
+    b2 = drive(second.step, [turn2])
+    r1, r2 = drive(ref.step, [turn1]), drive(ref.step, [turn2])
+    assert a1 == r1 and b2 == r2
+    (b_done,), (_, r_done) = finished(second), finished(ref)
+    assert b_done.restored_tokens == 200 + 5 and second.stats["restores"] == 1
+    assert np.array_equal(b_done.logits, r_done.logits), "lossless restore continues bit for bit"
+    assert [m["token_start"] for m in store.meta(9)] == [0, 205]
+
+
+def test_int8_restore_continues_with_bounded_logit_error(model):
+    store = MemoryStore()
+    first = Worker(model, store, kv_budget_bytes=0, codec="int8_zstd")
+    second = Worker(model, store, codec="int8_zstd", return_logits=True)
+    ref = Worker(model, None, return_logits=True)
+    turn1, turn2 = (4, 1, prompt(5, 200), 1), (4, 2, prompt(6, 20), 1)
+    drive(first.step, [turn1]), drive(ref.step, [turn1]), drive(second.step, [turn2]), drive(ref.step, [turn2])
+    err = np.abs(finished(second)[0].logits - finished(ref)[1].logits).max()
+    assert 0 < err < 0.25, err
+
+
+def test_eviction_waits_for_a_durable_snapshot(model):
+    store = MemoryStore()
+    store.fail_puts = True
+    w = Worker(model, store, kv_budget_bytes=0)
+    drive(w.step, [(1, 1, prompt(1, 50), 3)])
+    (done,) = finished(w)
+    assert done.snapshot_error and done.snapshot_bytes == 0
+    assert w.holds(1) and w.stats["over_budget_steps"] > 0, "not durable, so kept over budget"
+    store.fail_puts = False
+    drive(w.step, [(1, 2, prompt(2, 10), 3)])
+    assert finished(w)[0].snapshot_error is None and not w.holds(1)
+    (meta,) = store.meta(1)
+    assert (meta["token_start"], meta["token_end"]) == (0, 50 + 2 + 10 + 2), "one delta from the last durable point"
+
+
+def test_lru_evicts_the_least_recently_used_idle_session(model):
+    one_session = KVCache(model.config).nbytes  # every session here stays within 128 tokens
+    w = Worker(model, MemoryStore(), kv_budget_bytes=3 * one_session - 1)
+    for sid in (1, 2):
+        drive(w.step, [(sid, sid, prompt(sid, 40), 2)])
+    drive(w.step, [(1, 3, prompt(7, 10), 2)])  # session 1 is now more recent than 2
+    drive(w.step, [(3, 4, prompt(3, 40), 2)])
+    assert w.holds(1) and not w.holds(2) and w.holds(3) and w.stats["evictions"] == 1
+
+
+def test_sessions_in_a_request_are_never_evicted(model):
+    w = Worker(model, MemoryStore(), kv_budget_bytes=0)
+    w.step(as_batch([prefill_records(1, 1, prompt(1, 30), 5), prefill_records(2, 2, prompt(2, 30), 5)]))
+    assert w.holds(1) and w.holds(2) and w.stats["over_budget_steps"] == 1
+    w.step(as_batch([decode_record(1, 1, 5), decode_record(2, 2, 5)]))
+    assert w.holds(1) and w.holds(2)
+
+
+def test_protocol_errors_are_answered_per_record(model):
+    w = Worker(model, MemoryStore())
+    bad_kind = prefill_records(1, 1, prompt(1, 5), 1)
+    bad_kind["kind"] = wire.KIND_OPEN
+    no_tokens = prefill_records(2, 2, prompt(2, 5), 1)
+    no_tokens["n_tokens"] = 0
+    stray_decode = decode_record(3, 3, 4)
+    twice = prefill_records(4, 4, prompt(4, 5), 4)
+    comp = w.step(as_batch([bad_kind, no_tokens, stray_decode, twice, decode_record(4, 4, 4)]))
+    assert list(comp["e"][0]["status"][:5]) == [400, 400, 422, 200, 422]
+    assert comp["e"][0]["token"][3] and w.stats["refused"] == 4
+    late = prefill_records(4, 4, prompt(5, 3), 4)  # prompt after the final piece
+    assert w.step(as_batch([late]))["e"][0]["status"][0] == 422
+    out_of_vocab = prefill_records(5, 5, [1, 2, 512], 1)
+    assert w.step(as_batch([out_of_vocab]))["e"][0]["status"][0] == 400
+
+
+def test_context_past_max_context_is_refused_not_fatal():
+    small = Model(ModelConfig(max_context=200), seed=0)
+    w = Worker(small, None)
+    comp = w.step(as_batch([prefill_records(1, 1, prompt(1, 150), 1), prefill_records(1, 1, prompt(2, 60), 1)]))
+    assert list(comp["e"][0]["status"][:3]) == [200, 200, 413]
+    ok = w.step(as_batch([prefill_records(2, 2, prompt(3, 10), 1)]))
+    assert ok["e"][0]["status"][0] == 200 and ok["e"][0]["token"][0]
+
+
+def test_close_frees_the_session_here_and_in_the_store(model):
+    store = MemoryStore()
+    w = Worker(model, store)
+    drive(w.step, [(1, 1, prompt(1, 20), 2)])
+    assert store.restore(1)
+    w.close(1)
+    assert not w.holds(1) and store.restore(1) == []
+
+
+def test_corrupted_store_delta_is_refused(model):
+    store = MemoryStore()
+    drive(Worker(model, store, kv_budget_bytes=0).step, [(1, 1, prompt(1, 20), 2)])
+    blob = bytearray(store.chains[1][0])
+    blob[-3] ^= 1
+    store.chains[1][0] = bytes(blob)
+    w = Worker(model, store)
+    comp = w.step(as_batch([prefill_records(1, 2, prompt(2, 5), 1)]))
+    assert comp["e"][0]["status"][0] == wire.STATUS_UNAVAILABLE and not w.holds(1)
+
+
+def test_zero_output_tokens_snapshots_the_prompt_only(model):
+    store = MemoryStore()
+    w = Worker(model, store, return_logits=True)
+    assert drive(w.step, [(2, 1, prompt(2, 130), 0)]) == {1: []}
+    (done,) = finished(w)
+    assert done.tokens == [] and done.logits.shape == (0, 512)
+    assert [(m["token_start"], m["token_end"]) for m in store.meta(2)] == [(0, 130)]
+
+
+def test_simulated_worker_spends_the_profile_time_and_keeps_real_kv(model):
+    import time
+    h100 = profile("h100")
+    sim = Worker(model, MemoryStore(), device=SimulatedDevice(h100, "sleep"), return_logits=True)
+    real = Worker(model, MemoryStore(), return_logits=True)
+    req = (1, 1, prompt(1, 100), 4)
+    t = time.monotonic()
+    a = drive(sim.step, [req])
+    elapsed = time.monotonic() - t
+    assert a == drive(real.step, [req])
+    want = h100.step_s(prefill=[(100, 0)]) + sum(h100.step_s(decode_contexts=[c]) for c in (100, 101, 102))
+    assert sim.stats["simulated_s"] == pytest.approx(want)
+    assert elapsed >= want  # a lower bound only: the machine may be slower, never faster
+    (x,), (y,) = finished(sim), finished(real)
+    assert np.array_equal(x.logits, y.logits) and x.snapshot_bytes == y.snapshot_bytes > 0
+
