@@ -35,7 +35,7 @@ DEFAULT_QUEUES = 4
 DEFAULT_RING_PAGES = 256        # 1 MiB per queue: ~1700 records of 616 bytes
 POLICIES = {"hash": lib.DP_POLICY_SESSION_HASH, "session": lib.DP_POLICY_SESSION_PIN,
             "tenant": lib.DP_POLICY_TENANT}
-# names from the enums in bpf/steer.h: "bad_magic", ..., "pass", "queued", "reply_429"
+# names from the enums in bpf/steer.h: drop reasons "truncated", "bad_magic", ...; events "pass", "reply_429"
 DROP_REASONS = [name[len("DP_DROP_"):].lower() for value, name in
                 sorted(ffi.typeof("enum dp_drop").elements.items()) if name != "DP_DROP_MAX"]
 EVENTS = [name[len("DP_EV_"):].lower() for value, name in

@@ -241,3 +241,15 @@ def test_bad_tunables_are_refused():
     for kw in (dict(queues=0), dict(queues=9), dict(ring_pages=3), dict(port=70000)):
         with pytest.raises(ValueError):
             Ingress(**kw)
+
+
+def test_maps_and_cffi_share_one_layout(ig):
+    """bcc's view of the control maps (from the BPF compile) equals cffi's (from the same steer.h)."""
+    import ctypes
+    from datapath._ingress import ffi
+    ig, _ = ig
+    for table, cname in (("policy", "struct dp_policy"), ("buckets", "struct dp_bucket")):
+        leaf = ig.table(table).Leaf
+        assert ctypes.sizeof(leaf) == ffi.sizeof(cname)
+        assert [(n, getattr(leaf, n).offset) for n, _ in leaf._fields_] == \
+               [(n, f.offset) for n, f in ffi.typeof(cname).fields]
