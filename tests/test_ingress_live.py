@@ -113,12 +113,21 @@ def test_policy_change_mid_stream_moves_new_chunks_and_loses_none(live):
     n, rate = 20_000, 20_000
     hashed = {session_queue(1000 + s, QUEUES) for s in range(8)}
     target = next(q for q in range(QUEUES) if q not in hashed) if len(hashed) < QUEUES else 0
-    switch = threading.Timer(0.4, lambda: (ig.route_tenant(5, target), ig.set_policy("tenant")))
+    stop = threading.Event()
+
+    def switch_when_a_quarter_is_in():
+        while consumer.records < n // 4 and not stop.wait(0.001):
+            pass
+        ig.route_tenant(5, target)
+        ig.set_policy("tenant")
+
+    switch = threading.Thread(target=switch_when_a_quarter_is_in)
     switch.start()
     try:
         res = client.send_from(topo.client_ns[0], topo.host_ip[0], pkts, rate=rate, count=n, duration=10)
     finally:
-        switch.cancel()
+        stop.set()
+        switch.join()
     recs = drain_until(consumer.ring, n)
     assert res["sent"] == n and len(recs) == n, "a chunk was lost"
     recs.sort(key=lambda r: r["request_id"])   # the sender's sequence number
