@@ -6,5 +6,6 @@ setup(
     cffi_modules=[
         "native/ffi_wire.py:ffibuilder",
         "native/ffi_dataplane.py:ffibuilder",
+        "native/ffi_ingress.py:ffibuilder",
     ],
 )

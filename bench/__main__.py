@@ -13,6 +13,7 @@ import sys
 SUITES = {
     "wire": "bench.wire",
     "ring": "bench.ring",
+    "ingress": "bench.ingress",
     "worker": "bench.worker",
 }
 

@@ -1,6 +1,7 @@
 """datapath: the data path's command line.
 
     datapath doctor            check this machine can run the data path
+    datapath ingress stats     per-queue packets, drops by reason, XDP-to-consumer latency
     datapath worker            run one worker (serving side)
     datapath model info        the tiny model's sizes
 """
@@ -12,6 +13,8 @@ import sys
 EPILOG = """examples:
     sudo .venv/bin/datapath doctor     # one line per check, exit 0 if the data path can run
     python -m datapath doctor          # the same
+    sudo .venv/bin/datapath ingress stats        # a report every second of the running ingress
+    sudo .venv/bin/datapath ingress stats 5 3    # three 5-second reports
     datapath model info                # parameters, KV bytes per token, delta sizes per codec
     datapath worker --demo 4           # a worker running 4 requests in-process
 """
@@ -25,9 +28,33 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("doctor", help="check root, kernel, BPF features, bcc, headers, extensions, loop, kvm, qemu",
                    description="One line per check: OK, WARN (optional) or FAIL with a fix. "
                                "Exit 0 only when the data path can run. Cleans up all it creates.")
+    ing = sub.add_parser("ingress", help="the XDP ingress").add_subparsers(dest="ingress_command", metavar="WHAT")
+    ing.required = True
+    st = ing.add_parser("stats", help="per-queue packets, drops by reason, log2 histogram of XDP-to-consumer latency",
+                        description="Reports on the running steering program (found by name, read-only) every "
+                                    "interval seconds, count times (default: until Ctrl-C).",
+                        formatter_class=argparse.RawDescriptionHelpFormatter,
+                        epilog="examples:\n    datapath ingress stats\n    datapath ingress stats 5 3\n"
+                               "    datapath ingress stats -p 42 1\n")
+    st.add_argument("interval", nargs="?", type=_positive(float), default=1.0, help="seconds between reports")
+    st.add_argument("count", nargs="?", type=_positive(int), default=None, help="number of reports")
+    st.add_argument("-p", "--prog-id", type=int, help="the program's id, when several are loaded")
+    st.add_argument("--ebpf", action="store_true", help=argparse.SUPPRESS)   # print the BPF C, as bcc tools do
     from .serving import commands as serving_commands
     serving_commands.add_parsers(sub)
     return p
+
+
+def _positive(kind):
+    def parse(text):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if v <= 0:
+            raise argparse.ArgumentTypeError(f"{text} must be positive")
+        return v
+    return parse
 
 
 def main(argv=None) -> int:
@@ -35,6 +62,9 @@ def main(argv=None) -> int:
     if args.command == "doctor":
         from . import doctor
         return doctor.run()
+    if args.command == "ingress":
+        from . import ingress_stats
+        return ingress_stats.run(args.interval, args.count, args.prog_id, args.ebpf)
     if args.command in ("worker", "model"):
         from .serving import commands as serving_commands
         return serving_commands.run(args)

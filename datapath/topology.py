@@ -17,7 +17,6 @@ import itertools
 import os
 import re
 import socket
-import threading
 
 from pyroute2 import NetNS, netns
 
@@ -110,27 +109,13 @@ def enter(name: str):
     netns.setns(name)
 
 
-def socket_in(name: str, family=socket.AF_INET, kind=socket.SOCK_DGRAM) -> socket.socket:
-    """A socket that lives in netns `name`, usable from this (unmoved) process.
-
-    setns() moves only the calling thread, so a short-lived thread enters the
-    namespace and creates the socket there; the socket keeps its namespace.
-    """
-    box: list = []
-
-    def make():
-        try:
-            netns.setns(name)
-            box.append(socket.socket(family, kind))
-        except BaseException as e:  # handed to the caller below
-            box.append(e)
-
-    t = threading.Thread(target=make, name=f"socket-in-{name}")
-    t.start()
-    t.join()
-    if isinstance(box[0], BaseException):
-        raise box[0]
-    return box[0]
+def socket_in(name: str, family=socket.AF_INET, type=socket.SOCK_DGRAM) -> socket.socket:
+    """A socket that lives in netns `name` (sockets keep the namespace they were made in)."""
+    netns.pushns(name)
+    try:
+        return socket.socket(family, type)
+    finally:
+        netns.popns()
 
 
 def ours() -> list[str]:

@@ -75,6 +75,15 @@ def _iproute(netns: str | None):
     return NetNS(netns) if netns else IPRoute()
 
 
+_ATTACHED = {"xdp": "native", "xdpgeneric": "generic", "xdpoffload": "offload", "xdpmulti": "multi"}
+
+
+def _set_xdp(ipr, ifindex: int, fd: int, flags: int):
+    # The nested IFLA_XDP attribute spelled out: pyroute2 0.9's xdp_fd=/xdp_flags= keywords drop
+    # the flags, so a "generic" attach silently became a driver-mode one.
+    ipr.link("set", index=ifindex, xdp={"attrs": [("IFLA_XDP_FD", fd), ("IFLA_XDP_FLAGS", flags)]})
+
+
 class XdpAttachment:
     """Attach prog_fd to ifname (inside netns) for the life of a with-block.
 
@@ -99,11 +108,16 @@ class XdpAttachment:
             errors = []
             for mode in tries:
                 try:
-                    ipr.link("set", index=self.ifindex, xdp_fd=self.prog_fd, xdp_flags=XDP_MODES[mode])
-                    self.mode = mode
-                    return self
+                    _set_xdp(ipr, self.ifindex, self.prog_fd, XDP_MODES[mode])
                 except Exception as e:  # netlink error: mode unsupported on this device
                     errors.append(f"{mode}: {e}")
+                    continue
+                self.mode = mode
+                got = self.attached_mode()
+                if got != mode:
+                    self.detach()
+                    raise BpfUnavailable(f"asked the kernel for {mode} XDP on {self.ifname}, it attached {got}")
+                return self
         raise BpfUnavailable(f"cannot attach XDP to {self.ifname}: " + "; ".join(errors))
 
     def detach(self):
@@ -111,13 +125,19 @@ class XdpAttachment:
             return
         try:
             with _iproute(self.netns) as ipr:
-                ipr.link("set", index=self.ifindex, xdp_fd=-1, xdp_flags=XDP_MODES[self.mode])
+                _set_xdp(ipr, self.ifindex, -1, XDP_MODES[self.mode])
         except Exception:
             pass  # the namespace (and with it the device and the attachment) is already gone
         self.mode = None
 
     def __exit__(self, *exc):
         self.detach()
+
+    def attached_mode(self) -> str | None:
+        """The mode the kernel reports for the attached program: native, generic, or None."""
+        with _iproute(self.netns) as ipr:
+            xdp = ipr.get_links(self.ifindex)[0].get_attr("IFLA_XDP")
+        return _ATTACHED.get(xdp.get_attr("IFLA_XDP_ATTACHED")) if xdp else None
 
     def prog_id(self) -> int | None:
         """The id of the program attached now (None if nothing is)."""

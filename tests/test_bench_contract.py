@@ -45,3 +45,30 @@ def test_ring_suite_reports_every_figure(tmp_path):
     for key in RING_KEYS:
         assert data["metrics"][key] > 0, key
     assert "ring_oneway_p50_ns_vs_pingpong_oneway_ns" in data["ratios"]
+
+
+INGRESS_REFERENCES = ["xdp_count_ns", "pingpong_oneway_ns", "udp_socket_p50_us", "udp_socket_p99_us",
+                      "udp_socket_c_p50_us"]
+INGRESS_METRICS = ["steer_ns", "xdp_to_consumer_p50_ns", "xdp_to_consumer_p99_ns", "xdp_to_consumer_p50_ns_100k",
+                   "xdp_to_consumer_p99_ns_100k", "xdp_to_consumer_p50_ns_max", "xdp_to_consumer_p99_ns_max",
+                   "sender_to_consumer_p50_us", "sender_to_consumer_p99_us", "max_pps_no_loss"]
+
+
+@pytest.mark.slow
+@pytest.mark.root
+@pytest.mark.bpf
+def test_ingress_suite_reports_every_figure(tmp_path):
+    out = tmp_path / "ingress.json"
+    r = subprocess.run([sys.executable, "-m", "bench", "ingress", "--quick", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    data = json.loads(out.read_text())
+    assert data["machine"]["xdp_mode"] in ("native", "generic")
+    for key in INGRESS_REFERENCES:
+        assert data["references"][key] > 0, key
+    for key in INGRESS_METRICS:
+        assert data["metrics"][key] > 0, key
+    for ratio in ("steer_ns_vs_xdp_count_ns", "xdp_to_consumer_p50_ns_vs_pingpong_oneway_ns",
+                  "sender_to_consumer_p50_us_vs_udp_socket_p50_us", "sender_to_consumer_p99_us_vs_udp_socket_p99_us"):
+        metric, ref = ratio.split("_vs_")
+        assert data["ratios"][ratio] == pytest.approx(data["metrics"][metric] / data["references"][ref])

@@ -79,3 +79,11 @@ def test_missing_source_is_a_clear_error():
 def test_compile_error_is_a_clear_error(tmp_path):
     with pytest.raises(BpfUnavailable, match="could not compile"):
         load_xdp("count.bpf.c", "xdp_count", cflags=["-DDP_PORT=this_is_not_a_number("])
+
+
+@pytest.mark.parametrize("mode", ["native", "generic"])
+def test_the_mode_asked_for_is_the_mode_attached(topology, xdp_program, mode):
+    b, fn, att = xdp_program("count.bpf.c", "xdp_count", topology.host_if[0], topology.host_ns, mode=mode)
+    assert att.mode == att.attached_mode() == mode
+    att.detach()
+    assert att.prog_id() is None

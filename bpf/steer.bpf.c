@@ -1,0 +1,320 @@
+/* steer.bpf.c - the XDP ingress: parse, validate, rate-limit and steer request
+ * chunks into per-queue BPF ring buffers.
+ *
+ * Ethernet (+1 VLAN) / IPv4 (options) or IPv6 / UDP to DP_PORT, then the
+ * request header of bpf/wire.h. Anything else is XDP_PASS, untouched, so the
+ * host's other traffic keeps working. A request that fails validation is
+ * dropped and counted under its reason (enum dp_drop). A valid one is written
+ * as a struct dp_chunk (native/chunk.h) into its queue's ring buffer with an
+ * XDP stamp, then the packet is dropped: the consumer has everything.
+ * A chunk over its tenant's token bucket never reaches user space: the
+ * packet is rewritten in place into a 429 response and sent back (XDP_TX).
+ * Tunables (-D): DP_QUEUES, DP_RING_PAGES, DP_PORT (see steer_maps.h).
+ */
+#include <uapi/linux/bpf.h>
+#include "wire.h"
+#include "chunk.h"
+#include "parsing_helpers.h"
+#include "steer_maps.h"
+
+#define IPPROTO_FRAGMENT_V6 44
+
+struct frag6_hdr {
+    __u8 nexthdr;
+    __u8 reserved;
+    __be16 frag_off;   /* offset << 3 | M */
+    __be32 id;
+};
+
+static __always_inline int drop(__u32 reason)
+{
+    __u64 *n = drops.lookup(&reason);
+    if (n)
+        *n += 1;
+    return XDP_DROP;
+}
+
+static __always_inline void event(__u32 ev)
+{
+    __u64 *n = events.lookup(&ev);
+    if (n)
+        *n += 1;
+}
+
+/* A record slot in queue q's ring buffer, or NULL when it is full. */
+static __always_inline struct dp_chunk *reserve_record(__u32 q)
+{
+    struct dp_chunk *rec = NULL;
+
+    /* an if chain, not a switch: clang would emit a jump table BPF cannot run */
+    if (q == 0)
+        rec = ring0.ringbuf_reserve(sizeof(struct dp_chunk));
+#if DP_QUEUES > 1
+    if (q == 1)
+        rec = ring1.ringbuf_reserve(sizeof(struct dp_chunk));
+#endif
+#if DP_QUEUES > 2
+    if (q == 2)
+        rec = ring2.ringbuf_reserve(sizeof(struct dp_chunk));
+#endif
+#if DP_QUEUES > 3
+    if (q == 3)
+        rec = ring3.ringbuf_reserve(sizeof(struct dp_chunk));
+#endif
+#if DP_QUEUES > 4
+    if (q == 4)
+        rec = ring4.ringbuf_reserve(sizeof(struct dp_chunk));
+#endif
+#if DP_QUEUES > 5
+    if (q == 5)
+        rec = ring5.ringbuf_reserve(sizeof(struct dp_chunk));
+#endif
+#if DP_QUEUES > 6
+    if (q == 6)
+        rec = ring6.ringbuf_reserve(sizeof(struct dp_chunk));
+#endif
+#if DP_QUEUES > 7
+    if (q == 7)
+        rec = ring7.ringbuf_reserve(sizeof(struct dp_chunk));
+#endif
+    return rec;
+}
+
+static __always_inline int pass(void)
+{
+    event(DP_EV_PASS);
+    return XDP_PASS;
+}
+
+static __always_inline __u32 pick_queue(struct dp_req_hdr *req, __u32 mode)
+{
+    __u32 *q = NULL;
+    __u64 sid = req->session_id;
+    __u32 tenant = req->tenant;
+
+    if (mode == DP_POLICY_SESSION_PIN)
+        q = pins.lookup(&sid);
+    else if (mode == DP_POLICY_TENANT)
+        q = tenant_queue.lookup(&tenant);
+    if (q)
+        return *q % DP_QUEUES;   /* a bad value from user space stays in range */
+    return (__u32)((sid * DP_SESSION_HASH_MUL) >> 32) % DP_QUEUES;
+}
+
+/* GCRA: admit n tokens if the bucket has room, and charge them. */
+static __always_inline int over_limit(__u32 tenant, __u32 n, __u64 now)
+{
+    struct dp_bucket *b = buckets.lookup(&tenant);
+    __u64 tat;
+
+    if (!b)
+        return 0;
+    tat = b->tat > now ? b->tat : now;
+    tat += n * b->ns_per_token;
+    if (tat > now + b->burst_ns)
+        return 1;
+    b->tat = tat;   /* not atomic: two CPUs racing on one tenant may both pass */
+    return 0;
+}
+
+static __always_inline __u16 dp_csum_fold(__u32 sum)
+{
+    sum = (sum & 0xffff) + (sum >> 16);
+    sum = (sum & 0xffff) + (sum >> 16);
+    return ~sum;
+}
+
+/* Turn the request in place into a 429 response to its sender. */
+static __always_inline int reply_429(struct xdp_md *ctx, struct ethhdr *eth, struct iphdr *iph,
+                                     struct ipv6hdr *ip6h, int v6, struct udphdr *udph, struct dp_req_hdr *req)
+{
+    struct dp_resp_hdr *resp = (void *)req;   /* 40 bytes over the 48 already bounds-checked */
+    __u32 tenant = req->tenant;
+    __u16 flags = req->flags;
+    __u64 sid = req->session_id, rid = req->request_id, sent = req->send_ns;
+    __u8 mac[ETH_ALEN];
+    __be16 port;
+    int tail;
+
+    __builtin_memcpy(mac, eth->h_dest, ETH_ALEN);
+    __builtin_memcpy(eth->h_dest, eth->h_source, ETH_ALEN);
+    __builtin_memcpy(eth->h_source, mac, ETH_ALEN);
+    port = udph->source;
+    udph->source = udph->dest;
+    udph->dest = port;
+    udph->len = bpf_htons(sizeof(*udph) + DP_RESP_HDR_LEN);
+    udph->check = 0;
+
+    resp->magic = DP_WIRE_MAGIC;
+    resp->version = DP_WIRE_VERSION;
+    resp->kind = DP_KIND_RESPONSE;
+    resp->flags = flags;
+    resp->tenant = tenant;
+    resp->status = DP_STATUS_RATE_LIMITED;
+    resp->body_len = 0;
+    resp->session_id = sid;
+    resp->request_id = rid;
+    resp->send_ns = sent;
+
+    /* a constant flag, not `if (iph)`: the verifier cannot rule out a NULL test on a packet pointer */
+    if (!v6) {
+        __be32 a = iph->saddr;
+        __be16 old = iph->tot_len, new = bpf_htons(iph->ihl * 4 + sizeof(*udph) + DP_RESP_HDR_LEN);
+        iph->saddr = iph->daddr;
+        iph->daddr = a;
+        iph->tot_len = new;
+        /* RFC 1624 incremental update; swapping addresses leaves the sum alone */
+        iph->check = dp_csum_fold((__u16)~iph->check + (__u16)~old + (__u16)new);
+        /* UDP checksum 0 = none, legal over IPv4 */
+    } else {
+        struct in6_addr a = ip6h->saddr;
+        __be32 pseudo[2] = { bpf_htonl(sizeof(*udph) + DP_RESP_HDR_LEN), bpf_htonl(IPPROTO_UDP) };
+        __s64 sum;
+        ip6h->saddr = ip6h->daddr;
+        ip6h->daddr = a;
+        ip6h->payload_len = bpf_htons(sizeof(*udph) + DP_RESP_HDR_LEN);
+        /* IPv6 requires the UDP checksum: pseudo header + UDP header + response */
+        sum = bpf_csum_diff(0, 0, (__be32 *)&ip6h->saddr, 32, 0);
+        sum = bpf_csum_diff(0, 0, pseudo, sizeof(pseudo), sum);
+        sum = bpf_csum_diff(0, 0, (__be32 *)udph, sizeof(*udph) + DP_RESP_HDR_LEN, sum);
+        udph->check = dp_csum_fold(sum) ?: 0xffff;
+    }
+
+    tail = (void *)(long)ctx->data_end - ((void *)resp + DP_RESP_HDR_LEN);
+    if (tail > 0 && bpf_xdp_adjust_tail(ctx, -tail))
+        return XDP_DROP;   /* counted as rate_limited already; no reply */
+    event(DP_EV_REPLY_429);
+    return XDP_TX;
+}
+
+int xdp_steer(struct xdp_md *ctx)
+{
+    void *data = (void *)(long)ctx->data;
+    void *data_end = (void *)(long)ctx->data_end;
+    struct hdr_cursor c = { .pos = data };
+    struct ethhdr *eth;
+    struct iphdr *iph = NULL;
+    struct ipv6hdr *ip6h = NULL;
+    struct udphdr *udph = NULL;
+    struct dp_req_hdr *req;
+    struct dp_chunk *rec;
+    int proto, frag = 0, v6 = 0, udp_len;
+    __u32 n, kind, q, len, off, zero = 0;
+    struct dp_policy *pol;
+    __u64 now, *cnt;
+
+    proto = parse_ethhdr(&c, data_end, &eth);
+    if (proto == bpf_htons(ETH_P_IP)) {
+        proto = parse_iphdr(&c, data_end, &iph, &frag);
+        if (frag && (iph->frag_off & bpf_htons(0x1fff)))
+            return pass();   /* a later fragment has no UDP header to say whose it is */
+    } else if (proto == bpf_htons(ETH_P_IPV6)) {
+        proto = parse_ip6hdr(&c, data_end, &ip6h);
+        v6 = 1;
+        if (proto == IPPROTO_FRAGMENT_V6) {
+            struct frag6_hdr *fh = c.pos;
+            if ((void *)(fh + 1) > data_end || (fh->frag_off & bpf_htons(0xfff8)))
+                return pass();
+            c.pos = fh + 1;
+            frag = 1;
+            proto = fh->nexthdr;
+        }
+    } else {
+        return pass();
+    }
+    if (proto != IPPROTO_UDP)
+        return pass();
+    udp_len = parse_udphdr(&c, data_end, &udph);
+    if (!udph || udph->dest != bpf_htons(DP_PORT))
+        return pass();
+    if (frag)
+        return drop(DP_DROP_FRAGMENT);
+    if (udp_len < 0)
+        return drop(DP_DROP_LENGTH);
+
+    /* validation, in the order of datapath/wire.py's decoder */
+    req = c.pos;
+    if ((void *)(req + 1) > data_end)
+        return drop(DP_DROP_TRUNCATED);
+    if (req->magic != DP_WIRE_MAGIC)
+        return drop(DP_DROP_BAD_MAGIC);
+    if (req->version != DP_WIRE_VERSION)
+        return drop(DP_DROP_BAD_VERSION);
+    if (req->flags & ~DP_FLAGS_KNOWN)
+        return drop(DP_DROP_BAD_FLAGS);
+    kind = req->kind;
+    n = req->n_tokens;
+    if (kind == DP_KIND_CHUNK || kind == DP_KIND_COUNT_TOKENS) {
+        if (n < 1 || n > DP_MAX_CHUNK_TOKENS)
+            return drop(DP_DROP_BAD_TOKENS);
+    } else if (kind == DP_KIND_OPEN || kind == DP_KIND_CLOSE) {
+        if (n)
+            return drop(DP_DROP_BAD_TOKENS);
+    } else {
+        return drop(DP_DROP_BAD_KIND);
+    }
+    if (req->reserved)
+        return drop(DP_DROP_BAD_FLAGS);
+    if (req->chunk_count == 0 || req->chunk_index >= req->chunk_count)
+        return drop(DP_DROP_BAD_CHUNK);
+    len = n * sizeof(__u32);
+    if (udp_len != DP_REQ_HDR_LEN + len)
+        return drop(DP_DROP_LENGTH);
+    if ((void *)req + DP_REQ_HDR_LEN + len > data_end)
+        return drop(DP_DROP_TRUNCATED);
+
+    now = bpf_ktime_get_ns();
+    pol = policy.lookup(&zero);
+    if (!pol)
+        return XDP_ABORTED;   /* an array always has index 0: unreachable */
+    if (pol->rate_limits && kind == DP_KIND_CHUNK && over_limit(req->tenant, n, now)) {
+        drop(DP_DROP_RATE_LIMITED);
+        return reply_429(ctx, eth, iph, ip6h, v6, udph, req);
+    }
+
+    q = pick_queue(req, pol->mode);
+    rec = reserve_record(q);
+    if (!rec)
+        return drop(DP_DROP_RING_FULL);
+    rec->session_id = req->session_id;
+    rec->request_id = req->request_id;
+    rec->tenant = req->tenant;
+    rec->max_output_tokens = req->max_output_tokens;
+    rec->chunk_index = req->chunk_index;
+    rec->chunk_count = req->chunk_count;
+    rec->n_tokens = n;
+    rec->kind = kind;
+    rec->queue = q;
+    rec->batch_seq = 0;
+    rec->batch_len = 0;
+    rec->batch_pos = 0;
+    rec->t_send = req->send_ns;
+    rec->t_consumer = 0;
+    rec->t_router = 0;
+    rec->t_lane = 0;
+    rec->t_worker = 0;
+    rec->flags = req->flags;
+    rec->reserved = 0;
+    if (len) {
+        off = (void *)req + DP_REQ_HDR_LEN - data;
+        /* The verifier must see 4 <= len <= sizeof(tokens) in the register passed.
+         * n is already 1..128, so the mask changes nothing; the empty asm hides
+         * that from clang, which would otherwise fold the mask away. */
+        asm volatile("" : "+r"(n));
+        len = (((n - 1) & (DP_MAX_CHUNK_TOKENS - 1)) + 1) * sizeof(__u32);
+        if (bpf_xdp_load_bytes(ctx, off, rec->tokens, len) < 0) {
+            ring0.ringbuf_discard(rec, 0);
+            return drop(DP_DROP_TRUNCATED);
+        }
+    }
+    /* stamped at the hand-off, not at entry: XDP-to-consumer then measures the queue,
+     * and the program's own cost is steer_ns in the benchmark */
+    rec->t_xdp = bpf_ktime_get_ns();
+    /* no wakeup: the consumer busy-polls, nobody sleeps in epoll on these rings */
+    ring0.ringbuf_submit(rec, BPF_RB_NO_WAKEUP);
+
+    cnt = queue_pkts.lookup(&q);
+    if (cnt)
+        *cnt += 1;
+    return XDP_DROP;
+}

@@ -1,0 +1,71 @@
+/* steer.h - what the steering program and user space share: drop reasons,
+ * policy modes and the control-map values (libbpf-bootstrap's x.h).
+ *
+ * The ingress cffi extension (native/ffi_ingress.py) takes the text between
+ * the LAYOUT markers verbatim as its cdef, so Python reads the reason names
+ * and the struct layouts from here; there is no second list to drift.
+ * The ring-buffer record is struct dp_chunk (native/chunk.h) itself: XDP fills
+ * the header fields it knows and the tokens, the consumer stamps t_consumer
+ * and copies it downstream as is.
+ */
+#ifndef DP_STEER_H
+#define DP_STEER_H
+
+#ifndef __DP_CFFI__
+#include <linux/types.h>
+#endif
+
+/* LAYOUT BEGIN */
+#define DP_MAX_QUEUES 8          /* ring buffers the program can declare */
+#define DP_LAT_BUCKETS 65        /* log2 buckets: 0, then 2^(b-1) .. 2^b - 1 ns */
+
+/* Why a packet to the data path's port was dropped (index of the `drops` per-CPU array). */
+enum dp_drop {
+    DP_DROP_TRUNCATED = 0,       /* shorter than the request header or than UDP claims */
+    DP_DROP_BAD_MAGIC = 1,
+    DP_DROP_BAD_VERSION = 2,
+    DP_DROP_BAD_KIND = 3,
+    DP_DROP_BAD_FLAGS = 4,       /* unknown flag bits or reserved != 0 */
+    DP_DROP_BAD_CHUNK = 5,       /* chunk_count 0 or chunk_index >= chunk_count */
+    DP_DROP_BAD_TOKENS = 6,      /* n_tokens outside 1..128 (chunk) or != 0 (open/close) */
+    DP_DROP_LENGTH = 7,          /* UDP length != header + 4 * n_tokens */
+    DP_DROP_FRAGMENT = 8,        /* an IP fragment of a datagram to our port */
+    DP_DROP_RATE_LIMITED = 9,    /* over the tenant's token bucket (answered 429 by XDP_TX) */
+    DP_DROP_RING_FULL = 10,      /* the queue's ring buffer had no room */
+    DP_DROP_MAX = 11
+};
+
+/* Other events (index of the `events` per-CPU array). Records queued are
+ * counted per queue only (`queue_pkts`): one counter less per chunk. */
+enum dp_event {
+    DP_EV_PASS = 0,              /* not ours: XDP_PASS, untouched */
+    DP_EV_REPLY_429 = 1,         /* a 429 went back to the client with XDP_TX */
+    DP_EV_MAX = 2
+};
+
+/* Queue choice (policy[0].mode). Pins and tenant routes fall back to the hash. */
+enum dp_policy_mode {
+    DP_POLICY_SESSION_HASH = 0,  /* hash of session_id: a session stays on one queue */
+    DP_POLICY_SESSION_PIN = 1,   /* the `pins` map: session_id -> queue */
+    DP_POLICY_TENANT = 2         /* the `tenant_queue` map: tenant -> queue */
+};
+
+struct dp_policy {
+    __u32 mode;                  /* enum dp_policy_mode */
+    __u32 rate_limits;           /* tenants with a bucket; 0 skips the bucket lookup (~40 ns) */
+};
+
+/* Per-tenant token bucket as GCRA (a virtual clock), so XDP never divides:
+ * a chunk of n tokens is admitted if tat - burst_ns <= now, then
+ * tat = max(tat, now) + n * ns_per_token. Python sets ns_per_token =
+ * 60e9 / tokens_per_minute and burst_ns = burst_tokens * ns_per_token. */
+struct dp_bucket {
+    __u64 ns_per_token;
+    __u64 burst_ns;
+    __u64 tat;                   /* theoretical arrival time, ns CLOCK_MONOTONIC */
+};
+
+#define DP_SESSION_HASH_MUL 0x9E3779B97F4A7C15   /* (hex: unsigned 64-bit) queue = (sid * MUL >> 32) % queues */
+/* LAYOUT END */
+
+#endif /* DP_STEER_H */

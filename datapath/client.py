@@ -1,0 +1,135 @@
+"""The client side: requests as chunk packets, and an open-loop Poisson load generator.
+
+    pkts = request_packets(tenant=7, session_id=1, request_id=1, tokens=range(300))   # 3 chunks
+    res = send_from(topo.client_ns[0], topo.host_ip[0], pkts, rate=100_000, count=200_000, duration=5)
+
+The sender is C (native/loadgen.c, sendmmsg): Poisson arrivals at `rate`,
+bounded by `count` and `duration`, each packet stamped with send_ns just
+before it leaves, optionally its sequence number in request_id; it reads the
+responses (429s from the XDP rate limiter) between sends. send_from runs it
+in a forked child that enters the client namespace, so the parent (the
+ingress, the consumer) stays where it is.
+"""
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import select
+import socket
+import time
+
+from . import topology, wire
+from ._ingress import ffi, lib
+
+MAX_PACKET = wire.REQ_HDR_LEN + 4 * wire.MAX_CHUNK_TOKENS
+
+
+def request_packets(tenant: int, session_id: int, request_id: int, tokens, max_output_tokens: int = 0,
+                    kind: int = wire.KIND_CHUNK) -> list[bytes]:
+    """One request's tokens cut into chunks of at most 128, each an encoded packet."""
+    tokens = tuple(tokens)
+    parts = [tokens[i:i + wire.MAX_CHUNK_TOKENS] for i in range(0, len(tokens), wire.MAX_CHUNK_TOKENS)] or [()]
+    return [wire.encode_request(wire.Request(kind=kind, tenant=tenant, session_id=session_id,
+                                             request_id=request_id, chunk_index=i, chunk_count=len(parts),
+                                             tokens=part, max_output_tokens=max_output_tokens))
+            for i, part in enumerate(parts)]
+
+
+def interleave(sessions: list[list[bytes]]) -> list[bytes]:
+    """Round-robin over sessions, keeping each session's packets in order."""
+    out, longest = [], max(map(len, sessions), default=0)
+    for i in range(longest):
+        out += [s[i] for s in sessions if i < len(s)]
+    return out
+
+
+def send(sock: socket.socket, packets: list[bytes], rate: float, count: int, duration: float,
+         batch: int = 32, stamp_seq: bool = True, drain_ms: int = 50, seed: int = 1, spin_us: int = 50) -> dict:
+    """Send `count` packets (cycling through `packets`) on a connected UDP socket. Returns the C stats."""
+    if not packets or rate <= 0 or count < 1 or duration <= 0:
+        raise ValueError("send needs packets, rate > 0, count >= 1 and duration > 0")
+    stride = max(map(len, packets))
+    if stride > MAX_PACKET:
+        raise ValueError(f"a packet is {stride} bytes, more than a request can be ({MAX_PACKET})")
+    buf = ffi.new("uint8_t[]", b"".join(p.ljust(stride, b"\0") for p in packets))
+    lens = ffi.new("uint16_t[]", [len(p) for p in packets])
+    cfg = ffi.new("struct dp_send_cfg *", dict(rate_pps=rate, count=count, max_ns=int(duration * 1e9),
+                                                seed=seed, batch=batch, drain_ms=drain_ms, stamp_seq=stamp_seq,
+                                                spin_ns=spin_us * 1000))
+    st = ffi.new("struct dp_send_stats *")
+    if lib.dp_lat_init(ffi.addressof(st.rtt), 1 << 16):
+        raise MemoryError("cannot allocate the response latency samples")
+    try:
+        rc = lib.dp_send_poisson(sock.fileno(), buf, stride, lens, len(packets), cfg, st)
+        if rc:
+            raise OSError(-rc, os.strerror(-rc))
+        rtt = sorted(ffi.unpack(st.rtt.samples, st.rtt.n))
+        return dict(sent=st.sent, send_errors=st.send_errors, elapsed_s=st.elapsed_ns / 1e9,
+                    offered_pps=st.sent / (st.elapsed_ns / 1e9) if st.elapsed_ns else 0.0,
+                    max_late_ns=st.max_late_ns, responses=st.responses, resp_429=st.resp_429,
+                    resp_other=st.resp_other, rtt_ns=rtt)
+    finally:
+        lib.dp_lat_free(ffi.addressof(st.rtt))
+
+
+def run_in_netns(netns: str, fn, *args, cpu: int | None = None, rt_priority: int = 0,
+                 timeout: float = 120.0, **kwargs):
+    """fn(*args, **kwargs) in a forked child inside netns (pinned to cpu, SCHED_FIFO at rt_priority
+    if > 0); returns its (JSON-able) result."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(r)
+            topology.enter(netns)
+            if cpu is not None:
+                os.sched_setaffinity(0, {cpu})
+            if rt_priority:
+                os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(rt_priority))
+            out = {"ok": fn(*args, **kwargs)}
+            code = 0
+        except BaseException as e:  # report it to the parent, never unwind into its code
+            out = {"error": f"{type(e).__name__}: {e}"}
+        try:
+            os.write(w, json.dumps(out).encode())
+        finally:
+            os._exit(code)
+    os.close(w)
+    chunks, deadline = [], time.monotonic() + timeout
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([r], [], [], left)[0]:
+                os.kill(pid, 9)
+                raise TimeoutError(f"the client in {netns} did not finish in {timeout} s")
+            data = os.read(r, 1 << 20)
+            if not data:
+                break
+            chunks.append(data)
+    finally:
+        os.close(r)
+        os.waitpid(pid, 0)
+    out = json.loads(b"".join(chunks) or b'{"error": "the client died without a word"}')
+    if "error" in out:
+        raise RuntimeError(f"client in {netns}: {out['error']}")
+    return out["ok"]
+
+
+def _send_to(dst: str, port: int, packets, **kw) -> dict:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 22)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 22)
+        s.connect((dst, port))
+        return send(s, packets, **kw)
+
+
+def send_from(netns: str, dst: str, packets: list[bytes], rate: float, count: int, duration: float,
+              port: int = wire.DEFAULT_PORT, cpu: int | None = None, rt_priority: int = 0, **kw) -> dict:
+    """The load generator in the client namespace, sending to dst:port (an address in 198.18.0.0/15)."""
+    if ipaddress.ip_address(dst) not in topology.SUBNET:
+        raise ValueError(f"{dst} is outside {topology.SUBNET}: the load generator only sends to test namespaces")
+    return run_in_netns(netns, _send_to, dst, port, packets, rate=rate, count=count, duration=duration,
+                        cpu=cpu, rt_priority=rt_priority, timeout=duration + 30, **kw)
+

@@ -1,0 +1,352 @@
+"""The XDP ingress: load bpf/steer.bpf.c with bcc, attach it, steer, count, consume.
+
+    with Ingress(queues=4) as ig, output_ring("in0") as out:   # compile (tunables as -D cflags)
+        ig.attach(topo.host_if[0], topo.host_ns)               # native, else generic: ig.mode says which
+        with ig.consumer(out, cpu=1):                          # the C thread busy-polling the ring buffers
+            router.add_input(Ring.attach("in0", "consumer"))   # downstream: the router drains "in0"
+            ig.set_policy("tenant"); ig.route_tenant(7, 2); ig.set_rate(7, tokens_per_minute=6000)
+            ...
+        ig.counters()                                          # {"queued": ..., "drop_bad_magic": ...}
+
+The ring-buffer record is struct dp_chunk itself (native/chunk.h): XDP writes
+it, the C consumer stamps t_consumer and copies header + tokens into a slot of
+the router's input ring (native/ring.h), publishing once per burst. UdpIngress
+feeds the same kind of ring from a plain UDP socket. Detaching is certain: the
+context manager detaches on exit, on error, on Ctrl-C and on SIGTERM (turned
+into SystemExit while an Ingress is open), and an attachment never outlives
+the namespace it lives in.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import threading
+
+import numpy as np
+
+from . import xdp
+from ._dataplane import ffi as _dp_ffi
+from ._ingress import ffi, lib
+from .records import CHUNK
+from .ring import Ring
+
+DEFAULT_QUEUES = 4
+DEFAULT_RING_PAGES = 256        # 1 MiB per queue: ~1700 records of 616 bytes
+POLICIES = {"hash": lib.DP_POLICY_SESSION_HASH, "session": lib.DP_POLICY_SESSION_PIN,
+            "tenant": lib.DP_POLICY_TENANT}
+# names from the enums in bpf/steer.h: drop reasons "truncated", "bad_magic", ...; events "pass", "reply_429"
+DROP_REASONS = [name[len("DP_DROP_"):].lower() for value, name in
+                sorted(ffi.typeof("enum dp_drop").elements.items()) if name != "DP_DROP_MAX"]
+EVENTS = [name[len("DP_EV_"):].lower() for value, name in
+          sorted(ffi.typeof("enum dp_event").elements.items()) if name != "DP_EV_MAX"]
+NS_PER_MINUTE = 60_000_000_000
+
+
+def session_queue(session_id: int, queues: int) -> int:
+    """The queue the default policy gives a session (the XDP program's hash)."""
+    return ((int(session_id) * lib.DP_SESSION_HASH_MUL) % (1 << 64) >> 32) % queues
+
+
+def log2_hist(buckets, unit: str = "ns") -> str:
+    """A log2 histogram in the style of bcc's print_log2_hist (bucket b: 2^(b-1) .. 2^b - 1)."""
+    last = max((i for i, v in enumerate(buckets) if v), default=-1)
+    if last < 0:
+        return "     (no samples)"
+    first = min(i for i, v in enumerate(buckets) if v)
+    top = max(buckets)
+    lines = [f"{unit:>20}{'':>21}: count     distribution"]
+    for b in range(first, last + 1):
+        lo, hi = ((1 << b) >> 1, (1 << b) - 1)
+        lines.append(f"{lo:>20} -> {hi:<17}: {buckets[b]:<9} |{'*' * round(40 * buckets[b] / top):<40}|")
+    return "\n".join(lines)
+
+
+class Ingress:
+    """The steering program, compiled with bcc; maps by name; attach/detach."""
+
+    def __init__(self, queues: int = DEFAULT_QUEUES, port: int | None = None,
+                 ring_pages: int = DEFAULT_RING_PAGES):
+        from . import wire
+        if not 1 <= queues <= lib.DP_MAX_QUEUES:
+            raise ValueError(f"queues must be 1..{lib.DP_MAX_QUEUES}, not {queues}")
+        if ring_pages < 1 or ring_pages & (ring_pages - 1):
+            raise ValueError(f"ring_pages must be a power of two, not {ring_pages}")
+        self.queues, self.port, self.ring_pages = queues, port or wire.DEFAULT_PORT, ring_pages
+        if not 1 <= self.port <= 65535:
+            raise ValueError(f"port must be 1..65535, not {self.port}")
+        self.cflags = [f"-I{xdp.BPF_DIR.parent / 'native'}", f"-DDP_QUEUES={queues}",
+                       f"-DDP_PORT={self.port}", f"-DDP_RING_PAGES={ring_pages}"]
+        self.bpf = None
+        self.fn = None
+        self.attachments: list[xdp.XdpAttachment] = []
+        self._peer_prog = None
+        self._old_sigterm = None
+
+    # --- life cycle -----------------------------------------------------------------
+    def load(self):
+        self.bpf, self.fn = None, None
+        b = xdp.load("steer.bpf.c", self.cflags)
+        try:
+            self.fn = b.load_func(b"xdp_steer", xdp.import_bcc().BPF.XDP)
+        except Exception as e:  # bcc raises bare Exception with the verifier log on stderr
+            b.cleanup()
+            raise xdp.BpfUnavailable(f"the kernel refused bpf/steer.bpf.c: {e}") from e
+        self.bpf = b
+        # lat_hist is written by the C consumer only; binding it to the program lists it among the
+        # program's maps, where `datapath ingress stats` looks (BPF_PROG_BIND_MAP, Linux 5.10)
+        lib_bpf = xdp.libbpf()
+        lib_bpf.bpf_prog_bind_map.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+        if lib_bpf.bpf_prog_bind_map(self.fn.fd, self.table("lat_hist").map_fd, None):
+            self.close()
+            raise xdp.BpfUnavailable("cannot bind lat_hist to the steering program (BPF_PROG_BIND_MAP needs Linux 5.10)")
+        return self
+
+    def attach(self, ifname: str, netns: str | None = None, mode: str = "auto",
+               veth_peer: tuple[str, str | None] | None = None) -> str:
+        """Attach to ifname in netns (a veth this process made); returns the mode in use.
+
+        veth_peer (ifname, netns): the other end of that veth. In native mode a
+        veth delivers XDP_TX frames (the 429s) only to a peer running NAPI, which
+        it does once an XDP program is attached there, so the pass-everything
+        count program goes on the peer. A physical NIC needs nothing of the kind.
+        """
+        att = xdp.XdpAttachment(self.fn.fd, ifname, netns, mode)
+        att.__enter__()
+        self.attachments.append(att)
+        if veth_peer and att.mode == "native":
+            self._peer_prog = self._peer_prog or xdp.load_xdp("count.bpf.c", "xdp_count")
+            peer = xdp.XdpAttachment(self._peer_prog[1].fd, *veth_peer, mode="native")
+            peer.__enter__()
+            self.attachments.append(peer)
+        return att.mode
+
+    @property
+    def mode(self) -> str | None:
+        """The steering program's XDP mode (of its first attachment)."""
+        return self.attachments[0].mode if self.attachments else None
+
+    def close(self):
+        while self.attachments:
+            self.attachments.pop().detach()
+        for b in (self.bpf, self._peer_prog and self._peer_prog[0]):
+            if b is not None:
+                b.cleanup()
+        self.bpf = self._peer_prog = None
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._old_sigterm = signal.signal(signal.SIGTERM, _SigtermExit())
+        try:
+            return self.load()
+        except BaseException:
+            self.__exit__()
+            raise
+
+    def __exit__(self, *exc):
+        self.close()
+        if self._old_sigterm is not None:
+            signal.signal(signal.SIGTERM, self._old_sigterm)
+            self._old_sigterm = None
+
+    # --- maps -------------------------------------------------------------------------
+    def table(self, name: str):
+        return self.bpf[name.encode()]
+
+    def ring_fds(self) -> list[int]:
+        return [self.table(f"ring{q}").map_fd for q in range(self.queues)]
+
+    def _percpu_sums(self, name: str, n: int) -> list[int]:
+        t = self.table(name)
+        return [t.sum(t.Key(i)).value for i in range(n)]
+
+    def counters(self) -> dict[str, int]:
+        """Every counter by name: "pass", "reply_429", drop_<reason>, queue<n>, and "queued" (their sum)."""
+        out = dict(zip(EVENTS, self._percpu_sums("events", len(EVENTS))))
+        out.update(zip((f"drop_{r}" for r in DROP_REASONS), self._percpu_sums("drops", len(DROP_REASONS))))
+        per_queue = self._percpu_sums("queue_pkts", self.queues)
+        out.update(zip((f"queue{q}" for q in range(self.queues)), per_queue))
+        out["queued"] = sum(per_queue)
+        return out
+
+    def set_policy(self, mode: str):
+        """hash (default), session (pins, else hash) or tenant (tenant routes, else hash)."""
+        if mode not in POLICIES:
+            raise ValueError(f"policy must be one of {sorted(POLICIES)}, not {mode!r}")
+        t = self.table("policy")
+        t[t.Key(0)] = t.Leaf(POLICIES[mode], t[t.Key(0)].rate_limits)
+
+    def _count_rate_limits(self):
+        t = self.table("policy")
+        t[t.Key(0)] = t.Leaf(t[t.Key(0)].mode, len(self.table("buckets")))
+
+    def _queue(self, queue: int) -> int:
+        if not 0 <= queue < self.queues:
+            raise ValueError(f"queue must be 0..{self.queues - 1}, not {queue}")
+        return queue
+
+    def pin_session(self, session_id: int, queue: int):
+        t = self.table("pins")
+        t[t.Key(session_id)] = t.Leaf(self._queue(queue))
+
+    def route_tenant(self, tenant: int, queue: int):
+        t = self.table("tenant_queue")
+        t[t.Key(tenant)] = t.Leaf(self._queue(queue))
+
+    def set_rate(self, tenant: int, tokens_per_minute: int, burst_tokens: int | None = None):
+        """A token bucket for tenant: tokens_per_minute, holding at most burst_tokens (default: 1 s worth,
+        at least one full chunk). The bucket starts full."""
+        if tokens_per_minute < 1 or tokens_per_minute > NS_PER_MINUTE:
+            raise ValueError(f"tokens_per_minute must be 1..{NS_PER_MINUTE}, not {tokens_per_minute}")
+        burst = burst_tokens if burst_tokens is not None else max(tokens_per_minute // 60, lib.DP_MAX_CHUNK_TOKENS)
+        if burst < lib.DP_MAX_CHUNK_TOKENS:
+            raise ValueError(f"burst_tokens must be at least one full chunk ({lib.DP_MAX_CHUNK_TOKENS}), not {burst}")
+        ns_per_token = NS_PER_MINUTE // tokens_per_minute
+        t = self.table("buckets")
+        t[t.Key(tenant)] = t.Leaf(ns_per_token, burst * ns_per_token, 0)
+        self._count_rate_limits()
+
+    def clear_rate(self, tenant: int):
+        t = self.table("buckets")
+        try:
+            del t[t.Key(tenant)]
+        except KeyError:
+            pass
+        self._count_rate_limits()
+
+    def consumer(self, out: Ring, samples: int = 1 << 20, cpu: int = -1, rt_priority: int = 0) -> "Consumer":
+        """The C consumer of this program's ring buffers, writing into `out` (see output_ring)."""
+        return Consumer(self.ring_fds(), out, samples, cpu, rt_priority, hist_fd=self.table("lat_hist").map_fd)
+
+
+class _SigtermExit:
+    """SIGTERM as SystemExit, so with-blocks unwind and the program is detached.
+
+    Only in the process that installed it: a forked child (pyroute2's netns
+    helpers are) must die as usual, not unwind the parent's with-blocks and
+    tear down its namespaces."""
+
+    def __init__(self):
+        self.pid = os.getpid()
+
+    def __call__(self, signum, frame):
+        if os.getpid() != self.pid:
+            os._exit(128 + signum)
+        raise SystemExit(128 + signum)
+
+
+def output_ring(name: str, capacity: int = 1 << 14) -> Ring:
+    """A router input ring for a consumer to fill: one struct dp_chunk per slot, this process its producer."""
+    return Ring.create(name, ffi.sizeof("struct dp_chunk"), capacity, role="producer")
+
+
+def _ring_ptr(ring: Ring):
+    """ring's C handle as this extension's type (the ring's own binding is datapath._dataplane)."""
+    return ffi.cast("struct dp_ring *", int(_dp_ffi.cast("uintptr_t", ring.ptr)))
+
+
+def take(ring: Ring, limit: int = 1 << 16) -> np.ndarray:
+    """Records waiting in ring (a consumer handle), as a records.CHUNK array: tests and tools."""
+    return np.frombuffer(ring.dequeue(limit), dtype=CHUNK)
+
+
+def lat_samples(lat) -> list[int]:
+    return list(ffi.unpack(lat.samples, lat.n)) if lat.n else []
+
+
+def percentile(sorted_values, p: float) -> float:
+    if not sorted_values:
+        return float("nan")
+    return float(sorted_values[min(len(sorted_values) - 1, int(p / 100 * len(sorted_values)))])
+
+
+class _Thread:
+    """A C consumer thread's Python handle: start/stop, stats.
+
+    cpu pins the thread; rt_priority > 0 runs it SCHED_FIFO (for benchmarks on
+    shared cores: a busy-poller under the normal scheduler waits for whole time
+    slices while another process has its core)."""
+
+    _start = _stop = None
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    def start(self):
+        rc = self._start(self.ptr, self.cpu, self.rt_priority)
+        if rc:
+            raise OSError(-rc, "cannot start the consumer thread")
+
+    def stop(self):
+        self._stop(self.ptr)
+
+
+class Consumer(_Thread):
+    """The C thread that busy-polls the steering program's ring buffers (libbpf ring_buffer__consume)."""
+
+    _start, _stop = lib.dp_consumer_start, lib.dp_consumer_stop
+
+    def __init__(self, ring_fds, out: Ring, samples: int = 1 << 20, cpu: int = -1, rt_priority: int = 0,
+                 hist_fd: int = -1):
+        self.out = out   # kept open as long as the thread may write it
+        fds = ffi.new("int[]", list(ring_fds))
+        ptr = lib.dp_consumer_new(fds, len(ring_fds), hist_fd, _ring_ptr(out), samples)
+        if ptr == ffi.NULL:
+            raise OSError("cannot set up the ring-buffer consumer: libbpf's ring_buffer__new failed, or the "
+                          "output ring's slots are smaller than a chunk or this process is not its producer")
+        self.ptr = ffi.gc(ptr, lib.dp_consumer_free)
+        self.cpu, self.rt_priority = cpu, rt_priority
+
+    @property
+    def records(self) -> int:
+        return self.ptr.records
+
+    @property
+    def out_full(self) -> int:
+        """Records dropped because the output ring was full."""
+        return self.ptr.out.full
+
+    def reset(self):
+        """Clear the latency records (call while stopped)."""
+        lib.dp_lat_reset(ffi.addressof(self.ptr.xdp_lat))
+        lib.dp_lat_reset(ffi.addressof(self.ptr.send_lat))
+
+    def xdp_latency(self) -> list[int]:
+        return lat_samples(self.ptr.xdp_lat)
+
+    def send_latency(self) -> list[int]:
+        return lat_samples(self.ptr.send_lat)
+
+
+class UdpIngress(_Thread):
+    """The same downstream interface from a plain UDP socket (a C recvmmsg thread): no root, no bcc."""
+
+    _start, _stop = lib.dp_udp_rx_start, lib.dp_udp_rx_stop
+
+    def __init__(self, sock, out: Ring, queues: int = DEFAULT_QUEUES, samples: int = 1 << 20, cpu: int = -1,
+                 reply_status: int = 0, rt_priority: int = 0):
+        self.sock, self.out = sock, out   # kept open as long as the thread may use them
+        ptr = lib.dp_udp_rx_new(sock.fileno(), queues, _ring_ptr(out), samples)
+        if ptr == ffi.NULL:
+            raise ValueError(f"cannot set up the UDP ingress (queues must be 1..{lib.DP_MAX_QUEUES}; the output "
+                             "ring needs chunk-sized slots and this process as its producer)")
+        self.ptr = ffi.gc(ptr, lib.dp_udp_rx_free)
+        self.ptr.reply_status = reply_status   # answer instead of forwarding (the user-space 429 path)
+        self.cpu, self.rt_priority = cpu, rt_priority
+
+    @property
+    def records(self) -> int:
+        return self.ptr.records
+
+    def drops(self) -> dict[str, int]:
+        return {r: self.ptr.drops[i] for i, r in enumerate(DROP_REASONS)}
+
+    def reset(self):
+        lib.dp_lat_reset(ffi.addressof(self.ptr.send_lat))
+
+    def send_latency(self) -> list[int]:
+        return lat_samples(self.ptr.send_lat)

@@ -1,0 +1,394 @@
+/* ingress.c - ring-buffer and UDP-socket consumers, their output and latency records. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <sched.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <bpf/libbpf.h>
+
+#include "chunk.h"
+#include "steer.h"
+#include "ingress.h"
+
+#define RX_BATCH 32
+
+_Static_assert(DP_DROP_MAX == sizeof(((struct dp_udp_rx *)0)->drops) / 8, "drops[] has a slot per reason");
+_Static_assert(DP_MAX_QUEUES == sizeof(((struct dp_consumer *)0)->per_queue) / 8, "per_queue[] has a slot per queue");
+
+uint64_t dp_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);   /* the clock bpf_ktime_get_ns() reads */
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static inline void cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+/* Pin the calling thread and, if asked, make it SCHED_FIFO: a busy-poller
+ * sharing a core with other work under the normal scheduler waits whole time
+ * slices (milliseconds) for the core. The kernel's RT throttling
+ * (sched_rt_runtime_us) still leaves the other tasks their share. */
+static void pin(int cpu, int rt_priority)
+{
+    if (cpu >= 0) {
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        CPU_SET(cpu, &set);
+        pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
+    }
+    if (rt_priority > 0) {
+        struct sched_param sp = { .sched_priority = rt_priority };
+        pthread_setschedparam(pthread_self(), SCHED_FIFO, &sp);
+    }
+}
+
+/* --- latency records ----------------------------------------------------------- */
+
+int dp_lat_init(struct dp_lat *l, uint64_t cap)
+{
+    memset(l, 0, sizeof(*l));
+    if (cap && !(l->samples = calloc(cap, sizeof(uint64_t))))
+        return -ENOMEM;
+    l->cap = cap;
+    return 0;
+}
+
+void dp_lat_reset(struct dp_lat *l)
+{
+    memset(l->hist, 0, sizeof(l->hist));
+    l->count = l->n = 0;
+}
+
+void dp_lat_free(struct dp_lat *l)
+{
+    free(l->samples);
+    l->samples = NULL;
+    l->cap = l->n = 0;
+}
+
+static inline int lat_bucket(uint64_t v)
+{
+    return v ? 64 - __builtin_clzll(v) : 0;   /* bucket b holds 2^(b-1) .. 2^b - 1 */
+}
+
+void dp_lat_add(struct dp_lat *l, uint64_t v)
+{
+    l->hist[lat_bucket(v)]++;
+    l->count++;
+    if (l->n < l->cap)
+        l->samples[l->n++] = v;
+}
+
+/* --- downstream: the router's input ring ----------------------------------------- */
+
+static void out_flush(struct dp_out *o)
+{
+    if (o->pending)
+        dp_ring_prod_commit(o->ring, o->pending);
+    o->reserved = o->pending = 0;
+}
+
+/* The one place records leave a consumer. Copies the header and the tokens the
+ * record carries into a reserved slot (never the unused tail) and stamps
+ * t_consumer in the copy (libbpf maps ring-buffer data read-only). */
+static void out_put(struct dp_out *o, const struct dp_chunk *c, uint64_t now)
+{
+    struct dp_chunk *slot;
+    if (o->pending == o->reserved) {
+        out_flush(o);
+        o->reserved = dp_ring_prod_reserve(o->ring, DP_INGRESS_BURST);
+        if (!o->reserved) {
+            dp_ring_note_full(o->ring, 1, 0);
+            o->full++;
+            return;
+        }
+    }
+    slot = dp_ring_prod_slot(o->ring, o->pending++);
+    memcpy(slot, c, DP_CHUNK_HDR_LEN + (size_t)c->n_tokens * sizeof(uint32_t));
+    slot->t_consumer = now;
+    if (o->pending == o->reserved)
+        out_flush(o);
+}
+
+static int out_init(struct dp_out *o, struct dp_ring *ring)
+{
+    memset(o, 0, sizeof(*o));
+    if (!ring || ring->h->slot_size < sizeof(struct dp_chunk) || ring->role != DP_ROLE_PRODUCER)
+        return -EINVAL;
+    o->ring = ring;
+    return 0;
+}
+
+/* --- BPF ring-buffer consumer ---------------------------------------------------- */
+
+static int on_record(void *ctx, void *data, size_t size)
+{
+    struct dp_consumer *c = ctx;
+    const struct dp_chunk *rec = data;   /* XDP wrote a whole struct dp_chunk */
+    uint64_t now = dp_now_ns();
+
+    if (size < sizeof(*rec))
+        return 0;
+    dp_lat_add(&c->xdp_lat, now - rec->t_xdp);
+    if (c->map_hist)
+        c->map_hist[lat_bucket(now - rec->t_xdp)]++;
+    if (rec->t_send)
+        dp_lat_add(&c->send_lat, now - rec->t_send);
+    c->records++;
+    c->per_queue[rec->queue & 7]++;
+    out_put(&c->out, rec, now);
+    return 0;
+}
+
+static void *consumer_main(void *arg)
+{
+    struct dp_consumer *c = arg;
+    pin(c->cpu, c->rt_priority);
+    while (!__atomic_load_n(&c->stop, __ATOMIC_RELAXED)) {
+        int n = ring_buffer__consume(c->rb);
+        out_flush(&c->out);   /* publish what this pass found */
+        c->polls++;
+        if (n < 0)
+            c->errors++;
+        else if (n == 0)
+            cpu_relax();
+    }
+    ring_buffer__consume(c->rb);   /* what arrived before stop */
+    out_flush(&c->out);
+    return NULL;
+}
+
+#define HIST_MAP_BYTES 4096   /* DP_LAT_BUCKETS u64s, a page: what mmap of the array gives */
+_Static_assert(DP_LAT_BUCKETS * 8 <= HIST_MAP_BYTES, "lat_hist fits one page");
+
+struct dp_consumer *dp_consumer_new(const int *ring_fds, int n, int hist_fd, struct dp_ring *out, uint64_t samples)
+{
+    struct dp_consumer *c = calloc(1, sizeof(*c));
+    if (!c || n < 1 || out_init(&c->out, out))
+        goto fail;
+    if (hist_fd >= 0) {
+        void *p = mmap(NULL, HIST_MAP_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, hist_fd, 0);
+        if (p == MAP_FAILED)
+            goto fail;
+        c->map_hist = p;
+    }
+    c->cpu = -1;
+    if (dp_lat_init(&c->xdp_lat, samples) || dp_lat_init(&c->send_lat, samples))
+        goto fail;
+    if (!(c->rb = ring_buffer__new(ring_fds[0], on_record, c, NULL)))
+        goto fail;
+    for (int i = 1; i < n; i++)
+        if (ring_buffer__add(c->rb, ring_fds[i], on_record, c))
+            goto fail;
+    return c;
+fail:
+    dp_consumer_free(c);
+    return NULL;
+}
+
+int dp_consumer_start(struct dp_consumer *c, int cpu, int rt_priority)
+{
+    if (c->running)
+        return -EBUSY;
+    c->cpu = cpu;
+    c->rt_priority = rt_priority;
+    c->stop = 0;
+    if (pthread_create(&c->thread, NULL, consumer_main, c))
+        return -errno;
+    c->running = 1;
+    return 0;
+}
+
+void dp_consumer_stop(struct dp_consumer *c)
+{
+    if (!c->running)
+        return;
+    __atomic_store_n(&c->stop, 1, __ATOMIC_RELAXED);
+    pthread_join(c->thread, NULL);
+    c->running = 0;
+}
+
+void dp_consumer_free(struct dp_consumer *c)
+{
+    if (!c)
+        return;
+    dp_consumer_stop(c);
+    ring_buffer__free(c->rb);
+    if (c->map_hist)
+        munmap(c->map_hist, HIST_MAP_BYTES);
+    dp_lat_free(&c->xdp_lat);
+    dp_lat_free(&c->send_lat);
+    free(c);
+}
+
+/* --- UDP socket ingress ---------------------------------------------------------- */
+
+int dp_req_check(const uint8_t *buf, uint32_t len)
+{
+    struct dp_req_hdr h;
+    if (len < sizeof(h))
+        return 1 + DP_DROP_TRUNCATED;
+    memcpy(&h, buf, sizeof(h));
+    if (h.magic != DP_WIRE_MAGIC)
+        return 1 + DP_DROP_BAD_MAGIC;
+    if (h.version != DP_WIRE_VERSION)
+        return 1 + DP_DROP_BAD_VERSION;
+    if (h.flags & ~DP_FLAGS_KNOWN)
+        return 1 + DP_DROP_BAD_FLAGS;
+    if (h.kind == DP_KIND_CHUNK || h.kind == DP_KIND_COUNT_TOKENS) {
+        if (h.n_tokens < 1 || h.n_tokens > DP_MAX_CHUNK_TOKENS)
+            return 1 + DP_DROP_BAD_TOKENS;
+    } else if (h.kind == DP_KIND_OPEN || h.kind == DP_KIND_CLOSE) {
+        if (h.n_tokens)
+            return 1 + DP_DROP_BAD_TOKENS;
+    } else {
+        return 1 + DP_DROP_BAD_KIND;
+    }
+    if (h.reserved)
+        return 1 + DP_DROP_BAD_FLAGS;
+    if (h.chunk_count == 0 || h.chunk_index >= h.chunk_count)
+        return 1 + DP_DROP_BAD_CHUNK;
+    if (len != sizeof(h) + h.n_tokens * 4u)
+        return 1 + DP_DROP_LENGTH;
+    return 0;
+}
+
+static void udp_reply(struct dp_udp_rx *r, const struct dp_req_hdr *h, const struct msghdr *from)
+{
+    struct dp_resp_hdr resp = {
+        .magic = DP_WIRE_MAGIC, .version = DP_WIRE_VERSION, .kind = DP_KIND_RESPONSE, .flags = h->flags,
+        .tenant = h->tenant, .status = r->reply_status, .body_len = 0, .session_id = h->session_id,
+        .request_id = h->request_id, .send_ns = h->send_ns,
+    };
+    if (sendto(r->fd, &resp, sizeof(resp), MSG_DONTWAIT, from->msg_name, from->msg_namelen) == sizeof(resp))
+        r->replies++;
+}
+
+static void udp_record(struct dp_udp_rx *r, const uint8_t *buf, uint32_t len, uint64_t now,
+                       const struct msghdr *from)
+{
+    const struct dp_req_hdr *h = (const void *)buf;
+    struct dp_chunk c;
+    int why = dp_req_check(buf, len);
+
+    if (why) {
+        r->bad++;
+        r->drops[why - 1]++;
+        return;
+    }
+    if (r->reply_status) {
+        udp_reply(r, h, from);
+        return;
+    }
+    c.session_id = h->session_id;
+    c.request_id = h->request_id;
+    c.tenant = h->tenant;
+    c.max_output_tokens = h->max_output_tokens;
+    c.chunk_index = h->chunk_index;
+    c.chunk_count = h->chunk_count;
+    c.n_tokens = h->n_tokens;
+    c.kind = h->kind;
+    c.queue = (uint32_t)((h->session_id * DP_SESSION_HASH_MUL) >> 32) % r->queues;
+    c.batch_seq = c.batch_len = c.batch_pos = 0;
+    c.t_send = h->send_ns;
+    c.t_xdp = 0;                   /* the stage did not run */
+    c.t_consumer = 0;              /* out_put stamps it */
+    c.t_router = c.t_lane = c.t_worker = 0;
+    c.flags = h->flags;
+    c.reserved = 0;
+    memcpy(c.tokens, buf + sizeof(*h), h->n_tokens * 4u);
+    if (c.t_send)
+        dp_lat_add(&r->send_lat, now - c.t_send);
+    r->records++;
+    out_put(&r->out, &c, now);
+}
+
+static void *udp_rx_main(void *arg)
+{
+    struct dp_udp_rx *r = arg;
+    static __thread uint8_t bufs[RX_BATCH][DP_REQ_HDR_LEN + DP_MAX_CHUNK_TOKENS * 4 + 1];
+    struct mmsghdr msgs[RX_BATCH];
+    struct iovec iov[RX_BATCH];
+    struct sockaddr_storage from[RX_BATCH];
+
+    pin(r->cpu, r->rt_priority);
+    for (int i = 0; i < RX_BATCH; i++) {
+        iov[i].iov_base = bufs[i];
+        iov[i].iov_len = sizeof(bufs[i]);   /* one byte more than a valid request: too long shows */
+        memset(&msgs[i].msg_hdr, 0, sizeof(msgs[i].msg_hdr));
+        msgs[i].msg_hdr.msg_name = &from[i];
+        msgs[i].msg_hdr.msg_namelen = sizeof(from[i]);
+        msgs[i].msg_hdr.msg_iov = &iov[i];
+        msgs[i].msg_hdr.msg_iovlen = 1;
+    }
+    /* busy-polls like the ring-buffer consumer, so the two differ in path, not in waiting */
+    while (!__atomic_load_n(&r->stop, __ATOMIC_RELAXED)) {
+        int n = recvmmsg(r->fd, msgs, RX_BATCH, MSG_DONTWAIT, NULL);
+        if (n <= 0) {
+            cpu_relax();
+            continue;
+        }
+        uint64_t now = dp_now_ns();
+        for (int i = 0; i < n; i++) {
+            udp_record(r, bufs[i], msgs[i].msg_len, now, &msgs[i].msg_hdr);
+            msgs[i].msg_hdr.msg_namelen = sizeof(from[i]);   /* recvmmsg shrank it */
+        }
+        out_flush(&r->out);
+    }
+    return NULL;
+}
+
+struct dp_udp_rx *dp_udp_rx_new(int fd, int queues, struct dp_ring *out, uint64_t samples)
+{
+    struct dp_udp_rx *r = calloc(1, sizeof(*r));
+    if (!r || queues < 1 || queues > DP_MAX_QUEUES || out_init(&r->out, out))
+        goto fail;
+    r->fd = fd;
+    r->queues = queues;
+    r->cpu = -1;
+    if (dp_lat_init(&r->send_lat, samples))
+        goto fail;
+    return r;
+fail:
+    dp_udp_rx_free(r);
+    return NULL;
+}
+
+int dp_udp_rx_start(struct dp_udp_rx *r, int cpu, int rt_priority)
+{
+    if (r->running)
+        return -EBUSY;
+    r->cpu = cpu;
+    r->rt_priority = rt_priority;
+    r->stop = 0;
+    if (pthread_create(&r->thread, NULL, udp_rx_main, r))
+        return -errno;
+    r->running = 1;
+    return 0;
+}
+
+void dp_udp_rx_stop(struct dp_udp_rx *r)
+{
+    if (!r->running)
+        return;
+    __atomic_store_n(&r->stop, 1, __ATOMIC_RELAXED);
+    pthread_join(r->thread, NULL);
+    r->running = 0;
+}
+
+void dp_udp_rx_free(struct dp_udp_rx *r)
+{
+    if (!r)
+        return;
+    dp_udp_rx_stop(r);
+    dp_lat_free(&r->send_lat);
+    free(r);
+}

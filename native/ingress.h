@@ -1,0 +1,128 @@
+/* ingress.h - the ingress consumers: BPF ring buffers (XDP path) or a UDP
+ * socket (no root, no bcc), both pushing struct dp_chunk records downstream.
+ *
+ * Each consumer is a C thread started from Python that busy-polls its source,
+ * stamps t_consumer, records latencies (log2 histogram + raw samples) and
+ * writes every record into the router's input ring (native/ring.h, this
+ * thread is its producer): in place, header plus the tokens it carries,
+ * published once per burst of up to DP_INGRESS_BURST records. Nothing per
+ * chunk runs in Python. The one place records leave is out_put() in ingress.c.
+ */
+#ifndef DP_INGRESS_H
+#define DP_INGRESS_H
+
+#include <stdint.h>
+#include <pthread.h>
+
+#include "ring.h"
+#include "steer.h"
+
+/* CDEF BEGIN: what the cffi binding sees (native/ffi_ingress.py reads it verbatim) */
+#define DP_INGRESS_BURST 32
+
+/* Latency record: bucket 0 counts v = 0, bucket b >= 1 counts 2^(b-1) <= v < 2^b (bcc's log2). */
+struct dp_lat {
+    uint64_t hist[DP_LAT_BUCKETS];
+    uint64_t count;
+    uint64_t *samples;     /* the first `cap` values, in arrival order */
+    uint64_t cap;
+    uint64_t n;
+};
+
+/* Where a consumer writes: the router's input ring, and what it could not place. */
+struct dp_out {
+    struct dp_ring *ring;      /* slot_size >= sizeof(struct dp_chunk) */
+    uint32_t reserved;         /* slots reserved for this burst */
+    uint32_t pending;          /* of them, filled and not yet published */
+    uint64_t full;             /* records dropped: the ring was full */
+};
+
+struct dp_consumer {
+    struct ring_buffer *rb;    /* libbpf, over the BPF ring buffers' fds */
+    struct dp_out out;
+    pthread_t thread;
+    int stop;                  /* set by Python, read with __atomic_load_n */
+    int running;
+    int cpu;                   /* pinned there, or -1 */
+    int rt_priority;           /* SCHED_FIFO priority while running, 0: the normal scheduler */
+    uint64_t records;          /* records taken from the ring buffers */
+    uint64_t per_queue[8];
+    uint64_t polls;            /* ring_buffer__consume calls */
+    uint64_t errors;           /* consume returned an error */
+    struct dp_lat xdp_lat;     /* t_consumer - t_xdp */
+    struct dp_lat send_lat;    /* t_consumer - t_send */
+    uint64_t *map_hist;        /* the program's lat_hist array, mmapped (or NULL) */
+};
+
+struct dp_udp_rx {
+    int fd;                    /* a bound UDP socket (non-blocking reads) */
+    int queues;                /* records are spread by the same session hash as XDP */
+    struct dp_out out;
+    pthread_t thread;
+    int stop;                  /* set by Python, read with __atomic_load_n */
+    int running;
+    int cpu;
+    int rt_priority;
+    uint64_t records;
+    uint64_t bad;              /* datagrams that failed validation */
+    uint64_t drops[11];        /* by enum dp_drop */
+    struct dp_lat send_lat;    /* t_consumer - t_send */
+    uint32_t reply_status;     /* answer each valid request with this status (0: never); measures
+                                  the user-space alternative to the XDP_TX 429 */
+    uint64_t replies;
+};
+
+int dp_lat_init(struct dp_lat *l, uint64_t cap);
+void dp_lat_reset(struct dp_lat *l);
+void dp_lat_free(struct dp_lat *l);
+
+/* Consumer of the steering program's ring buffers (map fds from bcc). */
+/* hist_fd: the program's mmapable lat_hist array (or -1), counted into as well */
+struct dp_consumer *dp_consumer_new(const int *ring_fds, int n, int hist_fd, struct dp_ring *out, uint64_t samples);
+int dp_consumer_start(struct dp_consumer *c, int cpu, int rt_priority);
+void dp_consumer_stop(struct dp_consumer *c);
+void dp_consumer_free(struct dp_consumer *c);
+
+/* UDP socket ingress with the same downstream interface. */
+struct dp_udp_rx *dp_udp_rx_new(int fd, int queues, struct dp_ring *out, uint64_t samples);
+int dp_udp_rx_start(struct dp_udp_rx *r, int cpu, int rt_priority);
+void dp_udp_rx_stop(struct dp_udp_rx *r);
+void dp_udp_rx_free(struct dp_udp_rx *r);
+
+/* Validate a request datagram like the XDP program; 0 or 1 + enum dp_drop. */
+int dp_req_check(const uint8_t *buf, uint32_t len);
+
+/* Load generator (loadgen.c): open-loop Poisson sender on a connected UDP socket. */
+struct dp_send_cfg {
+    double rate_pps;           /* mean arrival rate */
+    uint64_t count;            /* packets to send (bound 1) */
+    uint64_t max_ns;           /* run time limit (bound 2) */
+    uint64_t seed;
+    uint32_t batch;            /* sendmmsg batch limit */
+    uint32_t drain_ms;         /* keep reading responses this long after the last send */
+    int stamp_seq;             /* write the sequence number into request_id */
+    uint32_t spin_ns;          /* sleep through gaps longer than this, spin the rest */
+};
+
+struct dp_send_stats {
+    uint64_t sent;
+    uint64_t send_errors;
+    uint64_t elapsed_ns;
+    uint64_t max_late_ns;      /* worst lag behind the Poisson schedule */
+    uint64_t responses;
+    uint64_t resp_429;
+    uint64_t resp_other;
+    struct dp_lat rtt;         /* now - echoed send_ns, per response */
+};
+
+int dp_send_poisson(int fd, const uint8_t *pkts, uint32_t stride, const uint16_t *lens, uint32_t n_pkts,
+                    const struct dp_send_cfg *cfg, struct dp_send_stats *st);
+
+/* Reference: one-way cross-core hand-off of a cache line between two pinned threads. */
+double dp_pingpong_oneway_ns(uint64_t rounds, int cpu_a, int cpu_b);
+/* CDEF END */
+
+uint64_t dp_now_ns(void);
+void dp_lat_add(struct dp_lat *l, uint64_t v);
+
+#endif /* DP_INGRESS_H */

@@ -1,0 +1,180 @@
+/* loadgen.c - open-loop Poisson sender (sendmmsg) and the ping-pong reference.
+ *
+ * Open loop: send times come from the Poisson schedule alone, never from
+ * replies, so a slow server cannot slow the offered load down (no
+ * coordinated omission). Packets due together go out in one sendmmsg, each
+ * stamped with send_ns just before the call. Bounded by count and time.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <math.h>
+#include <stddef.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+
+#include "chunk.h"
+#include "ingress.h"
+
+#define TX_BATCH_MAX 64
+
+static uint64_t xorshift(uint64_t *s)
+{
+    *s ^= *s << 13;
+    *s ^= *s >> 7;
+    *s ^= *s << 17;
+    return *s;
+}
+
+/* exponential gap with mean 1/rate, in ns */
+static uint64_t next_gap(uint64_t *rng, double rate)
+{
+    double u = ((xorshift(rng) >> 11) + 1) * (1.0 / 9007199254740993.0);   /* (0, 1] */
+    return (uint64_t)(-log(u) / rate * 1e9);
+}
+
+static void sleep_until(uint64_t t)
+{
+    struct timespec ts = { .tv_sec = t / 1000000000ull, .tv_nsec = t % 1000000000ull };
+    clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL);
+}
+
+static void read_responses(int fd, struct dp_send_stats *st)
+{
+    uint8_t buf[2048];
+    struct dp_resp_hdr h;
+    ssize_t n;
+    while ((n = recv(fd, buf, sizeof(buf), MSG_DONTWAIT)) > 0) {
+        uint64_t now = dp_now_ns();
+        if ((size_t)n < sizeof(h))
+            continue;
+        memcpy(&h, buf, sizeof(h));
+        if (h.magic != DP_WIRE_MAGIC || h.kind != DP_KIND_RESPONSE)
+            continue;
+        st->responses++;
+        if (h.status == DP_STATUS_RATE_LIMITED)
+            st->resp_429++;
+        else
+            st->resp_other++;
+        if (h.send_ns && now > h.send_ns)
+            dp_lat_add(&st->rtt, now - h.send_ns);
+    }
+}
+
+int dp_send_poisson(int fd, const uint8_t *pkts, uint32_t stride, const uint16_t *lens, uint32_t n_pkts,
+                    const struct dp_send_cfg *cfg, struct dp_send_stats *st)
+{
+    struct mmsghdr msgs[TX_BATCH_MAX];
+    struct iovec iov[TX_BATCH_MAX];
+    uint8_t *bufs;
+    uint64_t rng = cfg->seed | 1, start, due, deadline, i = 0;
+    uint32_t batch = cfg->batch < 1 ? 1 : cfg->batch > TX_BATCH_MAX ? TX_BATCH_MAX : cfg->batch;
+
+    if (!n_pkts || cfg->rate_pps <= 0 || stride < DP_REQ_HDR_LEN)
+        return -EINVAL;
+    if (!(bufs = malloc((size_t)batch * stride)))
+        return -ENOMEM;
+    memset(msgs, 0, sizeof(msgs));
+    start = dp_now_ns();
+    deadline = start + cfg->max_ns;
+    due = start + next_gap(&rng, cfg->rate_pps);
+    while (i < cfg->count) {
+        uint64_t now = dp_now_ns();
+        uint32_t k = 0;
+        if (now >= deadline)
+            break;
+        if (now < due) {
+            read_responses(fd, st);
+            if (due - now > cfg->spin_ns)
+                sleep_until(due - cfg->spin_ns);   /* give the core back; spin only the last stretch */
+            continue;
+        }
+        if (now - due > st->max_late_ns)
+            st->max_late_ns = now - due;
+        /* everything due by now, up to a batch */
+        while (k < batch && i + k < cfg->count && due <= now) {
+            uint64_t seq = i + k;
+            const uint8_t *src = pkts + (size_t)(seq % n_pkts) * stride;
+            uint8_t *dst = bufs + (size_t)k * stride;
+            uint16_t len = lens[seq % n_pkts];
+            memcpy(dst, src, len);
+            if (cfg->stamp_seq)
+                memcpy(dst + offsetof(struct dp_req_hdr, request_id), &seq, 8);
+            iov[k].iov_base = dst;
+            iov[k].iov_len = len;
+            msgs[k].msg_hdr.msg_iov = &iov[k];
+            msgs[k].msg_hdr.msg_iovlen = 1;
+            k++;
+            due += next_gap(&rng, cfg->rate_pps);
+        }
+        now = dp_now_ns();
+        for (uint32_t j = 0; j < k; j++)
+            memcpy(bufs + (size_t)j * stride + offsetof(struct dp_req_hdr, send_ns), &now, 8);
+        for (uint32_t off = 0; off < k;) {
+            int n = sendmmsg(fd, msgs + off, k - off, 0);
+            if (n <= 0) {
+                st->send_errors += k - off;   /* counted, not retried: open loop */
+                break;
+            }
+            st->sent += n;
+            off += n;
+        }
+        i += k;
+    }
+    st->elapsed_ns = dp_now_ns() - start;
+    for (uint64_t end = dp_now_ns() + (uint64_t)cfg->drain_ms * 1000000; dp_now_ns() < end;)
+        read_responses(fd, st);
+    free(bufs);
+    return 0;
+}
+
+/* --- ping-pong reference ---------------------------------------------------------- */
+
+struct pingpong {
+    _Alignas(64) uint64_t ball;   /* odd: A served, even: B returned */
+    uint64_t rounds;
+    int cpu;
+};
+
+static void pin_self(int cpu)
+{
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(cpu, &set);
+    pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
+}
+
+static void *pong(void *arg)
+{
+    struct pingpong *p = arg;
+    pin_self(p->cpu);
+    for (uint64_t r = 0; r < p->rounds; r++) {
+        while (__atomic_load_n(&p->ball, __ATOMIC_ACQUIRE) != 2 * r + 1)
+            ;
+        __atomic_store_n(&p->ball, 2 * r + 2, __ATOMIC_RELEASE);
+    }
+    return NULL;
+}
+
+double dp_pingpong_oneway_ns(uint64_t rounds, int cpu_a, int cpu_b)
+{
+    struct pingpong p = { .ball = 0, .rounds = rounds, .cpu = cpu_b };
+    pthread_t t;
+    uint64_t start;
+
+    if (!rounds || pthread_create(&t, NULL, pong, &p))
+        return -1;
+    pin_self(cpu_a);
+    start = dp_now_ns();
+    for (uint64_t r = 0; r < rounds; r++) {
+        __atomic_store_n(&p.ball, 2 * r + 1, __ATOMIC_RELEASE);
+        while (__atomic_load_n(&p.ball, __ATOMIC_ACQUIRE) != 2 * r + 2)
+            ;
+    }
+    double ns = (double)(dp_now_ns() - start) / (2.0 * rounds);
+    pthread_join(t, NULL);
+    return ns;
+}

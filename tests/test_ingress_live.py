@@ -1,0 +1,193 @@
+"""The ingress live on a veth: real packets from the client namespace through XDP to the C consumer."""
+import contextlib
+import itertools
+import os
+import threading
+import time
+
+import pytest
+
+from datapath import client, ring, wire
+from datapath.ingress import Ingress, UdpIngress, output_ring, session_queue, take
+from datapath.topology import Topology, socket_in
+
+pytestmark = [pytest.mark.root, pytest.mark.bpf]
+QUEUES = 4
+
+
+_names = itertools.count()
+
+
+@contextlib.contextmanager
+def rings(capacity=1 << 16):
+    """A router input ring: (producer handle for the consumer, consumer handle for the test)."""
+    name = f"test-live-{os.getpid()}-{next(_names)}"
+    try:
+        with output_ring(name, capacity) as out, ring.Ring.attach(name, "consumer") as rd:
+            yield out, rd
+    finally:
+        ring.unlink(name)
+
+
+@pytest.fixture
+def live():
+    with Topology(clients=1) as topo, Ingress(queues=QUEUES) as ig, rings() as (out, rd):
+        ig.attach(topo.host_if[0], topo.host_ns, veth_peer=(topo.client_if[0], topo.client_ns[0]))
+        with ig.consumer(out) as consumer:
+            consumer.ring = rd
+            yield topo, ig, consumer
+
+
+def sessions(n, chunks, tokens=8, tenant=1, first=1000):
+    return client.interleave([[p for r in range(chunks) for p in client.request_packets(
+        tenant, first + s, r, range(s, s + tokens))] for s in range(n)])
+
+
+def drain_until(reader, n, timeout=10.0):
+    got, deadline = [], time.monotonic() + timeout
+    while len(got) < n and time.monotonic() < deadline:
+        got += list(take(reader))
+        time.sleep(0.002)
+    return got + list(take(reader))
+
+
+def test_chunks_reach_their_queues_in_order(live):
+    topo, ig, consumer = live
+    assert ig.mode in ("native", "generic")
+    pkts = sessions(16, 8)
+    n = 4 * len(pkts)
+    res = client.send_from(topo.client_ns[0], topo.host_ip[0], pkts, rate=20_000, count=n, duration=10)
+    assert res["sent"] == n and res["send_errors"] == 0
+    recs = drain_until(consumer.ring, n)
+    assert len(recs) == n
+    last = {}
+    for r in recs:
+        assert r["queue"] == session_queue(r["session_id"], QUEUES)
+        assert r["request_id"] > last.get(r["session_id"], -1), "out of order within a session"
+        last[r["session_id"]] = r["request_id"]
+        assert r["t_send"] <= r["t_xdp"] <= r["t_consumer"]
+    c = ig.counters()
+    assert c["queued"] == n and sum(c[f"queue{q}"] for q in range(QUEUES)) == n
+    assert all(v == 0 for k, v in c.items() if k.startswith("drop_"))
+    assert consumer.records == n and consumer.ptr.errors == 0
+
+
+def test_generic_mode_steers_and_answers_too():
+    """The fallback mode: XDP after the skb is built, XDP_TX through the generic path (no peer program)."""
+    with Topology(clients=1) as topo, Ingress(queues=QUEUES) as ig, rings() as (out, rd):
+        assert ig.attach(topo.host_if[0], topo.host_ns, mode="generic") == "generic" == ig.mode
+        ig.set_rate(9, tokens_per_minute=1, burst_tokens=128)
+        # tenant 9 sends 12 chunks of 16 tokens: 8 fit its 128-token bucket, 4 are answered with 429
+        pkts = sessions(4, 4) + sessions(1, 12, tokens=16, tenant=9, first=5000)
+        with ig.consumer(out):
+            res = client.send_from(topo.client_ns[0], topo.host_ip[0], pkts, rate=2_000, count=len(pkts),
+                                   duration=10, drain_ms=200)
+            recs = drain_until(rd, 16 + 8)
+            counters = ig.counters()
+    assert res["sent"] == len(pkts) and len(recs) == 16 + 8
+    assert all(r["queue"] == session_queue(r["session_id"], QUEUES) for r in recs)
+    assert counters["drop_rate_limited"] == counters["reply_429"] == res["resp_429"] == 4
+
+
+def test_ping_works_with_the_program_attached(live):
+    topo, ig, consumer = live
+    before = ig.counters()["pass"]
+    pid = os.fork()
+    if pid == 0:
+        try:
+            from datapath.topology import enter
+            enter(topo.client_ns[0])
+            fd = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(fd, 1)
+            os.execvp("ping", ["ping", "-c", "3", "-i", "0.2", "-W", "2", topo.host_ip[0]])
+        finally:
+            os._exit(127)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "ping failed with the steering program attached"
+    assert ig.counters()["pass"] - before >= 3, "the echo requests went through XDP_PASS"
+
+
+def test_policy_change_mid_stream_moves_new_chunks_and_loses_none(live):
+    topo, ig, consumer = live
+    pkts = sessions(8, 4, tenant=5)
+    n, rate = 20_000, 20_000
+    hashed = {session_queue(1000 + s, QUEUES) for s in range(8)}
+    target = next(q for q in range(QUEUES) if q not in hashed) if len(hashed) < QUEUES else 0
+    stop = threading.Event()
+
+    def switch_when_a_quarter_is_in():
+        while consumer.records < n // 4 and not stop.wait(0.001):
+            pass
+        ig.route_tenant(5, target)
+        ig.set_policy("tenant")
+
+    switch = threading.Thread(target=switch_when_a_quarter_is_in)
+    switch.start()
+    try:
+        res = client.send_from(topo.client_ns[0], topo.host_ip[0], pkts, rate=rate, count=n, duration=10)
+    finally:
+        stop.set()
+        switch.join()
+    recs = drain_until(consumer.ring, n)
+    assert res["sent"] == n and len(recs) == n, "a chunk was lost"
+    recs.sort(key=lambda r: r["request_id"])   # the sender's sequence number
+    moved = [i for i, r in enumerate(recs) if r["queue"] == target and r["queue"] != session_queue(r["session_id"], QUEUES)]
+    assert moved, "nothing moved to the tenant's queue"
+    cut = moved[0]
+    assert 0 < cut < n
+    assert all(r["queue"] == session_queue(r["session_id"], QUEUES) for r in recs[:cut])
+    assert all(r["queue"] == target for r in recs[cut:]), "a chunk after the switch stayed on its old queue"
+
+
+def test_rate_limit_cuts_one_tenant_and_spares_the_other(live):
+    topo, ig, consumer = live
+    tpm, burst, tokens, seconds = 60_000, 256, 16, 1.5   # 1000 tokens/s = 62.5 chunks/s of 16
+    ig.set_rate(7, tokens_per_minute=tpm, burst_tokens=burst)
+    pkts = client.interleave([sessions(4, 4, tokens=tokens, tenant=7), sessions(4, 4, tokens=tokens, tenant=8, first=2000)])
+    rate = 2_000
+    n = int(rate * seconds)
+    res = client.send_from(topo.client_ns[0], topo.host_ip[0], pkts, rate=rate, count=n, duration=10)
+    assert res["sent"] == n
+    c = ig.counters()
+    deadline = time.monotonic() + 5
+    while consumer.records < c["queued"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    recs = take(consumer.ring)
+    by_tenant = {7: 0, 8: 0}
+    for r in recs:
+        by_tenant[r["tenant"]] += 1
+    assert by_tenant[8] == n // 2, "the unlimited tenant lost chunks"
+    admitted_tokens = by_tenant[7] * tokens
+    budget = burst + tpm / 60 * res["elapsed_s"]
+    assert budget - 2 * tokens <= admitted_tokens <= budget + tokens, (admitted_tokens, budget)
+    assert c["drop_rate_limited"] == n // 2 - by_tenant[7] == c["reply_429"]
+    assert res["resp_429"] == c["reply_429"], "every rejected chunk got its 429"
+
+
+def test_udp_ingress_has_the_same_downstream(topology):
+    sock = socket_in(topology.host_ns)
+    sock.bind((topology.host_ip[0], wire.DEFAULT_PORT))
+    with sock, rings() as (out, rd), UdpIngress(sock, out, queues=QUEUES) as rx:
+        pkts = sessions(4, 4) + [wire.pack_request_raw((1, 2), magic=1)]
+        n = 2 * len(pkts)
+        res = client.send_from(topology.client_ns[0], topology.host_ip[0], pkts, rate=5_000, count=n, duration=10)
+        deadline = time.monotonic() + 5
+        while rx.records + rx.ptr.bad < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        recs = drain_until(rd, n - 2)
+    assert res["sent"] == n
+    assert len(recs) == n - 2 and rx.drops()["bad_magic"] == 2
+    assert all(r["queue"] == session_queue(r["session_id"], QUEUES) and r["t_xdp"] == 0 for r in recs)
+    assert all(r["t_consumer"] >= r["t_send"] > 0 for r in recs)
+
+
+def test_udp_ingress_can_answer_instead(topology):
+    """The user-space 429 path the benchmark compares XDP_TX with."""
+    sock = socket_in(topology.host_ns)
+    sock.bind((topology.host_ip[0], wire.DEFAULT_PORT))
+    with sock, rings() as (out, rd), UdpIngress(sock, out, reply_status=wire.STATUS_RATE_LIMITED) as rx:
+        res = client.send_from(topology.client_ns[0], topology.host_ip[0], sessions(2, 2), rate=2_000,
+                               count=50, duration=10, drain_ms=200)
+        assert not len(take(rd)), "answered requests do not go downstream"
+    assert res["sent"] == 50 and rx.ptr.replies == 50 and rx.records == 0
+    assert res["resp_429"] == 50 and len(res["rtt_ns"]) == 50

@@ -1,0 +1,255 @@
+"""bpf/steer.bpf.c through the kernel's test runner: one row per case.
+
+Each row: (name, frame, expected verdict, expected counter, expected queue,
+setup). The counter diff must be exactly the expected one (plus "queued" and
+the queue's counter for queued records); a queued record must come out of the
+C consumer with the packet's fields and tokens.
+"""
+import itertools
+import os
+import struct
+import time
+
+import pytest
+
+from datapath import packet, wire
+from datapath import ring
+from datapath.ingress import Ingress, output_ring, session_queue, take
+from datapath.xdp import XDP_DROP, XDP_PASS, XDP_TX, prog_test_run
+
+pytestmark = [pytest.mark.root, pytest.mark.bpf]
+PORT = wire.DEFAULT_PORT
+QUEUES = 4
+TOKENS = tuple(range(500, 516))
+SID = 0x1234_5678_9ABC
+
+
+def req(tokens=TOKENS, **kw):
+    fields = dict(tenant=7, session_id=SID, request_id=42, max_output_tokens=64)
+    fields.update(kw)
+    return wire.pack_request_raw(tokens, **fields)
+
+
+def frame(payload=None, **kw):
+    return packet.udp_frame(req() if payload is None else payload, PORT, **kw)
+
+
+VALID = frame()
+V6_FRAG = packet.ethernet(packet.ETH_P_IPV6, packet.ipv6(
+    44, struct.pack("!BBHI", packet.IPPROTO_UDP, 0, 0x0001, 99) + packet.udp(req(), PORT)))
+V6_LATER_FRAG = packet.ethernet(packet.ETH_P_IPV6, packet.ipv6(
+    44, struct.pack("!BBHI", packet.IPPROTO_UDP, 0, 185 << 3, 99) + b"\0" * 64))
+ARP = packet.ethernet(0x0806, b"\0" * 28)
+TCP = packet.ethernet(packet.ETH_P_IP, packet.ipv4(packet.IPPROTO_TCP, b"\0" * 20))
+HASHED = session_queue(SID, QUEUES)
+OTHER_Q = (HASHED + 1) % QUEUES
+
+
+def pin(ig):
+    ig.set_policy("session")
+    ig.pin_session(SID, OTHER_Q)
+
+
+def by_tenant(ig):
+    ig.set_policy("tenant")
+    ig.route_tenant(7, (HASHED + 2) % QUEUES)
+
+
+def pin_other_session(ig):  # a pin for someone else: this session still hashes
+    ig.set_policy("session")
+    ig.pin_session(SID + 1, OTHER_Q)
+
+
+def limited(ig):  # an empty bucket: 1 token a minute, burst of one chunk, already spent
+    ig.set_rate(7, tokens_per_minute=1, burst_tokens=128)
+    assert prog_test_run(ig.fn.fd, frame(req(tokens=tuple(range(128)))))[0] == XDP_DROP
+
+
+def case(name, frm, verdict, counter, queue=None, setup=None):
+    return pytest.param(frm, verdict, counter, queue, setup, id=name)
+
+
+def truncated(full, l4, tag="", vlan=False):
+    """`full` cut at every header boundary (and inside each header); l4 is the UDP header's offset.
+    Before the UDP header ends nobody can tell the packet is ours: it passes."""
+    cuts = [(14, "ethernet"), ((14 + l4) // 2, "inside IP"), (l4, "IP header"), (l4 + 4, "inside UDP"),
+            (l4 + 8, "UDP header"), (l4 + 28, "inside request header"), (l4 + 56, "request header"),
+            (l4 + 60, "first token"), (len(full) - 1, "all but the last byte")]
+    if vlan:
+        cuts.insert(1, (16, "inside VLAN tag"))
+    return [case(f"{tag}truncated after {label} ({n} bytes)", full[:n], XDP_PASS if n < l4 + 8 else XDP_DROP,
+                 "pass" if n < l4 + 8 else "drop_truncated") for n, label in cuts]
+
+
+CASES = [
+    # valid chunks under every queue policy
+    case("chunk, session hash", VALID, XDP_DROP, "queued", HASHED),
+    case("chunk, session pinned", VALID, XDP_DROP, "queued", OTHER_Q, pin),
+    case("chunk, pin for another session", VALID, XDP_DROP, "queued", HASHED, pin_other_session),
+    case("chunk, tenant to queue", VALID, XDP_DROP, "queued", (HASHED + 2) % QUEUES, by_tenant),
+    case("chunk of 1 token", frame(req(tokens=(9,))), XDP_DROP, "queued", HASHED),
+    case("chunk of 128 tokens", frame(req(tokens=tuple(range(128)))), XDP_DROP, "queued", HASHED),
+    case("open", frame(req(tokens=(), kind=wire.KIND_OPEN, chunk_count=3)), XDP_DROP, "queued", HASHED),
+    case("close", frame(req(tokens=(), kind=wire.KIND_CLOSE)), XDP_DROP, "queued", HASHED),
+    case("count_tokens", frame(req(kind=wire.KIND_COUNT_TOKENS)), XDP_DROP, "queued", HASHED),
+    case("last chunk of 3", frame(req(chunk_index=2, chunk_count=3)), XDP_DROP, "queued", HASHED),
+    case("ipv4 options", frame(ip_options=b"\x01\x01\x01\x00"), XDP_DROP, "queued", HASHED),
+    case("ipv4 40 bytes of options", frame(ip_options=b"\x01" * 40), XDP_DROP, "queued", HASHED),
+    case("vlan", frame(vlan=10), XDP_DROP, "queued", HASHED),
+    case("ipv6", frame(v6=True), XDP_DROP, "queued", HASHED),
+    case("vlan ipv6", frame(v6=True, vlan=10), XDP_DROP, "queued", HASHED),
+    case("ethernet padding after the datagram", VALID + b"\0" * 8, XDP_DROP, "queued", HASHED),
+    # malformed requests
+    case("bad magic", frame(req(magic=0x31575045)), XDP_DROP, "drop_bad_magic"),
+    case("bad version", frame(req(version=2)), XDP_DROP, "drop_bad_version"),
+    case("unknown flag", frame(req(flags=0x8000)), XDP_DROP, "drop_bad_flags"),
+    case("reserved set", frame(req(reserved=1)), XDP_DROP, "drop_bad_flags"),
+    case("kind 0", frame(req(kind=0)), XDP_DROP, "drop_bad_kind"),
+    case("kind response", frame(req(kind=wire.KIND_RESPONSE)), XDP_DROP, "drop_bad_kind"),
+    case("0 tokens", frame(req(tokens=())), XDP_DROP, "drop_bad_tokens"),
+    case("129 tokens", frame(req(tokens=tuple(range(129)))), XDP_DROP, "drop_bad_tokens"),
+    case("open with tokens", frame(req(kind=wire.KIND_OPEN)), XDP_DROP, "drop_bad_tokens"),
+    case("chunk_count 0", frame(req(chunk_count=0)), XDP_DROP, "drop_bad_chunk"),
+    case("chunk_index = chunk_count", frame(req(chunk_index=3, chunk_count=3)), XDP_DROP, "drop_bad_chunk"),
+    case("n_tokens 16, 17 tokens sent", frame(req(tokens=TOKENS + (1,), n_tokens=16)), XDP_DROP, "drop_length"),
+    case("n_tokens 16, 15 tokens sent", frame(req(tokens=TOKENS[:15], n_tokens=16)), XDP_DROP, "drop_length"),
+    case("udp length short of the tokens", frame(udp_len=8 + 48 + 60), XDP_DROP, "drop_length"),
+    case("udp length past the packet", frame(udp_len=8 + 48 + 64 + 4), XDP_DROP, "drop_length"),
+    case("udp length below 8", frame(udp_len=4), XDP_DROP, "drop_length"),
+    case("first ipv4 fragment", frame(mf=True), XDP_DROP, "drop_fragment"),
+    case("first ipv6 fragment", V6_FRAG, XDP_DROP, "drop_fragment"),
+    # not ours: passed untouched
+    case("later ipv4 fragment", frame(frag_off=100), XDP_PASS, "pass"),
+    case("later ipv6 fragment", V6_LATER_FRAG, XDP_PASS, "pass"),
+    case("udp to another port", packet.udp_frame(req(), 53), XDP_PASS, "pass"),
+    case("udp to the port + 1", packet.udp_frame(req(), PORT + 1), XDP_PASS, "pass"),
+    case("ipv6 udp to another port", packet.udp_frame(req(), 53, v6=True), XDP_PASS, "pass"),
+    case("tcp", TCP, XDP_PASS, "pass"),
+    case("arp", ARP, XDP_PASS, "pass"),
+    case("ethernet header only", VALID[:14], XDP_PASS, "pass"),
+    # over the tenant's budget: answered from XDP
+    case("over the token bucket, ipv4", VALID, XDP_TX, "drop_rate_limited", setup=limited),
+    case("over the token bucket, ipv6 vlan", frame(v6=True, vlan=5), XDP_TX, "drop_rate_limited", setup=limited),
+] + truncated(VALID, 34) + truncated(frame(vlan=3), 38, "vlan ", vlan=True) + truncated(frame(v6=True), 54, "ipv6 ")
+
+
+_names = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def ingress():
+    """The program, its C consumer, and the router input ring it writes (read here as its consumer)."""
+    name = f"test-steer-{os.getpid()}-{next(_names)}"
+    try:
+        with Ingress(queues=QUEUES) as ig, output_ring(name) as out, ring.Ring.attach(name, "consumer") as rd:
+            with ig.consumer(out) as consumer:
+                consumer.ring = rd
+                yield ig, consumer
+    finally:
+        ring.unlink(name)
+
+
+@pytest.fixture
+def ig(ingress):
+    ig, consumer = ingress
+    ig.set_policy("hash")
+    for name in ("pins", "tenant_queue", "buckets"):
+        ig.table(name).clear()
+    ig.clear_rate(7)
+    settle(ig, consumer)
+    return ig, consumer
+
+
+def settle(ig, consumer):
+    """Wait until the consumer has every record queued so far, then empty the output ring."""
+    deadline = time.monotonic() + 5
+    while consumer.records < ig.counters()["queued"] and time.monotonic() < deadline:
+        time.sleep(0.001)
+    take(consumer.ring)
+
+
+def wait_records(consumer, n, timeout=5.0):
+    got, deadline = [], time.monotonic() + timeout
+    while len(got) < n and time.monotonic() < deadline:
+        got += list(take(consumer.ring))
+    return got
+
+
+@pytest.mark.parametrize("frm,verdict,counter,queue,setup", CASES)
+def test_steer_table(ig, frm, verdict, counter, queue, setup):
+    ig, consumer = ig
+    if setup:
+        setup(ig)
+        settle(ig, consumer)
+    before = ig.counters()
+    got, ns, out = prog_test_run(ig.fn.fd, frm)
+    after = ig.counters()
+    diff = {k: after[k] - before[k] for k in after if after[k] != before[k]}
+    assert got == verdict
+    if counter == "queued":
+        assert diff == {"queued": 1, f"queue{queue}": 1}
+        (rec,) = wait_records(consumer, 1)
+        payload = req() if frm is VALID else None
+        assert rec["queue"] == queue and rec["session_id"] == SID and rec["tenant"] == 7
+        assert rec["t_xdp"] > 0 and rec["t_consumer"] >= rec["t_xdp"]
+        if payload is not None:
+            assert tuple(rec["tokens"][:rec["n_tokens"]]) == TOKENS
+            assert rec["request_id"] == 42 and rec["max_output_tokens"] == 64
+    elif counter == "drop_rate_limited":
+        assert diff == {"drop_rate_limited": 1, "reply_429": 1}
+        check_429(frm, out)
+    else:
+        assert diff == {counter: 1}
+        assert not wait_records(consumer, 1, timeout=0.05)
+    if verdict == XDP_PASS:
+        assert out == frm, "a passed packet must be untouched"
+
+
+def check_429(frm, out):
+    """The reply: addresses and ports swapped, a valid 429 response echoing the request's ids."""
+    vlan = 4 if frm[12:14] == b"\x81\x00" else 0
+    assert out[0:6] == frm[6:12] and out[6:12] == frm[0:6]
+    v6 = out[12 + vlan:14 + vlan] == b"\x86\xdd"
+    l3 = 14 + vlan
+    if v6:
+        assert out[l3 + 8:l3 + 24] == frm[l3 + 24:l3 + 40] and out[l3 + 24:l3 + 40] == frm[l3 + 8:l3 + 24]
+        l4 = l3 + 40
+        pseudo = out[l3 + 8:l3 + 40] + struct.pack("!IxxxB", 48, packet.IPPROTO_UDP)
+        assert packet.checksum(pseudo + out[l4:l4 + 48]) == 0, "IPv6 UDP checksum"
+    else:
+        assert out[l3 + 12:l3 + 16] == frm[l3 + 16:l3 + 20] and out[l3 + 16:l3 + 20] == frm[l3 + 12:l3 + 16]
+        assert packet.checksum(out[l3:l3 + 20]) == 0, "IPv4 header checksum"
+        assert struct.unpack("!H", out[l3 + 2:l3 + 4])[0] == 20 + 8 + 40
+        l4 = l3 + 20
+    sport, dport, ulen = struct.unpack("!HHH", out[l4:l4 + 6])
+    assert (sport, dport, ulen) == (PORT, 40000, 48)
+    assert len(out) == l4 + 48
+    resp = wire.decode_response(out[l4 + 8:])
+    assert resp.status == wire.STATUS_RATE_LIMITED and resp.session_id == SID and resp.request_id == 42
+    assert resp.tenant == 7
+
+
+def test_full_ring_is_counted():
+    with Ingress(queues=1, ring_pages=1) as ig:  # one page holds 6 records of 608 + 8 bytes
+        verdicts = [prog_test_run(ig.fn.fd, VALID)[0] for _ in range(10)]
+        c = ig.counters()
+    assert verdicts == [XDP_DROP] * 10
+    assert c["queued"] == 6 and c["drop_ring_full"] == 4
+
+
+def test_bad_tunables_are_refused():
+    for kw in (dict(queues=0), dict(queues=9), dict(ring_pages=3), dict(port=70000)):
+        with pytest.raises(ValueError):
+            Ingress(**kw)
+
+
+def test_maps_and_cffi_share_one_layout(ig):
+    """bcc's view of the control maps (from the BPF compile) equals cffi's (from the same steer.h)."""
+    import ctypes
+    from datapath._ingress import ffi
+    ig, _ = ig
+    for table, cname in (("policy", "struct dp_policy"), ("buckets", "struct dp_bucket")):
+        leaf = ig.table(table).Leaf
+        assert ctypes.sizeof(leaf) == ffi.sizeof(cname)
+        assert [(n, getattr(leaf, n).offset) for n, _ in leaf._fields_] == \
+               [(n, f.offset) for n, f in ffi.typeof(cname).fields]
