@@ -294,7 +294,8 @@ int xdp_steer(struct xdp_md *ctx)
     rec->t_lane = 0;
     rec->t_worker = 0;
     rec->flags = req->flags;
-    rec->reserved = 0;
+    rec->client_ip = v6 ? 0 : iph->saddr;   /* where the response goes; IPv6 clients get the default */
+    rec->client_port = udph->source;
     if (len) {
         off = (void *)req + DP_REQ_HDR_LEN - data;
         /* The verifier must see 4 <= len <= sizeof(tokens) in the register passed.

@@ -6,6 +6,7 @@
 #include <string.h>
 #include <time.h>
 #include <sys/mman.h>
+#include <netinet/in.h>
 #include <sys/socket.h>
 #include <bpf/libbpf.h>
 
@@ -303,7 +304,13 @@ static void udp_record(struct dp_udp_rx *r, const uint8_t *buf, uint32_t len, ui
     c.t_consumer = 0;              /* out_put stamps it */
     c.t_router = c.t_lane = c.t_worker = 0;
     c.flags = h->flags;
-    c.reserved = 0;
+    c.client_ip = 0;               /* where the response goes (IPv4 senders; others get the default) */
+    c.client_port = 0;
+    if (((const struct sockaddr *)from->msg_name)->sa_family == AF_INET) {
+        const struct sockaddr_in *sin = from->msg_name;
+        c.client_ip = sin->sin_addr.s_addr;
+        c.client_port = sin->sin_port;
+    }
     memcpy(c.tokens, buf + sizeof(*h), h->n_tokens * 4u);
     if (c.t_send)
         dp_lat_add(&r->send_lat, now - c.t_send);

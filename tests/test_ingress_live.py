@@ -3,6 +3,7 @@ import contextlib
 import itertools
 import os
 import threading
+import socket
 import time
 
 import pytest
@@ -66,6 +67,9 @@ def test_chunks_reach_their_queues_in_order(live):
         assert r["request_id"] > last.get(r["session_id"], -1), "out of order within a session"
         last[r["session_id"]] = r["request_id"]
         assert r["t_send"] <= r["t_xdp"] <= r["t_consumer"]
+    client_ip = int.from_bytes(socket.inet_aton(topo.client_ip[0]), "little")
+    assert {int(r["client_ip"]) for r in recs} == {client_ip}, "the response's address rides with the chunk"
+    assert len({int(r["client_port"]) for r in recs}) == 1 and recs[0]["client_port"] != 0
     c = ig.counters()
     assert c["queued"] == n and sum(c[f"queue{q}"] for q in range(QUEUES)) == n
     assert all(v == 0 for k, v in c.items() if k.startswith("drop_"))
@@ -179,6 +183,8 @@ def test_udp_ingress_has_the_same_downstream(topology):
     assert len(recs) == n - 2 and rx.drops()["bad_magic"] == 2
     assert all(r["queue"] == session_queue(r["session_id"], QUEUES) and r["t_xdp"] == 0 for r in recs)
     assert all(r["t_consumer"] >= r["t_send"] > 0 for r in recs)
+    client_ip = int.from_bytes(socket.inet_aton(topology.client_ip[0]), "little")
+    assert all(int(r["client_ip"]) == client_ip and r["client_port"] != 0 for r in recs)
 
 
 def test_udp_ingress_can_answer_instead(topology):
