@@ -45,7 +45,8 @@ def interleave(sessions: list[list[bytes]]) -> list[bytes]:
 
 
 def send(sock: socket.socket, packets: list[bytes], rate: float, count: int, duration: float,
-         batch: int = 32, stamp_seq: bool = True, drain_ms: int = 50, seed: int = 1, spin_us: int = 50) -> dict:
+         batch: int = 32, stamp_seq: bool = True, drain_ms: int = 50, seed: int = 1, spin_us: int = 50,
+         seq_base: int = 0) -> dict:
     """Send `count` packets (cycling through `packets`) on a connected UDP socket. Returns the C stats."""
     if not packets or rate <= 0 or count < 1 or duration <= 0:
         raise ValueError("send needs packets, rate > 0, count >= 1 and duration > 0")
@@ -56,7 +57,7 @@ def send(sock: socket.socket, packets: list[bytes], rate: float, count: int, dur
     lens = ffi.new("uint16_t[]", [len(p) for p in packets])
     cfg = ffi.new("struct dp_send_cfg *", dict(rate_pps=rate, count=count, max_ns=int(duration * 1e9),
                                                 seed=seed, batch=batch, drain_ms=drain_ms, stamp_seq=stamp_seq,
-                                                spin_ns=spin_us * 1000))
+                                                spin_ns=spin_us * 1000, seq_base=seq_base))
     st = ffi.new("struct dp_send_stats *")
     if lib.dp_lat_init(ffi.addressof(st.rtt), 1 << 16):
         raise MemoryError("cannot allocate the response latency samples")

@@ -45,6 +45,11 @@ class Responder:
     def stop(self):
         lib.dp_responder_stop(self._r)
 
+    @property
+    def handle(self):
+        """The C responder, for a native poll loop (datapath.loop) in this process."""
+        return self._r
+
     def poll(self) -> int:
         """One pass without the thread (tests)."""
         return lib.dp_responder_poll(self._r)

@@ -107,6 +107,11 @@ class Router:
                                           int(batch_timeout_s * 1e9)), "batching")
         self.batching = batching
 
+    @property
+    def handle(self):
+        """The C router, for a native poll loop (datapath.loop) in this process."""
+        return self._rt
+
     def poll(self) -> int:
         """One pass (drain inputs, take completions, send batches); for tests and single-threaded use."""
         return lib.dp_router_poll(self._rt)

@@ -149,19 +149,25 @@ static int on_record(void *ctx, void *data, size_t size)
     return 0;
 }
 
+uint32_t dp_consumer_poll(struct dp_consumer *c)
+{
+    int n = ring_buffer__consume(c->rb);
+    out_flush(&c->out);   /* publish what this pass found */
+    c->polls++;
+    if (n < 0) {
+        c->errors++;
+        return 0;
+    }
+    return (uint32_t)n;
+}
+
 static void *consumer_main(void *arg)
 {
     struct dp_consumer *c = arg;
     pin(c->cpu, c->rt_priority);
-    while (!__atomic_load_n(&c->stop, __ATOMIC_RELAXED)) {
-        int n = ring_buffer__consume(c->rb);
-        out_flush(&c->out);   /* publish what this pass found */
-        c->polls++;
-        if (n < 0)
-            c->errors++;
-        else if (n == 0)
+    while (!__atomic_load_n(&c->stop, __ATOMIC_RELAXED))
+        if (!dp_consumer_poll(c))
             cpu_relax();
-    }
     ring_buffer__consume(c->rb);   /* what arrived before stop */
     out_flush(&c->out);
     return NULL;

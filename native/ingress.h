@@ -80,6 +80,8 @@ void dp_lat_free(struct dp_lat *l);
 /* hist_fd: the program's mmapable lat_hist array (or -1), counted into as well */
 struct dp_consumer *dp_consumer_new(const int *ring_fds, int n, int hist_fd, struct dp_ring *out, uint64_t samples);
 int dp_consumer_start(struct dp_consumer *c, int cpu, int rt_priority);
+/* One pass without the thread (for a shared poll loop, native/loop.h): records taken. */
+uint32_t dp_consumer_poll(struct dp_consumer *c);
 void dp_consumer_stop(struct dp_consumer *c);
 void dp_consumer_free(struct dp_consumer *c);
 
@@ -100,7 +102,8 @@ struct dp_send_cfg {
     uint64_t seed;
     uint32_t batch;            /* sendmmsg batch limit */
     uint32_t drain_ms;         /* keep reading responses this long after the last send */
-    int stamp_seq;             /* write the sequence number into request_id */
+    int stamp_seq;             /* write seq_base + the sequence number into request_id */
+    uint64_t seq_base;         /* so successive runs never reuse a request id */
     uint32_t spin_ns;          /* sleep through gaps longer than this, spin the rest */
 };
 

@@ -96,13 +96,13 @@ int dp_send_poisson(int fd, const uint8_t *pkts, uint32_t stride, const uint16_t
             st->max_late_ns = now - due;
         /* everything due by now, up to a batch */
         while (k < batch && i + k < cfg->count && due <= now) {
-            uint64_t seq = i + k;
+            uint64_t seq = i + k, id = cfg->seq_base + seq;
             const uint8_t *src = pkts + (size_t)(seq % n_pkts) * stride;
             uint8_t *dst = bufs + (size_t)k * stride;
             uint16_t len = lens[seq % n_pkts];
             memcpy(dst, src, len);
             if (cfg->stamp_seq)
-                memcpy(dst + offsetof(struct dp_req_hdr, request_id), &seq, 8);
+                memcpy(dst + offsetof(struct dp_req_hdr, request_id), &id, 8);
             iov[k].iov_base = dst;
             iov[k].iov_len = len;
             msgs[k].msg_hdr.msg_iov = &iov[k];

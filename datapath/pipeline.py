@@ -1,0 +1,234 @@
+"""The whole data path, assembled: what `python -m bench e2e` runs.
+
+    client netns --UDP--> veth --XDP steer--> BPF ring buffers
+        --> [one native poll loop: ingress consumer -> router -> responder]
+        --> shm lanes --> worker processes (tiny model, KV caches, snapshots)
+        --> completions --> router --> egress ring --> responder --UDP--> client
+
+The consumer, the router and the responder run as stages of one native
+thread (datapath.loop), so the data path costs one core and the workers get
+the rest; nothing per chunk runs in Python. Every worker records each
+record's stamps (XDP, consumer, router, lane, pickup, step start and end)
+into shared memory, so the stages can be read off afterwards. Everything is
+torn down on exit, also on error and Ctrl-C.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import mmap
+import multiprocessing
+import os
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import _dataplane, client, lanes, records, wire
+from .egress import Responder
+from .loop import PollLoop
+from .ring import Ring, unlink
+from .router import Router
+from .topology import Topology, socket_in
+
+_seq = itertools.count()
+ctx = multiprocessing.get_context("fork")
+
+# per record, what the worker saw: the chunk's stamps plus its own
+TRACE = np.dtype([("request_id", "<u8"), ("kind", "u1"), ("n_tokens", "<u2"), ("t_send", "<u8"), ("t_xdp", "<u8"),
+                  ("t_consumer", "<u8"), ("t_router", "<u8"), ("t_lane", "<u8"), ("t_pickup", "<u8"),
+                  ("t_start", "<u8"), ("t_end", "<u8"), ("kv_bytes", "<u8")])
+STAMPS = ("request_id", "kind", "n_tokens", "t_send", "t_xdp", "t_consumer", "t_router", "t_lane")
+
+
+@dataclass
+class PipelineConfig:
+    workers: int = 2
+    queues: int = 2
+    policy: str = "round_robin"
+    batching: str = "dynamic"          # or "static"
+    token_budget: int = 512
+    max_chunks: int = 64
+    max_batch_size: int = 32           # static
+    batch_timeout_s: float = 0.05      # static
+    xdp_mode: str = "auto"
+    device: str | None = None          # simulated device profile of the workers (serving.devices)
+    sim_mode: str = "sleep"
+    kv_budget_bytes: int = 256 << 20
+    codec: str = "zstd"
+    store_factory: object = None       # callable(worker index) -> SnapshotStore, called in the worker; None: none
+    datapath_cpu: int | None = None    # pin the poll loop here
+    worker_cpus: list = field(default_factory=list)
+    trace_records: int = 1 << 18       # per worker
+
+
+class TracingLane:
+    """A worker's lane that also writes each record's stamps into a shared trace buffer."""
+
+    def __init__(self, lane, trace: np.ndarray, count: np.ndarray):
+        self.lane, self.trace, self.count = lane, trace, count
+        self._batch = None
+
+    def recv_batch(self, timeout_s: float):
+        batch = self.lane.recv_batch(timeout_s)
+        if batch is not None:
+            self._batch = (batch[list(STAMPS)].copy(), time.monotonic_ns())
+        return batch
+
+    def send_completion(self, comp: np.ndarray) -> bool:
+        if self._batch is not None:
+            stamps, t_pickup = self._batch
+            self._batch = None
+            i, n = int(self.count[0]), len(stamps)
+            n = max(0, min(n, len(self.trace) - i))
+            if n:
+                rows = self.trace[i:i + n]
+                for name in STAMPS:
+                    rows[name] = stamps[name][:n]
+                rows["t_pickup"] = t_pickup
+                rows["t_start"], rows["t_end"], rows["kv_bytes"] = comp["t_start"][0], comp["t_end"][0], comp["kv_bytes"][0]
+                self.count[0] = i + n
+        return self.lane.send_completion(comp)
+
+    def close(self):
+        self.lane.close()
+
+
+def _worker_main(lane_name: str, options, store_factory, trace_buf, stop, cpu):
+    from .serving.worker import one_blas_thread, serve
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
+    count = np.frombuffer(trace_buf, dtype="<u8", count=1)
+    trace = np.frombuffer(trace_buf, dtype=TRACE, offset=64)
+    store = store_factory(options.index) if store_factory else None
+    worker = options.build(store)
+    lane = TracingLane(lanes.ShmWorkerLane(lane_name), trace, count)
+    try:
+        with one_blas_thread():
+            serve(worker, lane, stop.is_set)
+    finally:
+        lane.close()
+        if store is not None and hasattr(store, "close"):
+            store.close()
+
+
+class Pipeline:
+    def __init__(self, cfg: PipelineConfig | None = None):
+        self.cfg = cfg or PipelineConfig()
+        self.tag = f"pl{os.getpid()}-{next(_seq)}"
+        self._stack = contextlib.ExitStack()
+        self._ids = itertools.count(1)   # request ids never repeat within a pipeline
+        self.workers: list = []
+        self.traces: list = []
+
+    def __enter__(self):
+        try:
+            self._build()
+        except BaseException:
+            self._stack.close()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        self._stack.close()
+
+    def _ring(self, suffix, slot, capacity, role):
+        name = f"{self.tag}.{suffix}"
+        ring = Ring.create(name, slot, capacity, role=role)
+        self._stack.callback(unlink, name)
+        self._stack.callback(ring.close)
+        return name, ring
+
+    def _build(self):
+        from .ingress import Ingress
+        from .serving.worker import WorkerOptions
+        cfg, es = self.cfg, self._stack
+        self.topo = es.enter_context(Topology(clients=1))
+        topo = self.topo
+        self.ingress = es.enter_context(Ingress(queues=cfg.queues))
+        self.xdp_mode = self.ingress.attach(topo.host_if[0], topo.host_ns, cfg.xdp_mode,
+                                            veth_peer=(topo.client_if[0], topo.client_ns[0]))
+        in_name, in_ring = self._ring("in", records.CHUNK.itemsize, 1 << 14, "producer")
+        out_name, out_ring = self._ring("out", records.RESPONSE.itemsize, 1 << 12, "producer")
+        self.consumer = self.ingress.consumer(in_ring)
+        self.router = Router(policy=cfg.policy, batching=cfg.batching, token_budget=cfg.token_budget,
+                             max_chunks=cfg.max_chunks, max_batch_size=cfg.max_batch_size,
+                             batch_timeout_s=cfg.batch_timeout_s)
+        es.callback(self.router.close)
+        self.router.add_input(Ring.attach(in_name, "consumer"))
+        self.router.set_egress(out_ring)
+        sock = socket_in(topo.host_ns)
+        es.callback(sock.close)
+        sock.bind((topo.host_ip[0], wire.DEFAULT_PORT))   # answers come from where the requests went
+        self.responder = Responder(Ring.attach(out_name, "consumer"), sock, topo.client_ip[0], wire.DEFAULT_PORT)
+        self._stop_workers = ctx.Event()
+        for k in range(cfg.workers):
+            name = f"{self.tag}.w{k}"
+            self.router.add_worker(*lanes.create_shm_lane(name))
+            es.callback(lanes.unlink_shm_lane, name)
+            buf = mmap.mmap(-1, 64 + cfg.trace_records * TRACE.itemsize)
+            self.traces.append(buf)
+            opts = WorkerOptions(index=k, kv_budget_bytes=cfg.kv_budget_bytes, codec=cfg.codec, device=cfg.device,
+                                 sim_mode=cfg.sim_mode)
+            cpu = cfg.worker_cpus[k % len(cfg.worker_cpus)] if cfg.worker_cpus else None
+            p = ctx.Process(target=_worker_main, args=(name, opts, cfg.store_factory, buf, self._stop_workers, cpu),
+                            name=f"worker{k}", daemon=True)
+            p.start()
+            self.workers.append(p)
+        es.callback(self._reap_workers)
+        self.loop = PollLoop(cpu=cfg.datapath_cpu)
+        from . import _ingress
+        self.loop.add(_ingress, "dp_consumer_poll", self.consumer.ptr)
+        self.loop.add(_dataplane, "dp_router_poll", self.router.handle)
+        self.loop.add(_dataplane, "dp_responder_poll", self.responder.handle)
+        self.loop.start()
+        es.callback(self.loop.stop)
+
+    def _reap_workers(self):
+        self._stop_workers.set()
+        for p in self.workers:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+    def kill_worker(self, k: int):
+        """SIGKILL worker k (the failover scenario) and tell the router it is down."""
+        self.workers[k].kill()
+        self.workers[k].join(5)
+        self.router.set_up(k, False)
+
+    # --- load -------------------------------------------------------------------------------
+    def offer(self, rate: float, count: int, prompt_tokens: int = 64, max_output_tokens: int = 4,
+              sessions: int = 64, tenant: int = 1, drain_s: float = 2.0, merge: int = 1) -> dict:
+        """Open-loop Poisson arrivals of `count` requests at `rate`/s from the client namespace.
+
+        Each request is one chunk of prompt_tokens (<= 128) from one of `sessions`
+        sessions, cycling; merge > 1 sends `merge` requests' prompts as one request
+        (client-side batching). Returns the client's stats, rtt_ns per response.
+        """
+        if not 1 <= prompt_tokens * merge <= wire.MAX_CHUNK_TOKENS:
+            raise ValueError(f"a request here is one chunk: prompt_tokens x merge must be 1..{wire.MAX_CHUNK_TOKENS}")
+        pkts = [client.request_packets(tenant, s + 1, 0, [(s * 131 + i) % 509 for i in range(prompt_tokens * merge)],
+                                       max_output_tokens=max_output_tokens * merge)[0] for s in range(sessions)]
+        base = next(self._ids) * 1_000_000_000   # ids of this offer: base + sequence number
+        return client.send_from(self.topo.client_ns[0], self.topo.host_ip[0], pkts, rate=rate, count=count,
+                                duration=count / rate * 3 + 5, drain_ms=int(drain_s * 1000), seq_base=base)
+
+    # --- what happened -----------------------------------------------------------------------
+    def trace(self) -> np.ndarray:
+        """Every record the workers ran so far, with its stamps."""
+        parts = []
+        for buf in self.traces:
+            n = int(np.frombuffer(buf, dtype="<u8", count=1)[0])
+            parts.append(np.frombuffer(buf, dtype=TRACE, offset=64, count=n).copy())
+        return np.concatenate(parts) if parts else np.zeros(0, TRACE)
+
+    def reset_trace(self):
+        for buf in self.traces:
+            np.frombuffer(buf, dtype="<u8", count=1)[0] = 0
+
+    def stats(self) -> dict:
+        return {"router": self.router.stats(), "workers": [self.router.worker_stats(k) for k in range(self.cfg.workers)],
+                "responder": self.responder.stats(), "loop": self.loop.stats(), "ingress": self.ingress.counters(),
+                "consumer_records": self.consumer.records, "xdp_mode": self.xdp_mode}
