@@ -28,6 +28,7 @@ import numpy as np
 from . import xdp
 from ._dataplane import ffi as _dp_ffi
 from ._ingress import ffi, lib
+from .metrics import log2_hist  # noqa: F401  (moved to metrics; still importable from here)
 from .records import CHUNK
 from .ring import Ring
 
@@ -46,20 +47,6 @@ NS_PER_MINUTE = 60_000_000_000
 def session_queue(session_id: int, queues: int) -> int:
     """The queue the default policy gives a session (the XDP program's hash)."""
     return ((int(session_id) * lib.DP_SESSION_HASH_MUL) % (1 << 64) >> 32) % queues
-
-
-def log2_hist(buckets, unit: str = "ns") -> str:
-    """A log2 histogram in the style of bcc's print_log2_hist (bucket b: 2^(b-1) .. 2^b - 1)."""
-    last = max((i for i, v in enumerate(buckets) if v), default=-1)
-    if last < 0:
-        return "     (no samples)"
-    first = min(i for i, v in enumerate(buckets) if v)
-    top = max(buckets)
-    lines = [f"{unit:>20}{'':>21}: count     distribution"]
-    for b in range(first, last + 1):
-        lo, hi = ((1 << b) >> 1, (1 << b) - 1)
-        lines.append(f"{lo:>20} -> {hi:<17}: {buckets[b]:<9} |{'*' * round(40 * buckets[b] / top):<40}|")
-    return "\n".join(lines)
 
 
 class Ingress:

@@ -15,7 +15,8 @@ import ctypes
 import os
 import time
 
-from .ingress import DROP_REASONS, EVENTS, log2_hist
+from .ingress import DROP_REASONS, EVENTS
+from .metrics import log2_hist
 from .xdp import BPF_DIR, libbpf
 
 PROG_NAME = b"xdp_steer"
