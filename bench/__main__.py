@@ -13,6 +13,7 @@ import sys
 SUITES = {
     "wire": "bench.wire",
     "ring": "bench.ring",
+    "e2e": "bench.e2e",
     "ingress": "bench.ingress",
     "worker": "bench.worker",
 }

@@ -29,7 +29,7 @@ def lane_names(name: str) -> tuple[str, str]:
     return f"{name}.lane", f"{name}.done"
 
 
-def create_shm_lane(name: str, slots: int = DEFAULT_LANE_SLOTS, wait: str = "yield") -> tuple[Ring, Ring]:
+def create_shm_lane(name: str, slots: int = DEFAULT_LANE_SLOTS, wait: str = "sleep") -> tuple[Ring, Ring]:
     """Create a worker's lane and completion ring; returns (lane, done) for the router."""
     if slots < records.MAX_BATCH_CHUNKS:
         raise ValueError(f"a lane needs at least {records.MAX_BATCH_CHUNKS} slots (one full batch), not {slots}")

@@ -58,6 +58,7 @@ class PipelineConfig:
     codec: str = "zstd"
     store_factory: object = None       # callable(worker index) -> SnapshotStore, called in the worker; None: none
     datapath_cpu: int | None = None    # pin the poll loop here
+    loop_yield_after: int = 256        # idle passes before the poll loop yields its core
     worker_cpus: list = field(default_factory=list)
     trace_records: int = 1 << 18       # per worker
 
@@ -176,7 +177,7 @@ class Pipeline:
             p.start()
             self.workers.append(p)
         es.callback(self._reap_workers)
-        self.loop = PollLoop(cpu=cfg.datapath_cpu)
+        self.loop = PollLoop(cpu=cfg.datapath_cpu, yield_after=cfg.loop_yield_after)
         from . import _ingress
         self.loop.add(_ingress, "dp_consumer_poll", self.consumer.ptr)
         self.loop.add(_dataplane, "dp_router_poll", self.router.handle)

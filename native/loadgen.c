@@ -8,6 +8,7 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <math.h>
+#include <poll.h>
 #include <stddef.h>
 #include <pthread.h>
 #include <sched.h>
@@ -36,10 +37,16 @@ static uint64_t next_gap(uint64_t *rng, double rate)
     return (uint64_t)(-log(u) / rate * 1e9);
 }
 
-static void sleep_until(uint64_t t)
+/* Sleep until t, or until a response arrives (so its round trip is stamped when it lands,
+ * not when the next send is due). */
+static void wait_until(int fd, uint64_t t)
 {
-    struct timespec ts = { .tv_sec = t / 1000000000ull, .tv_nsec = t % 1000000000ull };
-    clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL);
+    uint64_t now = dp_now_ns();
+    if (now >= t)
+        return;
+    struct pollfd p = { .fd = fd, .events = POLLIN };
+    struct timespec ts = { .tv_sec = (t - now) / 1000000000ull, .tv_nsec = (t - now) % 1000000000ull };
+    ppoll(&p, 1, &ts, NULL);
 }
 
 static void read_responses(int fd, struct dp_send_stats *st)
@@ -89,7 +96,7 @@ int dp_send_poisson(int fd, const uint8_t *pkts, uint32_t stride, const uint16_t
         if (now < due) {
             read_responses(fd, st);
             if (due - now > cfg->spin_ns)
-                sleep_until(due - cfg->spin_ns);   /* give the core back; spin only the last stretch */
+                wait_until(fd, due - cfg->spin_ns);   /* give the core back; spin only the last stretch */
             continue;
         }
         if (now - due > st->max_late_ns)
@@ -125,8 +132,12 @@ int dp_send_poisson(int fd, const uint8_t *pkts, uint32_t stride, const uint16_t
         i += k;
     }
     st->elapsed_ns = dp_now_ns() - start;
-    for (uint64_t end = dp_now_ns() + (uint64_t)cfg->drain_ms * 1000000; dp_now_ns() < end;)
+    for (uint64_t end = dp_now_ns() + (uint64_t)cfg->drain_ms * 1000000; dp_now_ns() < end;) {
         read_responses(fd, st);
+        if (st->responses >= st->sent)
+            break;                 /* everything answered: no need to wait out the drain */
+        wait_until(fd, end);
+    }
     free(bufs);
     return 0;
 }

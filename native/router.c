@@ -19,8 +19,9 @@
 
 enum { REQ_FREE = 0, REQ_PREFILL, REQ_DECODE, REQ_DONE };
 
-struct pooled {                 /* a buffered chunk, linked into its request's pending list */
+struct pooled {                 /* a buffered chunk, linked into its request's pending or sent list */
     uint32_t next;
+    uint16_t sent;              /* tokens of it already placed in lanes (a split chunk goes out in pieces) */
     struct dp_chunk c;
 };
 
@@ -34,6 +35,8 @@ struct req {
     int16_t worker;
     uint32_t decode_left;                        /* decode steps still to schedule */
     uint32_t pending_head, pending_tail;         /* in-order chunks waiting (pool indices) */
+    uint32_t sent_head, sent_tail;               /* chunks all sent: kept until the request ends, to replay
+                                                    it on another worker if its worker fails */
     uint32_t ooo;                                /* chunks that came early, unsorted list */
     uint32_t fifo_next;                          /* worker's prefill (dynamic) or ready (static) FIFO */
     uint32_t inflight;                           /* records in the worker's current batch */
@@ -160,6 +163,7 @@ static uint32_t pool_get(struct dp_router *rt)
     if (i != NIL) {
         rt->pool_free = rt->pool[i].next;
         rt->pool[i].next = NIL;
+        rt->pool[i].sent = 0;
         rt->st.pool_free--;
     }
     return i;
@@ -245,11 +249,21 @@ static int recently_done(const struct dp_router *rt, uint64_t id)
     return rt->recent[dp_hash64(id) & ((1u << RECENT_BITS) - 1)] == id;
 }
 
+static void free_list(struct dp_router *rt, uint32_t p)
+{
+    for (uint32_t next; p != NIL; p = next) {
+        next = rt->pool[p].next;
+        pool_put(rt, p);
+    }
+}
+
 static void finish(struct dp_router *rt, uint32_t ri)
 {
     struct req *r = &rt->reqs[ri];
-    remember_done(rt, r->request_id);
     struct worker *w = &rt->w[r->worker];
+    remember_done(rt, r->request_id);
+    free_list(rt, r->sent_head);        /* no replay needed any more */
+    r->sent_head = r->sent_tail = NIL;
     if (r->in_set) {                    /* static: leave the running batch now, before the slot is reused */
         for (uint32_t s = 0; s < w->n_set; s++)
             if (w->set[s] == ri) {
@@ -388,6 +402,7 @@ static int ingest(struct dp_router *rt, const struct dp_chunk *c, uint64_t t)
         r->worker = (int16_t)wk;
         r->state = REQ_PREFILL;
         r->pending_head = r->pending_tail = r->ooo = r->fifo_next = NIL;
+        r->sent_head = r->sent_tail = NIL;
         r->t_send = c->t_send;
         r->t_xdp = c->t_xdp;
         r->client_ip = c->client_ip;
@@ -504,15 +519,10 @@ static void fifo_remove(struct dp_router *rt, struct worker *w, uint32_t ri);
 
 static void drop_pending(struct dp_router *rt, struct req *r)
 {
-    for (uint32_t p = r->pending_head, next; p != NIL; p = next) {
-        next = rt->pool[p].next;
-        pool_put(rt, p);
+    for (uint32_t p = r->pending_head; p != NIL; p = rt->pool[p].next)
         depth_add(rt, r->worker, -1);
-    }
-    for (uint32_t p = r->ooo, next; p != NIL; p = next) {
-        next = rt->pool[p].next;
-        pool_put(rt, p);
-    }
+    free_list(rt, r->pending_head);
+    free_list(rt, r->ooo);
     r->pending_head = r->pending_tail = r->ooo = NIL;
 }
 
@@ -644,25 +654,31 @@ static void add_prefill(struct dp_router *rt, struct builder *b, uint32_t ri, ui
 {
     struct req *r = &rt->reqs[ri];
     uint32_t p = r->pending_head;
-    struct dp_chunk *c = &rt->pool[p].c;
-    uint32_t take = c->n_tokens <= room ? c->n_tokens : room;
-    int whole = take == c->n_tokens;
-    int final = whole && r->next_index == r->chunk_count && rt->pool[p].next == NIL && r->received == r->chunk_count;
+    struct pooled *pc = &rt->pool[p];
+    struct dp_chunk *c = &pc->c;
+    uint32_t left = c->n_tokens - pc->sent;
+    uint32_t take = left <= room ? left : room;
+    int whole = take == left;
+    int final = whole && r->next_index == r->chunk_count && pc->next == NIL && r->received == r->chunk_count;
     struct dp_chunk *out = add_record(rt, b, ri, DP_KIND_CHUNK, (uint8_t)final);
     memcpy(out, c, DP_CHUNK_HDR_LEN);
-    memcpy(out->tokens, c->tokens, take * sizeof(uint32_t));
+    memcpy(out->tokens, c->tokens + pc->sent, take * sizeof(uint32_t));
     out->n_tokens = (uint16_t)take;
     out->flags = c->flags | (final ? DP_CHUNK_F_FINAL : 0);
     b->tokens += take;
-    if (whole) {
-        r->pending_head = rt->pool[p].next;
+    if (whole) {                         /* all of it is out: keep it aside for a replay */
+        r->pending_head = pc->next;
         if (r->pending_head == NIL)
             r->pending_tail = NIL;
-        pool_put(rt, p);
+        pc->next = NIL;
+        if (r->sent_tail == NIL)
+            r->sent_head = p;
+        else
+            rt->pool[r->sent_tail].next = p;
+        r->sent_tail = p;
         depth_add(rt, r->worker, -1);
     } else {                             /* re-chunk: the rest stays first in line */
-        memmove(c->tokens, c->tokens + take, (c->n_tokens - take) * sizeof(uint32_t));
-        c->n_tokens -= (uint16_t)take;
+        pc->sent += (uint16_t)take;
         rt->st.splits++;
     }
 }
@@ -800,12 +816,79 @@ static uint32_t expire_stalled(struct dp_router *rt, uint64_t now)
         if (r->in_fifo)
             fifo_remove(rt, &rt->w[r->worker], ri);
         drop_pending(rt, r);
+        free_list(rt, r->sent_head);
+        r->sent_head = r->sent_tail = NIL;
         rt->st.expired++;
         rt->st.responses++;
         req_free(rt, ri);
         n++;
     }
     return n;
+}
+
+/* --- failover ----------------------------------------------------------------------------- */
+
+/* Worker k is gone (its process died): whatever it held is lost with it, so
+ * each of its unfinished requests is replayed on another worker from its
+ * first chunk (kept for that until the request ends); the new worker restores
+ * the session from the snapshot store and runs the prompt again. With no
+ * worker left, the request is answered 503. Nothing is dropped silently. */
+static void failover(struct dp_router *rt, uint32_t k)
+{
+    struct worker *w = &rt->w[k];
+    w->busy = w->st.busy = 0;
+    w->batch_len = w->unsent = 0;
+    w->fifo_head = w->fifo_tail = NIL;
+    w->n_decoding = w->st.decoding = 0;
+    w->n_set = 0;
+    rt->view.total_depth -= rt->view.depth[k];
+    rt->view.depth[k] = w->st.depth = 0;
+    for (uint32_t ri = 0; ri < rt->cfg.max_requests; ri++) {
+        struct req *r = &rt->reqs[ri];
+        if (r->state == REQ_FREE || r->worker != (int16_t)k)
+            continue;
+        if (r->state == REQ_DONE) {      /* failed, waiting for records the dead worker will not answer */
+            if (r->inflight) {
+                r->inflight = 0;
+                finish(rt, ri);
+            }
+            continue;                    /* else already answered, waiting for egress room */
+        }
+        r->inflight = r->in_fifo = r->in_set = 0;
+        int nk = dp_policy_pick(&rt->policy, &rt->view, r->session_id, r->tenant);
+        if (nk < 0) {
+            free_list(rt, r->pending_head);
+            free_list(rt, r->ooo);
+            r->pending_head = r->pending_tail = r->ooo = NIL;
+            r->status = DP_STATUS_UNAVAILABLE;
+            finish(rt, ri);
+            continue;
+        }
+        /* the sent chunks go back in front of the pending ones, all from their first token */
+        if (r->sent_tail != NIL) {
+            rt->pool[r->sent_tail].next = r->pending_head;
+            if (r->pending_tail == NIL)
+                r->pending_tail = r->sent_tail;
+            r->pending_head = r->sent_head;
+            r->sent_head = r->sent_tail = NIL;
+        }
+        for (uint32_t p = r->pending_head; p != NIL; p = rt->pool[p].next) {
+            rt->pool[p].sent = 0;
+            depth_add(rt, nk, 1);
+        }
+        r->worker = (int16_t)nk;
+        r->state = REQ_PREFILL;
+        r->n_out = 0;
+        r->decode_left = 0;
+        if (rt->cfg.batching == DP_BATCH_DYNAMIC) {
+            if (r->pending_head != NIL)
+                fifo_push(rt, &rt->w[nk], ri);
+        } else if (r->next_index == r->chunk_count) {
+            r->t_ready = now_ns();
+            fifo_push(rt, &rt->w[nk], ri);
+        }
+        rt->st.replayed++;
+    }
 }
 
 /* --- lifecycle and control ------------------------------------------------------------ */
@@ -1060,9 +1143,12 @@ int dp_router_set_up(struct dp_router *rt, uint32_t worker, int up)
     if (worker >= rt->view.n)
         return -EINVAL;
     pthread_mutex_lock(&rt->lock);
+    int was_up = rt->view.up[worker];
     rt->view.up[worker] = up ? 1 : 0;
     rt->w[worker].st.up = rt->view.up[worker];
     rt->view.generation++;
+    if (was_up && !up)
+        failover(rt, worker);
     pthread_mutex_unlock(&rt->lock);
     return 0;
 }

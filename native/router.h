@@ -63,7 +63,7 @@ struct dp_router_stats {
     uint64_t chunks_in, requests_in, control_in, bad_chunks, duplicate_chunks, table_full;
     uint64_t batches, records_out, tokens_out, decode_out, splits;
     uint64_t completions, responses, egress_stalls, input_stalls, loops, expired, late_duplicates;
-    uint64_t refused_by_worker;
+    uint64_t refused_by_worker, replayed;
     uint32_t active_requests, pool_free;
 };
 
@@ -83,6 +83,7 @@ int dp_router_add_zmq_worker(struct dp_router *rt, const char *endpoint, uint32_
 int dp_router_set_egress(struct dp_router *rt, struct dp_ring *egress);
 int dp_router_set_policy(struct dp_router *rt, const char *policy, double param);
 int dp_router_set_weight(struct dp_router *rt, uint32_t worker, uint32_t weight);
+/* up = 0: the worker is gone; its unfinished requests are replayed on others (see failover). */
 int dp_router_set_up(struct dp_router *rt, uint32_t worker, int up);
 int dp_router_set_batching(struct dp_router *rt, uint32_t batching, uint32_t token_budget, uint32_t max_chunks,
                            uint32_t max_batch_size, uint64_t batch_timeout_ns);

@@ -248,14 +248,14 @@ def test_weights_and_health_change_live(bench_factory):
     assert len(b.workers[0].recv_batch(0)) == 4 and b.workers[1].recv_batch(0) is None
     b.router.set_weight(0, 0)
     b.router.set_weight(1, 5)
-    b.router.set_up(0, False)   # also draining worker 0: it gets no new batches
+    b.router.set_up(0, False)   # worker 0 is gone: its unanswered requests 1-4 move to worker 1
     for rid in range(5, 9):
         b.send(chunks_of(rid, [1], max_out=1))
     b.router.poll()
-    assert sorted(b.workers[1].recv_batch(0)["request_id"].tolist()) == [5, 6, 7, 8]
+    assert sorted(b.workers[1].recv_batch(0)["request_id"].tolist()) == [1, 2, 3, 4, 5, 6, 7, 8]
     st = b.router.worker_stats(1)
-    assert st["batches"] == 1 and st["records"] == 4 and st["up"] == 1
-    assert b.router.worker_stats(0)["up"] == 0
+    assert st["batches"] == 1 and st["records"] == 8 and st["up"] == 1
+    assert b.router.worker_stats(0)["up"] == 0 and b.router.stats()["replayed"] == 4
     b.router.set_policy("affinity", 0.5)
     with pytest.raises(ValueError):
         b.router.set_weight(7, 1)
@@ -377,3 +377,33 @@ def test_a_record_the_worker_refuses_ends_its_request_with_that_status(bench_fac
     b.send(chunks_of(6, list(range(300)), max_out=5)[[2]])   # a straggler of the failed request
     b.router.poll()
     assert b.router.stats()["late_duplicates"] == 1
+
+
+def test_a_dead_workers_requests_are_replayed_whole_on_another(bench_factory):
+    b = bench_factory(n_workers=2, policy="round_robin", token_budget=100)
+    toks = {rid: list(range(rid * 1000, rid * 1000 + 300)) for rid in (1, 2)}
+    for rid, t in toks.items():
+        b.send(chunks_of(rid, t, max_out=3))
+    b.router.poll()
+    first = b.workers[0].recv_batch(0)           # request 1's first 100 tokens went to worker 0 ...
+    assert first["request_id"].tolist() == [1] and first["n_tokens"].tolist() == [100]
+    b.router.set_up(0, False)                    # ... which dies before answering
+    batches = b.run(k=1)
+    assert prefill_seen(batches)[1] == toks[1], "request 1 is replayed from its first token"
+    assert prefill_seen(batches)[2] == toks[2]
+    got = {int(r["request_id"]): r for r in b.responses}
+    assert set(got) == {1, 2} and all(r["status"] == 200 and r["n_out"] == 3 for r in got.values())
+    assert all(int(r["worker"]) == 1 for r in got.values())
+    st = b.router.stats()
+    assert st["replayed"] == 1 and st["active_requests"] == 0 and st["pool_free"] == 8192
+
+
+def test_no_worker_left_answers_503(bench_factory):
+    b = bench_factory(n_workers=1)
+    b.send(chunks_of(1, [1, 2, 3], max_out=2))
+    b.router.poll()
+    b.router.set_up(0, False)
+    b.router.poll()
+    b.collect()
+    assert [int(r["status"]) for r in b.responses] == [503]
+    assert b.router.stats()["active_requests"] == 0 and b.router.stats()["pool_free"] == 8192
