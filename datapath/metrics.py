@@ -76,7 +76,9 @@ class Distribution:
             raise ValueError(f"percentile must be 0..100, not {p}")
         if self.count == 0:
             return math.nan
-        return float(self._hist.get_value_at_percentile(p))
+        # HdrHistogram answers with its bucket's highest equivalent value, which can pass
+        # the largest sample; the true percentile never does
+        return float(min(self._hist.get_value_at_percentile(p), self.max))
 
     def summary(self) -> dict:
         """count, min, max, mean, p50, p95, p99, p999 (ns) and the clamped counts."""

@@ -59,7 +59,7 @@ def test_summary_keys_and_log2_counts_every_sample():
     d = Distribution([100, 200, 200, 5000])
     s = d.summary()
     assert {"count", "min", "max", "mean", "p50", "p95", "p99", "p999"} <= set(s)
-    assert s["p50"] == 200 and abs(s["p999"] - 5000) <= 5000 * PRECISION
+    assert s["p50"] == 200 and s["p999"] == 5000, "never past the largest sample"
     assert [count for _, _, count in rows(d.log2())] == [1, 2, 0, 0, 0, 0, 1]  # 64.., 128.., ..., 4096..
 
 
@@ -67,8 +67,7 @@ def test_out_of_range_samples_are_clamped_and_counted():
     d = Distribution([0, -5, 10, 2 * HIGHEST_NS])
     assert d.count == 4 and (d.clamped_low, d.clamped_high) == (2, 1)
     assert d.min == 1 and d.max == HIGHEST_NS
-    assert d.percentile(0) == 1
-    assert abs(d.percentile(100) - HIGHEST_NS) <= HIGHEST_NS * PRECISION
+    assert (d.percentile(0), d.percentile(100)) == (1, HIGHEST_NS)
 
 
 def test_no_samples_give_nan_not_an_exception():

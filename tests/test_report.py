@@ -1,0 +1,122 @@
+"""bench.report writes report.md, readable PNGs and a results.json that round-trips, whatever is missing."""
+import json
+import struct
+
+import numpy as np
+import pytest
+
+from bench.report import write_report
+from datapath.metrics import Distribution
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+PLOTS = ["latency_vs_load.png", "stages.png", "memory.png"]
+
+
+def contract_results():
+    """The shape of bench.contract.Report.as_dict() for an e2e run."""
+    return {"suite": "e2e", "quick": True,
+            "machine": {"cores": 2, "kernel": "6.1.0-test", "cpu_model": "Test CPU @ 2GHz", "python": "3.11.2",
+                        "xdp_mode": "generic"},
+            "references": {"pingpong_oneway_ns": 95.5},
+            "metrics": {"e2e_xdp_to_lane_p50_ns": 712.0, "sweep_p95_ms_static_10": 452.0},
+            "ratios": {"e2e_xdp_to_lane_p50_ns_vs_pingpong_oneway_ns": 7.455},
+            "units": {"pingpong_oneway_ns": "ns", "e2e_xdp_to_lane_p50_ns": "ns", "sweep_p95_ms_static_10": "ms"},
+            "notes": ["synthetic inputs"], "duration_s": 42.0}
+
+
+def sweep_point(qps, p50_ms, errors=0):
+    return {"qps": qps, "achieved_qps": qps * 0.98, "p50_ms": p50_ms, "p95_ms": 1.5 * p50_ms,
+            "p99_ms": 2 * p50_ms, "requests": 10 * qps, "errors": errors}
+
+
+@pytest.fixture
+def inputs():
+    rng = np.random.default_rng(5)
+    stages = {"xdp->consumer": rng.lognormal(6, 0.5, 5000).astype(np.int64),
+              "lane->worker": rng.lognormal(9, 1.5, 5000).astype(np.int64),
+              "send->response": rng.lognormal(16, 0.5, 5000).astype(np.int64)}
+    sweep = {"dynamic": [sweep_point(q, 40 + q / 50) for q in (10, 50, 200)],
+             "static": [sweep_point(q, 300 + q, errors=1) for q in (200, 10, 50)]}
+    memory = {"resident": 3_400_000_000, "snapshot+evict": 1_250_000_000}
+    scenarios = {"load sweep": {"status": "ran", "reason": "", "figures": {"static_vs_dynamic_p95_at_10qps": 6.8}},
+                 "client batching": {"status": "not run", "reason": "the client merge is not built | issue 9",
+                                     "figures": {}},
+                 "failover": {"status": "failed", "reason": "worker 2 never came back", "figures": {}}}
+    return contract_results(), stages, sweep, memory, scenarios
+
+
+def test_writes_the_report_the_plots_and_the_json(tmp_path, inputs):
+    paths = write_report(tmp_path / "e2e", *inputs)
+    assert set(paths) == {"report.md", "results.json", *PLOTS}
+    assert all(p.parent == tmp_path / "e2e" and p.is_file() for p in paths.values())
+
+
+def test_markdown_names_every_scenario_with_its_status_and_reason(tmp_path, inputs):
+    md = write_report(tmp_path, *inputs)["report.md"].read_text()
+    assert "| load sweep | ran |" in md
+    assert "| client batching | not run | the client merge is not built \\| issue 9 |" in md
+    assert "| failover | failed | worker 2 never came back |" in md
+    assert "| static_vs_dynamic_p95_at_10qps | 6.8 |" in md
+
+
+def test_markdown_has_the_machine_references_sweep_stages_and_ratios(tmp_path, inputs):
+    _, stages, sweep, memory, _ = inputs
+    md = write_report(tmp_path, *inputs)["report.md"].read_text()
+    for row in ["| kernel | 6.1.0-test |", "| xdp_mode | generic |", "| cores | 2 |",
+                "| pingpong_oneway_ns | 95.5 | ns |", "| e2e_xdp_to_lane_p50_ns_vs_pingpong_oneway_ns | 7.455 | x |"]:
+        assert row in md, row
+    for mode in sweep:
+        assert f"### {mode}\n\n| offered qps |" in md
+    static_table = md.split("### static")[1].split("\n\n")[1].splitlines()[2:]
+    assert [row.split(" | ")[0] for row in static_table] == ["| 10", "| 50", "| 200"], "sorted by offered load"
+    assert static_table[0].startswith("| 10 | 9.8 | 310 | 465 | 620 | 100 | 1 |")
+    for name in stages:
+        assert f"### {name}\n\n```text\n" in md and f"{name} ns" in md
+        assert any(line.startswith(f"| {name} | 5,000 |") for line in md.splitlines())
+    for name in memory:
+        assert f"| {name} |" in md
+    for plot in PLOTS:
+        assert f"]({plot})" in md
+
+
+@pytest.mark.parametrize("plot", PLOTS)
+def test_plots_are_real_pngs(tmp_path, inputs, plot):
+    data = write_report(tmp_path, *inputs)[plot].read_bytes()
+    assert data[:8] == PNG_MAGIC and data[12:16] == b"IHDR"
+    width, height = struct.unpack(">II", data[16:24])
+    assert width >= 600 and height >= 400
+    assert len(data) > 12_000, "more than a blank canvas (2 kB) or empty axes (10 kB) at this size"
+
+
+def test_results_json_round_trips(tmp_path, inputs):
+    results, stages, sweep, memory, scenarios = inputs
+    text = write_report(tmp_path, *inputs)["results.json"].read_text()
+    data = json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))
+    assert {k: data[k] for k in results} == results
+    assert (data["sweep"], data["memory"], data["scenarios"]) == (sweep, memory, scenarios)
+    assert data["stages"] == {name: Distribution(s).summary() for name, s in stages.items()}
+    assert list(data["stages"]) == list(stages), "stage order kept"
+
+
+def test_missing_inputs_give_a_report_that_says_so(tmp_path):
+    results = {"suite": "e2e", "quick": False, "machine": {"cores": 2, "kernel": "6.1.0", "cpu_model": "x"},
+               "references": {}, "metrics": {}, "ratios": {}, "units": {}, "notes": []}
+    paths = write_report(tmp_path, results, stages={}, sweep={"dynamic": []}, memory={}, scenarios={})
+    assert set(paths) == {"report.md", "results.json"}
+    md = paths["report.md"].read_text()
+    for said in ["| xdp_mode | not recorded |", "No scenario was run.", "No references in this run.",
+                 "No ratios in this run.", "No load sweep in this run.", "No per-stage samples in this run.",
+                 "No memory figures in this run."]:
+        assert said in md, said
+    assert json.loads(paths["results.json"].read_text())["stages"] == {}
+
+
+def test_a_stage_without_samples_is_shown_as_such(tmp_path, inputs):
+    results, stages, sweep, memory, scenarios = inputs
+    stages = {"router->lane": np.array([], dtype=np.int64), **stages}
+    paths = write_report(tmp_path, results, stages, sweep, memory, scenarios)
+    md = paths["report.md"].read_text()
+    assert "| router->lane | 0 | n/a | n/a | n/a | n/a | n/a |" in md and "(no samples)" in md
+    empty = json.loads(paths["results.json"].read_text())["stages"]["router->lane"]
+    assert empty["count"] == 0 and empty["p50"] is None and empty["p999"] is None
+    assert "stages.png" in paths
