@@ -36,6 +36,7 @@ def main(argv=None) -> int:
     names = list(SUITES) if args.suite == "all" else [args.suite]
     if args.json and len(names) > 1:
         p.error("--json names one file: use it with a single suite")
+    failed = []
     for name in names:
         report = Report(name, quick=args.quick)
         try:
@@ -44,7 +45,13 @@ def main(argv=None) -> int:
             report.note("interrupted: partial results")
             report.finish(args.json)
             return 130
+        except Exception as e:  # one suite's failure is reported; the others still run
+            report.note(f"FAILED: {type(e).__name__}: {e}")
+            failed.append(name)
         report.finish(args.json)
+    if failed:
+        print(f"bench: {', '.join(failed)} failed (see the notes above)", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 
+from bench.report import write_report
 from datapath.pipeline import Pipeline, PipelineConfig
 from datapath.records import KIND_DECODE
 
@@ -27,7 +28,7 @@ def _config(**kw) -> PipelineConfig:
     import os
     cores = sorted(os.sched_getaffinity(0))
     pins = dict(datapath_cpu=cores[-1], worker_cpus=cores[:-1]) if len(cores) > 1 else {}
-    return PipelineConfig(workers=2, **pins, **kw)
+    return PipelineConfig(**{"workers": 2, **pins, **kw})
 
 
 def _progress(msg: str):
@@ -53,11 +54,10 @@ def _offer(p: Pipeline, rate: float, seconds: float, **kw) -> dict:
             "wall_s": time.monotonic() - t, "rtt_ns": rtt}
 
 
-def sweep(report, quick: bool, stages: dict) -> dict:
-    """Scenario 1: latency vs load, dynamic vs static micro-batching."""
+def sweep(report, quick: bool, stages: dict, out: dict) -> dict:
+    """Scenario 1: latency vs load, dynamic vs static micro-batching (rows into `out` per mode)."""
     rates = [10, 40, 160] if quick else [10, 20, 40, 80, 160, 320, 640]
     seconds = 2.0 if quick else 8.0
-    out = {}
     for mode in ("dynamic", "static"):
         rows = []
         with Pipeline(_config(batching=mode)) as p:
@@ -84,7 +84,7 @@ def sweep(report, quick: bool, stages: dict) -> dict:
     d10, s10 = report.metrics.get("sweep_p95_ms_dynamic_10"), report.metrics.get("sweep_p95_ms_static_10")
     if d10 and s10:
         report.ratios["static_vs_dynamic_p95_at_10qps"] = s10 / d10
-    return out
+    return {f"{mode} p95 ms at {row['qps']} req/s": row["p95_ms"] for mode, rows in out.items() for row in rows}
 
 
 def _stages(report, trace: np.ndarray, rtt_ns: np.ndarray, stages: dict):
@@ -127,11 +127,35 @@ def client_batching(report, quick: bool) -> dict:
             "single_p95_ms": s["p95"], "merged_p95_ms": m["p95"] + wait_ms}
 
 
+def failover(report, quick: bool) -> dict:
+    """Scenario 6: a worker SIGKILLed mid-run; the router replays its requests on the other one."""
+    import threading
+    rate, seconds = 40, (3.0 if quick else 10.0)
+    with Pipeline(_config(workers=2)) as p:
+        out = {}
+        # long answers (32 tokens), so the killed worker is in the middle of some
+        t = threading.Thread(target=lambda: out.update(r=_offer(p, rate, seconds, prompt_tokens=PROMPT,
+                                                                 max_output_tokens=32)))
+        t.start()
+        time.sleep(seconds / 3)
+        _progress(f"failover: killing worker 1 with SIGKILL, {seconds * 2 / 3:.0f} s of load left")
+        p.kill_worker(1)
+        t.join()
+        st = p.router.stats()
+    res = out["r"]
+    answered = res["responses"] / max(res["requests"], 1)
+    pc = _pcts(res["rtt_ns"], 1e6)
+    report.metric("failover_answered_fraction", answered)
+    report.metric("failover_replayed_requests", st["replayed"])
+    report.metric("failover_p99_ms", pc["p99"], "ms")
+    return {"requests": res["requests"], "answered": res["responses"], "errors": res["errors"],
+            "replayed": st["replayed"], "p50_ms": pc["p50"], "p99_ms": pc["p99"]}
+
+
 NOT_LANDED = {
     "3 snapshot+evict vs resident": "the snapshot store is not wired into the pipeline's workers yet",
     "4 oversized requests (isolation)": "admission (pricing, 400/413/422, per-key limits) has not landed",
     "5 high-entropy burst to the secondary pool": "admission and heterogeneous pools have not landed",
-    "6 worker killed mid-run (failover)": "the router does not yet replay a dead worker's requests on another",
 }
 
 
@@ -156,15 +180,18 @@ def run(report, args):
             _progress(f"{name} FAILED: {e}")
             return None
 
-    sweep_rows = scenario("1 load sweep, dynamic vs static", sweep, report, quick, stages) or {}
+    sweep_rows: dict = {}
+    scenario("1 load sweep, dynamic vs static", sweep, report, quick, stages, sweep_rows)
     scenario("2 client-side batching", client_batching, report, quick)
     for name, why in NOT_LANDED.items():
         scenarios[name] = {"status": "not run", "reason": why, "figures": {}}
+    scenario("6 worker killed mid-run (failover)", failover, report, quick)
     if "e2e_xdp_to_lane_p50_ns" in report.metrics:
         report.ratio("e2e_xdp_to_lane_p50_ns", "pingpong_oneway_ns")
-    report.extra = {"stages": stages, "sweep": {m: rows for m, rows in sweep_rows.items()}, "memory": {},
-                    "scenarios": scenarios}
     for name, sc in scenarios.items():
         report.note(f"scenario {name}: {sc['status']}" + (f" ({sc['reason']})" if sc["reason"] else ""))
+    outdir = pathlib.Path(args.json).with_suffix("") if args.json else pathlib.Path("bench-results/e2e")
+    paths = write_report(outdir, report.as_dict(), stages, sweep_rows, {}, scenarios)
+    print(f"  report: {paths['report.md']}")
     if failed:
         raise RuntimeError(f"scenario(s) failed: {', '.join(failed)}")

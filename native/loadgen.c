@@ -30,6 +30,17 @@ static uint64_t xorshift(uint64_t *s)
     return *s;
 }
 
+/* xorshift started from a small seed gives tiny numbers for its first dozens of
+ * draws (and so huge exponential gaps): mix the seed first (splitmix64) */
+static uint64_t seed_state(uint64_t seed)
+{
+    uint64_t z = seed + 0x9e3779b97f4a7c15ull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z ^= z >> 31;
+    return z ? z : 1;
+}
+
 /* exponential gap with mean 1/rate, in ns */
 static uint64_t next_gap(uint64_t *rng, double rate)
 {
@@ -77,7 +88,7 @@ int dp_send_poisson(int fd, const uint8_t *pkts, uint32_t stride, const uint16_t
     struct mmsghdr msgs[TX_BATCH_MAX];
     struct iovec iov[TX_BATCH_MAX];
     uint8_t *bufs;
-    uint64_t rng = cfg->seed | 1, start, due, deadline, i = 0;
+    uint64_t rng = seed_state(cfg->seed), start, due, deadline, i = 0;
     uint32_t batch = cfg->batch < 1 ? 1 : cfg->batch > TX_BATCH_MAX ? TX_BATCH_MAX : cfg->batch;
 
     if (!n_pkts || cfg->rate_pps <= 0 || stride < DP_REQ_HDR_LEN)

@@ -72,3 +72,29 @@ def test_ingress_suite_reports_every_figure(tmp_path):
                   "sender_to_consumer_p50_us_vs_udp_socket_p50_us", "sender_to_consumer_p99_us_vs_udp_socket_p99_us"):
         metric, ref = ratio.split("_vs_")
         assert data["ratios"][ratio] == pytest.approx(data["metrics"][metric] / data["references"][ref])
+
+
+@pytest.mark.root
+@pytest.mark.bpf
+@pytest.mark.slow
+def test_e2e_quick_runs_every_landed_scenario_and_writes_the_report(tmp_path):
+    """The main job, briefly: what CI runs on every change (python -m bench e2e --quick)."""
+    out = tmp_path / "e2e.json"
+    r = subprocess.run([sys.executable, "-m", "bench", "e2e", "--quick", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    data = json.loads(out.read_text())
+    m = data["metrics"]
+    for key in ("e2e_xdp_to_lane_p50_ns", "e2e_xdp_to_lane_p99_ns", "e2e_xdp_to_worker_p50_ns",
+                "e2e_xdp_to_worker_p99_ns", "e2e_send_to_response_p50_us", "e2e_send_to_response_p99_us",
+                "sweep_p95_ms_dynamic_10", "sweep_p95_ms_static_10"):
+        assert m[key] > 0, key
+    assert "static_vs_dynamic_p95_at_10qps" in data["ratios"]
+    assert data["machine"]["xdp_mode"] in ("native", "generic")
+    assert m["failover_answered_fraction"] == 1.0, "a killed worker loses no request"
+    report = (tmp_path / "e2e" / "report.md").read_text()
+    for scenario in ("1 load sweep", "2 client-side batching", "6 worker killed"):
+        assert scenario in report
+    assert "not run" in report    # the scenarios whose parts have not landed say so
+    assert (tmp_path / "e2e" / "latency_vs_load.png").stat().st_size > 10_000
+    assert json.loads((tmp_path / "e2e" / "results.json").read_text())["scenarios"]
