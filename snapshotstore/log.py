@@ -46,7 +46,7 @@ from .errors import DeviceError, DeviceFull, FormatError, SessionChanged, Snapsh
 from .format import (HEADER_SIZE, KIND_BASE, KIND_DELTA, KIND_PAD, KIND_TOMBSTONE, RecordHeader,
                      Superblock, record_blocks)
 
-RESERVE_BLOCKS = 8               # kept for tombstones, so a delete works on a full log
+RESERVE_BLOCKS = 8               # at least, and 1/32 of the log: kept for tombstones (deletes on a full log)
 MAX_RECORD_BYTES = 16 << 20      # and at most 1/16 of the log
 SCAN_WINDOW_BYTES = 1 << 20      # recovery reads the log in windows this large
 KEY_LOCKS = 256
@@ -182,6 +182,7 @@ class LogStore:
         self.log_start, self.log_blocks = sb.log_start, sb.log_blocks
         self.max_record_blocks = max(1, min(self.log_blocks // 16, MAX_RECORD_BYTES // bs))
         self.max_payload = self.max_record_blocks * bs - HEADER_SIZE
+        self._reserve = max(RESERVE_BLOCKS, self.log_blocks // 32)
         self._generation, self._last_seq = sb.generation, sb.last_seq
         self._live_blocks = 0
         self._rbuf = aligned_buffer(SCAN_WINDOW_BYTES)
@@ -477,7 +478,7 @@ class LogStore:
         leaves room to relocate the largest chain, so reclaim can always make progress."""
         if req.kind == KIND_TOMBSTONE:
             return 0
-        return RESERVE_BLOCKS + self.max_record_blocks
+        return self._reserve + self.max_record_blocks
 
     def _fits(self, nblocks: int, floor: int) -> bool:
         phys = self._tail % self.log_blocks
@@ -502,7 +503,7 @@ class LogStore:
                 self._head = e.lpos + e.nblocks
                 continue
             base = self._base_of(e.key, self._chains[e.key])
-            if self._fits(base.nblocks, RESERVE_BLOCKS):
+            if self._fits(base.nblocks, min(floor, self._reserve)):
                 self._stage(base)                 # relocate: durable before the head passes it
                 self._flush([base])
                 self.counters["relocations"] += 1
