@@ -150,6 +150,7 @@ class LogStore:
         self._key_locks = [threading.Lock() for _ in range(KEY_LOCKS)]
         self._chains: dict[bytes, _Chain] = {}   # insertion order = LRU order
         self._log: collections.deque[_Entry] = collections.deque()
+        self._damaged: set[bytes] = set()       # recovery: chains with a hole, until restarted
         self._failed: BaseException | None = None
         self._closed = False
         self.counters = collections.Counter()
@@ -228,6 +229,8 @@ class LogStore:
             if not ok:
                 if pos < ckpt:                    # durable region: damage; resync on the next block
                     self.counters["corrupt_blocks_skipped"] += 1
+                    if h is not None and h.store_id == self.store_id and h.lpos == pos:
+                        self._damage(h.key)       # its payload is bad: that chain has a hole
                     pos += 1
                     continue
                 if h is not None and h.store_id == self.store_id and h.lpos == pos:
@@ -249,10 +252,22 @@ class LogStore:
         return (h.kind in (KIND_DELTA, KIND_BASE, KIND_TOMBSTONE)
                 and h.nblocks == record_blocks(h.stored_len, self.block_size))
 
+    def _damage(self, key: bytes):
+        """Recovery found a hole in key's chain: drop it, and its records until a new start."""
+        if key in self._chains:
+            self._drop(key)
+            self.counters["damaged_chains_dropped"] += 1
+        self._damaged.add(key)
+
     def _link(self, e: _Entry):
         """Apply a record to the index (on stage, and on recovery in log order)."""
         if e.kind == KIND_PAD:
             return
+        if e.key in self._damaged:
+            if e.kind == KIND_DELTA and e.parent != 0:
+                self.counters["unlinked_records_skipped"] += 1
+                return
+            self._damaged.discard(e.key)
         chain = self._chains.get(e.key)
         if e.kind == KIND_BASE and chain is not None:
             self._drop(e.key)                     # the base replaces the chain; the chain
@@ -264,9 +279,13 @@ class LogStore:
             if e.kind == KIND_TOMBSTONE:
                 return
             chain = self._chains[e.key] = _Chain()
-        elif chain is None or chain.entries[-1].seq != e.parent:
+        elif chain is None:
             # Only recovery meets this: a dead record whose chain start was reclaimed
             # (the chain was relocated or evicted, then the head passed its first record).
+            self.counters["unlinked_records_skipped"] += 1
+            return
+        elif chain.entries[-1].seq != e.parent:
+            self._damage(e.key)                   # its parent is missing: a hole in the chain
             self.counters["unlinked_records_skipped"] += 1
             return
         else:
@@ -358,7 +377,7 @@ class LogStore:
                 "max_record_bytes": self.max_payload, "recovery_ms": round(self.recovery_s * 1e3, 3),
                 **{k: self.counters[k] for k in ("puts", "flushes", "compactions", "relocations", "evictions",
                                                  "torn_records_skipped", "corrupt_blocks_skipped",
-                                                 "unlinked_records_skipped")},
+                                                 "unlinked_records_skipped", "damaged_chains_dropped")},
             }
 
     def entries(self) -> list[_Entry]:
