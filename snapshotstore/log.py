@@ -148,7 +148,7 @@ class LogStore:
         self._queue: list[_Request] = []
         self._leading = False
         self._key_locks = [threading.Lock() for _ in range(KEY_LOCKS)]
-        self._chains: dict[bytes, _Chain] = {}   # insertion order = LRU order
+        self._chains: collections.OrderedDict[bytes, _Chain] = collections.OrderedDict()  # LRU first
         self._log: collections.deque[_Entry] = collections.deque()
         self._damaged: set[bytes] = set()       # recovery: chains with a hole, until restarted
         self._failed: BaseException | None = None
@@ -270,10 +270,17 @@ class LogStore:
             self._damaged.discard(e.key)
         chain = self._chains.get(e.key)
         if e.kind == KIND_BASE and chain is not None:
-            self._drop(e.key)                     # the base replaces the chain; the chain
-            chain.entries, chain.raw_len = [], 0  # object stays, so puts in flight stay valid
-            self._chains[e.key] = chain
-        elif e.kind == KIND_TOMBSTONE or e.parent == 0:
+            # The base replaces the chain in one assignment, in the same chain object: a put
+            # reading the chain without the lock sees the old end or the base, same tokens.
+            for old in chain.entries:
+                old.live = False
+                self._live_blocks -= old.nblocks
+            e.live = True
+            chain.entries, chain.raw_len = [e], e.raw_len
+            self._chains.move_to_end(e.key)
+            self._live_blocks += e.nblocks
+            return
+        if e.kind == KIND_TOMBSTONE or e.parent == 0:
             if chain is not None:
                 self._drop(e.key)
             if e.kind == KIND_TOMBSTONE:
@@ -289,7 +296,7 @@ class LogStore:
             self.counters["unlinked_records_skipped"] += 1
             return
         else:
-            self._chains[e.key] = self._chains.pop(e.key)   # most recently used
+            self._chains.move_to_end(e.key)       # most recently used
         e.live = True
         chain.entries.append(e)
         chain.raw_len += e.raw_len
@@ -308,29 +315,32 @@ class LogStore:
         key, delta = check_key(key), check_delta(delta)
         raw = bytes(delta.payload)
         with self._key_locks[key[0]]:
-            with self._lock:
-                self._check_usable(write=True)
-                chain = self._chains.get(key)
-                if chain is not None and chain.entries[-1].codec != delta.codec:
-                    raise ValueError(f"this session's deltas use codec {chain.entries[-1].codec!r}, "
-                                     f"not {delta.codec!r}")
-                held = chain.entries[-1].tokens[1] if chain else 0
-                if delta.tokens[0] != held:
-                    raise SessionChanged(f"this delta starts at token {delta.tokens[0]} but the store holds "
-                                         f"tokens [0, {held}) of the session (evicted or deleted?): put "
-                                         f"its whole context again from token 0")
-                total = len(raw) + (chain.raw_len if chain else 0)
-                if total > self.max_payload:
-                    what = "this delta" if chain is None else "this session's chain with this delta"
-                    raise TooLarge(f"{what} is {total} bytes, more than the {self.max_payload} bytes one "
-                                   f"record holds on {self.path}: use a larger device or smaller deltas")
-                kind, tokens, layers = KIND_DELTA, delta.tokens, delta.layers
-                if chain is not None and len(chain.entries) >= self.compact_after:
+            self._check_usable(write=True)
+            # Without the store lock, so writers queue up while a flush is in progress. Only
+            # this key's puts (serialized here) move the chain's end; a relocation keeps it; an
+            # eviction or a delete meanwhile is caught at staging (the chain object differs).
+            chain = self._chains.get(key)
+            last = chain.entries[-1] if chain is not None else None
+            if last is not None and last.codec != delta.codec:
+                raise ValueError(f"this session's deltas use codec {last.codec!r}, not {delta.codec!r}")
+            held = last.tokens[1] if last is not None else 0
+            if delta.tokens[0] != held:
+                raise SessionChanged(f"this delta starts at token {delta.tokens[0]} but the store holds "
+                                     f"tokens [0, {held}) of the session (evicted or deleted?): put "
+                                     f"its whole context again from token 0")
+            total = len(raw) + (chain.raw_len if chain is not None else 0)
+            if total > self.max_payload:
+                what = "this delta" if chain is None else "this session's chain with this delta"
+                raise TooLarge(f"{what} is {total} bytes, more than the {self.max_payload} bytes one "
+                               f"record holds on {self.path}: use a larger device or smaller deltas")
+            kind, tokens, layers = KIND_DELTA, delta.tokens, delta.layers
+            if chain is not None and len(chain.entries) >= self.compact_after:
+                with self._lock:
                     first = chain.entries[0]
                     raw = self._read_chain(chain) + raw
-                    kind, tokens = KIND_BASE, (first.tokens[0], delta.tokens[1])
-                    layers = (min(first.layers[0], delta.layers[0]), max(first.layers[1], delta.layers[1]))
-                    self.counters["compactions"] += 1
+                kind, tokens = KIND_BASE, (first.tokens[0], delta.tokens[1])
+                layers = (min(first.layers[0], delta.layers[0]), max(first.layers[1], delta.layers[1]))
+                self.counters["compactions"] += 1
             req = self._request(kind, key, raw, tokens, layers, delta.codec, chain)
             self._commit(req)
         return req.seq
@@ -343,7 +353,7 @@ class LogStore:
             chain = self._chains.get(key)
             if chain is None:
                 return None
-            self._chains[key] = self._chains.pop(key)
+            self._chains.move_to_end(key)
             payload = self._read_chain(chain)
             first, last = chain.entries[0], chain.entries[-1]
             layers = (min(e.layers[0] for e in chain.entries), max(e.layers[1] for e in chain.entries))
@@ -617,10 +627,10 @@ class LogStore:
         bs, L, parts = self.block_size, self.log_blocks, []
         for e in chain.entries:
             view = self.dev.read_into(self._read_buf(e.nblocks * bs), self.log_start + e.lpos % L, e.nblocks)
-            h = fmt.unpack_header(view)
-            if h is None or h.lpos != e.lpos or h.seq != e.seq or h.key != e.key or not fmt.record_crc_ok(view, 0, h):
+            got = fmt.read_payload(view, e.lpos, e.seq, e.key)
+            if got is None:
                 raise SnapshotError(f"the record at block {e.lpos % L} of {self.path} is damaged "
                                     f"(run `snapshotstore fsck {self.path}`)")
-            body = bytes(view[HEADER_SIZE:HEADER_SIZE + h.stored_len])
-            parts.append(zlib.decompress(body) if h.flags & fmt.FLAG_ZLIB else body)
+            body, flags = got
+            parts.append(zlib.decompress(body) if flags & fmt.FLAG_ZLIB else body)
         return b"".join(parts)

@@ -354,3 +354,15 @@ def test_readonly_store_refuses_writes(make_device):
     with LogStore(path, readonly=True) as s:
         with pytest.raises(Exception, match="read-only"):
             s.put(key(1), Delta(b"x"))
+
+
+def test_compressed_records_restore_exact(make_device):
+    path = make_device()
+    with LogStore(path, compress=True) as s:
+        want = put_all(s, key(1), [Delta(b"ab" * 3000, tokens=(0, 10)), Delta(os.urandom(700), tokens=(10, 20))])
+        first, second = s.entries()
+        assert first.flags & fmt.FLAG_ZLIB and first.stored_len < first.raw_len == 6000
+        assert not second.flags & fmt.FLAG_ZLIB              # incompressible: stored as it is
+        assert s.restore(key(1)).payload == want
+    with LogStore(path) as s:
+        assert s.restore(key(1)).payload == want
