@@ -6,11 +6,12 @@ through once first so neither pays for allocating blocks. Latency samples of
 the store and of its reference alternate in small rounds, so a noisy
 neighbour hits both alike.
   references.raw_write_sync_p50_us|p99_us  O_DIRECT 4 KiB pwrite + fdatasync, sequential
-  references.raw_write_sync_per_s          1e6 / the mean of those (the throughput reference)
+  references.raw_write_sync_per_s          back-to-back write + fdatasync per second, one thread
   references.raw_read_p50_us               O_DIRECT 4 KiB pread at random offsets
   references.raw_read_chain<n>_p50_us      O_DIRECT preads of exactly the blocks restore_chain<n> reads
   metrics.put_4k_p50_us|p99_us             put of a one-block record (4 KiB: header + payload), durable
   metrics.put_records_per_s_w1|w4|w16      one-block puts per second from 1, 4, 16 threads (group commit)
+  metrics.put_records_per_s_w16_wait300us  the same, w16, the leader waiting 300 us for more writers (the knob)
   metrics.restore_chain<1|8|64>_p50_us     restore of a chain of n one-block deltas (compaction off)
   metrics.index_bytes_per_session          Python heap (tracemalloc) the rebuilt index holds per session
   metrics.recovery_ms_per_gib              open (scan, CRC, index) per GiB of log, one-block records
@@ -100,29 +101,29 @@ def _raw_read_extents_us(fd, extents, block_size, buf) -> float:
     return _us(t0)
 
 
-def _put_latency(report, store, raw, rounds, per_round):
+def _put_latency(report, store, raw, samples):
     payload = os.urandom(store.block_size - HEADER_SIZE)     # header + payload = one block
-    raw_us, put_us, n = [], [], 0
-    for _ in range(rounds):
-        for _ in range(per_round):
-            raw_us.append(raw.write_sync_us())
-        for _ in range(per_round):
-            k = session_key(SECRET, f"lat{n}")
-            n += 1
-            t0 = time.perf_counter_ns()
-            store.put(k, Delta(payload))
-            put_us.append(_us(t0))
+    raw_us, put_us = [], []
+    for n in range(samples):                                 # one of each, alternately
+        raw_us.append(raw.write_sync_us())
+        k, d = session_key(SECRET, f"lat{n}"), Delta(payload)
+        t0 = time.perf_counter_ns()
+        store.put(k, d)
+        put_us.append(_us(t0))
     report.reference("raw_write_sync_p50_us", pct(raw_us, 0.5), "us")
     report.reference("raw_write_sync_p99_us", pct(raw_us, 0.99), "us")
-    report.reference("raw_write_sync_per_s", 1e6 / (sum(raw_us) / len(raw_us)), "records/s")
     report.metric("put_4k_p50_us", pct(put_us, 0.5), "us")
     report.metric("put_4k_p99_us", pct(put_us, 0.99), "us")
     report.ratio("put_4k_p50_us", "raw_write_sync_p50_us")
     report.ratio("put_4k_p99_us", "raw_write_sync_p99_us")
 
 
-def _throughput(report, store, total):
+def _throughput(report, store, raw, total):
     payload = os.urandom(store.block_size - HEADER_SIZE)
+    t0 = time.perf_counter()
+    for _ in range(total):
+        raw.write_sync_us()
+    report.reference("raw_write_sync_per_s", total / (time.perf_counter() - t0), "records/s")
     for writers in (1, 4, 16):
         per = total // writers
         before = store.stats()["flushes"]
@@ -147,6 +148,18 @@ def _throughput(report, store, total):
         report.metric(name, rate, "records/s")
         report.ratio(name, "raw_write_sync_per_s")
         report.note(f"w{writers}: {per * writers / max(flushes, 1):.1f} records per fdatasync (group commit)")
+    # the knob: the leader waits for more writers before its flush
+    store.group_commit_us = 300
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=lambda w=w: [store.put(session_key(SECRET, f"gc-{w}-{i}"), Delta(payload))
+                                                     for i in range(total // 16)]) for w in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    store.group_commit_us = 0
+    report.metric("put_records_per_s_w16_wait300us", total // 16 * 16 / (time.perf_counter() - t0), "records/s")
+    report.ratio("put_records_per_s_w16_wait300us", "raw_write_sync_per_s")
 
 
 def _restore(report, store, raw_fd, sessions, samples, rng):
@@ -239,10 +252,10 @@ def run(report, args):
         raw = RawDevice(raw_path)
         try:
             with LogStore(store_path, compact_after=1000) as store:
-                _put_latency(report, store, raw, rounds=10 if quick else 40, per_round=30 if quick else 50)
+                _put_latency(report, store, raw, samples=400 if quick else 3000)
                 reads = [raw.read_us(rng) for _ in range(300 if quick else 2000)]
                 report.reference("raw_read_p50_us", pct(reads, 0.5), "us")
-                _throughput(report, store, total=480 if quick else 3200)
+                _throughput(report, store, raw, total=480 if quick else 3200)
                 store_fd = os.open(store_path, os.O_RDONLY | os.O_DIRECT)
                 try:
                     _restore(report, store, store_fd, sessions=10 if quick else 30,

@@ -93,6 +93,7 @@ def _writer(path: str, iteration: int, to_delete: list[tuple[int, int]], wfd: in
             say(f"DS {it} {sid}")
             guarded(store.delete, key_of(it, sid))
             say(f"DA {it} {sid}")
+        say("DD")
         for th in threads:
             th.join()
         store.close()
@@ -135,7 +136,10 @@ def run(path: str, iterations: int, seed: int = 0, image_size: int = 4 << 20, ma
             os.close(r)
             _writer(path, it, to_delete, w)
         os.close(w)
-        lines = _kill_at_random(pid, r, rng, max_delay_s)
+        # Kills that keep coming before the deletes would let old sessions pile up until the
+        # device is full: past a bound, this writer gets to finish its deletes first.
+        wait_for = b"DD\n" if len(to_delete) > 2 * len(sessions()) else b"R\n"
+        lines = _kill_at_random(pid, r, rng, max_delay_s, wait_for)
         os.close(r)
         res.iterations += 1
         problems = _check(path, it, lines, held, known, res)
@@ -146,12 +150,12 @@ def run(path: str, iterations: int, seed: int = 0, image_size: int = 4 << 20, ma
     return res
 
 
-def _kill_at_random(pid: int, r: int, rng: random.Random, max_delay_s: float) -> list[str]:
-    """Wait for the writer to be ready (most of the time), sleep a random while, SIGKILL it."""
+def _kill_at_random(pid: int, r: int, rng: random.Random, max_delay_s: float, wait_for: bytes) -> list[str]:
+    """Wait for the writer to say wait_for (most of the time), sleep a random while, SIGKILL it."""
     buf = b""
-    if rng.random() < 0.9:                     # else: kill during open and recovery
+    if wait_for != b"R\n" or rng.random() < 0.9:   # else: kill during open and recovery
         deadline = time.monotonic() + 10
-        while b"R\n" not in buf and b"E " not in buf and time.monotonic() < deadline:
+        while wait_for not in buf and b"E " not in buf and time.monotonic() < deadline:
             chunk = os.read(r, 65536)
             if not chunk:
                 break
@@ -182,6 +186,8 @@ def _check(path, it, lines, held, known, res: CrashResult) -> list[str]:
             del_acked.add((int(f[1]), int(f[2])))
         elif f[0] == "E":
             problems.append(f"the writer failed: {line[2:]}")
+        elif f[0] in ("R", "DD"):
+            pass
         elif f[0] == "F":
             res.writer_finished += 1
     res.acked_puts += sum(put_acked.values())
