@@ -336,6 +336,9 @@ class LogStore:
             kind, tokens, layers = KIND_DELTA, delta.tokens, delta.layers
             if chain is not None and len(chain.entries) >= self.compact_after:
                 with self._lock:
+                    if self._chains.get(key) is not chain:    # evicted since we looked
+                        raise SessionChanged("the session was evicted while this put was in flight: "
+                                             "put its whole context again")
                     first = chain.entries[0]
                     raw = self._read_chain(chain) + raw
                 kind, tokens = KIND_BASE, (first.tokens[0], delta.tokens[1])
@@ -470,6 +473,7 @@ class LogStore:
                             self._flush(staged)
                             staged = []
                             self._make_room(req, protect)
+                            self._check_chain(req)    # make_room may have evicted it
                         self._stage(req)
                         staged.append(req)
                     except (DeviceFull, SessionChanged) as e:
@@ -537,12 +541,14 @@ class LogStore:
                 self._flush([base])
                 self.counters["relocations"] += 1
             else:
-                self._evict_or_refuse(protect, e.key)
+                self._evict_or_refuse(protect, e.key)     # the head is stuck on it
 
     def _evict_or_refuse(self, protect: set, key: bytes | None = None):
-        """Drop the session key (default: the least recently used) under eviction="lru"."""
-        if key is None or key in protect:
-            key = next((k for k in self._chains if k not in protect), None)
+        """Under eviction="lru", drop key, by default the least recently used session, one
+        without a put in this batch if there is one (a put to an evicted session fails
+        with SessionChanged); under "refuse", raise DeviceFull."""
+        if key is None:
+            key = next((k for k in self._chains if k not in protect), next(iter(self._chains), None))
         if self.eviction != "lru" or key is None:
             raise DeviceFull(f"{self.path} is full of live snapshots ({self._live_blocks} of {self.log_blocks} "
                              f"blocks): delete sessions, use a larger device, or open the store with "

@@ -366,3 +366,39 @@ def test_compressed_records_restore_exact(make_device):
         assert s.restore(key(1)).payload == want
     with LogStore(path) as s:
         assert s.restore(key(1)).payload == want
+
+
+def test_concurrent_writers_readers_under_relocation_and_eviction(make_device):
+    """Threads own their sessions; the log is small, so relocation and eviction run under them."""
+    path = make_device(1 << 20)
+    errors = []
+    with LogStore(path, eviction="lru", compact_after=3) as s:
+        def worker(t):
+            model = {}
+            try:
+                for n in range(300):
+                    k = key(t * 1000 + n % 12)
+                    have = model.get(k, b"")
+                    d = Delta(bytes([t, n % 251]) * 500, tokens=(len(have), len(have) + 1000))
+                    try:
+                        s.put(k, d)
+                        model[k] = have + d.payload
+                    except SessionChanged:            # evicted: start the session again
+                        s.put(k, Delta(d.payload, tokens=(0, 1000)))
+                        model[k] = d.payload
+                    snap = s.restore(k)
+                    if snap is not None and snap.payload != model[k]:
+                        errors.append(f"thread {t}: session {n % 6} restored wrong bytes")
+                    if snap is None:
+                        model.pop(k)
+            except Exception as e:                    # reported below, with the thread's name
+                errors.append(f"thread {t}: {type(e).__name__}: {e}")
+
+        threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        st = s.stats()
+    assert errors == []
+    assert st["relocations"] > 0 and st["compactions"] > 0
