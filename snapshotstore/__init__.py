@@ -9,11 +9,11 @@
 The interface (SnapshotStore) is in api.py, the on-device format in format.py,
 the log, recovery and space management in log.py, the devices in device.py.
 """
-from .api import Delta, Snapshot, SnapshotStore, session_key
+from .api import Delta, Snapshot, SnapshotStore, WorkerStore, session_key
 from .errors import (BadKey, DeviceError, DeviceFull, FormatError, SessionChanged, SnapshotError,
                      TooLarge)
 from .log import LogStore, format_device
 
-__all__ = ["Delta", "Snapshot", "SnapshotStore", "session_key", "LogStore", "format_device",
+__all__ = ["Delta", "Snapshot", "SnapshotStore", "WorkerStore", "session_key", "LogStore", "format_device",
            "SnapshotError", "DeviceError", "FormatError", "DeviceFull", "TooLarge", "BadKey",
            "SessionChanged"]

@@ -28,7 +28,7 @@ class Delta:
     payload: bytes
     tokens: tuple[int, int] = (0, 0)     # [start, end) token positions
     layers: tuple[int, int] = (0, 0)     # [start, end) layers
-    codec: str = "raw"                   # how the worker encoded payload (<= 8 ASCII chars)
+    codec: str = "raw"                   # how the worker encoded payload (<= 16 ASCII chars)
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,7 @@ class Snapshot:
     layers: tuple[int, int]
     codec: str
     records: int                         # records read (1 after compaction)
+    parts: tuple[bytes, ...] = ()        # the deltas one by one, oldest first (payload = their join)
 
 
 def session_key(tenant_secret: bytes, session_id: int | bytes | str) -> bytes:
@@ -94,3 +95,27 @@ class SnapshotStore(Protocol):
 
     def close(self) -> None:
         """Checkpoint and release the device."""
+
+
+class WorkerStore:
+    """The worker's store interface (datapath/serving/worker.py: put(key, delta, meta),
+    restore(key) -> list of deltas, delete(key)) on a SnapshotStore: the worker's session
+    ids become tenant-private keys (HMAC), each delta blob one part of the chain.
+
+        worker = Worker(model, store=WorkerStore(LogStore(path), tenant_secret))
+    """
+
+    def __init__(self, store: SnapshotStore, tenant_secret: bytes):
+        self.store, self.secret = store, bytes(tenant_secret)
+        session_key(self.secret, 0)                      # a bad secret fails here, not at the first put
+
+    def put(self, key: int, delta: bytes, meta: dict) -> None:
+        self.store.put(session_key(self.secret, key),
+                       Delta(delta, tokens=(meta["token_start"], meta["token_end"]), codec=meta.get("codec", "raw")))
+
+    def restore(self, key: int) -> list[bytes]:
+        snap = self.store.restore(session_key(self.secret, key))
+        return list(snap.parts) if snap is not None else []
+
+    def delete(self, key: int) -> None:
+        self.store.delete(session_key(self.secret, key))

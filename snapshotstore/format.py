@@ -30,11 +30,11 @@ VERSION = 1
 SB_COPIES = 2
 LOG_START = SB_COPIES          # first log block
 KEY_LEN = 32                   # HMAC-SHA256 of the session id
-CODEC_LEN = 8                  # codec name, ASCII, NUL-padded
+CODEC_LEN = 16                 # codec name, ASCII, NUL-padded
 FILE_BLOCK_SIZE = 4096         # block size of a regular-file device
 
 KIND_DELTA = 1      # one KV delta, parent = the previous record of the chain
-KIND_BASE = 2       # a whole chain merged into one record (compaction); parent 0
+KIND_BASE = 2       # a whole chain merged into one record (compaction); parent 0; payload: pack_parts
 KIND_TOMBSTONE = 3  # the key was deleted: drop its chain
 KIND_PAD = 4        # fills the log to the end of the lap; only its first block is written
 KIND_NAMES = {KIND_DELTA: "delta", KIND_BASE: "base", KIND_TOMBSTONE: "tombstone", KIND_PAD: "pad"}
@@ -44,6 +44,27 @@ FLAG_ZLIB = 1       # payload is zlib-compressed; raw_len is the length after in
 
 def crc32c(data, value: int = 0) -> int:
     return _crc32c.crc32c(data, value)
+
+
+_U32 = struct.Struct("<I")
+
+
+def pack_parts(parts: list[bytes]) -> bytes:
+    """A base record's payload: u32 count, count u32 lengths, then the deltas it merged, in
+    order, so that a restore can still hand them back one by one."""
+    return struct.pack(f"<I{len(parts)}I", len(parts), *map(len, parts)) + b"".join(parts)
+
+
+def unpack_parts(payload: bytes) -> list[bytes]:
+    n = _U32.unpack_from(payload)[0]
+    lens = struct.unpack_from(f"<{n}I", payload, 4)
+    out, off = [], 4 + 4 * n
+    for ln in lens:
+        out.append(payload[off:off + ln])
+        off += ln
+    if off != len(payload):
+        raise ValueError("a base record's parts do not add up to its payload")
+    return out
 
 
 class Layout:

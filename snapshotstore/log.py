@@ -328,7 +328,8 @@ class LogStore:
                 raise SessionChanged(f"this delta starts at token {delta.tokens[0]} but the store holds "
                                      f"tokens [0, {held}) of the session (evicted or deleted?): put "
                                      f"its whole context again from token 0")
-            total = len(raw) + (chain.raw_len if chain is not None else 0)
+            # bytes of the base this chain compacts into: its deltas and a part table (a bound)
+            total = len(raw) + (chain.raw_len + 4 * (len(chain.entries) + 2) if chain is not None else 0)
             if total > self.max_payload:
                 what = "this delta" if chain is None else "this session's chain with this delta"
                 raise TooLarge(f"{what} is {total} bytes, more than the {self.max_payload} bytes one "
@@ -340,7 +341,7 @@ class LogStore:
                         raise SessionChanged("the session was evicted while this put was in flight: "
                                              "put its whole context again")
                     first = chain.entries[0]
-                    raw = self._read_chain(chain) + raw
+                    raw = fmt.pack_parts(self._read_chain(chain) + [raw])
                 kind, tokens = KIND_BASE, (first.tokens[0], delta.tokens[1])
                 layers = (min(first.layers[0], delta.layers[0]), max(first.layers[1], delta.layers[1]))
                 self.counters["compactions"] += 1
@@ -357,10 +358,11 @@ class LogStore:
             if chain is None:
                 return None
             self._chains.move_to_end(key)
-            payload = self._read_chain(chain)
+            parts = self._read_chain(chain)
             first, last = chain.entries[0], chain.entries[-1]
             layers = (min(e.layers[0] for e in chain.entries), max(e.layers[1] for e in chain.entries))
-            return Snapshot(payload, (first.tokens[0], last.tokens[1]), layers, last.codec, len(chain.entries))
+            return Snapshot(b"".join(parts), (first.tokens[0], last.tokens[1]), layers, last.codec,
+                            len(chain.entries), tuple(parts))
 
     def delete(self, key: bytes) -> bool:
         """Drop key's chain durably (a tombstone record); False if there was none."""
@@ -560,8 +562,8 @@ class LogStore:
         """The chain compacted into one base record (relocation at the head)."""
         first, last = chain.entries[0], chain.entries[-1]
         layers = (min(e.layers[0] for e in chain.entries), max(e.layers[1] for e in chain.entries))
-        return self._request(KIND_BASE, key, self._read_chain(chain), (first.tokens[0], last.tokens[1]),
-                             layers, last.codec, chain)
+        return self._request(KIND_BASE, key, fmt.pack_parts(self._read_chain(chain)),
+                             (first.tokens[0], last.tokens[1]), layers, last.codec, chain)
 
     # --- staging and flushing ------------------------------------------------------------
 
@@ -628,8 +630,9 @@ class LogStore:
         self._sb_head = self._head
         self.superblocks_valid = fmt.SB_COPIES
 
-    def _read_chain(self, chain: _Chain) -> bytes:
-        """The chain's payloads concatenated, each record's CRC and identity checked."""
+    def _read_chain(self, chain: _Chain) -> list[bytes]:
+        """The chain's deltas, oldest first (a base gives back the ones it merged), each
+        record's CRC and identity checked."""
         bs, L, parts = self.block_size, self.log_blocks, []
         for e in chain.entries:
             view = self.dev.read_into(self._read_buf(e.nblocks * bs), self.log_start + e.lpos % L, e.nblocks)
@@ -638,5 +641,9 @@ class LogStore:
                 raise SnapshotError(f"the record at block {e.lpos % L} of {self.path} is damaged "
                                     f"(run `snapshotstore fsck {self.path}`)")
             body, flags = got
-            parts.append(zlib.decompress(body) if flags & fmt.FLAG_ZLIB else body)
-        return b"".join(parts)
+            body = zlib.decompress(body) if flags & fmt.FLAG_ZLIB else body
+            if e.kind == KIND_BASE:
+                parts += fmt.unpack_parts(body)
+            else:
+                parts.append(body)
+        return parts

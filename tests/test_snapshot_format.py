@@ -10,7 +10,7 @@ SUPERBLOCK_OFFSETS = {
 RECORD_OFFSETS = {
     "magic": 0, "kind": 4, "flags": 5, "reserved0": 6, "store_id": 8, "lpos": 16, "epoch": 24, "seq": 32,
     "parent_seq": 40, "key": 48, "token_start": 80, "token_end": 84, "layer_start": 88, "layer_end": 90,
-    "nblocks": 92, "raw_len": 96, "stored_len": 100, "codec": 104, "crc": 112, "reserved1": 116,
+    "nblocks": 92, "raw_len": 96, "stored_len": 100, "codec": 104, "crc": 120, "reserved1": 124,
 }
 
 
@@ -21,7 +21,7 @@ def test_superblock_offsets_are_pinned():
 
 def test_record_header_offsets_are_pinned():
     assert fmt.RECORD.offsets == RECORD_OFFSETS
-    assert fmt.HEADER_SIZE == fmt.RECORD.size == 120
+    assert fmt.HEADER_SIZE == fmt.RECORD.size == 128
 
 
 def test_constants():
@@ -78,3 +78,10 @@ def test_a_delta_that_fits_one_block_is_one_block(block_size):
     assert fmt.record_blocks(fits, block_size) == 1
     assert fmt.record_blocks(fits + 1, block_size) == 2
     assert fmt.record_blocks(0, block_size) == 1
+
+
+@pytest.mark.parametrize("parts", [[b""], [b"a"], [b"abc", b"", b"defgh" * 100]])
+def test_base_payload_keeps_the_parts(parts):
+    packed = fmt.pack_parts(parts)
+    assert packed[:4] == len(parts).to_bytes(4, "little") and packed.endswith(b"".join(parts))
+    assert fmt.unpack_parts(packed) == parts

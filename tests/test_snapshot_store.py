@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from snapshotstore import (BadKey, Delta, DeviceError, DeviceFull, FormatError, LogStore, SessionChanged,
-                           SnapshotStore, TooLarge, format_device, session_key)
+                           SnapshotStore, TooLarge, WorkerStore, format_device, session_key)
 from snapshotstore import format as fmt
 from snapshotstore.device import BlockDevice, aligned_buffer, create_image
 from snapshotstore.loop import loop_device
@@ -131,9 +131,11 @@ def test_delete_is_durable_and_list(make_device):
 def test_compaction_merges_a_long_chain_into_a_base(make_device):
     path = make_device()
     with LogStore(path, compact_after=4) as s:
-        want = put_all(s, key(1), deltas(10, 700))
+        ds = deltas(10, 700)
+        want = put_all(s, key(1), ds)
         snap = s.restore(key(1))
         assert snap.payload == want and snap.tokens == (0, 7000) and snap.records <= 4
+        assert snap.parts == tuple(d.payload for d in ds)      # the deltas survive the merge one by one
         assert s.stats()["compactions"] >= 2
         assert fmt.KIND_BASE in {e.kind for e in s.entries() if e.live}
     with LogStore(path) as s:
@@ -402,3 +404,25 @@ def test_concurrent_writers_readers_under_relocation_and_eviction(make_device):
         st = s.stats()
     assert errors == []
     assert st["relocations"] > 0 and st["compactions"] > 0
+
+
+def test_worker_interface_chain_of_blobs(make_device):
+    """WorkerStore: the worker's put(key, delta, meta) / restore(key) -> [blobs] / delete(key)."""
+    path = make_device()
+    blobs = [os.urandom(n) for n in (900, 5000, 40, 3000, 700, 12000)]
+    with LogStore(path, compact_after=3) as s:
+        ws = WorkerStore(s, SECRET)
+        start = 0
+        for b in blobs:
+            ws.put(77, b, dict(token_start=start, token_end=start + 10, codec="int8_zstd", request_id=1))
+            start += 10
+        assert ws.restore(77) == blobs and ws.restore(78) == []
+        assert s.stats()["compactions"] >= 1
+        other = WorkerStore(s, b"another-tenant-secret")    # another tenant cannot name it
+        assert other.restore(77) == []
+    with LogStore(path) as s:
+        ws = WorkerStore(s, SECRET)
+        assert ws.restore(77) == blobs
+        assert s.restore(session_key(SECRET, 77)).codec == "int8_zstd"
+        ws.delete(77)
+        assert ws.restore(77) == []
