@@ -126,6 +126,7 @@ def run(path: str, iterations: int, seed: int = 0, image_size: int = 4 << 20, ma
     held: dict[tuple[int, int], int] = {}      # (iteration, sid) -> deltas the last check found
     known = {}                                 # key -> (iteration, sid)
     started = time.perf_counter()
+    delay_cap = max_delay_s
     for it in range(iterations):
         for sid in sessions():
             known[key_of(it, sid)] = (it, sid)
@@ -139,10 +140,14 @@ def run(path: str, iterations: int, seed: int = 0, image_size: int = 4 << 20, ma
         # Kills that keep coming before the deletes would let old sessions pile up until the
         # device is full: past a bound, this writer gets to finish its deletes first.
         wait_for = b"DD\n" if len(to_delete) > 2 * len(sessions()) else b"R\n"
-        lines = _kill_at_random(pid, r, rng, max_delay_s, wait_for)
+        lines = _kill_at_random(pid, r, rng, delay_cap, wait_for)
         os.close(r)
         res.iterations += 1
+        finished = res.writer_finished
         problems = _check(path, it, lines, held, known, res)
+        # Keep the kills landing mid-work on a device of any speed: a writer that got done
+        # first shortens the window, one that was cut lengthens it back.
+        delay_cap = delay_cap * 0.7 if res.writer_finished > finished else min(max_delay_s, delay_cap * 1.05)
         res.failures += [f"iteration {it}: {p}" for p in problems]
         if len(res.failures) > 20:
             break
