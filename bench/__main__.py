@@ -16,12 +16,14 @@ SUITES = {
     "e2e": "bench.e2e",
     "ingress": "bench.ingress",
     "worker": "bench.worker",
+    "snapshot": "bench.snapshot",
 }
 
 EPILOG = """examples:
     python -m bench wire --quick            # a short run, table + bench-results/wire.json
     python -m bench wire --json /tmp/w.json
     python -m bench all                     # every suite, in full
+    sudo python -m bench snapshot --soak    # the snapshot store, and 1,000 SIGKILLed writers
 """
 
 
@@ -32,6 +34,7 @@ def main(argv=None) -> int:
     p.add_argument("suite", choices=[*SUITES, "all"], help="suite to run")
     p.add_argument("--quick", action="store_true", help="short run (under 2 minutes)")
     p.add_argument("--json", metavar="PATH", help="where to write the JSON (default bench-results/SUITE.json)")
+    p.add_argument("--soak", action="store_true", help="snapshot: also run the 1,000-iteration crash soak")
     args = p.parse_args(argv)
     names = list(SUITES) if args.suite == "all" else [args.suite]
     if args.json and len(names) > 1:

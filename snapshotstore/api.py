@@ -1,0 +1,121 @@
+"""The store interface the worker calls, and that a remote (NVMe/TCP) store implements too.
+
+    key = session_key(tenant_secret, session_id)       # 32 bytes, HMAC-SHA256
+    seq = store.put(key, Delta(kv_bytes, tokens=(0, 128), layers=(0, 4), codec="f32"))
+    snap = store.restore(key)    # Snapshot: the chain's payloads concatenated, or None
+    store.delete(key); store.list(); store.stats(); store.close()
+
+put returns only once the record is durable. A session's deltas form a chain
+(each delta's parent is the previous one); restore returns their payloads
+concatenated in put order, with the token range from the first delta's start
+to the last one's end. Keys are HMAC(tenant secret, session id): a tenant
+that does not hold another's secret cannot name its snapshots.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from .errors import BadKey
+from .format import CODEC_LEN, KEY_LEN
+
+
+@dataclass(frozen=True)
+class Delta:
+    """One request's KV delta: opaque bytes and what they cover."""
+    payload: bytes
+    tokens: tuple[int, int] = (0, 0)     # [start, end) token positions
+    layers: tuple[int, int] = (0, 0)     # [start, end) layers
+    codec: str = "raw"                   # how the worker encoded payload (<= 16 ASCII chars)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A restored session: every delta's payload, concatenated."""
+    payload: bytes
+    tokens: tuple[int, int]
+    layers: tuple[int, int]
+    codec: str
+    records: int                         # records read (1 after compaction)
+    parts: tuple[bytes, ...] = ()        # the deltas one by one, oldest first (payload = their join)
+
+
+def session_key(tenant_secret: bytes, session_id: int | bytes | str) -> bytes:
+    if not isinstance(tenant_secret, (bytes, bytearray)) or len(tenant_secret) < 16:
+        raise BadKey("the tenant secret must be at least 16 bytes")
+    if isinstance(session_id, int):
+        sid = session_id.to_bytes(8, "little", signed=False)
+    elif isinstance(session_id, str):
+        sid = session_id.encode()
+    else:
+        sid = bytes(session_id)
+    return hmac.new(bytes(tenant_secret), b"zerolayer-session\0" + sid, hashlib.sha256).digest()
+
+
+def check_key(key) -> bytes:
+    if not isinstance(key, (bytes, bytearray)):
+        raise BadKey(f"a snapshot key is {KEY_LEN} bytes from session_key(), not a {type(key).__name__}")
+    if len(key) != KEY_LEN:
+        raise BadKey(f"a snapshot key is {KEY_LEN} bytes from session_key(), not {len(key)} bytes")
+    return bytes(key)
+
+
+def check_delta(delta) -> Delta:
+    if not isinstance(delta, Delta):
+        raise TypeError(f"put takes a snapshotstore.Delta, not a {type(delta).__name__}")
+    if not isinstance(delta.payload, (bytes, bytearray, memoryview)):
+        raise TypeError(f"a delta's payload is bytes, not a {type(delta.payload).__name__}")
+    codec = delta.codec.encode("ascii", "replace") if isinstance(delta.codec, str) else b""
+    if not codec or len(codec) > CODEC_LEN or not delta.codec.isascii():
+        raise ValueError(f"a codec name is 1 to {CODEC_LEN} ASCII characters, not {delta.codec!r}")
+    for name, (lo, hi), top in (("tokens", delta.tokens, 1 << 32), ("layers", delta.layers, 1 << 16)):
+        if not (0 <= lo <= hi < top):
+            raise ValueError(f"a delta's {name} range must be 0 <= start <= end < {top}, not ({lo}, {hi})")
+    return delta
+
+
+@runtime_checkable
+class SnapshotStore(Protocol):
+    def put(self, key: bytes, delta: Delta) -> int:
+        """Append delta to key's chain; return its sequence number once it is durable."""
+
+    def restore(self, key: bytes) -> Snapshot | None:
+        """The key's chain concatenated, or None if the store has nothing for key."""
+
+    def delete(self, key: bytes) -> bool:
+        """Drop key's chain durably; False if there was none."""
+
+    def list(self) -> list[bytes]:
+        """The keys with a snapshot."""
+
+    def stats(self) -> dict:
+        """Counters and space figures (names are the store's own)."""
+
+    def close(self) -> None:
+        """Checkpoint and release the device."""
+
+
+class WorkerStore:
+    """The worker's store interface (datapath/serving/worker.py: put(key, delta, meta),
+    restore(key) -> list of deltas, delete(key)) on a SnapshotStore: the worker's session
+    ids become tenant-private keys (HMAC), each delta blob one part of the chain.
+
+        worker = Worker(model, store=WorkerStore(LogStore(path), tenant_secret))
+    """
+
+    def __init__(self, store: SnapshotStore, tenant_secret: bytes):
+        self.store, self.secret = store, bytes(tenant_secret)
+        session_key(self.secret, 0)                      # a bad secret fails here, not at the first put
+
+    def put(self, key: int, delta: bytes, meta: dict) -> None:
+        self.store.put(session_key(self.secret, key),
+                       Delta(delta, tokens=(meta["token_start"], meta["token_end"]), codec=meta.get("codec", "raw")))
+
+    def restore(self, key: int) -> list[bytes]:
+        snap = self.store.restore(session_key(self.secret, key))
+        return list(snap.parts) if snap is not None else []
+
+    def delete(self, key: int) -> None:
+        self.store.delete(session_key(self.secret, key))

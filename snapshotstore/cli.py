@@ -1,0 +1,148 @@
+"""snapshotstore: format, inspect, check and count a snapshot store on a block device or image file.
+
+    snapshotstore format [DEVICE] [--size SIZE] [--force]
+    snapshotstore inspect [DEVICE] [--limit N]
+    snapshotstore fsck [DEVICE]
+    snapshotstore stats [DEVICE] [--json]
+
+DEVICE is a regular file, a loop device, or an NVMe / NVMe-oF namespace
+(/dev/nvmeXnY, attached with nvme-cli); without one, the default image in the
+state directory. inspect, fsck and stats open the store read-only.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from .device import DEFAULT_IMAGE_SIZE, create_image, default_image_path
+from .errors import SnapshotError
+from .format import KIND_NAMES, KIND_PAD
+
+EPILOG = """examples:
+    snapshotstore format /tmp/store.img --size 256M   # create a sparse image and format it
+    sudo snapshotstore format /dev/nvme1n1 --force    # erase a namespace and make an empty store
+    snapshotstore inspect /tmp/store.img --limit 20   # the log, oldest record first
+    snapshotstore fsck /tmp/store.img                 # every CRC and every chain; exit 1 if damaged
+    snapshotstore stats --json                        # the default store's counters
+"""
+
+
+def parse_size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    try:
+        if t and t[-1] in units:
+            return int(float(t[:-1]) * units[t[-1]])
+        return int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (examples: 4096, 256M, 1G)") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="snapshotstore", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    device = dict(nargs="?", help=f"block device or image file (default: {default_image_path()})")
+    f = sub.add_parser("format", help="make an empty store (creates an image file with --size)")
+    f.add_argument("device", **device)
+    f.add_argument("--size", type=parse_size, help="create the image file with this size "
+                                                    f"(default {DEFAULT_IMAGE_SIZE >> 30} GiB for the default image)")
+    f.add_argument("--force", action="store_true", help="erase an existing store")
+    i = sub.add_parser("inspect", help="list the records of the log, oldest first")
+    i.add_argument("device", **device)
+    i.add_argument("--limit", type=int, default=0, help="show at most N records (default all)")
+    c = sub.add_parser("fsck", help="verify every record's CRC and every chain; exit 1 on damage")
+    c.add_argument("device", **device)
+    s = sub.add_parser("stats", help="sessions, records, space and recovery counters")
+    s.add_argument("device", **device)
+    s.add_argument("--json", action="store_true", help="print JSON")
+    return p
+
+
+def _format(args) -> int:
+    from .log import format_device
+    path = args.device or default_image_path()
+    if not os.path.exists(path):
+        if args.device is None:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+        elif args.size is None:
+            raise SnapshotError(f"{path} does not exist: pass --size to create an image file there")
+        create_image(path, args.size or DEFAULT_IMAGE_SIZE)
+        print(f"created {path} ({(args.size or DEFAULT_IMAGE_SIZE) >> 20} MiB sparse image)")
+    elif args.size is not None:
+        raise SnapshotError(f"{path} exists already: --size only applies to a new image file")
+    sb = format_device(path, force=args.force)
+    print(f"formatted {path}: {sb.log_blocks} log blocks of {sb.block_size} bytes, store id {sb.store_id:016x}")
+    return 0
+
+
+def _open(args):
+    from .log import LogStore
+    path = args.device or default_image_path()
+    return LogStore(path, readonly=True)
+
+
+def _inspect(args) -> int:
+    with _open(args) as store:
+        print(f"{'lpos':>10} {'kind':<9} {'key':<16} {'seq':>8} {'parent':>8} {'tokens':>15} {'layers':>7} "
+              f"{'codec':<8} {'raw':>8} {'stored':>8} {'blocks':>6} state")
+        for n, e in enumerate(store.entries()):
+            if args.limit and n >= args.limit:
+                break
+            key = "-" if e.kind == KIND_PAD else e.key.hex()[:16]
+            print(f"{e.lpos:>10} {KIND_NAMES[e.kind]:<9} {key:<16} {e.seq:>8} {e.parent:>8} "
+                  f"{f'{e.tokens[0]}-{e.tokens[1]}':>15} {f'{e.layers[0]}-{e.layers[1]}':>7} {e.codec:<8} "
+                  f"{e.raw_len:>8} {e.stored_len:>8} {e.nblocks:>6} {'live' if e.live else 'dead'}")
+        st = store.stats()
+        print(f"{st['records']} live records in {st['sessions']} sessions; skipped: "
+              f"{st['torn_records_skipped']} torn, {st['corrupt_blocks_skipped']} corrupt blocks, "
+              f"{st['unlinked_records_skipped']} unlinked")
+    return 0
+
+
+def _fsck(args) -> int:
+    with _open(args) as store:
+        st = store.stats()
+        problems = store.verify()
+        if st["superblocks_valid"] < 2:
+            problems.append(f"{2 - st['superblocks_valid']} of 2 superblock copies damaged "
+                            f"(the next read-write open rewrites both)")
+        if st["corrupt_blocks_skipped"]:
+            problems.append(f"{st['corrupt_blocks_skipped']} corrupt blocks in the durable part of the log")
+        print(f"{store.path}: {st['sessions']} sessions, {st['records']} live records, every CRC read: "
+              f"{len(store.entries())} records from head {st['head']} to tail {st['tail']}")
+        if st["torn_records_skipped"]:
+            print(f"  a torn record at the end of the log (an unacknowledged write cut by a crash): ignored")
+        for p in problems:
+            print(f"  damage: {p}")
+        print("  clean" if not problems else f"  {len(problems)} problems")
+        return 1 if problems else 0
+
+
+def _stats(args) -> int:
+    with _open(args) as store:
+        st = store.stats()
+    if args.json:
+        print(json.dumps(st, indent=2))
+    else:
+        for k, v in st.items():
+            print(f"{k:<26} {v}")
+    return 0
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return {"format": _format, "inspect": _inspect, "fsck": _fsck, "stats": _stats}[args.command](args)
+    except SnapshotError as e:
+        print(f"snapshotstore: {e}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:       # `snapshotstore inspect | head`
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,649 @@
+"""LogStore: the snapshot store as an append-only circular log on one block device.
+
+Writes. put() stages a record and joins a group commit: the first writer to
+find no commit in progress becomes the leader, takes every queued record,
+writes them with one pwritev per contiguous run of blocks and one fdatasync,
+then wakes the others (leader/follower: a lone writer pays no thread
+hand-off). group_commit_us makes the leader wait that long for more writers
+first: latency traded for throughput. Puts to one key are serialized (a
+chain is a sequence); puts to different keys share flushes.
+
+Recovery. open() takes the superblock copy with the highest generation and
+scans from its head. Before its checkpoint tail every record was durable, so
+a bad block there is corruption: counted, skipped, and the scan resyncs on
+the next block whose header names its own position. Past the checkpoint the
+first bad record is the torn end of the last, unacknowledged batch: counted,
+and the log ends there. A record must carry this store's id, its own
+position and an epoch no older than the record before it, so a stale block
+(an earlier lap, an earlier format, an unacknowledged record left beyond a
+torn one by an earlier crash) never passes for a live one.
+
+Space. The log runs from head to tail. Before a record lands on reclaimed
+blocks, the superblock (both copies) is written with the new head, so a
+crash never leaves a head pointing at overwritten blocks. Reclaim pops dead
+records at the head and relocates a live chain found there by compacting it
+into one base record at the tail. When live data alone would not leave room,
+eviction="lru" drops the least recently used sessions (not logged: a crash
+may bring an evicted session back whole, never half), eviction="refuse"
+raises DeviceFull. Every chain fits one record (max_record_bytes), so a
+chain can always be compacted.
+"""
+from __future__ import annotations
+
+import collections
+import fcntl
+import os
+import random
+import sys
+import threading
+import time
+import zlib
+
+from . import format as fmt
+from .api import Delta, Snapshot, check_delta, check_key
+from .device import DEFAULT_IMAGE_SIZE, BlockDevice, aligned_buffer, create_image, default_image_path
+from .errors import DeviceError, DeviceFull, FormatError, SessionChanged, SnapshotError, TooLarge
+from .format import (HEADER_SIZE, KIND_BASE, KIND_DELTA, KIND_PAD, KIND_TOMBSTONE, RecordHeader,
+                     Superblock, record_blocks)
+
+RESERVE_BLOCKS = 8               # at least, and 1/32 of the log: kept for tombstones (deletes on a full log)
+MAX_RECORD_BYTES = 16 << 20      # and at most 1/16 of the log
+SCAN_WINDOW_BYTES = 1 << 20      # recovery reads the log in windows this large
+KEY_LOCKS = 256
+
+
+class _Entry:
+    """One record of the log, as the index keeps it."""
+    __slots__ = ("lpos", "nblocks", "kind", "key", "seq", "parent", "tokens", "layers",
+                 "raw_len", "stored_len", "flags", "codec", "live")
+
+    def __init__(self, h: RecordHeader):
+        self.lpos, self.nblocks, self.kind, self.key = h.lpos, h.nblocks, h.kind, h.key
+        self.seq, self.parent = h.seq, h.parent_seq
+        self.tokens, self.layers = (h.token_start, h.token_end), (h.layer_start, h.layer_end)
+        self.raw_len, self.stored_len, self.flags, self.codec = h.raw_len, h.stored_len, h.flags, h.codec
+        self.live = False
+
+
+class _Chain:
+    __slots__ = ("entries", "raw_len")
+
+    def __init__(self):
+        self.entries: list[_Entry] = []
+        self.raw_len = 0
+
+
+class _Request:
+    """A record on its way through the group commit."""
+    __slots__ = ("kind", "key", "payload", "flags", "raw_len", "tokens", "layers", "codec",
+                 "expect", "nblocks", "done", "error", "seq")
+
+    def __init__(self, kind, key, payload=b"", flags=0, raw_len=0, tokens=(0, 0), layers=(0, 0),
+                 codec="", expect=None, block_size=4096):
+        self.kind, self.key, self.payload, self.flags, self.raw_len = kind, key, payload, flags, raw_len
+        self.tokens, self.layers, self.codec, self.expect = tokens, layers, codec, expect
+        self.nblocks = record_blocks(len(payload), block_size)
+        self.done, self.error, self.seq = False, None, 0
+
+
+def format_device(path: str, force: bool = False) -> Superblock:
+    """Write an empty store (both superblock copies) on path; refuses to erase a store unless force."""
+    dev = BlockDevice(path)
+    try:
+        buf = aligned_buffer(fmt.SB_COPIES * dev.block_size)
+        if dev.blocks >= fmt.SB_COPIES and not force:
+            view = dev.read_into(buf, 0, fmt.SB_COPIES)
+            bs = dev.block_size
+            if any(fmt.unpack_superblock(view[i * bs:(i + 1) * bs]) for i in range(fmt.SB_COPIES)):
+                raise FormatError(f"{path} already holds a snapshot store: pass --force to erase it")
+        log_blocks = dev.blocks - fmt.LOG_START
+        if log_blocks < 64:
+            raise DeviceError(f"{path} is too small: a store needs at least {64 + fmt.LOG_START} "
+                              f"blocks of {dev.block_size} bytes")
+        sb = Superblock(dev.block_size, random.getrandbits(64), dev.blocks, fmt.LOG_START, log_blocks,
+                        head=0, tail=0, generation=1, last_seq=0)
+        _write_superblocks(dev, buf, sb)
+        return sb
+    finally:
+        dev.close()
+
+
+def _write_superblocks(dev: BlockDevice, buf, sb: Superblock) -> None:
+    # Copy 0, sync, copy 1, sync: a torn write damages one copy, the other is the same or one older.
+    data = fmt.pack_superblock(sb)
+    buf[:dev.block_size] = data + bytes(dev.block_size - len(data))
+    for copy in range(fmt.SB_COPIES):
+        dev.write_from(buf, 0, copy, 1)
+        dev.sync()
+
+
+class LogStore:
+    """The block-device snapshot store (implements snapshotstore.SnapshotStore)."""
+
+    def __init__(self, path: str | None = None, *, readonly: bool = False, group_commit_us: float = 0,
+                 compact_after: int = 16, eviction: str = "refuse", compress: bool = False,
+                 image_size: int = DEFAULT_IMAGE_SIZE):
+        if eviction not in ("refuse", "lru"):
+            raise ValueError(f"eviction is 'refuse' or 'lru', not {eviction!r}")
+        if compact_after < 1:
+            raise ValueError("compact_after must be at least 1")
+        if path is None:
+            path = default_image_path()
+            if not os.path.exists(path) and not readonly:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                create_image(path, image_size)
+                format_device(path)
+                print(f"snapshotstore: created {path} ({image_size >> 20} MiB sparse image)", file=sys.stderr)
+        self.path, self.readonly = path, readonly
+        self.group_commit_us, self.compact_after = group_commit_us, compact_after
+        self.eviction, self.compress = eviction, compress
+        self.dev = BlockDevice(path, readonly)
+        try:
+            fcntl.flock(self.dev.fd, (fcntl.LOCK_SH if readonly else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.dev.close()
+            raise DeviceError(f"{path} is in use by another snapshot store process") from None
+        self._lock = threading.Lock()            # the index, the log state, the device
+        self._cv = threading.Condition()         # the commit queue and the leader flag
+        self._queue: list[_Request] = []
+        self._leading = False
+        self._key_locks = [threading.Lock() for _ in range(KEY_LOCKS)]
+        self._chains: collections.OrderedDict[bytes, _Chain] = collections.OrderedDict()  # LRU first
+        self._log: collections.deque[_Entry] = collections.deque()
+        self._damaged: set[bytes] = set()       # recovery: chains with a hole, until restarted
+        self._failed: BaseException | None = None
+        self._closed = False
+        self.counters = collections.Counter()
+        try:
+            self._open()
+        except BaseException:
+            self.dev.close()
+            raise
+
+    # --- open and recovery ---------------------------------------------------------
+
+    def _open(self):
+        bs = self.dev.block_size
+        self._sbuf = aligned_buffer(fmt.SB_COPIES * bs)
+        copies = [None] * fmt.SB_COPIES
+        if self.dev.blocks >= fmt.SB_COPIES:
+            view = self.dev.read_into(self._sbuf, 0, fmt.SB_COPIES)
+            copies = [fmt.unpack_superblock(view[i * bs:(i + 1) * bs]) for i in range(fmt.SB_COPIES)]
+        self.superblocks_valid = sum(c is not None for c in copies)
+        if not self.superblocks_valid:
+            raise FormatError(f"{self.path} holds no snapshot store (both superblock copies are missing "
+                              f"or corrupt): `snapshotstore format {self.path} --force` makes a new, empty one")
+        sb = max((c for c in copies if c), key=lambda c: c.generation)
+        if sb.block_size != bs:
+            raise FormatError(f"{self.path} was formatted with {sb.block_size}-byte blocks but has "
+                              f"{bs}-byte blocks now: reformat it")
+        if sb.log_start + sb.log_blocks > self.dev.blocks:
+            raise FormatError(f"{self.path} is smaller than when it was formatted: reformat it")
+        self.block_size, self.store_id, self.capacity_blocks = bs, sb.store_id, sb.capacity_blocks
+        self.log_start, self.log_blocks = sb.log_start, sb.log_blocks
+        self.max_record_blocks = max(1, min(self.log_blocks // 16, MAX_RECORD_BYTES // bs))
+        self.max_payload = self.max_record_blocks * bs - HEADER_SIZE
+        self._reserve = max(RESERVE_BLOCKS, self.log_blocks // 32)
+        self._generation, self._last_seq = sb.generation, sb.last_seq
+        self._live_blocks = 0
+        self._rbuf = aligned_buffer(SCAN_WINDOW_BYTES)
+        started = time.perf_counter()
+        self._recover(sb)
+        self.recovery_s = time.perf_counter() - started
+        self._durable_tail = self._tail
+        self._wbuf = aligned_buffer(1 << 20)
+        self._woff, self._segments = 0, []
+        if not self.readonly:
+            self._write_superblock()              # the checkpoint: this session's epoch starts here
+        self._epoch = self._generation
+
+    def _read_buf(self, nbytes: int):
+        if len(self._rbuf) < nbytes:
+            self._rbuf = aligned_buffer(nbytes)
+        return self._rbuf
+
+    def _recover(self, sb: Superblock):
+        L, bs, head, ckpt = self.log_blocks, self.block_size, sb.head, sb.tail
+        window = max(1, SCAN_WINDOW_BYTES // bs)
+        win = [0, 0, None]                        # lpos, blocks, view of the last read
+
+        def blocks_at(pos: int, n: int):
+            """A view of n blocks at pos (never across the lap end), read a window at a time."""
+            if not (win[0] <= pos and pos + n <= win[0] + win[1]):
+                phys, count = pos % L, min(max(n, window), L - pos % L)
+                win[:] = pos, count, self.dev.read_into(self._read_buf(count * bs), self.log_start + phys, count)
+            return win[2], (pos - win[0]) * bs
+
+        pos, last_epoch = head, 0
+        while pos - head < L:
+            phys = pos % L
+            view, off = blocks_at(pos, 1)
+            h = fmt.unpack_header(view, off)
+            ok = (h is not None and h.store_id == self.store_id and h.lpos == pos
+                  and last_epoch <= h.epoch <= sb.generation and 1 <= h.nblocks <= L - phys
+                  and pos + h.nblocks - head <= L and self._shape_ok(h, phys))
+            if ok:
+                if h.kind != KIND_PAD:
+                    view, off = blocks_at(pos, h.nblocks)
+                ok = fmt.record_crc_ok(view, off, h)
+            if not ok:
+                if pos < ckpt:                    # durable region: damage; resync on the next block
+                    self.counters["corrupt_blocks_skipped"] += 1
+                    if h is not None and h.store_id == self.store_id and h.lpos == pos:
+                        self._damage(h.key)       # its payload is bad: that chain has a hole
+                    pos += 1
+                    continue
+                if h is not None and h.store_id == self.store_id and h.lpos == pos:
+                    self.counters["torn_records_skipped"] += 1
+                break                             # past the checkpoint: the torn end of the log
+            last_epoch = h.epoch
+            self._last_seq = max(self._last_seq, h.seq)
+            entry = _Entry(h)
+            self._log.append(entry)
+            self._link(entry)
+            pos += h.nblocks
+        self._head = self._log[0].lpos if self._log else pos
+        self._tail = pos
+        self._sb_head = sb.head
+
+    def _shape_ok(self, h: RecordHeader, phys: int) -> bool:
+        if h.kind == KIND_PAD:
+            return h.stored_len == 0 and phys + h.nblocks == self.log_blocks
+        return (h.kind in (KIND_DELTA, KIND_BASE, KIND_TOMBSTONE)
+                and h.nblocks == record_blocks(h.stored_len, self.block_size))
+
+    def _damage(self, key: bytes):
+        """Recovery found a hole in key's chain: drop it, and its records until a new start."""
+        if key in self._chains:
+            self._drop(key)
+            self.counters["damaged_chains_dropped"] += 1
+        self._damaged.add(key)
+
+    def _link(self, e: _Entry):
+        """Apply a record to the index (on stage, and on recovery in log order)."""
+        if e.kind == KIND_PAD:
+            return
+        if e.key in self._damaged:
+            if e.kind == KIND_DELTA and e.parent != 0:
+                self.counters["unlinked_records_skipped"] += 1
+                return
+            self._damaged.discard(e.key)
+        chain = self._chains.get(e.key)
+        if e.kind == KIND_BASE and chain is not None:
+            # The base replaces the chain in one assignment, in the same chain object: a put
+            # reading the chain without the lock sees the old end or the base, same tokens.
+            for old in chain.entries:
+                old.live = False
+                self._live_blocks -= old.nblocks
+            e.live = True
+            chain.entries, chain.raw_len = [e], e.raw_len
+            self._chains.move_to_end(e.key)
+            self._live_blocks += e.nblocks
+            return
+        if e.kind == KIND_TOMBSTONE or e.parent == 0:
+            if chain is not None:
+                self._drop(e.key)
+            if e.kind == KIND_TOMBSTONE:
+                return
+            chain = self._chains[e.key] = _Chain()
+        elif chain is None:
+            # Only recovery meets this: a dead record whose chain start was reclaimed
+            # (the chain was relocated or evicted, then the head passed its first record).
+            self.counters["unlinked_records_skipped"] += 1
+            return
+        elif chain.entries[-1].seq != e.parent:
+            self._damage(e.key)                   # its parent is missing: a hole in the chain
+            self.counters["unlinked_records_skipped"] += 1
+            return
+        else:
+            self._chains.move_to_end(e.key)       # most recently used
+        e.live = True
+        chain.entries.append(e)
+        chain.raw_len += e.raw_len
+        self._live_blocks += e.nblocks
+
+    def _drop(self, key: bytes):
+        chain = self._chains.pop(key)
+        for e in chain.entries:
+            e.live = False
+            self._live_blocks -= e.nblocks
+
+    # --- the public API -----------------------------------------------------------------
+
+    def put(self, key: bytes, delta: Delta) -> int:
+        """Append delta to key's chain; returns its sequence number once it is durable."""
+        key, delta = check_key(key), check_delta(delta)
+        raw = bytes(delta.payload)
+        with self._key_locks[key[0]]:
+            self._check_usable(write=True)
+            # Without the store lock, so writers queue up while a flush is in progress. Only
+            # this key's puts (serialized here) move the chain's end; a relocation keeps it; an
+            # eviction or a delete meanwhile is caught at staging (the chain object differs).
+            chain = self._chains.get(key)
+            last = chain.entries[-1] if chain is not None else None
+            if last is not None and last.codec != delta.codec:
+                raise ValueError(f"this session's deltas use codec {last.codec!r}, not {delta.codec!r}")
+            held = last.tokens[1] if last is not None else 0
+            if delta.tokens[0] != held:
+                raise SessionChanged(f"this delta starts at token {delta.tokens[0]} but the store holds "
+                                     f"tokens [0, {held}) of the session (evicted or deleted?): put "
+                                     f"its whole context again from token 0")
+            # bytes of the base this chain compacts into: its deltas and a part table (a bound)
+            total = len(raw) + (chain.raw_len + 4 * (len(chain.entries) + 2) if chain is not None else 0)
+            if total > self.max_payload:
+                what = "this delta" if chain is None else "this session's chain with this delta"
+                raise TooLarge(f"{what} is {total} bytes, more than the {self.max_payload} bytes one "
+                               f"record holds on {self.path}: use a larger device or smaller deltas")
+            kind, tokens, layers = KIND_DELTA, delta.tokens, delta.layers
+            if chain is not None and len(chain.entries) >= self.compact_after:
+                with self._lock:
+                    if self._chains.get(key) is not chain:    # evicted since we looked
+                        raise SessionChanged("the session was evicted while this put was in flight: "
+                                             "put its whole context again")
+                    first = chain.entries[0]
+                    raw = fmt.pack_parts(self._read_chain(chain) + [raw])
+                kind, tokens = KIND_BASE, (first.tokens[0], delta.tokens[1])
+                layers = (min(first.layers[0], delta.layers[0]), max(first.layers[1], delta.layers[1]))
+                self.counters["compactions"] += 1
+            req = self._request(kind, key, raw, tokens, layers, delta.codec, chain)
+            self._commit(req)
+        return req.seq
+
+    def restore(self, key: bytes) -> Snapshot | None:
+        """The chain of key concatenated, or None if the store has nothing for key."""
+        key = check_key(key)
+        with self._lock:
+            self._check_usable()
+            chain = self._chains.get(key)
+            if chain is None:
+                return None
+            self._chains.move_to_end(key)
+            parts = self._read_chain(chain)
+            first, last = chain.entries[0], chain.entries[-1]
+            layers = (min(e.layers[0] for e in chain.entries), max(e.layers[1] for e in chain.entries))
+            return Snapshot(b"".join(parts), (first.tokens[0], last.tokens[1]), layers, last.codec,
+                            len(chain.entries), tuple(parts))
+
+    def delete(self, key: bytes) -> bool:
+        """Drop key's chain durably (a tombstone record); False if there was none."""
+        key = check_key(key)
+        with self._key_locks[key[0]]:
+            with self._lock:
+                self._check_usable(write=True)
+                if key not in self._chains:
+                    return False
+            req = _Request(KIND_TOMBSTONE, key, block_size=self.block_size)
+            self._commit(req)
+        return req.seq != 0
+
+    def list(self) -> list[bytes]:
+        with self._lock:
+            return list(self._chains)
+
+    def stats(self) -> dict:
+        with self._lock:
+            used = self._tail - self._head
+            return {
+                "path": self.path, "block_size": self.block_size, "log_blocks": self.log_blocks,
+                "sessions": len(self._chains), "records": sum(len(c.entries) for c in self._chains.values()),
+                "live_blocks": self._live_blocks, "used_blocks": used, "free_blocks": self.log_blocks - used,
+                "head": self._head, "tail": self._tail, "generation": self._generation,
+                "last_seq": self._last_seq, "superblocks_valid": self.superblocks_valid,
+                "max_record_bytes": self.max_payload, "recovery_ms": round(self.recovery_s * 1e3, 3),
+                **{k: self.counters[k] for k in ("puts", "flushes", "compactions", "relocations", "evictions",
+                                                 "torn_records_skipped", "corrupt_blocks_skipped",
+                                                 "unlinked_records_skipped", "damaged_chains_dropped")},
+            }
+
+    def entries(self) -> list[_Entry]:
+        """Every record from head to tail (dead ones too), for inspect and fsck."""
+        with self._lock:
+            return list(self._log)
+
+    def verify(self) -> list[str]:
+        """Re-read every live chain from the device; the problems found (fsck)."""
+        problems = []
+        with self._lock:
+            for key, chain in self._chains.items():
+                try:
+                    self._read_chain(chain)
+                except SnapshotError as e:
+                    problems.append(f"session {key.hex()[:16]}: {e}")
+        return problems
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                if not self.readonly and self._failed is None:
+                    self._write_superblock()
+            finally:
+                self.dev.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # --- group commit ---------------------------------------------------------------------
+
+    def _request(self, kind, key, raw, tokens, layers, codec, expect) -> _Request:
+        payload, flags = raw, 0
+        if self.compress:
+            packed = zlib.compress(raw, 1)
+            if len(packed) < len(raw):
+                payload, flags = packed, fmt.FLAG_ZLIB
+        return _Request(kind, key, payload, flags, len(raw), tokens, layers, codec, expect, self.block_size)
+
+    def _commit(self, req: _Request):
+        with self._cv:
+            self._queue.append(req)
+            while not req.done and self._leading:
+                self._cv.wait()
+            lead = not req.done
+            if lead:
+                self._leading = True
+        if lead:
+            try:
+                if self.group_commit_us:
+                    time.sleep(self.group_commit_us / 1e6)   # let more writers join this flush
+                with self._cv:
+                    batch, self._queue = self._queue, []
+                self._write_batch(batch)
+            finally:
+                with self._cv:
+                    self._leading = False
+                    self._cv.notify_all()
+        if req.error is not None:
+            raise req.error
+
+    def _write_batch(self, batch: list[_Request]):
+        with self._lock:
+            try:
+                self._check_usable(write=True)
+                staged: list[_Request] = []
+                protect = {r.key for r in batch}
+                for req in batch:
+                    if req.kind == KIND_TOMBSTONE and req.key not in self._chains:
+                        continue                  # deleted meanwhile: nothing to write
+                    try:
+                        self._check_chain(req)
+                        if not self._fits(req.nblocks, self._floor(req)):
+                            self._flush(staged)
+                            staged = []
+                            self._make_room(req, protect)
+                            self._check_chain(req)    # make_room may have evicted it
+                        self._stage(req)
+                        staged.append(req)
+                    except (DeviceFull, SessionChanged) as e:
+                        req.error = e             # this record only; the batch goes on
+                self._flush(staged)
+                self.counters["puts"] += sum(r.kind != KIND_TOMBSTONE for r in staged)
+            except BaseException as e:
+                if not self._closed and self._failed is None and not self.readonly:
+                    self._failed = e              # the index may be ahead of the device now
+                for req in batch:
+                    if req.error is None:
+                        req.error = e if isinstance(e, SnapshotError) else SnapshotError(
+                            f"writing to {self.path} failed ({e}): reopen the store")
+            finally:
+                for req in batch:
+                    req.done = True
+
+    def _check_usable(self, write: bool = False):
+        if self._closed:
+            raise SnapshotError("the snapshot store is closed")
+        if self._failed is not None:
+            raise SnapshotError(f"the snapshot store hit an error ({self._failed}): reopen it")
+        if write and self.readonly:
+            raise SnapshotError(f"{self.path} is open read-only")
+
+    def _check_chain(self, req: _Request):
+        if req.kind != KIND_TOMBSTONE and self._chains.get(req.key) is not req.expect:
+            raise SessionChanged("the session was evicted or deleted while this put was in flight: "
+                                 "put its whole context again")
+
+    # --- space --------------------------------------------------------------------------
+
+    def _floor(self, req: _Request) -> int:
+        """Free blocks that must remain after req: a tombstone may use the reserve; a put
+        leaves room to relocate the largest chain, so reclaim can always make progress."""
+        if req.kind == KIND_TOMBSTONE:
+            return 0
+        return self._reserve + self.max_record_blocks
+
+    def _fits(self, nblocks: int, floor: int) -> bool:
+        phys = self._tail % self.log_blocks
+        pad = self.log_blocks - phys if phys + nblocks > self.log_blocks else 0
+        return self.log_blocks - (self._tail - self._head) - pad - nblocks >= floor
+
+    def _make_room(self, req: _Request, protect: set):
+        floor = self._floor(req)
+        # the record, a pad before it, the floor, and a pad that a relocation may need
+        worst = 2 * req.nblocks + floor + self.max_record_blocks
+        while self._live_blocks + worst > self.log_blocks:
+            self._evict_or_refuse(protect)
+        sweep = len(self._log) + len(self._chains) + 1    # steps in one pass over the log
+        while not self._fits(req.nblocks, floor):
+            if sweep == 0:                        # a whole pass freed too little: too much is live
+                self._evict_or_refuse(protect)
+                sweep = len(self._log) + len(self._chains) + 1
+            sweep -= 1
+            e = self._log[0]
+            if not e.live:
+                self._log.popleft()
+                self._head = e.lpos + e.nblocks
+                continue
+            base = self._base_of(e.key, self._chains[e.key])
+            if self._fits(base.nblocks, min(floor, self._reserve)):
+                self._stage(base)                 # relocate: durable before the head passes it
+                self._flush([base])
+                self.counters["relocations"] += 1
+            else:
+                self._evict_or_refuse(protect, e.key)     # the head is stuck on it
+
+    def _evict_or_refuse(self, protect: set, key: bytes | None = None):
+        """Under eviction="lru", drop key, by default the least recently used session, one
+        without a put in this batch if there is one (a put to an evicted session fails
+        with SessionChanged); under "refuse", raise DeviceFull."""
+        if key is None:
+            key = next((k for k in self._chains if k not in protect), next(iter(self._chains), None))
+        if self.eviction != "lru" or key is None:
+            raise DeviceFull(f"{self.path} is full of live snapshots ({self._live_blocks} of {self.log_blocks} "
+                             f"blocks): delete sessions, use a larger device, or open the store with "
+                             f"eviction='lru'")
+        self._drop(key)
+        self.counters["evictions"] += 1
+
+    def _base_of(self, key: bytes, chain: _Chain) -> _Request:
+        """The chain compacted into one base record (relocation at the head)."""
+        first, last = chain.entries[0], chain.entries[-1]
+        layers = (min(e.layers[0] for e in chain.entries), max(e.layers[1] for e in chain.entries))
+        return self._request(KIND_BASE, key, fmt.pack_parts(self._read_chain(chain)),
+                             (first.tokens[0], last.tokens[1]), layers, last.codec, chain)
+
+    # --- staging and flushing ------------------------------------------------------------
+
+    def _stage(self, req: _Request):
+        """Lay req out at the tail in the write buffer and link it into the index."""
+        L = self.log_blocks
+        phys = self._tail % L
+        if phys + req.nblocks > L:
+            pad = RecordHeader(KIND_PAD, 0, self.store_id, self._tail, self._epoch, 0, 0, bytes(fmt.KEY_LEN),
+                               0, 0, 0, 0, L - phys, 0, 0, "", 0)
+            self._place(pad, b"")
+            self._log.append(_Entry(pad))
+            self._tail += L - phys
+        chain = self._chains.get(req.key)
+        parent = chain.entries[-1].seq if req.kind == KIND_DELTA and chain is not None else 0
+        self._last_seq += 1
+        h = RecordHeader(req.kind, req.flags, self.store_id, self._tail, self._epoch, self._last_seq, parent,
+                         req.key, req.tokens[0], req.tokens[1], req.layers[0], req.layers[1], req.nblocks,
+                         req.raw_len, len(req.payload), req.codec, 0)
+        self._place(h, req.payload)
+        req.seq = self._last_seq
+        entry = _Entry(h)
+        self._log.append(entry)
+        self._tail += req.nblocks
+        self._link(entry)
+
+    def _place(self, h: RecordHeader, payload):
+        """Copy the record's first block (a pad) or all its blocks into the write buffer."""
+        bs = self.block_size
+        n = 1 if h.kind == KIND_PAD else h.nblocks
+        if self._woff + n * bs > len(self._wbuf):
+            bigger = aligned_buffer(2 * (self._woff + n * bs))
+            bigger[:self._woff] = self._wbuf[:self._woff]
+            self._wbuf = bigger
+        off = self._woff
+        fmt.pack_record_into(self._wbuf, off, h, payload)
+        end = off + HEADER_SIZE + len(payload)
+        self._wbuf[end:off + n * bs] = bytes(off + n * bs - end)
+        # one run per physically contiguous stretch: a record at the start of a lap begins a new one
+        if self._segments and self._segments[-1][0] + self._segments[-1][2] == h.lpos and h.lpos % self.log_blocks:
+            self._segments[-1][2] += n
+        else:
+            self._segments.append([h.lpos, off, n])
+        self._woff += n * bs
+
+    def _flush(self, staged: list[_Request]):
+        """Write what is staged (one pwritev per contiguous run), then one fdatasync."""
+        if not self._segments:
+            return
+        if self._tail - self.log_blocks > self._sb_head:
+            self._write_superblock()                      # the head moves before its blocks are reused
+        for lpos, off, n in self._segments:
+            self.dev.write_from(self._wbuf, off, self.log_start + lpos % self.log_blocks, n)
+        self.dev.sync()
+        self._segments, self._woff = [], 0
+        self._durable_tail = self._tail
+        self.counters["flushes"] += 1
+
+    def _write_superblock(self):
+        self._generation += 1
+        sb = Superblock(self.block_size, self.store_id, self.capacity_blocks, self.log_start, self.log_blocks,
+                        self._head, self._durable_tail, self._generation, self._last_seq)
+        _write_superblocks(self.dev, self._sbuf, sb)
+        self._sb_head = self._head
+        self.superblocks_valid = fmt.SB_COPIES
+
+    def _read_chain(self, chain: _Chain) -> list[bytes]:
+        """The chain's deltas, oldest first (a base gives back the ones it merged), each
+        record's CRC and identity checked."""
+        bs, L, parts = self.block_size, self.log_blocks, []
+        for e in chain.entries:
+            view = self.dev.read_into(self._read_buf(e.nblocks * bs), self.log_start + e.lpos % L, e.nblocks)
+            got = fmt.read_payload(view, e.lpos, e.seq, e.key)
+            if got is None:
+                raise SnapshotError(f"the record at block {e.lpos % L} of {self.path} is damaged "
+                                    f"(run `snapshotstore fsck {self.path}`)")
+            body, flags = got
+            body = zlib.decompress(body) if flags & fmt.FLAG_ZLIB else body
+            if e.kind == KIND_BASE:
+                parts += fmt.unpack_parts(body)
+            else:
+                parts.append(body)
+        return parts

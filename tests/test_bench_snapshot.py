@@ -1,0 +1,31 @@
+"""bench snapshot --quick follows the contract and reports every figure the issue names."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REFERENCES = {"raw_write_sync_p50_us", "raw_write_sync_p99_us", "raw_read_p50_us", "raw_write_sync_per_s",
+              "raw_read_chain1_p50_us", "raw_read_chain8_p50_us", "raw_read_chain64_p50_us"}
+METRICS = {"put_4k_p50_us", "put_4k_p99_us", "put_records_per_s_w1", "put_records_per_s_w4",
+           "put_records_per_s_w16", "restore_chain1_p50_us", "restore_chain8_p50_us", "restore_chain64_p50_us",
+           "index_bytes_per_session", "recovery_ms_per_gib"}
+
+
+@pytest.mark.slow
+def test_snapshot_suite_quick(tmp_path):
+    out = tmp_path / "snapshot.json"
+    env = dict(os.environ, ZEROLAYER_BENCH_DIR=str(tmp_path))
+    r = subprocess.run([sys.executable, "-m", "bench", "snapshot", "--quick", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr
+    data = json.loads(out.read_text())
+    assert REFERENCES <= set(data["references"]) and METRICS <= set(data["metrics"])
+    for name in ("put_4k_p50_us_vs_raw_write_sync_p50_us", "restore_chain64_p50_us_vs_raw_read_chain64_p50_us",
+                 "put_records_per_s_w16_vs_raw_write_sync_per_s"):
+        metric, ref = name.split("_vs_")
+        assert data["ratios"][name] == pytest.approx(data["metrics"][metric] / data["references"][ref])
+    assert all(v > 0 for v in {**data["references"], **data["metrics"]}.values())
+    assert "device" in data["machine"] and str(tmp_path) in data["machine"]["device"]
+    assert os.listdir(tmp_path) == ["snapshot.json"]           # the images are removed

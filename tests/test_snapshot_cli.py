@@ -1,0 +1,89 @@
+"""The snapshotstore command: format, inspect, fsck, stats; user errors in one sentence."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from snapshotstore import Delta, LogStore, session_key
+from snapshotstore import format as fmt
+from snapshotstore.device import BlockDevice, aligned_buffer
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "snapshotstore", *args], capture_output=True, text=True,
+                          timeout=60)
+
+
+@pytest.fixture
+def store_image(tmp_path):
+    image = str(tmp_path / "s.img")
+    assert cli("format", image, "--size", "2M").returncode == 0
+    with LogStore(image) as s:
+        for n in range(3):
+            for i in range(2):
+                s.put(session_key(b"cli-tenant-secret!", n), Delta(bytes([n]) * 1000, tokens=(i * 10, i * 10 + 10)))
+    return image
+
+
+def test_format_creates_a_sparse_image(tmp_path):
+    image = tmp_path / "new.img"
+    r = cli("format", str(image), "--size", "8M")
+    assert r.returncode == 0, r.stderr
+    assert "created" in r.stdout and "2046 log blocks of 4096 bytes" in r.stdout
+    assert image.stat().st_size == 8 << 20
+
+
+def test_inspect_lists_records_and_stats_counts_them(store_image):
+    r = cli("inspect", store_image)
+    assert r.returncode == 0, r.stderr
+    rows = [line for line in r.stdout.splitlines() if " delta " in line]
+    assert len(rows) == 6 and all(row.split()[-1] == "live" for row in rows)
+    r = cli("stats", store_image, "--json")
+    st = json.loads(r.stdout)
+    assert (st["sessions"], st["records"], st["superblocks_valid"]) == (3, 6, 2)
+
+
+def test_fsck_clean_then_damage_found(store_image):
+    r = cli("fsck", store_image)
+    assert r.returncode == 0 and "clean" in r.stdout, r.stdout + r.stderr
+    dev = BlockDevice(store_image)
+    buf = aligned_buffer(dev.block_size)
+    dev.read_into(buf, fmt.LOG_START + 1, 1)             # the second record
+    buf[fmt.HEADER_SIZE + 10] ^= 0xFF
+    dev.write_from(buf, 0, fmt.LOG_START + 1, 1)
+    dev.sync()
+    dev.close()
+    r = cli("fsck", store_image)
+    assert r.returncode == 1 and "corrupt blocks in the durable part" in r.stdout, r.stdout
+
+
+ERRORS = [  # args, the one sentence expected on stderr
+    (["stats", "/nonexistent/x.img"], "does not exist"),
+    (["inspect", "/dev/null"], "neither a block device nor a regular file"),
+    (["format", "/nonexistent-dir/x.img", "--size", "1M"], "cannot create"),
+    (["format", "/tmp/zl-does-not-exist.img"], "pass --size"),
+]
+
+
+@pytest.mark.parametrize("args,msg", ERRORS, ids=[" ".join(a) for a, _ in ERRORS])
+def test_user_errors_are_one_sentence(args, msg):
+    r = cli(*args)
+    assert r.returncode == 1
+    assert msg in r.stderr and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_errors_on_a_formatted_store(store_image, tmp_path):
+    r = cli("format", store_image)
+    assert r.returncode == 1 and "already holds a snapshot store: pass --force" in r.stderr
+    blank = tmp_path / "blank.img"
+    blank.write_bytes(bytes(1 << 20))
+    r = cli("fsck", str(blank))
+    assert r.returncode == 1 and "holds no snapshot store" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_help_has_examples_and_bad_size_is_a_usage_error():
+    r = cli("-h")
+    assert r.returncode == 0 and "examples:" in r.stdout and "fsck" in r.stdout
+    r = cli("format", "/tmp/x.img", "--size", "12Q")
+    assert r.returncode == 2 and "is not a size" in r.stderr

@@ -1,0 +1,33 @@
+"""Crash consistency: a real writer process SIGKILLed at random points, 200 times per device.
+
+snapshotstore/crashtest.py says what is checked after each kill.
+"""
+import pytest
+
+from snapshotstore import crashtest
+from snapshotstore.device import create_image
+from snapshotstore.loop import loop_device
+
+ITERATIONS = 200
+
+
+def _assert_consistent(res):
+    assert res.failures == []
+    assert res.iterations == ITERATIONS
+    assert res.acked_puts > ITERATIONS              # the kills landed while work was going on...
+    assert res.writer_finished < ITERATIONS // 2    # ...mostly before the writer was done
+    assert res.records_verified >= res.acked_puts // 2
+
+
+@pytest.mark.slow
+def test_sigkill_writer_on_a_file(tmp_path):
+    _assert_consistent(crashtest.run(str(tmp_path / "crash.img"), ITERATIONS, seed=6))
+
+
+@pytest.mark.slow
+@pytest.mark.root
+def test_sigkill_writer_on_a_loop_device(tmp_path):
+    image = str(tmp_path / "crash.img")
+    create_image(image, 4 << 20)
+    with loop_device(image) as dev:
+        _assert_consistent(crashtest.run(dev, ITERATIONS, seed=7))

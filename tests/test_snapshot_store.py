@@ -1,0 +1,428 @@
+"""The snapshot store on a real image file and on a real loop device (root): O_DIRECT, fdatasync.
+
+Crashes here are real: a forked writer that exits without closing the store
+(no checkpoint), then blocks of the device rewritten to simulate a torn write.
+"""
+import os
+import threading
+
+import pytest
+
+from snapshotstore import (BadKey, Delta, DeviceError, DeviceFull, FormatError, LogStore, SessionChanged,
+                           SnapshotStore, TooLarge, WorkerStore, format_device, session_key)
+from snapshotstore import format as fmt
+from snapshotstore.device import BlockDevice, aligned_buffer, create_image
+from snapshotstore.loop import loop_device
+
+SECRET = b"tenant-secret-0123456789"
+
+
+@pytest.fixture(params=["file", pytest.param("loop", marks=pytest.mark.root)])
+def make_device(request, tmp_path):
+    """make_device(size) -> a formatted device path: an image file, or a loop device over one
+    (512-byte sectors, so the block size differs from the file's 4 KiB)."""
+    loops = []
+
+    def make(size=4 << 20):
+        image = str(tmp_path / f"store{len(loops)}.img")
+        create_image(image, size)
+        if request.param == "file":
+            path = image
+        else:
+            ctx = loop_device(image, sector_size=512)
+            path = ctx.__enter__()
+            loops.append(ctx)
+        format_device(path)
+        return path
+
+    yield make
+    for ctx in loops:
+        ctx.__exit__(None, None, None)
+
+
+def key(n):
+    return session_key(SECRET, n)
+
+
+def deltas(n, size, start=0, seed=0):
+    """n deltas of size bytes, contiguous token ranges from start."""
+    out = []
+    for i in range(n):
+        payload = bytes((seed * 131 + i * 7 + j) % 251 for j in range(size))
+        out.append(Delta(payload, tokens=(start, start + size), layers=(0, 2), codec="f16"))
+        start += size
+    return out
+
+
+def put_all(store, k, ds):
+    for d in ds:
+        store.put(k, d)
+    return b"".join(d.payload for d in ds)
+
+
+def write_and_die(path, fn):
+    """Run fn(store) in a forked process that then dies without closing the store (a crash)."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            fn(LogStore(path))
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the writer failed"
+
+
+def rewrite_blocks(path, block, fn):
+    """fn(bytearray of one block) -> new bytes: rewrite one device block, O_DIRECT."""
+    dev = BlockDevice(path)
+    try:
+        buf = aligned_buffer(dev.block_size)
+        old = bytearray(dev.read_into(buf, block, 1))
+        buf[:dev.block_size] = fn(old)
+        dev.write_from(buf, 0, block, 1)
+        dev.sync()
+    finally:
+        dev.close()
+
+
+def phys_block(store_or_stats, lpos):
+    return fmt.LOG_START + lpos % store_or_stats["log_blocks"]
+
+
+def test_put_restore_chain_bit_exact_and_durable(make_device):
+    path = make_device()
+    with LogStore(path) as s:
+        assert isinstance(s, SnapshotStore)
+        want = put_all(s, key(1), deltas(5, 1000))
+        snap = s.restore(key(1))
+        assert snap.payload == want and snap.tokens == (0, 5000) and snap.layers == (0, 2)
+        assert snap.codec == "f16" and snap.records == 5
+        assert s.restore(key(2)) is None
+    with LogStore(path) as s:
+        assert s.restore(key(1)).payload == want
+        assert s.list() == [key(1)]
+
+
+def test_one_block_delta_is_written_as_one_block(make_device):
+    path = make_device()
+    with LogStore(path) as s:
+        fits = s.block_size - fmt.HEADER_SIZE
+        s.put(key(1), Delta(b"x" * fits))
+        s.put(key(2), Delta(b"y" * (fits + 1)))
+        assert [e.nblocks for e in s.entries()] == [1, 2]
+
+
+def test_delete_is_durable_and_list(make_device):
+    path = make_device()
+    with LogStore(path) as s:
+        for n in range(4):
+            put_all(s, key(n), deltas(2, 300, seed=n))
+        assert s.delete(key(2)) is True
+        assert s.delete(key(2)) is False
+        assert s.restore(key(2)) is None
+    write_and_die(path, lambda s: s.delete(key(1)))
+    with LogStore(path) as s:
+        assert sorted(s.list()) == sorted([key(0), key(3)])
+        assert s.restore(key(3)).payload == b"".join(d.payload for d in deltas(2, 300, seed=3))
+
+
+def test_compaction_merges_a_long_chain_into_a_base(make_device):
+    path = make_device()
+    with LogStore(path, compact_after=4) as s:
+        ds = deltas(10, 700)
+        want = put_all(s, key(1), ds)
+        snap = s.restore(key(1))
+        assert snap.payload == want and snap.tokens == (0, 7000) and snap.records <= 4
+        assert snap.parts == tuple(d.payload for d in ds)      # the deltas survive the merge one by one
+        assert s.stats()["compactions"] >= 2
+        assert fmt.KIND_BASE in {e.kind for e in s.entries() if e.live}
+    with LogStore(path) as s:
+        assert s.restore(key(1)).payload == want
+
+
+def test_wrap_around_reclaims_and_relocates(make_device):
+    path = make_device(1 << 20)
+    with LogStore(path, compact_after=4) as s:
+        L = s.log_blocks
+        model = {key(100): put_all(s, key(100), deltas(3, 2500))}    # old: in the head's way
+        n = 0
+        while s.stats()["tail"] < 3 * L:            # three laps of the log
+            k = key(n % 10)
+            if n % 10 == 9 and k in model:
+                s.delete(k)
+                del model[k]
+            else:
+                have = model.get(k, b"")
+                d = deltas(1, 900, start=len(have), seed=n)[0]
+                s.put(k, d)
+                model[k] = have + d.payload
+            n += 1
+        st = s.stats()
+        assert st["relocations"] > 0 and st["head"] > L
+        for k, v in model.items():
+            assert s.restore(k).payload == v
+    with LogStore(path) as s:
+        assert sorted(s.list()) == sorted(model)
+        for k, v in model.items():
+            assert s.restore(k).payload == v
+
+
+def test_full_device_refuses_clearly_and_stays_consistent(make_device):
+    path = make_device(1 << 20)
+    model = {}
+    with LogStore(path, eviction="refuse") as s:
+        with pytest.raises(DeviceFull, match="full of live snapshots.*eviction='lru'"):
+            for n in range(1000):
+                model[key(n)] = put_all(s, key(n), deltas(1, 3000, seed=n))
+        for k, v in model.items():
+            assert s.restore(k).payload == v
+        for k in list(model)[: len(model) // 2]:    # deleting makes room again
+            s.delete(k)
+            del model[k]
+        model[key(5000)] = put_all(s, key(5000), deltas(1, 3000))
+    with LogStore(path) as s:
+        assert sorted(s.list()) == sorted(model)
+        for k, v in model.items():
+            assert s.restore(k).payload == v
+
+
+def test_lru_eviction_drops_the_least_recently_used(make_device):
+    path = make_device(1 << 20)
+    with LogStore(path, eviction="lru") as s:
+        keep = put_all(s, key(0), deltas(1, 3000))
+        for n in range(1, 400):
+            put_all(s, key(n), deltas(1, 3000, seed=n))
+            s.restore(key(0))                        # key 0 stays the most recently used
+        st = s.stats()
+        assert st["evictions"] > 0
+        assert s.restore(key(1)) is None              # the oldest untouched one went first
+        assert s.restore(key(0)).payload == keep
+        assert s.restore(key(399)).payload == deltas(1, 3000, seed=399)[0].payload
+        # an evicted session cannot be continued as if it were whole
+        with pytest.raises(SessionChanged, match="holds tokens \\[0, 0\\)"):
+            s.put(key(1), deltas(1, 100, start=3000)[0])
+    with LogStore(path) as s:                        # what survives is whole, never half
+        for k in s.list():
+            n = next(n for n in range(400) if key(n) == k)
+            assert s.restore(k).payload == deltas(1, 3000, seed=n)[0].payload
+
+
+TORN = [  # name, how the last record's blocks are damaged (block index within the record, fn)
+    ("truncated", -1, lambda b: bytes(len(b))),
+    ("garbled payload", -1, lambda b: os.urandom(64) + b[64:]),
+    ("garbled header", 0, lambda b: os.urandom(fmt.HEADER_SIZE) + b[fmt.HEADER_SIZE:]),
+]
+
+
+@pytest.mark.parametrize("name,which,damage", TORN, ids=[t[0] for t in TORN])
+def test_torn_last_record_is_detected_and_skipped(make_device, name, which, damage):
+    path = make_device()
+    first = deltas(3, 2000)
+    with LogStore(path) as s:
+        put_all(s, key(1), first)
+    last = Delta(os.urandom(5000), tokens=(6000, 11000), layers=(0, 2), codec="f16")
+    write_and_die(path, lambda s: (s.put(key(2), Delta(b"z" * 100)), s.put(key(1), last)))
+    with LogStore(path, readonly=True) as s:
+        e = s.entries()[-1]
+        st = s.stats()
+    assert e.nblocks > 1
+    rewrite_blocks(path, phys_block(st, e.lpos) + (e.nblocks - 1 if which < 0 else 0), damage)
+    with LogStore(path) as s:
+        st = s.stats()
+        assert st["torn_records_skipped"] == (0 if name == "garbled header" else 1)
+        assert s.restore(key(1)).payload == b"".join(d.payload for d in first)
+        assert s.restore(key(2)).payload == b"z" * 100
+        s.put(key(1), last)                          # the log goes on where the torn record was
+    with LogStore(path) as s:
+        assert s.restore(key(1)).payload == b"".join(d.payload for d in first) + last.payload
+        assert s.stats()["torn_records_skipped"] == 0
+
+
+def test_corruption_inside_the_log_drops_only_the_damaged_chain(make_device):
+    path = make_device()
+    with LogStore(path) as s:
+        a = put_all(s, key(1), deltas(3, 2000, seed=1))
+        b = put_all(s, key(2), deltas(3, 2000, seed=2))
+        victim = next(e for e in s.entries() if e.key == key(1) and e.parent != 0)
+        st = s.stats()
+    rewrite_blocks(path, phys_block(st, victim.lpos), lambda blk: blk[:200] + b"\xff" * 8 + blk[208:])
+    with LogStore(path) as s:
+        st = s.stats()
+        assert st["corrupt_blocks_skipped"] >= 1 and st["damaged_chains_dropped"] == 1
+        assert s.restore(key(1)) is None             # a chain with a hole is not served
+        assert s.restore(key(2)).payload == b
+
+
+@pytest.mark.parametrize("lost", [[0], [1], [0, 1]], ids=["copy0", "copy1", "both"])
+def test_superblock_copy_loss(make_device, lost):
+    path = make_device()
+    with LogStore(path) as s:
+        want = put_all(s, key(1), deltas(2, 1500))
+    for copy in lost:
+        rewrite_blocks(path, copy, lambda b: os.urandom(len(b)))
+    if len(lost) == 2:
+        with pytest.raises(FormatError, match="both superblock copies are missing or corrupt"):
+            LogStore(path)
+        return
+    with LogStore(path) as s:
+        assert s.superblocks_valid == 2              # rewritten on open
+        assert s.restore(key(1)).payload == want
+    with LogStore(path, readonly=True) as s:
+        assert s.superblocks_valid == 2
+
+
+def test_group_commit_shares_flushes(make_device):
+    path = make_device(8 << 20)
+    with LogStore(path, group_commit_us=2000) as s:
+        def writer(t):
+            for i in range(10):
+                s.put(key(t * 100 + i), Delta(bytes([t]) * 500))
+        threads = [threading.Thread(target=writer, args=(t,)) for t in range(8)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        st = s.stats()
+        assert st["puts"] == 80 and st["flushes"] < 80 // 2
+    with LogStore(path) as s:
+        assert len(s.list()) == 80
+        assert all(s.restore(key(t * 100 + 9)).payload == bytes([t]) * 500 for t in range(8))
+
+
+BAD_KEYS = [("a str", "session-1", "not a str"), ("an int", 7, "not a int"),
+            ("31 bytes", b"k" * 31, "not 31 bytes"), ("33 bytes", b"k" * 33, "not 33 bytes")]
+
+
+@pytest.mark.parametrize("what,bad,msg", BAD_KEYS, ids=[b[0] for b in BAD_KEYS])
+def test_bad_keys_are_refused(make_device, what, bad, msg):
+    with LogStore(make_device()) as s:
+        for op in (lambda: s.put(bad, Delta(b"x")), lambda: s.restore(bad), lambda: s.delete(bad)):
+            with pytest.raises(BadKey, match=msg):
+                op()
+
+
+def test_a_delta_larger_than_the_device_is_refused(make_device):
+    with LogStore(make_device()) as s:
+        with pytest.raises(TooLarge, match="more than the .* bytes one record holds"):
+            s.put(key(1), Delta(bytes(8 << 20)))
+        s.put(key(1), Delta(b"fine"))              # the store is still usable
+        assert s.restore(key(1)).payload == b"fine"
+
+
+@pytest.mark.parametrize("path,msg", [("/nonexistent/store.img", "does not exist"),
+                                      ("/dev/null", "neither a block device nor a regular file"),
+                                      ("/tmp", "neither a block device nor a regular file")])
+def test_bad_device_paths(path, msg):
+    with pytest.raises(DeviceError, match=msg):
+        LogStore(path)
+
+
+def test_unformatted_device_and_second_opener(tmp_path):
+    image = str(tmp_path / "blank.img")
+    create_image(image, 1 << 20)
+    with pytest.raises(FormatError, match="holds no snapshot store"):
+        LogStore(image)
+    format_device(image)
+    with pytest.raises(FormatError, match="already holds a snapshot store"):
+        format_device(image)
+    with LogStore(image):
+        with pytest.raises(DeviceError, match="in use by another"):
+            LogStore(image)
+
+
+def test_default_store_is_a_sparse_image_in_the_state_dir(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("ZEROLAYER_STATE_DIR", str(tmp_path / "state"))
+    with LogStore(image_size=64 << 20) as s:
+        s.put(key(1), Delta(b"hello"))
+    image = tmp_path / "state" / "snapshots.img"
+    assert str(image) in capsys.readouterr().err
+    assert image.stat().st_size == 64 << 20 and image.stat().st_blocks * 512 < 1 << 20   # sparse
+    with LogStore() as s:
+        assert s.restore(key(1)).payload == b"hello"
+
+
+def test_session_keys_separate_tenants_and_sessions():
+    k = session_key(SECRET, 42)
+    assert len(k) == 32 and k == session_key(SECRET, 42)
+    assert k != session_key(SECRET, 43) and k != session_key(b"another-tenant-secret", 42)
+    with pytest.raises(BadKey, match="at least 16 bytes"):
+        session_key(b"short", 1)
+
+
+def test_readonly_store_refuses_writes(make_device):
+    path = make_device()
+    with LogStore(path, readonly=True) as s:
+        with pytest.raises(Exception, match="read-only"):
+            s.put(key(1), Delta(b"x"))
+
+
+def test_compressed_records_restore_exact(make_device):
+    path = make_device()
+    with LogStore(path, compress=True) as s:
+        want = put_all(s, key(1), [Delta(b"ab" * 3000, tokens=(0, 10)), Delta(os.urandom(700), tokens=(10, 20))])
+        first, second = s.entries()
+        assert first.flags & fmt.FLAG_ZLIB and first.stored_len < first.raw_len == 6000
+        assert not second.flags & fmt.FLAG_ZLIB              # incompressible: stored as it is
+        assert s.restore(key(1)).payload == want
+    with LogStore(path) as s:
+        assert s.restore(key(1)).payload == want
+
+
+def test_concurrent_writers_readers_under_relocation_and_eviction(make_device):
+    """Threads own their sessions; the log is small, so relocation and eviction run under them."""
+    path = make_device(1 << 20)
+    errors = []
+    with LogStore(path, eviction="lru", compact_after=3) as s:
+        def worker(t):
+            model = {}
+            try:
+                for n in range(300):
+                    k = key(t * 1000 + n % 12)
+                    have = model.get(k, b"")
+                    d = Delta(bytes([t, n % 251]) * 500, tokens=(len(have), len(have) + 1000))
+                    try:
+                        s.put(k, d)
+                        model[k] = have + d.payload
+                    except SessionChanged:            # evicted: start the session again
+                        s.put(k, Delta(d.payload, tokens=(0, 1000)))
+                        model[k] = d.payload
+                    snap = s.restore(k)
+                    if snap is not None and snap.payload != model[k]:
+                        errors.append(f"thread {t}: session {n % 6} restored wrong bytes")
+                    if snap is None:
+                        model.pop(k)
+            except Exception as e:                    # reported below, with the thread's name
+                errors.append(f"thread {t}: {type(e).__name__}: {e}")
+
+        threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        st = s.stats()
+    assert errors == []
+    assert st["relocations"] > 0 and st["compactions"] > 0
+
+
+def test_worker_interface_chain_of_blobs(make_device):
+    """WorkerStore: the worker's put(key, delta, meta) / restore(key) -> [blobs] / delete(key)."""
+    path = make_device()
+    blobs = [os.urandom(n) for n in (900, 5000, 40, 3000, 700, 12000)]
+    with LogStore(path, compact_after=3) as s:
+        ws = WorkerStore(s, SECRET)
+        start = 0
+        for b in blobs:
+            ws.put(77, b, dict(token_start=start, token_end=start + 10, codec="int8_zstd", request_id=1))
+            start += 10
+        assert ws.restore(77) == blobs and ws.restore(78) == []
+        assert s.stats()["compactions"] >= 1
+        other = WorkerStore(s, b"another-tenant-secret")    # another tenant cannot name it
+        assert other.restore(77) == []
+    with LogStore(path) as s:
+        ws = WorkerStore(s, SECRET)
+        assert ws.restore(77) == blobs
+        assert s.restore(session_key(SECRET, 77)).codec == "int8_zstd"
+        ws.delete(77)
+        assert ws.restore(77) == []
