@@ -152,9 +152,61 @@ def failover(report, quick: bool) -> dict:
             "replayed": st["replayed"], "p50_ms": pc["p50"], "p99_ms": pc["p99"]}
 
 
-NOT_LANDED = {
-    "3 snapshot+evict vs resident": "the snapshot store is not wired into the pipeline's workers yet",
-    "4 oversized requests (isolation)": "admission (pricing, 400/413/422, per-key limits) has not landed",
+def _worker_store(directory: str, index: int):
+    """Worker `index`'s own store: a fresh image in `directory` (a store is one process's, it locks its device)."""
+    from snapshotstore import WorkerStore
+    from snapshotstore.device import create_image
+    from snapshotstore.log import LogStore, format_device
+    path = f"{directory}/worker{index}.img"
+    create_image(path, 256 << 20)
+    format_device(path)
+    return WorkerStore(LogStore(path, eviction="lru"), tenant_secret=b"e2e-tenant-secret-0123456789abcd")
+
+
+def snapshot_evict(report, quick: bool, memory: dict) -> dict:
+    """Scenario 3: snapshot each finished request and evict (LRU, small KV budget) vs keep every KV
+    resident, at equal load with returning sessions (affinity routing brings them back to their worker)."""
+    import functools
+    import os
+    import shutil
+    import tempfile
+    from snapshotstore.device import state_dir
+    sessions, rounds, rate = (32, 3, 20) if quick else (128, 5, 40)
+    figures = {}
+    for mode in ("resident", "snapshot+evict"):
+        kw = dict(policy="affinity")
+        tmp = None
+        if mode == "snapshot+evict":
+            os.makedirs(state_dir(), exist_ok=True)
+            tmp = tempfile.mkdtemp(prefix="e2e-store-", dir=state_dir())   # O_DIRECT needs a real disk
+            kw.update(store_factory=functools.partial(_worker_store, tmp), kv_budget_bytes=1 << 20)
+        try:
+            with Pipeline(_config(**kw)) as p:
+                _progress(f"{mode}: {sessions} sessions x {rounds} requests at {rate} req/s")
+                res = _offer(p, rate, sessions * rounds / rate, prompt_tokens=PROMPT, max_output_tokens=OUTPUT,
+                             sessions=sessions)
+                kv, kv_end = p.kv_resident_bytes()
+        finally:
+            if tmp:
+                shutil.rmtree(tmp, ignore_errors=True)
+        pc = _pcts(res["rtt_ns"], 1e6)
+        key = mode.replace("+", "_")
+        memory[mode] = kv
+        report.metric(f"kv_resident_bytes_{key}", kv, "B")
+        report.metric(f"returning_p50_ms_{key}", pc["p50"], "ms")
+        report.metric(f"returning_p95_ms_{key}", pc["p95"], "ms")
+        report.metric(f"kv_resident_bytes_end_{key}", kv_end, "B")
+        figures.update({f"{mode} KV resident bytes (mean over steps)": kv, f"{mode} KV resident bytes at the end": kv_end,
+                        f"{mode} p50 ms": pc["p50"], f"{mode} p95 ms": pc["p95"],
+                        f"{mode} unanswered": res["errors"]})
+        if res["errors"]:
+            raise RuntimeError(f"{mode}: {res['errors']} of {res['requests']} requests unanswered")
+    if memory["resident"]:
+        report.ratios["kv_resident_snapshot_evict_vs_resident"] = memory["snapshot+evict"] / memory["resident"]
+    return figures
+
+
+NOT_LANDED = {    "4 oversized requests (isolation)": "admission (pricing, 400/413/422, per-key limits) has not landed",
     "5 high-entropy burst to the secondary pool": "admission and heterogeneous pools have not landed",
 }
 
@@ -183,6 +235,8 @@ def run(report, args):
     sweep_rows: dict = {}
     scenario("1 load sweep, dynamic vs static", sweep, report, quick, stages, sweep_rows)
     scenario("2 client-side batching", client_batching, report, quick)
+    memory: dict = {}
+    scenario("3 snapshot+evict vs resident", snapshot_evict, report, quick, memory)
     for name, why in NOT_LANDED.items():
         scenarios[name] = {"status": "not run", "reason": why, "figures": {}}
     scenario("6 worker killed mid-run (failover)", failover, report, quick)
@@ -191,7 +245,7 @@ def run(report, args):
     for name, sc in scenarios.items():
         report.note(f"scenario {name}: {sc['status']}" + (f" ({sc['reason']})" if sc["reason"] else ""))
     outdir = pathlib.Path(args.json).with_suffix("") if args.json else pathlib.Path("bench-results/e2e")
-    paths = write_report(outdir, report.as_dict(), stages, sweep_rows, {}, scenarios)
+    paths = write_report(outdir, report.as_dict(), stages, sweep_rows, memory, scenarios)
     print(f"  report: {paths['report.md']}")
     if failed:
         raise RuntimeError(f"scenario(s) failed: {', '.join(failed)}")

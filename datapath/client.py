@@ -118,6 +118,32 @@ def run_in_netns(netns: str, fn, *args, cpu: int | None = None, rt_priority: int
     return out["ok"]
 
 
+def spawn_in_netns(netns: str, dst: str, packets: list[bytes], timeout: float, port: int = wire.DEFAULT_PORT,
+                   cpu: int | None = None, **kw) -> dict:
+    """send_from's twin for a parent whose memory must stay its own: the sender is a fresh
+    interpreter (exec'd in the client namespace), not a fork. A forked child shares the
+    parent's pages copy-on-write, so while it lives every first write of the parent's
+    native threads (router, consumer) to a page costs them a page fault."""
+    import pickle
+    import subprocess
+    import sys
+    if ipaddress.ip_address(dst) not in topology.SUBNET:
+        raise ValueError(f"{dst} is outside {topology.SUBNET}: the load generator only sends to test namespaces")
+
+    def enter():
+        topology.enter(netns)
+        if cpu is not None:
+            os.sched_setaffinity(0, {cpu})
+
+    code = ("import json, pickle, sys; from datapath.client import _send_to; "
+            "a, k = pickle.load(sys.stdin.buffer); print(json.dumps(_send_to(*a, **k)))")
+    r = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(((dst, port, packets), kw)),
+                       capture_output=True, timeout=timeout, preexec_fn=enter)
+    if r.returncode:
+        raise RuntimeError(f"client in {netns}: {r.stderr.decode(errors='replace').strip()[-500:]}")
+    return json.loads(r.stdout)
+
+
 def _send_to(dst: str, port: int, packets, **kw) -> dict:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 22)

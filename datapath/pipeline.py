@@ -213,8 +213,12 @@ class Pipeline:
         pkts = [client.request_packets(tenant, s + 1, 0, [(s * 131 + i) % 509 for i in range(prompt_tokens * merge)],
                                        max_output_tokens=max_output_tokens * merge)[0] for s in range(sessions)]
         base = next(self._ids) * 1_000_000_000   # ids of this offer: base + sequence number
-        return client.send_from(self.topo.client_ns[0], self.topo.host_ip[0], pkts, rate=rate, count=count,
-                                duration=count / rate * 3 + 5, drain_ms=int(drain_s * 1000), seq_base=base)
+        # the client runs beside the workers, off the data path's core
+        cpu = self.cfg.worker_cpus[0] if self.cfg.worker_cpus else None
+        duration = count / rate * 3 + 5
+        return client.spawn_in_netns(self.topo.client_ns[0], self.topo.host_ip[0], pkts, timeout=duration + 60,
+                                     cpu=cpu, rate=rate, count=count, duration=duration,
+                                     drain_ms=int(drain_s * 1000), seq_base=base)
 
     # --- what happened -----------------------------------------------------------------------
     def trace(self) -> np.ndarray:
@@ -224,6 +228,17 @@ class Pipeline:
             n = int(np.frombuffer(buf, dtype="<u8", count=1)[0])
             parts.append(np.frombuffer(buf, dtype=TRACE, offset=64, count=n).copy())
         return np.concatenate(parts) if parts else np.zeros(0, TRACE)
+
+    def kv_resident_bytes(self) -> tuple[int, int]:
+        """KV cache bytes resident across the workers: (mean over their steps, after their last step)."""
+        mean = last = 0
+        for buf in self.traces:
+            n = int(np.frombuffer(buf, dtype="<u8", count=1)[0])
+            if n:
+                kv = np.frombuffer(buf, dtype=TRACE, offset=64, count=n)["kv_bytes"]
+                mean += int(kv.mean())
+                last += int(kv[-1])
+        return mean, last
 
     def reset_trace(self):
         for buf in self.traces:

@@ -7,6 +7,7 @@
 #include <errno.h>
 #include <sched.h>
 #include <stddef.h>
+#include <sys/mman.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -91,6 +92,39 @@ struct dp_router {
     uint64_t next_expiry_scan;
     struct dp_router_stats st;
 };
+
+/* The router's state (request slab, index, chunk pool): faulted in at create,
+ * on transparent huge pages, and not inherited by fork (MADV_DONTFORK). The
+ * control plane forks worker and client processes while the router runs; a
+ * page they share copy-on-write costs the router a page fault (a 2 MiB copy
+ * for a huge page) the first time it writes there: measured here, a lone
+ * chunk's ingest took ~20 us that way instead of under a microsecond. */
+#define HUGE_PAGE (2u << 20)
+
+static void *hot_alloc(size_t n)
+{
+    size_t len = ((n + HUGE_PAGE - 1) & ~(size_t)(HUGE_PAGE - 1)) + HUGE_PAGE;
+    uint8_t *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED)
+        return NULL;
+    uint8_t *a = (uint8_t *)(((uintptr_t)p + HUGE_PAGE - 1) & ~(uintptr_t)(HUGE_PAGE - 1));
+    if (a > p)
+        munmap(p, (size_t)(a - p));                    /* keep the 2 MiB-aligned part */
+    size_t keep = len - (size_t)(a - p);
+    size_t use = (n + HUGE_PAGE - 1) & ~(size_t)(HUGE_PAGE - 1);
+    if (keep > use)
+        munmap(a + use, keep - use);
+    madvise(a, use, MADV_HUGEPAGE);
+    madvise(a, use, MADV_DONTFORK);
+    memset(a, 0, n);                                   /* fault it in now, not on the fast path */
+    return a;
+}
+
+static void hot_free(void *p, size_t n)
+{
+    if (p)
+        munmap(p, (n + HUGE_PAGE - 1) & ~(size_t)(HUGE_PAGE - 1));
+}
 
 static uint64_t now_ns(void)
 {
@@ -977,16 +1011,16 @@ struct dp_router *dp_router_create(const struct dp_router_config *cfg, const cha
         *err = -EINVAL;
         return NULL;
     }
-    struct dp_router *rt = calloc(1, sizeof(*rt));
+    struct dp_router *rt = hot_alloc(sizeof(*rt));
     if (!rt) {
         *err = -ENOMEM;
         return NULL;
     }
     rt->cfg = c;
     pthread_mutex_init(&rt->lock, NULL);
-    rt->reqs = calloc(c.max_requests, sizeof(struct req));
-    rt->hash = malloc(2 * (size_t)c.max_requests * sizeof(*rt->hash));
-    rt->pool = malloc((size_t)c.pool_chunks * sizeof(struct pooled));
+    rt->reqs = hot_alloc(c.max_requests * sizeof(struct req));
+    rt->hash = hot_alloc(2 * (size_t)c.max_requests * sizeof(*rt->hash));
+    rt->pool = hot_alloc((size_t)c.pool_chunks * sizeof(struct pooled));
     rt->hash_mask = 2 * c.max_requests - 1;
     if (!rt->reqs || !rt->pool || !rt->hash) {
         dp_router_destroy(rt);
@@ -1028,11 +1062,11 @@ void dp_router_destroy(struct dp_router *rt)
     }
     if (rt->zctx)
         zmq_ctx_term(rt->zctx);
-    free(rt->reqs);
-    free(rt->hash);
-    free(rt->pool);
+    hot_free(rt->reqs, rt->cfg.max_requests * sizeof(struct req));
+    hot_free(rt->hash, 2 * (size_t)rt->cfg.max_requests * sizeof(*rt->hash));
+    hot_free(rt->pool, (size_t)rt->cfg.pool_chunks * sizeof(struct pooled));
     pthread_mutex_destroy(&rt->lock);
-    free(rt);
+    hot_free(rt, sizeof(*rt));
 }
 
 int dp_router_add_input(struct dp_router *rt, struct dp_ring *in)

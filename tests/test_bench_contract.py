@@ -92,8 +92,9 @@ def test_e2e_quick_runs_every_landed_scenario_and_writes_the_report(tmp_path):
     assert "static_vs_dynamic_p95_at_10qps" in data["ratios"]
     assert data["machine"]["xdp_mode"] in ("native", "generic")
     assert m["failover_answered_fraction"] == 1.0, "a killed worker loses no request"
+    assert m["kv_resident_bytes_snapshot_evict"] < m["kv_resident_bytes_resident"]
     report = (tmp_path / "e2e" / "report.md").read_text()
-    for scenario in ("1 load sweep", "2 client-side batching", "6 worker killed"):
+    for scenario in ("1 load sweep", "2 client-side batching", "3 snapshot+evict", "6 worker killed"):
         assert scenario in report
     assert "not run" in report    # the scenarios whose parts have not landed say so
     assert (tmp_path / "e2e" / "latency_vs_load.png").stat().st_size > 10_000
