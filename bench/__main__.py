@@ -17,13 +17,17 @@ SUITES = {
     "ingress": "bench.ingress",
     "worker": "bench.worker",
     "snapshot": "bench.snapshot",
+    "compare": "bench.compare",
 }
+IN_ALL = [name for name in SUITES if name != "compare"]   # compare needs --policy
 
 EPILOG = """examples:
     python -m bench wire --quick            # a short run, table + bench-results/wire.json
     python -m bench wire --json /tmp/w.json
     python -m bench all                     # every suite, in full
     sudo python -m bench snapshot --soak    # the snapshot store, and 1,000 SIGKILLed writers
+    sudo python -m bench e2e --quick        # the whole pipeline, every scenario briefly, report in bench-results/e2e/
+    sudo python -m bench compare --policy round_robin,affinity,static   # same load per policy, table + plot
 """
 
 
@@ -35,8 +39,14 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="short run (under 2 minutes)")
     p.add_argument("--json", metavar="PATH", help="where to write the JSON (default bench-results/SUITE.json)")
     p.add_argument("--soak", action="store_true", help="snapshot: also run the 1,000-iteration crash soak")
+    p.add_argument("--policy", metavar="A,B,...",
+                   help="compare: routing policies (round_robin, least_loaded, power_of_two, affinity, weighted) "
+                        "and batching modes (dynamic, static) to run under the same load")
+    p.add_argument("--rate", type=float, default=40, help="compare: offered requests/s (default 40)")
     args = p.parse_args(argv)
-    names = list(SUITES) if args.suite == "all" else [args.suite]
+    if args.suite == "compare" and not args.policy:
+        p.error("compare needs --policy A,B,... (for example --policy round_robin,affinity,static)")
+    names = IN_ALL if args.suite == "all" else [args.suite]
     if args.json and len(names) > 1:
         p.error("--json names one file: use it with a single suite")
     failed = []

@@ -99,3 +99,21 @@ def test_e2e_quick_runs_every_landed_scenario_and_writes_the_report(tmp_path):
     assert "not run" in report    # the scenarios whose parts have not landed say so
     assert (tmp_path / "e2e" / "latency_vs_load.png").stat().st_size > 10_000
     assert json.loads((tmp_path / "e2e" / "results.json").read_text())["scenarios"]
+
+
+@pytest.mark.root
+@pytest.mark.bpf
+@pytest.mark.slow
+def test_compare_runs_each_policy_under_the_same_load(tmp_path):
+    out = tmp_path / "compare.json"
+    r = subprocess.run([sys.executable, "-m", "bench", "compare", "--policy", "power_of_two,static", "--quick",
+                        "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert data["references"]["power_of_two_p95_ms"] > 0 and data["metrics"]["static_p95_ms"] > 0
+    assert "static_p95_ms_vs_power_of_two_p95_ms" in data["ratios"]
+    assert (tmp_path / "compare" / "compare.png").stat().st_size > 5_000
+    bad = subprocess.run([sys.executable, "-m", "bench", "compare", "--policy", "nope"], capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 1 and "unknown policy" in bad.stdout + bad.stderr
+    assert subprocess.run([sys.executable, "-m", "bench", "compare"], capture_output=True).returncode == 2
