@@ -22,8 +22,7 @@ class Responder:
     (topology.socket_in); the responder keeps it open while it runs.
     """
 
-    def __init__(self, egress: Ring, sock: socket.socket, dst_ip: str, dst_port: int, trace_cap: int = 1 << 20,
-                 cpu: int | None = None):
+    def __init__(self, egress: Ring, sock: socket.socket, dst_ip: str, dst_port: int, trace_cap: int = 1 << 20):
         if not 1 <= dst_port <= 65535:
             raise ValueError(f"dst_port must be 1..65535, not {dst_port}")
         self.egress, self.sock = egress, sock
@@ -33,17 +32,9 @@ class Responder:
         self._r.fd = sock.fileno()
         self._r.dst_ip = int.from_bytes(ipaddress.IPv4Address(dst_ip).packed, "little")  # network order in memory
         self._r.dst_port = socket.htons(dst_port)
-        self._r.cpu = -1 if cpu is None else cpu
         self._r.trace = ffi.cast("struct dp_trace *", ffi.from_buffer(self._trace))
         self._r.trace_cap = trace_cap
 
-    def start(self):
-        rc = lib.dp_responder_start(self._r)
-        if rc:
-            raise RuntimeError(f"cannot start the responder thread ({rc})")
-
-    def stop(self):
-        lib.dp_responder_stop(self._r)
 
     @property
     def handle(self):
@@ -51,7 +42,7 @@ class Responder:
         return self._r
 
     def poll(self) -> int:
-        """One pass without the thread (tests)."""
+        """One pass (tests); a pipeline runs dp_responder_poll as a stage of its poll loop."""
         return lib.dp_responder_poll(self._r)
 
     def stats(self) -> dict:
@@ -62,10 +53,3 @@ class Responder:
     def trace(self) -> np.ndarray:
         """The stamps of every response traced so far (a copy)."""
         return self._trace[:self._r.traced].copy()
-
-    def __enter__(self):
-        self.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.stop()

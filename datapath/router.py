@@ -44,6 +44,7 @@ class Router:
                  max_requests: int = 4096, pool_chunks: int = 8192, seed: int = 1, policy_param: float = 0.0,
                  reassembly_timeout_s: float = 1.0):
         self._rt = None
+        self._loop = None
         if batching not in BATCHING:
             raise ValueError(f"batching must be dynamic or static, not {batching!r}")
         for name, v, lo, hi in (("token_budget", token_budget, 1, 1 << 20), ("max_chunks", max_chunks, 1, 64),
@@ -117,11 +118,21 @@ class Router:
         return lib.dp_router_poll(self._rt)
 
     def start(self, cpu: int | None = None):
-        """Run the router in its own native thread (pinned to `cpu` if given)."""
-        _check(lib.dp_router_start(self._rt, -1 if cpu is None else cpu), "start")
+        """Run the router in its own native poll loop thread (pinned to `cpu` if given).
+        To share one thread with other stages, add `handle` to a datapath.loop.PollLoop instead."""
+        from . import _dataplane
+        from .loop import PollLoop
+        if self._loop is not None:
+            raise RuntimeError("the router is already running")
+        loop = PollLoop(cpu=cpu)
+        loop.add(_dataplane, "dp_router_poll", self._rt)
+        loop.start()
+        self._loop = loop
 
     def stop(self):
-        lib.dp_router_stop(self._rt)
+        if self._loop is not None:
+            self._loop.stop()
+            self._loop = None
 
     def stats(self) -> dict:
         st = ffi.new("struct dp_router_stats *")
@@ -134,6 +145,7 @@ class Router:
         return _struct_dict(st)
 
     def close(self):
+        self.stop()
         if self._rt is not None:
             lib.dp_router_destroy(self._rt)
             self._rt = None

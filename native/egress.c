@@ -4,7 +4,6 @@
 
 #include <errno.h>
 #include <netinet/in.h>
-#include <sched.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <time.h>
@@ -83,47 +82,4 @@ uint32_t dp_responder_poll(struct dp_responder *r)
     r->sent += done;
     dp_ring_cons_release(r->egress, n);
     return n;
-}
-
-static void *responder_main(void *arg)
-{
-    struct dp_responder *r = arg;
-    unsigned idle = 0;
-    while (!__atomic_load_n(&r->stop, __ATOMIC_ACQUIRE)) {
-        if (dp_responder_poll(r))
-            idle = 0;
-        else if (++idle > 1024)
-            sched_yield();
-    }
-    return NULL;
-}
-
-int dp_responder_start(struct dp_responder *r)
-{
-    if (r->running)
-        return -EBUSY;
-    r->stop = 0;
-    _Static_assert(sizeof(pthread_t) == sizeof(unsigned long), "pthread_t fits the thread field");
-    pthread_t t;
-    int rc = pthread_create(&t, NULL, responder_main, r);
-    if (rc)
-        return -rc;
-    r->thread = (unsigned long)t;
-    if (r->cpu >= 0) {
-        cpu_set_t set;
-        CPU_ZERO(&set);
-        CPU_SET(r->cpu, &set);
-        pthread_setaffinity_np(t, sizeof(set), &set);
-    }
-    r->running = 1;
-    return 0;
-}
-
-void dp_responder_stop(struct dp_responder *r)
-{
-    if (!r->running)
-        return;
-    __atomic_store_n(&r->stop, 1, __ATOMIC_RELEASE);
-    pthread_join((pthread_t)r->thread, NULL);
-    r->running = 0;
 }

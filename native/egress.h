@@ -7,12 +7,11 @@
  * address and port, so a client's connected socket accepts the answer), to
  * the client address its request came from (or a default one).
  * It keeps a trace of every response's stamps for the report. Nothing per
- * response runs in Python.
+ * response runs in Python; the pass is a stage of a native poll loop.
  */
 #ifndef DP_EGRESS_H
 #define DP_EGRESS_H
 
-#include <pthread.h>
 #include <stdint.h>
 
 #include "chunk.h"
@@ -37,17 +36,12 @@ struct dp_responder {
     int fd;                  /* UDP socket, not connected */
     uint32_t dst_ip;         /* network order: where responses go whose request named no client */
     uint16_t dst_port;       /* network order */
-    int cpu;
-    unsigned long thread;    /* pthread_t (glibc), spelled so cffi can parse it */
-    int stop, running;
     uint64_t sent, send_errors, by_status[6];   /* 200 400 413 422 429 503 */
     struct dp_trace *trace;  /* the first trace_cap responses */
     uint64_t trace_cap, traced;
 };
 
-int dp_responder_start(struct dp_responder *r);
-void dp_responder_stop(struct dp_responder *r);
-/* One pass without a thread (tests): responses sent. */
+/* One pass: responses sent. It runs as a stage of a native poll loop (loop.h). */
 uint32_t dp_responder_poll(struct dp_responder *r);
 /* CDEF END */
 

@@ -72,8 +72,6 @@ struct worker {
 struct dp_router {
     struct dp_router_config cfg;
     pthread_mutex_t lock;
-    pthread_t thread;
-    int running, stop;
     struct dp_policy policy;
     struct dp_workers view;
     struct worker w[DP_MAX_WORKERS];
@@ -940,46 +938,6 @@ uint32_t dp_router_poll(struct dp_router *rt)
     return work;
 }
 
-static void *router_main(void *arg)
-{
-    struct dp_router *rt = arg;
-    unsigned idle = 0;
-    while (!__atomic_load_n(&rt->stop, __ATOMIC_ACQUIRE)) {
-        if (dp_router_poll(rt))
-            idle = 0;
-        else if (++idle > 4096)
-            sched_yield();   /* idle for a while: let a worker on this core run */
-    }
-    return NULL;
-}
-
-int dp_router_start(struct dp_router *rt, int cpu)
-{
-    if (rt->running)
-        return -EBUSY;
-    rt->stop = 0;
-    int rc = pthread_create(&rt->thread, NULL, router_main, rt);
-    if (rc)
-        return -rc;
-    if (cpu >= 0) {
-        cpu_set_t set;
-        CPU_ZERO(&set);
-        CPU_SET(cpu, &set);
-        pthread_setaffinity_np(rt->thread, sizeof(set), &set);
-    }
-    rt->running = 1;
-    return 0;
-}
-
-void dp_router_stop(struct dp_router *rt)
-{
-    if (!rt->running)
-        return;
-    __atomic_store_n(&rt->stop, 1, __ATOMIC_RELEASE);
-    pthread_join(rt->thread, NULL);
-    rt->running = 0;
-}
-
 static int check_batching(uint32_t batching, uint32_t budget, uint32_t max_chunks, uint32_t max_batch)
 {
     if (batching > DP_BATCH_STATIC || budget < 1 || max_chunks < 1 || max_chunks > DP_MAX_BATCH_CHUNKS ||
@@ -1051,7 +1009,6 @@ void dp_router_destroy(struct dp_router *rt)
 {
     if (!rt)
         return;
-    dp_router_stop(rt);
     dp_policy_fini(&rt->policy);
     for (uint32_t k = 0; k < rt->view.n; k++) {
         free(rt->w[k].decoding);

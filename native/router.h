@@ -89,8 +89,7 @@ int dp_router_set_batching(struct dp_router *rt, uint32_t batching, uint32_t tok
                            uint32_t max_batch_size, uint64_t batch_timeout_ns);
 /* One pass: drain inputs, take completions, send batches. Returns work done. */
 uint32_t dp_router_poll(struct dp_router *rt);
-int dp_router_start(struct dp_router *rt, int cpu);   /* a pthread polling until stop; cpu < 0: no pinning */
-void dp_router_stop(struct dp_router *rt);
+/* Threads: dp_router_poll is a stage of a native poll loop (loop.h); datapath.router.Router.start runs one. */
 void dp_router_get_stats(struct dp_router *rt, struct dp_router_stats *s);
 int dp_router_worker_stats(struct dp_router *rt, uint32_t worker, struct dp_worker_stats *s);
 
