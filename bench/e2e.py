@@ -24,11 +24,13 @@ PROMPT, OUTPUT = 64, 4           # tokens per request: one chunk in, a few decod
 
 
 def _config(**kw) -> PipelineConfig:
-    """The data path's poll loop on the last core, the workers on the others (when there are two)."""
+    """The data path's poll loop on the last core, the workers on the others (when there are two).
+    Sessions return (the load cycles through them), so routing is by affinity unless a scenario
+    gives the workers a shared store, where any worker can restore any session."""
     import os
     cores = sorted(os.sched_getaffinity(0))
     pins = dict(datapath_cpu=cores[-1], worker_cpus=cores[:-1]) if len(cores) > 1 else {}
-    return PipelineConfig(**{"workers": 2, **pins, **kw})
+    return PipelineConfig(**{"workers": 2, "policy": "affinity", **pins, **kw})
 
 
 def _progress(msg: str):
@@ -128,10 +130,24 @@ def client_batching(report, quick: bool) -> dict:
 
 
 def failover(report, quick: bool) -> dict:
-    """Scenario 6: a worker SIGKILLed mid-run; the router replays its requests on the other one."""
-    import threading
+    """Scenario 6: a worker SIGKILLed mid-run; the router replays its requests on the other one,
+    which restores their sessions from the shared store."""
+    import os
+    import shutil
+    import tempfile
+    from snapshotstore.device import state_dir
     rate, seconds = 40, (3.0 if quick else 10.0)
-    with Pipeline(_config(workers=2)) as p:
+    os.makedirs(state_dir(), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix="e2e-store-", dir=state_dir())
+    try:
+        return _failover(report, rate, seconds, _fresh_image(tmp))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _failover(report, rate: float, seconds: float, store: str) -> dict:
+    import threading
+    with Pipeline(_config(workers=2, shared_store=store)) as p:
         out = {}
         # long answers (32 tokens), so the killed worker is in the middle of some
         t = threading.Thread(target=lambda: out.update(r=_offer(p, rate, seconds, prompt_tokens=PROMPT,
@@ -152,21 +168,19 @@ def failover(report, quick: bool) -> dict:
             "replayed": st["replayed"], "p50_ms": pc["p50"], "p99_ms": pc["p99"]}
 
 
-def _worker_store(directory: str, index: int):
-    """Worker `index`'s own store: a fresh image in `directory` (a store is one process's, it locks its device)."""
-    from snapshotstore import WorkerStore
+def _fresh_image(directory: str) -> str:
+    """A formatted store image in `directory` (on the real disk: O_DIRECT)."""
     from snapshotstore.device import create_image
-    from snapshotstore.log import LogStore, format_device
-    path = f"{directory}/worker{index}.img"
+    from snapshotstore.log import format_device
+    path = f"{directory}/store.img"
     create_image(path, 256 << 20)
     format_device(path)
-    return WorkerStore(LogStore(path, eviction="lru"), tenant_secret=b"e2e-tenant-secret-0123456789abcd")
+    return path
 
 
 def snapshot_evict(report, quick: bool, memory: dict) -> dict:
     """Scenario 3: snapshot each finished request and evict (LRU, small KV budget) vs keep every KV
     resident, at equal load with returning sessions (affinity routing brings them back to their worker)."""
-    import functools
     import os
     import shutil
     import tempfile
@@ -179,7 +193,7 @@ def snapshot_evict(report, quick: bool, memory: dict) -> dict:
         if mode == "snapshot+evict":
             os.makedirs(state_dir(), exist_ok=True)
             tmp = tempfile.mkdtemp(prefix="e2e-store-", dir=state_dir())   # O_DIRECT needs a real disk
-            kw.update(store_factory=functools.partial(_worker_store, tmp), kv_budget_bytes=1 << 20)
+            kw.update(shared_store=_fresh_image(tmp), kv_budget_bytes=1 << 20)
         try:
             with Pipeline(_config(**kw)) as p:
                 _progress(f"{mode}: {sessions} sessions x {rounds} requests at {rate} req/s")

@@ -56,7 +56,9 @@ class PipelineConfig:
     sim_mode: str = "sleep"
     kv_budget_bytes: int = 256 << 20
     codec: str = "zstd"
-    store_factory: object = None       # callable(worker index) -> SnapshotStore, called in the worker; None: none
+    store_factory: object = None       # callable(worker index) -> SnapshotStore, called in the worker
+    shared_store: str | None = None    # an image path: one store process serves it to every worker
+                                       # (so any worker restores any session); None: store_factory or none
     datapath_cpu: int | None = None    # pin the poll loop here
     loop_yield_after: int = 256        # idle passes before the poll loop yields its core
     worker_cpus: list = field(default_factory=list)
@@ -113,6 +115,15 @@ def _worker_main(lane_name: str, options, store_factory, trace_buf, stop, cpu):
             store.close()
 
 
+TENANT_SECRET = b"pipeline-tenant-secret-0123456789"   # one tenant: the benchmark's
+
+
+def _remote_store(endpoint: str, index: int):
+    from snapshotstore import WorkerStore
+    from snapshotstore.server import RemoteStore
+    return WorkerStore(RemoteStore(endpoint), TENANT_SECRET)
+
+
 class Pipeline:
     def __init__(self, cfg: PipelineConfig | None = None):
         self.cfg = cfg or PipelineConfig()
@@ -163,6 +174,9 @@ class Pipeline:
         sock.bind((topo.host_ip[0], wire.DEFAULT_PORT))   # answers come from where the requests went
         self.responder = Responder(Ring.attach(out_name, "consumer"), sock, topo.client_ip[0], wire.DEFAULT_PORT)
         self._stop_workers = ctx.Event()
+        store_factory = cfg.store_factory
+        if cfg.shared_store:
+            store_factory = self._start_store_server(cfg.shared_store)
         for k in range(cfg.workers):
             name = f"{self.tag}.w{k}"
             self.router.add_worker(*lanes.create_shm_lane(name))
@@ -172,7 +186,7 @@ class Pipeline:
             opts = WorkerOptions(index=k, kv_budget_bytes=cfg.kv_budget_bytes, codec=cfg.codec, device=cfg.device,
                                  sim_mode=cfg.sim_mode)
             cpu = cfg.worker_cpus[k % len(cfg.worker_cpus)] if cfg.worker_cpus else None
-            p = ctx.Process(target=_worker_main, args=(name, opts, cfg.store_factory, buf, self._stop_workers, cpu),
+            p = ctx.Process(target=_worker_main, args=(name, opts, store_factory, buf, self._stop_workers, cpu),
                             name=f"worker{k}", daemon=True)
             p.start()
             self.workers.append(p)
@@ -184,6 +198,30 @@ class Pipeline:
         self.loop.add(_dataplane, "dp_responder_poll", self.responder.handle)
         self.loop.start()
         es.callback(self.loop.stop)
+
+    def _start_store_server(self, path: str):
+        """The store's own process (snapshotstore.server); returns the workers' store factory."""
+        import functools
+        import tempfile
+        from snapshotstore.server import serve
+        sockdir = tempfile.mkdtemp(prefix=f"{self.tag}-")
+        endpoint = f"ipc://{sockdir}/store"
+        stop, ready = ctx.Event(), ctx.Event()
+        server = ctx.Process(target=serve, args=(path, endpoint, stop), kwargs={"ready": ready}, name="store",
+                             daemon=True)
+        server.start()
+
+        def halt():
+            stop.set()
+            server.join(10)
+            if server.is_alive():
+                server.kill()
+                server.join(5)
+            os.rmdir(sockdir) if os.path.isdir(sockdir) and not os.listdir(sockdir) else None
+        self._stack.callback(halt)
+        if not ready.wait(30):
+            raise RuntimeError(f"the snapshot store server on {path} did not start")
+        return functools.partial(_remote_store, endpoint)
 
     def _reap_workers(self):
         self._stop_workers.set()

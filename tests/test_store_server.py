@@ -1,0 +1,73 @@
+"""One store process, several worker processes: a session one writes, another restores."""
+import multiprocessing
+
+import pytest
+
+from snapshotstore import Delta, DeviceError, SessionChanged, TooLarge, WorkerStore, session_key
+from snapshotstore.device import create_image
+from snapshotstore.log import format_device
+from snapshotstore.server import RemoteStore, serve
+
+ctx = multiprocessing.get_context("fork")
+SECRET = b"test-tenant-secret-0123456789ab"
+
+
+@pytest.fixture
+def server(tmp_path):
+    path = str(tmp_path / "shared.img")   # tmp_path is on the real disk: O_DIRECT works there
+    create_image(path, 64 << 20)
+    format_device(path)
+    endpoint = f"ipc://{tmp_path}/store.sock"
+    stop, ready = ctx.Event(), ctx.Event()
+    p = ctx.Process(target=serve, args=(path, endpoint, stop), kwargs={"ready": ready})
+    p.start()
+    assert ready.wait(30), "the store server did not start"
+    yield endpoint
+    stop.set()
+    p.join(10)
+    if p.is_alive():
+        p.kill()
+        p.join(5)
+
+
+def writer(endpoint, q):
+    store = WorkerStore(RemoteStore(endpoint), SECRET)
+    for i in range(3):
+        store.put(42, bytes([i]) * 1000, {"token_start": 10 * i, "token_end": 10 * i + 10, "codec": "raw"})
+    q.put("written")
+
+
+def reader(endpoint, q):
+    q.put(WorkerStore(RemoteStore(endpoint), SECRET).restore(42))
+
+
+def test_a_session_written_by_one_process_restores_in_another(server):
+    q = ctx.Queue()
+    w = ctx.Process(target=writer, args=(server, q))
+    w.start()
+    assert q.get(timeout=30) == "written"
+    w.join(10)
+    r = ctx.Process(target=reader, args=(server, q))
+    r.start()
+    parts = q.get(timeout=30)
+    r.join(10)
+    assert parts == [bytes([i]) * 1000 for i in range(3)]
+
+
+def test_store_errors_cross_the_socket(server):
+    with RemoteStore(server) as store:
+        key = session_key(SECRET, 7)
+        assert store.restore(key) is None and store.delete(key) is False
+        store.put(key, Delta(b"x" * 100, tokens=(0, 5), codec="raw"))
+        assert store.list() == [key] and store.restore(key).payload == b"x" * 100
+        with pytest.raises(SessionChanged):                   # a chain must continue where it ended
+            store.put(key, Delta(b"y", tokens=(9, 10), codec="raw"))
+        with pytest.raises(TooLarge):
+            store.put(key, Delta(b"z" * (32 << 20), tokens=(5, 6), codec="raw"))
+        assert store.stats()
+
+
+def test_no_server_is_a_clear_error(tmp_path):
+    with RemoteStore(f"ipc://{tmp_path}/nobody.sock", timeout_s=0.3) as store:
+        with pytest.raises(DeviceError, match="did not answer"):
+            store.restore(session_key(SECRET, 1))
