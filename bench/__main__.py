@@ -23,7 +23,7 @@ IN_ALL = [name for name in SUITES if name != "compare"]   # compare needs --poli
 
 EPILOG = """examples:
     python -m bench wire --quick            # a short run, table + bench-results/wire.json
-    python -m bench wire --json /tmp/w.json
+    python -m bench wire --json out/wire.json
     python -m bench all                     # every suite, in full
     sudo python -m bench snapshot --soak    # the snapshot store, and 1,000 SIGKILLed writers
     sudo python -m bench e2e --quick        # the whole pipeline, every scenario briefly, report in bench-results/e2e/

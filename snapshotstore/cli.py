@@ -21,10 +21,10 @@ from .errors import SnapshotError
 from .format import KIND_NAMES, KIND_PAD
 
 EPILOG = """examples:
-    snapshotstore format /tmp/store.img --size 256M   # create a sparse image and format it
+    snapshotstore format store.img --size 256M        # create a sparse image and format it
     sudo snapshotstore format /dev/nvme1n1 --force    # erase a namespace and make an empty store
-    snapshotstore inspect /tmp/store.img --limit 20   # the log, oldest record first
-    snapshotstore fsck /tmp/store.img                 # every CRC and every chain; exit 1 if damaged
+    snapshotstore inspect store.img --limit 20        # the log, oldest record first
+    snapshotstore fsck store.img                      # every CRC and every chain; exit 1 if damaged
     snapshotstore stats --json                        # the default store's counters
 """
 

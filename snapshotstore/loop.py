@@ -1,6 +1,6 @@
 """A loop device over an image file, for tests and benchmarks (root), always detached.
 
-    with loop_device("/tmp/store.img", sector_size=512) as dev:   # "/dev/loopN"
+    with loop_device("store.img", sector_size=512) as dev:   # "/dev/loopN"
         LogStore(dev) ...
 
 losetup(8) attaches with direct I/O on the backing file, so a write that the

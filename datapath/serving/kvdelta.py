@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import struct
 import zlib
+from typing import Protocol
 from dataclasses import dataclass
 
 import lz4.frame
@@ -56,16 +57,15 @@ class KVDelta:
         return self.token_end - self.token_start
 
 
-class Codec:
+class Codec(Protocol):
+    """What every codec provides (RawCodec and Int8ZstdCodec below)."""
     name: str
     version: int
     lossless: bool
 
-    def encode(self, k: np.ndarray, v: np.ndarray) -> bytes:
-        raise NotImplementedError
+    def encode(self, k: np.ndarray, v: np.ndarray) -> bytes: ...
 
-    def decode(self, payload: bytes, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
-        raise NotImplementedError
+    def decode(self, payload: bytes, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]: ...
 
 
 def _split_raw(raw: bytes, shape) -> tuple[np.ndarray, np.ndarray]:
