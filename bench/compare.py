@@ -4,7 +4,8 @@ batching mode, side by side: the researchers' loop.
     sudo python -m bench compare --policy round_robin,power_of_two,affinity,static --rate 40
 
 A name is a routing policy (datapath.router.policies(), with dynamic batching)
-or a batching mode (dynamic, static; with round_robin). Each gets a fresh
+or a batching mode (dynamic, static; with affinity routing, the pipeline's
+default, since sessions return). Each gets a fresh
 pipeline and the same Poisson schedule (same seed, same requests, same
 sessions); the table and `compare.png` show p50/p95/p99 send->response and
 what the router did. References: the first name's figures (ratios are

@@ -14,6 +14,7 @@ import itertools
 import mmap
 import multiprocessing
 import os
+import shutil
 import tempfile
 import time
 
@@ -165,7 +166,7 @@ def lane_batch_us(kind: str, rounds: int) -> float:
     else:
         import zmq
         tmp = tempfile.mkdtemp()
-        where = f"ipc://{tmp}/lane" if kind == "zmq_ipc" else f"tcp://127.0.0.1:{31000 + os.getpid() % 20000}"
+        where = f"ipc://{tmp}/lane" if kind == "zmq_ipc" else lanes.free_tcp_endpoint()
         p = ctx.Process(target=_echo, args=("zmq", where, 120))
         p.start()
         zc = zmq.Context()
@@ -183,6 +184,7 @@ def lane_batch_us(kind: str, rounds: int) -> float:
             zc.term()
             p.kill()
             p.join(5)
+            shutil.rmtree(tmp, ignore_errors=True)
     return float(np.percentile(times[rounds // 10:], 50)) / 1000   # the first 10% warm up
 
 

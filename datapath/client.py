@@ -50,6 +50,10 @@ def send(sock: socket.socket, packets: list[bytes], rate: float, count: int, dur
     """Send `count` packets (cycling through `packets`) on a connected UDP socket. Returns the C stats."""
     if not packets or rate <= 0 or count < 1 or duration <= 0:
         raise ValueError("send needs packets, rate > 0, count >= 1 and duration > 0")
+    count_at = wire.REQ_OFFSETS["chunk_count"][0]   # read raw: packets may be malformed on purpose
+    if stamp_seq and any(len(p) >= wire.REQ_HDR_LEN and int.from_bytes(p[count_at:count_at + 2], "little") > 1
+                         for p in packets):
+        raise ValueError("stamp_seq gives every packet its own request id: use it with one-chunk requests only")
     stride = max(map(len, packets))
     if stride > MAX_PACKET:
         raise ValueError(f"a packet is {stride} bytes, more than a request can be ({MAX_PACKET})")
@@ -59,19 +63,23 @@ def send(sock: socket.socket, packets: list[bytes], rate: float, count: int, dur
                                                 seed=seed, batch=batch, drain_ms=drain_ms, stamp_seq=stamp_seq,
                                                 spin_ns=spin_us * 1000, seq_base=seq_base))
     st = ffi.new("struct dp_send_stats *")
-    if lib.dp_lat_init(ffi.addressof(st.rtt), 1 << 16):
+    if lib.dp_lat_init(ffi.addressof(st.rtt), 1 << 16) or lib.dp_lat_init(ffi.addressof(st.rtt_ok), 1 << 16):
+        lib.dp_lat_free(ffi.addressof(st.rtt))
         raise MemoryError("cannot allocate the response latency samples")
     try:
         rc = lib.dp_send_poisson(sock.fileno(), buf, stride, lens, len(packets), cfg, st)
         if rc:
             raise OSError(-rc, os.strerror(-rc))
         rtt = sorted(ffi.unpack(st.rtt.samples, st.rtt.n))
+        rtt_ok = sorted(ffi.unpack(st.rtt_ok.samples, st.rtt_ok.n))
         return dict(sent=st.sent, send_errors=st.send_errors, elapsed_s=st.elapsed_ns / 1e9,
                     offered_pps=st.sent / (st.elapsed_ns / 1e9) if st.elapsed_ns else 0.0,
                     max_late_ns=st.max_late_ns, responses=st.responses, resp_429=st.resp_429,
-                    resp_other=st.resp_other, rtt_ns=rtt)
+                    resp_ok=st.resp_ok, resp_other=st.resp_other, last_resp_s=st.last_resp_ns / 1e9,
+                    rtt_ns=rtt, rtt_ok_ns=rtt_ok)
     finally:
         lib.dp_lat_free(ffi.addressof(st.rtt))
+        lib.dp_lat_free(ffi.addressof(st.rtt_ok))
 
 
 def run_in_netns(netns: str, fn, *args, cpu: int | None = None, rt_priority: int = 0,

@@ -25,6 +25,14 @@ from .ring import Ring
 DEFAULT_LANE_SLOTS = 256
 
 
+def free_tcp_endpoint(host: str = "127.0.0.1") -> str:
+    """tcp://host:port with a port the kernel just handed out (for a lane the caller binds at once)."""
+    import socket
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return f"tcp://{host}:{s.getsockname()[1]}"
+
+
 def lane_names(name: str) -> tuple[str, str]:
     return f"{name}.lane", f"{name}.done"
 

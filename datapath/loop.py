@@ -1,8 +1,8 @@
 """One native thread polling several data-path stages in turn (native/loop.h).
 
     loop = PollLoop(cpu=1)
-    loop.add(_dataplane, "dp_router_poll", router.handle)
-    loop.add(_ingress, "dp_consumer_poll", consumer.ptr)
+    loop.add(_dataplane, "dp_router_poll", router.handle, owner=router)
+    loop.add(_ingress, "dp_consumer_poll", consumer.ptr, owner=consumer)
     loop.start() ... loop.stop()
 """
 from __future__ import annotations
@@ -17,8 +17,9 @@ class PollLoop:
         self._l.yield_after = yield_after
         self._keep = []   # the stages' owners stay alive while the loop runs
 
-    def add(self, module, fn_name: str, arg):
-        """Stage: `fn_name` of the cffi extension `module` (uint32_t fn(T *)), called with `arg` (a T *)."""
+    def add(self, module, fn_name: str, arg, owner=None):
+        """Stage: `fn_name` of the cffi extension `module` (uint32_t fn(T *)), called with `arg` (a T *).
+        `owner` (the Python object arg belongs to) is kept alive as long as the loop is."""
         if self._l.running:
             raise RuntimeError("add stages before start()")
         if self._l.n >= lib.DP_LOOP_MAX_STAGES:
@@ -27,7 +28,7 @@ class PollLoop:
         self._l.fn[self._l.n] = int(module.ffi.cast("uintptr_t", fn))
         self._l.arg[self._l.n] = int(module.ffi.cast("uintptr_t", arg))
         self._l.n += 1
-        self._keep.append(arg)
+        self._keep.append((arg, owner))
 
     def start(self):
         rc = lib.dp_loop_start(self._l)
@@ -39,6 +40,9 @@ class PollLoop:
 
     def stats(self) -> dict:
         return {"passes": self._l.passes, "busy_passes": self._l.busy_passes, "yields": self._l.yields}
+
+    def __del__(self):
+        self.stop()
 
     def __enter__(self):
         self.start()

@@ -19,6 +19,7 @@ import itertools
 import mmap
 import multiprocessing
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -97,8 +98,19 @@ class TracingLane:
         self.lane.close()
 
 
+def child_of_this_process():
+    """In a forked child: die with the parent (even a SIGKILLed one), and leave Ctrl-C to it."""
+    import ctypes
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+    if os.getppid() == 1:
+        os._exit(1)          # the parent died before prctl took effect
+
+
 def _worker_main(lane_name: str, options, store_factory, trace_buf, stop, cpu):
     from .serving.worker import one_blas_thread, serve
+    child_of_this_process()
     if cpu is not None:
         os.sched_setaffinity(0, {cpu})
     count = np.frombuffer(trace_buf, dtype="<u8", count=1)
@@ -116,6 +128,17 @@ def _worker_main(lane_name: str, options, store_factory, trace_buf, stop, cpu):
 
 
 TENANT_SECRET = b"pipeline-tenant-secret-0123456789"   # one tenant: the benchmark's
+
+
+def _store_main(path, endpoint, stop, ready):
+    from snapshotstore.errors import SnapshotError
+    from snapshotstore.server import serve
+    child_of_this_process()
+    try:
+        serve(path, endpoint, stop, ready=ready)
+    except SnapshotError as e:   # one sentence, not a traceback
+        print(f"snapshot store server: {e}", file=sys.stderr)
+        os._exit(1)
 
 
 def _remote_store(endpoint: str, index: int):
@@ -169,18 +192,15 @@ class Pipeline:
         es.callback(self.router.close)
         self.router.add_input(Ring.attach(in_name, "consumer"))
         self.router.set_egress(out_ring)
-        sock = socket_in(topo.host_ns)
-        es.callback(sock.close)
-        sock.bind((topo.host_ip[0], wire.DEFAULT_PORT))   # answers come from where the requests went
-        self.responder = Responder(Ring.attach(out_name, "consumer"), sock, topo.client_ip[0], wire.DEFAULT_PORT)
         self._stop_workers = ctx.Event()
+        es.callback(self._reap_workers)    # before any worker starts: a half-built pipeline reaps what it started
         store_factory = cfg.store_factory
         if cfg.shared_store:
             store_factory = self._start_store_server(cfg.shared_store)
         for k in range(cfg.workers):
             name = f"{self.tag}.w{k}"
-            self.router.add_worker(*lanes.create_shm_lane(name))
             es.callback(lanes.unlink_shm_lane, name)
+            self.router.add_worker(*lanes.create_shm_lane(name))
             buf = mmap.mmap(-1, 64 + cfg.trace_records * TRACE.itemsize)
             self.traces.append(buf)
             opts = WorkerOptions(index=k, kv_budget_bytes=cfg.kv_budget_bytes, codec=cfg.codec, device=cfg.device,
@@ -190,12 +210,16 @@ class Pipeline:
                             name=f"worker{k}", daemon=True)
             p.start()
             self.workers.append(p)
-        es.callback(self._reap_workers)
+        # the response socket is made after the workers are forked, so none of them holds it
+        sock = socket_in(topo.host_ns)
+        es.callback(sock.close)
+        sock.bind((topo.host_ip[0], wire.DEFAULT_PORT))   # answers come from where the requests went
+        self.responder = Responder(Ring.attach(out_name, "consumer"), sock, topo.client_ip[0], wire.DEFAULT_PORT)
         self.loop = PollLoop(cpu=cfg.datapath_cpu, yield_after=cfg.loop_yield_after)
         from . import _ingress
-        self.loop.add(_ingress, "dp_consumer_poll", self.consumer.ptr)
-        self.loop.add(_dataplane, "dp_router_poll", self.router.handle)
-        self.loop.add(_dataplane, "dp_responder_poll", self.responder.handle)
+        self.loop.add(_ingress, "dp_consumer_poll", self.consumer.ptr, owner=self.consumer)
+        self.loop.add(_dataplane, "dp_router_poll", self.router.handle, owner=self.router)
+        self.loop.add(_dataplane, "dp_responder_poll", self.responder.handle, owner=self.responder)
         self.loop.start()
         es.callback(self.loop.stop)
 
@@ -204,11 +228,11 @@ class Pipeline:
         import functools
         import tempfile
         from snapshotstore.server import serve
+        import shutil
         sockdir = tempfile.mkdtemp(prefix=f"{self.tag}-")
         endpoint = f"ipc://{sockdir}/store"
         stop, ready = ctx.Event(), ctx.Event()
-        server = ctx.Process(target=serve, args=(path, endpoint, stop), kwargs={"ready": ready}, name="store",
-                             daemon=True)
+        server = ctx.Process(target=_store_main, args=(path, endpoint, stop, ready), name="store", daemon=True)
         server.start()
 
         def halt():
@@ -217,10 +241,12 @@ class Pipeline:
             if server.is_alive():
                 server.kill()
                 server.join(5)
-            os.rmdir(sockdir) if os.path.isdir(sockdir) and not os.listdir(sockdir) else None
+            shutil.rmtree(sockdir, ignore_errors=True)
         self._stack.callback(halt)
-        if not ready.wait(30):
-            raise RuntimeError(f"the snapshot store server on {path} did not start")
+        deadline = time.monotonic() + 30
+        while not ready.wait(0.1):
+            if not server.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the snapshot store server on {path} did not start (see its message above)")
         return functools.partial(_remote_store, endpoint)
 
     def _reap_workers(self):
@@ -248,9 +274,11 @@ class Pipeline:
         """
         if not 1 <= prompt_tokens * merge <= wire.MAX_CHUNK_TOKENS:
             raise ValueError(f"a request here is one chunk: prompt_tokens x merge must be 1..{wire.MAX_CHUNK_TOKENS}")
-        pkts = [client.request_packets(tenant, s + 1, 0, [(s * 131 + i) % 509 for i in range(prompt_tokens * merge)],
-                                       max_output_tokens=max_output_tokens * merge)[0] for s in range(sessions)]
         base = next(self._ids) * 1_000_000_000   # ids of this offer: base + sequence number
+        # sessions are this offer's own (base + n): they return within it, never across offers
+        pkts = [client.request_packets(tenant, base + s + 1, 0,
+                                       [(s * 131 + i) % 509 for i in range(prompt_tokens * merge)],
+                                       max_output_tokens=max_output_tokens * merge)[0] for s in range(sessions)]
         # the client runs beside the workers, off the data path's core
         cpu = self.cfg.worker_cpus[0] if self.cfg.worker_cpus else None
         duration = count / rate * 3 + 5

@@ -125,7 +125,7 @@ class Router:
         if self._loop is not None:
             raise RuntimeError("the router is already running")
         loop = PollLoop(cpu=cpu)
-        loop.add(_dataplane, "dp_router_poll", self._rt)
+        loop.add(_dataplane, "dp_router_poll", self._rt, owner=self)
         loop.start()
         self._loop = loop
 

@@ -106,11 +106,13 @@ class Topology:
 
 def enter(name: str):
     """Move the calling thread into netns `name` (use in a child process or a preexec_fn)."""
-    netns.setns(name)
+    netns.setns(name, flags=0)   # never create: pyroute2's default would make a stray namespace
 
 
 def socket_in(name: str, family=socket.AF_INET, type=socket.SOCK_DGRAM) -> socket.socket:
     """A socket that lives in netns `name` (sockets keep the namespace they were made in)."""
+    if name not in netns.listnetns():   # pushns would create a missing one
+        raise FileNotFoundError(f"no network namespace {name!r}")
     netns.pushns(name)
     try:
         return socket.socket(family, type)

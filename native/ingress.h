@@ -114,8 +114,11 @@ struct dp_send_stats {
     uint64_t max_late_ns;      /* worst lag behind the Poisson schedule */
     uint64_t responses;
     uint64_t resp_429;
-    uint64_t resp_other;
+    uint64_t resp_ok;          /* status 200 */
+    uint64_t resp_other;       /* any other status */
+    uint64_t last_resp_ns;     /* from the start to the last response (throughput over that span) */
     struct dp_lat rtt;         /* now - echoed send_ns, per response */
+    struct dp_lat rtt_ok;      /* the same, for 200 responses only */
 };
 
 int dp_send_poisson(int fd, const uint8_t *pkts, uint32_t stride, const uint16_t *lens, uint32_t n_pkts,

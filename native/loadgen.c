@@ -60,7 +60,7 @@ static void wait_until(int fd, uint64_t t)
     ppoll(&p, 1, &ts, NULL);
 }
 
-static void read_responses(int fd, struct dp_send_stats *st)
+static void read_responses(int fd, struct dp_send_stats *st, uint64_t start)
 {
     uint8_t buf[2048];
     struct dp_resp_hdr h;
@@ -73,12 +73,18 @@ static void read_responses(int fd, struct dp_send_stats *st)
         if (h.magic != DP_WIRE_MAGIC || h.kind != DP_KIND_RESPONSE)
             continue;
         st->responses++;
+        st->last_resp_ns = now - start;
         if (h.status == DP_STATUS_RATE_LIMITED)
             st->resp_429++;
+        else if (h.status == DP_STATUS_OK)
+            st->resp_ok++;
         else
             st->resp_other++;
-        if (h.send_ns && now > h.send_ns)
+        if (h.send_ns && now > h.send_ns) {
             dp_lat_add(&st->rtt, now - h.send_ns);
+            if (h.status == DP_STATUS_OK)
+                dp_lat_add(&st->rtt_ok, now - h.send_ns);
+        }
     }
 }
 
@@ -105,7 +111,7 @@ int dp_send_poisson(int fd, const uint8_t *pkts, uint32_t stride, const uint16_t
         if (now >= deadline)
             break;
         if (now < due) {
-            read_responses(fd, st);
+            read_responses(fd, st, start);
             if (due - now > cfg->spin_ns)
                 wait_until(fd, due - cfg->spin_ns);   /* give the core back; spin only the last stretch */
             continue;
@@ -144,7 +150,7 @@ int dp_send_poisson(int fd, const uint8_t *pkts, uint32_t stride, const uint16_t
     }
     st->elapsed_ns = dp_now_ns() - start;
     for (uint64_t end = dp_now_ns() + (uint64_t)cfg->drain_ms * 1000000; dp_now_ns() < end;) {
-        read_responses(fd, st);
+        read_responses(fd, st, start);
         if (st->responses >= st->sent)
             break;                 /* everything answered: no need to wait out the drain */
         wait_until(fd, end);

@@ -68,6 +68,7 @@ static struct dp_ring *map_ring(int fd, size_t size, int role, int *err)
         return NULL;
     }
     r->h = p;
+    r->map_len = size;
     r->slots = (uint8_t *)p + r->h->data_offset;
     r->role = role;
     r->fd = fd;
@@ -168,7 +169,7 @@ struct dp_ring *dp_ring_attach(const char *name, int role, int *err)
     }
     struct dp_ring_hdr *h = r->h;
     if (__atomic_load_n(&h->magic, __ATOMIC_ACQUIRE) != DP_RING_MAGIC || h->version != DP_RING_VERSION ||
-        h->map_size != (uint64_t)st.st_size) {
+        h->map_size != (uint64_t)st.st_size || h->data_offset + (uint64_t)h->slot_size * h->capacity > h->map_size) {
         *err = -EPROTO;
         dp_ring_close(r);
         return NULL;
@@ -192,7 +193,7 @@ void dp_ring_close(struct dp_ring *r)
         __atomic_compare_exchange_n(&r->h->producer_pid, &me, 0, 0, __ATOMIC_RELEASE, __ATOMIC_RELAXED);
     else if (r->role == DP_ROLE_CONSUMER)
         __atomic_compare_exchange_n(&r->h->consumer_pid, &me, 0, 0, __ATOMIC_RELEASE, __ATOMIC_RELAXED);
-    munmap(r->h, r->h->map_size);
+    munmap(r->h, r->map_len);
     close(r->fd);
     free(r);
 }

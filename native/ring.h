@@ -91,6 +91,7 @@ struct dp_ring_hdr {
 struct dp_ring {             /* a process's handle (not shared) */
     struct dp_ring_hdr *h;
     uint8_t *slots;
+    size_t map_len;          /* what this process mapped (never trust the shared header for it) */
     int role;
     int fd;
 };

@@ -50,6 +50,7 @@ struct req {
 struct batch_meta {             /* what the router remembers of each record it sent */
     uint32_t req;
     uint8_t kind, final;
+    uint8_t releases;           /* the record carries a chunk's last piece: its depth ends on completion */
 };
 
 struct worker {
@@ -87,6 +88,7 @@ struct dp_router {
     uint32_t pool_free;                 /* free list head */
     uint32_t done_head, done_tail;      /* finished requests waiting for egress room (via fifo_next) */
     uint64_t recent[1u << RECENT_BITS]; /* direct-mapped: ids of requests that finished lately */
+    uint32_t reserved;                  /* pool slots promised to chunks of admitted requests not here yet */
     uint64_t next_expiry_scan;
     struct dp_router_stats st;
 };
@@ -294,6 +296,8 @@ static void finish(struct dp_router *rt, uint32_t ri)
     struct req *r = &rt->reqs[ri];
     struct worker *w = &rt->w[r->worker];
     remember_done(rt, r->request_id);
+    rt->reserved -= r->chunk_count - r->received;   /* a failed request's missing chunks need no room now */
+    r->received = r->chunk_count;
     free_list(rt, r->sent_head);        /* no replay needed any more */
     r->sent_head = r->sent_tail = NIL;
     if (r->in_set) {                    /* static: leave the running batch now, before the slot is reused */
@@ -394,6 +398,8 @@ static int bad_chunk(const struct dp_chunk *c)
            c->chunk_index >= c->chunk_count;
 }
 
+static void fail_request(struct dp_router *rt, int wk, uint32_t ri, uint16_t status);
+
 /* Returns 0 if the router has no room for it now (the record stays in its ring). */
 static int ingest(struct dp_router *rt, const struct dp_chunk *c, uint64_t t)
 {
@@ -401,29 +407,43 @@ static int ingest(struct dp_router *rt, const struct dp_chunk *c, uint64_t t)
         rt->st.control_in++;
         return 1;
     }
-    if (bad_chunk(c)) {
+    uint32_t ri = req_find(rt, c->request_id);
+    if (bad_chunk(c)) {                  /* the whole request is refused, once */
+        rt->st.bad_chunks++;
+        if (ri != NIL) {
+            if (rt->reqs[ri].state != REQ_DONE)
+                fail_request(rt, rt->reqs[ri].worker, ri, DP_STATUS_BAD_REQUEST);
+            return 1;
+        }
+        if (recently_done(rt, c->request_id))
+            return 1;
         if (!emit(rt, NULL, DP_STATUS_BAD_REQUEST, c->request_id, c->session_id, c->tenant, c))
             return 0;
-        rt->st.bad_chunks++;
+        remember_done(rt, c->request_id);
         rt->st.responses++;
         return 1;
     }
-    if (rt->pool_free == NIL)
-        return 0;
-    uint32_t ri = req_find(rt, c->request_id);
     if (ri == NIL && recently_done(rt, c->request_id)) {
-        rt->st.late_duplicates++;        /* a repeat of a request already answered */
+        rt->st.late_duplicates++;        /* a repeat of a request already answered (or refused) */
         return 1;
     }
     if (ri == NIL) {
-        int wk = dp_policy_pick(&rt->policy, &rt->view, c->session_id, c->tenant);
+        /* admission: the pool must hold this request's chunks besides those promised to requests
+         * still arriving, or it is refused now (a full pool would stall the chunks that finish them) */
+        int room = rt->st.pool_free >= (uint32_t)c->chunk_count + rt->reserved;
+        int wk = room ? dp_policy_pick(&rt->policy, &rt->view, c->session_id, c->tenant) : -1;
         if (wk < 0 || (ri = req_insert(rt, c->request_id)) == NIL) {
             if (!emit(rt, NULL, DP_STATUS_UNAVAILABLE, c->request_id, c->session_id, c->tenant, c))
                 return 0;
-            rt->st.table_full++;
+            remember_done(rt, c->request_id);   /* its other chunks are not a new request */
+            if (room)
+                rt->st.table_full++;
+            else
+                rt->st.pool_refused++;
             rt->st.responses++;
             return 1;
         }
+        rt->reserved += c->chunk_count - 1u;
         struct req *r = &rt->reqs[ri];
         memset(r, 0, offsetof(struct req, out));
         r->request_id = c->request_id;
@@ -452,10 +472,14 @@ static int ingest(struct dp_router *rt, const struct dp_chunk *c, uint64_t t)
             rt->st.duplicate_chunks++;
             return 1;
         }
+    if (rt->pool_free == NIL)
+        return 0;                        /* cannot happen to an admitted request: its room is reserved */
     uint32_t p = pool_get(rt);
     struct dp_chunk *pc = &rt->pool[p].c;
     memcpy(pc, c, DP_CHUNK_HDR_LEN + c->n_tokens * sizeof(uint32_t));
     pc->t_router = t;
+    if (r->received)
+        rt->reserved--;                  /* a promised chunk has come */
     r->received++;
     r->t_last = t;
     rt->st.chunks_in++;
@@ -527,7 +551,14 @@ static const struct dp_completion *lane_completion(struct worker *w)
     if (w->kind == DP_LANE_SHM)
         return w->done && dp_ring_cons_peek(w->done, 1) ? dp_ring_cons_slot(w->done, 0) : NULL;
     int n = zmq_recv(w->zsock, w->cbuf, sizeof(*w->cbuf), ZMQ_DONTWAIT);
-    return n >= (int)offsetof(struct dp_completion, e) ? w->cbuf : NULL;
+    if (n < (int)offsetof(struct dp_completion, e))
+        return NULL;
+    if (n > (int)sizeof(*w->cbuf))
+        n = (int)sizeof(*w->cbuf);                  /* zmq_recv says how long the message was */
+    uint32_t got = ((uint32_t)n - offsetof(struct dp_completion, e)) / sizeof(struct dp_completion_entry);
+    if (w->cbuf->n > got)
+        w->cbuf->n = (uint16_t)got;                 /* entries past the message's end were not sent */
+    return w->cbuf;
 }
 
 static void lane_completion_done(struct worker *w)
@@ -587,6 +618,8 @@ static void complete_entry(struct dp_router *rt, int wk, const struct batch_meta
     struct worker *w = &rt->w[wk];
     int ended = 0;
     r->inflight--;
+    if (m->releases)
+        depth_add(rt, wk, -1);
     if (r->status) {                     /* already failed: finish once the last record is back */
         if (r->inflight == 0)
             finish(rt, m->req);
@@ -632,8 +665,10 @@ static uint32_t take_completions(struct dp_router *rt)
             uint32_t len = w->batch_len;
             w->busy = 0;
             w->batch_len = 0;  /* meta stays valid below: nothing reuses it before the next batch */
+            /* a record the completion does not cover was not answered: it fails, not succeeds */
+            const struct dp_completion_entry missing = { .status = DP_STATUS_UNAVAILABLE };
             for (uint32_t i = 0; i < len; i++)
-                complete_entry(rt, (int)k, &w->meta[i], i < c->n ? &c->e[i] : &(struct dp_completion_entry){ 0 });
+                complete_entry(rt, (int)k, &w->meta[i], i < c->n ? &c->e[i] : &missing);
             w->st.completions++;
             rt->st.completions++;
             n++;
@@ -655,7 +690,7 @@ struct builder {
 static struct dp_chunk *add_record(struct dp_router *rt, struct builder *b, uint32_t ri, uint8_t kind, uint8_t final)
 {
     struct dp_chunk *out = lane_slot(b->w, b->n);
-    b->w->meta[b->n] = (struct batch_meta){ ri, kind, final };
+    b->w->meta[b->n] = (struct batch_meta){ ri, kind, final, 0 };
     rt->reqs[ri].inflight++;
     if (!rt->reqs[ri].t_first_lane)
         rt->reqs[ri].t_first_lane = b->t;
@@ -699,6 +734,7 @@ static void add_prefill(struct dp_router *rt, struct builder *b, uint32_t ri, ui
     out->flags = c->flags | (final ? DP_CHUNK_F_FINAL : 0);
     b->tokens += take;
     if (whole) {                         /* all of it is out: keep it aside for a replay */
+        b->w->meta[b->n - 1].releases = 1;   /* in flight until its completion: still the worker's depth */
         r->pending_head = pc->next;
         if (r->pending_head == NIL)
             r->pending_tail = NIL;
@@ -708,7 +744,6 @@ static void add_prefill(struct dp_router *rt, struct builder *b, uint32_t ri, ui
         else
             rt->pool[r->sent_tail].next = p;
         r->sent_tail = p;
-        depth_add(rt, r->worker, -1);
     } else {                             /* re-chunk: the rest stays first in line */
         pc->sent += (uint16_t)take;
         rt->st.splits++;
@@ -850,6 +885,8 @@ static uint32_t expire_stalled(struct dp_router *rt, uint64_t now)
         drop_pending(rt, r);
         free_list(rt, r->sent_head);
         r->sent_head = r->sent_tail = NIL;
+        remember_done(rt, r->request_id);   /* its late chunks are stragglers, not a new request */
+        rt->reserved -= r->chunk_count - r->received;
         rt->st.expired++;
         rt->st.responses++;
         req_free(rt, ri);

@@ -18,7 +18,9 @@
  *     steps) before it takes new ones.
  *
  * Nothing is dropped silently: a malformed chunk or a full request table
- * yields a 400/503 response record; a request still missing chunks after
+ * yields a 400/503 response record (once per request: its other chunks then
+ * count as late duplicates); a new request whose chunks the pool could not
+ * hold besides those promised to requests still arriving is refused 503; a request still missing chunks after
  * reassembly_timeout is answered 400 and its state freed; a chunk of a request
  * that has just finished is counted as a late duplicate, not run again; a
  * full chunk pool or lane stops the router from taking more input (the input
@@ -63,7 +65,7 @@ struct dp_router_stats {
     uint64_t chunks_in, requests_in, control_in, bad_chunks, duplicate_chunks, table_full;
     uint64_t batches, records_out, tokens_out, decode_out, splits;
     uint64_t completions, responses, egress_stalls, input_stalls, loops, expired, late_duplicates;
-    uint64_t refused_by_worker, replayed;
+    uint64_t refused_by_worker, replayed, pool_refused;
     uint32_t active_requests, pool_free;
 };
 

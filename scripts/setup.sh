@@ -92,8 +92,14 @@ INPUTS=$(cd "$ROOT" && cat pyproject.toml setup.py $(find native bpf -type f \( 
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$INPUTS" ] || ! "$VENV/bin/python" -c 'import datapath._wire_layout' 2>/dev/null; then
     say "installing the package and building its cffi extensions"
     "$VENV/bin/pip" install -q --disable-pip-version-check "setuptools>=64" wheel "cffi>=1.15" 2>&1 | grep -v '^WARNING: Location' || true
+    rm -f "$ROOT"/datapath/_*.so     # a failed build must not leave the old extensions looking current
+    set +e
     (cd "$ROOT" && "$VENV/bin/pip" install -q --disable-pip-version-check --no-build-isolation -e ".[test]") 2>&1 \
-        | grep -v '^WARNING: Location' || true
-    "$VENV/bin/python" -c 'import datapath._wire_layout, bcc' || { echo "setup: the install did not produce an importable package" >&2; exit 1; }
+        | grep -v '^WARNING: Location'
+    rc=${PIPESTATUS[0]}
+    set -e
+    [ "$rc" -eq 0 ] || { echo "setup: building the package failed (see pip's output above)" >&2; exit 1; }
+    "$VENV/bin/python" -c 'import bcc; from datapath.doctor import EXTENSIONS; import importlib; [importlib.import_module(m) for m in EXTENSIONS]' \
+        || { echo "setup: the install did not produce an importable package" >&2; exit 1; }
     echo "$INPUTS" > "$STAMP"
 fi

@@ -50,7 +50,7 @@ def test_requests_through_real_worker_processes(kind, tmp_path):
                 router.add_worker(*lanes.create_shm_lane(where))
                 names.append(where)
             else:
-                where = f"ipc://{tmp_path}/w{k}" if kind == "zmq_ipc" else f"tcp://127.0.0.1:{25000 + os.getpid() % 20000 + k}"
+                where = f"ipc://{tmp_path}/w{k}" if kind == "zmq_ipc" else lanes.free_tcp_endpoint()
             p = ctx.Process(target=echo_worker, args=("shm" if kind == "shm" else "zmq", where, k, 60))
             p.start()
             procs.append(p)

@@ -35,3 +35,13 @@ def test_request_ids_continue_from_seq_base():
         assert sorted(ids) == list(range(7_000_000, 7_000_050))
     finally:
         sink.close(), tx.close()
+
+
+def test_sequence_ids_refuse_requests_of_several_chunks():
+    import pytest
+    sink, tx = pair()
+    try:
+        with pytest.raises(ValueError, match="one-chunk requests"):
+            client.send(tx, client.request_packets(1, 1, 1, range(300)), rate=1000, count=3, duration=1)
+    finally:
+        sink.close(), tx.close()

@@ -155,7 +155,10 @@ def test_sleeping_consumer_is_woken(ring_name):
         p = ctx.Process(target=sleeper, args=(ring_name, q))
         p.start()
         assert q.get(timeout=10) == "waiting"
-        time.sleep(0.3)  # long past the spin and yield phases: it is in the futex
+        deadline = time.monotonic() + 10   # wait until it is in the futex, past spinning and yielding
+        while r.stats()["sleeps"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert r.stats()["sleeps"] >= 1
         assert r.enqueue(b"\1" * 8) == 1
         n, sleeps = q.get(timeout=10)
         p.join(10)

@@ -407,3 +407,48 @@ def test_no_worker_left_answers_503(bench_factory):
     b.collect()
     assert [int(r["status"]) for r in b.responses] == [503]
     assert b.router.stats()["active_requests"] == 0 and b.router.stats()["pool_free"] == 8192
+
+
+def test_a_pool_full_of_half_arrived_requests_refuses_new_ones_instead_of_stalling(bench_factory):
+    b = bench_factory(pool_chunks=8)
+    two = {rid: chunks_of(rid, list(range(200)), max_out=1) for rid in range(1, 9)}   # 2 chunks each
+    b.send(*[two[rid][[0]] for rid in range(1, 9)])          # every first chunk, interleaved
+    b.send(*[two[rid][[1]] for rid in range(1, 9)])          # then every second one
+    batches = b.run()
+    by_status = {}
+    for r in b.responses:
+        by_status.setdefault(int(r["status"]), []).append(int(r["request_id"]))
+    assert sorted(by_status[200]) == [1, 2, 3, 4], "the admitted requests complete: nothing waits on a stall"
+    assert sorted(by_status[503]) == [5, 6, 7, 8], "the rest are refused once, not expired later"
+    assert len(b.responses) == 8
+    st = b.router.stats()
+    assert st["pool_refused"] == 4 and st["late_duplicates"] == 4 and st["input_stalls"] == 0
+    assert st["pool_free"] == 8 and st["active_requests"] == 0 and st["expired"] == 0
+    assert prefill_seen(batches) == {rid: list(range(200)) for rid in range(1, 5)}
+
+
+def test_an_expired_requests_late_chunk_is_a_straggler(bench_factory):
+    b = bench_factory(reassembly_timeout_s=0.05)
+    arr = chunks_of(5, list(range(200)), max_out=1)
+    b.send(arr[[1]])                          # chunk 0 comes only after the expiry
+    deadline = time.monotonic() + 5
+    while not b.responses and time.monotonic() < deadline:
+        time.sleep(0.01)
+        b.router.poll()
+        b.collect()
+    b.send(arr[[0]])
+    b.router.poll()
+    b.collect()
+    assert [int(r["status"]) for r in b.responses] == [400], "one answer for the request"
+    assert b.workers[0].recv_batch(0) is None and b.router.stats()["late_duplicates"] == 1
+
+
+def test_a_malformed_chunk_refuses_its_whole_request_once(bench_factory):
+    b = bench_factory()
+    arr = chunks_of(6, list(range(300)), max_out=1)
+    bad = arr[[1]].copy()
+    bad["n_tokens"] = 0
+    b.send(arr[[0]], bad, arr[[2]])
+    b.run()
+    assert [(int(r["request_id"]), int(r["status"])) for r in b.responses] == [(6, 400)]
+    assert b.router.stats()["active_requests"] == 0 and b.router.stats()["pool_free"] == 8192
