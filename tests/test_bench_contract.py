@@ -4,14 +4,11 @@ import subprocess
 import sys
 
 import pytest
+from bench_support import run_suite
 
 
 def test_wire_suite_follows_the_contract(tmp_path):
-    out = tmp_path / "wire.json"
-    r = subprocess.run([sys.executable, "-m", "bench", "wire", "--quick", "--json", str(out)],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    data = json.loads(out.read_text())
+    data, r = run_suite("wire", tmp_path, timeout=120)
     assert {"suite", "machine", "references", "metrics", "ratios"} <= set(data)
     assert data["suite"] == "wire" and data["quick"] is True
     assert {"cores", "kernel", "cpu_model"} <= set(data["machine"])
@@ -36,11 +33,7 @@ RING_KEYS = ["ring_op_ns_bulk1", "ring_op_ns_bulk8", "ring_op_ns_bulk32", "ring_
 
 @pytest.mark.slow
 def test_ring_suite_reports_every_figure(tmp_path):
-    out = tmp_path / "ring.json"
-    r = subprocess.run([sys.executable, "-m", "bench", "ring", "--quick", "--json", str(out)],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    data = json.loads(out.read_text())
+    data, _ = run_suite("ring", tmp_path)
     assert data["references"]["pingpong_oneway_ns"] > 0
     for key in RING_KEYS:
         assert data["metrics"][key] > 0, key
@@ -58,11 +51,7 @@ INGRESS_METRICS = ["steer_ns", "xdp_to_consumer_p50_ns", "xdp_to_consumer_p99_ns
 @pytest.mark.root
 @pytest.mark.bpf
 def test_ingress_suite_reports_every_figure(tmp_path):
-    out = tmp_path / "ingress.json"
-    r = subprocess.run([sys.executable, "-m", "bench", "ingress", "--quick", "--json", str(out)],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    data = json.loads(out.read_text())
+    data, _ = run_suite("ingress", tmp_path)
     assert data["machine"]["xdp_mode"] in ("native", "generic")
     for key in INGRESS_REFERENCES:
         assert data["references"][key] > 0, key
@@ -79,11 +68,7 @@ def test_ingress_suite_reports_every_figure(tmp_path):
 @pytest.mark.slow
 def test_e2e_quick_runs_every_landed_scenario_and_writes_the_report(tmp_path):
     """The main job, briefly: what CI runs on every change (python -m bench e2e --quick)."""
-    out = tmp_path / "e2e.json"
-    r = subprocess.run([sys.executable, "-m", "bench", "e2e", "--quick", "--json", str(out)],
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    data = json.loads(out.read_text())
+    data, _ = run_suite("e2e", tmp_path, timeout=600)
     m = data["metrics"]
     for key in ("e2e_xdp_to_lane_p50_ns", "e2e_xdp_to_lane_p99_ns", "e2e_xdp_to_worker_p50_ns",
                 "e2e_xdp_to_worker_p99_ns", "e2e_send_to_response_p50_us", "e2e_send_to_response_p99_us",
@@ -105,11 +90,7 @@ def test_e2e_quick_runs_every_landed_scenario_and_writes_the_report(tmp_path):
 @pytest.mark.bpf
 @pytest.mark.slow
 def test_compare_runs_each_policy_under_the_same_load(tmp_path):
-    out = tmp_path / "compare.json"
-    r = subprocess.run([sys.executable, "-m", "bench", "compare", "--policy", "power_of_two,static", "--quick",
-                        "--json", str(out)], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    data = json.loads(out.read_text())
+    data, _ = run_suite("compare", tmp_path, "--policy", "power_of_two,static")
     assert data["references"]["power_of_two_p95_ms"] > 0 and data["metrics"]["static_p95_ms"] > 0
     assert "static_p95_ms_vs_power_of_two_p95_ms" in data["ratios"]
     assert (tmp_path / "compare" / "compare.png").stat().st_size > 5_000

@@ -1,10 +1,8 @@
 """bench snapshot --quick follows the contract and reports every figure the issue names."""
-import json
 import os
-import subprocess
-import sys
 
 import pytest
+from bench_support import run_suite
 
 REFERENCES = {"raw_write_sync_p50_us", "raw_write_sync_p99_us", "raw_read_p50_us", "raw_write_sync_per_s",
               "raw_read_chain1_p50_us", "raw_read_chain8_p50_us", "raw_read_chain64_p50_us"}
@@ -15,12 +13,7 @@ METRICS = {"put_4k_p50_us", "put_4k_p99_us", "put_records_per_s_w1", "put_record
 
 @pytest.mark.slow
 def test_snapshot_suite_quick(tmp_path):
-    out = tmp_path / "snapshot.json"
-    env = dict(os.environ, ZEROLAYER_BENCH_DIR=str(tmp_path))
-    r = subprocess.run([sys.executable, "-m", "bench", "snapshot", "--quick", "--json", str(out)],
-                       capture_output=True, text=True, timeout=300, env=env)
-    assert r.returncode == 0, r.stderr
-    data = json.loads(out.read_text())
+    data, _ = run_suite("snapshot", tmp_path, env=dict(os.environ, ZEROLAYER_BENCH_DIR=str(tmp_path)))
     assert REFERENCES <= set(data["references"]) and METRICS <= set(data["metrics"])
     for name in ("put_4k_p50_us_vs_raw_write_sync_p50_us", "restore_chain64_p50_us_vs_raw_read_chain64_p50_us",
                  "put_records_per_s_w16_vs_raw_write_sync_per_s"):

@@ -1,15 +1,9 @@
 """bench worker --quick follows the contract and reports the issue's metric and reference names."""
-import json
-import subprocess
-import sys
+from bench_support import run_suite
 
 
 def test_worker_suite_names_and_ratios(tmp_path):
-    out = tmp_path / "worker.json"
-    r = subprocess.run([sys.executable, "-m", "bench", "worker", "--quick", "--json", str(out)],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    data = json.loads(out.read_text())
+    data, _ = run_suite("worker", tmp_path, timeout=120)
     m, refs, ratios = data["metrics"], data["references"], data["ratios"]
     for b in (1, 8, 32):
         for ctx in (128, 2048):
