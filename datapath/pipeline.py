@@ -127,7 +127,7 @@ def _worker_main(lane_name: str, options, store_factory, trace_buf, stop, cpu):
             store.close()
 
 
-TENANT_SECRET = b"pipeline-tenant-secret-0123456789"   # one tenant: the benchmark's
+MASTER_SECRET = b"pipeline-master-secret-0123456789"   # tenants get HMAC(master, tenant) (WorkerStore)
 
 
 def _store_main(path, endpoint, stop, ready):
@@ -144,7 +144,7 @@ def _store_main(path, endpoint, stop, ready):
 def _remote_store(endpoint: str, index: int):
     from snapshotstore import WorkerStore
     from snapshotstore.server import RemoteStore
-    return WorkerStore(RemoteStore(endpoint), TENANT_SECRET)
+    return WorkerStore(RemoteStore(endpoint), MASTER_SECRET)
 
 
 class Pipeline:

@@ -27,6 +27,7 @@ struct pooled {                 /* a buffered chunk, linked into its request's p
 };
 
 struct req {
+    uint64_t key;                                /* req_key(tenant, session, request_id) */
     uint64_t request_id, session_id;
     uint32_t tenant, max_output;
     uint16_t chunk_count, received, next_index;  /* chunks seen; next index to schedule in order */
@@ -82,12 +83,12 @@ struct dp_router {
     void *zctx;                         /* created with the first zmq lane */
     struct req *reqs;                   /* slab of cfg.max_requests */
     uint32_t req_free;                  /* free slots, linked through fifo_next */
-    struct { uint64_t id; uint32_t slot; } *hash;   /* 2 x max_requests entries */
+    struct { uint64_t key; uint32_t slot; } *hash;  /* 2 x max_requests entries */
     uint32_t hash_mask;
     struct pooled *pool;
     uint32_t pool_free;                 /* free list head */
     uint32_t done_head, done_tail;      /* finished requests waiting for egress room (via fifo_next) */
-    uint64_t recent[1u << RECENT_BITS]; /* direct-mapped: ids of requests that finished lately */
+    uint64_t recent[1u << RECENT_BITS]; /* direct-mapped: keys of requests that finished lately */
     uint32_t reserved;                  /* pool slots promised to chunks of admitted requests not here yet */
     uint64_t next_expiry_scan;
     struct dp_router_stats st;
@@ -134,34 +135,48 @@ static uint64_t now_ns(void)
 }
 
 /* --- request table: a slab of request slots (indices stay put while a request
- * lives) and an open-addressing index on request_id, with backward-shift
+ * lives) and an open-addressing index on the request's key, with backward-shift
  * deletion so lookups never cross a hole and never need tombstones. -------- */
 
-static uint32_t hash_home(const struct dp_router *rt, uint64_t id)
+/* A request is named by (tenant, session, request_id), not by its id alone:
+ * two clients that reuse an id never meet, and no tenant can touch another's. */
+static uint64_t req_key(uint32_t tenant, uint64_t session, uint64_t request_id)
 {
-    return (uint32_t)dp_hash64(id) & rt->hash_mask;
+    return dp_hash64(request_id ^ dp_hash64(session ^ dp_hash64(tenant)));
 }
 
-static uint32_t req_find(struct dp_router *rt, uint64_t id)
+static uint64_t chunk_key(const struct dp_chunk *c)
 {
-    for (uint32_t i = hash_home(rt, id);; i = (i + 1) & rt->hash_mask) {
+    return req_key(c->tenant, c->session_id, c->request_id);
+}
+
+static uint32_t hash_home(const struct dp_router *rt, uint64_t key)
+{
+    return (uint32_t)key & rt->hash_mask;
+}
+
+static uint32_t req_find(struct dp_router *rt, const struct dp_chunk *c, uint64_t key)
+{
+    for (uint32_t i = hash_home(rt, key);; i = (i + 1) & rt->hash_mask) {
         if (rt->hash[i].slot == NIL)
             return NIL;
-        if (rt->hash[i].id == id)
+        const struct req *r = &rt->reqs[rt->hash[i].slot];
+        if (rt->hash[i].key == key && r->request_id == c->request_id && r->session_id == c->session_id &&
+            r->tenant == c->tenant)
             return rt->hash[i].slot;
     }
 }
 
-static uint32_t req_insert(struct dp_router *rt, uint64_t id)
+static uint32_t req_insert(struct dp_router *rt, uint64_t key)
 {
     uint32_t r = rt->req_free;
     if (r == NIL)
         return NIL;
     rt->req_free = rt->reqs[r].fifo_next;
-    uint32_t i = hash_home(rt, id);
+    uint32_t i = hash_home(rt, key);
     while (rt->hash[i].slot != NIL)       /* the index has twice the slab's size: never full */
         i = (i + 1) & rt->hash_mask;
-    rt->hash[i].id = id;
+    rt->hash[i].key = key;
     rt->hash[i].slot = r;
     rt->st.active_requests++;
     return r;
@@ -169,12 +184,12 @@ static uint32_t req_insert(struct dp_router *rt, uint64_t id)
 
 static void req_free(struct dp_router *rt, uint32_t r)
 {
-    uint32_t i = hash_home(rt, rt->reqs[r].request_id);
+    uint32_t i = hash_home(rt, rt->reqs[r].key);
     while (rt->hash[i].slot != r)
         i = (i + 1) & rt->hash_mask;
     rt->hash[i].slot = NIL;
     for (uint32_t j = (i + 1) & rt->hash_mask; rt->hash[j].slot != NIL; j = (j + 1) & rt->hash_mask) {
-        uint32_t home = hash_home(rt, rt->hash[j].id);
+        uint32_t home = hash_home(rt, rt->hash[j].key);
         /* entry j may fill the hole at i unless its home lies in the cyclic range (i, j] */
         int stays = i <= j ? (home > i && home <= j) : (home > i || home <= j);
         if (!stays) {
@@ -273,14 +288,15 @@ static int emit(struct dp_router *rt, const struct req *r, uint16_t status, uint
     return 1;
 }
 
-static void remember_done(struct dp_router *rt, uint64_t id)
+/* Keys are 64-bit hashes: a false match needs two live keys to collide in all 64 bits. */
+static void remember_done(struct dp_router *rt, uint64_t key)
 {
-    rt->recent[dp_hash64(id) & ((1u << RECENT_BITS) - 1)] = id;
+    rt->recent[(key >> 32) & ((1u << RECENT_BITS) - 1)] = key;
 }
 
-static int recently_done(const struct dp_router *rt, uint64_t id)
+static int recently_done(const struct dp_router *rt, uint64_t key)
 {
-    return rt->recent[dp_hash64(id) & ((1u << RECENT_BITS) - 1)] == id;
+    return rt->recent[(key >> 32) & ((1u << RECENT_BITS) - 1)] == key;
 }
 
 static void free_list(struct dp_router *rt, uint32_t p)
@@ -295,7 +311,7 @@ static void finish(struct dp_router *rt, uint32_t ri)
 {
     struct req *r = &rt->reqs[ri];
     struct worker *w = &rt->w[r->worker];
-    remember_done(rt, r->request_id);
+    remember_done(rt, r->key);
     rt->reserved -= r->chunk_count - r->received;   /* a failed request's missing chunks need no room now */
     r->received = r->chunk_count;
     free_list(rt, r->sent_head);        /* no replay needed any more */
@@ -407,7 +423,8 @@ static int ingest(struct dp_router *rt, const struct dp_chunk *c, uint64_t t)
         rt->st.control_in++;
         return 1;
     }
-    uint32_t ri = req_find(rt, c->request_id);
+    uint64_t key = chunk_key(c);
+    uint32_t ri = req_find(rt, c, key);
     if (bad_chunk(c)) {                  /* the whole request is refused, once */
         rt->st.bad_chunks++;
         if (ri != NIL) {
@@ -415,15 +432,15 @@ static int ingest(struct dp_router *rt, const struct dp_chunk *c, uint64_t t)
                 fail_request(rt, rt->reqs[ri].worker, ri, DP_STATUS_BAD_REQUEST);
             return 1;
         }
-        if (recently_done(rt, c->request_id))
+        if (recently_done(rt, key))
             return 1;
         if (!emit(rt, NULL, DP_STATUS_BAD_REQUEST, c->request_id, c->session_id, c->tenant, c))
             return 0;
-        remember_done(rt, c->request_id);
+        remember_done(rt, key);
         rt->st.responses++;
         return 1;
     }
-    if (ri == NIL && recently_done(rt, c->request_id)) {
+    if (ri == NIL && recently_done(rt, key)) {
         rt->st.late_duplicates++;        /* a repeat of a request already answered (or refused) */
         return 1;
     }
@@ -432,10 +449,10 @@ static int ingest(struct dp_router *rt, const struct dp_chunk *c, uint64_t t)
          * still arriving, or it is refused now (a full pool would stall the chunks that finish them) */
         int room = rt->st.pool_free >= (uint32_t)c->chunk_count + rt->reserved;
         int wk = room ? dp_policy_pick(&rt->policy, &rt->view, c->session_id, c->tenant) : -1;
-        if (wk < 0 || (ri = req_insert(rt, c->request_id)) == NIL) {
+        if (wk < 0 || (ri = req_insert(rt, key)) == NIL) {
             if (!emit(rt, NULL, DP_STATUS_UNAVAILABLE, c->request_id, c->session_id, c->tenant, c))
                 return 0;
-            remember_done(rt, c->request_id);   /* its other chunks are not a new request */
+            remember_done(rt, key);   /* its other chunks are not a new request */
             if (room)
                 rt->st.table_full++;
             else
@@ -446,6 +463,7 @@ static int ingest(struct dp_router *rt, const struct dp_chunk *c, uint64_t t)
         rt->reserved += c->chunk_count - 1u;
         struct req *r = &rt->reqs[ri];
         memset(r, 0, offsetof(struct req, out));
+        r->key = key;
         r->request_id = c->request_id;
         r->session_id = c->session_id;
         r->tenant = c->tenant;
@@ -885,7 +903,7 @@ static uint32_t expire_stalled(struct dp_router *rt, uint64_t now)
         drop_pending(rt, r);
         free_list(rt, r->sent_head);
         r->sent_head = r->sent_tail = NIL;
-        remember_done(rt, r->request_id);   /* its late chunks are stragglers, not a new request */
+        remember_done(rt, r->key);   /* its late chunks are stragglers, not a new request */
         rt->reserved -= r->chunk_count - r->received;
         rt->st.expired++;
         rt->st.responses++;

@@ -99,23 +99,35 @@ class SnapshotStore(Protocol):
 
 class WorkerStore:
     """The worker's store interface (datapath/serving/worker.py: put(key, delta, meta),
-    restore(key) -> list of deltas, delete(key)) on a SnapshotStore: the worker's session
-    ids become tenant-private keys (HMAC), each delta blob one part of the chain.
+    restore(key) -> list of deltas, delete(key), key = (tenant, session_id)) on a
+    SnapshotStore: each delta blob is one part of the chain, and keys are tenant-private
+    (HMAC). The data path holds one master secret; tenant t's secret is
+    HMAC(master, t), so the same session id of two tenants names two snapshots and no
+    tenant can compute another's key.
 
-        worker = Worker(model, store=WorkerStore(LogStore(path), tenant_secret))
+        worker = Worker(model, store=WorkerStore(LogStore(path), master_secret))
     """
 
-    def __init__(self, store: SnapshotStore, tenant_secret: bytes):
-        self.store, self.secret = store, bytes(tenant_secret)
+    def __init__(self, store: SnapshotStore, master_secret: bytes):
+        self.store, self.secret = store, bytes(master_secret)
         session_key(self.secret, 0)                      # a bad secret fails here, not at the first put
+        self._tenants: dict[int, bytes] = {}
 
-    def put(self, key: int, delta: bytes, meta: dict) -> None:
-        self.store.put(session_key(self.secret, key),
+    def key(self, key: tuple[int, int]) -> bytes:
+        tenant, session = key
+        secret = self._tenants.get(tenant)
+        if secret is None:
+            secret = self._tenants[tenant] = hmac.new(self.secret, b"zerolayer-tenant\0" +
+                                                      int(tenant).to_bytes(4, "little"), hashlib.sha256).digest()
+        return session_key(secret, session)
+
+    def put(self, key: tuple[int, int], delta: bytes, meta: dict) -> None:
+        self.store.put(self.key(key),
                        Delta(delta, tokens=(meta["token_start"], meta["token_end"]), codec=meta.get("codec", "raw")))
 
-    def restore(self, key: int) -> list[bytes]:
-        snap = self.store.restore(session_key(self.secret, key))
+    def restore(self, key: tuple[int, int]) -> list[bytes]:
+        snap = self.store.restore(self.key(key))
         return list(snap.parts) if snap is not None else []
 
-    def delete(self, key: int) -> None:
-        self.store.delete(session_key(self.secret, key))
+    def delete(self, key: tuple[int, int]) -> None:
+        self.store.delete(self.key(key))

@@ -6,7 +6,7 @@ this server:
 
     server = ctx.Process(target=serve, args=(store_path, "ipc:///run/zl-store", stop_event))
     store = RemoteStore("ipc:///run/zl-store")         # in each worker: the SnapshotStore interface
-    worker = Worker(model, store=WorkerStore(store, tenant_secret))
+    worker = Worker(model, store=WorkerStore(store, master_secret))
 
 Requests are served in arrival order; a put is answered only once the store
 has made it durable, so RemoteStore.put keeps the SnapshotStore promise. Store

@@ -18,24 +18,24 @@ from datapath import records, wire
 
 class MemoryStore:
     def __init__(self):
-        self.chains: dict[int, list[bytes]] = {}
-        self.metas: dict[int, list[dict]] = {}
+        self.chains: dict[tuple[int, int], list[bytes]] = {}   # (tenant, session) -> deltas
+        self.metas: dict[tuple[int, int], list[dict]] = {}
         self.fail_puts = False
 
-    def put(self, key: int, delta: bytes, meta: dict) -> None:
+    def put(self, key: tuple[int, int], delta: bytes, meta: dict) -> None:
         if self.fail_puts:
             raise OSError("stand-in store told to fail")
         self.chains.setdefault(key, []).append(bytes(delta))
         self.metas.setdefault(key, []).append(dict(meta))
 
-    def restore(self, key: int) -> list[bytes]:
+    def restore(self, key: tuple[int, int]) -> list[bytes]:
         return list(self.chains.get(key, []))
 
-    def delete(self, key: int) -> None:
+    def delete(self, key: tuple[int, int]) -> None:
         self.chains.pop(key, None)
         self.metas.pop(key, None)
 
-    def meta(self, key: int) -> list[dict]:
+    def meta(self, key: tuple[int, int]) -> list[dict]:
         return list(self.metas.get(key, []))
 
 

@@ -452,3 +452,24 @@ def test_a_malformed_chunk_refuses_its_whole_request_once(bench_factory):
     b.run()
     assert [(int(r["request_id"]), int(r["status"])) for r in b.responses] == [(6, 400)]
     assert b.router.stats()["active_requests"] == 0 and b.router.stats()["pool_free"] == 8192
+
+
+def test_requests_are_named_by_tenant_session_and_id(bench_factory):
+    """Two tenants (and two sessions of one) reusing request id 9 are three requests, not one."""
+    b = bench_factory()
+    reqs = {(1, 100): list(range(200)), (2, 100): list(range(1000, 1200)), (1, 101): list(range(2000, 2150))}
+    parts = [chunks_of(9, toks, session=s, tenant=t, max_out=1) for (t, s), toks in reqs.items()]
+    for i in range(2):                        # interleaved: chunk i of each, so a shared key would mix them
+        b.send(*[p[i:i + 1] for p in parts])
+    seen = {}
+    for batch in b.run():
+        for r in batch[batch["kind"] == wire.KIND_CHUNK]:
+            seen.setdefault((int(r["tenant"]), int(r["session_id"])), []).extend(r["tokens"][:r["n_tokens"]])
+    assert seen == reqs
+    assert sorted((int(r["tenant"]), int(r["session_id"]), int(r["status"])) for r in b.responses) == \
+        [(1, 100, 200), (1, 101, 200), (2, 100, 200)]
+    st = b.router.stats()
+    assert st["requests_in"] == 3 and st["duplicate_chunks"] == 0 and st["late_duplicates"] == 0
+    b.send(parts[1][:1])                      # a late repeat of tenant 2's request is still recognised
+    b.router.poll()
+    assert b.router.stats()["late_duplicates"] == 1

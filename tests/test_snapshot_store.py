@@ -414,15 +414,16 @@ def test_worker_interface_chain_of_blobs(make_device):
         ws = WorkerStore(s, SECRET)
         start = 0
         for b in blobs:
-            ws.put(77, b, dict(token_start=start, token_end=start + 10, codec="int8_zstd", request_id=1))
+            ws.put((0, 77), b, dict(token_start=start, token_end=start + 10, codec="int8_zstd", request_id=1))
             start += 10
-        assert ws.restore(77) == blobs and ws.restore(78) == []
+        assert ws.restore((0, 77)) == blobs and ws.restore((0, 78)) == []
+        assert ws.restore((1, 77)) == [], "tenant 1's session 77 is not tenant 0's"
         assert s.stats()["compactions"] >= 1
-        other = WorkerStore(s, b"another-tenant-secret")    # another tenant cannot name it
-        assert other.restore(77) == []
+        other = WorkerStore(s, b"another-master-secret")    # without the master secret, no key names it
+        assert other.restore((0, 77)) == []
     with LogStore(path) as s:
         ws = WorkerStore(s, SECRET)
-        assert ws.restore(77) == blobs
-        assert s.restore(session_key(SECRET, 77)).codec == "int8_zstd"
-        ws.delete(77)
-        assert ws.restore(77) == []
+        assert ws.restore((0, 77)) == blobs
+        assert s.restore(ws.key((0, 77))).codec == "int8_zstd"
+        ws.delete((0, 77))
+        assert ws.restore((0, 77)) == []

@@ -33,12 +33,12 @@ def server(tmp_path):
 def writer(endpoint, q):
     store = WorkerStore(RemoteStore(endpoint), SECRET)
     for i in range(3):
-        store.put(42, bytes([i]) * 1000, {"token_start": 10 * i, "token_end": 10 * i + 10, "codec": "raw"})
+        store.put((0, 42), bytes([i]) * 1000, {"token_start": 10 * i, "token_end": 10 * i + 10, "codec": "raw"})
     q.put("written")
 
 
 def reader(endpoint, q):
-    q.put(WorkerStore(RemoteStore(endpoint), SECRET).restore(42))
+    q.put(WorkerStore(RemoteStore(endpoint), SECRET).restore((0, 42)))
 
 
 def test_a_session_written_by_one_process_restores_in_another(server):

@@ -44,9 +44,9 @@ def test_request_lifecycle(model):
     s = done.stamps
     assert s["t_worker"] <= s["t_prefill_done"] <= s["t_last_token"] <= s["t_snapshot"]
     assert done.context_tokens == 300 + 7 and done.restored_tokens == 0
-    (meta,) = store.meta(5)
+    (meta,) = store.meta((0, 5))
     assert (meta["token_start"], meta["token_end"], meta["codec"]) == (0, 307, "zstd")
-    assert done.snapshot_bytes == len(store.restore(5)[0])
+    assert done.snapshot_bytes == len(store.restore((0, 5))[0])
 
 
 def test_completion_record_answers_every_record(model):
@@ -79,7 +79,7 @@ def test_evict_restore_continue_equals_never_evicted(model, codec):
     (b_done,), (_, r_done) = finished(second), finished(ref)
     assert b_done.restored_tokens == 200 + 5 and second.stats["restores"] == 1
     assert np.array_equal(b_done.logits, r_done.logits), "lossless restore continues bit for bit"
-    assert [m["token_start"] for m in store.meta(9)] == [0, 205]
+    assert [m["token_start"] for m in store.meta((0, 9))] == [0, 205]
 
 
 def test_int8_restore_continues_with_bounded_logit_error(model):
@@ -104,7 +104,7 @@ def test_eviction_waits_for_a_durable_snapshot(model):
     store.fail_puts = False
     drive(w.step, [(1, 2, prompt(2, 10), 3)])
     assert finished(w)[0].snapshot_error is None and not w.holds(1)
-    (meta,) = store.meta(1)
+    (meta,) = store.meta((0, 1))
     assert (meta["token_start"], meta["token_end"]) == (0, 50 + 2 + 10 + 2), "one delta from the last durable point"
 
 
@@ -156,17 +156,17 @@ def test_close_frees_the_session_here_and_in_the_store(model):
     store = MemoryStore()
     w = Worker(model, store)
     drive(w.step, [(1, 1, prompt(1, 20), 2)])
-    assert store.restore(1)
+    assert store.restore((0, 1))
     w.close(1)
-    assert not w.holds(1) and store.restore(1) == []
+    assert not w.holds(1) and store.restore((0, 1)) == []
 
 
 def test_corrupted_store_delta_is_refused(model):
     store = MemoryStore()
     drive(Worker(model, store, kv_budget_bytes=0).step, [(1, 1, prompt(1, 20), 2)])
-    blob = bytearray(store.chains[1][0])
+    blob = bytearray(store.chains[(0, 1)][0])
     blob[-3] ^= 1
-    store.chains[1][0] = bytes(blob)
+    store.chains[(0, 1)][0] = bytes(blob)
     w = Worker(model, store)
     comp = w.step(as_batch([prefill_records(1, 2, prompt(2, 5), 1)]))
     assert comp["e"][0]["status"][0] == wire.STATUS_UNAVAILABLE and not w.holds(1)
@@ -178,7 +178,7 @@ def test_zero_output_tokens_snapshots_the_prompt_only(model):
     assert drive(w.step, [(2, 1, prompt(2, 130), 0)]) == {1: []}
     (done,) = finished(w)
     assert done.tokens == [] and done.logits.shape == (0, 512)
-    assert [(m["token_start"], m["token_end"]) for m in store.meta(2)] == [(0, 130)]
+    assert [(m["token_start"], m["token_end"]) for m in store.meta((0, 2))] == [(0, 130)]
 
 
 def test_simulated_worker_spends_the_profile_time_and_keeps_real_kv(model):
@@ -197,3 +197,19 @@ def test_simulated_worker_spends_the_profile_time_and_keeps_real_kv(model):
     (x,), (y,) = finished(sim), finished(real)
     assert np.array_equal(x.logits, y.logits) and x.snapshot_bytes == y.snapshot_bytes > 0
 
+
+
+def test_the_same_session_id_of_two_tenants_is_two_sessions(model):
+    def as_tenant(t):
+        def exchange(batch):
+            batch["tenant"] = t
+            return w.step(batch)
+        return exchange
+    store = MemoryStore()
+    w = Worker(model, store, kv_budget_bytes=BIG)
+    drive(as_tenant(0), [(5, 1, prompt(1, 200), 3)])
+    got = drive(as_tenant(1), [(5, 2, prompt(2, 50), 3)])
+    alone = drive(Worker(model, MemoryStore(), kv_budget_bytes=BIG).step, [(5, 2, prompt(2, 50), 3)])
+    assert got == alone, "tenant 1's session 5 saw none of tenant 0's context"
+    assert w.holds(5, tenant=0) and w.holds(5, tenant=1)
+    assert [m["token_end"] for m in store.meta((0, 5))] == [202] and [m["token_end"] for m in store.meta((1, 5))] == [52]

@@ -81,7 +81,7 @@ def reference(turns, codec):
     w = Worker(Model(ModelConfig(), 0), store, codec=codec)
     with one_blas_thread():
         out = [drive(w.step, [t], max_chunks=64) for t in turns]
-    return out, store.restore(turns[0][0])
+    return out, store.restore((0, turns[0][0]))
 
 
 def test_restore_on_another_process_equals_never_evicted(store, processes, zmq_lanes):
@@ -91,8 +91,8 @@ def test_restore_on_another_process_equals_never_evicted(store, processes, zmq_l
     got = [drive(a.exchange, [turns[0]], max_chunks=64), drive(b.exchange, [turns[1]], max_chunks=64)]
     want, want_chain = reference(turns, "zstd")
     assert got == want
-    assert [(m["token_start"], m["token_end"]) for m in store.meta(77)] == [(0, 264), (264, 264 + 90 + 6)]
-    assert store.restore(77) == want_chain, "worker b's KV after the restore is the never-evicted KV, byte for byte"
+    assert [(m["token_start"], m["token_end"]) for m in store.meta((0, 77))] == [(0, 264), (264, 264 + 90 + 6)]
+    assert store.restore((0, 77)) == want_chain, "worker b's KV after the restore is the never-evicted KV, byte for byte"
 
 
 def test_worker_killed_mid_batch_leaves_the_store_whole(store, processes, zmq_lanes):
@@ -106,9 +106,9 @@ def test_worker_killed_mid_batch_leaves_the_store_whole(store, processes, zmq_la
     os.kill(pa.pid, signal.SIGKILL)
     pa.join(10)
     assert pa.exitcode == -signal.SIGKILL
-    assert [(m["token_start"], m["token_end"]) for m in store.meta(5)] == [(0, 11)], \
+    assert [(m["token_start"], m["token_end"]) for m in store.meta((0, 5))] == [(0, 11)], \
         "only the acknowledged delta of request 1"
-    assert kvdelta.restore(store.restore(5), ModelConfig()).length == 11
+    assert kvdelta.restore(store.restore((0, 5)), ModelConfig()).length == 11
     # the router retries the request on another worker, which continues from the last durable snapshot
     processes(spec_c, store, WorkerOptions(codec="lz4"))
     assert drive(c.exchange, [turns[1]]) == reference(turns, "lz4")[0][1]
@@ -154,7 +154,7 @@ def test_native_router_restores_on_the_other_worker(store, processes, kind):
         for resp, turn, w, worker in zip(responses, turns, want, (0, 1)):
             assert resp["status"] == 200 and resp["worker"] == worker and resp["request_id"] == turn[1]
             assert resp["tokens"][:resp["n_out"]].tolist() == w[turn[1]]
-        assert store.restore(9) == want_chain, "the second worker restored the first one's snapshot"
+        assert store.restore((0, 9)) == want_chain, "the second worker restored the first one's snapshot"
     finally:
         router.close()
         inp.close(), egress.close()

@@ -46,10 +46,13 @@ from .devices import SimulatedDevice
 from .model import KVCache, Model, ModelConfig, sample
 
 
+SessionKey = tuple[int, int]   # (tenant, session_id): sessions of different tenants never meet
+
+
 class SnapshotStore(Protocol):
-    def put(self, key: int, delta: bytes, meta: dict) -> None: ...
-    def restore(self, key: int) -> list[bytes]: ...
-    def delete(self, key: int) -> None: ...
+    def put(self, key: SessionKey, delta: bytes, meta: dict) -> None: ...
+    def restore(self, key: SessionKey) -> list[bytes]: ...
+    def delete(self, key: SessionKey) -> None: ...
 
 
 class Lane(Protocol):
@@ -60,6 +63,7 @@ class Lane(Protocol):
 @dataclass
 class RequestDone:
     """The worker's own account of a finished request (the router builds the client's response)."""
+    tenant: int
     session_id: int
     request_id: int
     tokens: list[int]
@@ -92,7 +96,7 @@ class _Session:
 @dataclass
 class _Segment:
     """One session's share of a step: its prompt pieces, or one decode token."""
-    session_id: int
+    key: SessionKey
     decode: bool
     tokens: list[np.ndarray] = field(default_factory=list)
     answer: int | None = None  # the record whose entry carries the sampled token
@@ -107,7 +111,7 @@ class Worker:
         self.model, self.store, self.index, self.kv_budget_bytes = model, store, index, kv_budget_bytes
         self.codec, self.temperature, self.seed = codec, temperature, seed
         self.device, self.return_logits = device, return_logits
-        self.sessions: OrderedDict[int, _Session] = OrderedDict()  # least recently used first
+        self.sessions: OrderedDict[SessionKey, _Session] = OrderedDict()  # least recently used first
         self.finished: list[RequestDone] = []  # appended as requests finish; the caller drains it
         self.stats = dict(steps=0, records=0, refused=0, snapshots=0, snapshot_failures=0, restores=0,
                           evictions=0, over_budget_steps=0, simulated_s=0.0)
@@ -116,8 +120,8 @@ class Worker:
     def kv_bytes_resident(self) -> int:
         return sum(s.cache.nbytes for s in self.sessions.values())
 
-    def holds(self, session_id: int) -> bool:
-        return session_id in self.sessions
+    def holds(self, session_id: int, tenant: int = 0) -> bool:
+        return (tenant, session_id) in self.sessions
 
     def step(self, batch: np.ndarray) -> np.ndarray:
         """Run one micro-batch as one model step; its completion record."""
@@ -127,7 +131,7 @@ class Worker:
         n = len(batch)
         entries["request_id"][:n] = batch["request_id"]
         entries["status"][:n] = wire.STATUS_OK
-        segments: dict[int, _Segment] = {}
+        segments: dict[SessionKey, _Segment] = {}
         for i, rec in enumerate(batch):
             status = self._take(i, rec, segments, t_start)
             if status != wire.STATUS_OK:
@@ -143,28 +147,28 @@ class Worker:
         comp["t_end"] = time.monotonic_ns()
         return comp
 
-    def _take(self, i: int, rec, segments: dict[int, _Segment], t_start: int) -> int:
+    def _take(self, i: int, rec, segments: dict[SessionKey, _Segment], t_start: int) -> int:
         """Place record i in its session's segment; the status its entry gets."""
-        sid, rid, kind = int(rec["session_id"]), int(rec["request_id"]), int(rec["kind"])
+        key, rid, kind = (int(rec["tenant"]), int(rec["session_id"])), int(rec["request_id"]), int(rec["kind"])
         if kind == records.KIND_DECODE:
-            s = self.sessions.get(sid)
+            s = self.sessions.get(key)
             req = s.request if s is not None else None
-            if req is None or req.request_id != rid or not req.prefill_done or sid in segments:
+            if req is None or req.request_id != rid or not req.prefill_done or key in segments:
                 return wire.STATUS_UNPROCESSABLE  # no such request generating here, or twice in one step
-            segments[sid] = _Segment(sid, True, [np.array([req.tokens[-1]])], answer=i)
+            segments[key] = _Segment(key, True, [np.array([req.tokens[-1]])], answer=i)
             return wire.STATUS_OK
         if kind != wire.KIND_CHUNK or not 1 <= rec["n_tokens"] <= wire.MAX_CHUNK_TOKENS:
             return wire.STATUS_BAD_REQUEST
         tokens = rec["tokens"][:rec["n_tokens"]]
         if tokens.max() >= self.model.config.vocab:
             return wire.STATUS_BAD_REQUEST  # one bad record must not fail the whole step
-        s = self.sessions.get(sid)
+        s = self.sessions.get(key)
         if s is None:
             try:
-                s = self._restore(sid)
+                s = self._restore(key)
             except kvdelta.DeltaError:
                 return wire.STATUS_UNAVAILABLE
-        queued = sum(len(x) for x in segments[sid].tokens) if sid in segments else 0
+        queued = sum(len(x) for x in segments[key].tokens) if key in segments else 0
         if s.cache.length + queued + len(tokens) > self.model.config.max_context:
             return wire.STATUS_TOO_LARGE
         if s.request is None or s.request.request_id != rid:
@@ -173,10 +177,10 @@ class Worker:
             stamps["t_worker"] = t_start
             s.request = _Request(rid, int(rec["max_output_tokens"]), s.restored_tokens, stamps)
             s.restored_tokens = 0
-        seg = segments.get(sid)
+        seg = segments.get(key)
         if s.request.prefill_done or (seg is not None and (seg.decode or seg.answer is not None)):
             return wire.STATUS_UNPROCESSABLE  # prompt after the final piece
-        seg = segments.setdefault(sid, _Segment(sid, False))
+        seg = segments.setdefault(key, _Segment(key, False))
         seg.tokens.append(tokens)
         if rec["flags"] & records.CHUNK_F_FINAL:
             seg.answer = i
@@ -184,7 +188,7 @@ class Worker:
 
     def _run(self, segs: list[_Segment], entries, t_start: int):
         """The forward pass over all segments, then sampling, finishing and the simulated device time."""
-        caches = [self.sessions[s.session_id].cache for s in segs]
+        caches = [self.sessions[s.key].cache for s in segs]
         contexts = [c.length for c in caches]
         tokens = [np.concatenate(s.tokens) for s in segs]
         logits = self.model.forward(list(zip(caches, tokens)))
@@ -197,8 +201,8 @@ class Worker:
             self.device.spend_until(t_start + int(sim * 1e9))
         t_step = time.monotonic_ns()
         for seg, lg in zip(segs, logits):
-            s = self.sessions[seg.session_id]
-            self.sessions.move_to_end(seg.session_id)
+            s = self.sessions[seg.key]
+            self.sessions.move_to_end(seg.key)
             if seg.answer is None:
                 continue  # prompt pieces before the final one
             req = s.request
@@ -206,26 +210,26 @@ class Worker:
                 req.prefill_done = True
                 req.stamps["t_prefill_done"] = t_step
             if len(req.tokens) < req.max_output_tokens:
-                tok = sample(lg, self.temperature, (self.seed, seg.session_id, s.cache.length))
+                tok = sample(lg, self.temperature, (self.seed, seg.key[1], s.cache.length))
                 req.tokens.append(tok)
                 entries["token"][seg.answer] = tok
                 if self.return_logits:
                     req.logits.append(lg)
             if len(req.tokens) >= req.max_output_tokens:
-                self.finished.append(self._finish(seg.session_id, s, t_step))
+                self.finished.append(self._finish(seg.key, s, t_step))
 
-    def _restore(self, sid: int) -> _Session:
-        chain = self.store.restore(sid) if self.store is not None else []
+    def _restore(self, key: SessionKey) -> _Session:
+        chain = self.store.restore(key) if self.store is not None else []
         cache = kvdelta.restore(chain, self.model.config) if chain else KVCache(self.model.config)
         if chain:
             self.stats["restores"] += 1
-        s = self.sessions[sid] = _Session(cache, restored_tokens=cache.length)
+        s = self.sessions[key] = _Session(cache, restored_tokens=cache.length)
         return s
 
-    def _finish(self, sid: int, s: _Session, t_step: int) -> RequestDone:
+    def _finish(self, key: SessionKey, s: _Session, t_step: int) -> RequestDone:
         req, s.request = s.request, None
         vocab = self.model.config.vocab
-        done = RequestDone(sid, req.request_id, req.tokens, s.cache.length, req.restored_tokens, stamps=req.stamps,
+        done = RequestDone(*key, req.request_id, req.tokens, s.cache.length, req.restored_tokens, stamps=req.stamps,
                            logits=np.array(req.logits, np.float32).reshape(len(req.tokens), vocab)
                            if self.return_logits else None)
         done.stamps["t_last_token"] = t_step
@@ -234,7 +238,7 @@ class Worker:
             meta = dict(token_start=s.cache.snapshot_len, token_end=s.cache.length, codec=self.codec,
                         request_id=req.request_id)
             try:
-                self.store.put(sid, blob, meta)
+                self.store.put(key, blob, meta)
             except Exception as e:  # the session stays resident and unsnapshotted, so it is never evicted
                 self.stats["snapshot_failures"] += 1
                 done.snapshot_error = f"{type(e).__name__}: {e}"
@@ -245,16 +249,16 @@ class Worker:
                 done.stamps["t_snapshot"] = time.monotonic_ns()
         return done
 
-    def close(self, sid: int):
+    def close(self, session_id: int, tenant: int = 0):
         """The client is done with the session (a control-plane call): free it here and in the store."""
-        self.sessions.pop(sid, None)
+        self.sessions.pop((tenant, session_id), None)
         if self.store is not None:
-            self.store.delete(sid)
+            self.store.delete((tenant, session_id))
 
     def _evict(self):
         """Least recently used first, and only sessions that are idle and fully in the store."""
         while self.kv_bytes_resident > self.kv_budget_bytes:
-            victim = next((sid for sid, s in self.sessions.items()
+            victim = next((key for key, s in self.sessions.items()
                            if s.request is None and s.cache.snapshot_len == s.cache.length), None)
             if victim is None:
                 self.stats["over_budget_steps"] += 1
