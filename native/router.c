@@ -34,6 +34,7 @@ struct req {
     uint16_t n_out;
     uint16_t status;                             /* 0 while all is well, else the error to answer with */
     uint8_t state, in_fifo, in_set;
+    uint8_t held, in_session;                    /* waits for an earlier request of its session; linked */
     int16_t worker;
     uint32_t decode_left;                        /* decode steps still to schedule */
     uint32_t pending_head, pending_tail;         /* in-order chunks waiting (pool indices) */
@@ -42,6 +43,7 @@ struct req {
     uint32_t ooo;                                /* chunks that came early, unsorted list */
     uint32_t fifo_next;                          /* worker's prefill (dynamic) or ready (static) FIFO */
     uint32_t inflight;                           /* records in the worker's current batch */
+    uint32_t session_prev, session_next;         /* the session's unfinished requests, in arrival order */
     uint64_t t_send, t_xdp, t_first_lane, t_ready, t_last;
     uint32_t client_ip;                          /* where the response goes (from the first chunk) */
     uint16_t client_port;
@@ -71,6 +73,11 @@ struct worker {
     struct dp_worker_stats st;
 };
 
+struct index {
+    struct { uint64_t key; uint32_t slot; } *e;   /* 2 x max_requests entries */
+    uint32_t mask;
+};
+
 struct dp_router {
     struct dp_router_config cfg;
     pthread_mutex_t lock;
@@ -83,8 +90,7 @@ struct dp_router {
     void *zctx;                         /* created with the first zmq lane */
     struct req *reqs;                   /* slab of cfg.max_requests */
     uint32_t req_free;                  /* free slots, linked through fifo_next */
-    struct { uint64_t key; uint32_t slot; } *hash;  /* 2 x max_requests entries */
-    uint32_t hash_mask;
+    struct index by_id, by_session;     /* request key -> slot; session key -> its latest request */
     struct pooled *pool;
     uint32_t pool_free;                 /* free list head */
     uint32_t done_head, done_tail;      /* finished requests waiting for egress room (via fifo_next) */
@@ -135,8 +141,10 @@ static uint64_t now_ns(void)
 }
 
 /* --- request table: a slab of request slots (indices stay put while a request
- * lives) and an open-addressing index on the request's key, with backward-shift
- * deletion so lookups never cross a hole and never need tombstones. -------- */
+ * lives), indexed twice by open addressing with backward-shift deletion (so
+ * lookups never cross a hole and need no tombstones): by request, and by
+ * session (to the session's latest unfinished request). Each index has twice
+ * the slab's size, so it is never full. ------------------------------------ */
 
 /* A request is named by (tenant, session, request_id), not by its id alone:
  * two clients that reuse an id never meet, and no tenant can touch another's. */
@@ -145,25 +153,57 @@ static uint64_t req_key(uint32_t tenant, uint64_t session, uint64_t request_id)
     return dp_hash64(request_id ^ dp_hash64(session ^ dp_hash64(tenant)));
 }
 
+static uint64_t session_key(uint32_t tenant, uint64_t session)
+{
+    return dp_hash64(session ^ dp_hash64(tenant ^ 0x5e55104ull));
+}
+
 static uint64_t chunk_key(const struct dp_chunk *c)
 {
     return req_key(c->tenant, c->session_id, c->request_id);
 }
 
-static uint32_t hash_home(const struct dp_router *rt, uint64_t key)
+/* The first slot under key whose request has the same tenant and session (and request id, if by_id). */
+static uint32_t index_find(const struct dp_router *rt, const struct index *ix, uint64_t key,
+                           const struct dp_chunk *c, int by_id)
 {
-    return (uint32_t)key & rt->hash_mask;
+    for (uint32_t i = (uint32_t)key & ix->mask;; i = (i + 1) & ix->mask) {
+        if (ix->e[i].slot == NIL)
+            return NIL;
+        const struct req *r = &rt->reqs[ix->e[i].slot];
+        if (ix->e[i].key == key && r->session_id == c->session_id && r->tenant == c->tenant &&
+            (!by_id || r->request_id == c->request_id))
+            return ix->e[i].slot;
+    }
 }
 
-static uint32_t req_find(struct dp_router *rt, const struct dp_chunk *c, uint64_t key)
+static void index_add(struct index *ix, uint64_t key, uint32_t slot)
 {
-    for (uint32_t i = hash_home(rt, key);; i = (i + 1) & rt->hash_mask) {
-        if (rt->hash[i].slot == NIL)
-            return NIL;
-        const struct req *r = &rt->reqs[rt->hash[i].slot];
-        if (rt->hash[i].key == key && r->request_id == c->request_id && r->session_id == c->session_id &&
-            r->tenant == c->tenant)
-            return rt->hash[i].slot;
+    uint32_t i = (uint32_t)key & ix->mask;
+    while (ix->e[i].slot != NIL)
+        i = (i + 1) & ix->mask;
+    ix->e[i].key = key;
+    ix->e[i].slot = slot;
+}
+
+/* Entry (key, slot) now points at `to` (NIL: removed). */
+static void index_move(struct index *ix, uint64_t key, uint32_t slot, uint32_t to)
+{
+    uint32_t i = (uint32_t)key & ix->mask;
+    while (ix->e[i].slot != slot || ix->e[i].key != key)
+        i = (i + 1) & ix->mask;
+    ix->e[i].slot = to;
+    if (to != NIL)
+        return;
+    for (uint32_t j = (i + 1) & ix->mask; ix->e[j].slot != NIL; j = (j + 1) & ix->mask) {
+        uint32_t home = (uint32_t)ix->e[j].key & ix->mask;
+        /* entry j may fill the hole at i unless its home lies in the cyclic range (i, j] */
+        int stays = i <= j ? (home > i && home <= j) : (home > i || home <= j);
+        if (!stays) {
+            ix->e[i] = ix->e[j];
+            ix->e[j].slot = NIL;
+            i = j;
+        }
     }
 }
 
@@ -173,31 +213,14 @@ static uint32_t req_insert(struct dp_router *rt, uint64_t key)
     if (r == NIL)
         return NIL;
     rt->req_free = rt->reqs[r].fifo_next;
-    uint32_t i = hash_home(rt, key);
-    while (rt->hash[i].slot != NIL)       /* the index has twice the slab's size: never full */
-        i = (i + 1) & rt->hash_mask;
-    rt->hash[i].key = key;
-    rt->hash[i].slot = r;
+    index_add(&rt->by_id, key, r);
     rt->st.active_requests++;
     return r;
 }
 
 static void req_free(struct dp_router *rt, uint32_t r)
 {
-    uint32_t i = hash_home(rt, rt->reqs[r].key);
-    while (rt->hash[i].slot != r)
-        i = (i + 1) & rt->hash_mask;
-    rt->hash[i].slot = NIL;
-    for (uint32_t j = (i + 1) & rt->hash_mask; rt->hash[j].slot != NIL; j = (j + 1) & rt->hash_mask) {
-        uint32_t home = hash_home(rt, rt->hash[j].key);
-        /* entry j may fill the hole at i unless its home lies in the cyclic range (i, j] */
-        int stays = i <= j ? (home > i && home <= j) : (home > i || home <= j);
-        if (!stays) {
-            rt->hash[i] = rt->hash[j];
-            rt->hash[j].slot = NIL;
-            i = j;
-        }
-    }
+    index_move(&rt->by_id, rt->reqs[r].key, r, NIL);
     rt->reqs[r].state = REQ_FREE;
     rt->reqs[r].fifo_next = rt->req_free;
     rt->req_free = r;
@@ -307,10 +330,70 @@ static void free_list(struct dp_router *rt, uint32_t p)
     }
 }
 
+/* Request ri goes on its worker's FIFO if it has something to schedule there and
+ * waits for nothing: dynamic, pending chunks; static, all its chunks. */
+static void make_ready(struct dp_router *rt, uint32_t ri)
+{
+    struct req *r = &rt->reqs[ri];
+    if (r->held || r->in_fifo || r->in_set || r->state != REQ_PREFILL)
+        return;
+    if (rt->cfg.batching == DP_BATCH_DYNAMIC ? r->pending_head != NIL : r->next_index == r->chunk_count) {
+        r->t_ready = now_ns();
+        fifo_push(rt, &rt->w[r->worker], ri);
+    }
+}
+
+/* --- sessions: one request at a time ------------------------------------------------
+ * A session's requests continue one KV cache, so they run in arrival order, one
+ * at a time: a request arriving while an earlier one of its session is
+ * unfinished is held (its chunks are buffered, nothing is scheduled) until that
+ * one ends; then the worker that runs it has the predecessor's KV resident or
+ * durable in the store (workers snapshot before they complete). Without this an
+ * open-loop client outrunning the workers would have two requests of a session
+ * interleave on one cache. */
+static void session_join(struct dp_router *rt, uint32_t ri, const struct dp_chunk *c)
+{
+    struct req *r = &rt->reqs[ri];
+    uint64_t sk = session_key(c->tenant, c->session_id);
+    uint32_t last = index_find(rt, &rt->by_session, sk, c, 0);
+    r->session_prev = last;
+    r->session_next = NIL;
+    r->in_session = 1;
+    if (last == NIL) {
+        index_add(&rt->by_session, sk, ri);
+        return;
+    }
+    rt->reqs[last].session_next = ri;
+    index_move(&rt->by_session, sk, last, ri);
+    r->held = 1;
+    rt->st.held++;
+}
+
+/* Request ri has ended (answered, refused or expired): unlink it; the next one of its session may run. */
+static void session_leave(struct dp_router *rt, uint32_t ri)
+{
+    struct req *r = &rt->reqs[ri];
+    uint32_t prev = r->session_prev, next = r->session_next;
+    if (!r->in_session)
+        return;
+    r->in_session = 0;
+    if (next == NIL)                     /* it was the latest: the index points at the one before, if any */
+        index_move(&rt->by_session, session_key(r->tenant, r->session_id), ri, prev);
+    else
+        rt->reqs[next].session_prev = prev;
+    if (prev != NIL) {
+        rt->reqs[prev].session_next = next;
+    } else if (next != NIL) {
+        rt->reqs[next].held = 0;
+        make_ready(rt, next);
+    }
+}
+
 static void finish(struct dp_router *rt, uint32_t ri)
 {
     struct req *r = &rt->reqs[ri];
     struct worker *w = &rt->w[r->worker];
+    session_leave(rt, ri);
     remember_done(rt, r->key);
     rt->reserved -= r->chunk_count - r->received;   /* a failed request's missing chunks need no room now */
     r->received = r->chunk_count;
@@ -374,7 +457,6 @@ static void pending_append(struct dp_router *rt, struct req *r, uint32_t p)
 static void accept_chunk(struct dp_router *rt, uint32_t ri, uint32_t p)
 {
     struct req *r = &rt->reqs[ri];
-    struct worker *w = &rt->w[r->worker];
     uint16_t idx = rt->pool[p].c.chunk_index;
     if (idx != r->next_index) {          /* early: park it */
         rt->pool[p].next = r->ooo;
@@ -399,13 +481,7 @@ static void accept_chunk(struct dp_router *rt, uint32_t ri, uint32_t p)
         if (p == NIL)
             break;
     }
-    if (rt->cfg.batching == DP_BATCH_DYNAMIC) {
-        if (!r->in_fifo)
-            fifo_push(rt, w, ri);
-    } else if (r->next_index == r->chunk_count && !r->in_fifo && !r->in_set) {
-        r->t_ready = now_ns();
-        fifo_push(rt, w, ri);            /* complete: it may join a static batch */
-    }
+    make_ready(rt, ri);
 }
 
 static int bad_chunk(const struct dp_chunk *c)
@@ -424,7 +500,7 @@ static int ingest(struct dp_router *rt, const struct dp_chunk *c, uint64_t t)
         return 1;
     }
     uint64_t key = chunk_key(c);
-    uint32_t ri = req_find(rt, c, key);
+    uint32_t ri = index_find(rt, &rt->by_id, key, c, 1);
     if (bad_chunk(c)) {                  /* the whole request is refused, once */
         rt->st.bad_chunks++;
         if (ri != NIL) {
@@ -477,6 +553,7 @@ static int ingest(struct dp_router *rt, const struct dp_chunk *c, uint64_t t)
         r->t_xdp = c->t_xdp;
         r->client_ip = c->client_ip;
         r->client_port = c->client_port;
+        session_join(rt, ri, c);
         rt->st.requests_in++;
     }
     struct req *r = &rt->reqs[ri];
@@ -904,6 +981,7 @@ static uint32_t expire_stalled(struct dp_router *rt, uint64_t now)
         free_list(rt, r->sent_head);
         r->sent_head = r->sent_tail = NIL;
         remember_done(rt, r->key);   /* its late chunks are stragglers, not a new request */
+        session_leave(rt, ri);
         rt->reserved -= r->chunk_count - r->received;
         rt->st.expired++;
         rt->st.responses++;
@@ -967,13 +1045,7 @@ static void failover(struct dp_router *rt, uint32_t k)
         r->state = REQ_PREFILL;
         r->n_out = 0;
         r->decode_left = 0;
-        if (rt->cfg.batching == DP_BATCH_DYNAMIC) {
-            if (r->pending_head != NIL)
-                fifo_push(rt, &rt->w[nk], ri);
-        } else if (r->next_index == r->chunk_count) {
-            r->t_ready = now_ns();
-            fifo_push(rt, &rt->w[nk], ri);
-        }
+        make_ready(rt, ri);
         rt->st.replayed++;
     }
 }
@@ -1032,10 +1104,11 @@ struct dp_router *dp_router_create(const struct dp_router_config *cfg, const cha
     rt->cfg = c;
     pthread_mutex_init(&rt->lock, NULL);
     rt->reqs = hot_alloc(c.max_requests * sizeof(struct req));
-    rt->hash = hot_alloc(2 * (size_t)c.max_requests * sizeof(*rt->hash));
+    rt->by_id.e = hot_alloc(2 * (size_t)c.max_requests * sizeof(*rt->by_id.e));
+    rt->by_session.e = hot_alloc(2 * (size_t)c.max_requests * sizeof(*rt->by_session.e));
     rt->pool = hot_alloc((size_t)c.pool_chunks * sizeof(struct pooled));
-    rt->hash_mask = 2 * c.max_requests - 1;
-    if (!rt->reqs || !rt->pool || !rt->hash) {
+    rt->by_id.mask = rt->by_session.mask = 2 * c.max_requests - 1;
+    if (!rt->reqs || !rt->pool || !rt->by_id.e || !rt->by_session.e) {
         dp_router_destroy(rt);
         *err = -ENOMEM;
         return NULL;
@@ -1043,8 +1116,8 @@ struct dp_router *dp_router_create(const struct dp_router_config *cfg, const cha
     rt->pool_free = NIL;
     for (uint32_t i = c.pool_chunks; i-- > 0;)
         pool_put(rt, i);
-    for (uint32_t i = 0; i <= rt->hash_mask; i++)
-        rt->hash[i].slot = NIL;
+    for (uint32_t i = 0; i <= rt->by_id.mask; i++)
+        rt->by_id.e[i].slot = rt->by_session.e[i].slot = NIL;
     rt->req_free = NIL;
     for (uint32_t i = c.max_requests; i-- > 0;) {
         rt->reqs[i].fifo_next = rt->req_free;
@@ -1075,7 +1148,8 @@ void dp_router_destroy(struct dp_router *rt)
     if (rt->zctx)
         zmq_ctx_term(rt->zctx);
     hot_free(rt->reqs, rt->cfg.max_requests * sizeof(struct req));
-    hot_free(rt->hash, 2 * (size_t)rt->cfg.max_requests * sizeof(*rt->hash));
+    hot_free(rt->by_id.e, 2 * (size_t)rt->cfg.max_requests * sizeof(*rt->by_id.e));
+    hot_free(rt->by_session.e, 2 * (size_t)rt->cfg.max_requests * sizeof(*rt->by_session.e));
     hot_free(rt->pool, (size_t)rt->cfg.pool_chunks * sizeof(struct pooled));
     pthread_mutex_destroy(&rt->lock);
     hot_free(rt, sizeof(*rt));

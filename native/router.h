@@ -17,6 +17,10 @@
  *     waited batch_timeout; it runs them to the end (all prefill, then decode
  *     steps) before it takes new ones.
  *
+ * A session's requests run one at a time, in arrival order: one that arrives
+ * while an earlier request of its session is unfinished is held (buffered,
+ * not scheduled) until that one ends, so two never interleave on one KV cache.
+ *
  * Nothing is dropped silently: a malformed chunk or a full request table
  * yields a 400/503 response record (once per request: its other chunks then
  * count as late duplicates); a new request whose chunks the pool could not
@@ -66,6 +70,7 @@ struct dp_router_stats {
     uint64_t batches, records_out, tokens_out, decode_out, splits;
     uint64_t completions, responses, egress_stalls, input_stalls, loops, expired, late_duplicates;
     uint64_t refused_by_worker, replayed, pool_refused;
+    uint64_t held;                      /* requests that waited for an earlier one of their session */
     uint32_t active_requests, pool_free;
 };
 

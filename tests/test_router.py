@@ -473,3 +473,33 @@ def test_requests_are_named_by_tenant_session_and_id(bench_factory):
     b.send(parts[1][:1])                      # a late repeat of tenant 2's request is still recognised
     b.router.poll()
     assert b.router.stats()["late_duplicates"] == 1
+
+
+@pytest.mark.parametrize("batching", ["dynamic", "static"])
+def test_a_sessions_requests_run_one_at_a_time_in_arrival_order(bench_factory, batching):
+    """Three requests of session 3 arrive together; the middle one never gets its second chunk.
+    Each reaches the worker only once the one before it has ended: A runs to its end, B then
+    (dynamic: its first chunk) until it expires with 400, then C; request 9 of another session
+    is not held."""
+    b = bench_factory(reassembly_timeout_s=0.05, batching=batching, max_batch_size=1, batch_timeout_s=0.001)
+    a, bb, c = (chunks_of(rid, list(range(rid, rid + 40 * n)), session=3, max_out=3) for rid, n in ((1, 1), (2, 4), (5, 1)))
+    b.send(a, bb[[0]], c, chunks_of(9, [7] * 10, session=4, max_out=1))
+    first_seen, deadline = {}, time.monotonic() + 5    # request -> requests answered before its first chunk ran
+    while len(b.responses) < 4 and time.monotonic() < deadline:
+        answered = {int(r["request_id"]) for r in b.responses}
+        batch = b.step()
+        if batch is None:
+            time.sleep(0.005)
+            continue
+        for r in batch[batch["kind"] == wire.KIND_CHUNK]:
+            first_seen.setdefault(int(r["request_id"]), answered)
+    assert {int(r["request_id"]): int(r["status"]) for r in b.responses} == {1: 200, 2: 400, 5: 200, 9: 200}
+    assert first_seen[1] == set()
+    assert {1, 2} <= first_seen[5], "C ran only after A and B had ended"
+    if batching == "dynamic":
+        assert 1 in first_seen[2], "B's first chunk ran only after A had ended"
+        assert 1 not in first_seen[9], "another session's request did not wait"
+    else:
+        assert 2 not in first_seen, "static: incomplete B never ran"
+    st = b.router.stats()
+    assert st["held"] == 2 and st["expired"] == 1 and st["active_requests"] == 0
