@@ -137,16 +137,15 @@ def spawn_in_netns(netns: str, dst: str, packets: list[bytes], timeout: float, p
     import sys
     if ipaddress.ip_address(dst) not in topology.SUBNET:
         raise ValueError(f"{dst} is outside {topology.SUBNET}: the load generator only sends to test namespaces")
-
-    def enter():
-        topology.enter(netns)
-        if cpu is not None:
-            os.sched_setaffinity(0, {cpu})
-
-    code = ("import json, pickle, sys; from datapath.client import _send_to; "
-            "a, k = pickle.load(sys.stdin.buffer); print(json.dumps(_send_to(*a, **k)))")
-    r = subprocess.run([sys.executable, "-c", code], input=pickle.dumps(((dst, port, packets), kw)),
-                       capture_output=True, timeout=timeout, preexec_fn=enter)
+    if netns not in topology.netns.listnetns():
+        raise FileNotFoundError(f"no network namespace {netns!r}")
+    # `ip netns exec` enters the namespace in the child, so the parent forks nothing of its own
+    # (no preexec_fn: that would run Python between fork and exec in a process with native threads)
+    code = ("import json, os, pickle, sys; from datapath.client import _send_to; "
+            "a, k, cpu = pickle.load(sys.stdin.buffer); cpu is None or os.sched_setaffinity(0, {cpu}); "
+            "print(json.dumps(_send_to(*a, **k)))")
+    r = subprocess.run(["ip", "netns", "exec", netns, sys.executable, "-c", code],
+                       input=pickle.dumps(((dst, port, packets), kw, cpu)), capture_output=True, timeout=timeout)
     if r.returncode:
         raise RuntimeError(f"client in {netns}: {r.stderr.decode(errors='replace').strip()[-500:]}")
     return json.loads(r.stdout)
