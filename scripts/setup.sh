@@ -42,8 +42,9 @@ for p in "${PKGS[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
 apt_updated=0
+apt_update_once() { if [ $apt_updated -eq 0 ]; then apt-get update -qq; apt_updated=1; fi; }
 apt_install() {
-    if [ $apt_updated -eq 0 ]; then apt-get update -qq; apt_updated=1; fi
+    apt_update_once
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$@" >/dev/null
 }
 if [ ${#missing[@]} -gt 0 ]; then
@@ -56,14 +57,17 @@ KREL=$(uname -r)
 BUILD="/lib/modules/$KREL/build"
 if [ -e "$BUILD/include/linux" ] || [ -e "$BUILD/include/generated" ]; then
     :  # the running kernel's headers (or a fallback linked on an earlier run) are in place
-elif apt-cache show "linux-headers-$KREL" >/dev/null 2>&1; then
+elif apt_update_once && apt-cache show "linux-headers-$KREL" >/dev/null 2>&1; then
     say "installing linux-headers-$KREL (the running kernel's)"
     apt_install "linux-headers-$KREL"
 else
     ARCH=$(dpkg --print-architecture)
     dpkg-query -W -f='${Status}' "linux-headers-$ARCH" 2>/dev/null | grep -q "install ok installed" \
         || apt_install "linux-headers-$ARCH"
-    HDR=$(ls -d /usr/src/linux-headers-*-"$ARCH" 2>/dev/null | sort -V | tail -1)
+    # the exact package the metapackage depends on (a glob could pick a -cloud- or -rt- flavour)
+    PKG=$(dpkg-query -W -f='${Depends}' "linux-headers-$ARCH" | grep -o "linux-headers-[^ ,]*-$ARCH" | head -1)
+    HDR=${PKG:+/usr/src/$PKG}
+    [ -n "$HDR" ] && [ -d "$HDR" ] || HDR=""
     COMMON=${HDR%-"$ARCH"}-common
     if [ -z "$HDR" ] || [ ! -d "$COMMON" ]; then
         echo "setup: no kernel headers found under /usr/src after installing linux-headers-$ARCH" >&2
