@@ -13,6 +13,7 @@
 #ifndef DP_POLICY_H
 #define DP_POLICY_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 /* CDEF BEGIN */
@@ -45,6 +46,8 @@ struct dp_policy {
     double param;        /* policy parameter (affinity: load bound epsilon) */
     uint64_t seen_generation;
     void *priv;          /* policy-owned state */
+    const void *warm;    /* the part of it a pick reads (the router keeps it cached while idle) */
+    size_t warm_bytes;
 };
 
 int dp_policy_init(struct dp_policy *p, const char *name, uint64_t seed, double param);

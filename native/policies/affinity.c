@@ -11,12 +11,13 @@
  * the same with 4 workers as with 256, instead of a binary search's log n.
  */
 #include <errno.h>
+#include <stddef.h>
 #include <stdlib.h>
 
 #include "../policy.h"
 
 #define VNODES 64
-#define BUCKET_BITS 16
+#define BUCKET_BITS 12            /* 16 KiB of buckets: small enough to stay cached (<= 4 points each at 256 workers) */
 
 struct point {
     uint64_t hash;
@@ -66,6 +67,8 @@ static int pick(struct dp_policy *p, const struct dp_workers *w, uint64_t sessio
     if (p->seen_generation != w->generation) {
         rebuild(r, w);
         p->seen_generation = w->generation;
+        p->warm = r;                 /* buckets and the points in use */
+        p->warm_bytes = offsetof(struct ring, pts) + r->n * sizeof(r->pts[0]);
     }
     if (r->n == 0)
         return -1;

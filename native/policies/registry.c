@@ -39,5 +39,7 @@ void dp_policy_fini(struct dp_policy *p)
 {
     if (p->ops && p->ops->fini)
         p->ops->fini(p);
+    p->warm = NULL;
+    p->warm_bytes = 0;
     p->ops = NULL;
 }

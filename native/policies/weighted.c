@@ -16,6 +16,8 @@ struct cumul {
 static int init(struct dp_policy *p)
 {
     p->priv = calloc(1, sizeof(struct cumul));
+    p->warm = p->priv;
+    p->warm_bytes = p->priv ? sizeof(struct cumul) : 0;
     return p->priv ? 0 : -ENOMEM;
 }
 
