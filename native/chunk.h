@@ -28,7 +28,7 @@ struct dp_chunk {
     __u64 request_id;          /*  8 */
     __u32 tenant;              /* 16 */
     __u32 max_output_tokens;   /* 20 */
-    __u16 chunk_index;         /* 24 index in the request after re-chunking */
+    __u16 chunk_index;         /* 24 the client chunk its tokens come from (re-chunked pieces share it) */
     __u16 chunk_count;         /* 26 */
     __u16 n_tokens;            /* 28 1..DP_MAX_CHUNK_TOKENS (0 for open/close) */
     __u8   kind;                /* 30 DP_KIND_* */
