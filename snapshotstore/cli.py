@@ -4,10 +4,13 @@
     snapshotstore inspect [DEVICE] [--limit N]
     snapshotstore fsck [DEVICE]
     snapshotstore stats [DEVICE] [--json]
+    snapshotstore target [--listen HOST:PORT] [--nqn NQN] DEVICE
 
-DEVICE is a regular file, a loop device, or an NVMe / NVMe-oF namespace
-(/dev/nvmeXnY, attached with nvme-cli); without one, the default image in the
-state directory. inspect, fsck and stats open the store read-only.
+DEVICE is a regular file, a loop device, an NVMe / NVMe-oF namespace
+(/dev/nvmeXnY, attached with nvme-cli), or a namespace of an NVMe/TCP target
+(nvme-tcp://HOST:PORT/SUBNQN, such as `snapshotstore target` serves); without
+one, the default image in the state directory. inspect, fsck and stats open
+the store read-only.
 """
 from __future__ import annotations
 
@@ -19,6 +22,8 @@ import sys
 from .device import DEFAULT_IMAGE_SIZE, create_image, default_image_path
 from .errors import SnapshotError
 from .format import KIND_NAMES, KIND_PAD
+from .nvmetcp.initiator import is_url
+from .nvmetcp.target import DEFAULT_NQN, DEFAULT_PORT
 
 EPILOG = """examples:
     snapshotstore format store.img --size 256M        # create a sparse image and format it
@@ -26,6 +31,8 @@ EPILOG = """examples:
     snapshotstore inspect store.img --limit 20        # the log, oldest record first
     snapshotstore fsck store.img                      # every CRC and every chain; exit 1 if damaged
     snapshotstore stats --json                        # the default store's counters
+    snapshotstore target store.img --listen 127.0.0.1:4420    # serve store.img over NVMe/TCP
+    snapshotstore fsck nvme-tcp://127.0.0.1:4420/nqn.2026-12.io.zerolayer:snapshots
 """
 
 
@@ -59,13 +66,23 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("stats", help="sessions, records, space and recovery counters")
     s.add_argument("device", **device)
     s.add_argument("--json", action="store_true", help="print JSON")
+    t = sub.add_parser("target", help="serve DEVICE as an NVMe/TCP namespace until SIGTERM or Ctrl-C")
+    t.add_argument("device", help="block device or image file (opened with O_DIRECT, held exclusively)")
+    t.add_argument("--listen", default=f"127.0.0.1:{DEFAULT_PORT}", metavar="HOST:PORT",
+                   help=f"address to listen on (default 127.0.0.1:{DEFAULT_PORT}; port 0 picks a free one)")
+    t.add_argument("--nqn", default=DEFAULT_NQN, help=f"subsystem NQN (default {DEFAULT_NQN})")
+    t.add_argument("--maxh2cdata", type=parse_size, default=128 << 10,
+                   help="largest H2CData PDU, and R2T chunk, the target accepts (default 128K)")
     return p
 
 
 def _format(args) -> int:
     from .log import format_device
     path = args.device or default_image_path()
-    if not os.path.exists(path):
+    if is_url(path):
+        if args.size is not None:
+            raise SnapshotError("--size creates an image file: a remote namespace has its size already")
+    elif not os.path.exists(path):
         if args.device is None:
             os.makedirs(os.path.dirname(path), exist_ok=True)
         elif args.size is None:
@@ -133,10 +150,35 @@ def _stats(args) -> int:
     return 0
 
 
+def _target(args) -> int:
+    import signal
+    import threading
+    from .nvmetcp.target import Target
+    host, _, port = args.listen.rpartition(":")
+    if not host or not port.isdigit():
+        raise SnapshotError(f"--listen takes HOST:PORT, not {args.listen!r} (for example 127.0.0.1:4420)")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        target = Target(args.device, args.nqn, host, int(port), maxh2cdata=args.maxh2cdata).start()
+    except ValueError as e:
+        raise SnapshotError(str(e)) from None
+    try:
+        dev = target.dev
+        print(f"serving {args.device} ({dev.blocks} blocks of {dev.block_size} bytes) at {target.url}", flush=True)
+        while not stop.wait(1.0):
+            pass
+    finally:
+        target.stop()
+    return 0
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"format": _format, "inspect": _inspect, "fsck": _fsck, "stats": _stats}[args.command](args)
+        return {"format": _format, "inspect": _inspect, "fsck": _fsck, "stats": _stats,
+                "target": _target}[args.command](args)
     except SnapshotError as e:
         print(f"snapshotstore: {e}", file=sys.stderr)
         return 1

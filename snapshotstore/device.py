@@ -1,4 +1,5 @@
-"""Block-device backends: a regular file, a loop device, an NVMe or NVMe-oF namespace.
+"""Block-device backends: a regular file, a loop device, an NVMe or NVMe-oF namespace, or a
+namespace of a remote NVMe/TCP target ("nvme-tcp://HOST:PORT/SUBNQN", snapshotstore/nvmetcp).
 
 All I/O is O_DIRECT from page-aligned (mmap-allocated) buffers, in whole
 logical blocks: BLKSSZGET gives a block device's logical block size, a
@@ -111,7 +112,22 @@ class BlockDevice:
     def sync(self) -> None:
         os.fdatasync(self.fd)
 
+    def lock(self, shared: bool) -> None:
+        """One store process per device: an exclusive flock (shared for read-only opens)."""
+        try:
+            fcntl.flock(self.fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise DeviceError(f"{self.path} is in use by another snapshot store process") from None
+
     def close(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+def open_device(path: str, readonly: bool = False):
+    """A BlockDevice, or an NvmeTcpDevice for an nvme-tcp:// URL: the same interface."""
+    from .nvmetcp.initiator import NvmeTcpDevice, is_url
+    if is_url(path):
+        return NvmeTcpDevice(path, readonly)
+    return BlockDevice(path, readonly)

@@ -31,7 +31,6 @@ chain can always be compacted.
 from __future__ import annotations
 
 import collections
-import fcntl
 import os
 import random
 import sys
@@ -41,7 +40,7 @@ import zlib
 
 from . import format as fmt
 from .api import Delta, Snapshot, check_delta, check_key
-from .device import DEFAULT_IMAGE_SIZE, BlockDevice, aligned_buffer, create_image, default_image_path
+from .device import DEFAULT_IMAGE_SIZE, BlockDevice, aligned_buffer, create_image, default_image_path, open_device
 from .errors import DeviceError, DeviceFull, FormatError, SessionChanged, SnapshotError, TooLarge
 from .format import (HEADER_SIZE, KIND_BASE, KIND_DELTA, KIND_PAD, KIND_TOMBSTONE, RecordHeader,
                      Superblock, record_blocks)
@@ -88,8 +87,9 @@ class _Request:
 
 def format_device(path: str, force: bool = False) -> Superblock:
     """Write an empty store (both superblock copies) on path; refuses to erase a store unless force."""
-    dev = BlockDevice(path)
+    dev = open_device(path)
     try:
+        dev.lock(shared=False)
         buf = aligned_buffer(fmt.SB_COPIES * dev.block_size)
         if dev.blocks >= fmt.SB_COPIES and not force:
             view = dev.read_into(buf, 0, fmt.SB_COPIES)
@@ -137,12 +137,12 @@ class LogStore:
         self.path, self.readonly = path, readonly
         self.group_commit_us, self.compact_after = group_commit_us, compact_after
         self.eviction, self.compress = eviction, compress
-        self.dev = BlockDevice(path, readonly)
+        self.dev = open_device(path, readonly)
         try:
-            fcntl.flock(self.dev.fd, (fcntl.LOCK_SH if readonly else fcntl.LOCK_EX) | fcntl.LOCK_NB)
-        except BlockingIOError:
+            self.dev.lock(shared=readonly)
+        except DeviceError:
             self.dev.close()
-            raise DeviceError(f"{path} is in use by another snapshot store process") from None
+            raise
         self._lock = threading.Lock()            # the index, the log state, the device
         self._cv = threading.Condition()         # the commit queue and the leader flag
         self._queue: list[_Request] = []

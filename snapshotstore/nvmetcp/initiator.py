@@ -1,0 +1,292 @@
+"""The NVMe/TCP initiator: BlockDevice's interface on a remote namespace, so LogStore runs on it unchanged.
+
+    dev = NvmeTcpDevice("nvme-tcp://127.0.0.1:4420/nqn.2026-12.io.zerolayer:snapshots")
+    dev.block_size, dev.blocks          # from Identify Namespace, as nvme-cli learns them
+    dev.read_into(buf, block, n); dev.write_from(buf, off, block, n); dev.sync(); dev.close()
+
+It connects as the Linux host does: an admin queue (ICReq, Connect with
+CNTLID 0xFFFF, Property Get CAP, Set CC.EN, wait for CSTS.RDY, Identify
+controller and namespace), then one I/O queue (Connect with the CNTLID the
+admin Connect returned). Transfers larger than MDTS are split; a Write up to
+the controller's in-capsule size (IOCCSZ) travels in its capsule, a larger
+one answers the target's R2Ts with H2CData. One command at a time per queue
+(the store serializes its device calls anyway). A non-zero status raises
+NvmeError; a lost connection or a TermReq raises DeviceError.
+"""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+import uuid
+
+from ..errors import DeviceError
+from . import pdu as P
+from .transport import Channel, ConnectionClosed, ProtocolError
+
+SCHEME = "nvme-tcp://"
+DEFAULT_PORT = 4420
+QUEUE_SIZE = 32              # entries; the Connect sends it 0's based
+READY_TIMEOUT_S = 5.0
+
+
+class NvmeError(DeviceError):
+    """The target completed a command with a non-zero status (sc: (SCT << 8) | SC)."""
+
+    def __init__(self, text: str, sc: int):
+        super().__init__(text)
+        self.sc = sc
+
+
+def is_url(path) -> bool:
+    return isinstance(path, str) and path.startswith(SCHEME)
+
+
+def parse_url(url: str) -> tuple[str, int, str]:
+    """nvme-tcp://HOST[:PORT]/SUBNQN -> (host, port, subnqn)."""
+    rest = url[len(SCHEME):] if is_url(url) else ""
+    hostport, _, nqn = rest.partition("/")
+    host, _, port = hostport.rpartition(":") if ":" in hostport else (hostport, "", str(DEFAULT_PORT))
+    if not host or not nqn or not port.isdigit():
+        raise DeviceError(f"{url!r} is not an NVMe/TCP namespace URL: write nvme-tcp://HOST[:PORT]/SUBSYSTEM-NQN "
+                          f"(for example nvme-tcp://127.0.0.1:4420/nqn.2026-12.io.zerolayer:snapshots)")
+    return host, int(port), nqn
+
+
+def _opname(qid: int, opc: int) -> str:
+    if opc == P.OPC_FABRICS:
+        return "Fabrics command"
+    if qid == 0:
+        return {P.ADMIN_IDENTIFY: "Identify"}.get(opc, f"admin opcode {opc:#x}")
+    return {P.NVM_READ: "Read", P.NVM_WRITE: "Write", P.NVM_FLUSH: "Flush"}.get(opc, f"opcode {opc:#x}")
+
+
+class _Queue:
+    """One queue pair on its own TCP connection."""
+
+    def __init__(self, url: str, host: str, port: int, qid: int, digests: bool, timeout_s: float):
+        self.url, self.qid = url, qid
+        try:
+            sock = socket.create_connection((host, port), timeout=timeout_s)
+        except OSError as e:
+            raise DeviceError(f"cannot connect to the NVMe/TCP target at {host}:{port}: {e.strerror or e} "
+                              f"(is `snapshotstore target` running there?)") from None
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.channel = Channel(sock)
+        self.cid = 0
+        self.maxh2cdata = 0
+        self.in_capsule = P.CONNECT_DATA.size * 8    # until Identify says IOCCSZ (the admin queue: 8 KiB)
+        self._expect = 0                             # data bytes the current command may still receive
+        self._call(self._icreq, digests)
+
+    def _call(self, fn, *args):
+        """Run one exchange, turning transport failures into DeviceError (the queue is dead then)."""
+        try:
+            return fn(*args)
+        except NvmeError:
+            raise
+        except ProtocolError as e:
+            try:
+                self.channel.send_term(P.H2C_TERM_REQ, e.fes, e.fei, e.header)
+            except OSError:
+                pass
+            self.close()
+            raise DeviceError(f"the NVMe/TCP target at {self.url} broke the protocol ({e}): reconnect") from None
+        except socket.timeout:
+            self.close()
+            raise DeviceError(f"the NVMe/TCP target at {self.url} did not answer within "
+                              f"{self.channel.sock.gettimeout():g} s") from None
+        except (ConnectionClosed, OSError) as e:
+            self.close()
+            raise DeviceError(f"the NVMe/TCP target at {self.url} closed the connection ({e}): is it "
+                              f"still running? reopen the store once it is back") from None
+
+    def _icreq(self, digests: bool):
+        dgst = (P.DGST_HEADER | P.DGST_DATA) if digests else 0
+        self.channel.send(P.ICREQ, P.psh(P.ICREQ_PDU, pfv=0, hpda=0, dgst=dgst, maxr2t=0))
+        _, _, header, _ = self.channel.recv_header((P.ICRESP, P.C2H_TERM_REQ), lambda t: P.TERM_MAX_ERROR_DATA)
+        resp = P.unpack(P.ICRESP_PDU, header)
+        if resp["pdu_type"] != P.ICRESP or resp["pfv"] != 0 or resp["cpda"] != 0 or resp["maxh2cdata"] < 4096:
+            raise ProtocolError(f"an ICResp this host cannot use ({resp})", P.FES_UNSUPPORTED_PARAMETER)
+        self.maxh2cdata = resp["maxh2cdata"]
+        self.channel.hdgst, self.channel.ddgst = bool(resp["dgst"] & P.DGST_HEADER), bool(resp["dgst"] & P.DGST_DATA)
+
+    def command(self, sqe_fields: dict, data_out=None, data_in=None, layout=P.SQE) -> dict:
+        """Submit one command and wait for its completion: data_out is sent (in the capsule if it
+        fits, else by R2T), data_in (a writable view) receives the C2HData. Returns the CQE."""
+        return self._call(self._command, sqe_fields, data_out, data_in, layout)
+
+    def _command(self, sqe_fields, data_out, data_in, layout) -> dict:
+        self.cid = (self.cid + 1) & 0xFFFF
+        n = len(data_out) if data_out is not None else len(data_in) if data_in is not None else 0
+        icd = data_out is not None and n <= self.in_capsule
+        sgl = dict(sgl_addr=0, sgl_len=n, sgl_id=(P.SGL_ICD if icd else P.SGL_TRANSPORT) if n else 0)
+        flags = {} if layout is not P.SQE else {"flags": P.PSDT_SGL}
+        sqe = P.pack(layout, cid=self.cid, **flags, **sgl, **sqe_fields)
+        self.channel.send(P.CAPSULE_CMD, sqe, data_out if icd else None)
+        self._expect = n if data_in is not None else 0
+        received = 0
+        while True:
+            t, flags, header, dlen = self.channel.recv_header(
+                (P.CAPSULE_RESP, P.C2H_DATA, P.R2T, P.C2H_TERM_REQ), self._max_data)
+            if t == P.C2H_TERM_REQ:
+                h = P.unpack(P.TERM_REQ_PDU, header)
+                self.channel.discard(dlen)
+                raise ConnectionClosed(f"C2HTermReq, fatal error status {h['fes']:#x} at byte {h['fei']}")
+            if t == P.CAPSULE_RESP:
+                cqe = P.unpack(P.CQE, header, P.CH.size)
+                if cqe["cid"] != self.cid:
+                    raise ProtocolError(f"a completion for command {cqe['cid']}, not {self.cid}",
+                                        P.FES_INVALID_HEADER_FIELD, P.CH.size + 12, header)
+                sc = P.status_code(cqe["status"])
+                if sc != P.SC_SUCCESS:
+                    name = P.STATUS_NAMES.get(sc, "status")
+                    op = _opname(self.qid, sqe_fields.get("opc", P.OPC_FABRICS))
+                    raise NvmeError(f"the NVMe/TCP target at {self.url} failed {op}: {name} "
+                                    f"(SCT {sc >> 8:#x} SC {sc & 0xFF:#04x})", sc)
+                if data_in is not None and received != n:
+                    raise ProtocolError(f"{received} of {n} bytes before the completion",
+                                        P.FES_PDU_SEQUENCE_ERROR, 0, header)
+                return cqe
+            if t == P.C2H_DATA:
+                h = P.unpack(P.C2H_DATA_PDU, header)
+                if data_in is None or h["cccid"] != self.cid or h["datao"] != received or h["datal"] != dlen:
+                    raise ProtocolError("C2HData outside the command's buffer", P.FES_DATA_OUT_OF_RANGE, 12, header)
+                if not self.channel.recv_data(data_in[received:received + dlen]):
+                    raise ConnectionClosed("C2HData digest mismatch")
+                received += dlen
+                self._expect = n - received
+                continue
+            h = P.unpack(P.R2T_PDU, header)                 # R2T: send the requested range
+            if data_out is None or icd or h["cccid"] != self.cid or h["r2to"] + h["r2tl"] > n:
+                raise ProtocolError("an R2T outside the command's data", P.FES_DATA_OUT_OF_RANGE, 12, header)
+            view = memoryview(data_out)
+            for off in range(h["r2to"], h["r2to"] + h["r2tl"], self.maxh2cdata):
+                k = min(self.maxh2cdata, h["r2to"] + h["r2tl"] - off)
+                last = P.FLAG_LAST_PDU if off + k == h["r2to"] + h["r2tl"] else 0
+                self.channel.send(P.H2C_DATA, P.psh(P.H2C_DATA_PDU, cccid=self.cid, ttag=h["ttag"], datao=off,
+                                                    datal=k), view[off:off + k], last)
+
+    def _max_data(self, pdu_type) -> int:
+        return self._expect if pdu_type == P.C2H_DATA else P.TERM_MAX_ERROR_DATA
+
+    def connect(self, subnqn: str, hostnqn: str, hostid: bytes, cntlid: int) -> int:
+        data = P.pack(P.CONNECT_DATA, hostid=hostid, cntlid=cntlid, subnqn=P.nqn_field(subnqn),
+                      hostnqn=P.nqn_field(hostnqn))
+        spec = P.pack(P.CONNECT_SPECIFIC, recfmt=0, qid=self.qid, sqsize=QUEUE_SIZE - 1, kato=0)
+        cqe = self.command(dict(opc=P.OPC_FABRICS, fctype=P.FCTYPE_CONNECT, specific=spec), data_out=data,
+                           layout=P.FABRICS_SQE)
+        return cqe["dw0"] & 0xFFFF
+
+    def get_property(self, ofst: int, size8: bool = False) -> int:
+        spec = P.pack(P.PROPERTY_SPECIFIC, attrib=1 if size8 else 0, ofst=ofst)
+        cqe = self.command(dict(opc=P.OPC_FABRICS, fctype=P.FCTYPE_PROPERTY_GET, specific=spec),
+                           layout=P.FABRICS_SQE)
+        return cqe["dw0"] | cqe["dw1"] << 32
+
+    def set_property(self, ofst: int, value: int) -> None:
+        spec = P.pack(P.PROPERTY_SPECIFIC, attrib=0, ofst=ofst, value=value)
+        self.command(dict(opc=P.OPC_FABRICS, fctype=P.FCTYPE_PROPERTY_SET, specific=spec), layout=P.FABRICS_SQE)
+
+    def close(self):
+        self.channel.close()
+
+
+class NvmeTcpDevice:
+    """One namespace (NSID 1) of an NVMe/TCP target, with BlockDevice's interface."""
+
+    def __init__(self, url: str, readonly: bool = False, *, digests: bool = False, hostnqn: str | None = None,
+                 timeout_s: float = 30.0):
+        host, port, self.subnqn = parse_url(url)
+        self.path, self.readonly, self.is_block = url, readonly, True
+        hostid = uuid.uuid4()
+        self.hostnqn = hostnqn or f"nqn.2014-08.org.nvmexpress:uuid:{hostid}"
+        self._lock = threading.Lock()
+        self.admin = _Queue(url, host, port, 0, digests, timeout_s)
+        self.io = None
+        try:
+            cntlid = self.admin.connect(self.subnqn, self.hostnqn, hostid.bytes, 0xFFFF)
+            self._enable()
+            ctrl = self._identify(P.CNS_CONTROLLER, 0, P.ID_CTRL)
+            ns = self._identify(P.CNS_NAMESPACE, 1, P.ID_NS)
+            if P.nqn_of(ctrl["subnqn"]) != self.subnqn:
+                raise DeviceError(f"{url}: the controller reports subsystem {P.nqn_of(ctrl['subnqn'])!r}")
+            self.block_size = 1 << (ns["lbaf0"] >> 16 & 0xFF)      # LBA format 0's LBADS
+            self.blocks = ns["nsze"]
+            self.size = self.blocks * self.block_size
+            # MDTS in units of CAP.MPSMIN (4 KiB); 0 means no limit, and a capsule's plen must still fit a u32
+            self.max_blocks = ((4096 << ctrl["mdts"]) if ctrl["mdts"] else 1 << 30) // self.block_size
+            self.max_blocks = min(self.max_blocks, 1 << 16)          # NLB is 16 bits
+            self.io = _Queue(url, host, port, 1, digests, timeout_s)
+            self.io.in_capsule = ctrl["ioccsz"] * 16 - 64
+            self.io.connect(self.subnqn, self.hostnqn, hostid.bytes, cntlid)
+        except BaseException:
+            self.close()
+            raise
+
+    def _enable(self):
+        self.admin.get_property(P.PROP_CAP, size8=True)
+        self.admin.set_property(P.PROP_CC, P.CC_EN | 6 << 16 | 4 << 20)     # IOSQES 64 B, IOCQES 16 B
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not self.admin.get_property(P.PROP_CSTS) & P.CSTS_RDY:
+            if time.monotonic() > deadline:
+                raise DeviceError(f"the controller at {self.path} did not become ready (CSTS.RDY)")
+            time.sleep(0.01)
+
+    def _identify(self, cns: int, nsid: int, layout) -> dict:
+        buf = bytearray(P.IDENTIFY_LEN)
+        self.admin.command(dict(opc=P.ADMIN_IDENTIFY, nsid=nsid, cdw10=cns), data_in=memoryview(buf))
+        return P.unpack(layout, buf)
+
+    def lock(self, shared: bool) -> None:
+        """Nothing to do: the target admits one host at a time (Controller Busy to a second)."""
+
+    def _rw(self, opc: int, view, block: int, nblocks: int, fua: bool = False):
+        if block < 0 or nblocks < 1:
+            raise DeviceError(f"{self.path}: bad extent {block}+{nblocks}")
+        with self._lock:
+            if self.io is None:
+                raise DeviceError(f"{self.path} is closed")
+            done = 0
+            while done < nblocks:
+                k = min(self.max_blocks, nblocks - done)
+                lba = block + done
+                part = view[done * self.block_size:(done + k) * self.block_size]
+                fields = dict(opc=opc, nsid=1, cdw10=lba & 0xFFFFFFFF, cdw11=lba >> 32,
+                              cdw12=(k - 1) | (P.RW_FUA if fua else 0))
+                if opc == P.NVM_READ:
+                    self.io.command(fields, data_in=part)
+                else:
+                    self.io.command(fields, data_out=part)
+                done += k
+
+    def read_into(self, buf, block: int, nblocks: int) -> memoryview:
+        view = memoryview(buf)[:nblocks * self.block_size]
+        self._rw(P.NVM_READ, view, block, nblocks)
+        return view
+
+    def write_from(self, buf, offset: int, block: int, nblocks: int) -> None:
+        if self.readonly:
+            raise DeviceError(f"{self.path} is open read-only")
+        self._rw(P.NVM_WRITE, memoryview(buf)[offset:offset + nblocks * self.block_size], block, nblocks)
+
+    def sync(self) -> None:
+        with self._lock:
+            if self.io is None:
+                raise DeviceError(f"{self.path} is closed")
+            self.io.command(dict(opc=P.NVM_FLUSH, nsid=1))
+
+    def close(self) -> None:
+        """A normal shutdown (CC.SHN: the target syncs), then both connections closed."""
+        with self._lock:
+            io, self.io = self.io, None
+            admin, self.admin = getattr(self, "admin", None), None
+        if io is not None:
+            io.close()
+        if admin is not None:
+            try:
+                if admin.channel.sock.fileno() != -1:
+                    admin.set_property(P.PROP_CC, P.CC_SHN_NORMAL)
+            except DeviceError:
+                pass
+            admin.close()

@@ -1,0 +1,430 @@
+"""An NVMe/TCP target serving one namespace from a file or block device (O_DIRECT).
+
+    with Target("store.img", nqn="nqn.2026-12.io.zerolayer:store") as t:   # listens on 127.0.0.1:4420
+        LogStore(t.url) ...
+
+One controller (static CNTLID 1, one host at a time: a second host's Connect
+is answered Controller Busy, so two stores never share the namespace), an
+admin queue and one I/O queue, each its own TCP connection and thread.
+Commands on a queue run in order. A Write beyond the in-capsule size is
+pulled with one R2T per MAXH2CDATA chunk, and each chunk is written before
+the next R2T goes out: memory per command stays one chunk, and a write cut
+by a crash leaves whole chunks, as a power cut leaves whole LBAs on a drive
+(atomic write unit: one LBA). A Write with FUA, or a Flush, is fdatasync'd
+before its CapsuleResp is sent. Bounded: connections, queue depth, PDU sizes
+(a PDU over the limit gets a C2HTermReq and the connection is closed).
+"""
+from __future__ import annotations
+
+import collections
+import fcntl
+import socket
+import threading
+
+from ..device import BlockDevice, aligned_buffer
+from ..errors import DeviceError
+from . import pdu as P
+from .transport import Channel, ConnectionClosed, ProtocolError
+
+DEFAULT_NQN = "nqn.2026-12.io.zerolayer:snapshots"
+DEFAULT_PORT = 4420
+CNTLID = 1
+NSID = 1
+MAX_CONNECTIONS = 4            # an association (2) and room for a refused or reconnecting host
+HANDSHAKE_TIMEOUT_S = 10.0     # a connection that sends no ICReq is dropped
+ADMIN_ICD = 8192               # in-capsule data on the admin queue (the Connect data, 1 KiB)
+
+
+class Target:
+    def __init__(self, path: str, nqn: str = DEFAULT_NQN, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *,
+                 queue_depth: int = 32, maxh2cdata: int = 128 << 10, in_capsule: int = 8192,
+                 max_transfer: int = 1 << 20):
+        P.nqn_field(nqn)
+        self.path, self.nqn, self.host, self.port = path, nqn, host, port
+        self.queue_depth, self.maxh2cdata, self.in_capsule = queue_depth, maxh2cdata, in_capsule
+        self.mdts = max(0, (max_transfer >> 12).bit_length() - 1)    # 2^mdts * 4 KiB (CAP.MPSMIN)
+        self.max_transfer = 4096 << self.mdts
+        self.dev: BlockDevice | None = None
+        self._listener: socket.socket | None = None
+        self._lock = threading.Lock()                 # connections and the controller state
+        self._conns: set[_Connection] = set()
+        self._threads: list[threading.Thread] = []
+        self._stopping = threading.Event()
+        self.cc = self.csts = 0
+        self.host_nqn: str | None = None              # the associated host, None when free
+        self.io_queue: _Connection | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nvme-tcp://{self.host}:{self.port}/{self.nqn}"
+
+    def start(self) -> "Target":
+        self.dev = BlockDevice(self.path)
+        if self.max_transfer % self.dev.block_size or self.maxh2cdata % self.dev.block_size:
+            self.dev.close()
+            raise DeviceError(f"{self.path} has {self.dev.block_size}-byte blocks: the transfer sizes must "
+                              f"be multiples of it")
+        try:
+            fcntl.flock(self.dev.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)    # no local store on it meanwhile
+            self._listener = socket.create_server((self.host, self.port), reuse_port=False)
+        except BlockingIOError:
+            self.dev.close()
+            raise DeviceError(f"{self.path} is in use by a snapshot store process") from None
+        except OSError as e:
+            self.dev.close()
+            raise DeviceError(f"cannot listen on {self.host}:{self.port}: {e.strerror}") from None
+        self.port = self._listener.getsockname()[1]
+        self._spawn(self._accept_loop, "nvmet-accept")
+        return self
+
+    def stop(self) -> None:
+        """Stop accepting, close every connection, wait for their threads, release the device."""
+        self._stopping.set()
+        if self._listener is not None:
+            try:
+                self._listener.shutdown(socket.SHUT_RDWR)     # wakes accept()
+            except OSError:
+                pass
+            self._listener.close()
+        with self._lock:
+            conns = list(self._conns)
+        for c in conns:
+            c.channel.close()
+        for t in self._threads:
+            t.join(10)
+        if self.dev is not None:
+            self.dev.close()
+            self.dev = None
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    def wait(self) -> None:
+        """Serve until stop() is called (from a signal handler, say)."""
+        self._stopping.wait()
+
+    def _spawn(self, fn, name, *args):
+        t = threading.Thread(target=fn, args=args, name=name, daemon=True)
+        self._threads = [x for x in self._threads if x.is_alive()]
+        self._threads.append(t)
+        t.start()
+
+    def _accept_loop(self):
+        while not self._stopping.is_set():
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return
+            with self._lock:
+                if len(self._conns) >= MAX_CONNECTIONS or self._stopping.is_set():
+                    sock.close()
+                    continue
+                conn = _Connection(self, sock)
+                self._conns.add(conn)
+            self._spawn(conn.run, "nvmet-queue")
+
+    def _closed(self, conn: "_Connection"):
+        with self._lock:
+            self._conns.discard(conn)
+            if self.io_queue is conn:
+                self.io_queue = None
+            if conn.qid == 0 and conn.connected:      # the admin queue ends the association
+                self.host_nqn, self.cc, self.csts = None, 0, 0
+                others = [c for c in self._conns if c.connected and c.qid != 0]
+            else:
+                others = []
+        for c in others:
+            c.channel.close()
+
+    # --- identify data and properties -------------------------------------------------------
+
+    def identify_controller(self) -> bytes:
+        return P.pack(P.ID_CTRL, vid=0x1AF4, ssvid=0x1AF4, sn=b"zerolayer-%08d" % (self.port % 10 ** 8),
+                      mn=b"zerolayer snapshot target".ljust(40), fr=b"1.0".ljust(8), mdts=self.mdts,
+                      cntlid=CNTLID, ver=P.NVME_VERSION, sqes=0x66, cqes=0x44, maxcmd=self.queue_depth,
+                      nn=1, vwc=1, awun=0, awupf=0, sgls=(1 << 0) | (1 << 20),   # SGLs; offsets in capsules
+                      subnqn=P.nqn_field(self.nqn), ioccsz=(64 + self.in_capsule) // 16, iorcsz=1)
+
+    def identify_namespace(self) -> bytes:
+        lbads = self.dev.block_size.bit_length() - 1
+        return P.pack(P.ID_NS, nsze=self.dev.blocks, ncap=self.dev.blocks, nuse=self.dev.blocks,
+                      nlbaf=0, flbas=0, lbaf0=lbads << 16)
+
+    def get_property(self, ofst: int, size8: bool) -> int | None:
+        if ofst == P.PROP_CAP and size8:
+            # MQES (0's based), CQR, TO = 500 ms, CSS = NVM, MPSMIN = MPSMAX = 4 KiB
+            return (self.queue_depth - 1) | 1 << 16 | 1 << 24 | 1 << 37
+        if not size8 and ofst in (P.PROP_VS, P.PROP_CC, P.PROP_CSTS):
+            return {P.PROP_VS: P.NVME_VERSION, P.PROP_CC: self.cc, P.PROP_CSTS: self.csts}[ofst]
+        return None
+
+    def set_property(self, ofst: int, value: int) -> bool:
+        if ofst != P.PROP_CC:
+            return False
+        with self._lock:
+            self.cc = value & 0xFFFFFFFF
+            if value & P.CC_SHN_MASK:
+                self.dev.sync()                       # a shutdown notification: make everything durable
+                self.csts = (self.csts & ~(3 << 2)) | P.CSTS_SHST_COMPLETE
+            self.csts = (self.csts | P.CSTS_RDY) if value & P.CC_EN else (self.csts & ~P.CSTS_RDY)
+        return True
+
+
+class _Command:
+    __slots__ = ("sqe", "header", "data")
+
+    def __init__(self, sqe: dict, header: bytes, data):
+        self.sqe, self.header, self.data = sqe, header, data
+
+
+class _Connection:
+    """One queue: the admin queue (qid 0) or the I/O queue (qid 1), as its Connect says."""
+
+    def __init__(self, target: Target, sock: socket.socket):
+        self.t, self.channel = target, Channel(sock)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.qid, self.connected, self.sqsize, self.sqhd, self.ttag = None, False, 0, 0, 0
+        self.pending: collections.deque[_Command] = collections.deque()   # arrived during an R2T exchange
+        self.buf = aligned_buffer(target.max_transfer)
+
+    def run(self):
+        try:
+            self.channel.sock.settimeout(HANDSHAKE_TIMEOUT_S)
+            self._handshake()
+            self.channel.sock.settimeout(None)
+            while True:
+                cmd = self.pending.popleft() if self.pending else self._read_command()
+                self._execute(cmd)
+        except ProtocolError as e:
+            try:
+                self.channel.send_term(P.C2H_TERM_REQ, e.fes, e.fei, e.header)
+            except OSError:
+                pass
+        except (ConnectionClosed, OSError):
+            pass
+        finally:
+            self.channel.close()
+            self.t._closed(self)
+
+    # --- the stream ------------------------------------------------------------------------
+
+    def _handshake(self):
+        ch = self.channel
+        _, _, header, _ = ch.recv_header((P.ICREQ,), lambda t: 0)
+        req = P.unpack(P.ICREQ_PDU, header)
+        if req["pfv"] != 0:
+            raise ProtocolError(f"PDU format version {req['pfv']}", P.FES_UNSUPPORTED_PARAMETER, 8, header)
+        if req["hpda"] > 31:
+            raise ProtocolError(f"HPDA {req['hpda']}", P.FES_INVALID_HEADER_FIELD, 10, header)
+        dgst = req["dgst"] & (P.DGST_HEADER | P.DGST_DATA)     # both digests are offered
+        ch.send(P.ICRESP, P.psh(P.ICRESP_PDU, pfv=0, cpda=0, dgst=dgst, maxh2cdata=self.t.maxh2cdata))
+        ch.hdgst, ch.ddgst = bool(dgst & P.DGST_HEADER), bool(dgst & P.DGST_DATA)
+
+    def _max_data(self, pdu_type):
+        if pdu_type == P.CAPSULE_CMD:
+            return ADMIN_ICD if self.qid in (None, 0) else self.t.in_capsule
+        if pdu_type == P.H2C_DATA:
+            return self.t.maxh2cdata
+        return P.TERM_MAX_ERROR_DATA + 24
+
+    def _read_command(self) -> _Command:
+        t, flags, header, dlen = self.channel.recv_header((P.CAPSULE_CMD, P.H2C_DATA, P.H2C_TERM_REQ),
+                                                          self._max_data)
+        if t == P.H2C_TERM_REQ:
+            raise ConnectionClosed("the host terminated the connection")
+        if t == P.H2C_DATA:
+            raise ProtocolError("H2CData without an R2T outstanding", P.FES_PDU_SEQUENCE_ERROR, 0, header)
+        sqe = P.unpack(P.SQE, header, P.CH.size)
+        data = None
+        if dlen:
+            data = memoryview(self.buf)[:dlen]
+            if not self.channel.recv_data(data):
+                data = False                          # data digest error: fail the command, keep the queue
+        return _Command(sqe, header, data)
+
+    def _respond(self, cid: int, sc: int = P.SC_SUCCESS, dw0: int = 0, dw1: int = 0):
+        cqe = P.pack(P.CQE, dw0=dw0, dw1=dw1, sqhd=self.sqhd, sqid=self.qid or 0, cid=cid,
+                     status=P.status_field(sc))
+        self.channel.send(P.CAPSULE_RESP, cqe)
+
+    def _send_data(self, cid: int, data):
+        self.channel.send(P.C2H_DATA, P.psh(P.C2H_DATA_PDU, cccid=cid, datao=0, datal=len(data)), data,
+                          P.FLAG_LAST_PDU)
+
+    def _pull(self, cmd: _Command, view, block: int) -> int:
+        """A Write's data by R2T: one chunk per R2T, each written at its blocks before the next
+        R2T. The status: a data digest error or a device error still drains the rest."""
+        sc, bs, cid = P.SC_SUCCESS, self.t.dev.block_size, cmd.sqe["cid"]
+        for r2to in range(0, len(view), self.t.maxh2cdata):
+            r2tl = min(self.t.maxh2cdata, len(view) - r2to)
+            self.ttag = (self.ttag + 1) & 0xFFFF
+            self.channel.send(P.R2T, P.psh(P.R2T_PDU, cccid=cid, ttag=self.ttag, r2to=r2to, r2tl=r2tl))
+            got = 0
+            while got < r2tl:
+                t, flags, header, dlen = self.channel.recv_header((P.CAPSULE_CMD, P.H2C_DATA, P.H2C_TERM_REQ),
+                                                                  self._max_data)
+                if t == P.H2C_TERM_REQ:
+                    raise ConnectionClosed("the host terminated the connection")
+                if t == P.CAPSULE_CMD:            # another command meanwhile: keep it for later
+                    if len(self.pending) + 1 >= self.sqsize + 1:
+                        raise ProtocolError("more commands outstanding than the queue holds",
+                                            P.FES_PDU_SEQUENCE_ERROR, 0, header)
+                    data = bytearray(dlen)
+                    good = self.channel.recv_data(data) if dlen else True
+                    self.pending.append(_Command(P.unpack(P.SQE, header, P.CH.size), header,
+                                                 memoryview(data) if good and dlen else (None if good else False)))
+                    continue
+                h = P.unpack(P.H2C_DATA_PDU, header)
+                if h["cccid"] != cid or h["ttag"] != self.ttag:
+                    raise ProtocolError("H2CData for a command or tag with no R2T outstanding",
+                                        P.FES_INVALID_HEADER_FIELD, 8 if h["cccid"] != cid else 10, header)
+                if h["datao"] != r2to + got or h["datal"] != dlen or got + dlen > r2tl:
+                    raise ProtocolError("H2CData outside the R2T's range", P.FES_DATA_OUT_OF_RANGE, 12, header)
+                if not self.channel.recv_data(view[r2to + got:r2to + got + dlen]):
+                    sc = P.SC_TRANSIENT_TRANSPORT
+                got += dlen
+            if sc == P.SC_SUCCESS and not self._device(self.t.dev.write_from, view, r2to, block + r2to // bs,
+                                                       r2tl // bs):
+                sc = P.SC_WRITE_FAULT
+        return sc
+
+    # --- commands -----------------------------------------------------------------------------
+
+    def _execute(self, cmd: _Command):
+        sqe, cid = cmd.sqe, cmd.sqe["cid"]
+        self.sqhd = (self.sqhd + 1) % (self.sqsize + 1) if self.connected else 0
+        if cmd.data is False:
+            return self._respond(cid, P.SC_TRANSIENT_TRANSPORT)
+        if sqe["opc"] == P.OPC_FABRICS:
+            return self._fabrics(cmd)
+        if not self.connected:
+            return self._respond(cid, P.SC_COMMAND_SEQUENCE)
+        if self.qid == 0:
+            return self._admin(cmd)
+        return self._io(cmd)
+
+    def _fabrics(self, cmd: _Command):
+        f = P.unpack(P.FABRICS_SQE, cmd.header, P.CH.size)
+        cid = f["cid"]
+        if f["fctype"] == P.FCTYPE_CONNECT:
+            return self._connect(cmd, f)
+        if not self.connected or self.qid != 0:
+            return self._respond(cid, P.SC_COMMAND_SEQUENCE if not self.connected else P.SC_INVALID_OPCODE)
+        prop = P.unpack(P.PROPERTY_SPECIFIC, f["specific"])
+        if f["fctype"] == P.FCTYPE_PROPERTY_GET:
+            value = self.t.get_property(prop["ofst"], bool(prop["attrib"] & 7))
+            if value is None:
+                return self._respond(cid, P.SC_INVALID_FIELD)
+            return self._respond(cid, dw0=value & 0xFFFFFFFF, dw1=value >> 32)
+        if f["fctype"] == P.FCTYPE_PROPERTY_SET:
+            return self._respond(cid, P.SC_SUCCESS if self.t.set_property(prop["ofst"], prop["value"])
+                                 else P.SC_INVALID_FIELD)
+        return self._respond(cid, P.SC_INVALID_FIELD)
+
+    def _connect(self, cmd: _Command, f: dict):
+        cid, t = f["cid"], self.t
+        c = P.unpack(P.CONNECT_SPECIFIC, f["specific"])
+        if self.connected:
+            return self._respond(cid, P.SC_COMMAND_SEQUENCE)
+        if cmd.data is None or len(cmd.data) != P.CONNECT_DATA.size or f["sgl_id"] != P.SGL_ICD:
+            return self._respond(cid, P.SC_SGL_INVALID_DATA_LENGTH)
+        data = P.unpack(P.CONNECT_DATA, cmd.data)
+        subnqn, hostnqn = P.nqn_of(data["subnqn"]), P.nqn_of(data["hostnqn"])
+
+        def invalid(attr_data: bool, offset: int):     # DW0: IATTR (bit 16: in the data), IPO (bits 31:16)
+            return self._respond(cid, P.SC_CONNECT_INVALID_PARAMETERS, dw0=int(attr_data) | offset << 16)
+
+        if c["recfmt"] != 0:
+            return self._respond(cid, P.SC_CONNECT_INCOMPATIBLE_FORMAT)
+        if subnqn != t.nqn:
+            return invalid(True, P.CONNECT_DATA.offsets["subnqn"])
+        if not 1 <= c["sqsize"] < t.queue_depth:
+            return invalid(False, 40 + P.CONNECT_SPECIFIC.offsets["sqsize"])
+        with t._lock:
+            if c["qid"] == 0:
+                if data["cntlid"] != 0xFFFF and data["cntlid"] != CNTLID:
+                    return invalid(True, P.CONNECT_DATA.offsets["cntlid"])
+                if t.host_nqn is not None:
+                    return self._respond(cid, P.SC_CONNECT_CONTROLLER_BUSY)
+                t.host_nqn = hostnqn
+            elif c["qid"] == 1:
+                if t.host_nqn is None or data["cntlid"] != CNTLID:
+                    return invalid(True, P.CONNECT_DATA.offsets["cntlid"])
+                if hostnqn != t.host_nqn:
+                    return self._respond(cid, P.SC_CONNECT_INVALID_HOST)
+                if not t.csts & P.CSTS_RDY or t.io_queue is not None:
+                    return self._respond(cid, P.SC_COMMAND_SEQUENCE)    # enable first; one I/O queue
+                t.io_queue = self
+            else:
+                return invalid(False, 40 + P.CONNECT_SPECIFIC.offsets["qid"])
+            self.qid, self.sqsize, self.connected = c["qid"], c["sqsize"], True
+        self._respond(cid, dw0=CNTLID)
+
+    def _admin(self, cmd: _Command):
+        sqe, cid, t = cmd.sqe, cmd.sqe["cid"], self.t
+        if sqe["opc"] == 0x18:                        # Keep Alive: nothing to do (KATO is not enforced)
+            return self._respond(cid)
+        if sqe["opc"] != P.ADMIN_IDENTIFY:
+            return self._respond(cid, P.SC_INVALID_OPCODE)
+        if not t.csts & P.CSTS_RDY:
+            return self._respond(cid, P.SC_COMMAND_SEQUENCE)
+        cns = sqe["cdw10"] & 0xFF
+        if cns == P.CNS_CONTROLLER:
+            data = t.identify_controller()
+        elif cns == P.CNS_NAMESPACE:
+            if sqe["nsid"] != NSID:
+                return self._respond(cid, P.SC_INVALID_NAMESPACE)
+            data = t.identify_namespace()
+        else:
+            return self._respond(cid, P.SC_INVALID_FIELD)
+        if sqe["sgl_id"] != P.SGL_TRANSPORT or sqe["sgl_len"] != P.IDENTIFY_LEN:
+            return self._respond(cid, P.SC_SGL_INVALID_DATA_LENGTH)
+        self._send_data(cid, data)
+        self._respond(cid)
+
+    def _io(self, cmd: _Command):
+        sqe, cid, t = cmd.sqe, cmd.sqe["cid"], self.t
+        opc, dev = sqe["opc"], t.dev
+        if opc not in (P.NVM_FLUSH, P.NVM_WRITE, P.NVM_READ):
+            return self._respond(cid, P.SC_INVALID_OPCODE)
+        if sqe["nsid"] != NSID:
+            return self._respond(cid, P.SC_INVALID_NAMESPACE)
+        if opc == P.NVM_FLUSH:
+            return self._respond(cid, P.SC_SUCCESS if self._device(dev.sync) else P.SC_WRITE_FAULT)
+        slba, nlb = sqe["cdw10"] | sqe["cdw11"] << 32, (sqe["cdw12"] & 0xFFFF) + 1
+        n = nlb * dev.block_size
+        if slba + nlb > dev.blocks:
+            return self._respond(cid, P.SC_LBA_OUT_OF_RANGE)
+        if n > t.max_transfer:
+            return self._respond(cid, P.SC_INVALID_FIELD)
+        if sqe["sgl_len"] != n or sqe["sgl_id"] not in (P.SGL_ICD, P.SGL_TRANSPORT) or \
+                (sqe["sgl_id"] == P.SGL_ICD) != (opc == P.NVM_WRITE and cmd.data is not None):
+            return self._respond(cid, P.SC_SGL_INVALID_DATA_LENGTH)
+        if opc == P.NVM_READ:
+            if not self._device(dev.read_into, self.buf, slba, nlb):
+                return self._respond(cid, P.SC_UNRECOVERED_READ)
+            self._send_data(cid, memoryview(self.buf)[:n])
+            return self._respond(cid)
+        if cmd.data is not None:                      # in-capsule
+            if len(cmd.data) != n:
+                return self._respond(cid, P.SC_SGL_INVALID_DATA_LENGTH)
+            if cmd.data.obj is not self.buf:          # queued during an R2T exchange: to aligned memory
+                self.buf[:n] = cmd.data
+            sc = P.SC_SUCCESS if self._device(dev.write_from, self.buf, 0, slba, nlb) else P.SC_WRITE_FAULT
+        else:
+            sc = self._pull(cmd, memoryview(self.buf)[:n], slba)
+        if sc == P.SC_SUCCESS and sqe["cdw12"] & P.RW_FUA and not self._device(dev.sync):
+            sc = P.SC_WRITE_FAULT
+        self._respond(cid, sc)
+
+    @staticmethod
+    def _device(fn, *args) -> bool:
+        """A device call; False if the device failed (answered with a media status, not fatal)."""
+        try:
+            fn(*args)
+            return True
+        except (DeviceError, OSError):
+            return False
