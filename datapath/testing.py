@@ -1,9 +1,10 @@
 """pytest plugin: the markers' skip rules and the namespace/XDP fixtures.
 
-Markers: root (needs root), bpf (needs a working bcc), vm (needs qemu), slow.
-A test whose need is missing is skipped with the reason -- except under CI
-(CI set in the environment), where a missing root or bcc fails the test:
-CI runs as root with bcc installed, so a skip there would hide a broken setup.
+Markers: root (needs root), bpf (needs a working bcc), tshark (needs tshark),
+vm (needs qemu), slow. A test whose need is missing is skipped with the reason
+-- except under CI (CI set in the environment), where a missing root, bcc or
+tshark fails the test: CI runs as root with them installed (scripts/setup.sh),
+so a skip there would hide a broken setup.
 
 Fixtures:
     topology      a host netns joined to one client netns by a veth pair
@@ -47,6 +48,8 @@ def pytest_runtest_setup(item):
         problem = bpf_problem()
         if problem:
             _need(item, f"needs a working bcc: {problem}")
+    if item.get_closest_marker("tshark") and not shutil.which("tshark"):
+        _need(item, "needs tshark: run `sudo scripts/setup.sh` (or apt-get install tshark)")
     if item.get_closest_marker("vm") and not shutil.which("qemu-system-x86_64"):
         pytest.skip("needs qemu-system-x86_64 (apt-get install qemu-system-x86)")
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # setup.sh - install what the data path needs, idempotently, then get out of the way.
 #
-#   Debian packages   bcc (python3-bpfcc), bpftool, libbpf, iproute2, build tools
+#   Debian packages   bcc (python3-bpfcc), bpftool, libbpf, iproute2, build tools, tshark
+#                     (its NVMe/TCP dissector checks the snapshot target's framing)
 #   kernel headers    the running kernel's; else Debian's linux-headers-<arch>,
 #                     linked where bcc looks (/lib/modules/$(uname -r)/build)
 #   .venv             Debian's python3 + a path file that makes bcc importable
@@ -16,7 +17,7 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 VENV="$ROOT/.venv"
 PKGS=(python3-bpfcc bpftool libbpf1 libbpf-dev iproute2 iputils-ping util-linux build-essential
-      python3-dev python3-venv pkg-config libelf-dev zlib1g-dev libzmq3-dev)
+      python3-dev python3-venv pkg-config libelf-dev zlib1g-dev libzmq3-dev tshark)
 
 say() { echo "setup: $*"; }
 

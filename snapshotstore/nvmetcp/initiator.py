@@ -242,8 +242,8 @@ class NvmeTcpDevice:
         """Nothing to do: the target admits one host at a time (Controller Busy to a second)."""
 
     def _rw(self, opc: int, view, block: int, nblocks: int, fua: bool = False):
-        if block < 0 or nblocks < 1:
-            raise DeviceError(f"{self.path}: bad extent {block}+{nblocks}")
+        if block < 0 or nblocks < 1 or len(view) != nblocks * self.block_size:
+            raise ValueError(f"{nblocks} blocks at {block} with a buffer of {len(view)} bytes")
         with self._lock:
             if self.io is None:
                 raise DeviceError(f"{self.path} is closed")

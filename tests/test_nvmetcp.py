@@ -1,0 +1,533 @@
+"""NVMe/TCP: the layouts against the spec, LogStore on a remote namespace, a SIGKILLed target,
+protocol errors, and tshark's dissector as an independent judge of the framing.
+
+Targets run in-process (Target) or as a child process (TargetProcess, to SIGKILL it), on
+image files in tmp_path (the real disk: O_DIRECT works there), on 127.0.0.1 only.
+"""
+import os
+import random
+import signal
+import socket
+import subprocess
+import threading
+import time
+
+import pytest
+
+from snapshotstore import Delta, DeviceError, LogStore, SnapshotError, format_device, session_key
+from snapshotstore.device import aligned_buffer, create_image
+from snapshotstore.nvmetcp import NvmeError, NvmeTcpDevice, Target, parse_url
+from snapshotstore.nvmetcp import pdu as P
+from snapshotstore.nvmetcp.process import TargetProcess
+from snapshotstore.nvmetcp.target import DEFAULT_NQN, MAX_CONNECTIONS
+from snapshotstore.nvmetcp.transport import Channel
+
+SECRET = b"nvmetcp-tenant-secret-0123"
+TIMEOUT_S = 10          # no exchange here may hang: a missing answer fails the test after this
+
+
+def key(n):
+    return session_key(SECRET, n)
+
+
+@pytest.fixture
+def image(tmp_path):
+    def make(name="ns.img", size=8 << 20):
+        path = str(tmp_path / name)
+        create_image(path, size)
+        return path
+    return make
+
+
+@pytest.fixture
+def target(image):
+    with Target(image(), port=0) as t:
+        yield t
+
+
+# --- layouts, pinned against NVMe/TCP 1.0 (TP 8000) and NVMe-oF 1.1 -----------------------------
+
+SIZES = [(P.CH, 8), (P.ICREQ_PDU, 128), (P.ICRESP_PDU, 128), (P.TERM_REQ_PDU, 24), (P.CAPSULE_CMD_PDU, 72),
+         (P.CAPSULE_RESP_PDU, 24), (P.H2C_DATA_PDU, 24), (P.C2H_DATA_PDU, 24), (P.R2T_PDU, 24), (P.SQE, 64),
+         (P.FABRICS_SQE, 64), (P.CONNECT_SPECIFIC, 24), (P.PROPERTY_SPECIFIC, 24), (P.CONNECT_DATA, 1024),
+         (P.CQE, 16), (P.ID_CTRL, 4096), (P.ID_NS, 4096)]
+
+OFFSETS = [
+    (P.CH, "pdu_type", 0), (P.CH, "flags", 1), (P.CH, "hlen", 2), (P.CH, "pdo", 3), (P.CH, "plen", 4),
+    (P.ICREQ_PDU, "pfv", 8), (P.ICREQ_PDU, "hpda", 10), (P.ICREQ_PDU, "dgst", 11), (P.ICREQ_PDU, "maxr2t", 12),
+    (P.ICRESP_PDU, "pfv", 8), (P.ICRESP_PDU, "cpda", 10), (P.ICRESP_PDU, "dgst", 11),
+    (P.ICRESP_PDU, "maxh2cdata", 12), (P.TERM_REQ_PDU, "fes", 8), (P.TERM_REQ_PDU, "fei", 10),
+    (P.CAPSULE_CMD_PDU, "sqe", 8), (P.CAPSULE_RESP_PDU, "cqe", 8),
+    (P.H2C_DATA_PDU, "cccid", 8), (P.H2C_DATA_PDU, "ttag", 10), (P.H2C_DATA_PDU, "datao", 12),
+    (P.H2C_DATA_PDU, "datal", 16), (P.C2H_DATA_PDU, "cccid", 8), (P.C2H_DATA_PDU, "datao", 12),
+    (P.C2H_DATA_PDU, "datal", 16), (P.R2T_PDU, "cccid", 8), (P.R2T_PDU, "ttag", 10), (P.R2T_PDU, "r2to", 12),
+    (P.R2T_PDU, "r2tl", 16),
+    (P.SQE, "opc", 0), (P.SQE, "flags", 1), (P.SQE, "cid", 2), (P.SQE, "nsid", 4), (P.SQE, "mptr", 16),
+    (P.SQE, "sgl_addr", 24), (P.SQE, "sgl_len", 32), (P.SQE, "sgl_id", 39), (P.SQE, "cdw10", 40),
+    (P.SQE, "cdw11", 44), (P.SQE, "cdw12", 48), (P.SQE, "cdw15", 60),
+    (P.FABRICS_SQE, "cid", 2), (P.FABRICS_SQE, "fctype", 4), (P.FABRICS_SQE, "sgl_addr", 24),
+    (P.FABRICS_SQE, "sgl_id", 39), (P.FABRICS_SQE, "specific", 40),
+    # Connect: RECFMT 41:40, QID 43:42, SQSIZE 45:44, CATTR 46, KATO 51:48 (SQE byte offsets - 40)
+    (P.CONNECT_SPECIFIC, "recfmt", 0), (P.CONNECT_SPECIFIC, "qid", 2), (P.CONNECT_SPECIFIC, "sqsize", 4),
+    (P.CONNECT_SPECIFIC, "cattr", 6), (P.CONNECT_SPECIFIC, "kato", 8),
+    (P.PROPERTY_SPECIFIC, "attrib", 0), (P.PROPERTY_SPECIFIC, "ofst", 4), (P.PROPERTY_SPECIFIC, "value", 8),
+    (P.CONNECT_DATA, "hostid", 0), (P.CONNECT_DATA, "cntlid", 16), (P.CONNECT_DATA, "subnqn", 256),
+    (P.CONNECT_DATA, "hostnqn", 512),
+    (P.CQE, "dw0", 0), (P.CQE, "dw1", 4), (P.CQE, "sqhd", 8), (P.CQE, "sqid", 10), (P.CQE, "cid", 12),
+    (P.CQE, "status", 14),
+    (P.ID_CTRL, "sn", 4), (P.ID_CTRL, "mn", 24), (P.ID_CTRL, "fr", 64), (P.ID_CTRL, "mdts", 77),
+    (P.ID_CTRL, "cntlid", 78), (P.ID_CTRL, "ver", 80), (P.ID_CTRL, "sqes", 512), (P.ID_CTRL, "cqes", 513),
+    (P.ID_CTRL, "maxcmd", 514), (P.ID_CTRL, "nn", 516), (P.ID_CTRL, "oncs", 520), (P.ID_CTRL, "vwc", 525),
+    (P.ID_CTRL, "awun", 526), (P.ID_CTRL, "awupf", 528), (P.ID_CTRL, "sgls", 536), (P.ID_CTRL, "subnqn", 768),
+    (P.ID_CTRL, "ioccsz", 1792), (P.ID_CTRL, "iorcsz", 1796), (P.ID_CTRL, "icdoff", 1800),
+    (P.ID_CTRL, "fcatt", 1802), (P.ID_CTRL, "msdbd", 1803), (P.ID_CTRL, "ofcs", 1804),
+    (P.ID_NS, "nsze", 0), (P.ID_NS, "ncap", 8), (P.ID_NS, "nuse", 16), (P.ID_NS, "nlbaf", 25),
+    (P.ID_NS, "flbas", 26), (P.ID_NS, "nawun", 34), (P.ID_NS, "lbaf0", 128),
+]
+
+CONSTANTS = [
+    (P.ICREQ, 0x00), (P.ICRESP, 0x01), (P.H2C_TERM_REQ, 0x02), (P.C2H_TERM_REQ, 0x03), (P.CAPSULE_CMD, 0x04),
+    (P.CAPSULE_RESP, 0x05), (P.H2C_DATA, 0x06), (P.C2H_DATA, 0x07), (P.R2T, 0x09),
+    (P.FLAG_HDGST, 0x01), (P.FLAG_DDGST, 0x02), (P.FLAG_LAST_PDU, 0x04), (P.FLAG_SUCCESS, 0x08),
+    (P.DGST_HEADER, 0x01), (P.DGST_DATA, 0x02),
+    (P.FES_INVALID_HEADER_FIELD, 0x01), (P.FES_PDU_SEQUENCE_ERROR, 0x02), (P.FES_HEADER_DIGEST_ERROR, 0x03),
+    (P.FES_DATA_OUT_OF_RANGE, 0x04), (P.FES_DATA_LIMIT_EXCEEDED, 0x05), (P.FES_UNSUPPORTED_PARAMETER, 0x06),
+    (P.PSDT_SGL, 0x40), (P.SGL_ICD, 0x01), (P.SGL_TRANSPORT, 0x5A),
+    (P.OPC_FABRICS, 0x7F), (P.FCTYPE_PROPERTY_SET, 0x00), (P.FCTYPE_CONNECT, 0x01),
+    (P.FCTYPE_PROPERTY_GET, 0x04), (P.ADMIN_IDENTIFY, 0x06), (P.NVM_FLUSH, 0x00), (P.NVM_WRITE, 0x01),
+    (P.NVM_READ, 0x02), (P.CNS_NAMESPACE, 0x00), (P.CNS_CONTROLLER, 0x01), (P.RW_FUA, 1 << 30),
+    (P.PROP_CAP, 0x00), (P.PROP_VS, 0x08), (P.PROP_CC, 0x14), (P.PROP_CSTS, 0x1C),
+    (P.SC_INVALID_OPCODE, 0x001), (P.SC_INVALID_FIELD, 0x002), (P.SC_INVALID_NAMESPACE, 0x00B),
+    (P.SC_COMMAND_SEQUENCE, 0x00C), (P.SC_SGL_INVALID_DATA_LENGTH, 0x00F), (P.SC_TRANSIENT_TRANSPORT, 0x022),
+    (P.SC_LBA_OUT_OF_RANGE, 0x080), (P.SC_CONNECT_INCOMPATIBLE_FORMAT, 0x180),
+    (P.SC_CONNECT_CONTROLLER_BUSY, 0x181), (P.SC_CONNECT_INVALID_PARAMETERS, 0x182),
+    (P.SC_CONNECT_INVALID_HOST, 0x184), (P.SC_WRITE_FAULT, 0x280), (P.SC_UNRECOVERED_READ, 0x281),
+]
+
+
+@pytest.mark.parametrize("layout,size", SIZES, ids=lambda v: str(v) if isinstance(v, int) else None)
+def test_layout_sizes(layout, size):
+    assert layout.size == size
+
+
+@pytest.mark.parametrize("layout,field,offset", OFFSETS, ids=[f"{f}@{o}" for _, f, o in OFFSETS])
+def test_layout_offsets(layout, field, offset):
+    assert layout.offsets[field] == offset
+
+
+def test_constants_and_the_status_word():
+    for got, want in CONSTANTS:
+        assert got == want
+    # CQE status: phase 0, SC 8:1, SCT 11:9, DNR 15 -- LBA out of range is SCT 0 SC 80h
+    assert P.status_field(P.SC_LBA_OUT_OF_RANGE) == (0x80 << 1) | (1 << 15)
+    assert P.status_field(P.SC_CONNECT_CONTROLLER_BUSY) == (0x81 << 1) | (1 << 9) | (1 << 15)
+    assert P.status_code(P.status_field(P.SC_WRITE_FAULT)) == P.SC_WRITE_FAULT
+    assert P.digest(b"123456789") == (0xE3069283).to_bytes(4, "little")    # the CRC32C check value
+
+
+def test_url_form():
+    assert parse_url("nvme-tcp://127.0.0.1:4421/nqn.2026-12.io.x:a") == ("127.0.0.1", 4421, "nqn.2026-12.io.x:a")
+    assert parse_url("nvme-tcp://127.0.0.1/nqn.x") == ("127.0.0.1", 4420, "nqn.x")
+    for bad in ("nvme-tcp://127.0.0.1:4420", "nvme-tcp://:4420/nqn.x", "tcp://127.0.0.1:4420/nqn.x"):
+        with pytest.raises(DeviceError, match="nvme-tcp://HOST"):
+            parse_url(bad)
+
+
+# --- the initiator, and LogStore on a remote namespace ----------------------------------------------
+
+@pytest.mark.parametrize("digests", [False, True], ids=["plain", "digests"])
+def test_identify_and_io_round_trip(target, digests):
+    dev = NvmeTcpDevice(target.url, digests=digests)
+    try:
+        assert (dev.block_size, dev.blocks) == (4096, (8 << 20) // 4096)      # learnt by Identify
+        assert (dev.io.channel.hdgst, dev.io.channel.ddgst) == (digests, digests)
+        rng = random.Random(1)
+        out, back = aligned_buffer(4 << 20), aligned_buffer(4 << 20)
+        out[:] = rng.randbytes(4 << 20)
+        # in-capsule (1 block), by R2T (3 blocks), and larger than MDTS (512 blocks: split in two)
+        for block, n in ((5, 1), (7, 3), (100, 512)):
+            dev.write_from(out, block * 4096, block, n)
+        dev.sync()
+        for block, n in ((5, 1), (7, 3), (100, 512)):
+            assert dev.read_into(back, block, n) == memoryview(out)[block * 4096:(block + n) * 4096]
+    finally:
+        dev.close()
+
+
+def test_writes_land_on_the_backing_file(target):
+    dev = NvmeTcpDevice(target.url)
+    buf = aligned_buffer(3 * 4096)
+    buf[:] = bytes(range(256)) * 48
+    dev.write_from(buf, 0, 9, 3)
+    dev.sync()
+    dev.close()
+    with open(target.path, "rb") as f:
+        f.seek(9 * 4096)
+        assert f.read(3 * 4096) == bytes(buf)
+
+
+def _workload(store):
+    """The same puts, deletes and restores on any store: one-block and multi-block records, a
+    chain long enough to compact, a delete. Returns every snapshot restored, in order."""
+    rng = random.Random(7)
+    out = []
+    for n in range(12):
+        size = rng.choice([100, 3000, 3968, 5000, 20000, 70000])
+        for i in range(rng.randint(1, 6)):
+            store.put(key(n), Delta(rng.randbytes(size), tokens=(i * 10, i * 10 + 10), layers=(0, 2), codec="f16"))
+    store.delete(key(3))
+    for n in range(12):
+        out.append(store.restore(key(n)))
+    return out
+
+
+def test_logstore_over_nvmetcp_equals_local_byte_for_byte(image):
+    local, remote = image("local.img"), image("remote.img")
+    format_device(local)
+    with Target(remote, port=0) as t:
+        format_device(t.url)
+        with LogStore(local, compact_after=4) as a, LogStore(t.url, compact_after=4) as b:
+            assert b.block_size == a.block_size and b.log_blocks == a.log_blocks
+            assert _workload(b) == _workload(a)
+            assert [(e.kind, e.lpos, e.nblocks, e.seq) for e in b.entries()] == \
+                   [(e.kind, e.lpos, e.nblocks, e.seq) for e in a.entries()]
+        with LogStore(t.url, readonly=True) as b:           # recovery over the wire
+            with LogStore(local, readonly=True) as a:
+                assert sorted(b.list()) == sorted(a.list())
+                assert [b.restore(k) for k in sorted(b.list())] == [a.restore(k) for k in sorted(a.list())]
+
+
+def test_the_cli_takes_the_url(image):
+    import sys
+    path = image()
+    with Target(path, port=0) as t:
+        run = lambda *a: subprocess.run([sys.executable, "-m", "snapshotstore", *a], capture_output=True,
+                                        text=True, timeout=60)
+        r = run("format", t.url)
+        assert r.returncode == 0 and "2046 log blocks of 4096 bytes" in r.stdout, r.stderr
+        with LogStore(t.url) as s:
+            s.put(key(1), Delta(b"x" * 5000))
+        r = run("fsck", t.url)
+        assert r.returncode == 0 and "clean" in r.stdout, r.stdout + r.stderr
+        r = run("stats", t.url, "--json")
+        assert '"sessions": 1' in r.stdout
+        r = run("format", t.url, "--size", "1M")
+        assert r.returncode == 1 and "remote namespace" in r.stderr
+
+
+# --- a SIGKILLed target -------------------------------------------------------------------------------
+
+def test_recovery_after_the_target_is_sigkilled_mid_stream(image):
+    path = image(size=16 << 20)
+    format_device(path)
+    rng = random.Random(int.from_bytes(os.urandom(4), "little"))
+    acked, attempted, lock = {}, {}, threading.Lock()
+    proc = TargetProcess(path)
+    store = LogStore(proc.url)
+
+    def writer(w):
+        for i in range(10 ** 6):
+            k = key(f"{w}-{i}")
+            payload = os.urandom(rng.choice([500, 3968, 9000, 40000]))
+            with lock:
+                attempted[k] = payload
+            try:
+                store.put(k, Delta(payload))
+            except SnapshotError:
+                return                        # the target is gone: this put and all later ones fail
+            with lock:
+                acked[k] = payload
+
+    threads = [threading.Thread(target=writer, args=(w,)) for w in range(3)]
+    for t in threads:
+        t.start()
+    stop_at = rng.randint(20, 120)
+    while True:                               # kill after a random number of acknowledgements
+        with lock:
+            if len(acked) >= stop_at:
+                break
+        time.sleep(0.001)
+    proc.kill()
+    for t in threads:
+        t.join(TIMEOUT_S)
+    assert not any(t.is_alive() for t in threads), "a put hung on a dead target"
+    with pytest.raises(SnapshotError):
+        store.put(key("after"), Delta(b"x"))
+    store.close()
+    assert len(attempted) > len(acked) >= stop_at
+    with TargetProcess(path) as proc2, LogStore(proc2.url) as s:
+        restored = {k: s.restore(k) for k in s.list()}
+        assert set(acked) <= set(restored), "an acknowledged record was lost"
+        for k, snap in restored.items():      # nothing but what was put, each whole
+            assert snap.payload == attempted[k]
+
+
+class _Relay:
+    """A loopback TCP relay between the initiator and the target that SIGKILLs the target when
+    the target asks for a write's second chunk: the first chunk is then on the device (the
+    target writes each chunk before its next R2T), the rest never will be."""
+
+    def __init__(self, target_port: int, kill):
+        self.target_port, self.kill = target_port, kill
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.killed = threading.Event()
+        self.socks = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                host, _ = self.listener.accept()
+            except OSError:
+                return
+            tgt = socket.create_connection(("127.0.0.1", self.target_port))
+            self.socks += [host, tgt]
+            threading.Thread(target=self._pump, args=(host, tgt, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(tgt, host, True), daemon=True).start()
+
+    def _pump(self, src, dst, from_target):
+        ch = Channel(src)
+        try:
+            while True:
+                head = bytearray(8)
+                ch.recv_exact(head)
+                rest = bytearray(P.CH.struct.unpack(head)[4] - 8)
+                ch.recv_exact(rest)
+                pdu = bytes(head + rest)
+                if from_target and pdu[0] == P.R2T and P.unpack(P.R2T_PDU, pdu)["r2to"] > 0:
+                    self.kill()
+                    self.killed.set()
+                    dst.shutdown(socket.SHUT_RDWR)
+                    return
+                dst.sendall(pdu)
+        except Exception:
+            try:
+                dst.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self):
+        self.listener.close()
+        for s in self.socks:
+            s.close()
+
+
+def test_a_write_torn_by_the_kill_is_skipped_on_recovery(image):
+    path = image()
+    format_device(path)
+    proc = TargetProcess(path, DEFAULT_NQN, "127.0.0.1:0", "--maxh2cdata", "8K")
+    relay = _Relay(int(proc.url.split(":")[2].split("/")[0]), proc.kill)
+    try:
+        store = LogStore(f"nvme-tcp://127.0.0.1:{relay.port}/{DEFAULT_NQN}")
+        small = {key(n): os.urandom(3000) for n in range(5)}          # one block each: in-capsule
+        for k, payload in small.items():
+            store.put(k, Delta(payload))
+        with pytest.raises(DeviceError, match="closed the connection"):
+            store.put(key("big"), Delta(os.urandom(5 * 4096)))        # 6 blocks: 8 KiB chunks by R2T
+        assert relay.killed.is_set()
+        store.close()
+    finally:
+        relay.close()
+        proc.kill()
+    with TargetProcess(path) as proc2, LogStore(proc2.url) as s:
+        st = s.stats()
+        assert st["torn_records_skipped"] == 1 and st["sessions"] == 5
+        assert {k: s.restore(k).payload for k in small} == small and s.restore(key("big")) is None
+
+
+# --- protocol errors: an NVMe status, or a TermReq and a clean disconnect -----------------------------
+
+class RawHost:
+    """A host speaking PDUs by hand, to send what a correct initiator never would."""
+
+    def __init__(self, port: int, digests: bool = False):
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT_S)
+        self.ch = Channel(self.sock)
+        dgst = P.DGST_HEADER | P.DGST_DATA if digests else 0
+        self.ch.send(P.ICREQ, P.psh(P.ICREQ_PDU, dgst=dgst))
+        _, _, header, _ = self.ch.recv_header((P.ICRESP,), lambda t: 0)
+        self.ch.hdgst = self.ch.ddgst = digests
+
+    def connect_admin(self, subnqn=DEFAULT_NQN, sqsize=31) -> dict:
+        data = P.pack(P.CONNECT_DATA, cntlid=0xFFFF, subnqn=subnqn.encode(), hostnqn=b"nqn.2014-08.org.test:raw")
+        sqe = P.pack(P.FABRICS_SQE, opc=P.OPC_FABRICS, cid=1, fctype=P.FCTYPE_CONNECT, sgl_len=len(data),
+                     sgl_id=P.SGL_ICD, specific=P.pack(P.CONNECT_SPECIFIC, sqsize=sqsize))
+        self.ch.send(P.CAPSULE_CMD, sqe, data)
+        return self.response()
+
+    def response(self) -> dict:
+        t, _, header, dlen = self.ch.recv_header((P.CAPSULE_RESP, P.C2H_TERM_REQ, P.C2H_DATA), lambda t: 1 << 20)
+        if dlen:
+            self.ch.recv_data(bytearray(dlen))
+        return {"type": t, **(P.unpack(P.CQE, header, 8) if t == P.CAPSULE_RESP else P.unpack(P.TERM_REQ_PDU, header))}
+
+    def closed_by_peer(self) -> bool:
+        return self.sock.recv(1) == b""
+
+
+def test_a_bad_pdu_type_gets_a_term_req_and_a_disconnect(target):
+    h = RawHost(target.port)
+    h.sock.sendall(P.CH.struct.pack(0x0F, 0, 8, 0, 8))
+    r = h.response()
+    assert (r["type"], r["fes"], r["fei"]) == (P.C2H_TERM_REQ, P.FES_INVALID_HEADER_FIELD, 0)
+    assert h.closed_by_peer()
+
+
+def test_a_capsule_before_icreq_and_a_bad_hlen(target):
+    s = socket.create_connection(("127.0.0.1", target.port), timeout=TIMEOUT_S)
+    s.sendall(P.CH.struct.pack(P.CAPSULE_CMD, 0, 72, 0, 72) + bytes(64))
+    ch = Channel(s)
+    t, _, header, _ = ch.recv_header((P.C2H_TERM_REQ,), lambda t: 128)
+    assert P.unpack(P.TERM_REQ_PDU, header)["fes"] == P.FES_INVALID_HEADER_FIELD
+    h = RawHost(target.port)
+    h.sock.sendall(P.CH.struct.pack(P.CAPSULE_CMD, 0, 80, 0, 80))
+    r = h.response()
+    assert (r["fes"], r["fei"]) == (P.FES_INVALID_HEADER_FIELD, 2)          # hlen
+    assert h.closed_by_peer()
+
+
+def test_an_oversized_pdu_is_refused_before_its_data_is_read(target):
+    h = RawHost(target.port)
+    assert h.connect_admin()["status"] == 0
+    h.sock.sendall(P.CH.struct.pack(P.CAPSULE_CMD, 0, 72, 72, 72 + (64 << 20)) + bytes(64))
+    r = h.response()
+    assert (r["type"], r["fes"]) == (P.C2H_TERM_REQ, P.FES_DATA_LIMIT_EXCEEDED)
+    assert h.closed_by_peer()
+
+
+def test_unsolicited_h2cdata_and_a_header_digest_error(target):
+    h = RawHost(target.port)
+    h.ch.send(P.H2C_DATA, P.psh(P.H2C_DATA_PDU, cccid=1, ttag=1, datao=0, datal=4096), bytes(4096))
+    assert h.response()["fes"] == P.FES_PDU_SEQUENCE_ERROR and h.closed_by_peer()
+    h = RawHost(target.port, digests=True)
+    header = P.CH.struct.pack(P.CAPSULE_CMD, P.FLAG_HDGST, 72, 0, 76) + bytes(64)
+    h.sock.sendall(header + b"\0\0\0\0")                                     # a wrong CRC32C
+    assert h.response()["fes"] == P.FES_HEADER_DIGEST_ERROR and h.closed_by_peer()
+
+
+def test_command_errors_are_nvme_statuses_and_the_queue_goes_on(target):
+    dev = NvmeTcpDevice(target.url)
+    try:
+        buf = aligned_buffer(8 * 4096)
+        with pytest.raises(NvmeError, match="LBA Out of Range") as e:
+            dev.read_into(buf, dev.blocks - 1, 2)
+        assert e.value.sc == P.SC_LBA_OUT_OF_RANGE
+        with pytest.raises(NvmeError, match="LBA Out of Range"):
+            dev.write_from(buf, 0, dev.blocks, 1)
+        with pytest.raises(NvmeError, match="Invalid Namespace"):
+            dev.io.command(dict(opc=P.NVM_READ, nsid=2, cdw12=0), data_in=memoryview(buf)[:4096])
+        with pytest.raises(NvmeError, match="Invalid Command Opcode"):
+            dev.io.command(dict(opc=0x7E, nsid=1))
+        with pytest.raises(NvmeError, match="Invalid Field"):                  # more than MDTS (1 MiB)
+            dev.io.command(dict(opc=P.NVM_READ, nsid=1, cdw12=511), data_in=memoryview(aligned_buffer(2 << 20)))
+        with pytest.raises(NvmeError, match="Invalid Field"):                  # an unknown CNS
+            dev.admin.command(dict(opc=P.ADMIN_IDENTIFY, cdw10=0x55), data_in=memoryview(bytearray(4096)))
+        buf[:4096] = b"z" * 4096                                               # the queue still works
+        dev.write_from(buf, 0, 1, 1)
+        assert bytes(dev.read_into(buf, 1, 1)) == b"z" * 4096
+    finally:
+        dev.close()
+
+
+def test_connect_errors(target):
+    with pytest.raises(NvmeError, match="Connect Invalid Parameters"):
+        NvmeTcpDevice(f"nvme-tcp://127.0.0.1:{target.port}/nqn.2026-12.io.zerolayer:nobody")
+    h = RawHost(target.port)
+    assert P.status_code(h.connect_admin(sqsize=4096)["status"]) == P.SC_CONNECT_INVALID_PARAMETERS
+    dev = NvmeTcpDevice(target.url)
+    try:
+        with pytest.raises(NvmeError, match="Controller Busy"):                # one host at a time
+            NvmeTcpDevice(target.url)
+    finally:
+        dev.close()
+    NvmeTcpDevice(target.url).close()                                         # free again
+
+
+def test_no_target_and_a_dead_target_are_clear_errors(image):
+    s = socket.create_server(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    with pytest.raises(DeviceError, match="cannot connect"):
+        LogStore(f"nvme-tcp://127.0.0.1:{port}/{DEFAULT_NQN}")
+    path = image()
+    format_device(path)
+    proc = TargetProcess(path)
+    store = LogStore(proc.url)
+    proc.kill()
+    with pytest.raises(DeviceError, match="closed the connection"):
+        store.put(key(1), Delta(b"x"))
+    store.close()
+
+
+def test_bounded_and_clean_shutdown(image):
+    path = image()
+    before = {t.name for t in threading.enumerate()}
+    t = Target(path, port=0).start()
+    with pytest.raises(DeviceError, match="in use"):
+        LogStore(path)                                                         # the target holds the file
+    socks = [socket.create_connection(("127.0.0.1", t.port), timeout=TIMEOUT_S) for _ in range(MAX_CONNECTIONS + 1)]
+    assert socks[-1].recv(1) == b""                                            # over the limit: closed
+    t.stop()
+    for s in socks:
+        assert s.recv(1) == b""
+        s.close()
+    assert {x.name for x in threading.enumerate() if x.name.startswith("nvmet")} <= before
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", t.port), timeout=TIMEOUT_S)
+    format_device(path)                                                         # released
+
+
+def test_target_process_stops_cleanly_on_sigterm(image):
+    path = image()
+    proc = TargetProcess(path)
+    dev = NvmeTcpDevice(proc.url)
+    assert proc.stop() == 0
+    with pytest.raises(DeviceError):
+        dev.sync()
+    dev.close()
+
+
+# --- tshark's dissector as the judge ----------------------------------------------------------------
+
+@pytest.mark.root
+@pytest.mark.tshark
+def test_tshark_decodes_the_session(target, tmp_path):
+    pcap, live = tmp_path / "s.pcapng", tmp_path / "live.txt"
+    with open(live, "w") as out:
+        cap = subprocess.Popen(["tshark", "-i", "lo", "-f", f"tcp port {target.port}", "-w", str(pcap), "-P", "-l",
+                                "-T", "fields", "-e", "frame.number"], stdout=out, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not live.read_text():           # capturing once a probe connection shows up
+            assert cap.poll() is None and time.monotonic() < deadline, "tshark did not start capturing"
+            socket.create_connection(("127.0.0.1", target.port), timeout=TIMEOUT_S).close()
+            time.sleep(0.1)
+        dev = NvmeTcpDevice(target.url)
+        buf = aligned_buffer(4 * 4096)
+        dev.write_from(buf, 0, 2, 1)          # in-capsule
+        dev.write_from(buf, 0, 3, 4)          # by R2T
+        dev.sync()
+        dev.read_into(buf, 2, 2)
+        dev.close()
+        marker = len(live.read_text().split())
+        while len(live.read_text().split()) <= marker:   # the close's FIN captured: everything before it is
+            assert time.monotonic() < deadline, "tshark stopped capturing"
+            socket.create_connection(("127.0.0.1", target.port), timeout=TIMEOUT_S).close()
+            time.sleep(0.1)
+    finally:
+        cap.send_signal(signal.SIGINT)
+        cap.wait(TIMEOUT_S)
+    r = subprocess.run(["tshark", "-r", str(pcap), "-d", f"tcp.port=={target.port},nvme-tcp", "-Y", "nvme-tcp",
+                        "-T", "fields", "-E", "separator=,", "-e", "nvme-tcp.type", "-e", "nvme.cmd.opc",
+                        "-e", "nvme.fabrics.cmd.fctype", "-e", "_ws.malformed"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    rows = [line.split(",") for line in r.stdout.splitlines()]
+    types = {int(t, 0) for t, *_ in rows if t}
+    opcodes = {int(o, 0) for _, o, _, _ in rows if o}
+    fctypes = {int(f, 0) for _, _, f, _ in rows if f}
+    assert {P.ICREQ, P.ICRESP, P.CAPSULE_CMD, P.CAPSULE_RESP, P.R2T, P.H2C_DATA, P.C2H_DATA} <= types
+    assert P.FCTYPE_CONNECT in fctypes and P.FCTYPE_PROPERTY_GET in fctypes
+    assert {P.ADMIN_IDENTIFY, P.NVM_WRITE, P.NVM_READ, P.NVM_FLUSH} <= opcodes
+    assert not any(m for *_, m in rows), "tshark found malformed PDUs"
