@@ -17,6 +17,7 @@ SUITES = {
     "ingress": "bench.ingress",
     "worker": "bench.worker",
     "snapshot": "bench.snapshot",
+    "nvmetcp": "bench.nvmetcp",
     "compare": "bench.compare",
 }
 IN_ALL = [name for name in SUITES if name != "compare"]   # compare needs --policy
@@ -26,6 +27,7 @@ EPILOG = """examples:
     python -m bench wire --json out/wire.json
     python -m bench all                     # every suite, in full
     sudo python -m bench snapshot --soak    # the snapshot store, and 1,000 SIGKILLed writers
+    sudo python -m bench nvmetcp            # the store on an NVMe/TCP target (loopback) against a local one
     sudo python -m bench e2e --quick        # the whole pipeline, every scenario briefly, report in bench-results/e2e/
     sudo python -m bench compare --policy round_robin,affinity,static   # same load per policy, table + plot
 """

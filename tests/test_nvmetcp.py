@@ -94,7 +94,7 @@ CONSTANTS = [
     (P.FES_DATA_OUT_OF_RANGE, 0x04), (P.FES_DATA_LIMIT_EXCEEDED, 0x05), (P.FES_UNSUPPORTED_PARAMETER, 0x06),
     (P.PSDT_SGL, 0x40), (P.SGL_ICD, 0x01), (P.SGL_TRANSPORT, 0x5A),
     (P.OPC_FABRICS, 0x7F), (P.FCTYPE_PROPERTY_SET, 0x00), (P.FCTYPE_CONNECT, 0x01),
-    (P.FCTYPE_PROPERTY_GET, 0x04), (P.ADMIN_IDENTIFY, 0x06), (P.NVM_FLUSH, 0x00), (P.NVM_WRITE, 0x01),
+    (P.FCTYPE_PROPERTY_GET, 0x04), (P.ADMIN_IDENTIFY, 0x06), (P.ADMIN_KEEP_ALIVE, 0x18), (P.NVM_FLUSH, 0x00), (P.NVM_WRITE, 0x01),
     (P.NVM_READ, 0x02), (P.CNS_NAMESPACE, 0x00), (P.CNS_CONTROLLER, 0x01), (P.RW_FUA, 1 << 30),
     (P.PROP_CAP, 0x00), (P.PROP_VS, 0x08), (P.PROP_CC, 0x14), (P.PROP_CSTS, 0x1C),
     (P.SC_INVALID_OPCODE, 0x001), (P.SC_INVALID_FIELD, 0x002), (P.SC_INVALID_NAMESPACE, 0x00B),
@@ -349,18 +349,31 @@ class RawHost:
         _, _, header, _ = self.ch.recv_header((P.ICRESP,), lambda t: 0)
         self.ch.hdgst = self.ch.ddgst = digests
 
-    def connect_admin(self, subnqn=DEFAULT_NQN, sqsize=31) -> dict:
-        data = P.pack(P.CONNECT_DATA, cntlid=0xFFFF, subnqn=subnqn.encode(), hostnqn=b"nqn.2014-08.org.test:raw")
+    def connect_admin(self, subnqn=DEFAULT_NQN, sqsize=31, qid=0, cntlid=0xFFFF) -> dict:
+        data = P.pack(P.CONNECT_DATA, cntlid=cntlid, subnqn=subnqn.encode(), hostnqn=b"nqn.2014-08.org.test:raw")
         sqe = P.pack(P.FABRICS_SQE, opc=P.OPC_FABRICS, cid=1, fctype=P.FCTYPE_CONNECT, sgl_len=len(data),
-                     sgl_id=P.SGL_ICD, specific=P.pack(P.CONNECT_SPECIFIC, sqsize=sqsize))
+                     sgl_id=P.SGL_ICD, specific=P.pack(P.CONNECT_SPECIFIC, qid=qid, sqsize=sqsize))
         self.ch.send(P.CAPSULE_CMD, sqe, data)
         return self.response()
 
-    def response(self) -> dict:
-        t, _, header, dlen = self.ch.recv_header((P.CAPSULE_RESP, P.C2H_TERM_REQ, P.C2H_DATA), lambda t: 1 << 20)
+    def rw(self, opc, cid, slba, nlb, icd=None):
+        """A Read or Write SQE sent; icd: the data in the capsule (else transport SGL)."""
+        sqe = P.pack(P.SQE, opc=opc, flags=P.PSDT_SGL, cid=cid, nsid=1, sgl_len=nlb * 4096, cdw10=slba,
+                     cdw12=nlb - 1, sgl_id=P.SGL_ICD if icd is not None else P.SGL_TRANSPORT)
+        self.ch.send(P.CAPSULE_CMD, sqe, icd)
+
+    def recv(self) -> tuple[int, dict, bytes]:
+        t, _, header, dlen = self.ch.recv_header((P.CAPSULE_RESP, P.C2H_TERM_REQ, P.C2H_DATA, P.R2T),
+                                                 lambda t: 1 << 20)
+        data = bytearray(dlen)
         if dlen:
-            self.ch.recv_data(bytearray(dlen))
-        return {"type": t, **(P.unpack(P.CQE, header, 8) if t == P.CAPSULE_RESP else P.unpack(P.TERM_REQ_PDU, header))}
+            self.ch.recv_data(data)
+        fields = P.unpack(P.CQE, header, 8) if t == P.CAPSULE_RESP else P.unpack(P.HEADERS[t], header)
+        return t, fields, bytes(data)
+
+    def response(self) -> dict:
+        t, fields, _ = self.recv()
+        return {"type": t, **fields}
 
     def closed_by_peer(self) -> bool:
         return self.sock.recv(1) == b""
@@ -428,6 +441,45 @@ def test_command_errors_are_nvme_statuses_and_the_queue_goes_on(target):
         assert bytes(dev.read_into(buf, 1, 1)) == b"z" * 4096
     finally:
         dev.close()
+
+
+def _associate(target, digests=False) -> tuple[RawHost, RawHost]:
+    admin = RawHost(target.port)
+    assert admin.connect_admin()["status"] == 0
+    sqe = P.pack(P.FABRICS_SQE, opc=P.OPC_FABRICS, cid=2, fctype=P.FCTYPE_PROPERTY_SET,
+                 specific=P.pack(P.PROPERTY_SPECIFIC, ofst=P.PROP_CC, value=P.CC_EN))
+    admin.ch.send(P.CAPSULE_CMD, sqe)
+    assert admin.response()["status"] == 0
+    io = RawHost(target.port, digests)
+    assert io.connect_admin(qid=1, cntlid=1)["status"] == 0
+    return admin, io
+
+
+def test_a_command_arriving_during_an_r2t_exchange_waits_its_turn(target):
+    admin, io = _associate(target)
+    data = os.urandom(3 * 4096)
+    io.rw(P.NVM_WRITE, 5, 0, 3)
+    t, r2t, _ = io.recv()
+    assert (t, r2t["cccid"], r2t["r2to"], r2t["r2tl"]) == (P.R2T, 5, 0, 3 * 4096)
+    io.rw(P.NVM_READ, 6, 0, 1)                          # sent before the write's data
+    io.ch.send(P.H2C_DATA, P.psh(P.H2C_DATA_PDU, cccid=5, ttag=r2t["ttag"], datao=0, datal=len(data)), data,
+               P.FLAG_LAST_PDU)
+    got = [io.recv() for _ in range(3)]
+    assert [(t, f.get("cid", f.get("cccid"))) for t, f, _ in got] == \
+           [(P.CAPSULE_RESP, 5), (P.C2H_DATA, 6), (P.CAPSULE_RESP, 6)]
+    assert got[1][2] == data[:4096] and got[0][1]["status"] == got[2][1]["status"] == 0
+
+
+def test_a_data_digest_error_fails_the_command_not_the_queue(target):
+    admin, io = _associate(target, digests=True)
+    sqe = P.pack(P.SQE, opc=P.NVM_WRITE, flags=P.PSDT_SGL, cid=7, nsid=1, sgl_len=4096, sgl_id=P.SGL_ICD)
+    header = P.CH.struct.pack(P.CAPSULE_CMD, P.FLAG_HDGST | P.FLAG_DDGST, 72, 76, 76 + 4096 + 4) + sqe
+    io.sock.sendall(header + P.digest(header) + b"d" * 4096 + b"\0\0\0\0")      # a wrong data digest
+    assert P.status_code(io.response()["status"]) == P.SC_TRANSIENT_TRANSPORT
+    io.rw(P.NVM_WRITE, 8, 0, 1, b"e" * 4096)
+    assert io.response()["status"] == 0
+    io.rw(P.NVM_READ, 9, 0, 1)
+    assert io.recv()[2] == b"e" * 4096
 
 
 def test_connect_errors(target):

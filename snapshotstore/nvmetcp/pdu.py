@@ -72,7 +72,7 @@ SGL_TRANSPORT = 0x5A         # Transport SGL Data Block, transport-specific: dat
 # opcodes
 OPC_FABRICS = 0x7F
 FCTYPE_PROPERTY_SET, FCTYPE_CONNECT, FCTYPE_PROPERTY_GET = 0x00, 0x01, 0x04
-ADMIN_IDENTIFY = 0x06
+ADMIN_IDENTIFY, ADMIN_KEEP_ALIVE = 0x06, 0x18
 NVM_FLUSH, NVM_WRITE, NVM_READ = 0x00, 0x01, 0x02
 CNS_NAMESPACE, CNS_CONTROLLER = 0x00, 0x01
 RW_FUA = 1 << 30             # cdw12 of Read/Write: force unit access

@@ -365,7 +365,7 @@ class _Connection:
 
     def _admin(self, cmd: _Command):
         sqe, cid, t = cmd.sqe, cmd.sqe["cid"], self.t
-        if sqe["opc"] == 0x18:                        # Keep Alive: nothing to do (KATO is not enforced)
+        if sqe["opc"] == P.ADMIN_KEEP_ALIVE:          # nothing to do: KATO is not enforced
             return self._respond(cid)
         if sqe["opc"] != P.ADMIN_IDENTIFY:
             return self._respond(cid, P.SC_INVALID_OPCODE)
