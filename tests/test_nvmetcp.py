@@ -213,6 +213,10 @@ def test_the_cli_takes_the_url(image):
         assert '"sessions": 1' in r.stdout
         r = run("format", t.url, "--size", "1M")
         assert r.returncode == 1 and "remote namespace" in r.stderr
+        r = run("target", path, "--listen", "127.0.0.1:0")                 # the file is served already
+        assert r.returncode == 1 and "in use" in r.stderr and "Traceback" not in r.stderr
+    r = run("target", path, "--listen", "nowhere")
+    assert r.returncode == 1 and "HOST:PORT" in r.stderr
 
 
 # --- a SIGKILLed target -------------------------------------------------------------------------------
@@ -220,7 +224,8 @@ def test_the_cli_takes_the_url(image):
 def test_recovery_after_the_target_is_sigkilled_mid_stream(image):
     path = image(size=16 << 20)
     format_device(path)
-    rng = random.Random(int.from_bytes(os.urandom(4), "little"))
+    seed = int.from_bytes(os.urandom(4), "little")
+    rng = random.Random(seed)
     acked, attempted, lock = {}, {}, threading.Lock()
     proc = TargetProcess(path)
     store = LogStore(proc.url)
@@ -257,9 +262,9 @@ def test_recovery_after_the_target_is_sigkilled_mid_stream(image):
     assert len(attempted) > len(acked) >= stop_at
     with TargetProcess(path) as proc2, LogStore(proc2.url) as s:
         restored = {k: s.restore(k) for k in s.list()}
-        assert set(acked) <= set(restored), "an acknowledged record was lost"
+        assert set(acked) <= set(restored), f"an acknowledged record was lost (seed {seed})"
         for k, snap in restored.items():      # nothing but what was put, each whole
-            assert snap.payload == attempted[k]
+            assert snap.payload == attempted[k], f"seed {seed}"
 
 
 class _Relay:
@@ -487,6 +492,7 @@ def test_connect_errors(target):
         NvmeTcpDevice(f"nvme-tcp://127.0.0.1:{target.port}/nqn.2026-12.io.zerolayer:nobody")
     h = RawHost(target.port)
     assert P.status_code(h.connect_admin(sqsize=4096)["status"]) == P.SC_CONNECT_INVALID_PARAMETERS
+    h.sock.close()
     dev = NvmeTcpDevice(target.url)
     try:
         with pytest.raises(NvmeError, match="Controller Busy"):                # one host at a time

@@ -75,7 +75,7 @@ class _Queue:
         self.channel = Channel(sock)
         self.cid = 0
         self.maxh2cdata = 0
-        self.in_capsule = P.CONNECT_DATA.size * 8    # until Identify says IOCCSZ (the admin queue: 8 KiB)
+        self.in_capsule = P.ADMIN_ICD                # the I/O queue's comes from Identify (IOCCSZ)
         self._expect = 0                             # data bytes the current command may still receive
         self._call(self._icreq, digests)
 
@@ -121,8 +121,8 @@ class _Queue:
         n = len(data_out) if data_out is not None else len(data_in) if data_in is not None else 0
         icd = data_out is not None and n <= self.in_capsule
         sgl = dict(sgl_addr=0, sgl_len=n, sgl_id=(P.SGL_ICD if icd else P.SGL_TRANSPORT) if n else 0)
-        flags = {} if layout is not P.SQE else {"flags": P.PSDT_SGL}
-        sqe = P.pack(layout, cid=self.cid, **flags, **sgl, **sqe_fields)
+        psdt = {"flags": P.PSDT_SGL} if layout is P.SQE else {}      # a Fabrics SQE has no PSDT field
+        sqe = P.pack(layout, cid=self.cid, **psdt, **sgl, **sqe_fields)
         self.channel.send(P.CAPSULE_CMD, sqe, data_out if icd else None)
         self._expect = n if data_in is not None else 0
         received = 0
@@ -198,7 +198,7 @@ class NvmeTcpDevice:
     def __init__(self, url: str, readonly: bool = False, *, digests: bool = False, hostnqn: str | None = None,
                  timeout_s: float = 30.0):
         host, port, self.subnqn = parse_url(url)
-        self.path, self.readonly, self.is_block = url, readonly, True
+        self.path, self.readonly = url, readonly
         hostid = uuid.uuid4()
         self.hostnqn = hostnqn or f"nqn.2014-08.org.nvmexpress:uuid:{hostid}"
         self._lock = threading.Lock()

@@ -140,7 +140,7 @@ ID_NS = Layout((
 ))
 NVME_VERSION = 0x00010400    # 1.4
 NQN_LEN = 256
-DISCOVERY_NQN = "nqn.2014-08.org.nvmexpress.discovery"
+ADMIN_ICD = 8192             # in-capsule data on the admin queue (Linux's NVME_TCP_ADMIN_CCSZ): the Connect data
 
 
 def pack(layout: Layout, **fields) -> bytes:

@@ -30,9 +30,8 @@ DEFAULT_NQN = "nqn.2026-12.io.zerolayer:snapshots"
 DEFAULT_PORT = 4420
 CNTLID = 1
 NSID = 1
-MAX_CONNECTIONS = 4            # an association (2) and room for a refused or reconnecting host
+MAX_CONNECTIONS = 8            # an association (2), and room for refused or reconnecting hosts
 HANDSHAKE_TIMEOUT_S = 10.0     # a connection that sends no ICReq is dropped
-ADMIN_ICD = 8192               # in-capsule data on the admin queue (the Connect data, 1 KiB)
 
 
 class Target:
@@ -48,7 +47,8 @@ class Target:
         self._listener: socket.socket | None = None
         self._lock = threading.Lock()                 # connections and the controller state
         self._conns: set[_Connection] = set()
-        self._threads: list[threading.Thread] = []
+        self._accepter: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []     # one per connection
         self._stopping = threading.Event()
         self.cc = self.csts = 0
         self.host_nqn: str | None = None              # the associated host, None when free
@@ -74,7 +74,8 @@ class Target:
             self.dev.close()
             raise DeviceError(f"cannot listen on {self.host}:{self.port}: {e.strerror}") from None
         self.port = self._listener.getsockname()[1]
-        self._spawn(self._accept_loop, "nvmet-accept")
+        self._accepter = threading.Thread(target=self._accept_loop, name="nvmet-accept", daemon=True)
+        self._accepter.start()
         return self
 
     def stop(self) -> None:
@@ -86,6 +87,8 @@ class Target:
             except OSError:
                 pass
             self._listener.close()
+        if self._accepter is not None:
+            self._accepter.join(10)                   # no connection is added after this
         with self._lock:
             conns = list(self._conns)
         for c in conns:
@@ -106,12 +109,6 @@ class Target:
         """Serve until stop() is called (from a signal handler, say)."""
         self._stopping.wait()
 
-    def _spawn(self, fn, name, *args):
-        t = threading.Thread(target=fn, args=args, name=name, daemon=True)
-        self._threads = [x for x in self._threads if x.is_alive()]
-        self._threads.append(t)
-        t.start()
-
     def _accept_loop(self):
         while not self._stopping.is_set():
             try:
@@ -124,7 +121,9 @@ class Target:
                     continue
                 conn = _Connection(self, sock)
                 self._conns.add(conn)
-            self._spawn(conn.run, "nvmet-queue")
+            t = threading.Thread(target=conn.run, name="nvmet-queue", daemon=True)
+            self._threads = [x for x in self._threads if x.is_alive()] + [t]
+            t.start()
 
     def _closed(self, conn: "_Connection"):
         with self._lock:
@@ -225,10 +224,10 @@ class _Connection:
 
     def _max_data(self, pdu_type):
         if pdu_type == P.CAPSULE_CMD:
-            return ADMIN_ICD if self.qid in (None, 0) else self.t.in_capsule
+            return P.ADMIN_ICD if self.qid in (None, 0) else self.t.in_capsule
         if pdu_type == P.H2C_DATA:
             return self.t.maxh2cdata
-        return P.TERM_MAX_ERROR_DATA + 24
+        return P.TERM_MAX_ERROR_DATA
 
     def _read_command(self) -> _Command:
         t, flags, header, dlen = self.channel.recv_header((P.CAPSULE_CMD, P.H2C_DATA, P.H2C_TERM_REQ),
