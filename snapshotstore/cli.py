@@ -155,7 +155,7 @@ def _target(args) -> int:
     import threading
     from .nvmetcp.target import Target
     host, _, port = args.listen.rpartition(":")
-    if not host or not port.isdigit():
+    if not host or not port.isdigit() or int(port) > 65535:
         raise SnapshotError(f"--listen takes HOST:PORT, not {args.listen!r} (for example 127.0.0.1:4420)")
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

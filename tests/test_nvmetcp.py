@@ -548,9 +548,13 @@ def test_target_process_stops_cleanly_on_sigterm(image):
 
 # --- tshark's dissector as the judge ----------------------------------------------------------------
 
+CHECKSUM_GOOD = 1        # Wireshark's PROTO_CHECKSUM_E_GOOD, shown as "[correct]"
+
+
 @pytest.mark.root
 @pytest.mark.tshark
-def test_tshark_decodes_the_session(target, tmp_path):
+@pytest.mark.parametrize("digests", [False, True], ids=["plain", "digests"])
+def test_tshark_decodes_the_session(target, tmp_path, digests):
     pcap, live = tmp_path / "s.pcapng", tmp_path / "live.txt"
     with open(live, "w") as out:
         cap = subprocess.Popen(["tshark", "-i", "lo", "-f", f"tcp port {target.port}", "-w", str(pcap), "-P", "-l",
@@ -561,7 +565,7 @@ def test_tshark_decodes_the_session(target, tmp_path):
             assert cap.poll() is None and time.monotonic() < deadline, "tshark did not start capturing"
             socket.create_connection(("127.0.0.1", target.port), timeout=TIMEOUT_S).close()
             time.sleep(0.1)
-        dev = NvmeTcpDevice(target.url)
+        dev = NvmeTcpDevice(target.url, digests=digests)
         buf = aligned_buffer(4 * 4096)
         dev.write_from(buf, 0, 2, 1)          # in-capsule
         dev.write_from(buf, 0, 3, 4)          # by R2T
@@ -577,14 +581,23 @@ def test_tshark_decodes_the_session(target, tmp_path):
         cap.send_signal(signal.SIGINT)
         cap.wait(TIMEOUT_S)
     r = subprocess.run(["tshark", "-r", str(pcap), "-d", f"tcp.port=={target.port},nvme-tcp", "-Y", "nvme-tcp",
+                        "-o", "nvme-tcp.check_hdgst:TRUE", "-o", "nvme-tcp.check_ddgst:TRUE",
                         "-T", "fields", "-E", "separator=,", "-e", "nvme-tcp.type", "-e", "nvme.cmd.opc",
-                        "-e", "nvme.fabrics.cmd.fctype", "-e", "_ws.malformed"],
-                       capture_output=True, text=True, timeout=60)
+                        "-e", "nvme.fabrics.cmd.fctype", "-e", "nvme-tcp.hdgst.status", "-e", "nvme-tcp.ddgst.status",
+                        "-e", "_ws.malformed"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     rows = [line.split(",") for line in r.stdout.splitlines()]
     types = {int(t, 0) for t, *_ in rows if t}
-    opcodes = {int(o, 0) for _, o, _, _ in rows if o}
-    fctypes = {int(f, 0) for _, _, f, _ in rows if f}
+    opcodes = {int(o, 0) for _, o, *_ in rows if o}
+    fctypes = {int(f, 0) for _, _, f, *_ in rows if f}
+    # tshark recomputes every CRC32C digest: all correct, and present on every PDU after the ICReq/ICResp
+    hdgsts = [h for t, _, _, h, _, _ in rows if int(t, 0) > P.ICRESP]
+    ddgsts = [d for *_, d, _ in rows if d]
+    if digests:
+        assert hdgsts and all(h and int(h) == CHECKSUM_GOOD for h in hdgsts), hdgsts
+        assert ddgsts and all(int(d) == CHECKSUM_GOOD for d in ddgsts), ddgsts
+    else:
+        assert not any(hdgsts) and not ddgsts
     assert {P.ICREQ, P.ICRESP, P.CAPSULE_CMD, P.CAPSULE_RESP, P.R2T, P.H2C_DATA, P.C2H_DATA} <= types
     assert P.FCTYPE_CONNECT in fctypes and P.FCTYPE_PROPERTY_GET in fctypes
     assert {P.ADMIN_IDENTIFY, P.NVM_WRITE, P.NVM_READ, P.NVM_FLUSH} <= opcodes

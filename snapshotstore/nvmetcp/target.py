@@ -17,7 +17,6 @@ before its CapsuleResp is sent. Bounded: connections, queue depth, PDU sizes
 from __future__ import annotations
 
 import collections
-import fcntl
 import socket
 import threading
 
@@ -65,11 +64,11 @@ class Target:
             raise DeviceError(f"{self.path} has {self.dev.block_size}-byte blocks: the transfer sizes must "
                               f"be multiples of it")
         try:
-            fcntl.flock(self.dev.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)    # no local store on it meanwhile
-            self._listener = socket.create_server((self.host, self.port), reuse_port=False)
-        except BlockingIOError:
+            self.dev.lock(shared=False)                # no local store on it meanwhile
+            self._listener = socket.create_server((self.host, self.port))
+        except DeviceError:
             self.dev.close()
-            raise DeviceError(f"{self.path} is in use by a snapshot store process") from None
+            raise
         except OSError as e:
             self.dev.close()
             raise DeviceError(f"cannot listen on {self.host}:{self.port}: {e.strerror}") from None
