@@ -144,9 +144,10 @@ def module_load_order(moddir: str) -> list[tuple[str, str]]:
     by_name = {}
     for p in glob.glob(f"{moddir}/kernel/**/*.ko", recursive=True):
         by_name[os.path.basename(p)[:-3].replace("-", "_")] = p
+    params_of = {name.replace("-", "_"): params for name, params in MODULES}
     order, seen = [], set()
 
-    def visit(name: str, params: str = ""):
+    def visit(name: str):
         key = name.replace("-", "_")
         if key in seen:
             return
@@ -155,10 +156,10 @@ def module_load_order(moddir: str) -> list[tuple[str, str]]:
         seen.add(key)
         for dep in _modinfo_depends(by_name[key]):
             visit(dep)
-        order.append((by_name[key], params))
+        order.append((by_name[key], params_of.get(key, "")))
 
-    for name, params in MODULES:
-        visit(name, params)
+    for name, _ in MODULES:
+        visit(name)
     return order
 
 
