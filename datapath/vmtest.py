@@ -102,8 +102,9 @@ def kernel_package(apt: _Apt) -> str:
     if os.environ.get("ZEROLAYER_VM_KERNEL_DEB"):
         return os.environ["ZEROLAYER_VM_KERNEL_DEB"]
     # the stock flavour only: -cloud- lacks drivers, -rt- and -dbg are not what a user boots
-    cached = sorted(glob.glob(f"{APT_ARCHIVES}/linux-image-[0-9]*-amd64_*_amd64.deb"))
-    cached = [c for c in cached if not re.search(r"-(cloud|rt)-amd64_|-dbg_", c)]
+    cached = [c for c in glob.glob(f"{APT_ARCHIVES}/linux-image-[0-9]*-amd64_*_amd64.deb")
+              if not re.search(r"-(cloud|rt)-amd64_|-dbg_", c)]
+    cached.sort(key=lambda p: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p)])  # 6.1.0-57 > 6.1.0-9
     if cached:
         return cached[-1]
     apt.update()
@@ -279,8 +280,12 @@ def pick_accel(want: str, vmlinuz: str, initrd: str, workdir: str) -> tuple[str,
     text = open(console, errors="replace").read() if os.path.exists(console) else ""
     if "ZL-PROBE-OK" in text:
         return "kvm", f"a probe guest booted in {secs:.1f} s"
-    why = f"qemu exited {rc}" if rc is not None else f"no guest output in {PROBE_TIMEOUT_S} s"
-    return "tcg", f"/dev/kvm is there but cannot run a guest ({why})"
+    last = text.strip().splitlines()[-1:]
+    why = (f"qemu exited {rc}" if rc is not None else f"no init in {PROBE_TIMEOUT_S} s, "
+           + (f"last console line {last[0]!r}" if last else "no console output"))
+    # kvm_pvm virtualizes without VMX/SVM and boots only kernels built as PVM guests
+    pvm = ", the host's KVM is kvm_pvm" if os.path.exists("/sys/module/kvm_pvm") else ""
+    return "tcg", f"/dev/kvm is there but cannot run this guest ({why}{pvm})"
 
 
 # --- the run ------------------------------------------------------------------
