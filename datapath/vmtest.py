@@ -79,7 +79,9 @@ class _Apt:
 
     def update(self) -> None:
         if not self.updated:
-            subprocess.run(["apt-get", "update", "-qq"], check=True)
+            r = subprocess.run(["apt-get", "update", "-qq"], capture_output=True, text=True)
+            if r.returncode:
+                raise VmTestError(f"apt-get update failed: {r.stderr.strip()[-500:]}")
             self.updated = True
 
     def run(self, *args: str, cwd: str | None = None) -> None:
@@ -97,16 +99,20 @@ def ensure_packages(apt: _Apt) -> None:
         apt.run("install", "-y", "-qq", "--no-install-recommends", *missing)
 
 
-def kernel_package(apt: _Apt) -> str:
-    """A linux-image-<version>-amd64 .deb in apt's cache (downloaded once, not installed)."""
-    if os.environ.get("ZEROLAYER_VM_KERNEL_DEB"):
-        return os.environ["ZEROLAYER_VM_KERNEL_DEB"]
+def _cached_kernel() -> str | None:
     # the stock flavour only: -cloud- lacks drivers, -rt- and -dbg are not what a user boots
     cached = [c for c in glob.glob(f"{APT_ARCHIVES}/linux-image-[0-9]*-amd64_*_amd64.deb")
               if not re.search(r"-(cloud|rt)-amd64_|-dbg_", c)]
     cached.sort(key=lambda p: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p)])  # 6.1.0-57 > 6.1.0-9
-    if cached:
-        return cached[-1]
+    return cached[-1] if cached else None
+
+
+def kernel_package(apt: _Apt) -> str:
+    """A linux-image-<version>-amd64 .deb in apt's cache (downloaded once, not installed)."""
+    if os.environ.get("ZEROLAYER_VM_KERNEL_DEB"):
+        return os.environ["ZEROLAYER_VM_KERNEL_DEB"]
+    if _cached_kernel():
+        return _cached_kernel()
     apt.update()
     deps = subprocess.run(["apt-cache", "depends", KERNEL_META], capture_output=True, text=True).stdout
     m = re.search(r"Depends: (linux-image-[0-9][^\s]*-amd64)\b", deps)
@@ -114,7 +120,10 @@ def kernel_package(apt: _Apt) -> str:
         raise VmTestError(f"apt knows no {KERNEL_META}: is this Debian with its main archive configured?")
     say(f"downloading {m.group(1)} into {APT_ARCHIVES} (unpacked per run, not installed)")
     apt.run("download", m.group(1), cwd=APT_ARCHIVES)
-    return kernel_package(apt)
+    deb = _cached_kernel()
+    if not deb:
+        raise VmTestError(f"apt-get download {m.group(1)} left no package in {APT_ARCHIVES}")
+    return deb
 
 
 # --- kernel and initramfs -----------------------------------------------------
@@ -290,6 +299,15 @@ def pick_accel(want: str, vmlinuz: str, initrd: str, workdir: str) -> tuple[str,
 
 # --- the run ------------------------------------------------------------------
 
+def _remove_stale_runs(base: str) -> None:
+    """Run directories of harnesses that were killed (SIGKILL skips their cleanup): their pid is gone."""
+    for d in glob.glob(os.path.join(base, "run-*-*")):
+        pid = d.rsplit("/", 1)[1].split("-")[1]
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            say(f"removing {d}, left by a harness that was killed")
+            shutil.rmtree(d, ignore_errors=True)
+
+
 def run(accel: str = "auto", timeout: float = 1800, crash_iterations: int = 50, keep: bool = False) -> dict:
     """Boot the guest, run vmguest.py in it, return its result (plus the host's view of the run)."""
     if os.geteuid() != 0:
@@ -302,7 +320,8 @@ def run(accel: str = "auto", timeout: float = 1800, crash_iterations: int = 50, 
     deb = kernel_package(apt)
     base = os.path.join(state_dir(), "vm")
     os.makedirs(base, exist_ok=True)
-    workdir = tempfile.mkdtemp(prefix="run-", dir=base)
+    _remove_stale_runs(base)
+    workdir = tempfile.mkdtemp(prefix=f"run-{os.getpid()}-", dir=base)
     try:
         vmlinuz, moddir = unpack_kernel(deb, workdir)
         kernel = os.path.basename(moddir)
