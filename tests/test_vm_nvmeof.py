@@ -3,9 +3,10 @@
 datapath/vmtest.py boots the guest, datapath/vmguest.py runs in it. Not part of
 `sudo make test` (its "not vm"); `sudo make vm-test` runs it (about a minute
 under TCG here). The result is also written to vm-result.json in the test's
-tmp_path.
+tmp_path. ZEROLAYER_VM_ACCEL=tcg (or kvm) skips the KVM probe.
 """
 import json
+import os
 
 import pytest
 
@@ -17,7 +18,7 @@ from datapath import vmtest
 @pytest.mark.root
 def test_snapshot_store_on_nvme_tcp_namespace(tmp_path):
     try:
-        r = vmtest.run(timeout=1500, crash_iterations=50)
+        r = vmtest.run(os.environ.get("ZEROLAYER_VM_ACCEL", "auto"), timeout=1500, crash_iterations=50)
     except vmtest.VmTestError as e:
         pytest.fail(str(e), pytrace=False)
     (tmp_path / "vm-result.json").write_text(json.dumps(r, indent=2))
