@@ -193,7 +193,7 @@ def check_qemu(c):
     q = shutil.which("qemu-system-x86_64")
     if q:
         return c.ok(q)
-    return c.fail("qemu-system-x86_64 not found", "apt-get install qemu-system-x86 (only the VM tests need it)")
+    return c.fail("qemu-system-x86_64 not found", "`sudo make vm-test` installs it (only the VM tests need it)")
 
 
 def run(out=sys.stdout) -> int:

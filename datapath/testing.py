@@ -51,7 +51,7 @@ def pytest_runtest_setup(item):
     if item.get_closest_marker("tshark") and not shutil.which("tshark"):
         _need(item, "needs tshark: run `sudo scripts/setup.sh` (or apt-get install tshark)")
     if item.get_closest_marker("vm") and not shutil.which("qemu-system-x86_64"):
-        pytest.skip("needs qemu-system-x86_64 (apt-get install qemu-system-x86)")
+        pytest.skip("needs qemu-system-x86_64: `sudo make vm-test` installs it and runs the vm tests")
 
 
 @pytest.fixture
