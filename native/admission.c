@@ -31,10 +31,14 @@ struct dp_admission {
 
 static double clog2c[DP_MAX_CHUNK_TOKENS + 1];   /* c x log2(c): one lookup per distinct token */
 
-struct dp_admission *dp_adm_create(void)
+__attribute__((constructor)) static void clog2c_init(void)   /* at load: entropy never calls log2 */
 {
     for (int c = 1; c <= DP_MAX_CHUNK_TOKENS; c++)
         clog2c[c] = c * log2((double)c);
+}
+
+struct dp_admission *dp_adm_create(void)
+{
     return calloc(1, sizeof(struct dp_admission));
 }
 
