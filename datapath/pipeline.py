@@ -29,7 +29,7 @@ from . import _dataplane, client, lanes, records, wire
 from .egress import Responder
 from .loop import PollLoop
 from .ring import Ring, unlink
-from .router import Router
+from .router import MAX_POOLS, Router
 from .topology import Topology, socket_in
 
 _seq = itertools.count()
@@ -64,6 +64,12 @@ class PipelineConfig:
     loop_yield_after: int = 256        # idle passes before the poll loop yields its core
     worker_cpus: list = field(default_factory=list)
     trace_records: int = 1 << 18       # per worker
+    pools: list | None = None          # [(device profile, workers), ...]: heterogeneous pools, each priced
+                                       # by admission.pool_price_per_1k (replaces workers and device);
+                                       # None: one pool of `workers` on `device`
+    pool_room_per_worker: int = 0      # queued chunks per up worker before a pool passes new requests on
+    tenants: dict = field(default_factory=dict)   # tenant -> admission.TenantPolicy
+    default_tenant: object = None      # TenantPolicy of every other tenant (None: no limits, free)
 
 
 class TracingLane:
@@ -197,13 +203,14 @@ class Pipeline:
         store_factory = cfg.store_factory
         if cfg.shared_store:
             store_factory = self._start_store_server(cfg.shared_store)
-        for k in range(cfg.workers):
+        self._admission(cfg)
+        for k, (pool, device) in enumerate(self.placement):
             name = f"{self.tag}.w{k}"
             es.callback(lanes.unlink_shm_lane, name)
-            self.router.add_worker(*lanes.create_shm_lane(name))
+            self.router.add_worker(*lanes.create_shm_lane(name), pool=pool)
             buf = mmap.mmap(-1, 64 + cfg.trace_records * TRACE.itemsize)
             self.traces.append(buf)
-            opts = WorkerOptions(index=k, kv_budget_bytes=cfg.kv_budget_bytes, codec=cfg.codec, device=cfg.device,
+            opts = WorkerOptions(index=k, kv_budget_bytes=cfg.kv_budget_bytes, codec=cfg.codec, device=device,
                                  sim_mode=cfg.sim_mode)
             cpu = cfg.worker_cpus[k % len(cfg.worker_cpus)] if cfg.worker_cpus else None
             p = ctx.Process(target=_worker_main, args=(name, opts, store_factory, buf, self._stop_workers, cpu),
@@ -222,6 +229,24 @@ class Pipeline:
         self.loop.add(_dataplane, "dp_responder_poll", self.responder.handle, owner=self.responder)
         self.loop.start()
         es.callback(self.loop.stop)
+
+    def _admission(self, cfg: PipelineConfig):
+        """Pools (placement[k] = (pool, device) of worker k) and the tenants' admission settings."""
+        from .admission import pool_price_per_1k
+        if cfg.pools:
+            if len(cfg.pools) > MAX_POOLS or any(n < 1 for _, n in cfg.pools):
+                raise ValueError(f"pools: at most {MAX_POOLS} (device, workers >= 1) pairs, not {cfg.pools}")
+            self.placement = [(p, dev) for p, (dev, n) in enumerate(cfg.pools) for _ in range(n)]
+            for p, (dev, _) in enumerate(cfg.pools):
+                self.router.set_pool(p, pool_price_per_1k(dev), cfg.pool_room_per_worker)
+        else:
+            self.placement = [(0, cfg.device)] * cfg.workers
+            if cfg.pool_room_per_worker:
+                self.router.set_pool(0, 0, cfg.pool_room_per_worker)
+        if cfg.default_tenant is not None:
+            self.router.set_default_tenant(cfg.default_tenant)
+        for tenant, policy in cfg.tenants.items():
+            self.router.set_tenant(tenant, policy)
 
     def _start_store_server(self, path: str):
         """The store's own process (snapshotstore.server); returns the workers' store factory."""
@@ -265,32 +290,42 @@ class Pipeline:
 
     # --- load -------------------------------------------------------------------------------
     def offer(self, rate: float, count: int, prompt_tokens: int = 64, max_output_tokens: int = 4,
-              sessions: int = 64, tenant: int = 1, drain_s: float = 2.0, merge: int = 1) -> dict:
-        """Open-loop Poisson arrivals of `count` requests at `rate`/s from the client namespace.
+              sessions: int = 64, tenant: int | list = 1, drain_s: float = 2.0, merge: int = 1,
+              prompts: list | None = None) -> dict:
+        """Open-loop Poisson arrivals of `count` packets at `rate`/s from the client namespace.
 
         Each request is one chunk of prompt_tokens (<= 128) from one of `sessions`
         sessions, cycling; merge > 1 sends `merge` requests' prompts as one request
-        (client-side batching). Returns the client's stats, rtt_ns per response.
+        (client-side batching). `prompts` (token lists, one per session, any length)
+        replaces them: a prompt over 128 tokens is several chunks, each a packet of
+        the count. `tenant` may be a list, one per session in turn. Safe to call from
+        several threads at once (each offer is its own client process and socket).
+        Returns the client's stats (rtt_ns per response) and the offer's seq_base.
         """
-        if not 1 <= prompt_tokens * merge <= wire.MAX_CHUNK_TOKENS:
-            raise ValueError(f"a request here is one chunk: prompt_tokens x merge must be 1..{wire.MAX_CHUNK_TOKENS}")
+        if prompts is None:
+            if not 1 <= prompt_tokens * merge <= wire.MAX_CHUNK_TOKENS:
+                raise ValueError(f"a request here is one chunk: prompt_tokens x merge must be 1..{wire.MAX_CHUNK_TOKENS}")
+            prompts = [[(s * 131 + i) % 509 for i in range(prompt_tokens * merge)] for s in range(sessions)]
+        tenants = tenant if isinstance(tenant, (list, tuple)) else [tenant]
         base = next(self._ids) * 1_000_000_000   # ids of this offer: base + sequence number
         # sessions are this offer's own (base + n): they return within it, never across offers
-        pkts = [client.request_packets(tenant, base + s + 1, 0,
-                                       [(s * 131 + i) % 509 for i in range(prompt_tokens * merge)],
-                                       max_output_tokens=max_output_tokens * merge)[0] for s in range(sessions)]
+        pkts = [pkt for s, prompt in enumerate(prompts)
+                for pkt in client.request_packets(tenants[s % len(tenants)], base + s + 1, 0, prompt,
+                                                  max_output_tokens=max_output_tokens * merge)]
         # the client runs beside the workers, off the data path's core
         cpu = self.cfg.worker_cpus[0] if self.cfg.worker_cpus else None
         duration = count / rate * 3 + 5
-        return client.spawn_in_netns(self.topo.client_ns[0], self.topo.host_ip[0], pkts, timeout=duration + 60,
-                                     cpu=cpu, rate=rate, count=count, duration=duration,
-                                     drain_ms=int(drain_s * 1000), seq_base=base)
+        res = client.spawn_in_netns(self.topo.client_ns[0], self.topo.host_ip[0], pkts, timeout=duration + 60,
+                                    cpu=cpu, rate=rate, count=count, duration=duration,
+                                    drain_ms=int(drain_s * 1000), seq_base=base)
+        by_status = {int(k): v for k, v in res["by_status"].items()}   # JSON made the keys strings
+        return {**res, "by_status": by_status, "seq_base": base}
 
     # --- what happened -----------------------------------------------------------------------
-    def trace(self) -> np.ndarray:
-        """Every record the workers ran so far, with its stamps."""
+    def trace(self, worker: int | None = None) -> np.ndarray:
+        """Every record the workers (or one worker) ran so far, with its stamps."""
         parts = []
-        for buf in self.traces:
+        for buf in self.traces if worker is None else [self.traces[worker]]:
             n = int(np.frombuffer(buf, dtype="<u8", count=1)[0])
             parts.append(np.frombuffer(buf, dtype=TRACE, offset=64, count=n).copy())
         return np.concatenate(parts) if parts else np.zeros(0, TRACE)
@@ -311,6 +346,9 @@ class Pipeline:
             np.frombuffer(buf, dtype="<u8", count=1)[0] = 0
 
     def stats(self) -> dict:
-        return {"router": self.router.stats(), "workers": [self.router.worker_stats(k) for k in range(self.cfg.workers)],
+        pools = sorted({p for p, _ in self.placement})
+        return {"router": self.router.stats(), "workers": [self.router.worker_stats(k) for k in range(len(self.workers))],
+                "pools": {p: self.router.pool_stats(p) for p in pools},
+                "tenants": {t: self.router.tenant_stats(t) for t in self.cfg.tenants},
                 "responder": self.responder.stats(), "loop": self.loop.stats(), "ingress": self.ingress.counters(),
                 "consumer_records": self.consumer.records, "xdp_mode": self.xdp_mode}
