@@ -24,8 +24,10 @@ class TenantPolicy:
     tokens_per_minute: int = 0       # request-level per-key limit -> 429
     max_request_tokens: int = 0      # context limit on chunk_count x 128 + max_output_tokens -> 400
     hi_entropy_factor: float = 0.0   # a request with this entropy factor or more (1.0..5.0) is high-entropy
-    hi_per_second: float = 0.0       # high-entropy requests per second kept on the primary pool ...
+    hi_per_second: float = 0.0       # high-entropy requests per second kept on the primary pool (0: none) ...
     hi_burst: int = 0                # ... with this many of slack; the rest go to the secondary pool
+    # (the tenant's `spilled` counts those decisions; the router's `to_secondary` those placed on a
+    # secondary pool, which needs a second healthy pool: with one, they stay on it)
 
     def __post_init__(self):
         for name in ("price_per_1k", "tokens_per_minute", "max_request_tokens", "hi_burst"):

@@ -5,9 +5,12 @@
         --> shm lanes --> worker processes (tiny model, KV caches, snapshots)
         --> completions --> router --> egress ring --> responder --UDP--> client
 
-The consumer, the router and the responder run as stages of one native
-thread (datapath.loop), so the data path costs one core and the workers get
-the rest; nothing per chunk runs in Python. Every worker records each
+The router admits each request (native/admission.h: price, budget, limits;
+PipelineConfig.tenants) and places it on a worker pool (PipelineConfig.pools)
+before its policy picks the worker. The consumer, the router and the
+responder run as stages of one native thread (datapath.loop), so the data
+path costs one core and the workers get the rest; nothing per chunk runs in
+Python. Every worker records each
 record's stamps (XDP, consumer, router, lane, pickup, step start and end)
 into shared memory, so the stages can be read off afterwards. Everything is
 torn down on exit, also on error and Ctrl-C.

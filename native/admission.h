@@ -59,7 +59,7 @@ struct dp_tenant_cfg {
     uint32_t tokens_per_minute;   /* request-level per-key limit (0: none) -> 429 */
     uint32_t hi_burst;            /* high-entropy requests kept on the primary beyond the rate */
     double hi_entropy_factor;     /* entropy_factor from which a request is high-entropy (0: never) */
-    double hi_per_second;         /* high-entropy requests per second kept on the primary */
+    double hi_per_second;         /* high-entropy requests per second kept on the primary (0: none is) */
 };
 
 struct dp_adm_price {             /* every factor of one request's price */
