@@ -129,7 +129,7 @@ def _worker_main(lane_name: str, options, store_factory, trace_buf, stop, cpu):
     lane = TracingLane(lanes.ShmWorkerLane(lane_name), trace, count)
     try:
         with one_blas_thread():
-            serve(worker, lane, stop.is_set)
+            serve(worker, lane, lambda: stop[0] != 0)
     finally:
         lane.close()
         if store is not None and hasattr(store, "close"):
@@ -201,7 +201,9 @@ class Pipeline:
         es.callback(self.router.close)
         self.router.add_input(Ring.attach(in_name, "consumer"))
         self.router.set_egress(out_ring)
-        self._stop_workers = ctx.Event()
+        # a shared byte, not a multiprocessing.Event: Event.is_set takes a lock, and a worker
+        # SIGKILLed while holding it (the failover scenario) left every later set() and is_set() hung
+        self._stop_workers = mmap.mmap(-1, 1)
         es.callback(self._reap_workers)    # before any worker starts: a half-built pipeline reaps what it started
         store_factory = cfg.store_factory
         if cfg.shared_store:
@@ -278,7 +280,7 @@ class Pipeline:
         return functools.partial(_remote_store, endpoint)
 
     def _reap_workers(self):
-        self._stop_workers.set()
+        self._stop_workers[0] = 1
         for p in self.workers:
             p.join(5)
             if p.is_alive():
