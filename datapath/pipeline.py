@@ -67,9 +67,11 @@ class PipelineConfig:
     loop_yield_after: int = 256        # idle passes before the poll loop yields its core
     worker_cpus: list = field(default_factory=list)
     trace_records: int = 1 << 18       # per worker
-    pools: list | None = None          # [(device profile, workers), ...]: heterogeneous pools, each priced
-                                       # by admission.pool_price_per_1k (replaces workers and device);
-                                       # None: one pool of `workers` on `device`
+    pools: list | None = None          # [(device profile, workers[, nice]), ...]: heterogeneous pools, each
+                                       # priced by admission.pool_price_per_1k (replaces workers and device);
+                                       # nice: the pool's worker processes' CPU niceness (simulated devices
+                                       # share the host's cores; a real one would not take them from
+                                       # another pool); None: one pool of `workers` on `device`
     pool_room_per_worker: int = 0      # queued chunks per up worker before a pool passes new requests on
     tenants: dict = field(default_factory=dict)   # tenant -> admission.TenantPolicy
     default_tenant: object = None      # TenantPolicy of every other tenant (None: no limits, free)
@@ -117,11 +119,13 @@ def child_of_this_process():
         os._exit(1)          # the parent died before prctl took effect
 
 
-def _worker_main(lane_name: str, options, store_factory, trace_buf, stop, cpu):
+def _worker_main(lane_name: str, options, store_factory, trace_buf, stop, cpu, nice=0):
     from .serving.worker import one_blas_thread, serve
     child_of_this_process()
     if cpu is not None:
         os.sched_setaffinity(0, {cpu})
+    if nice:
+        os.nice(nice)
     count = np.frombuffer(trace_buf, dtype="<u8", count=1)
     trace = np.frombuffer(trace_buf, dtype=TRACE, offset=64)
     store = store_factory(options.index) if store_factory else None
@@ -209,7 +213,7 @@ class Pipeline:
         if cfg.shared_store:
             store_factory = self._start_store_server(cfg.shared_store)
         self._admission(cfg)
-        for k, (pool, device) in enumerate(self.placement):
+        for k, (pool, device, nice) in enumerate(self.placement):
             name = f"{self.tag}.w{k}"
             es.callback(lanes.unlink_shm_lane, name)
             self.router.add_worker(*lanes.create_shm_lane(name), pool=pool)
@@ -218,7 +222,7 @@ class Pipeline:
             opts = WorkerOptions(index=k, kv_budget_bytes=cfg.kv_budget_bytes, codec=cfg.codec, device=device,
                                  sim_mode=cfg.sim_mode)
             cpu = cfg.worker_cpus[k % len(cfg.worker_cpus)] if cfg.worker_cpus else None
-            p = ctx.Process(target=_worker_main, args=(name, opts, store_factory, buf, self._stop_workers, cpu),
+            p = ctx.Process(target=_worker_main, args=(name, opts, store_factory, buf, self._stop_workers, cpu, nice),
                             name=f"worker{k}", daemon=True)
             p.start()
             self.workers.append(p)
@@ -236,16 +240,17 @@ class Pipeline:
         es.callback(self.loop.stop)
 
     def _admission(self, cfg: PipelineConfig):
-        """Pools (placement[k] = (pool, device) of worker k) and the tenants' admission settings."""
+        """Pools (placement[k] = (pool, device, nice) of worker k) and the tenants' admission settings."""
         from .admission import pool_price_per_1k
         if cfg.pools:
-            if len(cfg.pools) > MAX_POOLS or any(n < 1 for _, n in cfg.pools):
-                raise ValueError(f"pools: at most {MAX_POOLS} (device, workers >= 1) pairs, not {cfg.pools}")
-            self.placement = [(p, dev) for p, (dev, n) in enumerate(cfg.pools) for _ in range(n)]
-            for p, (dev, _) in enumerate(cfg.pools):
+            pools = [(*spec, 0)[:3] for spec in cfg.pools]
+            if len(pools) > MAX_POOLS or any(len(spec) not in (2, 3) or spec[1] < 1 for spec in cfg.pools):
+                raise ValueError(f"pools: at most {MAX_POOLS} (device, workers >= 1[, nice]), not {cfg.pools}")
+            self.placement = [(p, dev, nice) for p, (dev, n, nice) in enumerate(pools) for _ in range(n)]
+            for p, (dev, _, _) in enumerate(pools):
                 self.router.set_pool(p, pool_price_per_1k(dev), cfg.pool_room_per_worker)
         else:
-            self.placement = [(0, cfg.device)] * cfg.workers
+            self.placement = [(0, cfg.device, 0)] * cfg.workers
             if cfg.pool_room_per_worker:
                 self.router.set_pool(0, 0, cfg.pool_room_per_worker)
         if cfg.default_tenant is not None:
@@ -351,7 +356,7 @@ class Pipeline:
             np.frombuffer(buf, dtype="<u8", count=1)[0] = 0
 
     def stats(self) -> dict:
-        pools = sorted({p for p, _ in self.placement})
+        pools = sorted({p for p, _, _ in self.placement})
         return {"router": self.router.stats(), "workers": [self.router.worker_stats(k) for k in range(len(self.workers))],
                 "pools": {p: self.router.pool_stats(p) for p in pools},
                 "tenants": {t: self.router.tenant_stats(t) for t in self.cfg.tenants},
