@@ -5,8 +5,10 @@
 
 The sender is C (native/loadgen.c, sendmmsg): Poisson arrivals at `rate`,
 bounded by `count` and `duration`, each packet stamped with send_ns just
-before it leaves, optionally its sequence number in request_id; it reads the
-responses (429s from the XDP rate limiter) between sends. send_from runs it
+before it leaves, optionally its sequence number in request_id (every chunk
+of a request gets its first chunk's); it reads the responses between sends,
+counting them by status and keeping the first refusal's body (an admission
+answer, datapath.wire.decode_admission_body). send_from runs it
 in a forked child that enters the client namespace, so the parent (the
 ingress, the consumer) stays where it is.
 """
@@ -44,16 +46,40 @@ def interleave(sessions: list[list[bytes]]) -> list[bytes]:
     return out
 
 
+def _check_whole_requests(packets: list[bytes]):
+    """With sequence ids, a request's chunks must be consecutive packets, chunk 0 first (loadgen.c
+    numbers a request by its first chunk). Read raw: packets may be malformed on purpose."""
+    idx_at, count_at = wire.REQ_OFFSETS["chunk_index"][0], wire.REQ_OFFSETS["chunk_count"][0]
+    want = 0
+    for p in packets:
+        if len(p) < wire.REQ_HDR_LEN:
+            want = 0
+            continue
+        index = int.from_bytes(p[idx_at:idx_at + 2], "little")
+        count = int.from_bytes(p[count_at:count_at + 2], "little")
+        if index != want:
+            raise ValueError("stamp_seq numbers requests by their first chunk: a request's chunks must be "
+                             "consecutive packets, chunk 0 first, and the list must end with a whole request")
+        want = index + 1 if index + 1 < count else 0
+    if want:
+        raise ValueError("stamp_seq: the packet list ends in the middle of a request")
+
+
+def count_tokens_packet(tenant: int, session_id: int, request_id: int, tokens, max_output_tokens: int = 0) -> bytes:
+    """A COUNT_TOKENS record for a request of `tokens`: its first chunk and its chunk count are all
+    the price needs (the estimate is chunk_count x 128); the answer is a 200 with the breakdown."""
+    first = request_packets(tenant, session_id, request_id, tokens, max_output_tokens, kind=wire.KIND_COUNT_TOKENS)
+    return first[0]
+
+
 def send(sock: socket.socket, packets: list[bytes], rate: float, count: int, duration: float,
          batch: int = 32, stamp_seq: bool = True, drain_ms: int = 50, seed: int = 1, spin_us: int = 50,
          seq_base: int = 0) -> dict:
     """Send `count` packets (cycling through `packets`) on a connected UDP socket. Returns the C stats."""
     if not packets or rate <= 0 or count < 1 or duration <= 0:
         raise ValueError("send needs packets, rate > 0, count >= 1 and duration > 0")
-    count_at = wire.REQ_OFFSETS["chunk_count"][0]   # read raw: packets may be malformed on purpose
-    if stamp_seq and any(len(p) >= wire.REQ_HDR_LEN and int.from_bytes(p[count_at:count_at + 2], "little") > 1
-                         for p in packets):
-        raise ValueError("stamp_seq gives every packet its own request id: use it with one-chunk requests only")
+    if stamp_seq:
+        _check_whole_requests(packets)
     stride = max(map(len, packets))
     if stride > MAX_PACKET:
         raise ValueError(f"a packet is {stride} bytes, more than a request can be ({MAX_PACKET})")
@@ -76,7 +102,10 @@ def send(sock: socket.socket, packets: list[bytes], rate: float, count: int, dur
                     offered_pps=st.sent / (st.elapsed_ns / 1e9) if st.elapsed_ns else 0.0,
                     max_late_ns=st.max_late_ns, responses=st.responses, resp_429=st.resp_429,
                     resp_ok=st.resp_ok, resp_other=st.resp_other, last_resp_s=st.last_resp_ns / 1e9,
-                    rtt_ns=rtt, rtt_ok_ns=rtt_ok)
+                    requests=st.requests, rtt_ns=rtt, rtt_ok_ns=rtt_ok,
+                    by_status={s: st.by_status[i] for i, s in enumerate(wire.STATUSES) if st.by_status[i]},
+                    sample_status=st.sample_status,
+                    sample_body=bytes(ffi.buffer(st.sample_body, st.sample_len)).decode(errors="replace"))
     finally:
         lib.dp_lat_free(ffi.addressof(st.rtt))
         lib.dp_lat_free(ffi.addressof(st.rtt_ok))

@@ -5,9 +5,12 @@
         --> shm lanes --> worker processes (tiny model, KV caches, snapshots)
         --> completions --> router --> egress ring --> responder --UDP--> client
 
-The consumer, the router and the responder run as stages of one native
-thread (datapath.loop), so the data path costs one core and the workers get
-the rest; nothing per chunk runs in Python. Every worker records each
+The router admits each request (native/admission.h: price, budget, limits;
+PipelineConfig.tenants) and places it on a worker pool (PipelineConfig.pools)
+before its policy picks the worker. The consumer, the router and the
+responder run as stages of one native thread (datapath.loop), so the data
+path costs one core and the workers get the rest; nothing per chunk runs in
+Python. Every worker records each
 record's stamps (XDP, consumer, router, lane, pickup, step start and end)
 into shared memory, so the stages can be read off afterwards. Everything is
 torn down on exit, also on error and Ctrl-C.
@@ -29,7 +32,7 @@ from . import _dataplane, client, lanes, records, wire
 from .egress import Responder
 from .loop import PollLoop
 from .ring import Ring, unlink
-from .router import Router
+from .router import MAX_POOLS, Router
 from .topology import Topology, socket_in
 
 _seq = itertools.count()
@@ -64,6 +67,14 @@ class PipelineConfig:
     loop_yield_after: int = 256        # idle passes before the poll loop yields its core
     worker_cpus: list = field(default_factory=list)
     trace_records: int = 1 << 18       # per worker
+    pools: list | None = None          # [(device profile, workers[, nice]), ...]: heterogeneous pools, each
+                                       # priced by admission.pool_price_per_1k (replaces workers and device);
+                                       # nice: the pool's worker processes' CPU niceness (simulated devices
+                                       # share the host's cores; a real one would not take them from
+                                       # another pool); None: one pool of `workers` on `device`
+    pool_room_per_worker: int = 0      # queued chunks per up worker before a pool passes new requests on
+    tenants: dict = field(default_factory=dict)   # tenant -> admission.TenantPolicy
+    default_tenant: object = None      # TenantPolicy of every other tenant (None: no limits, free)
 
 
 class TracingLane:
@@ -108,11 +119,13 @@ def child_of_this_process():
         os._exit(1)          # the parent died before prctl took effect
 
 
-def _worker_main(lane_name: str, options, store_factory, trace_buf, stop, cpu):
+def _worker_main(lane_name: str, options, store_factory, trace_buf, stop, cpu, nice=0):
     from .serving.worker import one_blas_thread, serve
     child_of_this_process()
     if cpu is not None:
         os.sched_setaffinity(0, {cpu})
+    if nice:
+        os.nice(nice)
     count = np.frombuffer(trace_buf, dtype="<u8", count=1)
     trace = np.frombuffer(trace_buf, dtype=TRACE, offset=64)
     store = store_factory(options.index) if store_factory else None
@@ -120,7 +133,7 @@ def _worker_main(lane_name: str, options, store_factory, trace_buf, stop, cpu):
     lane = TracingLane(lanes.ShmWorkerLane(lane_name), trace, count)
     try:
         with one_blas_thread():
-            serve(worker, lane, stop.is_set)
+            serve(worker, lane, lambda: stop[0] != 0)
     finally:
         lane.close()
         if store is not None and hasattr(store, "close"):
@@ -192,21 +205,24 @@ class Pipeline:
         es.callback(self.router.close)
         self.router.add_input(Ring.attach(in_name, "consumer"))
         self.router.set_egress(out_ring)
-        self._stop_workers = ctx.Event()
+        # a shared byte, not a multiprocessing.Event: Event.is_set takes a lock, and a worker
+        # SIGKILLed while holding it (the failover scenario) left every later set() and is_set() hung
+        self._stop_workers = mmap.mmap(-1, 1)
         es.callback(self._reap_workers)    # before any worker starts: a half-built pipeline reaps what it started
         store_factory = cfg.store_factory
         if cfg.shared_store:
             store_factory = self._start_store_server(cfg.shared_store)
-        for k in range(cfg.workers):
+        self._admission(cfg)
+        for k, (pool, device, nice) in enumerate(self.placement):
             name = f"{self.tag}.w{k}"
             es.callback(lanes.unlink_shm_lane, name)
-            self.router.add_worker(*lanes.create_shm_lane(name))
+            self.router.add_worker(*lanes.create_shm_lane(name), pool=pool)
             buf = mmap.mmap(-1, 64 + cfg.trace_records * TRACE.itemsize)
             self.traces.append(buf)
-            opts = WorkerOptions(index=k, kv_budget_bytes=cfg.kv_budget_bytes, codec=cfg.codec, device=cfg.device,
+            opts = WorkerOptions(index=k, kv_budget_bytes=cfg.kv_budget_bytes, codec=cfg.codec, device=device,
                                  sim_mode=cfg.sim_mode)
             cpu = cfg.worker_cpus[k % len(cfg.worker_cpus)] if cfg.worker_cpus else None
-            p = ctx.Process(target=_worker_main, args=(name, opts, store_factory, buf, self._stop_workers, cpu),
+            p = ctx.Process(target=_worker_main, args=(name, opts, store_factory, buf, self._stop_workers, cpu, nice),
                             name=f"worker{k}", daemon=True)
             p.start()
             self.workers.append(p)
@@ -222,6 +238,25 @@ class Pipeline:
         self.loop.add(_dataplane, "dp_responder_poll", self.responder.handle, owner=self.responder)
         self.loop.start()
         es.callback(self.loop.stop)
+
+    def _admission(self, cfg: PipelineConfig):
+        """Pools (placement[k] = (pool, device, nice) of worker k) and the tenants' admission settings."""
+        from .admission import pool_price_per_1k
+        if cfg.pools:
+            pools = [(*spec, 0)[:3] for spec in cfg.pools]
+            if len(pools) > MAX_POOLS or any(len(spec) not in (2, 3) or spec[1] < 1 for spec in cfg.pools):
+                raise ValueError(f"pools: at most {MAX_POOLS} (device, workers >= 1[, nice]), not {cfg.pools}")
+            self.placement = [(p, dev, nice) for p, (dev, n, nice) in enumerate(pools) for _ in range(n)]
+            for p, (dev, _, _) in enumerate(pools):
+                self.router.set_pool(p, pool_price_per_1k(dev), cfg.pool_room_per_worker)
+        else:
+            self.placement = [(0, cfg.device, 0)] * cfg.workers
+            if cfg.pool_room_per_worker:
+                self.router.set_pool(0, 0, cfg.pool_room_per_worker)
+        if cfg.default_tenant is not None:
+            self.router.set_default_tenant(cfg.default_tenant)
+        for tenant, policy in cfg.tenants.items():
+            self.router.set_tenant(tenant, policy)
 
     def _start_store_server(self, path: str):
         """The store's own process (snapshotstore.server); returns the workers' store factory."""
@@ -250,7 +285,7 @@ class Pipeline:
         return functools.partial(_remote_store, endpoint)
 
     def _reap_workers(self):
-        self._stop_workers.set()
+        self._stop_workers[0] = 1
         for p in self.workers:
             p.join(5)
             if p.is_alive():
@@ -265,32 +300,42 @@ class Pipeline:
 
     # --- load -------------------------------------------------------------------------------
     def offer(self, rate: float, count: int, prompt_tokens: int = 64, max_output_tokens: int = 4,
-              sessions: int = 64, tenant: int = 1, drain_s: float = 2.0, merge: int = 1) -> dict:
-        """Open-loop Poisson arrivals of `count` requests at `rate`/s from the client namespace.
+              sessions: int = 64, tenant: int | list = 1, drain_s: float = 2.0, merge: int = 1,
+              prompts: list | None = None) -> dict:
+        """Open-loop Poisson arrivals of `count` packets at `rate`/s from the client namespace.
 
         Each request is one chunk of prompt_tokens (<= 128) from one of `sessions`
         sessions, cycling; merge > 1 sends `merge` requests' prompts as one request
-        (client-side batching). Returns the client's stats, rtt_ns per response.
+        (client-side batching). `prompts` (token lists, one per session, any length)
+        replaces them: a prompt over 128 tokens is several chunks, each a packet of
+        the count. `tenant` may be a list, one per session in turn. Safe to call from
+        several threads at once (each offer is its own client process and socket).
+        Returns the client's stats (rtt_ns per response) and the offer's seq_base.
         """
-        if not 1 <= prompt_tokens * merge <= wire.MAX_CHUNK_TOKENS:
-            raise ValueError(f"a request here is one chunk: prompt_tokens x merge must be 1..{wire.MAX_CHUNK_TOKENS}")
+        if prompts is None:
+            if not 1 <= prompt_tokens * merge <= wire.MAX_CHUNK_TOKENS:
+                raise ValueError(f"a request here is one chunk: prompt_tokens x merge must be 1..{wire.MAX_CHUNK_TOKENS}")
+            prompts = [[(s * 131 + i) % 509 for i in range(prompt_tokens * merge)] for s in range(sessions)]
+        tenants = tenant if isinstance(tenant, (list, tuple)) else [tenant]
         base = next(self._ids) * 1_000_000_000   # ids of this offer: base + sequence number
         # sessions are this offer's own (base + n): they return within it, never across offers
-        pkts = [client.request_packets(tenant, base + s + 1, 0,
-                                       [(s * 131 + i) % 509 for i in range(prompt_tokens * merge)],
-                                       max_output_tokens=max_output_tokens * merge)[0] for s in range(sessions)]
+        pkts = [pkt for s, prompt in enumerate(prompts)
+                for pkt in client.request_packets(tenants[s % len(tenants)], base + s + 1, 0, prompt,
+                                                  max_output_tokens=max_output_tokens * merge)]
         # the client runs beside the workers, off the data path's core
         cpu = self.cfg.worker_cpus[0] if self.cfg.worker_cpus else None
         duration = count / rate * 3 + 5
-        return client.spawn_in_netns(self.topo.client_ns[0], self.topo.host_ip[0], pkts, timeout=duration + 60,
-                                     cpu=cpu, rate=rate, count=count, duration=duration,
-                                     drain_ms=int(drain_s * 1000), seq_base=base)
+        res = client.spawn_in_netns(self.topo.client_ns[0], self.topo.host_ip[0], pkts, timeout=duration + 60,
+                                    cpu=cpu, rate=rate, count=count, duration=duration,
+                                    drain_ms=int(drain_s * 1000), seq_base=base)
+        by_status = {int(k): v for k, v in res["by_status"].items()}   # JSON made the keys strings
+        return {**res, "by_status": by_status, "seq_base": base}
 
     # --- what happened -----------------------------------------------------------------------
-    def trace(self) -> np.ndarray:
-        """Every record the workers ran so far, with its stamps."""
+    def trace(self, worker: int | None = None) -> np.ndarray:
+        """Every record the workers (or one worker) ran so far, with its stamps."""
         parts = []
-        for buf in self.traces:
+        for buf in self.traces if worker is None else [self.traces[worker]]:
             n = int(np.frombuffer(buf, dtype="<u8", count=1)[0])
             parts.append(np.frombuffer(buf, dtype=TRACE, offset=64, count=n).copy())
         return np.concatenate(parts) if parts else np.zeros(0, TRACE)
@@ -311,6 +356,9 @@ class Pipeline:
             np.frombuffer(buf, dtype="<u8", count=1)[0] = 0
 
     def stats(self) -> dict:
-        return {"router": self.router.stats(), "workers": [self.router.worker_stats(k) for k in range(self.cfg.workers)],
+        pools = sorted({p for p, _, _ in self.placement})
+        return {"router": self.router.stats(), "workers": [self.router.worker_stats(k) for k in range(len(self.workers))],
+                "pools": {p: self.router.pool_stats(p) for p in pools},
+                "tenants": {t: self.router.tenant_stats(t) for t in self.cfg.tenants},
                 "responder": self.responder.stats(), "loop": self.loop.stats(), "ingress": self.ingress.counters(),
                 "consumer_records": self.consumer.records, "xdp_mode": self.xdp_mode}

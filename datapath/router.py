@@ -9,9 +9,11 @@ import errno
 import os
 
 from ._dataplane import ffi, lib
+from .admission import TenantPolicy
 from .ring import Ring
 
 BATCHING = {"dynamic": lib.DP_BATCH_DYNAMIC, "static": lib.DP_BATCH_STATIC}
+MAX_POOLS = lib.DP_MAX_POOLS
 
 
 def policies() -> list[str]:
@@ -71,11 +73,13 @@ class Router:
         self._rings.append(ring)
         return _check(lib.dp_router_add_input(self._rt, ring.ptr), f"input ring {ring.name!r} (slots too small?)")
 
-    def add_worker(self, lane: Ring, done: Ring, weight: int = 1) -> int:
+    def add_worker(self, lane: Ring, done: Ring, weight: int = 1, pool: int = 0) -> int:
         self._rings += [lane, done]
         k = _check(lib.dp_router_add_worker(self._rt, lane.ptr, done.ptr, weight),
                    f"worker lane {lane.name!r}/{done.name!r} (slot sizes or capacity too small?)")
         self.n_workers += 1
+        if pool:
+            self.set_worker_pool(k, pool)
         return k
 
     def add_zmq_worker(self, endpoint: str, weight: int = 1) -> int:
@@ -99,6 +103,41 @@ class Router:
 
     def set_up(self, worker: int, up: bool):
         _check(lib.dp_router_set_up(self._rt, worker, int(up)), f"health of worker {worker}")
+
+    # --- pools: placement by price, health and room (native/router.h) -------------------------
+    def set_pool(self, pool: int, price_per_1k: int, room_per_worker: int = 0):
+        """Pool `pool` (0..MAX_POOLS-1) costs price_per_1k micro-USD per 1,000 tokens (the placement
+        order: cheapest first, see admission.pool_price_per_1k) and takes up to room_per_worker
+        queued chunks per up worker before the next pool gets new requests (0: no limit)."""
+        if not 0 <= price_per_1k < 1 << 32 or not 0 <= room_per_worker < 1 << 32:
+            raise ValueError("price_per_1k and room_per_worker must be 0..2^32-1")
+        _check(lib.dp_router_set_pool(self._rt, pool, price_per_1k, room_per_worker),
+               f"pool {pool} (0..{lib.DP_MAX_POOLS - 1})")
+
+    def set_worker_pool(self, worker: int, pool: int):
+        _check(lib.dp_router_set_worker_pool(self._rt, worker, pool), f"pool {pool} of worker {worker}")
+
+    def pool_stats(self, pool: int) -> dict:
+        st = ffi.new("struct dp_pool_stats *")
+        _check(lib.dp_router_pool_stats(self._rt, pool, st), f"pool {pool}")
+        return _struct_dict(st)
+
+    # --- admission (native/admission.h), per tenant, live --------------------------------------
+    def set_tenant(self, tenant: int, policy: TenantPolicy):
+        _check(lib.dp_router_set_tenant(self._rt, tenant, policy.cdata()),
+               f"tenant {tenant} (the table holds {lib.DP_ADM_MAX_TENANTS})")
+
+    def set_default_tenant(self, policy: TenantPolicy):
+        """The settings of every tenant that has none of its own."""
+        lib.dp_router_set_default_tenant(self._rt, policy.cdata())
+
+    def tenant_stats(self, tenant: int) -> dict:
+        """Its decisions and spending (all zero for a tenant never seen)."""
+        st = ffi.new("struct dp_adm_tenant_stats *")
+        lib.dp_router_tenant_stats(self._rt, tenant, st)
+        out = _struct_dict(st)
+        del out["pad"]
+        return out
 
     def set_batching(self, batching: str, token_budget: int = 512, max_chunks: int = 64,
                      max_batch_size: int = 32, batch_timeout_s: float = 0.05):

@@ -219,3 +219,31 @@ def pack_request_raw(tokens=(), **fields) -> bytes:
         raise TypeError(f"unknown request fields: {sorted(unknown)}")
     values.update(fields)
     return REQ_HDR.pack(*(values[name] for name, _ in REQ_FIELDS)) + struct.pack(f"<{len(tokens)}I", *tokens)
+
+
+@dataclass(frozen=True)
+class AdmissionBody:
+    """The JSON body of an admission answer (native/admission.c): a 400/422/429 refusal, or the
+    200 answer to a COUNT_TOKENS record. `fields` holds the other top-level keys (request_tokens,
+    limit_tokens, tokens_per_minute, retry_after_ms, would_be ...)."""
+    status: int
+    cost_breakdown: dict
+    suggestions: list
+    error: str = ""
+    fields: dict = field(default_factory=dict)
+
+
+def decode_admission_body(body) -> AdmissionBody:
+    """Parse an admission body; WireError(field="body") if it is not one."""
+    import json
+    try:
+        doc = json.loads(bytes(body).decode())
+    except (UnicodeDecodeError, ValueError) as e:
+        raise WireError("body", f"not a JSON document: {e}") from None
+    if not isinstance(doc, dict) or doc.get("status") not in STATUSES:
+        raise WireError("body", "no status among the body's keys")
+    if not isinstance(doc.get("cost_breakdown"), dict) or not isinstance(doc.get("suggestions"), list):
+        raise WireError("body", "an admission body carries cost_breakdown {...} and suggestions [...]")
+    rest = {k: v for k, v in doc.items() if k not in ("status", "cost_breakdown", "suggestions", "error")}
+    return AdmissionBody(status=doc["status"], cost_breakdown=doc["cost_breakdown"], suggestions=doc["suggestions"],
+                         error=doc.get("error", ""), fields=rest)

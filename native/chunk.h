@@ -80,7 +80,13 @@ struct dp_response_rec {
     __u16 worker;              /* 56 */
     __u16 client_port;         /* 58 copied from the request's first chunk */
     __u32 client_ip;           /* 60 */
-    __u32 tokens[DP_MAX_OUTPUT_TOKENS]; /* 64 */
+    __u16 body_len;            /* 64 bytes of body[] when n_out is 0 (admission's JSON), else unused */
+    __u16 pool;                /* 66 the worker pool it ran on (0xffff: none) */
+    __u32 reserved;            /* 68 zero */
+    union {                    /* 72 the response body: output tokens, or a JSON document */
+        __u32 tokens[DP_MAX_OUTPUT_TOKENS];
+        __u8 body[DP_MAX_RESP_BODY];
+    };
 };
 /* LAYOUT END */
 
@@ -88,6 +94,7 @@ _Static_assert(sizeof(struct dp_chunk) == DP_CHUNK_LEN, "chunk record size");
 _Static_assert(__builtin_offsetof(struct dp_chunk, tokens) == DP_CHUNK_HDR_LEN, "tokens follow the header");
 _Static_assert(DP_CHUNK_HDR_LEN % 32 == 0, "header is a whole number of half cache lines");
 _Static_assert(sizeof(struct dp_completion) == 32 + 16 * DP_MAX_BATCH_CHUNKS, "completion record size");
-_Static_assert(sizeof(struct dp_response_rec) == 64 + 4 * DP_MAX_OUTPUT_TOKENS, "response record size");
+_Static_assert(sizeof(struct dp_response_rec) == 72 + DP_MAX_RESP_BODY, "response record size");
+_Static_assert(4 * DP_MAX_OUTPUT_TOKENS == DP_MAX_RESP_BODY, "output tokens fill the body exactly");
 
 #endif /* DP_CHUNK_H */

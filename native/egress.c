@@ -39,7 +39,7 @@ uint32_t dp_responder_poll(struct dp_responder *r)
     for (uint32_t i = 0; i < n; i++) {
         const struct dp_response_rec *rec = dp_ring_cons_slot(r->egress, i);
         struct dp_resp_hdr *h = (struct dp_resp_hdr *)pkt[i];
-        uint32_t body = rec->n_out * 4u;
+        uint32_t body = rec->n_out ? rec->n_out * 4u : rec->body_len;   /* output tokens, or admission's JSON */
         if (body > DP_MAX_RESP_BODY)
             body = DP_MAX_RESP_BODY;
         h->magic = DP_WIRE_MAGIC;
@@ -52,7 +52,7 @@ uint32_t dp_responder_poll(struct dp_responder *r)
         h->session_id = rec->session_id;
         h->request_id = rec->request_id;
         h->send_ns = rec->t_send;
-        memcpy(pkt[i] + DP_RESP_HDR_LEN, rec->tokens, body);
+        memcpy(pkt[i] + DP_RESP_HDR_LEN, rec->body, body);
         iov[i] = (struct iovec){ pkt[i], DP_RESP_HDR_LEN + body };
         dst[i] = (struct sockaddr_in){ .sin_family = AF_INET,
                                        .sin_port = rec->client_ip ? rec->client_port : r->dst_port,

@@ -2,7 +2,7 @@
  *
  * A C thread drains struct dp_response_rec records from the router's egress
  * ring, encodes each as a response packet (bpf/wire.h: header, then the
- * output tokens as little-endian uint32) and sends them with sendmmsg from a
+ * output tokens as little-endian uint32, or the JSON body admission wrote) and sends them with sendmmsg from a
  * UDP socket Python opened in the host namespace (bound to the ingress
  * address and port, so a client's connected socket accepts the answer), to
  * the client address its request came from (or a default one).

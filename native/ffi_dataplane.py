@@ -9,7 +9,7 @@ NATIVE = pathlib.Path(__file__).resolve().parent
 BPF = NATIVE.parent / "bpf"
 SOURCES = ["ring.c", "ring_bench.c", "router.c", "policies/registry.c", "policies/round_robin.c",
            "policies/least_loaded.c", "policies/power_of_two.c", "policies/affinity.c", "policies/weighted.c",
-           "egress.c", "loop.c"]
+           "egress.c", "loop.c", "admission.c"]
 
 
 def layout(path: pathlib.Path) -> str:
@@ -25,7 +25,7 @@ def api(path: pathlib.Path) -> str:
 
 CDEF = "typedef uint8_t __u8; typedef uint16_t __u16; typedef uint32_t __u32; typedef uint64_t __u64;\n"
 CDEF += layout(BPF / "wire.h") + layout(NATIVE / "chunk.h")
-CDEF += "".join(api(NATIVE / h) for h in ("ring.h", "policy.h", "router.h", "ring_bench.h", "egress.h", "loop.h"))
+CDEF += "".join(api(NATIVE / h) for h in ("ring.h", "policy.h", "admission.h", "router.h", "ring_bench.h", "egress.h", "loop.h"))
 
 ffibuilder = FFI()
 ffibuilder.cdef(CDEF)
@@ -35,7 +35,7 @@ ffibuilder.set_source(
     sources=[f"native/{s}" for s in SOURCES],  # relative: setuptools refuses absolute paths
     include_dirs=[str(NATIVE), str(BPF)],
     extra_compile_args=["-O2", "-Wall", "-std=gnu11"],
-    libraries=["rt", "pthread", "zmq"],
+    libraries=["rt", "pthread", "zmq", "m"],
 )
 
 if __name__ == "__main__":

@@ -102,7 +102,8 @@ struct dp_send_cfg {
     uint64_t seed;
     uint32_t batch;            /* sendmmsg batch limit */
     uint32_t drain_ms;         /* keep reading responses this long after the last send */
-    int stamp_seq;             /* write seq_base + the sequence number into request_id */
+    int stamp_seq;             /* request_id = seq_base + the sequence number of the request's first chunk
+                                  (a request's chunks are consecutive packets, chunk 0 first) */
     uint64_t seq_base;         /* so successive runs never reuse a request id */
     uint32_t spin_ns;          /* sleep through gaps longer than this, spin the rest */
 };
@@ -117,6 +118,11 @@ struct dp_send_stats {
     uint64_t resp_ok;          /* status 200 */
     uint64_t resp_other;       /* any other status */
     uint64_t last_resp_ns;     /* from the start to the last response (throughput over that span) */
+    uint64_t requests;         /* packets sent that start a request (chunk_index 0): one answer each */
+    uint64_t by_status[6];     /* responses with status 200 400 413 422 429 503 */
+    uint16_t sample_status;    /* the first response other than 200 ... */
+    uint16_t sample_len;
+    uint8_t sample_body[DP_MAX_RESP_BODY];   /* ... and its body (an admission answer's JSON) */
     struct dp_lat rtt;         /* now - echoed send_ns, per response */
     struct dp_lat rtt_ok;      /* the same, for 200 responses only */
 };

@@ -74,6 +74,16 @@ static void read_responses(int fd, struct dp_send_stats *st, uint64_t start)
             continue;
         st->responses++;
         st->last_resp_ns = now - start;
+        int slot = h.status == DP_STATUS_OK ? 0 : h.status == DP_STATUS_BAD_REQUEST ? 1
+                   : h.status == DP_STATUS_TOO_LARGE ? 2 : h.status == DP_STATUS_UNPROCESSABLE ? 3
+                   : h.status == DP_STATUS_RATE_LIMITED ? 4 : 5;
+        st->by_status[slot]++;
+        if (h.status != DP_STATUS_OK && !st->sample_status) {
+            uint32_t len = h.body_len <= (size_t)n - sizeof(h) ? h.body_len : (uint32_t)((size_t)n - sizeof(h));
+            st->sample_status = h.status;
+            st->sample_len = (uint16_t)(len < DP_MAX_RESP_BODY ? len : DP_MAX_RESP_BODY);
+            memcpy(st->sample_body, buf + sizeof(h), st->sample_len);
+        }
         if (h.status == DP_STATUS_RATE_LIMITED)
             st->resp_429++;
         else if (h.status == DP_STATUS_OK)
@@ -120,13 +130,17 @@ int dp_send_poisson(int fd, const uint8_t *pkts, uint32_t stride, const uint16_t
             st->max_late_ns = now - due;
         /* everything due by now, up to a batch */
         while (k < batch && i + k < cfg->count && due <= now) {
-            uint64_t seq = i + k, id = cfg->seq_base + seq;
+            uint64_t seq = i + k;
             const uint8_t *src = pkts + (size_t)(seq % n_pkts) * stride;
             uint8_t *dst = bufs + (size_t)k * stride;
-            uint16_t len = lens[seq % n_pkts];
+            uint16_t len = lens[seq % n_pkts], chunk;
             memcpy(dst, src, len);
-            if (cfg->stamp_seq)
+            memcpy(&chunk, src + offsetof(struct dp_req_hdr, chunk_index), 2);
+            if (cfg->stamp_seq) {        /* every chunk of a request gets its first chunk's number */
+                uint64_t id = cfg->seq_base + seq - chunk;
                 memcpy(dst + offsetof(struct dp_req_hdr, request_id), &id, 8);
+            }
+            st->requests += chunk == 0;
             iov[k].iov_base = dst;
             iov[k].iov_len = len;
             msgs[k].msg_hdr.msg_iov = &iov[k];
@@ -151,8 +165,8 @@ int dp_send_poisson(int fd, const uint8_t *pkts, uint32_t stride, const uint16_t
     st->elapsed_ns = dp_now_ns() - start;
     for (uint64_t end = dp_now_ns() + (uint64_t)cfg->drain_ms * 1000000; dp_now_ns() < end;) {
         read_responses(fd, st, start);
-        if (st->responses >= st->sent)
-            break;                 /* everything answered: no need to wait out the drain */
+        if (st->responses >= st->requests)
+            break;                 /* every request answered: no need to wait out the drain */
         wait_until(fd, end);
     }
     free(bufs);

@@ -7,6 +7,7 @@
 #include <errno.h>
 #include <sched.h>
 #include <stddef.h>
+#include <stdio.h>
 #include <sys/mman.h>
 #include <stdlib.h>
 #include <string.h>
@@ -47,6 +48,10 @@ struct req {
     uint64_t t_send, t_xdp, t_first_lane, t_ready, t_last;
     uint32_t client_ip;                          /* where the response goes (from the first chunk) */
     uint16_t client_port;
+    uint16_t pool;                               /* the pool it was placed on */
+    uint8_t spill;                               /* admission throttled it to the secondary pool */
+    uint32_t tokens_in, generated;               /* what ran: settled against the admission's charge */
+    struct dp_adm_decision adm;
     uint32_t out[DP_MAX_OUTPUT_TOKENS];
 };
 
@@ -58,6 +63,7 @@ struct batch_meta {             /* what the router remembers of each record it s
 
 struct worker {
     int kind;                           /* DP_LANE_SHM or DP_LANE_ZMQ */
+    uint16_t pool, local;               /* its pool, and its index in the pool's view */
     struct dp_ring *lane, *done;        /* shm */
     void *zsock;                        /* zmq: a DEALER connected to the worker's */
     uint8_t *stage;                     /* zmq: the batch being built, sent as one message */
@@ -78,11 +84,22 @@ struct index {
     uint32_t mask;
 };
 
+/* A pool of workers: its own view and policy instance, so the policy picks among its members only. */
+struct pool {
+    struct dp_workers view;
+    struct dp_policy policy;
+    uint16_t member[DP_MAX_WORKERS];    /* view index -> worker index */
+    uint32_t price, room;
+    uint64_t requests, spilled;
+};
+
 struct dp_router {
     struct dp_router_config cfg;
     pthread_mutex_t lock;
-    struct dp_policy policy;
-    struct dp_workers view;
+    struct dp_workers view;             /* every worker (the pools' views are slices of it) */
+    struct pool pools[DP_MAX_POOLS];
+    uint8_t order[DP_MAX_POOLS];        /* pools by price, cheapest first */
+    struct dp_admission *adm;
     struct worker w[DP_MAX_WORKERS];
     struct dp_ring *in[DP_MAX_INPUTS];
     uint32_t n_in, in_cursor;
@@ -277,15 +294,85 @@ static uint32_t fifo_pop(struct dp_router *rt, struct worker *w)
 
 static void depth_add(struct dp_router *rt, int worker, int32_t d)
 {
+    struct worker *w = &rt->w[worker];
+    struct dp_workers *pv = &rt->pools[w->pool].view;
     rt->view.depth[worker] += (uint32_t)d;
     rt->view.total_depth += (uint32_t)d;
-    rt->w[worker].st.depth = rt->view.depth[worker];
+    pv->depth[w->local] += (uint32_t)d;
+    pv->total_depth += (uint32_t)d;
+    w->st.depth = rt->view.depth[worker];
+}
+
+/* --- pools ------------------------------------------------------------------------- */
+
+/* The pools' views again from the workers' (after a worker joins or changes pool). */
+static void rebuild_pools(struct dp_router *rt)
+{
+    for (uint32_t p = 0; p < DP_MAX_POOLS; p++) {
+        rt->pools[p].view.n = rt->pools[p].view.total_depth = 0;
+        rt->pools[p].view.generation++;
+    }
+    for (uint32_t k = 0; k < rt->view.n; k++) {
+        struct worker *w = &rt->w[k];
+        struct dp_workers *pv = &rt->pools[w->pool].view;
+        uint32_t i = pv->n++;
+        rt->pools[w->pool].member[i] = (uint16_t)k;
+        w->local = (uint16_t)i;
+        pv->depth[i] = rt->view.depth[k];
+        pv->weight[i] = rt->view.weight[k];
+        pv->up[i] = rt->view.up[k];
+        pv->total_depth += pv->depth[i];
+    }
+}
+
+static uint32_t pool_up(const struct pool *pl)
+{
+    uint32_t up = 0;
+    for (uint32_t i = 0; i < pl->view.n; i++)
+        up += pl->view.up[i];
+    return up;
+}
+
+/* The placement rule (router.h): the cheapest pool with an up worker and room, or, for a request
+ * admission throttled (spill), the next one; the policy then picks inside the pool. -1: none is up. */
+static int pick_worker(struct dp_router *rt, uint64_t session, uint32_t tenant, int spill, uint16_t *pool,
+                       int *spilled)
+{
+    int first = -1, second = -1, healthy = -1;
+    for (uint32_t i = 0; i < DP_MAX_POOLS; i++) {
+        int p = rt->order[i];
+        const struct pool *pl = &rt->pools[p];
+        uint32_t up = pool_up(pl);
+        if (!up)
+            continue;
+        if (healthy < 0)
+            healthy = p;
+        if (pl->room && pl->view.total_depth >= (uint64_t)pl->room * up)
+            continue;                    /* full: the next pool takes it */
+        if (first < 0)
+            first = p;
+        else if (second < 0)
+            second = p;
+    }
+    *spilled = spill && second >= 0;
+    int p = *spilled ? second : first >= 0 ? first : healthy;
+    if (p < 0)
+        return -1;
+    struct pool *pl = &rt->pools[p];
+    int k = dp_policy_pick(&pl->policy, &pl->view, session, tenant);
+    if (k < 0)
+        return -1;
+    *pool = (uint16_t)p;
+    pl->requests++;
+    pl->spilled += (uint64_t)*spilled;
+    return pl->member[k];
 }
 
 /* --- responses -------------------------------------------------------------------- */
 
+/* A response: r's output tokens, or (no r) a refusal of chunk c's request with an optional JSON body. */
 static int emit(struct dp_router *rt, const struct req *r, uint16_t status, uint64_t request_id, uint64_t session,
-                uint32_t tenant, const struct dp_chunk *c)
+                uint32_t tenant, const struct dp_chunk *c, const char *body, uint32_t body_len)
 {
     if (!rt->egress)
         return 1;  /* no egress attached: responses are counted only */
@@ -307,8 +394,15 @@ static int emit(struct dp_router *rt, const struct req *r, uint16_t status, uint
     o->worker = r ? (uint16_t)r->worker : 0xffff;
     o->client_ip = r ? r->client_ip : c->client_ip;
     o->client_port = r ? r->client_port : c->client_port;
+    o->pool = r ? r->pool : 0xffff;
+    o->reserved = 0;
+    o->body_len = 0;
     if (n)
         memcpy(o->tokens, r->out, n * sizeof(uint32_t));
+    else if (body_len) {
+        o->body_len = (uint16_t)(body_len < DP_MAX_RESP_BODY ? body_len : DP_MAX_RESP_BODY);
+        memcpy(o->body, body, o->body_len);
+    }
     dp_ring_prod_commit(rt->egress, 1);
     return 1;
 }
@@ -397,6 +491,7 @@ static void finish(struct dp_router *rt, uint32_t ri)
     struct worker *w = &rt->w[r->worker];
     session_leave(rt, ri);
     remember_done(rt, r->key);
+    dp_adm_settle(rt->adm, r->tenant, &r->adm, r->tokens_in, r->generated, r->status == 0);
     rt->reserved -= r->chunk_count - r->received;   /* a failed request's missing chunks need no room now */
     r->received = r->chunk_count;
     free_list(rt, r->sent_head);        /* no replay needed any more */
@@ -412,7 +507,7 @@ static void finish(struct dp_router *rt, uint32_t ri)
     r->state = REQ_DONE;
     r->fifo_next = NIL;
     if (rt->done_head == NIL && emit(rt, r, r->status ? r->status : DP_STATUS_OK, r->request_id, r->session_id,
-                                     r->tenant, NULL)) {
+                                     r->tenant, NULL, NULL, 0)) {
         rt->st.responses++;
         req_free(rt, ri);
         return;
@@ -431,7 +526,7 @@ static uint32_t flush_done(struct dp_router *rt)
     while (rt->done_head != NIL) {
         uint32_t ri = rt->done_head;
         struct req *r = &rt->reqs[ri];
-        if (!emit(rt, r, r->status ? r->status : DP_STATUS_OK, r->request_id, r->session_id, r->tenant, NULL))
+        if (!emit(rt, r, r->status ? r->status : DP_STATUS_OK, r->request_id, r->session_id, r->tenant, NULL, NULL, 0))
             break;
         rt->done_head = r->fifo_next;
         if (rt->done_head == NIL)
@@ -494,15 +589,117 @@ static int bad_chunk(const struct dp_chunk *c)
 
 static void fail_request(struct dp_router *rt, int wk, uint32_t ri, uint16_t status);
 
+/* Answered without a request slot: a refusal at first sight (with admission's body), or a price. */
+static int answer(struct dp_router *rt, const struct dp_chunk *c, uint16_t status, const char *body, uint32_t len)
+{
+    if (!emit(rt, NULL, status, c->request_id, c->session_id, c->tenant, c, body, len))
+        return 0;
+    rt->st.responses++;
+    return 1;
+}
+
+/* A request seen for the first time (its first chunk, or its OPEN): admission, then a pool and a
+ * worker. Returns 0 if its refusal found no egress room (nothing changed: the record is tried again),
+ * else 1 with *out its new slot, or NIL if it was answered. */
+static int admit(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, uint64_t key, uint32_t *out)
+{
+    char body[DP_MAX_RESP_BODY];
+    struct dp_adm_decision d;
+    uint32_t len = dp_adm_decide(rt->adm, c->tenant, c->tokens, c->n_tokens, c->chunk_count, c->max_output_tokens,
+                                 0, t, &d, body, sizeof(body));
+    *out = NIL;
+    if (d.status != DP_STATUS_OK) {
+        if (!answer(rt, c, d.status, body, len))
+            return 0;
+        dp_adm_commit(rt->adm, c->tenant, &d, t);
+        remember_done(rt, key);   /* its other chunks are not a new request */
+        if (d.status == DP_STATUS_BAD_REQUEST)
+            rt->st.adm_oversized++;
+        else if (d.status == DP_STATUS_UNPROCESSABLE)
+            rt->st.adm_over_budget++;
+        else
+            rt->st.adm_rate_limited++;
+        return 1;
+    }
+    /* the chunk pool must hold this request's chunks besides those promised to requests still
+     * arriving, or it is refused now (a full pool would stall the chunks that finish them) */
+    int room = rt->st.pool_free >= (uint32_t)c->chunk_count + rt->reserved, spilled = 0;
+    uint16_t pool = 0;
+    int wk = room && rt->req_free != NIL ? pick_worker(rt, c->session_id, c->tenant, d.spill, &pool, &spilled) : -1;
+    uint32_t ri = wk < 0 ? NIL : req_insert(rt, key);   /* a free slot was checked: cannot fail */
+    if (ri == NIL) {
+        if (!answer(rt, c, DP_STATUS_UNAVAILABLE, NULL, 0))
+            return 0;
+        remember_done(rt, key);
+        if (room)
+            rt->st.table_full++;
+        else
+            rt->st.pool_refused++;
+        return 1;
+    }
+    dp_adm_commit(rt->adm, c->tenant, &d, t);
+    rt->st.admitted++;
+    rt->st.to_secondary += (uint64_t)spilled;
+    rt->reserved += c->chunk_count;     /* each chunk takes one back as it comes */
+    struct req *r = &rt->reqs[ri];
+    memset(r, 0, offsetof(struct req, out));
+    r->key = key;
+    r->request_id = c->request_id;
+    r->session_id = c->session_id;
+    r->tenant = c->tenant;
+    r->max_output = c->max_output_tokens;
+    r->chunk_count = c->chunk_count;
+    r->worker = (int16_t)wk;
+    r->pool = pool;
+    r->spill = d.spill;
+    r->adm = d;
+    r->state = REQ_PREFILL;
+    r->pending_head = r->pending_tail = r->ooo = r->fifo_next = NIL;
+    r->sent_head = r->sent_tail = NIL;
+    r->t_send = c->t_send;
+    r->t_xdp = c->t_xdp;
+    r->t_last = t;
+    r->client_ip = c->client_ip;
+    r->client_port = c->client_port;
+    session_join(rt, ri, c);
+    rt->st.requests_in++;
+    *out = ri;
+    return 1;
+}
+
+/* COUNT_TOKENS: priced like the request it announces, answered 200 with the breakdown; nothing runs. */
+static int count_tokens(struct dp_router *rt, const struct dp_chunk *c, uint64_t t)
+{
+    char body[DP_MAX_RESP_BODY];
+    struct dp_adm_decision d;
+    uint32_t len = dp_adm_decide(rt->adm, c->tenant, c->tokens, c->n_tokens, c->chunk_count, c->max_output_tokens,
+                                 1, t, &d, body, sizeof(body));
+    if (!answer(rt, c, DP_STATUS_OK, body, len))
+        return 0;
+    dp_adm_commit(rt->adm, c->tenant, &d, t);
+    rt->st.adm_counted++;
+    return 1;
+}
+
 /* Returns 0 if the router has no room for it now (the record stays in its ring). */
 static int ingest(struct dp_router *rt, const struct dp_chunk *c, uint64_t t)
 {
-    if (c->kind != DP_KIND_CHUNK) {      /* open/close/count_tokens are the control plane's */
+    if (c->kind == DP_KIND_COUNT_TOKENS)
+        return count_tokens(rt, c, t);
+    if (c->kind != DP_KIND_CHUNK && c->kind != DP_KIND_OPEN) {   /* close is the control plane's */
         rt->st.control_in++;
         return 1;
     }
     uint64_t key = chunk_key(c);
     uint32_t ri = index_find(rt, &rt->by_id, key, c, 1);
+    if (c->kind == DP_KIND_OPEN) {       /* admits the request before its chunks come */
+        if (ri != NIL || recently_done(rt, key) || c->chunk_count < 1) {
+            rt->st.control_in++;         /* a repeat, or too late: its chunks decided already */
+            return 1;
+        }
+        rt->st.opened++;
+        return admit(rt, c, t, key, &ri);
+    }
     if (bad_chunk(c)) {                  /* the whole request is refused, once */
         rt->st.bad_chunks++;
         if (ri != NIL) {
@@ -512,10 +709,9 @@ static int ingest(struct dp_router *rt, const struct dp_chunk *c, uint64_t t)
         }
         if (recently_done(rt, key))
             return 1;
-        if (!emit(rt, NULL, DP_STATUS_BAD_REQUEST, c->request_id, c->session_id, c->tenant, c))
+        if (!answer(rt, c, DP_STATUS_BAD_REQUEST, NULL, 0))
             return 0;
         remember_done(rt, key);
-        rt->st.responses++;
         return 1;
     }
     if (ri == NIL && recently_done(rt, key)) {
@@ -523,40 +719,9 @@ static int ingest(struct dp_router *rt, const struct dp_chunk *c, uint64_t t)
         return 1;
     }
     if (ri == NIL) {
-        /* admission: the pool must hold this request's chunks besides those promised to requests
-         * still arriving, or it is refused now (a full pool would stall the chunks that finish them) */
-        int room = rt->st.pool_free >= (uint32_t)c->chunk_count + rt->reserved;
-        int wk = room ? dp_policy_pick(&rt->policy, &rt->view, c->session_id, c->tenant) : -1;
-        if (wk < 0 || (ri = req_insert(rt, key)) == NIL) {
-            if (!emit(rt, NULL, DP_STATUS_UNAVAILABLE, c->request_id, c->session_id, c->tenant, c))
-                return 0;
-            remember_done(rt, key);   /* its other chunks are not a new request */
-            if (room)
-                rt->st.table_full++;
-            else
-                rt->st.pool_refused++;
-            rt->st.responses++;
-            return 1;
-        }
-        rt->reserved += c->chunk_count - 1u;
-        struct req *r = &rt->reqs[ri];
-        memset(r, 0, offsetof(struct req, out));
-        r->key = key;
-        r->request_id = c->request_id;
-        r->session_id = c->session_id;
-        r->tenant = c->tenant;
-        r->max_output = c->max_output_tokens;
-        r->chunk_count = c->chunk_count;
-        r->worker = (int16_t)wk;
-        r->state = REQ_PREFILL;
-        r->pending_head = r->pending_tail = r->ooo = r->fifo_next = NIL;
-        r->sent_head = r->sent_tail = NIL;
-        r->t_send = c->t_send;
-        r->t_xdp = c->t_xdp;
-        r->client_ip = c->client_ip;
-        r->client_port = c->client_port;
-        session_join(rt, ri, c);
-        rt->st.requests_in++;
+        int rc = admit(rt, c, t, key, &ri);
+        if (ri == NIL)
+            return rc;
     }
     struct req *r = &rt->reqs[ri];
     if (r->state != REQ_PREFILL || c->chunk_count != r->chunk_count || c->chunk_index < r->next_index ||
@@ -575,9 +740,9 @@ static int ingest(struct dp_router *rt, const struct dp_chunk *c, uint64_t t)
     struct dp_chunk *pc = &rt->pool[p].c;
     memcpy(pc, c, DP_CHUNK_HDR_LEN + c->n_tokens * sizeof(uint32_t));
     pc->t_router = t;
-    if (r->received)
-        rt->reserved--;                  /* a promised chunk has come */
+    rt->reserved--;                      /* a promised chunk has come */
     r->received++;
+    r->tokens_in += c->n_tokens;
     r->t_last = t;
     rt->st.chunks_in++;
     accept_chunk(rt, ri, p);
@@ -729,6 +894,8 @@ static void complete_entry(struct dp_router *rt, int wk, const struct batch_meta
     }
     if (m->kind == DP_KIND_CHUNK && !m->final)
         return;
+    if (r->max_output)
+        r->generated++;
     if (r->max_output && r->n_out < DP_MAX_OUTPUT_TOKENS)
         r->out[r->n_out++] = e->token;
     if (m->kind == DP_KIND_CHUNK) {      /* prefill done: the first output token is sampled */
@@ -973,10 +1140,14 @@ static uint32_t expire_stalled(struct dp_router *rt, uint64_t now)
         if (r->state != REQ_PREFILL || r->received == r->chunk_count || r->inflight ||
             now - r->t_last < rt->cfg.reassembly_timeout_ns)
             continue;
+        char body[128];
+        int len = snprintf(body, sizeof(body), "{\"status\":400,\"error\":\"chunks missing after the reassembly "
+                           "timeout\",\"received\":%u,\"chunk_count\":%u}", r->received, r->chunk_count);
         if (!emit(rt, NULL, DP_STATUS_BAD_REQUEST, r->request_id, r->session_id, r->tenant,
                   &(struct dp_chunk){ .t_send = r->t_send, .t_xdp = r->t_xdp, .client_ip = r->client_ip,
-                                      .client_port = r->client_port }))
+                                      .client_port = r->client_port }, body, (uint32_t)len))
             break;                       /* egress full: try again at the next scan */
+        dp_adm_settle(rt->adm, r->tenant, &r->adm, r->tokens_in, 0, 0);
         if (r->in_fifo)
             fifo_remove(rt, &rt->w[r->worker], ri);
         drop_pending(rt, r);
@@ -1008,8 +1179,7 @@ static void failover(struct dp_router *rt, uint32_t k)
     w->fifo_head = w->fifo_tail = NIL;
     w->n_decoding = w->st.decoding = 0;
     w->n_set = 0;
-    rt->view.total_depth -= rt->view.depth[k];
-    rt->view.depth[k] = w->st.depth = 0;
+    depth_add(rt, (int)k, -(int32_t)rt->view.depth[k]);
     for (uint32_t ri = 0; ri < rt->cfg.max_requests; ri++) {
         struct req *r = &rt->reqs[ri];
         if (r->state == REQ_FREE || r->worker != (int16_t)k)
@@ -1022,7 +1192,8 @@ static void failover(struct dp_router *rt, uint32_t k)
             continue;                    /* else already answered, waiting for egress room */
         }
         r->inflight = r->in_fifo = r->in_set = 0;
-        int nk = dp_policy_pick(&rt->policy, &rt->view, r->session_id, r->tenant);
+        int spilled;
+        int nk = pick_worker(rt, r->session_id, r->tenant, r->spill, &r->pool, &spilled);
         if (nk < 0) {
             free_list(rt, r->pending_head);
             free_list(rt, r->ooo);
@@ -1063,36 +1234,53 @@ static void failover(struct dp_router *rt, uint32_t k)
  * shared with the worker, never taken from it. */
 #define WARM_LINES 8
 
+/* Region i of the working set: the indexes, the view, the workers, each pool's view and policy
+ * state, then each shm lane's header and next batch's slots. */
+#define WARM_FIXED (4 + 2 * DP_MAX_POOLS)
+
 static size_t warm_region(const struct dp_router *rt, uint32_t i, const uint8_t **base)
 {
     size_t idx_bytes = 2 * (size_t)rt->cfg.max_requests * sizeof(*rt->by_id.e);
-    switch (i) {
-    case 0: *base = (const uint8_t *)rt->by_id.e; return idx_bytes;
-    case 1: *base = (const uint8_t *)rt->by_session.e; return idx_bytes;
-    case 2: *base = (const uint8_t *)&rt->view; return sizeof(rt->view);
-    case 3: *base = (const uint8_t *)rt->w; return rt->view.n * sizeof(rt->w[0]);
-    case 4: *base = rt->policy.warm; return rt->policy.warm_bytes;
-    default: {                                   /* each shm lane: its header, then its next batch's slots */
-        uint32_t k = (i - 5) / 2;
-        const struct worker *w = &rt->w[k];
-        if (w->kind != DP_LANE_SHM)
+    if (i == 0 || i == 1) {
+        *base = (const uint8_t *)(i == 0 ? rt->by_id.e : rt->by_session.e);
+        return idx_bytes;
+    }
+    if (i == 2) {
+        *base = (const uint8_t *)&rt->view;
+        return sizeof(rt->view);
+    }
+    if (i == 3) {
+        *base = (const uint8_t *)rt->w;
+        return rt->view.n * sizeof(rt->w[0]);
+    }
+    if (i < WARM_FIXED) {
+        const struct pool *pl = &rt->pools[(i - 4) / 2];
+        if (pl->view.n == 0)
             return 0;
-        if ((i - 5) % 2 == 0) {
-            *base = (const uint8_t *)w->lane->h;
-            return sizeof(*w->lane->h);
+        if ((i - 4) % 2 == 0) {
+            *base = (const uint8_t *)&pl->view;
+            return sizeof(pl->view);
         }
-        const struct dp_ring_hdr *h = w->lane->h;
-        uint32_t to_end = h->capacity - (uint32_t)(h->tail & h->mask);   /* never past the mapping */
-        *base = dp_ring_slot(w->lane, h->tail);
-        return (size_t)(rt->cfg.max_chunks < to_end ? rt->cfg.max_chunks : to_end) * h->slot_size;
+        *base = pl->policy.warm;
+        return pl->policy.warm_bytes;
     }
+    const struct worker *w = &rt->w[(i - WARM_FIXED) / 2];
+    if (w->kind != DP_LANE_SHM)
+        return 0;
+    const struct dp_ring_hdr *h = w->lane->h;
+    if ((i - WARM_FIXED) % 2 == 0) {
+        *base = (const uint8_t *)h;
+        return sizeof(*h);
     }
+    uint32_t to_end = h->capacity - (uint32_t)(h->tail & h->mask);   /* never past the mapping */
+    *base = dp_ring_slot(w->lane, h->tail);
+    return (size_t)(rt->cfg.max_chunks < to_end ? rt->cfg.max_chunks : to_end) * h->slot_size;
 }
 
 static void warm_step(struct dp_router *rt)
 {
     static volatile uint8_t sink;
-    uint32_t regions = 5 + 2 * rt->view.n;
+    uint32_t regions = WARM_FIXED + 2 * rt->view.n;
     for (uint32_t lines = 0, tries = 0; lines < WARM_LINES && tries < regions; ) {
         const uint8_t *base = NULL;
         size_t len = rt->warm_region < regions ? warm_region(rt, rt->warm_region, &base) : 0;
@@ -1184,10 +1372,18 @@ struct dp_router *dp_router_create(const struct dp_router_config *cfg, const cha
         rt->req_free = i;
     }
     rt->done_head = rt->done_tail = NIL;
-    int rc = dp_policy_init(&rt->policy, policy, c.seed, param);
-    if (rc) {
+    for (uint32_t p = 0; p < DP_MAX_POOLS; p++) {
+        rt->order[p] = (uint8_t)p;
+        int rc = dp_policy_init(&rt->pools[p].policy, policy, c.seed, param);
+        if (rc) {
+            dp_router_destroy(rt);
+            *err = rc;
+            return NULL;
+        }
+    }
+    if (!(rt->adm = dp_adm_create())) {
         dp_router_destroy(rt);
-        *err = rc;
+        *err = -ENOMEM;
         return NULL;
     }
     return rt;
@@ -1197,7 +1393,10 @@ void dp_router_destroy(struct dp_router *rt)
 {
     if (!rt)
         return;
-    dp_policy_fini(&rt->policy);
+    for (uint32_t p = 0; p < DP_MAX_POOLS; p++)
+        if (rt->pools[p].policy.ops)
+            dp_policy_fini(&rt->pools[p].policy);
+    dp_adm_destroy(rt->adm);
     for (uint32_t k = 0; k < rt->view.n; k++) {
         free(rt->w[k].decoding);
         free(rt->w[k].stage);
@@ -1250,6 +1449,8 @@ static int add_worker(struct dp_router *rt, int kind, struct dp_ring *lane, stru
         rt->view.depth[k] = 0;
         rt->view.n++;
         rt->view.generation++;
+        w->pool = 0;
+        rebuild_pools(rt);
     }
     pthread_mutex_unlock(&rt->lock);
     return k;
@@ -1296,13 +1497,20 @@ int dp_router_set_egress(struct dp_router *rt, struct dp_ring *egress)
 
 int dp_router_set_policy(struct dp_router *rt, const char *policy, double param)
 {
-    struct dp_policy p;
-    int rc = dp_policy_init(&p, policy, rt->cfg.seed, param);
-    if (rc)
-        return rc;
+    struct dp_policy p[DP_MAX_POOLS];
+    for (uint32_t i = 0; i < DP_MAX_POOLS; i++) {
+        int rc = dp_policy_init(&p[i], policy, rt->cfg.seed, param);
+        if (rc) {
+            while (i-- > 0)
+                dp_policy_fini(&p[i]);
+            return rc;
+        }
+    }
     pthread_mutex_lock(&rt->lock);
-    dp_policy_fini(&rt->policy);
-    rt->policy = p;              /* requests already placed stay where their KV is */
+    for (uint32_t i = 0; i < DP_MAX_POOLS; i++) {
+        dp_policy_fini(&rt->pools[i].policy);
+        rt->pools[i].policy = p[i];  /* requests already placed stay where their KV is */
+    }
     pthread_mutex_unlock(&rt->lock);
     return 0;
 }
@@ -1314,6 +1522,7 @@ int dp_router_set_weight(struct dp_router *rt, uint32_t worker, uint32_t weight)
     pthread_mutex_lock(&rt->lock);
     rt->view.weight[worker] = weight;
     rt->view.generation++;
+    rebuild_pools(rt);
     pthread_mutex_unlock(&rt->lock);
     return 0;
 }
@@ -1327,10 +1536,76 @@ int dp_router_set_up(struct dp_router *rt, uint32_t worker, int up)
     rt->view.up[worker] = up ? 1 : 0;
     rt->w[worker].st.up = rt->view.up[worker];
     rt->view.generation++;
+    rebuild_pools(rt);
     if (was_up && !up)
         failover(rt, worker);
     pthread_mutex_unlock(&rt->lock);
     return 0;
+}
+
+int dp_router_set_pool(struct dp_router *rt, uint32_t pool, uint32_t price_per_1k, uint32_t room_per_worker)
+{
+    if (pool >= DP_MAX_POOLS)
+        return -EINVAL;
+    pthread_mutex_lock(&rt->lock);
+    rt->pools[pool].price = price_per_1k;
+    rt->pools[pool].room = room_per_worker;
+    for (uint32_t i = 1; i < DP_MAX_POOLS; i++)       /* insertion sort: by price, then by number */
+        for (uint32_t j = i; j > 0; j--) {
+            uint8_t a = rt->order[j - 1], b = rt->order[j];
+            if (rt->pools[a].price < rt->pools[b].price || (rt->pools[a].price == rt->pools[b].price && a < b))
+                break;
+            rt->order[j - 1] = b;
+            rt->order[j] = a;
+        }
+    pthread_mutex_unlock(&rt->lock);
+    return 0;
+}
+
+int dp_router_set_worker_pool(struct dp_router *rt, uint32_t worker, uint32_t pool)
+{
+    if (worker >= rt->view.n || pool >= DP_MAX_POOLS)
+        return -EINVAL;
+    pthread_mutex_lock(&rt->lock);
+    rt->w[worker].pool = (uint16_t)pool;   /* requests already placed stay on their worker */
+    rebuild_pools(rt);
+    pthread_mutex_unlock(&rt->lock);
+    return 0;
+}
+
+int dp_router_pool_stats(struct dp_router *rt, uint32_t pool, struct dp_pool_stats *s)
+{
+    if (pool >= DP_MAX_POOLS)
+        return -EINVAL;
+    pthread_mutex_lock(&rt->lock);
+    const struct pool *pl = &rt->pools[pool];
+    *s = (struct dp_pool_stats){ pl->requests, pl->spilled, pl->price, pl->room, pl->view.n, pool_up(pl),
+                                 pl->view.total_depth };
+    pthread_mutex_unlock(&rt->lock);
+    return 0;
+}
+
+int dp_router_set_tenant(struct dp_router *rt, uint32_t tenant, const struct dp_tenant_cfg *cfg)
+{
+    pthread_mutex_lock(&rt->lock);
+    int rc = dp_adm_set_tenant(rt->adm, tenant, cfg);
+    pthread_mutex_unlock(&rt->lock);
+    return rc;
+}
+
+void dp_router_set_default_tenant(struct dp_router *rt, const struct dp_tenant_cfg *cfg)
+{
+    pthread_mutex_lock(&rt->lock);
+    dp_adm_set_default(rt->adm, cfg);
+    pthread_mutex_unlock(&rt->lock);
+}
+
+int dp_router_tenant_stats(struct dp_router *rt, uint32_t tenant, struct dp_adm_tenant_stats *s)
+{
+    pthread_mutex_lock(&rt->lock);
+    int rc = dp_adm_tenant_stats(rt->adm, tenant, s);
+    pthread_mutex_unlock(&rt->lock);
+    return rc;
 }
 
 int dp_router_set_batching(struct dp_router *rt, uint32_t batching, uint32_t budget, uint32_t max_chunks,

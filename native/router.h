@@ -21,6 +21,14 @@
  * while an earlier request of its session is unfinished is held (buffered,
  * not scheduled) until that one ends, so two never interleave on one KV cache.
  *
+ * Admission (admission.h) decides once per request, when the router first
+ * sees it (its first chunk, or an OPEN record, which also reserves room for
+ * its chunks): a refusal (400 oversized, 422 over budget, 429 over the
+ * per-minute limit) is answered with a JSON body and the request's other
+ * chunks count as late duplicates; COUNT_TOKENS records are answered 200
+ * with the price and run nothing. An admitted request is placed on a pool
+ * (dp_router_set_pool), then on a worker of it by the routing policy.
+ *
  * Nothing is dropped silently: a malformed chunk or a full request table
  * yields a 400/503 response record (once per request: its other chunks then
  * count as late duplicates); a new request whose chunks the pool could not
@@ -36,6 +44,7 @@
 #include <pthread.h>
 #include <stdint.h>
 
+#include "admission.h"
 #include "chunk.h"
 #include "policy.h"
 #include "ring.h"
@@ -44,6 +53,7 @@
 #define DP_MAX_INPUTS 16
 #define DP_LANE_SHM 0
 #define DP_LANE_ZMQ 1
+#define DP_MAX_POOLS 4
 
 enum dp_batching { DP_BATCH_DYNAMIC = 0, DP_BATCH_STATIC = 1 };
 
@@ -71,7 +81,18 @@ struct dp_router_stats {
     uint64_t completions, responses, egress_stalls, input_stalls, loops, expired, late_duplicates;
     uint64_t refused_by_worker, replayed, pool_refused;
     uint64_t held;                      /* requests that waited for an earlier one of their session */
+    /* admission (admission.h), one count per request decided */
+    uint64_t admitted, adm_oversized, adm_over_budget, adm_rate_limited, adm_counted, opened;
+    uint64_t to_secondary;      /* admitted requests placed on the secondary pool (a tenant's high-entropy burst) */
     uint32_t active_requests, pool_free;
+};
+
+struct dp_pool_stats {
+    uint64_t requests;          /* requests placed on the pool (replays included) */
+    uint64_t spilled;           /* of them, throttled here from the primary */
+    uint32_t price_per_1k;      /* micro-USD per 1,000 tokens: the placement order */
+    uint32_t room_per_worker;   /* chunks queued per up worker before the next pool is used (0: no limit) */
+    uint32_t workers, up, depth;
 };
 
 struct dp_router;
@@ -92,6 +113,17 @@ int dp_router_set_policy(struct dp_router *rt, const char *policy, double param)
 int dp_router_set_weight(struct dp_router *rt, uint32_t worker, uint32_t weight);
 /* up = 0: the worker is gone; its unfinished requests are replayed on others (see failover). */
 int dp_router_set_up(struct dp_router *rt, uint32_t worker, int up);
+/* Pools: a request goes to the cheapest pool (price_per_1k) with an up worker and room (depth below
+ * room_per_worker x up workers; if none has room, the cheapest with an up worker); one that admission
+ * marks spill goes to the next such pool, the secondary, if there is one. The routing policy then picks
+ * the worker inside the pool. Every worker starts in pool 0. */
+int dp_router_set_pool(struct dp_router *rt, uint32_t pool, uint32_t price_per_1k, uint32_t room_per_worker);
+int dp_router_set_worker_pool(struct dp_router *rt, uint32_t worker, uint32_t pool);
+int dp_router_pool_stats(struct dp_router *rt, uint32_t pool, struct dp_pool_stats *s);
+/* Admission settings (admission.h), live: one tenant's, or the default for tenants without their own. */
+int dp_router_set_tenant(struct dp_router *rt, uint32_t tenant, const struct dp_tenant_cfg *cfg);
+void dp_router_set_default_tenant(struct dp_router *rt, const struct dp_tenant_cfg *cfg);
+int dp_router_tenant_stats(struct dp_router *rt, uint32_t tenant, struct dp_adm_tenant_stats *s);
 int dp_router_set_batching(struct dp_router *rt, uint32_t batching, uint32_t token_budget, uint32_t max_chunks,
                            uint32_t max_batch_size, uint64_t batch_timeout_ns);
 /* One pass: drain inputs, take completions, send batches. Returns work done. */

@@ -79,9 +79,13 @@ def test_e2e_quick_runs_every_landed_scenario_and_writes_the_report(tmp_path):
     assert m["failover_answered_fraction"] == 1.0, "a killed worker loses no request"
     assert m["kv_resident_bytes_snapshot_evict"] < m["kv_resident_bytes_resident"]
     report = (tmp_path / "e2e" / "report.md").read_text()
-    for scenario in ("1 load sweep", "2 client-side batching", "3 snapshot+evict", "6 worker killed"):
+    for scenario in ("1 load sweep", "2 client-side batching", "3 snapshot+evict", "4 oversized requests",
+                     "5 high-entropy burst", "6 worker killed"):
         assert scenario in report
-    assert "not run" in report    # the scenarios whose parts have not landed say so
+    assert "not run" not in report and "failed" not in report
+    assert m["oversized_answered_400_fraction"] == 1.0 and m["oversized_records_run"] == 0
+    assert m["oversized_others_p95_ms_with"] > 0 and m["burst_others_p95_ms_with"] > 0
+    assert m["burst_to_secondary"] > 0, "the burst beyond its rate went to the secondary pool"
     assert (tmp_path / "e2e" / "latency_vs_load.png").stat().st_size > 10_000
     assert json.loads((tmp_path / "e2e" / "results.json").read_text())["scenarios"]
 

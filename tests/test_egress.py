@@ -70,3 +70,36 @@ def test_each_response_goes_to_the_client_its_request_came_from():
     finally:
         default.close(), client.close(), tx.close(), egress.close()
         unlink(name)
+
+
+def test_an_admission_body_reaches_the_client_whole():
+    name = f"eg{os.getpid()}-{next(_seq)}"
+    egress = Ring.create(name, records.RESPONSE.itemsize, 64, role="producer")
+    rx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    rx.bind(("127.0.0.1", 0))
+    rx.settimeout(5)
+    tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        body = ('{"status":422,"cost_breakdown":{"estimate_micro_usd":12},"suggestions":["lower max_output_tokens'
+                ' to 3"],"pad":"' + "x" * 900 + '"}').encode()
+        assert len(body) <= wire.MAX_RESP_BODY == records.RESPONSE.fields["body"][0].itemsize
+        rec = np.zeros(1, dtype=records.RESPONSE)
+        rec["request_id"], rec["status"], rec["body_len"] = 9, 422, len(body)
+        rec[0]["body"][:len(body)] = np.frombuffer(body, np.uint8)
+        egress.enqueue(rec.tobytes())
+        Responder(Ring.attach(name, "consumer"), tx, "127.0.0.1", rx.getsockname()[1]).poll()
+        got = wire.decode_response(rx.recv(2048))
+        assert got.status == 422 and got.body == body
+        doc = wire.decode_admission_body(got.body)
+        assert doc.cost_breakdown == {"estimate_micro_usd": 12} and doc.fields["pad"] == "x" * 900
+    finally:
+        rx.close(), tx.close(), egress.close()
+        unlink(name)
+
+
+def test_the_response_record_carries_tokens_and_body_in_the_same_bytes():
+    from datapath._dataplane import ffi
+    f = records.RESPONSE.fields
+    assert f["tokens"][1] == f["body"][1] == ffi.offsetof("struct dp_response_rec", "body")
+    assert f["body"][0].itemsize == wire.MAX_RESP_BODY == 4 * records.MAX_OUTPUT_TOKENS
+    assert records.RESPONSE.itemsize == ffi.sizeof("struct dp_response_rec") == f["body"][1] + wire.MAX_RESP_BODY

@@ -37,11 +37,55 @@ def test_request_ids_continue_from_seq_base():
         sink.close(), tx.close()
 
 
-def test_sequence_ids_refuse_requests_of_several_chunks():
+def test_sequence_ids_number_a_request_of_several_chunks_by_its_first():
+    sink, tx = pair()
+    try:
+        pkts = client.request_packets(1, 1, 1, range(300)) + client.request_packets(1, 2, 1, [5])
+        res = client.send(tx, pkts, rate=20000, count=8, duration=5, drain_ms=0, seq_base=100)
+        assert res["sent"] == 8 and res["requests"] == 4
+        got = [wire.decode_request(sink.recv(2048)) for _ in range(8)]
+        ids = sorted((g.request_id, g.chunk_index) for g in got)
+        assert ids == [(100, 0), (100, 1), (100, 2), (103, 0), (104, 0), (104, 1), (104, 2), (107, 0)]
+    finally:
+        sink.close(), tx.close()
+
+
+def test_sequence_ids_refuse_a_request_cut_or_out_of_order():
     import pytest
     sink, tx = pair()
     try:
-        with pytest.raises(ValueError, match="one-chunk requests"):
-            client.send(tx, client.request_packets(1, 1, 1, range(300)), rate=1000, count=3, duration=1)
+        three = client.request_packets(1, 1, 1, range(300))
+        for pkts in (three[:2], three[1:], [three[0], three[2], three[1]]):
+            with pytest.raises(ValueError, match="stamp_seq"):
+                client.send(tx, pkts, rate=1000, count=3, duration=1)
     finally:
         sink.close(), tx.close()
+
+
+def test_the_load_generator_counts_answers_by_status_and_keeps_a_refusals_body():
+    import threading
+    sink, tx = pair()
+    body = b'{"status":422,"cost_breakdown":{},"suggestions":["send fewer chunks: at most 1"]}'
+
+    def serve():
+        for n in range(6):
+            try:
+                data, addr = sink.recvfrom(2048)
+            except OSError:
+                return
+            req = wire.decode_request(data)
+            status = 200 if n % 2 else 422
+            sink.sendto(wire.encode_response(wire.Response(tenant=1, session_id=1, request_id=req.request_id,
+                                                           status=status, body=body if status == 422 else b"",
+                                                           send_ns=req.send_ns)), addr)
+    t = threading.Thread(target=serve)
+    t.start()
+    try:
+        res = client.send(tx, client.request_packets(1, 1, 1, [1]), rate=2000, count=6, duration=5, drain_ms=2000)
+        t.join()
+        assert res["by_status"] == {200: 3, 422: 3} and res["resp_ok"] == 3 and res["resp_other"] == 3
+        assert res["sample_status"] == 422 and res["sample_body"] == body.decode()
+        assert wire.decode_admission_body(res["sample_body"].encode()).suggestions == ["send fewer chunks: at most 1"]
+    finally:
+        sink.close(), tx.close()
+        t.join()

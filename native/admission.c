@@ -1,0 +1,416 @@
+/* admission.c - see admission.h. No locking: the router calls it under its own lock. */
+#include "admission.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "wire.h"
+
+#define MINUTE_NS 60000000000ull
+#define DAY_NS ((uint64_t)DP_ADM_DAY_S * 1000000000ull)
+#define ENTROPY_MAX_BITS 7.0              /* log2(DP_MAX_CHUNK_TOKENS) */
+
+struct tenant {
+    uint32_t id;
+    uint8_t used, own;
+    struct dp_tenant_cfg cfg;             /* valid if own */
+    uint64_t day_start, spent;            /* the budget's day and what it spent */
+    uint64_t tat_minute, tat_high;        /* GCRA virtual clocks: per-minute tokens, high-entropy requests */
+    struct dp_adm_tenant_stats st;
+};
+
+struct dp_admission {
+    struct dp_tenant_cfg dflt;
+    struct tenant t[DP_ADM_MAX_TENANTS];
+};
+
+static double clog2c[DP_MAX_CHUNK_TOKENS + 1];   /* c x log2(c): one lookup per distinct token */
+
+__attribute__((constructor)) static void clog2c_init(void)   /* at load: entropy never calls log2 */
+{
+    for (int c = 1; c <= DP_MAX_CHUNK_TOKENS; c++)
+        clog2c[c] = c * log2((double)c);
+}
+
+struct dp_admission *dp_adm_create(void)
+{
+    return calloc(1, sizeof(struct dp_admission));
+}
+
+void dp_adm_destroy(struct dp_admission *a)
+{
+    free(a);
+}
+
+static uint32_t mix(uint32_t x)
+{
+    x ^= x >> 16;
+    x *= 0x7feb352dU;
+    x ^= x >> 15;
+    x *= 0x846ca68bU;
+    return x ^ (x >> 16);
+}
+
+/* The tenant's slot, or NULL; with insert, a free slot is taken for it (NULL if the table is full). */
+static struct tenant *find(struct dp_admission *a, uint32_t id, int insert)
+{
+    uint32_t mask = DP_ADM_MAX_TENANTS - 1;
+    for (uint32_t i = mix(id) & mask, k = 0; k < DP_ADM_MAX_TENANTS; i = (i + 1) & mask, k++) {
+        struct tenant *t = &a->t[i];
+        if (t->used && t->id == id)
+            return t;
+        if (!t->used) {
+            if (!insert)
+                return NULL;
+            memset(t, 0, sizeof(*t));
+            t->used = 1;
+            t->id = id;
+            return t;
+        }
+    }
+    return NULL;
+}
+
+static const struct dp_tenant_cfg *cfg_of(const struct dp_admission *a, const struct tenant *t)
+{
+    return t && t->own ? &t->cfg : &a->dflt;
+}
+
+int dp_adm_set_tenant(struct dp_admission *a, uint32_t tenant, const struct dp_tenant_cfg *cfg)
+{
+    struct tenant *t = find(a, tenant, 1);
+    if (!t)
+        return -ENOSPC;
+    t->cfg = *cfg;
+    t->own = 1;
+    return 0;
+}
+
+void dp_adm_set_default(struct dp_admission *a, const struct dp_tenant_cfg *cfg)
+{
+    a->dflt = *cfg;
+}
+
+int dp_adm_tenant_stats(struct dp_admission *a, uint32_t tenant, struct dp_adm_tenant_stats *s)
+{
+    struct tenant *t = find(a, tenant, 0);
+    memset(s, 0, sizeof(*s));
+    if (!t)
+        return -ENOENT;
+    *s = t->st;
+    s->own_settings = t->own;
+    s->spent = t->spent;
+    return 0;
+}
+
+/* --- pricing ----------------------------------------------------------------------- */
+
+double dp_adm_entropy_bits(const uint32_t *tokens, uint32_t n)
+{
+    struct { uint32_t token, count; } slot[2 * DP_MAX_CHUNK_TOKENS];   /* load <= 1/2 */
+    uint32_t used[DP_MAX_CHUNK_TOKENS], n_used = 0;
+    if (n > DP_MAX_CHUNK_TOKENS)
+        n = DP_MAX_CHUNK_TOKENS;
+    if (n < 2)
+        return 0.0;
+    memset(slot, 0, sizeof(slot));
+    for (uint32_t i = 0; i < n; i++) {
+        uint32_t h = mix(tokens[i]) & (2 * DP_MAX_CHUNK_TOKENS - 1);
+        while (slot[h].count && slot[h].token != tokens[i])
+            h = (h + 1) & (2 * DP_MAX_CHUNK_TOKENS - 1);
+        if (!slot[h].count++) {
+            slot[h].token = tokens[i];
+            used[n_used++] = h;
+        }
+    }
+    /* H = -sum (c/n) log2(c/n) = log2(n) - sum c log2(c) / n */
+    double s = 0.0;
+    for (uint32_t k = 0; k < n_used; k++)
+        s += clog2c[slot[used[k]].count];
+    double h = clog2c[n] / n - s / n;
+    return h > 0.0 ? h : 0.0;
+}
+
+static double output_factor(uint32_t max_output)
+{
+    uint32_t o = max_output < DP_ADM_OUTPUT_SCALE ? max_output : DP_ADM_OUTPUT_SCALE;
+    return 1.0 + (double)o / DP_ADM_OUTPUT_SCALE;
+}
+
+static double cost_of(uint32_t price, uint32_t input, uint32_t max_output, double entropy_factor)
+{
+    return price / 1000.0 * ((double)input + max_output) * entropy_factor * output_factor(max_output);
+}
+
+void dp_adm_price(const struct dp_tenant_cfg *cfg, const uint32_t *tokens, uint32_t n_tokens, uint32_t chunk_count,
+                  uint32_t max_output, struct dp_adm_price *p)
+{
+    memset(p, 0, sizeof(*p));
+    p->price_per_1k = cfg->price_per_1k;
+    p->chunk_count = chunk_count;
+    p->input_tokens = chunk_count * DP_MAX_CHUNK_TOKENS;
+    p->max_output = max_output;
+    p->sample_tokens = n_tokens < DP_MAX_CHUNK_TOKENS ? n_tokens : DP_MAX_CHUNK_TOKENS;
+    p->entropy_bits = n_tokens ? dp_adm_entropy_bits(tokens, n_tokens) : ENTROPY_MAX_BITS;
+    p->entropy_factor = 1.0 + 4.0 * p->entropy_bits / ENTROPY_MAX_BITS;
+    p->output_factor = output_factor(max_output);
+    p->complexity = p->entropy_factor * p->output_factor;
+    p->cost = cost_of(cfg->price_per_1k, p->input_tokens, max_output, p->entropy_factor);
+}
+
+/* --- the body (JSON, <= cap bytes) -------------------------------------------------- */
+
+struct jw {
+    char *b;
+    uint32_t n, cap;
+    int over;
+};
+
+static void put(struct jw *w, const char *fmt, ...)
+{
+    if (w->over)
+        return;
+    va_list ap;
+    va_start(ap, fmt);
+    int k = vsnprintf(w->b + w->n, w->cap - w->n, fmt, ap);
+    va_end(ap);
+    if (k < 0 || (uint32_t)k >= w->cap - w->n)
+        w->over = 1;
+    else
+        w->n += (uint32_t)k;
+}
+
+static int fits(const struct dp_adm_decision *d, uint32_t chunks, uint32_t out)
+{
+    double c = cost_of(d->p.price_per_1k, chunks * DP_MAX_CHUNK_TOKENS, out, d->p.entropy_factor);
+    return (uint64_t)ceil(c) <= d->remaining;
+}
+
+/* The largest x in [lo, hi] with ok(x), or lo - 1 (ok is monotone: true, then false). */
+#define LARGEST(lo, hi, ok)                                                                                    \
+    ({                                                                                                         \
+        int64_t a_ = (int64_t)(lo) - 1, b_ = (int64_t)(hi);                                                    \
+        while (a_ < b_) {                                                                                      \
+            int64_t m_ = (a_ + b_ + 1) / 2;                                                                    \
+            uint32_t x = (uint32_t)m_;                                                                         \
+            if (ok)                                                                                            \
+                a_ = m_;                                                                                       \
+            else                                                                                               \
+                b_ = m_ - 1;                                                                                   \
+        }                                                                                                      \
+        a_;                                                                                                    \
+    })
+
+static void breakdown(struct jw *w, const struct dp_tenant_cfg *cfg, const struct dp_adm_decision *d)
+{
+    const struct dp_adm_price *p = &d->p;
+    put(w, "\"cost_breakdown\":{\"price_per_1k_tokens_micro_usd\":%" PRIu32 ",\"chunk_count\":%" PRIu32
+           ",\"input_tokens_estimate\":%" PRIu32 ",\"max_output_tokens\":%" PRIu32 ",\"entropy_bits\":%.4f"
+           ",\"entropy_sample_tokens\":%" PRIu32 ",\"entropy_factor\":%.4f,\"output_factor\":%.4f"
+           ",\"complexity\":%.4f,\"estimate_micro_usd\":%" PRIu64,
+        p->price_per_1k, p->chunk_count, p->input_tokens, p->max_output, p->entropy_bits, p->sample_tokens,
+        p->entropy_factor, p->output_factor, p->complexity, d->charge);
+    if (cfg->budget_per_day)
+        put(w, ",\"budget_per_day_micro_usd\":%" PRIu64 ",\"spent_today_micro_usd\":%" PRIu64
+               ",\"remaining_micro_usd\":%" PRIu64 ",\"budget_resets_in_s\":%" PRIu64 "}",
+            cfg->budget_per_day, d->spent, d->remaining, d->resets_in_ns / 1000000000ull);
+    else
+        put(w, ",\"budget_per_day_micro_usd\":null,\"remaining_micro_usd\":null}");
+}
+
+/* "split into K requests of <= M prompt tokens", M a whole number of chunks under `limit` with max_output. */
+static void split_hint(struct jw *w, int *first, uint32_t limit, const struct dp_adm_price *p)
+{
+    if (limit <= p->max_output || limit - p->max_output < DP_MAX_CHUNK_TOKENS)
+        return;
+    uint32_t m = (limit - p->max_output) / DP_MAX_CHUNK_TOKENS * DP_MAX_CHUNK_TOKENS;
+    uint32_t k = (p->input_tokens + m - 1) / m;
+    if (k > 1) {
+        put(w, "%s\"split into %" PRIu32 " requests of <= %" PRIu32 " prompt tokens\"", *first ? "" : ",", k, m);
+        *first = 0;
+    }
+}
+
+static void suggestions(struct jw *w, const struct dp_tenant_cfg *cfg, const struct dp_adm_decision *d, uint16_t st)
+{
+    const struct dp_adm_price *p = &d->p;
+    int first = 1;
+#define HINT(...) (put(w, first ? "\"" : ",\""), put(w, __VA_ARGS__), put(w, "\""), first = 0)
+    put(w, ",\"suggestions\":[");
+    if (st == DP_STATUS_BAD_REQUEST) {
+        uint32_t limit = cfg->max_request_tokens;
+        split_hint(w, &first, limit, p);
+        if (p->input_tokens < limit && p->max_output > limit - p->input_tokens)
+            HINT("lower max_output_tokens to %" PRIu32, limit - p->input_tokens);
+        if (first)
+            HINT("the limit is %" PRIu32 " tokens: send at most %" PRIu32 " prompt tokens with fewer output tokens",
+                 limit, limit > DP_MAX_CHUNK_TOKENS ? limit - 1 : limit);
+    } else if (st == DP_STATUS_UNPROCESSABLE) {
+        int64_t out = LARGEST(1, p->max_output ? p->max_output - 1 : 0, fits(d, p->chunk_count, x));
+        if (out >= 1)
+            HINT("lower max_output_tokens to %" PRId64, out);
+        int64_t chunks = LARGEST(1, p->chunk_count - 1, fits(d, x, p->max_output));
+        if (chunks >= 1)
+            HINT("send fewer chunks: at most %" PRId64 " (%" PRId64 " prompt tokens)", chunks,
+                 chunks * DP_MAX_CHUNK_TOKENS);
+        if (out < 1 && chunks < 1) {
+            int64_t both = LARGEST(1, p->max_output, fits(d, 1, x));
+            if (both >= 1)
+                HINT("send one chunk (128 prompt tokens) with max_output_tokens <= %" PRId64, both);
+        }
+        if (p->entropy_factor > 1.5)
+            HINT("a less varied prompt costs less: entropy factor %.2f of 1.00..5.00", p->entropy_factor);
+        HINT("wait %" PRIu64 " s for the daily budget to reset, or raise it", d->resets_in_ns / 1000000000ull);
+    } else if (st == DP_STATUS_RATE_LIMITED) {
+        uint64_t tokens = (uint64_t)p->input_tokens + p->max_output;
+        if (tokens > cfg->tokens_per_minute)
+            split_hint(w, &first, cfg->tokens_per_minute, p);
+        else
+            HINT("retry after %" PRIu64 " ms", (d->retry_after_ns + 999999) / 1000000);
+    }
+    put(w, "]");
+#undef HINT
+}
+
+static const char *reason(uint16_t st)
+{
+    switch (st) {
+    case DP_STATUS_BAD_REQUEST: return "the request is larger than the tenant's context limit";
+    case DP_STATUS_UNPROCESSABLE: return "the estimated cost exceeds the remaining daily budget";
+    case DP_STATUS_RATE_LIMITED: return "over the tenant's tokens per minute";
+    default: return "";
+    }
+}
+
+static uint32_t write_body(const struct dp_tenant_cfg *cfg, const struct dp_adm_decision *d, int count_only,
+                           char *body, uint32_t cap)
+{
+    struct jw w = { body, 0, cap, 0 };
+    uint64_t tokens = (uint64_t)d->p.input_tokens + d->p.max_output;
+    if (count_only)
+        put(&w, "{\"status\":200,\"count_tokens\":true,\"would_be\":%u", d->status);
+    else
+        put(&w, "{\"status\":%u,\"error\":\"%s\"", d->status, reason(d->status));
+    put(&w, ",\"request_tokens\":%" PRIu64, tokens);
+    if (d->status == DP_STATUS_BAD_REQUEST)
+        put(&w, ",\"limit_tokens\":%" PRIu32, cfg->max_request_tokens);
+    if (d->status == DP_STATUS_RATE_LIMITED)
+        put(&w, ",\"tokens_per_minute\":%" PRIu32 ",\"retry_after_ms\":%" PRIu64, cfg->tokens_per_minute,
+            (d->retry_after_ns + 999999) / 1000000);
+    put(&w, ",");
+    breakdown(&w, cfg, d);
+    suggestions(&w, cfg, d, d->status);
+    put(&w, "}");
+    if (w.over) {                     /* cannot happen with these fields; a short valid body if it did */
+        int k = snprintf(body, cap, "{\"status\":%u,\"error\":\"body too long\"}", d->status);
+        return k > 0 && (uint32_t)k < cap ? (uint32_t)k : 0;
+    }
+    return w.n;
+}
+
+/* --- decisions ----------------------------------------------------------------------- */
+
+uint32_t dp_adm_decide(struct dp_admission *a, uint32_t tenant, const uint32_t *tokens, uint32_t n_tokens,
+                       uint32_t chunk_count, uint32_t max_output, int count_only, uint64_t now,
+                       struct dp_adm_decision *d, char *body, uint32_t cap)
+{
+    struct tenant *t = find(a, tenant, 0);
+    const struct dp_tenant_cfg *cfg = cfg_of(a, t);
+    memset(d, 0, sizeof(*d));
+    d->count_only = count_only ? 1 : 0;
+    dp_adm_price(cfg, tokens, n_tokens, chunk_count, max_output, &d->p);
+    d->charge = (uint64_t)ceil(d->p.cost);
+    uint64_t tokens_all = (uint64_t)d->p.input_tokens + max_output;
+    int new_day = !t || !t->day_start || now - t->day_start >= DAY_NS;
+    d->spent = new_day ? 0 : t->spent;
+    d->resets_in_ns = new_day ? DAY_NS : t->day_start + DAY_NS - now;
+    d->remaining = !cfg->budget_per_day ? UINT64_MAX
+                   : cfg->budget_per_day > d->spent ? cfg->budget_per_day - d->spent : 0;
+    d->status = DP_STATUS_OK;
+    if (cfg->max_request_tokens && tokens_all > cfg->max_request_tokens)
+        d->status = DP_STATUS_BAD_REQUEST;
+    else if (d->charge > d->remaining)
+        d->status = DP_STATUS_UNPROCESSABLE;
+    else if (cfg->tokens_per_minute) {
+        uint64_t tat = t && t->tat_minute > now ? t->tat_minute : now;
+        uint64_t next = tat + (uint64_t)((double)tokens_all * MINUTE_NS / cfg->tokens_per_minute);
+        if (next - now > MINUTE_NS) {
+            d->status = DP_STATUS_RATE_LIMITED;
+            d->retry_after_ns = next - now - MINUTE_NS;
+        }
+    }
+    d->high = cfg->hi_entropy_factor > 0 && d->p.entropy_factor >= cfg->hi_entropy_factor;
+    if (d->status == DP_STATUS_OK && d->high) {
+        if (cfg->hi_per_second <= 0)
+            d->spill = 1;
+        else {
+            double inc = 1e9 / cfg->hi_per_second;
+            uint64_t tat = t && t->tat_high > now ? t->tat_high : now;
+            d->spill = (double)(tat - now) + inc > inc * cfg->hi_burst;
+        }
+    }
+    if (d->status == DP_STATUS_OK && !count_only)
+        return 0;
+    return write_body(cfg, d, count_only, body, cap);
+}
+
+void dp_adm_commit(struct dp_admission *a, uint32_t tenant, const struct dp_adm_decision *d, uint64_t now)
+{
+    struct tenant *t = find(a, tenant, 1);
+    if (!t)
+        return;                       /* table full: the tenant runs under the default settings, stateless */
+    const struct dp_tenant_cfg *cfg = cfg_of(a, t);
+    if (d->count_only) {
+        t->st.counted++;
+        return;
+    }
+    switch (d->status) {
+    case DP_STATUS_BAD_REQUEST: t->st.oversized++; return;
+    case DP_STATUS_UNPROCESSABLE: t->st.over_budget++; return;
+    case DP_STATUS_RATE_LIMITED: t->st.rate_limited++; return;
+    }
+    t->st.admitted++;
+    if (!t->day_start || now - t->day_start >= DAY_NS) {
+        t->day_start = now;
+        t->spent = 0;
+    }
+    t->spent += d->charge;
+    t->st.charged += d->charge;
+    if (cfg->tokens_per_minute) {
+        uint64_t tat = t->tat_minute > now ? t->tat_minute : now;
+        t->tat_minute = tat + (uint64_t)((double)(d->p.input_tokens + d->p.max_output) * MINUTE_NS /
+                                         cfg->tokens_per_minute);
+    }
+    if (d->spill)
+        t->st.spilled++;
+    else if (d->high && cfg->hi_per_second > 0) {
+        uint64_t tat = t->tat_high > now ? t->tat_high : now;
+        t->tat_high = tat + (uint64_t)(1e9 / cfg->hi_per_second);
+    }
+}
+
+void dp_adm_settle(struct dp_admission *a, uint32_t tenant, const struct dp_adm_decision *admitted, uint32_t input,
+                   uint32_t output, int ok)
+{
+    struct tenant *t = find(a, tenant, 0);
+    if (!t)
+        return;
+    const struct dp_tenant_cfg *cfg = cfg_of(a, t);
+    const struct dp_adm_price *p = &admitted->p;
+    uint64_t exact = ok ? (uint64_t)ceil(cost_of(p->price_per_1k, input, output, p->entropy_factor)) : 0;
+    if (exact < admitted->charge) {
+        uint64_t back = admitted->charge - exact;
+        t->spent = t->spent > back ? t->spent - back : 0;
+        t->st.refunded += back;
+    }
+    uint32_t estimate = p->input_tokens + p->max_output, used = ok ? input + output : 0;
+    if (cfg->tokens_per_minute && estimate > used) {
+        uint64_t back = (uint64_t)((double)(estimate - used) * MINUTE_NS / cfg->tokens_per_minute);
+        t->tat_minute = t->tat_minute > back ? t->tat_minute - back : 0;
+    }
+}

@@ -1,0 +1,122 @@
+/* admission.h - per-request pricing and admission, once per request, in C.
+ *
+ * The router asks once per request, when it first sees it (its first chunk,
+ * or an OPEN or COUNT_TOKENS record), never per chunk or token. Settings are
+ * per tenant (API key), in a small open-addressing table set live from
+ * Python through the router (under its lock); a tenant without settings of
+ * its own uses the default ones.
+ *
+ * The price (the article's "token price x (input + output tokens) x
+ * complexity"), the one statement of the formula:
+ *
+ *   input_tokens   = chunk_count x 128         the conservative bound: only
+ *                                              the first chunk is here yet
+ *   entropy_bits   = Shannon entropy of the token ids of the first record
+ *                    seen (H = -sum p log2 p over its n <= 128 tokens;
+ *                    0 for one repeated token, log2(n) for n distinct ones)
+ *   entropy_factor = 1 + 4 x entropy_bits / 7   1.0 repetitive .. 5.0 for 128
+ *                                              distinct tokens (log2 128 = 7);
+ *                                              5.0 when no tokens are seen
+ *                                              (OPEN): the system estimates high
+ *   output_factor  = 1 + min(max_output_tokens, 1024) / 1024    1.0 .. 2.0:
+ *                    each output token is one decode step over the whole KV
+ *   complexity     = entropy_factor x output_factor
+ *   cost (micro-USD) = price_per_1k / 1000 x (input_tokens + max_output_tokens) x complexity
+ *
+ * Decision, in this order (the first that applies):
+ *   400  input_tokens + max_output_tokens > max_request_tokens (the context
+ *        limit): refused whole and alone, never truncated;
+ *   422  ceil(cost) > what is left of budget_per_day: a JSON body with the
+ *        cost breakdown and suggestions;
+ *   429  the request's tokens (input + max_output) exceed tokens_per_minute,
+ *        a GCRA bucket of one minute's worth (request level, per key; the XDP
+ *        program's bucket is per chunk, see README);
+ *   200  admitted: ceil(cost) is charged to the day's budget and the tokens to
+ *        the minute's bucket. A high-entropy request (entropy_factor >=
+ *        hi_entropy_factor) beyond the tenant's hi_per_second rate (GCRA,
+ *        hi_burst requests of slack) is admitted with spill = 1: the router
+ *        places it on the secondary pool.
+ * At completion the router settles: the charge becomes the exact price of
+ * what ran (the tokens received and generated, the same complexity); a
+ * request that did not complete with 200 is not charged.
+ * COUNT_TOKENS records are priced and answered 200 with the same breakdown
+ * (and the status the request would get); nothing is charged or run.
+ */
+#ifndef DP_ADMISSION_H
+#define DP_ADMISSION_H
+
+#include <stdint.h>
+
+/* CDEF BEGIN */
+#define DP_ADM_MAX_TENANTS 1024          /* tenants with state (power of two) */
+#define DP_ADM_OUTPUT_SCALE 1024         /* output_factor = 1 + min(max_output, this) / this */
+#define DP_ADM_DAY_S 86400
+
+struct dp_tenant_cfg {
+    uint32_t price_per_1k;        /* micro-USD per 1,000 tokens (0: free) */
+    uint32_t max_request_tokens;  /* context limit on input estimate + max_output (0: none) -> 400 */
+    uint64_t budget_per_day;      /* micro-USD per day (0: unlimited) -> 422 */
+    uint32_t tokens_per_minute;   /* request-level per-key limit (0: none) -> 429 */
+    uint32_t hi_burst;            /* high-entropy requests kept on the primary beyond the rate */
+    double hi_entropy_factor;     /* entropy_factor from which a request is high-entropy (0: never) */
+    double hi_per_second;         /* high-entropy requests per second kept on the primary (0: none is) */
+};
+
+struct dp_adm_price {             /* every factor of one request's price */
+    uint32_t price_per_1k;
+    uint32_t input_tokens;        /* the estimate: chunk_count x 128 */
+    uint32_t chunk_count;
+    uint32_t max_output;
+    uint32_t sample_tokens;       /* tokens the entropy was measured on (0: none seen, assumed the maximum) */
+    double entropy_bits, entropy_factor, output_factor, complexity;
+    double cost;                  /* micro-USD */
+};
+
+struct dp_adm_decision {
+    struct dp_adm_price p;
+    uint16_t status;              /* 200, 400, 422 or 429 */
+    uint8_t spill;                /* admitted, to the secondary pool */
+    uint8_t high;                 /* high-entropy */
+    uint8_t count_only;           /* a COUNT_TOKENS record: answered, never charged */
+    uint64_t charge;              /* ceil(cost): micro-USD charged if admitted */
+    uint64_t remaining;           /* budget left before this request (UINT64_MAX: unlimited) */
+    uint64_t spent;               /* spent today before it */
+    uint64_t resets_in_ns;        /* until the budget's day ends */
+    uint64_t retry_after_ns;      /* 429: until the minute's bucket has room */
+};
+
+struct dp_adm_tenant_stats {
+    uint32_t own_settings;        /* 1: set for this tenant, 0: the default ones */
+    uint32_t pad;
+    uint64_t admitted, oversized, over_budget, rate_limited, spilled, counted;
+    uint64_t spent;               /* micro-USD today, after settlements */
+    uint64_t charged, refunded;   /* micro-USD charged at admission, given back at settlement */
+};
+
+struct dp_admission;
+
+struct dp_admission *dp_adm_create(void);
+void dp_adm_destroy(struct dp_admission *a);
+/* Settings of one tenant (kept with its spending), or the default for the others. -ENOSPC: table full. */
+int dp_adm_set_tenant(struct dp_admission *a, uint32_t tenant, const struct dp_tenant_cfg *cfg);
+void dp_adm_set_default(struct dp_admission *a, const struct dp_tenant_cfg *cfg);
+int dp_adm_tenant_stats(struct dp_admission *a, uint32_t tenant, struct dp_adm_tenant_stats *s);
+
+double dp_adm_entropy_bits(const uint32_t *tokens, uint32_t n);
+void dp_adm_price(const struct dp_tenant_cfg *cfg, const uint32_t *tokens, uint32_t n_tokens, uint32_t chunk_count,
+                  uint32_t max_output, struct dp_adm_price *out);
+/* Price and decide, changing nothing; the JSON body (refusals, count_only) goes to body[cap].
+ * Returns the body's length (0: none). */
+uint32_t dp_adm_decide(struct dp_admission *a, uint32_t tenant, const uint32_t *tokens, uint32_t n_tokens,
+                       uint32_t chunk_count, uint32_t max_output, int count_only, uint64_t now,
+                       struct dp_adm_decision *d, char *body, uint32_t cap);
+/* The decision stands (the router placed the request, or answered it): count it, charge an admission. */
+void dp_adm_commit(struct dp_admission *a, uint32_t tenant, const struct dp_adm_decision *d, uint64_t now);
+/* Completion of an admitted request: the charge becomes the exact price of what ran (input tokens
+ * received, output tokens generated, at the admission's price and entropy factor; never more than
+ * charged), or nothing if it failed (ok = 0); the minute's bucket gets the unused tokens back. */
+void dp_adm_settle(struct dp_admission *a, uint32_t tenant, const struct dp_adm_decision *admitted, uint32_t input,
+                   uint32_t output, int ok);
+/* CDEF END */
+
+#endif /* DP_ADMISSION_H */

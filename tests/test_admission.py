@@ -1,0 +1,356 @@
+"""Admission (native/admission.c) through the real router: pricing, 400/422/429, COUNT_TOKENS, pools.
+
+Requests enter as chunk records on a real input ring; the test plays the
+workers (test_router.Bench) and reads every response record off the egress
+ring, bodies included. Prices are checked against the Python reference below,
+which restates the formula of native/admission.h.
+"""
+import json
+import math
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from datapath import records, wire
+from datapath._dataplane import ffi, lib
+from datapath.admission import TenantPolicy, pool_price_per_1k
+from datapath.records import request_chunks as chunks_of
+from test_router import Bench
+
+
+@pytest.fixture
+def bench_factory():
+    made = []
+
+    def make(**kw):
+        made.append(Bench(**kw))
+        return made[-1]
+
+    yield make
+    for b in made:
+        b.close()
+
+
+# --- the Python reference ---------------------------------------------------------------------------
+
+def ref_entropy_bits(tokens) -> float:
+    tokens = list(tokens)[:128]
+    if not tokens:
+        return 7.0                     # nothing seen: the maximum is assumed
+    n = len(tokens)
+    return -sum(c / n * math.log2(c / n) for c in Counter(tokens).values())
+
+
+def ref_price(price_per_1k, tokens, chunk_count, max_out):
+    h = ref_entropy_bits(tokens)
+    ef = 1 + 4 * h / 7
+    of = 1 + min(max_out, 1024) / 1024
+    cost = price_per_1k / 1000 * (chunk_count * 128 + max_out) * ef * of
+    return dict(entropy_bits=h, entropy_factor=ef, output_factor=of, complexity=ef * of, cost=cost)
+
+
+def c_price(price_per_1k, tokens, chunk_count, max_out):
+    cfg = TenantPolicy(price_per_1k=price_per_1k).cdata()
+    arr = ffi.new("uint32_t[]", list(tokens) or [0])
+    out = ffi.new("struct dp_adm_price *")
+    lib.dp_adm_price(cfg, arr, len(tokens), chunk_count, max_out, out)
+    return out
+
+
+def body_of(resp) -> bytes:
+    return bytes(resp["body"][:resp["body_len"]])
+
+
+def by_id(responses):
+    return {int(r["request_id"]): r for r in responses}
+
+
+def open_record(rid, chunk_count, max_out, tenant):
+    rec = np.zeros(1, dtype=records.CHUNK)
+    rec["kind"], rec["request_id"], rec["session_id"] = wire.KIND_OPEN, rid, rid
+    rec["chunk_count"], rec["max_output_tokens"], rec["tenant"] = chunk_count, max_out, tenant
+    return rec
+
+
+def count_record(rid, tokens, chunk_count, max_out, tenant):
+    rec = chunks_of(rid, tokens, max_out=max_out, tenant=tenant)[:1].copy()
+    rec["kind"], rec["chunk_count"] = wire.KIND_COUNT_TOKENS, chunk_count
+    return rec
+
+
+RNG = np.random.default_rng(11)
+PRICE_CASES = [
+    ("one token repeated", [42] * 128, 1, 16),
+    ("128 distinct tokens", list(range(128)), 3, 256),
+    ("two halves", [1] * 64 + [2] * 64, 2, 0),
+    ("random ids", RNG.integers(0, 1 << 32, 128).tolist(), 7, 5000),
+    ("a short prompt", [5, 9, 5, 7], 1, 1),
+    ("an OPEN: no tokens", [], 4, 64),
+]
+
+
+@pytest.mark.parametrize("name,tokens,chunks,max_out", PRICE_CASES, ids=[c[0] for c in PRICE_CASES])
+def test_price_matches_the_python_reference(name, tokens, chunks, max_out):
+    got, want = c_price(1700, tokens, chunks, max_out), ref_price(1700, tokens, chunks, max_out)
+    for k, v in want.items():
+        assert getattr(got, k) == pytest.approx(v, rel=1e-12, abs=1e-12), k
+    assert got.input_tokens == chunks * 128 and got.sample_tokens == min(len(tokens), 128)
+
+
+def test_entropy_scale_ends():
+    assert c_price(1, [3] * 100, 1, 0).entropy_factor == 1.0
+    assert c_price(1, list(range(128)), 1, 0).entropy_factor == pytest.approx(5.0)
+    assert c_price(1, [], 1, 0).entropy_factor == pytest.approx(5.0)
+
+
+# --- 422 -----------------------------------------------------------------------------------------------
+
+def test_over_budget_is_422_with_a_breakdown_and_suggestions_that_fit(bench_factory):
+    b = bench_factory()
+    price, budget = 2000, 4000
+    b.router.set_tenant(5, TenantPolicy(price_per_1k=price, budget_per_day=budget))
+    toks = list(range(128)) + [7] * 100
+    b.send(chunks_of(1, toks, max_out=200, tenant=5))
+    b.run()
+    (resp,) = b.responses
+    assert resp["status"] == 422 and resp["n_out"] == 0
+    raw = body_of(resp)
+    assert 0 < len(raw) <= wire.MAX_RESP_BODY
+    doc = wire.decode_admission_body(raw)
+    want = ref_price(price, toks[:128], 2, 200)
+    cb = doc.cost_breakdown
+    assert doc.status == 422 and cb["estimate_micro_usd"] == math.ceil(want["cost"]) > budget
+    assert cb["input_tokens_estimate"] == 256 and cb["max_output_tokens"] == 200 and cb["chunk_count"] == 2
+    assert cb["entropy_factor"] == pytest.approx(want["entropy_factor"], abs=1e-4)
+    assert cb["complexity"] == pytest.approx(want["complexity"], abs=1e-4)
+    assert cb["remaining_micro_usd"] == budget and cb["spent_today_micro_usd"] == 0
+    # the suggested max_output_tokens is the largest that fits what is left
+    (hint,) = [s for s in doc.suggestions if s.startswith("lower max_output_tokens to ")]
+    n = int(hint.rsplit(" ", 1)[1])
+    assert math.ceil(ref_price(price, toks[:128], 2, n)["cost"]) <= budget
+    assert math.ceil(ref_price(price, toks[:128], 2, n + 1)["cost"]) > budget
+    assert math.ceil(ref_price(price, toks[:128], 1, 200)["cost"]) <= budget
+    assert "send fewer chunks: at most 1 (128 prompt tokens)" in doc.suggestions
+    st = b.router.stats()
+    assert st["adm_over_budget"] == 1 and st["admitted"] == 0 and st["late_duplicates"] == 1
+    assert st["batches"] == 0, "nothing of it ran"
+    assert b.router.tenant_stats(5)["over_budget"] == 1 and b.router.tenant_stats(5)["spent"] == 0
+
+
+def test_the_budget_is_spent_by_admissions_and_settled_to_the_exact_price(bench_factory):
+    b = bench_factory()
+    price = 1000
+    toks = [1, 2, 3, 4] * 10                      # 40 tokens: charged as 128 at admission
+    est = math.ceil(ref_price(price, toks, 1, 3)["cost"])
+    b.router.set_tenant(2, TenantPolicy(price_per_1k=price, budget_per_day=est * 2))
+    b.send(chunks_of(1, toks, max_out=3, tenant=2), chunks_of(2, toks, max_out=3, tenant=2))
+    b.router.poll()
+    assert b.router.tenant_stats(2)["spent"] == 2 * est, "both estimates charged at admission"
+    b.send(chunks_of(3, toks, max_out=3, tenant=2))
+    b.run()
+    got = by_id(b.responses)
+    assert got[1]["status"] == got[2]["status"] == 200 and got[3]["status"] == 422
+    # settled: the 40 tokens that ran and 3 generated, at the same entropy factor
+    ef, of = ref_price(price, toks, 1, 3)["entropy_factor"], 1 + 3 / 1024
+    exact = math.ceil(price / 1000 * (40 + 3) * ef * of)
+    ts = b.router.tenant_stats(2)
+    assert ts["spent"] == 2 * exact and ts["refunded"] == 2 * (est - exact) and ts["charged"] == 2 * est
+
+
+def test_an_open_record_is_priced_at_the_highest_entropy_and_admits_its_chunks(bench_factory):
+    b = bench_factory()
+    b.router.set_tenant(3, TenantPolicy(price_per_1k=1000, budget_per_day=10**6))
+    b.send(open_record(1, 2, 4, tenant=3))
+    b.router.poll()
+    assert b.router.stats()["opened"] == 1 and b.router.stats()["admitted"] == 1
+    charged = b.router.tenant_stats(3)["charged"]
+    assert charged == math.ceil(ref_price(1000, [], 2, 4)["cost"])
+    b.send(chunks_of(1, [9] * 200, max_out=4, tenant=3))
+    b.run()
+    (resp,) = b.responses
+    assert resp["status"] == 200 and resp["n_out"] == 4
+    # a refused OPEN makes its chunks late duplicates: nothing runs
+    b.router.set_tenant(3, TenantPolicy(price_per_1k=1000, budget_per_day=1))
+    b.send(open_record(2, 1, 4, tenant=3), chunks_of(2, [1], max_out=4, tenant=3))
+    b.run()
+    assert by_id(b.responses)[2]["status"] == 422 and b.router.stats()["late_duplicates"] == 1
+
+
+# --- 429 -------------------------------------------------------------------------------------------------
+
+def test_429_after_the_per_minute_limit_for_that_tenant_only(bench_factory):
+    b = bench_factory()
+    b.router.set_tenant(4, TenantPolicy(tokens_per_minute=1000))   # a request is 128 + 128 = 256 tokens
+    for rid in range(1, 6):
+        b.send(chunks_of(rid, [rid] * 10, max_out=128, tenant=4))
+    b.send(chunks_of(9, [1] * 10, max_out=128, tenant=8))           # another tenant: no limit
+    b.router.poll()
+    b.collect()
+    refused = [r for r in b.responses if r["status"] == 429]
+    assert sorted(int(r["request_id"]) for r in refused) == [4, 5], "3 x 256 fit a minute's 1000, the 4th not"
+    doc = wire.decode_admission_body(body_of(refused[0]))
+    assert doc.fields["tokens_per_minute"] == 1000 and doc.fields["request_tokens"] == 256
+    assert doc.fields["retry_after_ms"] > 0 and doc.suggestions[0].startswith("retry after ")
+    st = b.router.stats()
+    assert st["adm_rate_limited"] == 2 and st["admitted"] == 4
+    assert b.router.tenant_stats(4)["rate_limited"] == 2 and b.router.tenant_stats(8)["rate_limited"] == 0
+
+
+# --- 400 ---------------------------------------------------------------------------------------------------
+
+def test_an_oversized_request_is_refused_alone_and_never_truncated(bench_factory):
+    b = bench_factory()
+    b.router.set_tenant(6, TenantPolicy(max_request_tokens=512))
+    big = chunks_of(1, list(range(600)), max_out=4, tenant=6)      # 5 chunks: 640 + 4 > 512
+    small = chunks_of(2, list(range(300)), max_out=4, tenant=6)    # 3 chunks: 384 + 4 fits
+    b.send(big[[0]], small[[0]], big[[1]], small[[1]], big[[2, 3, 4]], small[[2]])
+    batches = b.run()
+    got = by_id(b.responses)
+    assert got[1]["status"] == 400 and got[2]["status"] == 200 and got[2]["n_out"] == 4
+    doc = wire.decode_admission_body(body_of(got[1]))
+    assert doc.fields["limit_tokens"] == 512 and doc.fields["request_tokens"] == 644
+    assert "split into 2 requests of <= 384 prompt tokens" in doc.suggestions
+    ran = {int(r["request_id"]) for x in batches for r in x}
+    assert ran == {2}, "no chunk of the oversized request reached a worker"
+    st = b.router.stats()
+    assert st["adm_oversized"] == 1 and st["late_duplicates"] == 4 and st["active_requests"] == 0
+
+
+# --- COUNT_TOKENS --------------------------------------------------------------------------------------------
+
+def test_count_tokens_is_answered_200_with_the_price_and_runs_nothing(bench_factory):
+    b = bench_factory()
+    b.router.set_tenant(7, TenantPolicy(price_per_1k=500, budget_per_day=100, max_request_tokens=4096))
+    toks = list(range(100))
+    b.send(count_record(1, toks, chunk_count=3, max_out=50, tenant=7))
+    b.run()
+    (resp,) = b.responses
+    assert resp["status"] == 200 and resp["n_out"] == 0
+    doc = wire.decode_admission_body(body_of(resp))
+    assert doc.fields["count_tokens"] is True
+    assert doc.cost_breakdown["estimate_micro_usd"] == math.ceil(ref_price(500, toks, 3, 50)["cost"])
+    assert doc.fields["would_be"] == (422 if doc.cost_breakdown["estimate_micro_usd"] > 100 else 200)
+    st = b.router.stats()
+    assert st["adm_counted"] == 1 and st["batches"] == 0 and st["admitted"] == 0
+    ts = b.router.tenant_stats(7)
+    assert ts["counted"] == 1 and ts["spent"] == 0 and ts["charged"] == 0
+
+
+# --- bodies ---------------------------------------------------------------------------------------------------
+
+EXTREMES = [
+    (TenantPolicy(price_per_1k=2**32 - 1, budget_per_day=2**63 - 1), 65535, 2**32 - 1),
+    (TenantPolicy(price_per_1k=2**32 - 1, budget_per_day=1), 65535, 2**32 - 1),
+    (TenantPolicy(max_request_tokens=2**32 - 1), 65535, 2**32 - 1),
+    (TenantPolicy(max_request_tokens=129), 65535, 2**32 - 1),
+    (TenantPolicy(tokens_per_minute=1), 65535, 2**32 - 1),
+    (TenantPolicy(tokens_per_minute=2**32 - 1), 65535, 2**32 - 1),
+]
+
+
+@pytest.mark.parametrize("policy,chunks,max_out", EXTREMES)
+def test_every_body_is_valid_json_within_1024_bytes_at_extreme_values(policy, chunks, max_out):
+    adm = ffi.gc(lib.dp_adm_create(), lib.dp_adm_destroy)
+    lib.dp_adm_set_tenant(adm, 1, policy.cdata())
+    toks = ffi.new("uint32_t[]", list(range(2**32 - 128, 2**32)))
+    body = ffi.new("char[]", wire.MAX_RESP_BODY)
+    d = ffi.new("struct dp_adm_decision *")
+    for count_only in (0, 1):
+        n = lib.dp_adm_decide(adm, 1, toks, 128, chunks, max_out, count_only, 10**15, d, body, wire.MAX_RESP_BODY)
+        if d.status == 200 and not count_only:
+            assert n == 0
+            continue
+        doc = json.loads(ffi.unpack(body, n))
+        assert n <= wire.MAX_RESP_BODY and "body too long" not in doc.get("error", "")
+        assert wire.decode_admission_body(ffi.unpack(body, n)).status == 200 if count_only else d.status
+
+
+def test_a_body_that_is_not_an_admission_answer_is_a_wire_error():
+    for bad in (b"", b"{", b"[1]", b'{"status": 422}', bytes(range(200, 210))):
+        with pytest.raises(wire.WireError) as e:
+            wire.decode_admission_body(bad)
+        assert e.value.field == "body"
+
+
+def test_bad_tenant_settings_are_refused():
+    with pytest.raises(ValueError, match="hi_entropy_factor"):
+        TenantPolicy(hi_entropy_factor=7)
+    with pytest.raises(ValueError, match="price_per_1k"):
+        TenantPolicy(price_per_1k=-1)
+
+
+# --- pools ------------------------------------------------------------------------------------------------------
+
+def placed(batches_by_worker):
+    return {k: sorted({int(r["request_id"]) for x in bs for r in x}) for k, bs in batches_by_worker.items()}
+
+
+def test_requests_go_to_the_cheapest_healthy_pool_with_room(bench_factory):
+    b = bench_factory(n_workers=3)
+    prices = {0: pool_price_per_1k("l4"), 1: pool_price_per_1k("h100"), 2: pool_price_per_1k("cpu")}
+    assert prices[1] < prices[0] < prices[2], "per token the H100 is the cheapest of the three"
+    for k, price in prices.items():
+        b.router.set_pool(k, price)
+        b.router.set_worker_pool(k, k)
+    b.send(*[chunks_of(rid, [1, 2], max_out=1) for rid in (1, 2)])
+    b.router.poll()
+    assert sorted(b.workers[1].recv_batch(0)["request_id"].tolist()) == [1, 2]
+    b.router.set_up(1, False)                   # the cheapest pool is down: it is skipped
+    b.send(chunks_of(3, [1, 2], max_out=1))
+    b.router.poll()
+    # requests 1 and 2 are replayed there too (failover keeps to the placement rule)
+    assert sorted(b.workers[0].recv_batch(0)["request_id"].tolist()) == [1, 2, 3]
+    assert b.workers[2].recv_batch(0) is None
+    assert b.router.pool_stats(1)["up"] == 0 and b.router.pool_stats(0)["requests"] == 3
+
+
+def test_a_full_pool_sends_new_requests_to_the_next(bench_factory):
+    b = bench_factory(n_workers=2)
+    b.router.set_pool(0, 100, room_per_worker=2)      # two queued chunks, then the next pool
+    b.router.set_pool(1, 200)
+    b.router.set_worker_pool(1, 1)
+    b.send(*[chunks_of(rid, [rid], max_out=1) for rid in range(1, 5)])
+    b.router.poll()
+    assert b.workers[0].recv_batch(0)["request_id"].tolist() == [1, 2]
+    assert b.workers[1].recv_batch(0)["request_id"].tolist() == [3, 4]
+    assert b.router.pool_stats(0)["room_per_worker"] == 2
+
+
+def test_a_high_entropy_burst_spills_to_the_secondary_pool_and_others_keep_the_primary(bench_factory):
+    b = bench_factory(n_workers=2)
+    b.router.set_pool(0, pool_price_per_1k("h100"))
+    b.router.set_pool(1, pool_price_per_1k("l4"))
+    b.router.set_worker_pool(1, 1)
+    # at most 3 high-entropy requests on the primary, then (practically) none: no timing in the test
+    b.router.set_default_tenant(TenantPolicy(hi_entropy_factor=4.5, hi_per_second=1e-6, hi_burst=3))
+    burst = [chunks_of(100 + i, list(range(i, i + 128)), max_out=2, tenant=7) for i in range(10)]
+    calm = [chunks_of(200 + i, [i % 4] * 64, max_out=2, tenant=1) for i in range(5)]
+    for x, y in zip(burst, calm + [None] * 5):
+        b.send(x, *([y] if y is not None else []))
+    seen = {0: [], 1: []}
+    b.router.poll()
+    for _ in range(200):
+        for k in (0, 1):
+            got = b.step(k)
+            if got is not None:
+                seen[k].append(got)
+        if len(b.responses) == 15:
+            break
+    where = placed(seen)
+    assert where[0] == [100, 101, 102] + list(range(200, 205)), "the burst's first 3 and every calm request"
+    assert where[1] == list(range(103, 110)), "the rest of the burst is throttled to the secondary, not refused"
+    assert all(r["status"] == 200 for r in b.responses) and len(b.responses) == 15
+    assert {int(r["request_id"]): int(r["pool"]) for r in b.responses}[105] == 1
+    st = b.router.stats()
+    assert st["to_secondary"] == 7 and st["admitted"] == 15
+    assert b.router.pool_stats(1)["spilled"] == 7 and b.router.tenant_stats(7)["spilled"] == 7
+    assert b.router.tenant_stats(1)["spilled"] == 0
+
+
+def test_pool_arguments_are_checked(bench_factory):
+    b = bench_factory(n_workers=1)
+    with pytest.raises(ValueError):
+        b.router.set_pool(4, 1)
+    with pytest.raises(ValueError):
+        b.router.set_worker_pool(3, 0)
