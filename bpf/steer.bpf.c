@@ -130,7 +130,6 @@ static __always_inline int reply_429(struct xdp_md *ctx, struct ethhdr *eth, str
 {
     struct dp_resp_hdr *resp = (void *)req;   /* 40 bytes over the 48 already bounds-checked */
     __u32 tenant = req->tenant;
-    __u16 flags = req->flags;
     __u64 sid = req->session_id, rid = req->request_id, sent = req->send_ns;
     __u8 mac[ETH_ALEN];
     __be16 port;
@@ -148,7 +147,7 @@ static __always_inline int reply_429(struct xdp_md *ctx, struct ethhdr *eth, str
     resp->magic = DP_WIRE_MAGIC;
     resp->version = DP_WIRE_VERSION;
     resp->kind = DP_KIND_RESPONSE;
-    resp->flags = flags;
+    resp->flags = 0;                          /* no room for a trace here: DP_FLAG_TRACE is not echoed */
     resp->tenant = tenant;
     resp->status = DP_STATUS_RATE_LIMITED;
     resp->body_len = 0;

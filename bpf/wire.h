@@ -34,7 +34,8 @@
 #define DP_KIND_RESPONSE 5       /* server to client */
 
 /* flags */
-#define DP_FLAG_TRACE 0x0001       /* carry per-stage timestamps back in the response */
+#define DP_FLAG_TRACE 0x0001       /* request: carry per-stage stamps back; response: the body ends with a
+                                      struct dp_resp_trace (absent if the body had no room for it) */
 #define DP_FLAGS_KNOWN 0x0001      /* any other bit is invalid */
 
 /* status (HTTP meanings) */
@@ -75,12 +76,27 @@ struct dp_resp_hdr {
     __u64 request_id;         /* 24 */
     __u64 send_ns;            /* 32 echoed from the request */
 };
+
+/* With DP_FLAG_TRACE in a response's flags, the last 40 bytes of its body:
+ * where the request's time went (CLOCK_MONOTONIC ns, the client's clock when
+ * client and server share a host). */
+struct dp_resp_trace {
+    __u64 t_xdp;              /*  0 its first chunk at the XDP program (0: the UDP ingress) */
+    __u64 t_first_lane;       /*  8 its first piece placed in a worker's lane (0: never ran) */
+    __u64 t_done;             /* 16 the router saw its last completion, or decided to refuse it */
+    __u64 t_egress;           /* 24 the responder built this packet */
+    __u16 worker;             /* 32 0xffff: none */
+    __u16 pool;               /* 34 0xffff: none */
+    __u32 reserved;           /* 36 zero */
+};
 /* LAYOUT END */
 
 #define DP_REQ_HDR_LEN 48
+#define DP_RESP_TRACE_LEN 40
 #define DP_RESP_HDR_LEN 40
 _Static_assert(sizeof(struct dp_req_hdr) == DP_REQ_HDR_LEN, "request header is 48 bytes");
 _Static_assert(sizeof(struct dp_resp_hdr) == DP_RESP_HDR_LEN, "response header is 40 bytes");
+_Static_assert(sizeof(struct dp_resp_trace) == DP_RESP_TRACE_LEN, "response trace is 40 bytes");
 _Static_assert(__builtin_offsetof(struct dp_req_hdr, send_ns) == 40, "send_ns at 40");
 _Static_assert(__builtin_offsetof(struct dp_resp_hdr, send_ns) == 32, "send_ns at 32");
 

@@ -28,13 +28,15 @@ MAX_PACKET = wire.REQ_HDR_LEN + 4 * wire.MAX_CHUNK_TOKENS
 
 
 def request_packets(tenant: int, session_id: int, request_id: int, tokens, max_output_tokens: int = 0,
-                    kind: int = wire.KIND_CHUNK) -> list[bytes]:
-    """One request's tokens cut into chunks of at most 128, each an encoded packet."""
+                    kind: int = wire.KIND_CHUNK, trace: bool = False) -> list[bytes]:
+    """One request's tokens cut into chunks of at most 128, each an encoded packet (trace: the
+    response ends with the request's stamps, wire.Response.trace)."""
     tokens = tuple(tokens)
     parts = [tokens[i:i + wire.MAX_CHUNK_TOKENS] for i in range(0, len(tokens), wire.MAX_CHUNK_TOKENS)] or [()]
     return [wire.encode_request(wire.Request(kind=kind, tenant=tenant, session_id=session_id,
                                              request_id=request_id, chunk_index=i, chunk_count=len(parts),
-                                             tokens=part, max_output_tokens=max_output_tokens))
+                                             tokens=part, max_output_tokens=max_output_tokens,
+                                             flags=wire.FLAG_TRACE if trace else 0))
             for i, part in enumerate(parts)]
 
 

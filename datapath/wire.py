@@ -51,10 +51,16 @@ RESP_FIELDS = (
     ("tenant", "I"), ("status", "H"), ("body_len", "H"),
     ("session_id", "Q"), ("request_id", "Q"), ("send_ns", "Q"),
 )
+TRACE_FIELDS = (   # struct dp_resp_trace: the end of a response body whose flags have FLAG_TRACE
+    ("t_xdp", "Q"), ("t_first_lane", "Q"), ("t_done", "Q"), ("t_egress", "Q"),
+    ("worker", "H"), ("pool", "H"), ("reserved", "I"),
+)
 REQ_HDR = struct.Struct("<" + "".join(code for _, code in REQ_FIELDS))
 RESP_HDR = struct.Struct("<" + "".join(code for _, code in RESP_FIELDS))
 REQ_HDR_LEN = REQ_HDR.size      # 48
 RESP_HDR_LEN = RESP_HDR.size    # 40
+RESP_TRACE = struct.Struct("<" + "".join(code for _, code in TRACE_FIELDS))
+RESP_TRACE_LEN = RESP_TRACE.size  # 40
 TOKEN = struct.Struct("<I")
 
 
@@ -70,6 +76,7 @@ def field_offsets(fields) -> dict[str, tuple[int, int]]:
 
 REQ_OFFSETS = field_offsets(REQ_FIELDS)
 RESP_OFFSETS = field_offsets(RESP_FIELDS)
+TRACE_OFFSETS = field_offsets(TRACE_FIELDS)
 
 
 class WireError(ValueError):
@@ -108,6 +115,7 @@ class Response:
     body: bytes = b""
     flags: int = 0
     send_ns: int = 0
+    trace: dict | None = None   # FLAG_TRACE: {field: value} of the trace that ended the body (not in body)
 
 
 def _truncated(fields_offsets: dict, have: int, total: int):
@@ -179,11 +187,15 @@ def encode_response(resp: Response) -> bytes:
     _check_common(MAGIC, VERSION, resp.flags)
     if resp.status not in STATUSES:
         raise WireError("status", f"{resp.status} is not one of {STATUSES}")
-    if len(resp.body) > MAX_RESP_BODY:
-        raise WireError("body_len", f"{len(resp.body)} exceeds {MAX_RESP_BODY}")
+    body, flags = bytes(resp.body), resp.flags & ~FLAG_TRACE   # the flag says whether a trace follows
+    if resp.trace is not None:
+        body += RESP_TRACE.pack(*(resp.trace.get(name, 0) for name, _ in TRACE_FIELDS))
+        flags |= FLAG_TRACE
+    if len(body) > MAX_RESP_BODY:
+        raise WireError("body_len", f"{len(body)} exceeds {MAX_RESP_BODY}")
     try:
-        return RESP_HDR.pack(MAGIC, VERSION, KIND_RESPONSE, resp.flags, resp.tenant, resp.status,
-                             len(resp.body), resp.session_id, resp.request_id, resp.send_ns) + bytes(resp.body)
+        return RESP_HDR.pack(MAGIC, VERSION, KIND_RESPONSE, flags, resp.tenant, resp.status,
+                             len(body), resp.session_id, resp.request_id, resp.send_ns) + body
     except struct.error as e:
         raise WireError("response", f"a field is out of range: {e}") from None
 
@@ -204,8 +216,14 @@ def decode_response(buf) -> Response:
     if len(buf) != RESP_HDR_LEN + body_len:
         raise WireError("body", f"body_len={body_len} needs a {RESP_HDR_LEN + body_len}-byte packet, "
                                 f"buffer is {len(buf)} bytes")
+    body, trace = bytes(buf[RESP_HDR_LEN:]), None
+    if flags & FLAG_TRACE:
+        if body_len < RESP_TRACE_LEN:
+            raise WireError("body", f"flags say a {RESP_TRACE_LEN}-byte trace ends the body, it has {body_len} bytes")
+        body, tail = body[:-RESP_TRACE_LEN], body[-RESP_TRACE_LEN:]
+        trace = dict(zip((name for name, _ in TRACE_FIELDS), RESP_TRACE.unpack(tail)))
     return Response(tenant=tenant, session_id=session_id, request_id=request_id, status=status,
-                    body=bytes(buf[RESP_HDR_LEN:]), flags=flags, send_ns=send_ns)
+                    body=body, flags=flags, send_ns=send_ns, trace=trace)
 
 
 def pack_request_raw(tokens=(), **fields) -> bytes:

@@ -82,7 +82,8 @@ struct dp_response_rec {
     __u32 client_ip;           /* 60 */
     __u16 body_len;            /* 64 bytes of body[] when n_out is 0 (admission's JSON), else unused */
     __u16 pool;                /* 66 the worker pool it ran on (0xffff: none) */
-    __u32 reserved;            /* 68 zero */
+    __u16 flags;               /* 68 DP_FLAG_TRACE if the request asked for it */
+    __u16 reserved;            /* 70 zero */
     union {                    /* 72 the response body: output tokens, or a JSON document */
         __u32 tokens[DP_MAX_OUTPUT_TOKENS];
         __u8 body[DP_MAX_RESP_BODY];

@@ -42,17 +42,25 @@ uint32_t dp_responder_poll(struct dp_responder *r)
         uint32_t body = rec->n_out ? rec->n_out * 4u : rec->body_len;   /* output tokens, or admission's JSON */
         if (body > DP_MAX_RESP_BODY)
             body = DP_MAX_RESP_BODY;
+        memcpy(pkt[i] + DP_RESP_HDR_LEN, rec->body, body);
+        /* the trace goes after the body if there is room: the body itself is never cut for it */
+        int trace = (rec->flags & DP_FLAG_TRACE) && body + DP_RESP_TRACE_LEN <= DP_MAX_RESP_BODY;
+        if (trace) {
+            struct dp_resp_trace tr = { rec->t_xdp, rec->t_first_lane, rec->t_done, now_ns(), rec->worker,
+                                        rec->pool, 0 };
+            memcpy(pkt[i] + DP_RESP_HDR_LEN + body, &tr, sizeof(tr));
+            body += DP_RESP_TRACE_LEN;
+        }
         h->magic = DP_WIRE_MAGIC;
         h->version = DP_WIRE_VERSION;
         h->kind = DP_KIND_RESPONSE;
-        h->flags = 0;
+        h->flags = trace ? DP_FLAG_TRACE : 0;
         h->tenant = rec->tenant;
         h->status = rec->status;
         h->body_len = (uint16_t)body;
         h->session_id = rec->session_id;
         h->request_id = rec->request_id;
         h->send_ns = rec->t_send;
-        memcpy(pkt[i] + DP_RESP_HDR_LEN, rec->body, body);
         iov[i] = (struct iovec){ pkt[i], DP_RESP_HDR_LEN + body };
         dst[i] = (struct sockaddr_in){ .sin_family = AF_INET,
                                        .sin_port = rec->client_ip ? rec->client_port : r->dst_port,

@@ -271,7 +271,7 @@ int dp_req_check(const uint8_t *buf, uint32_t len)
 static void udp_reply(struct dp_udp_rx *r, const struct dp_req_hdr *h, const struct msghdr *from)
 {
     struct dp_resp_hdr resp = {
-        .magic = DP_WIRE_MAGIC, .version = DP_WIRE_VERSION, .kind = DP_KIND_RESPONSE, .flags = h->flags,
+        .magic = DP_WIRE_MAGIC, .version = DP_WIRE_VERSION, .kind = DP_KIND_RESPONSE, .flags = 0,   /* no trace */
         .tenant = h->tenant, .status = r->reply_status, .body_len = 0, .session_id = h->session_id,
         .request_id = h->request_id, .send_ns = h->send_ns,
     };

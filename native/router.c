@@ -34,6 +34,7 @@ struct req {
     uint16_t chunk_count, received, next_index;  /* chunks seen; next index to schedule in order */
     uint16_t n_out;
     uint16_t status;                             /* 0 while all is well, else the error to answer with */
+    uint16_t flags;                              /* DP_FLAG_TRACE: the response carries its stamps */
     uint8_t state, in_fifo, in_set;
     uint8_t held, in_session;                    /* waits for an earlier request of its session; linked */
     int16_t worker;
@@ -395,6 +396,7 @@ static int emit(struct dp_router *rt, const struct req *r, uint16_t status, uint
     o->client_ip = r ? r->client_ip : c->client_ip;
     o->client_port = r ? r->client_port : c->client_port;
     o->pool = r ? r->pool : 0xffff;
+    o->flags = (r ? r->flags : c->flags) & DP_FLAG_TRACE;
     o->reserved = 0;
     o->body_len = 0;
     if (n)
@@ -644,6 +646,7 @@ static int admit(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, uin
     struct req *r = &rt->reqs[ri];
     memset(r, 0, offsetof(struct req, out));
     r->key = key;
+    r->flags = c->flags & DP_FLAG_TRACE;   /* the first chunk's (or OPEN's) ask decides */
     r->request_id = c->request_id;
     r->session_id = c->session_id;
     r->tenant = c->tenant;
@@ -1145,7 +1148,7 @@ static uint32_t expire_stalled(struct dp_router *rt, uint64_t now)
                            "timeout\",\"received\":%u,\"chunk_count\":%u}", r->received, r->chunk_count);
         if (!emit(rt, NULL, DP_STATUS_BAD_REQUEST, r->request_id, r->session_id, r->tenant,
                   &(struct dp_chunk){ .t_send = r->t_send, .t_xdp = r->t_xdp, .client_ip = r->client_ip,
-                                      .client_port = r->client_port }, body, (uint32_t)len))
+                                      .client_port = r->client_port, .flags = r->flags }, body, (uint32_t)len))
             break;                       /* egress full: try again at the next scan */
         dp_adm_settle(rt->adm, r->tenant, &r->adm, r->tokens_in, 0, 0);
         if (r->in_fifo)

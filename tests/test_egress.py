@@ -103,3 +103,37 @@ def test_the_response_record_carries_tokens_and_body_in_the_same_bytes():
     assert f["tokens"][1] == f["body"][1] == ffi.offsetof("struct dp_response_rec", "body")
     assert f["body"][0].itemsize == wire.MAX_RESP_BODY == 4 * records.MAX_OUTPUT_TOKENS
     assert records.RESPONSE.itemsize == ffi.sizeof("struct dp_response_rec") == f["body"][1] + wire.MAX_RESP_BODY
+
+
+def test_a_traced_request_gets_its_stamps_after_the_body_unless_the_body_is_full():
+    name = f"eg{os.getpid()}-{next(_seq)}"
+    egress = Ring.create(name, records.RESPONSE.itemsize, 64, role="producer")
+    rx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    rx.bind(("127.0.0.1", 0))
+    rx.settimeout(5)
+    tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        recs = np.zeros(3, dtype=records.RESPONSE)
+        recs["request_id"] = [1, 2, 3]
+        recs["status"] = 200
+        recs["flags"] = [wire.FLAG_TRACE, wire.FLAG_TRACE, 0]
+        recs["n_out"] = [2, 256, 2]
+        recs["t_xdp"], recs["t_first_lane"], recs["t_done"] = 100, 200, 300
+        recs["worker"], recs["pool"] = 1, 0
+        recs[0]["tokens"][:2] = [7, 8]
+        recs[1]["tokens"][:] = np.arange(256)
+        recs[2]["tokens"][:2] = [7, 8]
+        egress.enqueue(recs.tobytes())
+        resp = Responder(Ring.attach(name, "consumer"), tx, "127.0.0.1", rx.getsockname()[1])
+        assert resp.poll() == 3
+        traced, full, plain = (wire.decode_response(rx.recv(2048)) for _ in range(3))
+        assert np.frombuffer(traced.body, "<u4").tolist() == [7, 8] and traced.flags == wire.FLAG_TRACE
+        t = traced.trace
+        assert (t["t_xdp"], t["t_first_lane"], t["t_done"], t["worker"], t["pool"]) == (100, 200, 300, 1, 0)
+        assert t["t_egress"] > 0
+        # 256 tokens fill the body: the trace is left out (and the flag says so), the tokens are not cut
+        assert full.flags == 0 and full.trace is None and np.frombuffer(full.body, "<u4").tolist() == list(range(256))
+        assert plain.flags == 0 and plain.trace is None
+    finally:
+        rx.close(), tx.close(), egress.close()
+        unlink(name)

@@ -503,3 +503,14 @@ def test_a_sessions_requests_run_one_at_a_time_in_arrival_order(bench_factory, b
         assert 2 not in first_seen, "static: incomplete B never ran"
     st = b.router.stats()
     assert st["held"] == 2 and st["expired"] == 1 and st["active_requests"] == 0
+
+
+def test_the_trace_flag_of_a_requests_first_chunk_reaches_its_response(bench_factory):
+    b = bench_factory()
+    traced, plain = chunks_of(1, list(range(10)), max_out=2), chunks_of(2, list(range(10)), max_out=2)
+    traced["flags"] = wire.FLAG_TRACE
+    b.send(traced, plain)
+    b.run()
+    flags = {int(r["request_id"]): int(r["flags"]) for r in b.responses}
+    assert flags == {1: wire.FLAG_TRACE, 2: 0}
+    assert all(r["t_first_lane"] > 0 for r in b.responses)

@@ -26,10 +26,20 @@ def requests(draw):
 
 @st.composite
 def responses(draw):
+    traced = draw(st.booleans())
+    trace = {name: draw(st.integers(0, (1 << (8 * struct.calcsize(code))) - 1)) for name, code in wire.TRACE_FIELDS
+             if name != "reserved"} | {"reserved": 0} if traced else None
     return wire.Response(tenant=draw(u32), session_id=draw(u64), request_id=draw(u64),
                          status=draw(st.sampled_from(wire.STATUSES)),
-                         body=draw(st.binary(max_size=wire.MAX_RESP_BODY)),
-                         flags=draw(st.sampled_from([0, wire.FLAG_TRACE])), send_ns=draw(u64))
+                         body=draw(st.binary(max_size=wire.MAX_RESP_BODY - (wire.RESP_TRACE_LEN if traced else 0))),
+                         flags=wire.FLAG_TRACE if traced else 0, send_ns=draw(u64), trace=trace)
+
+
+def test_a_trace_flag_without_room_for_the_trace_names_the_body():
+    buf = bytearray(wire.encode_response(wire.Response(tenant=1, session_id=2, request_id=3, status=200, body=b"x")))
+    buf[6:8] = struct.pack("<H", wire.FLAG_TRACE)
+    with pytest.raises(WireError, match="body"):
+        wire.decode_response(bytes(buf))
 
 
 @given(requests())

@@ -14,10 +14,11 @@ from datapath._wire_layout import ffi, lib
 from datapath.xdp import BPF_DIR
 
 STRUCTS = [("struct dp_req_hdr", wire.REQ_FIELDS, wire.REQ_OFFSETS, wire.REQ_HDR_LEN),
-           ("struct dp_resp_hdr", wire.RESP_FIELDS, wire.RESP_OFFSETS, wire.RESP_HDR_LEN)]
+           ("struct dp_resp_hdr", wire.RESP_FIELDS, wire.RESP_OFFSETS, wire.RESP_HDR_LEN),
+           ("struct dp_resp_trace", wire.TRACE_FIELDS, wire.TRACE_OFFSETS, wire.RESP_TRACE_LEN)]
 
 
-@pytest.mark.parametrize("cname,fields,offsets,size", STRUCTS, ids=["request", "response"])
+@pytest.mark.parametrize("cname,fields,offsets,size", STRUCTS, ids=["request", "response", "trace"])
 def test_every_field_size_and_offset(cname, fields, offsets, size):
     ctype = ffi.typeof(cname)
     c_fields = [name for name, _ in ctype.fields]
