@@ -76,8 +76,12 @@ def count_tokens_packet(tenant: int, session_id: int, request_id: int, tokens, m
 
 def send(sock: socket.socket, packets: list[bytes], rate: float, count: int, duration: float,
          batch: int = 32, stamp_seq: bool = True, drain_ms: int = 50, seed: int = 1, spin_us: int = 50,
-         seq_base: int = 0) -> dict:
-    """Send `count` packets (cycling through `packets`) on a connected UDP socket. Returns the C stats."""
+         seq_base: int = 0, merge: int = 1) -> dict:
+    """Send `count` packets (cycling through `packets`) on a connected UDP socket. Returns the C stats.
+
+    merge > 1 is client-side batching: requests arrive at `rate`, every `merge` of them leave
+    as one packet (each packet must carry that many requests' prompts) once the last has
+    arrived, and each answer counts `merge` latencies, from each request's own arrival."""
     if not packets or rate <= 0 or count < 1 or duration <= 0:
         raise ValueError("send needs packets, rate > 0, count >= 1 and duration > 0")
     if stamp_seq:
@@ -89,7 +93,7 @@ def send(sock: socket.socket, packets: list[bytes], rate: float, count: int, dur
     lens = ffi.new("uint16_t[]", [len(p) for p in packets])
     cfg = ffi.new("struct dp_send_cfg *", dict(rate_pps=rate, count=count, max_ns=int(duration * 1e9),
                                                 seed=seed, batch=batch, drain_ms=drain_ms, stamp_seq=stamp_seq,
-                                                spin_ns=spin_us * 1000, seq_base=seq_base))
+                                                spin_ns=spin_us * 1000, seq_base=seq_base, merge=merge))
     st = ffi.new("struct dp_send_stats *")
     if lib.dp_lat_init(ffi.addressof(st.rtt), 1 << 16) or lib.dp_lat_init(ffi.addressof(st.rtt_ok), 1 << 16):
         lib.dp_lat_free(ffi.addressof(st.rtt))
@@ -105,6 +109,7 @@ def send(sock: socket.socket, packets: list[bytes], rate: float, count: int, dur
                     max_late_ns=st.max_late_ns, responses=st.responses, resp_429=st.resp_429,
                     resp_ok=st.resp_ok, resp_other=st.resp_other, last_resp_s=st.last_resp_ns / 1e9,
                     requests=st.requests, rtt_ns=rtt, rtt_ok_ns=rtt_ok,
+                    merge_wait_ns_mean=st.merge_wait_ns / (st.sent * merge) if merge > 1 and st.sent else 0.0,
                     by_status={s: st.by_status[i] for i, s in enumerate(wire.STATUSES) if st.by_status[i]},
                     sample_status=st.sample_status,
                     sample_body=bytes(ffi.buffer(st.sample_body, st.sample_len)).decode(errors="replace"))

@@ -305,8 +305,10 @@ class Pipeline:
         """Open-loop Poisson arrivals of `count` packets at `rate`/s from the client namespace.
 
         Each request is one chunk of prompt_tokens (<= 128) from one of `sessions`
-        sessions, cycling; merge > 1 sends `merge` requests' prompts as one request
-        (client-side batching). `prompts` (token lists, one per session, any length)
+        sessions, cycling; merge > 1 is client-side batching: requests arrive at `rate`
+        and every `merge` of them leave as one request (their prompts joined) when the
+        last has arrived; `count` counts those packets, and each answer gives `merge`
+        latencies, from each request's arrival (the wait for its companions measured). `prompts` (token lists, one per session, any length)
         replaces them: a prompt over 128 tokens is several chunks, each a packet of
         the count. `tenant` may be a list, one per session in turn. Safe to call from
         several threads at once (each offer is its own client process and socket).
@@ -324,10 +326,10 @@ class Pipeline:
                                                   max_output_tokens=max_output_tokens * merge)]
         # the client runs beside the workers, off the data path's core
         cpu = self.cfg.worker_cpus[0] if self.cfg.worker_cpus else None
-        duration = count / rate * 3 + 5
+        duration = count * merge / rate * 3 + 5
         res = client.spawn_in_netns(self.topo.client_ns[0], self.topo.host_ip[0], pkts, timeout=duration + 60,
                                     cpu=cpu, rate=rate, count=count, duration=duration,
-                                    drain_ms=int(drain_s * 1000), seq_base=base)
+                                    drain_ms=int(drain_s * 1000), seq_base=base, merge=merge)
         by_status = {int(k): v for k, v in res["by_status"].items()}   # JSON made the keys strings
         return {**res, "by_status": by_status, "seq_base": base}
 

@@ -106,6 +106,10 @@ struct dp_send_cfg {
                                   (a request's chunks are consecutive packets, chunk 0 first) */
     uint64_t seq_base;         /* so successive runs never reuse a request id */
     uint32_t spin_ns;          /* sleep through gaps longer than this, spin the rest */
+    uint32_t merge;            /* client-side batching: requests arrive at rate_pps, and every `merge`
+                                  of them go out as one packet when the last has arrived; each answer
+                                  then counts `merge` latencies, from each one's own arrival
+                                  (0 or 1: one packet per arrival). Needs stamp_seq, one-chunk requests. */
 };
 
 struct dp_send_stats {
@@ -119,6 +123,7 @@ struct dp_send_stats {
     uint64_t resp_other;       /* any other status */
     uint64_t last_resp_ns;     /* from the start to the last response (throughput over that span) */
     uint64_t requests;         /* packets sent that start a request (chunk_index 0): one answer each */
+    uint64_t merge_wait_ns;    /* merge > 1: the time arrivals waited for their packet, summed */
     uint64_t by_status[6];     /* responses with status 200 400 413 422 429 503 */
     uint16_t sample_status;    /* the first response other than 200 ... */
     uint16_t sample_len;

@@ -60,7 +60,26 @@ static void wait_until(int fd, uint64_t t)
     ppoll(&p, 1, &ts, NULL);
 }
 
-static void read_responses(int fd, struct dp_send_stats *st, uint64_t start)
+/* merge > 1: waits[seq * merge + j] is how long arrival j of packet seq waited for the packet */
+struct merged {
+    uint32_t merge;
+    uint64_t seq_base, count;
+    uint64_t *waits;
+};
+
+static void add_rtt(struct dp_send_stats *st, const struct merged *m, const struct dp_resp_hdr *h, uint64_t rtt)
+{
+    uint64_t seq = h->request_id - m->seq_base;
+    uint32_t each = m->merge > 1 && seq < m->count ? m->merge : 1;
+    for (uint32_t j = 0; j < each; j++) {   /* a merged answer answers every request it carried */
+        uint64_t v = rtt + (each > 1 ? m->waits[seq * m->merge + j] : 0);
+        dp_lat_add(&st->rtt, v);
+        if (h->status == DP_STATUS_OK)
+            dp_lat_add(&st->rtt_ok, v);
+    }
+}
+
+static void read_responses(int fd, struct dp_send_stats *st, uint64_t start, const struct merged *m)
 {
     uint8_t buf[2048];
     struct dp_resp_hdr h;
@@ -90,11 +109,8 @@ static void read_responses(int fd, struct dp_send_stats *st, uint64_t start)
             st->resp_ok++;
         else
             st->resp_other++;
-        if (h.send_ns && now > h.send_ns) {
-            dp_lat_add(&st->rtt, now - h.send_ns);
-            if (h.status == DP_STATUS_OK)
-                dp_lat_add(&st->rtt_ok, now - h.send_ns);
-        }
+        if (h.send_ns && now > h.send_ns)
+            add_rtt(st, m, &h, now - h.send_ns);
     }
 }
 
@@ -106,22 +122,33 @@ int dp_send_poisson(int fd, const uint8_t *pkts, uint32_t stride, const uint16_t
     uint8_t *bufs;
     uint64_t rng = seed_state(cfg->seed), start, due, deadline, i = 0;
     uint32_t batch = cfg->batch < 1 ? 1 : cfg->batch > TX_BATCH_MAX ? TX_BATCH_MAX : cfg->batch;
+    struct merged m = { cfg->merge > 1 ? cfg->merge : 1, cfg->seq_base, cfg->count, NULL };
+    uint64_t arrival[DP_MAX_BATCH_CHUNKS];   /* merge > 1: arrival times of the next packet's requests */
 
-    if (!n_pkts || cfg->rate_pps <= 0 || stride < DP_REQ_HDR_LEN)
+    if (!n_pkts || cfg->rate_pps <= 0 || stride < DP_REQ_HDR_LEN || m.merge > DP_MAX_BATCH_CHUNKS ||
+        (m.merge > 1 && (!cfg->stamp_seq || cfg->count > (1u << 24))))
         return -EINVAL;
+    if (m.merge > 1)
+        batch = 1;                       /* one packet per merge: its stamp is its last arrival's send */
     if (!(bufs = malloc((size_t)batch * stride)))
         return -ENOMEM;
+    if (m.merge > 1 && !(m.waits = calloc(cfg->count * m.merge, sizeof(uint64_t)))) {
+        free(bufs);
+        return -ENOMEM;
+    }
     memset(msgs, 0, sizeof(msgs));
     start = dp_now_ns();
     deadline = start + cfg->max_ns;
-    due = start + next_gap(&rng, cfg->rate_pps);
+    due = start;
+    for (uint32_t j = 0; j < m.merge; j++)   /* a packet is due when the last of its requests arrives */
+        arrival[j] = due += next_gap(&rng, cfg->rate_pps);
     while (i < cfg->count) {
         uint64_t now = dp_now_ns();
         uint32_t k = 0;
         if (now >= deadline)
             break;
         if (now < due) {
-            read_responses(fd, st, start);
+            read_responses(fd, st, start, &m);
             if (due - now > cfg->spin_ns)
                 wait_until(fd, due - cfg->spin_ns);   /* give the core back; spin only the last stretch */
             continue;
@@ -146,11 +173,22 @@ int dp_send_poisson(int fd, const uint8_t *pkts, uint32_t stride, const uint16_t
             msgs[k].msg_hdr.msg_iov = &iov[k];
             msgs[k].msg_hdr.msg_iovlen = 1;
             k++;
+            if (m.merge > 1)
+                break;                   /* batch is 1: the waits below are this packet's */
             due += next_gap(&rng, cfg->rate_pps);
         }
         now = dp_now_ns();
         for (uint32_t j = 0; j < k; j++)
             memcpy(bufs + (size_t)j * stride + offsetof(struct dp_req_hdr, send_ns), &now, 8);
+        if (m.merge > 1 && k) {          /* each request waited from its arrival to this send */
+            for (uint32_t j = 0; j < m.merge; j++) {
+                m.waits[i * m.merge + j] = now - arrival[j];
+                st->merge_wait_ns += now - arrival[j];
+            }
+            due = arrival[m.merge - 1];
+            for (uint32_t j = 0; j < m.merge; j++)
+                arrival[j] = due += next_gap(&rng, cfg->rate_pps);
+        }
         for (uint32_t off = 0; off < k;) {
             int n = sendmmsg(fd, msgs + off, k - off, 0);
             if (n <= 0) {
@@ -164,12 +202,13 @@ int dp_send_poisson(int fd, const uint8_t *pkts, uint32_t stride, const uint16_t
     }
     st->elapsed_ns = dp_now_ns() - start;
     for (uint64_t end = dp_now_ns() + (uint64_t)cfg->drain_ms * 1000000; dp_now_ns() < end;) {
-        read_responses(fd, st, start);
+        read_responses(fd, st, start, &m);
         if (st->responses >= st->requests)
             break;                 /* every request answered: no need to wait out the drain */
         wait_until(fd, end);
     }
     free(bufs);
+    free(m.waits);
     return 0;
 }
 

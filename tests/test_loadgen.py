@@ -89,3 +89,39 @@ def test_the_load_generator_counts_answers_by_status_and_keeps_a_refusals_body()
     finally:
         sink.close(), tx.close()
         t.join()
+
+
+def test_merged_sends_count_every_request_from_its_own_arrival():
+    """merge=5: one packet per 5 arrivals, sent when the 5th arrives; each answer gives 5 latencies,
+    each the packet's round trip plus that request's wait for its companions."""
+    import threading
+    import numpy as np
+    sink, tx = pair()
+    sink.settimeout(2)
+
+    def answer():   # a server that answers every packet at once
+        try:
+            for _ in range(20):
+                data, addr = sink.recvfrom(2048)
+                req = wire.decode_request(data)
+                sink.sendto(wire.encode_response(wire.Response(tenant=req.tenant, session_id=req.session_id,
+                                                               request_id=req.request_id, status=200,
+                                                               send_ns=req.send_ns)), addr)
+        except socket.timeout:
+            pass
+    t = threading.Thread(target=answer)
+    t.start()
+    try:
+        pkts = client.request_packets(1, 1, 1, list(range(5 * 12)))
+        res = client.send(tx, pkts, rate=1000, count=20, duration=5, drain_ms=2000, merge=5)
+        t.join()
+        assert res["sent"] == 20 and res["resp_ok"] == 20
+        rtt = np.array(res["rtt_ok_ns"])
+        assert len(rtt) == 100, "five latencies per answer"
+        # 5 arrivals at 1000/s wait 2 gaps on average (4, 3, 2, 1, 0): ~2 ms, plus any lateness
+        assert 0.5e6 < res["merge_wait_ns_mean"] < 20e6, res["merge_wait_ns_mean"]
+        assert rtt.mean() >= res["merge_wait_ns_mean"]
+        single = client.send(tx, pkts, rate=1000, count=20, duration=5, drain_ms=0)
+        assert single["merge_wait_ns_mean"] == 0.0
+    finally:
+        sink.close(), tx.close()
