@@ -18,14 +18,13 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-import threading
 import time
 
 from snapshotstore import Delta, LogStore, format_device, session_key
 from snapshotstore.format import HEADER_SIZE
 from snapshotstore.nvmetcp.process import TargetProcess
 
-from .snapshot import MiB, _filesystem, _precondition, _us, pct
+from .snapshot import MiB, _filesystem, _precondition, _us, pct, put_rate
 
 SECRET = b"bench-nvmetcp-secret-0123"
 
@@ -44,26 +43,6 @@ def _alternate(report, stores, name, samples, op):
         report.reference(f"local_{name}_{tag}_us", pct(times["local"], q), "us")
         report.metric(f"remote_{name}_{tag}_us", pct(times["remote"], q), "us")
         report.ratio(f"remote_{name}_{tag}_us", f"local_{name}_{tag}_us")
-
-
-def _rate(store, writers: int, total: int, payload: bytes, tag: str) -> float:
-    per = total // writers
-    barrier = threading.Barrier(writers + 1)
-
-    def work(w):
-        keys = [session_key(SECRET, f"{tag}-{w}-{i}") for i in range(per)]
-        barrier.wait()
-        for k in keys:
-            store.put(k, Delta(payload))
-
-    threads = [threading.Thread(target=work, args=(w,)) for w in range(writers)]
-    for t in threads:
-        t.start()
-    barrier.wait()
-    t0 = time.perf_counter()
-    for t in threads:
-        t.join()
-    return per * writers / (time.perf_counter() - t0)
 
 
 def run(report, args):
@@ -100,7 +79,7 @@ def run(report, args):
                 _alternate(report, stores, "restore_chain8", samples, restore)
                 total = 480 if quick else 3200
                 for side, s in stores.items():
-                    rate = _rate(s, 16, total, one, f"w16-{side}")
+                    rate = put_rate(s, 16, total, one, f"w16-{side}")
                     (report.reference if side == "local" else report.metric)(
                         f"{side}_put_records_per_s_w16", rate, "records/s")
                 report.ratio("remote_put_records_per_s_w16", "local_put_records_per_s_w16")

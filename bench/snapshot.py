@@ -118,6 +118,27 @@ def _put_latency(report, store, raw, samples):
     report.ratio("put_4k_p99_us", "raw_write_sync_p99_us")
 
 
+def put_rate(store, writers: int, total: int, payload: bytes, tag: str) -> float:
+    """Puts per second of `writers` threads putting total // writers records each, started together."""
+    per = total // writers
+    barrier = threading.Barrier(writers + 1)
+
+    def work(w):
+        keys = [session_key(SECRET, f"{tag}-{w}-{i}") for i in range(per)]
+        barrier.wait()
+        for k in keys:
+            store.put(k, Delta(payload))
+
+    threads = [threading.Thread(target=work, args=(w,)) for w in range(writers)]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    return per * writers / (time.perf_counter() - t0)
+
+
 def _throughput(report, store, raw, total):
     payload = os.urandom(store.block_size - HEADER_SIZE)
     t0 = time.perf_counter()
@@ -125,29 +146,14 @@ def _throughput(report, store, raw, total):
         raw.write_sync_us()
     report.reference("raw_write_sync_per_s", total / (time.perf_counter() - t0), "records/s")
     for writers in (1, 4, 16):
-        per = total // writers
         before = store.stats()["flushes"]
-        barrier = threading.Barrier(writers + 1)
-
-        def work(w):
-            keys = [session_key(SECRET, f"tp{writers}-{w}-{i}") for i in range(per)]
-            barrier.wait()
-            for k in keys:
-                store.put(k, Delta(payload))
-
-        threads = [threading.Thread(target=work, args=(w,)) for w in range(writers)]
-        for t in threads:
-            t.start()
-        barrier.wait()
-        t0 = time.perf_counter()
-        for t in threads:
-            t.join()
-        rate = per * writers / (time.perf_counter() - t0)
+        rate = put_rate(store, writers, total, payload, f"tp{writers}")
         flushes = store.stats()["flushes"] - before
         name = f"put_records_per_s_w{writers}"
         report.metric(name, rate, "records/s")
         report.ratio(name, "raw_write_sync_per_s")
-        report.note(f"w{writers}: {per * writers / max(flushes, 1):.1f} records per fdatasync (group commit)")
+        report.note(f"w{writers}: {total // writers * writers / max(flushes, 1):.1f} records per fdatasync "
+                    "(group commit)")
     # the knob: the leader waits for more writers before its flush
     store.group_commit_us = 300
     before = store.stats()["flushes"]

@@ -4,6 +4,7 @@ import os
 import socket
 
 import numpy as np
+import pytest
 
 from datapath import records, wire
 from datapath.egress import Responder
@@ -12,40 +13,56 @@ from datapath.ring import Ring, unlink
 _seq = itertools.count()
 
 
-def test_responses_reach_the_client_intact():
-    name = f"eg{os.getpid()}-{next(_seq)}"
-    egress = Ring.create(name, records.RESPONSE.itemsize, 64, role="producer")
-    rx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    rx.bind(("127.0.0.1", 0))
-    rx.settimeout(5)
-    tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        recs = np.zeros(3, dtype=records.RESPONSE)
-        recs["request_id"] = [1, 2, 3]
-        recs["session_id"] = 77
-        recs["tenant"] = 5
-        recs["status"] = [200, 429, 200]
-        recs["n_out"] = [3, 0, 256]
-        recs["t_send"] = [10, 20, 30]
-        recs[0]["tokens"][:3] = [7, 8, 9]
-        recs[2]["tokens"][:] = np.arange(256)
-        egress.enqueue(recs.tobytes())
-        resp = Responder(Ring.attach(name, "consumer"), tx, "127.0.0.1", rx.getsockname()[1], trace_cap=2)
-        assert resp.poll() == 3
-        got = [wire.decode_response(rx.recv(2048)) for _ in range(3)]
-        assert [g.request_id for g in got] == [1, 2, 3]
-        assert [g.status for g in got] == [200, 429, 200]
-        assert np.frombuffer(got[0].body, "<u4").tolist() == [7, 8, 9] and got[1].body == b""
-        assert np.frombuffer(got[2].body, "<u4").tolist() == list(range(256))
-        assert got[0].send_ns == 10 and got[0].session_id == 77 and got[0].tenant == 5
-        st = resp.stats()
-        assert st["sent"] == 3 and st["by_status"] == {200: 2, 429: 1} and st["traced"] == 2
-        tr = resp.trace()
-        assert tr["request_id"].tolist() == [1, 2] and (tr["t_out"] > 0).all()
-        assert egress.stats()["depth"] == 0
-    finally:
-        rx.close(), tx.close(), egress.close()
-        unlink(name)
+class Link:
+    """An egress ring a test fills, the responder's socket and a client socket that receives."""
+
+    def __init__(self):
+        self.name = f"eg{os.getpid()}-{next(_seq)}"
+        self.egress = Ring.create(self.name, records.RESPONSE.itemsize, 64, role="producer")
+        self.rx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.rx.bind(("127.0.0.1", 0))
+        self.rx.settimeout(5)
+        self.tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+
+    def responder(self, **kw) -> Responder:
+        return Responder(Ring.attach(self.name, "consumer"), self.tx, "127.0.0.1", self.rx.getsockname()[1], **kw)
+
+    def close(self):
+        self.rx.close(), self.tx.close(), self.egress.close()
+        unlink(self.name)
+
+
+@pytest.fixture
+def link():
+    made = Link()
+    yield made
+    made.close()
+
+
+def test_responses_reach_the_client_intact(link):
+    recs = np.zeros(3, dtype=records.RESPONSE)
+    recs["request_id"] = [1, 2, 3]
+    recs["session_id"] = 77
+    recs["tenant"] = 5
+    recs["status"] = [200, 429, 200]
+    recs["n_out"] = [3, 0, 256]
+    recs["t_send"] = [10, 20, 30]
+    recs[0]["tokens"][:3] = [7, 8, 9]
+    recs[2]["tokens"][:] = np.arange(256)
+    link.egress.enqueue(recs.tobytes())
+    resp = link.responder(trace_cap=2)
+    assert resp.poll() == 3
+    got = [wire.decode_response(link.rx.recv(2048)) for _ in range(3)]
+    assert [g.request_id for g in got] == [1, 2, 3]
+    assert [g.status for g in got] == [200, 429, 200]
+    assert np.frombuffer(got[0].body, "<u4").tolist() == [7, 8, 9] and got[1].body == b""
+    assert np.frombuffer(got[2].body, "<u4").tolist() == list(range(256))
+    assert got[0].send_ns == 10 and got[0].session_id == 77 and got[0].tenant == 5
+    st = resp.stats()
+    assert st["sent"] == 3 and st["by_status"] == {200: 2, 429: 1} and st["traced"] == 2
+    tr = resp.trace()
+    assert tr["request_id"].tolist() == [1, 2] and (tr["t_out"] > 0).all()
+    assert link.egress.stats()["depth"] == 0
 
 
 def test_each_response_goes_to_the_client_its_request_came_from():
@@ -72,29 +89,19 @@ def test_each_response_goes_to_the_client_its_request_came_from():
         unlink(name)
 
 
-def test_an_admission_body_reaches_the_client_whole():
-    name = f"eg{os.getpid()}-{next(_seq)}"
-    egress = Ring.create(name, records.RESPONSE.itemsize, 64, role="producer")
-    rx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    rx.bind(("127.0.0.1", 0))
-    rx.settimeout(5)
-    tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        body = ('{"status":422,"cost_breakdown":{"estimate_micro_usd":12},"suggestions":["lower max_output_tokens'
-                ' to 3"],"pad":"' + "x" * 900 + '"}').encode()
-        assert len(body) <= wire.MAX_RESP_BODY == records.RESPONSE.fields["body"][0].itemsize
-        rec = np.zeros(1, dtype=records.RESPONSE)
-        rec["request_id"], rec["status"], rec["body_len"] = 9, 422, len(body)
-        rec[0]["body"][:len(body)] = np.frombuffer(body, np.uint8)
-        egress.enqueue(rec.tobytes())
-        Responder(Ring.attach(name, "consumer"), tx, "127.0.0.1", rx.getsockname()[1]).poll()
-        got = wire.decode_response(rx.recv(2048))
-        assert got.status == 422 and got.body == body
-        doc = wire.decode_admission_body(got.body)
-        assert doc.cost_breakdown == {"estimate_micro_usd": 12} and doc.fields["pad"] == "x" * 900
-    finally:
-        rx.close(), tx.close(), egress.close()
-        unlink(name)
+def test_an_admission_body_reaches_the_client_whole(link):
+    body = ('{"status":422,"cost_breakdown":{"estimate_micro_usd":12},"suggestions":["lower max_output_tokens'
+            ' to 3"],"pad":"' + "x" * 900 + '"}').encode()
+    assert len(body) <= wire.MAX_RESP_BODY == records.RESPONSE.fields["body"][0].itemsize
+    rec = np.zeros(1, dtype=records.RESPONSE)
+    rec["request_id"], rec["status"], rec["body_len"] = 9, 422, len(body)
+    rec[0]["body"][:len(body)] = np.frombuffer(body, np.uint8)
+    link.egress.enqueue(rec.tobytes())
+    link.responder().poll()
+    got = wire.decode_response(link.rx.recv(2048))
+    assert got.status == 422 and got.body == body
+    doc = wire.decode_admission_body(got.body)
+    assert doc.cost_breakdown == {"estimate_micro_usd": 12} and doc.fields["pad"] == "x" * 900
 
 
 def test_the_response_record_carries_tokens_and_body_in_the_same_bytes():
@@ -105,35 +112,25 @@ def test_the_response_record_carries_tokens_and_body_in_the_same_bytes():
     assert records.RESPONSE.itemsize == ffi.sizeof("struct dp_response_rec") == f["body"][1] + wire.MAX_RESP_BODY
 
 
-def test_a_traced_request_gets_its_stamps_after_the_body_unless_the_body_is_full():
-    name = f"eg{os.getpid()}-{next(_seq)}"
-    egress = Ring.create(name, records.RESPONSE.itemsize, 64, role="producer")
-    rx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    rx.bind(("127.0.0.1", 0))
-    rx.settimeout(5)
-    tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        recs = np.zeros(3, dtype=records.RESPONSE)
-        recs["request_id"] = [1, 2, 3]
-        recs["status"] = 200
-        recs["flags"] = [wire.FLAG_TRACE, wire.FLAG_TRACE, 0]
-        recs["n_out"] = [2, 256, 2]
-        recs["t_xdp"], recs["t_first_lane"], recs["t_done"] = 100, 200, 300
-        recs["worker"], recs["pool"] = 1, 0
-        recs[0]["tokens"][:2] = [7, 8]
-        recs[1]["tokens"][:] = np.arange(256)
-        recs[2]["tokens"][:2] = [7, 8]
-        egress.enqueue(recs.tobytes())
-        resp = Responder(Ring.attach(name, "consumer"), tx, "127.0.0.1", rx.getsockname()[1])
-        assert resp.poll() == 3
-        traced, full, plain = (wire.decode_response(rx.recv(2048)) for _ in range(3))
-        assert np.frombuffer(traced.body, "<u4").tolist() == [7, 8] and traced.flags == wire.FLAG_TRACE
-        t = traced.trace
-        assert (t["t_xdp"], t["t_first_lane"], t["t_done"], t["worker"], t["pool"]) == (100, 200, 300, 1, 0)
-        assert t["t_egress"] > 0
-        # 256 tokens fill the body: the trace is left out (and the flag says so), the tokens are not cut
-        assert full.flags == 0 and full.trace is None and np.frombuffer(full.body, "<u4").tolist() == list(range(256))
-        assert plain.flags == 0 and plain.trace is None
-    finally:
-        rx.close(), tx.close(), egress.close()
-        unlink(name)
+def test_a_traced_request_gets_its_stamps_after_the_body_unless_the_body_is_full(link):
+    recs = np.zeros(3, dtype=records.RESPONSE)
+    recs["request_id"] = [1, 2, 3]
+    recs["status"] = 200
+    recs["flags"] = [wire.FLAG_TRACE, wire.FLAG_TRACE, 0]
+    recs["n_out"] = [2, 256, 2]
+    recs["t_xdp"], recs["t_first_lane"], recs["t_done"] = 100, 200, 300
+    recs["worker"], recs["pool"] = 1, 0
+    recs[0]["tokens"][:2] = [7, 8]
+    recs[1]["tokens"][:] = np.arange(256)
+    recs[2]["tokens"][:2] = [7, 8]
+    link.egress.enqueue(recs.tobytes())
+    resp = link.responder()
+    assert resp.poll() == 3
+    traced, full, plain = (wire.decode_response(link.rx.recv(2048)) for _ in range(3))
+    assert np.frombuffer(traced.body, "<u4").tolist() == [7, 8] and traced.flags == wire.FLAG_TRACE
+    t = traced.trace
+    assert (t["t_xdp"], t["t_first_lane"], t["t_done"], t["worker"], t["pool"]) == (100, 200, 300, 1, 0)
+    assert t["t_egress"] > 0
+    # 256 tokens fill the body: the trace is left out (and the flag says so), the tokens are not cut
+    assert full.flags == 0 and full.trace is None and np.frombuffer(full.body, "<u4").tolist() == list(range(256))
+    assert plain.flags == 0 and plain.trace is None
