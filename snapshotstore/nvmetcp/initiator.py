@@ -43,12 +43,13 @@ def is_url(path) -> bool:
 
 
 def parse_url(url: str) -> tuple[str, int, str]:
-    """nvme-tcp://HOST[:PORT]/SUBNQN -> (host, port, subnqn)."""
-    rest = url[len(SCHEME):] if is_url(url) else ""
+    """nvme-tcp://HOST[:PORT]/SUBNQN[?digests] -> (host, port, subnqn)."""
+    rest, _, option = (url[len(SCHEME):] if is_url(url) else "").partition("?")
     hostport, _, nqn = rest.partition("/")
     host, _, port = hostport.rpartition(":") if ":" in hostport else (hostport, "", str(DEFAULT_PORT))
-    if not host or not nqn or not port.isdigit():
-        raise DeviceError(f"{url!r} is not an NVMe/TCP namespace URL: write nvme-tcp://HOST[:PORT]/SUBSYSTEM-NQN "
+    if not host or not nqn or not port.isdigit() or option not in ("", "digests"):
+        raise DeviceError(f"{url!r} is not an NVMe/TCP namespace URL: write "
+                          f"nvme-tcp://HOST[:PORT]/SUBSYSTEM-NQN[?digests] "
                           f"(for example nvme-tcp://127.0.0.1:4420/nqn.2026-12.io.zerolayer:snapshots)")
     return host, int(port), nqn
 
@@ -198,6 +199,7 @@ class NvmeTcpDevice:
     def __init__(self, url: str, readonly: bool = False, *, digests: bool = False, hostnqn: str | None = None,
                  timeout_s: float = 30.0):
         host, port, self.subnqn = parse_url(url)
+        digests = digests or url.endswith("?digests")          # header and data digests, from the URL too
         self.path, self.readonly = url, readonly
         hostid = uuid.uuid4()
         self.hostnqn = hostnqn or f"nqn.2014-08.org.nvmexpress:uuid:{hostid}"

@@ -23,14 +23,17 @@ class TargetProcess:
         cmd = [sys.executable, "-m", "snapshotstore", "target", "--listen", listen, "--nqn", nqn, *args, path]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.pid = self.proc.pid
+        self.output: list[str] = []              # what it printed after its banner (queue connections), once it exited
+        self.stderr = ""
         with selectors.DefaultSelector() as sel:
             sel.register(self.proc.stdout, selectors.EVENT_READ)
             ready = sel.select(START_TIMEOUT_S)
         line = self.proc.stdout.readline() if ready else ""
         if not line.startswith("serving "):
             self.kill()
-            raise DeviceError(f"the target did not start: {(line + self.proc.stderr.read()).strip()[-500:]}")
+            raise DeviceError(f"the target did not start: {(line + self.stderr).strip()[-500:]}")
         self.url = line.split()[-1]              # "serving PATH (...) at nvme-tcp://HOST:PORT/NQN"
+        self.banner = line.strip()
 
     def stop(self, timeout: float = 10.0) -> int:
         """SIGTERM: a clean shutdown (connections closed, device synced and released)."""
@@ -50,6 +53,9 @@ class TargetProcess:
         self._reap()
 
     def _reap(self):
+        if self.proc.stdout and not self.proc.stdout.closed:
+            self.output += self.proc.stdout.read().splitlines()      # it has exited: read to EOF
+            self.stderr += self.proc.stderr.read()
         for f in (self.proc.stdout, self.proc.stderr):
             if f and not f.closed:
                 f.close()

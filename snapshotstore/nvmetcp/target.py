@@ -36,8 +36,9 @@ HANDSHAKE_TIMEOUT_S = 10.0     # a connection that sends no ICReq is dropped
 class Target:
     def __init__(self, path: str, nqn: str = DEFAULT_NQN, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *,
                  queue_depth: int = 32, maxh2cdata: int = 128 << 10, in_capsule: int = 8192,
-                 max_transfer: int = 1 << 20):
+                 max_transfer: int = 1 << 20, log=None):
         P.nqn_field(nqn)
+        self.log = log                   # log(line) for each queue connected (`snapshotstore target` prints them)
         self.path, self.nqn, self.host, self.port = path, nqn, host, port
         self.queue_depth, self.maxh2cdata, self.in_capsule = queue_depth, maxh2cdata, in_capsule
         self.mdts = max(0, (max_transfer >> 12).bit_length() - 1)    # 2^mdts * 4 KiB (CAP.MPSMIN)
@@ -360,6 +361,10 @@ class _Connection:
                 return invalid(False, 40 + P.CONNECT_SPECIFIC.offsets["qid"])
             self.qid, self.sqsize, self.connected = c["qid"], c["sqsize"], True
         self._respond(cid, dw0=CNTLID)
+        if t.log:
+            on = lambda flag: "on" if flag else "off"
+            t.log(f"queue {self.qid} connected: host {hostnqn}, sqsize {c['sqsize'] + 1}, kato {c['kato']} ms, "
+                  f"header digest {on(self.channel.hdgst)}, data digest {on(self.channel.ddgst)}")
 
     def _admin(self, cmd: _Command):
         sqe, cid, t = cmd.sqe, cmd.sqe["cid"], self.t
