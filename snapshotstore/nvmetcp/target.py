@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import collections
 import socket
+import struct
 import threading
+import uuid
 
 from ..device import BlockDevice, aligned_buffer
 from ..errors import DeviceError
@@ -143,7 +145,9 @@ class Target:
     def identify_controller(self) -> bytes:
         return P.pack(P.ID_CTRL, vid=0x1AF4, ssvid=0x1AF4, sn=b"zerolayer-%08d" % (self.port % 10 ** 8),
                       mn=b"zerolayer snapshot target".ljust(40), fr=b"1.0".ljust(8), mdts=self.mdts,
-                      cntlid=CNTLID, ver=P.NVME_VERSION, sqes=0x66, cqes=0x44, maxcmd=self.queue_depth,
+                      cntlid=CNTLID, ver=P.NVME_VERSION, cntrltype=P.CNTRLTYPE_IO,
+                      kas=P.KAS_UNITS,              # Linux refuses a fabrics controller without keep-alive
+                      sqes=0x66, cqes=0x44, maxcmd=self.queue_depth,
                       nn=1, vwc=1, awun=0, awupf=0, sgls=(1 << 0) | (1 << 20),   # SGLs; offsets in capsules
                       subnqn=P.nqn_field(self.nqn), ioccsz=(64 + self.in_capsule) // 16, iorcsz=1)
 
@@ -151,6 +155,17 @@ class Target:
         lbads = self.dev.block_size.bit_length() - 1
         return P.pack(P.ID_NS, nsze=self.dev.blocks, ncap=self.dev.blocks, nuse=self.dev.blocks,
                       nlbaf=0, flbas=0, lbaf0=lbads << 16)
+
+    def active_namespaces(self, after: int) -> bytes:
+        """Identify CNS 02h: the active NSIDs above after (Linux scans namespaces by this list)."""
+        return struct.pack("<I", NSID).ljust(P.IDENTIFY_LEN, b"\0") if after < NSID else bytes(P.IDENTIFY_LEN)
+
+    def namespace_descriptors(self) -> bytes:
+        """Identify CNS 03h: a UUID and the command set (NVM). Linux reads it before Identify Namespace
+        and attaches no namespace when it fails; the UUID is stable for the subsystem's namespace 1."""
+        nsuuid = uuid.uuid5(uuid.NAMESPACE_URL, f"nvme:{self.nqn}:{NSID}").bytes
+        return (P.pack(P.NS_DESC, nidt=P.NIDT_UUID, nidl=16) + nsuuid
+                + P.pack(P.NS_DESC, nidt=P.NIDT_CSI, nidl=1) + b"\0").ljust(P.IDENTIFY_LEN, b"\0")
 
     def get_property(self, ofst: int, size8: bool) -> int | None:
         if ofst == P.PROP_CAP and size8:
@@ -370,6 +385,14 @@ class _Connection:
         sqe, cid, t = cmd.sqe, cmd.sqe["cid"], self.t
         if sqe["opc"] == P.ADMIN_KEEP_ALIVE:          # nothing to do: KATO is not enforced
             return self._respond(cid)
+        if sqe["opc"] in (P.ADMIN_SET_FEATURES, P.ADMIN_GET_FEATURES):
+            # Number of Queues only: Linux sets it before connecting I/O queues and, refused, connects
+            # none. One I/O queue pair, 0's based in both halves of dw0, whatever the host asked for.
+            if sqe["cdw10"] & 0xFF != P.FID_NUM_QUEUES:
+                return self._respond(cid, P.SC_INVALID_FIELD)
+            return self._respond(cid, dw0=0)
+        if sqe["opc"] == P.ADMIN_GET_LOG_PAGE:
+            return self._get_log_page(cmd)
         if sqe["opc"] != P.ADMIN_IDENTIFY:
             return self._respond(cid, P.SC_INVALID_OPCODE)
         if not t.csts & P.CSTS_RDY:
@@ -377,15 +400,30 @@ class _Connection:
         cns = sqe["cdw10"] & 0xFF
         if cns == P.CNS_CONTROLLER:
             data = t.identify_controller()
-        elif cns == P.CNS_NAMESPACE:
+        elif cns == P.CNS_ACTIVE_NS_LIST:
+            data = t.active_namespaces(sqe["nsid"])
+        elif cns in (P.CNS_NAMESPACE, P.CNS_NS_DESCRIPTORS):
             if sqe["nsid"] != NSID:
                 return self._respond(cid, P.SC_INVALID_NAMESPACE)
-            data = t.identify_namespace()
+            data = t.identify_namespace() if cns == P.CNS_NAMESPACE else t.namespace_descriptors()
         else:
             return self._respond(cid, P.SC_INVALID_FIELD)
         if sqe["sgl_id"] != P.SGL_TRANSPORT or sqe["sgl_len"] != P.IDENTIFY_LEN:
             return self._respond(cid, P.SC_SGL_INVALID_DATA_LENGTH)
         self._send_data(cid, data)
+        self._respond(cid)
+
+    def _get_log_page(self, cmd: _Command):
+        """SMART / Health only, all zero (no health data is kept): Linux reads it at every connect
+        (its hwmon sensor) and logs "Failed to read smart log" when it is refused."""
+        sqe, cid = cmd.sqe, cmd.sqe["cid"]
+        n = ((sqe["cdw10"] >> 16 | (sqe["cdw11"] & 0xFFFF) << 16) + 1) * 4       # NUMD, 0's based dwords
+        offset = sqe["cdw12"] | sqe["cdw13"] << 32
+        if sqe["cdw10"] & 0xFF != P.LID_SMART or offset % 4 or offset >= P.SMART_LOG_LEN:
+            return self._respond(cid, P.SC_INVALID_FIELD)
+        if sqe["sgl_id"] != P.SGL_TRANSPORT or sqe["sgl_len"] != n or n > self.t.max_transfer:
+            return self._respond(cid, P.SC_SGL_INVALID_DATA_LENGTH)
+        self._send_data(cid, bytes(n))      # the log from offset, zero past its end as well
         self._respond(cid)
 
     def _io(self, cmd: _Command):
