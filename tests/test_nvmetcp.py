@@ -300,6 +300,28 @@ def test_namespace_list_and_descriptors_as_linux_scans_them(image):
     assert uuids[0] == uuids[1] != bytes(16)                 # stable: the subsystem's namespace 1
 
 
+def test_every_capsule_carries_psdt_sgl(target, monkeypatch):
+    # nvmet_req_init() fails any command whose PSDT is not 01b, Fabrics commands (Connect) included
+    sent = []
+    real = Channel.send
+
+    def spy(self, pdu_type, psh, data=None, flags=0):
+        if pdu_type == P.CAPSULE_CMD:
+            sent.append((psh[0], psh[1]))
+        return real(self, pdu_type, psh, data, flags)
+
+    monkeypatch.setattr(Channel, "send", spy)
+    dev = NvmeTcpDevice(target.url)
+    buf = aligned_buffer(4 * 4096)
+    dev.write_from(buf, 0, 0, 1)
+    dev.write_from(buf, 0, 0, 4)
+    dev.read_into(buf, 0, 4)
+    dev.sync()
+    dev.close()
+    assert {P.OPC_FABRICS, P.ADMIN_IDENTIFY, P.NVM_WRITE, P.NVM_READ, P.NVM_FLUSH} <= {opc for opc, _ in sent}
+    assert all(flags & 0xC0 == P.PSDT_SGL for _, flags in sent), sent
+
+
 def test_digests_from_the_url(target):
     dev = NvmeTcpDevice(target.url + "?digests")
     assert (dev.io.channel.hdgst, dev.io.channel.ddgst) == (True, True)

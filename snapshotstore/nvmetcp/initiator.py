@@ -122,8 +122,9 @@ class _Queue:
         n = len(data_out) if data_out is not None else len(data_in) if data_in is not None else 0
         icd = data_out is not None and n <= self.in_capsule
         sgl = dict(sgl_addr=0, sgl_len=n, sgl_id=(P.SGL_ICD if icd else P.SGL_TRANSPORT) if n else 0)
-        psdt = {"flags": P.PSDT_SGL} if layout is P.SQE else {}      # a Fabrics SQE has no PSDT field
-        sqe = P.pack(layout, cid=self.cid, **psdt, **sgl, **sqe_fields)
+        # PSDT 01b on every command, Fabrics ones too (their byte 1 is reserved in NVMe-oF 1.1): Linux's
+        # nvmet refuses any command without it, the Connect first, with Invalid Field in Command
+        sqe = P.pack(layout, cid=self.cid, flags=P.PSDT_SGL, **sgl, **sqe_fields)
         self.channel.send(P.CAPSULE_CMD, sqe, data_out if icd else None)
         self._expect = n if data_in is not None else 0
         received = 0
