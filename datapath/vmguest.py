@@ -195,7 +195,7 @@ def crash_check(dev: str, iterations: int) -> dict:
 
 # --- interoperability of the project's NVMe/TCP with Linux ---------------------------
 
-def store_checks(dev: str) -> dict:
+def store_checks(dev: str, problems: list) -> dict:
     """format, the KV round trip and fsck on dev (a block device or an nvme-tcp:// URL)."""
     rc, out = cli("format", dev, "--force")
     res = dict(format_rc=rc, format_output=out)
@@ -203,11 +203,10 @@ def store_checks(dev: str) -> dict:
     res["kv"] = kv_round_trip(dev) if rc == 0 else None
     res["kv_seconds"] = round(time.monotonic() - t, 1)
     res["fsck_rc"], res["fsck_output"] = cli("fsck", dev)
-    problems = [f"format exited {rc}: {out[-300:]}"] if rc else []
+    problems += [f"format exited {rc}: {out[-300:]}"] if rc else []
     problems += res["kv"]["problems"] if res["kv"] else []
     if res["fsck_rc"]:
         problems.append(f"fsck exited {res['fsck_rc']}: {res['fsck_output'][-300:]}")
-    res["problems"] = problems
     return res
 
 
@@ -216,7 +215,7 @@ def kernel_initiator_on_user_target(digests: bool) -> dict:
     sysfs and BLKSSZGET see it, then the store on it; disconnect, stop the target."""
     from snapshotstore.device import BlockDevice
     from snapshotstore.nvmetcp.process import TargetProcess
-    res = dict(digests=digests, ok=False)
+    res, problems = dict(digests=digests, ok=False), []
     t0 = time.monotonic()
     target = TargetProcess(USER_BACKING, USER_NQN, f"{ADDR}:{USER_PORT}")
     ctrl = None
@@ -235,7 +234,13 @@ def kernel_initiator_on_user_target(digests: bool) -> dict:
         bd = BlockDevice(dev, readonly=True)
         res.update(logical_block_size=bd.block_size, device_bytes=bd.size)
         bd.close()
-        res.update(store_checks(dev))
+        res.update(store_checks(dev, problems))
+        want = dict(transport="tcp", subsysnqn=USER_NQN, logical_block_size=4096, sysfs_logical_block_size=4096,
+                    sysfs_bytes=res["target_bytes"], device_bytes=res["target_bytes"])
+        problems += [f"{k} is {res[k]!r}, not {v!r}" for k, v in want.items() if res[k] != v]
+    except Exception as e:                             # the target's log and dmesg say more: keep them
+        problems.append(f"{type(e).__name__}: {e}")
+        log(traceback.format_exc())
     finally:
         if ctrl:
             disconnect(ctrl)
@@ -243,14 +248,14 @@ def kernel_initiator_on_user_target(digests: bool) -> dict:
         res["target_exit"] = target.stop()
         res["target_log"] = target.output                # one line per queue the kernel connected
         res["seconds"] = round(time.monotonic() - t0, 1)
-    problems = res["problems"]
-    want = dict(transport="tcp", subsysnqn=USER_NQN, logical_block_size=4096, sysfs_logical_block_size=4096,
-                sysfs_bytes=res["target_bytes"], device_bytes=res["target_bytes"], disconnected=True, target_exit=0)
-    problems += [f"{k} is {res.get(k)!r}, not {v!r}" for k, v in want.items() if res.get(k) != v]
+    if ctrl and not res["disconnected"]:
+        problems.append(f"{ctrl} is still there after delete_controller")
+    if res["target_exit"] != 0:
+        problems.append(f"the target exited {res['target_exit']}: {target.stderr.strip()[-300:]}")
     on = "on" if digests else "off"
     if not any(f"header digest {on}, data digest {on}" in line for line in res["target_log"]):
         problems.append(f"the target logged no queue with digests {on}: {res['target_log']}")
-    res["ok"] = not problems
+    res.update(problems=problems, ok=not problems)
     return res
 
 
@@ -266,14 +271,14 @@ def user_initiator_on_kernel_target(digests: bool) -> dict:
                    data_digest=dev.io.channel.ddgst, in_capsule=dev.io.in_capsule, maxh2cdata=dev.io.maxh2cdata)
     finally:
         dev.close()
-    res.update(store_checks(url))
+    problems = []
+    res.update(store_checks(url, problems))
     res["seconds"] = round(time.monotonic() - t0, 1)
-    problems = res["problems"]
     if (res["header_digest"], res["data_digest"]) != (digests, digests):
         problems.append(f"digests negotiated: header {res['header_digest']}, data {res['data_digest']}")
     if res["block_size"] != 4096:
         problems.append(f"the namespace's block size is {res['block_size']}, not 4096")
-    res["ok"] = not problems
+    res.update(problems=problems, ok=not problems)
     return res
 
 
