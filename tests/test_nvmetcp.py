@@ -647,6 +647,20 @@ def test_bounded_and_clean_shutdown(image):
     format_device(path)                                                         # released
 
 
+def test_target_process_logs_each_queue_with_its_digests(image):
+    # the VM test reads the digests the kernel's host negotiated from these lines
+    with TargetProcess(image()) as proc:
+        NvmeTcpDevice(proc.url).close()
+        NvmeTcpDevice(proc.url + "?digests").close()
+        deadline = time.monotonic() + TIMEOUT_S
+        while len(proc.output) < 4 and time.monotonic() < deadline:     # read as they come
+            time.sleep(0.01)
+    assert [line.split(":")[0] for line in proc.output] == ["queue 0 connected", "queue 1 connected"] * 2
+    assert all("header digest off, data digest off" in line for line in proc.output[:2])
+    assert all("header digest on, data digest on" in line for line in proc.output[2:])
+    assert "kato 0 ms" in proc.output[0] and "sqsize 32" in proc.output[0]
+
+
 def test_target_process_stops_cleanly_on_sigterm(image):
     path = image()
     proc = TargetProcess(path)
