@@ -54,6 +54,7 @@ class Target:
         self._stopping = threading.Event()
         self.cc = self.csts = 0
         self.host_nqn: str | None = None              # the associated host, None when free
+        self.admin_queue: _Connection | None = None
         self.io_queue: _Connection | None = None
 
     @property
@@ -132,13 +133,14 @@ class Target:
             self._conns.discard(conn)
             if self.io_queue is conn:
                 self.io_queue = None
-            if conn.qid == 0 and conn.connected:      # the admin queue ends the association
-                self.host_nqn, self.cc, self.csts = None, 0, 0
-                others = [c for c in self._conns if c.connected and c.qid != 0]
-            else:
-                others = []
+            others = self._end_association() if conn is self.admin_queue else []
         for c in others:
             c.channel.close()
+
+    def _end_association(self) -> list["_Connection"]:
+        """The admin queue is gone (lock held): the controller is free; its I/O queues, to close."""
+        self.host_nqn, self.cc, self.csts, self.admin_queue, self.io_queue = None, 0, 0, None, None
+        return [c for c in self._conns if c.connected and c.qid != 0]
 
     # --- identify data and properties -------------------------------------------------------
 
@@ -203,6 +205,15 @@ class _Connection:
         self.qid, self.connected, self.sqsize, self.sqhd, self.ttag = None, False, 0, 0, 0
         self.pending: collections.deque[_Command] = collections.deque()   # arrived during an R2T exchange
         self.buf = aligned_buffer(target.max_transfer)
+
+    def peer_closed(self) -> bool:
+        """The host has closed this connection (EOF waiting, or the socket already closed here)."""
+        try:
+            return self.channel.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
 
     def run(self):
         try:
@@ -361,9 +372,14 @@ class _Connection:
             if c["qid"] == 0:
                 if data["cntlid"] != 0xFFFF and data["cntlid"] != CNTLID:
                     return invalid(True, P.CONNECT_DATA.offsets["cntlid"])
+                if t.admin_queue is not None and t.admin_queue.peer_closed():
+                    # the host closed it, its thread has not seen that yet: a host reconnecting
+                    # right after a close (or a reset) must find the controller free, not busy
+                    for stale in t._end_association():
+                        stale.channel.close()
                 if t.host_nqn is not None:
                     return self._respond(cid, P.SC_CONNECT_CONTROLLER_BUSY)
-                t.host_nqn = hostnqn
+                t.host_nqn, t.admin_queue = hostnqn, self
             elif c["qid"] == 1:
                 if t.host_nqn is None or data["cntlid"] != CNTLID:
                     return invalid(True, P.CONNECT_DATA.offsets["cntlid"])
