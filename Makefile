@@ -1,6 +1,6 @@
 # The two commands of the README: `sudo make test` and `sudo make bench`.
 # Both run scripts/setup.sh first (idempotent: seconds when nothing changed).
-# `sudo make vm-test` runs the VM tests that `make test` leaves out (qemu, ~1 min under TCG).
+# `sudo make vm-test` runs the VM tests that `make test` leaves out (qemu, ~2 min under TCG).
 PY := .venv/bin/python
 PYTEST_ARGS ?= -m "not vm"
 BENCH_ARGS ?= all

@@ -13,7 +13,12 @@ and null_blk modules loaded:
      compared, `snapshotstore fsck`;
   4. crash consistency on the namespace: writers SIGKILLed mid-stream
      (snapshotstore/crashtest.py), then fsck again;
-  5. result.json in --out. The init powers the guest off afterwards.
+  5. interoperability of the project's own NVMe/TCP with Linux, each with and
+     without header and data digests: the kernel's initiator against
+     `snapshotstore target` (127.0.0.1:4421, /dev/nullb1), the store run on the
+     namespace it attaches; the project's initiator (LogStore on an
+     nvme-tcp:// URL) against nvmet, once the kernel host has disconnected;
+  6. result.json in --out. The init powers the guest off afterwards.
 
 USAGE (only inside the guest): python -m datapath.vmguest --out /run/vmtest/result.json
 """
@@ -23,6 +28,7 @@ import argparse
 import glob
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -34,6 +40,7 @@ NQN = "nqn.2026-01.io.zerolayer:vmtest"
 HOSTNQN = f"nqn.2014-08.org.nvmexpress:uuid:{uuid.uuid4()}"
 ADDR, PORT = "127.0.0.1", 4420
 BACKING = "/dev/nullb0"
+USER_NQN, USER_PORT, USER_BACKING = "nqn.2026-01.io.zerolayer:vmtest-user", 4421, "/dev/nullb1"   # our target
 NVMET = "/sys/kernel/config/nvmet"
 SECRET = b"vmtest-tenant-secret-0123456789"
 CODECS = ("raw", "zstd", "lz4")          # lossless: a restored cache must equal the original bit for bit
@@ -71,19 +78,16 @@ def start_kernel_target(backing: str) -> None:
     os.symlink(sub, f"{port}/subsystems/{NQN}")
 
 
-# Hook for a user-space target: snapshotstore/nvmetcp.py (branch `nvmetcp`) is an
-# NVMe/TCP target written in this project. To test it against the kernel's
-# initiator, start it here instead of start_kernel_target() -- listening on
-# ADDR:PORT inside the guest, exporting NQN over a file or /dev/nullb0 -- and the
-# rest (connect(), the namespace, the store, the crash check) runs unchanged.
-# Not done yet: this branch must not depend on that one.
+# The project's own target (snapshotstore/nvmetcp) is started beside nvmet, not
+# instead of it: kernel_initiator_on_user_target() below.
 
 
-def connect(addr: str, port: int, nqn: str) -> str:
-    """Attach the kernel's NVMe/TCP initiator (what `nvme connect -t tcp` does); the controller's name."""
+def connect(addr: str, port: int, nqn: str, digests: bool = False) -> str:
+    """Attach the kernel's NVMe/TCP initiator (what `nvme connect -t tcp [-g -G]` does); the controller's name."""
+    opts = f"transport=tcp,traddr={addr},trsvcid={port},nqn={nqn},hostnqn={HOSTNQN}"
     fd = os.open("/dev/nvme-fabrics", os.O_RDWR)
     try:
-        os.write(fd, f"transport=tcp,traddr={addr},trsvcid={port},nqn={nqn},hostnqn={HOSTNQN}".encode())
+        os.write(fd, (opts + (",hdr_digest,data_digest" if digests else "")).encode())
         reply = os.read(fd, 4096).decode()          # "instance=0,cntlid=1"
     finally:
         os.close(fd)
@@ -104,7 +108,13 @@ def namespace_of(ctrl: str, timeout: float = 60) -> str:
 
 
 def disconnect(ctrl: str) -> None:
-    write(f"/sys/class/nvme/{ctrl}/delete_controller", "1")
+    write(f"/sys/class/nvme/{ctrl}/delete_controller", "1")     # synchronous: the controller is gone after it
+
+
+def kernel_messages(pattern: str = "nvme") -> list[str]:
+    """The kernel log's lines that mention pattern (what Linux said about our peers)."""
+    r = subprocess.run(["dmesg"], capture_output=True, text=True)
+    return [line for line in r.stdout.splitlines() if pattern in line]
 
 
 # --- the store on the namespace ---------------------------------------------------
@@ -183,6 +193,113 @@ def crash_check(dev: str, iterations: int) -> dict:
                 seconds=round(res.seconds, 1))
 
 
+# --- interoperability of the project's NVMe/TCP with Linux ---------------------------
+
+def store_checks(dev: str, problems: list) -> dict:
+    """format, the KV round trip and fsck on dev (a block device or an nvme-tcp:// URL)."""
+    rc, out = cli("format", dev, "--force")
+    res = dict(format_rc=rc, format_output=out)
+    t = time.monotonic()
+    res["kv"] = kv_round_trip(dev) if rc == 0 else None
+    res["kv_seconds"] = round(time.monotonic() - t, 1)
+    res["fsck_rc"], res["fsck_output"] = cli("fsck", dev)
+    problems += [f"format exited {rc}: {out[-300:]}"] if rc else []
+    problems += res["kv"]["problems"] if res["kv"] else []
+    if res["fsck_rc"]:
+        problems.append(f"fsck exited {res['fsck_rc']}: {res['fsck_output'][-300:]}")
+    return res
+
+
+def kernel_initiator_on_user_target(digests: bool) -> dict:
+    """Linux's nvme-tcp host -> `snapshotstore target` on USER_BACKING: the namespace it attaches, as
+    sysfs and BLKSSZGET see it, then the store on it; disconnect, stop the target."""
+    from snapshotstore.device import BlockDevice
+    from snapshotstore.nvmetcp.process import TargetProcess
+    res, problems = dict(digests=digests, ok=False), []
+    t0 = time.monotonic()
+    target = TargetProcess(USER_BACKING, USER_NQN, f"{ADDR}:{USER_PORT}")
+    ctrl = None
+    try:
+        res["target_banner"] = target.banner           # "serving PATH (N blocks of B bytes) at URL"
+        blocks, bsize = (int(x) for x in re.search(r"\((\d+) blocks of (\d+) bytes\)", target.banner).groups())
+        res["target_bytes"] = blocks * bsize
+        ctrl = connect(ADDR, USER_PORT, USER_NQN, digests)
+        dev = namespace_of(ctrl)
+        sysfs, name = f"/sys/class/nvme/{ctrl}", os.path.basename(dev)
+        res.update(controller=ctrl, device=dev, transport=read(f"{sysfs}/transport"),
+                   address=read(f"{sysfs}/address"), subsysnqn=read(f"{sysfs}/subsysnqn"),
+                   model=read(f"{sysfs}/model"), connect_seconds=round(time.monotonic() - t0, 1),
+                   sysfs_logical_block_size=int(read(f"/sys/block/{name}/queue/logical_block_size")),
+                   sysfs_bytes=int(read(f"/sys/block/{name}/size")) * 512)
+        bd = BlockDevice(dev, readonly=True)
+        res.update(logical_block_size=bd.block_size, device_bytes=bd.size)
+        bd.close()
+        res.update(store_checks(dev, problems))
+        want = dict(transport="tcp", subsysnqn=USER_NQN, logical_block_size=4096, sysfs_logical_block_size=4096,
+                    sysfs_bytes=res["target_bytes"], device_bytes=res["target_bytes"])
+        problems += [f"{k} is {res[k]!r}, not {v!r}" for k, v in want.items() if res[k] != v]
+    except Exception as e:                             # the target's log and dmesg say more: keep them
+        problems.append(f"{type(e).__name__}: {e}")
+        log(traceback.format_exc())
+    finally:
+        if ctrl:
+            disconnect(ctrl)
+            res["disconnected"] = not os.path.exists(f"/sys/class/nvme/{ctrl}")
+        res["target_exit"] = target.stop()
+        res["target_log"] = target.output                # one line per queue the kernel connected
+        res["seconds"] = round(time.monotonic() - t0, 1)
+    if ctrl and not res["disconnected"]:
+        problems.append(f"{ctrl} is still there after delete_controller")
+    if res["target_exit"] != 0:
+        problems.append(f"the target exited {res['target_exit']}: {target.stderr.strip()[-300:]}")
+    on = "on" if digests else "off"
+    if not any(f"header digest {on}, data digest {on}" in line for line in res["target_log"]):
+        problems.append(f"the target logged no queue with digests {on}: {res['target_log']}")
+    res.update(problems=problems, ok=not problems)
+    return res
+
+
+def user_initiator_on_kernel_target(digests: bool) -> dict:
+    """The project's initiator (NvmeTcpDevice, LogStore on an nvme-tcp:// URL) -> Linux nvmet."""
+    from snapshotstore.nvmetcp import NvmeTcpDevice
+    url = f"nvme-tcp://{ADDR}:{PORT}/{NQN}" + ("?digests" if digests else "")
+    res = dict(digests=digests, url=url, ok=False)
+    t0 = time.monotonic()
+    dev = NvmeTcpDevice(url)
+    try:
+        res.update(block_size=dev.block_size, blocks=dev.blocks, header_digest=dev.io.channel.hdgst,
+                   data_digest=dev.io.channel.ddgst, in_capsule=dev.io.in_capsule, maxh2cdata=dev.io.maxh2cdata)
+    finally:
+        dev.close()
+    problems = []
+    res.update(store_checks(url, problems))
+    res["seconds"] = round(time.monotonic() - t0, 1)
+    if (res["header_digest"], res["data_digest"]) != (digests, digests):
+        problems.append(f"digests negotiated: header {res['header_digest']}, data {res['data_digest']}")
+    if res["block_size"] != 4096:
+        problems.append(f"the namespace's block size is {res['block_size']}, not 4096")
+    res.update(problems=problems, ok=not problems)
+    return res
+
+
+def interop(result: dict) -> None:
+    """Both directions, each with and without digests; every failure recorded, none stops the others."""
+    checks = (("kernel_initiator_user_target", kernel_initiator_on_user_target),
+              ("user_initiator_kernel_target", user_initiator_on_kernel_target))
+    for name, check in checks:
+        result[name] = []
+        for digests in (False, True):
+            log(f"interop: {name}, digests {'on' if digests else 'off'}")
+            try:
+                res = check(digests)
+            except Exception as e:
+                res = dict(digests=digests, ok=False, problems=[f"{type(e).__name__}: {e}"])
+                log(traceback.format_exc())
+            result[name].append(res)
+            result["problems"] += [f"{name} (digests {digests}): {p}" for p in res["problems"]]
+            log(f"interop: {name}, digests {digests}: {'ok' if res['ok'] else res['problems']}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m datapath.vmguest")
     p.add_argument("--out", required=True, help="result.json path (the shared scratch directory)")
@@ -239,6 +356,14 @@ def main(argv=None) -> int:
                 problems.append(f"{step.removesuffix('_rc')} exited {result[step]}")
         if not result["crash"]["ok"]:
             problems.append("the crash check failed")
+
+        disconnect(ctrl)                              # nvmet's namespace is the project's initiator's now
+        ctrl = None
+        # the store the kernel's initiator left, read through the project's initiator
+        result["user_fsck_rc"], result["user_fsck_output"] = cli("fsck", f"nvme-tcp://{ADDR}:{PORT}/{NQN}")
+        if result["user_fsck_rc"]:
+            problems.append(f"fsck through the project's initiator exited {result['user_fsck_rc']}")
+        interop(result)
         result["ok"] = not problems
     except Exception as e:
         problems.append(f"{type(e).__name__}: {e}")
@@ -249,6 +374,7 @@ def main(argv=None) -> int:
                 disconnect(ctrl)
             except OSError as e:
                 log(f"disconnect {ctrl}: {e}")
+        result["dmesg"] = kernel_messages()[-80:]
         result["guest_seconds"] = round(time.monotonic() - T0, 1)
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)

@@ -51,11 +51,11 @@ MODULES = [
     # multipath=N: the namespace is /dev/nvmeXnY of its controller, not a hidden path behind a head node
     ("nvme-core", "multipath=N"),
     # memory-backed, 4 KiB logical blocks: the namespace reports 4096 and keeps what is written
-    ("null_blk", "nr_devices=1 gb=1 bs=4096 memory_backed=1"),
+    ("null_blk", "nr_devices=2 gb=1 bs=4096 memory_backed=1"),     # nullb1: the project's target
     ("nvmet", ""), ("nvmet-tcp", ""), ("nvme-fabrics", ""), ("nvme-tcp", ""),
 ]
 
-GUEST_MEMORY_MB = 2048     # 1 GiB of null_blk at most, plus python and numpy
+GUEST_MEMORY_MB = 3072     # two 1 GiB null_blk devices at most, plus python and numpy
 PROBE_TIMEOUT_S = 20       # a KVM guest reaches init in ~1 s; one that hangs is not KVM that works
 
 

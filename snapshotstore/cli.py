@@ -161,7 +161,8 @@ def _target(args) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        target = Target(args.device, args.nqn, host, int(port), maxh2cdata=args.maxh2cdata).start()
+        target = Target(args.device, args.nqn, host, int(port), maxh2cdata=args.maxh2cdata,
+                        log=lambda line: print(line, flush=True)).start()
     except ValueError as e:
         raise SnapshotError(str(e)) from None
     try:

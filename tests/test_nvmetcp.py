@@ -65,7 +65,8 @@ OFFSETS = [
     (P.SQE, "opc", 0), (P.SQE, "flags", 1), (P.SQE, "cid", 2), (P.SQE, "nsid", 4), (P.SQE, "mptr", 16),
     (P.SQE, "sgl_addr", 24), (P.SQE, "sgl_len", 32), (P.SQE, "sgl_id", 39), (P.SQE, "cdw10", 40),
     (P.SQE, "cdw11", 44), (P.SQE, "cdw12", 48), (P.SQE, "cdw15", 60),
-    (P.FABRICS_SQE, "cid", 2), (P.FABRICS_SQE, "fctype", 4), (P.FABRICS_SQE, "sgl_addr", 24),
+    (P.FABRICS_SQE, "flags", 1), (P.FABRICS_SQE, "cid", 2), (P.FABRICS_SQE, "fctype", 4),
+    (P.FABRICS_SQE, "sgl_addr", 24),
     (P.FABRICS_SQE, "sgl_id", 39), (P.FABRICS_SQE, "specific", 40),
     # Connect: RECFMT 41:40, QID 43:42, SQSIZE 45:44, CATTR 46, KATO 51:48 (SQE byte offsets - 40)
     (P.CONNECT_SPECIFIC, "recfmt", 0), (P.CONNECT_SPECIFIC, "qid", 2), (P.CONNECT_SPECIFIC, "sqsize", 4),
@@ -76,7 +77,8 @@ OFFSETS = [
     (P.CQE, "dw0", 0), (P.CQE, "dw1", 4), (P.CQE, "sqhd", 8), (P.CQE, "sqid", 10), (P.CQE, "cid", 12),
     (P.CQE, "status", 14),
     (P.ID_CTRL, "sn", 4), (P.ID_CTRL, "mn", 24), (P.ID_CTRL, "fr", 64), (P.ID_CTRL, "mdts", 77),
-    (P.ID_CTRL, "cntlid", 78), (P.ID_CTRL, "ver", 80), (P.ID_CTRL, "sqes", 512), (P.ID_CTRL, "cqes", 513),
+    (P.ID_CTRL, "cntlid", 78), (P.ID_CTRL, "ver", 80), (P.ID_CTRL, "cntrltype", 111), (P.ID_CTRL, "kas", 320),
+    (P.ID_CTRL, "sqes", 512), (P.ID_CTRL, "cqes", 513),
     (P.ID_CTRL, "maxcmd", 514), (P.ID_CTRL, "nn", 516), (P.ID_CTRL, "oncs", 520), (P.ID_CTRL, "vwc", 525),
     (P.ID_CTRL, "awun", 526), (P.ID_CTRL, "awupf", 528), (P.ID_CTRL, "sgls", 536), (P.ID_CTRL, "subnqn", 768),
     (P.ID_CTRL, "ioccsz", 1792), (P.ID_CTRL, "iorcsz", 1796), (P.ID_CTRL, "icdoff", 1800),
@@ -94,7 +96,10 @@ CONSTANTS = [
     (P.FES_DATA_OUT_OF_RANGE, 0x04), (P.FES_DATA_LIMIT_EXCEEDED, 0x05), (P.FES_UNSUPPORTED_PARAMETER, 0x06),
     (P.PSDT_SGL, 0x40), (P.SGL_ICD, 0x01), (P.SGL_TRANSPORT, 0x5A),
     (P.OPC_FABRICS, 0x7F), (P.FCTYPE_PROPERTY_SET, 0x00), (P.FCTYPE_CONNECT, 0x01),
-    (P.FCTYPE_PROPERTY_GET, 0x04), (P.ADMIN_IDENTIFY, 0x06), (P.ADMIN_KEEP_ALIVE, 0x18), (P.NVM_FLUSH, 0x00), (P.NVM_WRITE, 0x01),
+    (P.FCTYPE_PROPERTY_GET, 0x04), (P.ADMIN_IDENTIFY, 0x06), (P.ADMIN_SET_FEATURES, 0x09),
+    (P.ADMIN_GET_FEATURES, 0x0A), (P.ADMIN_GET_LOG_PAGE, 0x02), (P.LID_SMART, 0x02), (P.FID_NUM_QUEUES, 0x07),
+    (P.CNS_ACTIVE_NS_LIST, 0x02), (P.CNS_NS_DESCRIPTORS, 0x03), (P.NIDT_UUID, 0x03), (P.NIDT_CSI, 0x04),
+    (P.ADMIN_KEEP_ALIVE, 0x18), (P.NVM_FLUSH, 0x00), (P.NVM_WRITE, 0x01),
     (P.NVM_READ, 0x02), (P.CNS_NAMESPACE, 0x00), (P.CNS_CONTROLLER, 0x01), (P.RW_FUA, 1 << 30),
     (P.PROP_CAP, 0x00), (P.PROP_VS, 0x08), (P.PROP_CC, 0x14), (P.PROP_CSTS, 0x1C),
     (P.SC_INVALID_OPCODE, 0x001), (P.SC_INVALID_FIELD, 0x002), (P.SC_INVALID_NAMESPACE, 0x00B),
@@ -217,6 +222,112 @@ def test_the_cli_takes_the_url(image):
         assert r.returncode == 1 and "in use" in r.stderr and "Traceback" not in r.stderr
     r = run("target", path, "--listen", "nowhere")
     assert r.returncode == 1 and "HOST:PORT" in r.stderr
+
+
+# --- what Linux's peers require (each found in the VM, tests/test_vm_nvmeof.py) -----------------------
+
+def test_identify_controller_has_what_the_linux_host_checks(target):
+    # nvme_init_identify() refuses a fabrics controller with KAS 0 ("keep-alive support is mandatory
+    # for fabrics"), a cntlid other than the Connect's, IOCCSZ < 4 or IORCSZ < 1
+    dev = NvmeTcpDevice(target.url)
+    try:
+        buf = bytearray(4096)
+        dev.admin.command(dict(opc=P.ADMIN_IDENTIFY, cdw10=P.CNS_CONTROLLER), data_in=memoryview(buf))
+        c = P.unpack(P.ID_CTRL, buf)
+        assert c["kas"] == P.KAS_UNITS > 0 and c["cntrltype"] == P.CNTRLTYPE_IO and c["cntlid"] == 1
+        assert c["ioccsz"] >= 4 and c["iorcsz"] >= 1 and c["maxcmd"] == 32 and c["sgls"] & 1
+    finally:
+        dev.close()
+
+
+def test_set_features_number_of_queues_grants_one_io_queue(target):
+    # Linux asks for one I/O queue per CPU and connects none when this fails
+    dev = NvmeTcpDevice(target.url)
+    try:
+        for opc in (P.ADMIN_SET_FEATURES, P.ADMIN_GET_FEATURES):
+            cqe = dev.admin.command(dict(opc=opc, cdw10=P.FID_NUM_QUEUES, cdw11=7 | 7 << 16))   # 8 asked
+            assert cqe["dw0"] == 0                                   # NSQA = NCQA = 0: one of each
+        with pytest.raises(NvmeError, match="Invalid Field"):
+            dev.admin.command(dict(opc=P.ADMIN_SET_FEATURES, cdw10=0x0B))    # async event configuration
+    finally:
+        dev.close()
+
+
+def test_get_log_page_smart(target):
+    # Linux reads the SMART / Health log at every connect ("Failed to read smart log" when refused)
+    dev = NvmeTcpDevice(target.url)
+    try:
+        buf = bytearray(P.SMART_LOG_LEN)
+        numd = P.SMART_LOG_LEN // 4 - 1
+        dev.admin.command(dict(opc=P.ADMIN_GET_LOG_PAGE, nsid=0xFFFFFFFF, cdw10=P.LID_SMART | numd << 16),
+                          data_in=memoryview(buf))
+        assert buf == bytes(P.SMART_LOG_LEN)
+        with pytest.raises(NvmeError, match="Invalid Field"):                  # the error log: not kept
+            dev.admin.command(dict(opc=P.ADMIN_GET_LOG_PAGE, cdw10=0x01 | 15 << 16), data_in=memoryview(buf)[:64])
+        with pytest.raises(NvmeError, match="Data SGL Length Invalid"):        # NUMD and the SGL disagree
+            dev.admin.command(dict(opc=P.ADMIN_GET_LOG_PAGE, cdw10=P.LID_SMART | 15 << 16), data_in=memoryview(buf))
+    finally:
+        dev.close()
+
+
+def _identify(dev, cns, nsid=0) -> bytes:
+    buf = bytearray(4096)
+    dev.admin.command(dict(opc=P.ADMIN_IDENTIFY, nsid=nsid, cdw10=cns), data_in=memoryview(buf))
+    return bytes(buf)
+
+
+def test_namespace_list_and_descriptors_as_linux_scans_them(image):
+    # nvme_scan_work(): the active namespace list (CNS 02h), then per namespace the identification
+    # descriptors (CNS 03h; a failure there means no /dev/nvmeXnY at all) and Identify Namespace
+    uuids = []
+    for n in range(2):
+        with Target(image(f"ns{n}.img"), port=0) as t:
+            dev = NvmeTcpDevice(t.url)
+            try:
+                assert _identify(dev, P.CNS_ACTIVE_NS_LIST) == (1).to_bytes(4, "little") + bytes(4092)
+                assert _identify(dev, P.CNS_ACTIVE_NS_LIST, nsid=1) == bytes(4096)      # none above 1
+                data, pos, found = _identify(dev, P.CNS_NS_DESCRIPTORS, nsid=1), 0, {}
+                while data[pos + 1]:                                  # NIDL 0 ends the list
+                    d = P.unpack(P.NS_DESC, data, pos)
+                    found[d["nidt"]] = data[pos + 4:pos + 4 + d["nidl"]]
+                    pos += 4 + d["nidl"]
+                assert found[P.NIDT_CSI] == b"\0" and len(found[P.NIDT_UUID]) == 16     # NVM command set
+                uuids.append(found[P.NIDT_UUID])
+                with pytest.raises(NvmeError, match="Invalid Namespace"):
+                    _identify(dev, P.CNS_NS_DESCRIPTORS, nsid=2)
+            finally:
+                dev.close()
+    assert uuids[0] == uuids[1] != bytes(16)                 # stable: the subsystem's namespace 1
+
+
+def test_every_capsule_carries_psdt_sgl(target, monkeypatch):
+    # nvmet_req_init() fails any command whose PSDT is not 01b, Fabrics commands (Connect) included
+    sent = []
+    real = Channel.send
+
+    def spy(self, pdu_type, psh, data=None, flags=0):
+        if pdu_type == P.CAPSULE_CMD:
+            sent.append((psh[0], psh[1]))
+        return real(self, pdu_type, psh, data, flags)
+
+    monkeypatch.setattr(Channel, "send", spy)
+    dev = NvmeTcpDevice(target.url)
+    buf = aligned_buffer(4 * 4096)
+    dev.write_from(buf, 0, 0, 1)
+    dev.write_from(buf, 0, 0, 4)
+    dev.read_into(buf, 0, 4)
+    dev.sync()
+    dev.close()
+    assert {P.OPC_FABRICS, P.ADMIN_IDENTIFY, P.NVM_WRITE, P.NVM_READ, P.NVM_FLUSH} <= {opc for opc, _ in sent}
+    assert all(flags & 0xC0 == P.PSDT_SGL for _, flags in sent), sent
+
+
+def test_digests_from_the_url(target):
+    dev = NvmeTcpDevice(target.url + "?digests")
+    assert (dev.io.channel.hdgst, dev.io.channel.ddgst) == (True, True)
+    dev.close()
+    with pytest.raises(DeviceError, match=r"\[\?digests\]"):
+        NvmeTcpDevice(target.url + "?crc")
 
 
 # --- a SIGKILLed target -------------------------------------------------------------------------------
@@ -502,6 +613,27 @@ def test_connect_errors(target):
     NvmeTcpDevice(target.url).close()                                         # free again
 
 
+def test_a_host_reconnecting_at_once_finds_the_controller_free(target, monkeypatch):
+    # The host's close and its next Connect can beat the old queues' threads to their EOF (seen
+    # under load in `make test`; Linux reconnects the same way after a reset): the controller is
+    # free once the old admin connection is closed, noticed or not. Slow threads make it certain.
+    real = Target._closed
+    monkeypatch.setattr(Target, "_closed", lambda self, conn: (time.sleep(0.3), real(self, conn)))
+    buf = aligned_buffer(4096)
+    for n in range(2):                  # their connections still count: 4 + 3 of MAX_CONNECTIONS
+        dev = NvmeTcpDevice(target.url)
+        buf[:] = bytes([n]) * 4096
+        dev.write_from(buf, 0, 0, 1)
+        assert bytes(dev.read_into(buf, 0, 1)) == bytes([n]) * 4096
+        dev.close()
+    dev = NvmeTcpDevice(target.url)
+    try:
+        with pytest.raises(NvmeError, match="Controller Busy"):     # a live host still holds it
+            NvmeTcpDevice(target.url)
+    finally:
+        dev.close()
+
+
 def test_no_target_and_a_dead_target_are_clear_errors(image):
     s = socket.create_server(("127.0.0.1", 0))
     port = s.getsockname()[1]
@@ -534,6 +666,20 @@ def test_bounded_and_clean_shutdown(image):
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", t.port), timeout=TIMEOUT_S)
     format_device(path)                                                         # released
+
+
+def test_target_process_logs_each_queue_with_its_digests(image):
+    # the VM test reads the digests the kernel's host negotiated from these lines
+    with TargetProcess(image()) as proc:
+        NvmeTcpDevice(proc.url).close()
+        NvmeTcpDevice(proc.url + "?digests").close()
+        deadline = time.monotonic() + TIMEOUT_S
+        while len(proc.output) < 4 and time.monotonic() < deadline:     # read as they come
+            time.sleep(0.01)
+    assert [line.split(":")[0] for line in proc.output] == ["queue 0 connected", "queue 1 connected"] * 2
+    assert all("header digest off, data digest off" in line for line in proc.output[:2])
+    assert all("header digest on, data digest on" in line for line in proc.output[2:])
+    assert "kato 0 ms" in proc.output[0] and "sqsize 32" in proc.output[0]
 
 
 def test_target_process_stops_cleanly_on_sigterm(image):

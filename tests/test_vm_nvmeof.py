@@ -1,7 +1,8 @@
-"""The snapshot store on a real NVMe-oF namespace: Linux nvmet and the kernel's NVMe/TCP initiator in a VM.
+"""The snapshot store on a real NVMe-oF namespace: Linux nvmet and the kernel's NVMe/TCP initiator in a VM,
+and the project's own NVMe/TCP target and initiator against them (both directions, with and without digests).
 
 datapath/vmtest.py boots the guest, datapath/vmguest.py runs in it. Not part of
-`sudo make test` (its "not vm"); `sudo make vm-test` runs it (about a minute
+`sudo make test` (its "not vm"); `sudo make vm-test` runs it (about two minutes
 under TCG here). The result is also written to vm-result.json in the test's
 tmp_path. ZEROLAYER_VM_ACCEL=tcg (or kvm) skips the KVM probe.
 """
@@ -45,3 +46,34 @@ def test_snapshot_store_on_nvme_tcp_namespace(tmp_path):
     assert crash["ok"] and crash["failures"] == [] and crash["iterations"] == 50
     assert crash["acked_puts"] > 50 and crash["writer_finished"] < 25
     assert r["crash_fsck_rc"] == 0
+
+    # nothing refused on either side: no "keep-alive support is mandatory", "failed cmd", "Failed to read smart log"
+    assert not [line for line in r["dmesg"] if "failed" in line.lower() or "mandatory" in line], r["dmesg"]
+
+    # the store the kernel's initiator left on nvmet, checked through the project's initiator
+    assert r["user_fsck_rc"] == 0 and r["user_fsck_output"].endswith("clean")
+
+    # Linux's nvme-tcp host -> `snapshotstore target` (127.0.0.1:4421, /dev/nullb1), without and with digests
+    assert [k["digests"] for k in r["kernel_initiator_user_target"]] == [False, True]
+    for k in r["kernel_initiator_user_target"]:
+        assert k["ok"] and k["problems"] == [], k
+        assert k["transport"] == "tcp" and k["subsysnqn"] == "nqn.2026-01.io.zerolayer:vmtest-user"
+        assert "traddr=127.0.0.1" in k["address"] and "trsvcid=4421" in k["address"]
+        assert k["model"] == "zerolayer snapshot target"
+        assert k["logical_block_size"] == k["sysfs_logical_block_size"] == 4096
+        assert k["sysfs_bytes"] == k["device_bytes"] == k["target_bytes"] == 1 << 30     # what Identify says
+        on = "on" if k["digests"] else "off"
+        assert [line for line in k["target_log"] if f"header digest {on}, data digest {on}" in line], k
+        assert k["format_rc"] == 0 and k["fsck_rc"] == 0 and k["fsck_output"].endswith("clean")
+        assert k["kv"]["records_written"] == k["kv"]["records_restored"] == 15 and k["kv"]["kv_bit_exact"]
+        assert k["disconnected"] and k["target_exit"] == 0
+
+    # the project's initiator (LogStore on nvme-tcp://) -> Linux nvmet, without and with digests
+    assert [u["digests"] for u in r["user_initiator_kernel_target"]] == [False, True]
+    for u in r["user_initiator_kernel_target"]:
+        assert u["ok"] and u["problems"] == [], u
+        assert (u["header_digest"], u["data_digest"]) == (u["digests"], u["digests"])
+        assert u["block_size"] == 4096 and u["blocks"] == (1 << 30) // 4096
+        assert u["format_rc"] == 0 and u["fsck_rc"] == 0 and u["fsck_output"].endswith("clean")
+        assert u["kv"]["records_written"] == u["kv"]["records_restored"] == 15 and u["kv"]["kv_bit_exact"]
+        assert u["kv"]["recovery"]["records"] == 15

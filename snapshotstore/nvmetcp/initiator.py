@@ -43,12 +43,13 @@ def is_url(path) -> bool:
 
 
 def parse_url(url: str) -> tuple[str, int, str]:
-    """nvme-tcp://HOST[:PORT]/SUBNQN -> (host, port, subnqn)."""
-    rest = url[len(SCHEME):] if is_url(url) else ""
+    """nvme-tcp://HOST[:PORT]/SUBNQN[?digests] -> (host, port, subnqn)."""
+    rest, _, option = (url[len(SCHEME):] if is_url(url) else "").partition("?")
     hostport, _, nqn = rest.partition("/")
     host, _, port = hostport.rpartition(":") if ":" in hostport else (hostport, "", str(DEFAULT_PORT))
-    if not host or not nqn or not port.isdigit():
-        raise DeviceError(f"{url!r} is not an NVMe/TCP namespace URL: write nvme-tcp://HOST[:PORT]/SUBSYSTEM-NQN "
+    if not host or not nqn or not port.isdigit() or option not in ("", "digests"):
+        raise DeviceError(f"{url!r} is not an NVMe/TCP namespace URL: write "
+                          f"nvme-tcp://HOST[:PORT]/SUBSYSTEM-NQN[?digests] "
                           f"(for example nvme-tcp://127.0.0.1:4420/nqn.2026-12.io.zerolayer:snapshots)")
     return host, int(port), nqn
 
@@ -121,8 +122,9 @@ class _Queue:
         n = len(data_out) if data_out is not None else len(data_in) if data_in is not None else 0
         icd = data_out is not None and n <= self.in_capsule
         sgl = dict(sgl_addr=0, sgl_len=n, sgl_id=(P.SGL_ICD if icd else P.SGL_TRANSPORT) if n else 0)
-        psdt = {"flags": P.PSDT_SGL} if layout is P.SQE else {}      # a Fabrics SQE has no PSDT field
-        sqe = P.pack(layout, cid=self.cid, **psdt, **sgl, **sqe_fields)
+        # PSDT 01b on every command, Fabrics ones too (their byte 1 is reserved in NVMe-oF 1.1): Linux's
+        # nvmet refuses any command without it, the Connect first, with Invalid Field in Command
+        sqe = P.pack(layout, cid=self.cid, flags=P.PSDT_SGL, **sgl, **sqe_fields)
         self.channel.send(P.CAPSULE_CMD, sqe, data_out if icd else None)
         self._expect = n if data_in is not None else 0
         received = 0
@@ -198,6 +200,7 @@ class NvmeTcpDevice:
     def __init__(self, url: str, readonly: bool = False, *, digests: bool = False, hostnqn: str | None = None,
                  timeout_s: float = 30.0):
         host, port, self.subnqn = parse_url(url)
+        digests = digests or url.endswith("?digests")          # header and data digests, from the URL too
         self.path, self.readonly = url, readonly
         hostid = uuid.uuid4()
         self.hostnqn = hostnqn or f"nqn.2014-08.org.nvmexpress:uuid:{hostid}"

@@ -56,7 +56,7 @@ HEADERS = {ICREQ: ICREQ_PDU, ICRESP: ICRESP_PDU, H2C_TERM_REQ: TERM_REQ_PDU, C2H
 _SGL = (("sgl_addr", "Q"), ("sgl_len", "I"), ("sgl_rsvd", "3s"), ("sgl_id", "B"))
 SQE = Layout((("opc", "B"), ("flags", "B"), ("cid", "H"), ("nsid", "I"), ("cdw2", "I"), ("cdw3", "I"),
               ("mptr", "Q")) + _SGL + tuple((f"cdw{n}", "I") for n in range(10, 16)))
-FABRICS_SQE = Layout((("opc", "B"), ("rsvd1", "B"), ("cid", "H"), ("fctype", "B"), ("rsvd5", "19s"))
+FABRICS_SQE = Layout((("opc", "B"), ("flags", "B"), ("cid", "H"), ("fctype", "B"), ("rsvd5", "19s"))
                      + _SGL + (("specific", "24s"),))
 CONNECT_SPECIFIC = Layout((("recfmt", "H"), ("qid", "H"), ("sqsize", "H"), ("cattr", "B"), ("rsvd", "B"),
                            ("kato", "I"), ("rsvd2", "12s")))
@@ -65,16 +65,23 @@ CONNECT_DATA = Layout((("hostid", "16s"), ("cntlid", "H"), ("rsvd", "238s"), ("s
                        ("hostnqn", "256s"), ("rsvd2", "256s")))
 CQE = Layout((("dw0", "I"), ("dw1", "I"), ("sqhd", "H"), ("sqid", "H"), ("cid", "H"), ("status", "H")))
 
-PSDT_SGL = 0x40              # SQE flags: data pointer is an SGL (required on fabrics)
+PSDT_SGL = 0x40              # SQE flags: data pointer is an SGL (required on fabrics, Fabrics commands too)
 SGL_ICD = 0x01               # Data Block descriptor, Offset subtype: data in the capsule
 SGL_TRANSPORT = 0x5A         # Transport SGL Data Block, transport-specific: data by R2T/H2CData or C2HData
 
 # opcodes
 OPC_FABRICS = 0x7F
 FCTYPE_PROPERTY_SET, FCTYPE_CONNECT, FCTYPE_PROPERTY_GET = 0x00, 0x01, 0x04
-ADMIN_IDENTIFY, ADMIN_KEEP_ALIVE = 0x06, 0x18
+ADMIN_GET_LOG_PAGE, ADMIN_IDENTIFY, ADMIN_KEEP_ALIVE = 0x02, 0x06, 0x18
+ADMIN_SET_FEATURES, ADMIN_GET_FEATURES = 0x09, 0x0A
 NVM_FLUSH, NVM_WRITE, NVM_READ = 0x00, 0x01, 0x02
-CNS_NAMESPACE, CNS_CONTROLLER = 0x00, 0x01
+CNS_NAMESPACE, CNS_CONTROLLER, CNS_ACTIVE_NS_LIST, CNS_NS_DESCRIPTORS = 0x00, 0x01, 0x02, 0x03
+FID_NUM_QUEUES = 0x07        # Set/Get Features: Number of Queues
+LID_SMART, SMART_LOG_LEN = 0x02, 512     # Get Log Page: SMART / Health Information
+NIDT_UUID, NIDT_CSI = 0x03, 0x04     # namespace identification descriptor types (CNS 03h)
+NS_DESC = Layout((("nidt", "B"), ("nidl", "B"), ("rsvd", "H")))     # then nidl bytes of identifier
+CNTRLTYPE_IO = 1
+KAS_UNITS = 10               # Keep Alive Support, in 100 ms units (nvmet's: a 1 s granularity)
 RW_FUA = 1 << 30             # cdw12 of Read/Write: force unit access
 
 # controller properties (offset, bytes)
@@ -126,7 +133,8 @@ def status_code(status: int) -> int:
 IDENTIFY_LEN = 4096
 ID_CTRL = Layout((
     ("vid", "H"), ("ssvid", "H"), ("sn", "20s"), ("mn", "40s"), ("fr", "8s"), ("rab", "B"), ("ieee", "3s"),
-    ("cmic", "B"), ("mdts", "B"), ("cntlid", "H"), ("ver", "I"), ("rsvd84", "428s"),
+    ("cmic", "B"), ("mdts", "B"), ("cntlid", "H"), ("ver", "I"), ("rsvd84", "27s"), ("cntrltype", "B"),
+    ("rsvd112", "208s"), ("kas", "H"), ("rsvd322", "190s"),
     ("sqes", "B"), ("cqes", "B"), ("maxcmd", "H"), ("nn", "I"), ("oncs", "H"), ("fuses", "H"), ("fna", "B"),
     ("vwc", "B"), ("awun", "H"), ("awupf", "H"), ("rsvd530", "6s"), ("sgls", "I"), ("rsvd540", "228s"),
     ("subnqn", "256s"), ("rsvd1024", "768s"),

@@ -11,6 +11,7 @@ import selectors
 import signal
 import subprocess
 import sys
+import threading
 
 from ..errors import DeviceError
 from .target import DEFAULT_NQN
@@ -23,14 +24,25 @@ class TargetProcess:
         cmd = [sys.executable, "-m", "snapshotstore", "target", "--listen", listen, "--nqn", nqn, *args, path]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.pid = self.proc.pid
+        self.output: list[str] = []              # what it printed after its banner: a line per queue connected
+        self.stderr = ""
+        self._reader: threading.Thread | None = None
         with selectors.DefaultSelector() as sel:
             sel.register(self.proc.stdout, selectors.EVENT_READ)
             ready = sel.select(START_TIMEOUT_S)
         line = self.proc.stdout.readline() if ready else ""
         if not line.startswith("serving "):
             self.kill()
-            raise DeviceError(f"the target did not start: {(line + self.proc.stderr.read()).strip()[-500:]}")
+            raise DeviceError(f"the target did not start: {(line + self.stderr).strip()[-500:]}")
         self.url = line.split()[-1]              # "serving PATH (...) at nvme-tcp://HOST:PORT/NQN"
+        self.banner = line.strip()
+        # drained as it comes: a full pipe would stall the target at its next line
+        self._reader = threading.Thread(target=self._read_output, name="target-output", daemon=True)
+        self._reader.start()
+
+    def _read_output(self):
+        for line in self.proc.stdout:
+            self.output.append(line.rstrip("\n"))
 
     def stop(self, timeout: float = 10.0) -> int:
         """SIGTERM: a clean shutdown (connections closed, device synced and released)."""
@@ -50,6 +62,12 @@ class TargetProcess:
         self._reap()
 
     def _reap(self):
+        if self._reader is not None:                 # it has exited: its stdout ends
+            self._reader.join(10)
+        elif self.proc.stdout and not self.proc.stdout.closed:
+            self.output += self.proc.stdout.read().splitlines()
+        if self.proc.stderr and not self.proc.stderr.closed:
+            self.stderr += self.proc.stderr.read()
         for f in (self.proc.stdout, self.proc.stderr):
             if f and not f.closed:
                 f.close()

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import collections
 import socket
+import struct
 import threading
+import uuid
 
 from ..device import BlockDevice, aligned_buffer
 from ..errors import DeviceError
@@ -36,8 +38,9 @@ HANDSHAKE_TIMEOUT_S = 10.0     # a connection that sends no ICReq is dropped
 class Target:
     def __init__(self, path: str, nqn: str = DEFAULT_NQN, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *,
                  queue_depth: int = 32, maxh2cdata: int = 128 << 10, in_capsule: int = 8192,
-                 max_transfer: int = 1 << 20):
+                 max_transfer: int = 1 << 20, log=None):
         P.nqn_field(nqn)
+        self.log = log                   # log(line) for each queue connected (`snapshotstore target` prints them)
         self.path, self.nqn, self.host, self.port = path, nqn, host, port
         self.queue_depth, self.maxh2cdata, self.in_capsule = queue_depth, maxh2cdata, in_capsule
         self.mdts = max(0, (max_transfer >> 12).bit_length() - 1)    # 2^mdts * 4 KiB (CAP.MPSMIN)
@@ -51,6 +54,7 @@ class Target:
         self._stopping = threading.Event()
         self.cc = self.csts = 0
         self.host_nqn: str | None = None              # the associated host, None when free
+        self.admin_queue: _Connection | None = None
         self.io_queue: _Connection | None = None
 
     @property
@@ -129,20 +133,23 @@ class Target:
             self._conns.discard(conn)
             if self.io_queue is conn:
                 self.io_queue = None
-            if conn.qid == 0 and conn.connected:      # the admin queue ends the association
-                self.host_nqn, self.cc, self.csts = None, 0, 0
-                others = [c for c in self._conns if c.connected and c.qid != 0]
-            else:
-                others = []
+            others = self._end_association() if conn is self.admin_queue else []
         for c in others:
             c.channel.close()
+
+    def _end_association(self) -> list["_Connection"]:
+        """The admin queue is gone (lock held): the controller is free; its I/O queues, to close."""
+        self.host_nqn, self.cc, self.csts, self.admin_queue, self.io_queue = None, 0, 0, None, None
+        return [c for c in self._conns if c.connected and c.qid != 0]
 
     # --- identify data and properties -------------------------------------------------------
 
     def identify_controller(self) -> bytes:
         return P.pack(P.ID_CTRL, vid=0x1AF4, ssvid=0x1AF4, sn=b"zerolayer-%08d" % (self.port % 10 ** 8),
                       mn=b"zerolayer snapshot target".ljust(40), fr=b"1.0".ljust(8), mdts=self.mdts,
-                      cntlid=CNTLID, ver=P.NVME_VERSION, sqes=0x66, cqes=0x44, maxcmd=self.queue_depth,
+                      cntlid=CNTLID, ver=P.NVME_VERSION, cntrltype=P.CNTRLTYPE_IO,
+                      kas=P.KAS_UNITS,              # Linux refuses a fabrics controller without keep-alive
+                      sqes=0x66, cqes=0x44, maxcmd=self.queue_depth,
                       nn=1, vwc=1, awun=0, awupf=0, sgls=(1 << 0) | (1 << 20),   # SGLs; offsets in capsules
                       subnqn=P.nqn_field(self.nqn), ioccsz=(64 + self.in_capsule) // 16, iorcsz=1)
 
@@ -150,6 +157,17 @@ class Target:
         lbads = self.dev.block_size.bit_length() - 1
         return P.pack(P.ID_NS, nsze=self.dev.blocks, ncap=self.dev.blocks, nuse=self.dev.blocks,
                       nlbaf=0, flbas=0, lbaf0=lbads << 16)
+
+    def active_namespaces(self, after: int) -> bytes:
+        """Identify CNS 02h: the active NSIDs above after (Linux scans namespaces by this list)."""
+        return struct.pack("<I", NSID).ljust(P.IDENTIFY_LEN, b"\0") if after < NSID else bytes(P.IDENTIFY_LEN)
+
+    def namespace_descriptors(self) -> bytes:
+        """Identify CNS 03h: a UUID and the command set (NVM). Linux reads it before Identify Namespace
+        and attaches no namespace when it fails; the UUID is stable for the subsystem's namespace 1."""
+        nsuuid = uuid.uuid5(uuid.NAMESPACE_URL, f"nvme:{self.nqn}:{NSID}").bytes
+        return (P.pack(P.NS_DESC, nidt=P.NIDT_UUID, nidl=16) + nsuuid
+                + P.pack(P.NS_DESC, nidt=P.NIDT_CSI, nidl=1) + b"\0").ljust(P.IDENTIFY_LEN, b"\0")
 
     def get_property(self, ofst: int, size8: bool) -> int | None:
         if ofst == P.PROP_CAP and size8:
@@ -187,6 +205,15 @@ class _Connection:
         self.qid, self.connected, self.sqsize, self.sqhd, self.ttag = None, False, 0, 0, 0
         self.pending: collections.deque[_Command] = collections.deque()   # arrived during an R2T exchange
         self.buf = aligned_buffer(target.max_transfer)
+
+    def peer_closed(self) -> bool:
+        """The host has closed this connection (EOF waiting, or the socket already closed here)."""
+        try:
+            return self.channel.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
 
     def run(self):
         try:
@@ -345,9 +372,14 @@ class _Connection:
             if c["qid"] == 0:
                 if data["cntlid"] != 0xFFFF and data["cntlid"] != CNTLID:
                     return invalid(True, P.CONNECT_DATA.offsets["cntlid"])
+                if t.admin_queue is not None and t.admin_queue.peer_closed():
+                    # the host closed it, its thread has not seen that yet: a host reconnecting
+                    # right after a close (or a reset) must find the controller free, not busy
+                    for stale in t._end_association():
+                        stale.channel.close()
                 if t.host_nqn is not None:
                     return self._respond(cid, P.SC_CONNECT_CONTROLLER_BUSY)
-                t.host_nqn = hostnqn
+                t.host_nqn, t.admin_queue = hostnqn, self
             elif c["qid"] == 1:
                 if t.host_nqn is None or data["cntlid"] != CNTLID:
                     return invalid(True, P.CONNECT_DATA.offsets["cntlid"])
@@ -360,11 +392,23 @@ class _Connection:
                 return invalid(False, 40 + P.CONNECT_SPECIFIC.offsets["qid"])
             self.qid, self.sqsize, self.connected = c["qid"], c["sqsize"], True
         self._respond(cid, dw0=CNTLID)
+        if t.log:
+            on = lambda flag: "on" if flag else "off"
+            t.log(f"queue {self.qid} connected: host {hostnqn}, sqsize {c['sqsize'] + 1}, kato {c['kato']} ms, "
+                  f"header digest {on(self.channel.hdgst)}, data digest {on(self.channel.ddgst)}")
 
     def _admin(self, cmd: _Command):
         sqe, cid, t = cmd.sqe, cmd.sqe["cid"], self.t
         if sqe["opc"] == P.ADMIN_KEEP_ALIVE:          # nothing to do: KATO is not enforced
             return self._respond(cid)
+        if sqe["opc"] in (P.ADMIN_SET_FEATURES, P.ADMIN_GET_FEATURES):
+            # Number of Queues only: Linux sets it before connecting I/O queues and, refused, connects
+            # none. One I/O queue pair, 0's based in both halves of dw0, whatever the host asked for.
+            if sqe["cdw10"] & 0xFF != P.FID_NUM_QUEUES:
+                return self._respond(cid, P.SC_INVALID_FIELD)
+            return self._respond(cid, dw0=0)
+        if sqe["opc"] == P.ADMIN_GET_LOG_PAGE:
+            return self._get_log_page(cmd)
         if sqe["opc"] != P.ADMIN_IDENTIFY:
             return self._respond(cid, P.SC_INVALID_OPCODE)
         if not t.csts & P.CSTS_RDY:
@@ -372,15 +416,30 @@ class _Connection:
         cns = sqe["cdw10"] & 0xFF
         if cns == P.CNS_CONTROLLER:
             data = t.identify_controller()
-        elif cns == P.CNS_NAMESPACE:
+        elif cns == P.CNS_ACTIVE_NS_LIST:
+            data = t.active_namespaces(sqe["nsid"])
+        elif cns in (P.CNS_NAMESPACE, P.CNS_NS_DESCRIPTORS):
             if sqe["nsid"] != NSID:
                 return self._respond(cid, P.SC_INVALID_NAMESPACE)
-            data = t.identify_namespace()
+            data = t.identify_namespace() if cns == P.CNS_NAMESPACE else t.namespace_descriptors()
         else:
             return self._respond(cid, P.SC_INVALID_FIELD)
         if sqe["sgl_id"] != P.SGL_TRANSPORT or sqe["sgl_len"] != P.IDENTIFY_LEN:
             return self._respond(cid, P.SC_SGL_INVALID_DATA_LENGTH)
         self._send_data(cid, data)
+        self._respond(cid)
+
+    def _get_log_page(self, cmd: _Command):
+        """SMART / Health only, all zero (no health data is kept): Linux reads it at every connect
+        (its hwmon sensor) and logs "Failed to read smart log" when it is refused."""
+        sqe, cid = cmd.sqe, cmd.sqe["cid"]
+        n = ((sqe["cdw10"] >> 16 | (sqe["cdw11"] & 0xFFFF) << 16) + 1) * 4       # NUMD, 0's based dwords
+        offset = sqe["cdw12"] | sqe["cdw13"] << 32
+        if sqe["cdw10"] & 0xFF != P.LID_SMART or offset % 4 or offset >= P.SMART_LOG_LEN:
+            return self._respond(cid, P.SC_INVALID_FIELD)
+        if sqe["sgl_id"] != P.SGL_TRANSPORT or sqe["sgl_len"] != n or n > self.t.max_transfer:
+            return self._respond(cid, P.SC_SGL_INVALID_DATA_LENGTH)
+        self._send_data(cid, bytes(n))      # the log from offset, zero past its end as well
         self._respond(cid)
 
     def _io(self, cmd: _Command):
