@@ -6,6 +6,11 @@
  * cache to the same worker), sees each worker's lane depth, weight and health
  * in struct dp_workers, and returns a worker index, or -1 if none is up.
  *
+ * pick may also be called for a rehearsal (router.c keeps the path warm while
+ * idle), after which the router puts rng and cursor back: any other state a
+ * pick changes must be a function of the workers' view alone (a rebuild when
+ * the generation changes), so a rehearsal leaves no trace.
+ *
  * Adding a policy: write policies/<name>.c defining
  *     const struct dp_policy_ops dp_policy_<name> = { "<name>", init, pick, fini };
  * and add one line to policies/registry.c.

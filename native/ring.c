@@ -56,7 +56,11 @@ static int claim(int32_t *slot)
 
 static struct dp_ring *map_ring(int fd, size_t size, int role, int *err)
 {
-    void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    /* MAP_POPULATE: every page faulted in now, not by the data path. Without it the
+     * first lap around a fresh ring took a page fault every few slots (35-58 us each
+     * in these VMs, measured in the consumer's copy into the router's input ring:
+     * 15-20% of chunks at 10 requests/s, which never complete a lap in a run). */
+    void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
     if (p == MAP_FAILED) {
         *err = -errno;
         return NULL;

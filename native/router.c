@@ -115,8 +115,9 @@ struct dp_router {
     uint64_t recent[1u << RECENT_BITS]; /* direct-mapped: keys of requests that finished lately */
     uint32_t reserved;                  /* pool slots promised to chunks of admitted requests not here yet */
     uint64_t next_expiry_scan;
-    uint32_t idle_polls, warm_region; /* warm_step's place in the working set */
+    uint32_t idle_polls, warm_region; /* idle passes in a row; warm_step's place in the working set */
     size_t warm_off;
+    struct dp_chunk rehearsal;          /* the last admitted request's first chunk: rehearse() runs it dry */
     struct dp_router_stats st;
 };
 
@@ -336,8 +337,9 @@ static uint32_t pool_up(const struct pool *pl)
 
 /* The placement rule (router.h): the cheapest pool with an up worker and room, or, for a request
  * admission throttled (spill), the next one; the policy then picks inside the pool. -1: none is up. */
-static int pick_worker(struct dp_router *rt, uint64_t session, uint32_t tenant, int spill, uint16_t *pool,
-                       int *spilled)
+/* The pool a new request goes to: the cheapest healthy one with room (the
+ * second with room for a spill), else the cheapest healthy one; -1 if none is up. */
+static int choose_pool(const struct dp_router *rt, int spill, int *spilled)
 {
     int first = -1, second = -1, healthy = -1;
     for (uint32_t i = 0; i < DP_MAX_POOLS; i++) {
@@ -356,7 +358,13 @@ static int pick_worker(struct dp_router *rt, uint64_t session, uint32_t tenant, 
             second = p;
     }
     *spilled = spill && second >= 0;
-    int p = *spilled ? second : first >= 0 ? first : healthy;
+    return *spilled ? second : first >= 0 ? first : healthy;
+}
+
+static int pick_worker(struct dp_router *rt, uint64_t session, uint32_t tenant, int spill, uint16_t *pool,
+                       int *spilled)
+{
+    int p = choose_pool(rt, spill, spilled);
     if (p < 0)
         return -1;
     struct pool *pl = &rt->pools[p];
@@ -640,6 +648,8 @@ static int admit(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, uin
         return 1;
     }
     dp_adm_commit(rt->adm, c->tenant, &d, t);
+    if (c->n_tokens)                     /* (an OPEN has none to rehearse with) */
+        memcpy(&rt->rehearsal, c, DP_CHUNK_HDR_LEN + c->n_tokens * sizeof(uint32_t));
     rt->st.admitted++;
     rt->st.to_secondary += (uint64_t)spilled;
     rt->reserved += c->chunk_count;     /* each chunk takes one back as it comes */
@@ -1280,9 +1290,10 @@ static size_t warm_region(const struct dp_router *rt, uint32_t i, const uint8_t 
     return (size_t)(rt->cfg.max_chunks < to_end ? rt->cfg.max_chunks : to_end) * h->slot_size;
 }
 
+static volatile uint32_t warm_sink;      /* what warming reads goes here, so it is not optimised away */
+
 static void warm_step(struct dp_router *rt)
 {
-    static volatile uint8_t sink;
     uint32_t regions = WARM_FIXED + 2 * rt->view.n;
     for (uint32_t lines = 0, tries = 0; lines < WARM_LINES && tries < regions; ) {
         const uint8_t *base = NULL;
@@ -1293,10 +1304,56 @@ static void warm_step(struct dp_router *rt)
             tries++;
             continue;
         }
-        sink = ((const volatile uint8_t *)base)[rt->warm_off];
+        warm_sink = ((const volatile uint8_t *)base)[rt->warm_off];
         rt->warm_off += 64;
         lines++;
     }
+}
+
+/* Warming data is not enough: after a few ms without traffic the first chunk's
+ * admission alone took 2.5-4.4 us instead of 180 ns (an idle-spin loop calling it
+ * after 0.01 / 3 / 100 ms measured 0.2 / 0.4-1.4 / 2.5-4.4 us; read as data every
+ * 100 us its code and tables still gave 1-2 us, called every 100 us 0.2 us). The
+ * code has to run. So every REHEARSE_EVERY idle passes (~30 us here) the router
+ * runs the read-only part of a new request's path on a copy of the last admitted
+ * first chunk: the index and done-cache lookups, the admission decision (not
+ * committed), the pool choice and the policy's pick (its rng and cursor put
+ * back), the chunk copied into the free pool slot and into the shm lane's next
+ * free slot (neither taken nor committed: both are the router's own until then).
+ * Nothing changes: a chunk that arrives meanwhile waits for at most one
+ * rehearsal (~0.5 us warm). */
+#define REHEARSE_EVERY 256
+
+static void rehearse(struct dp_router *rt)
+{
+    const struct dp_chunk *c = &rt->rehearsal;
+    if (!c->n_tokens)
+        return;                          /* nothing admitted yet */
+    uint64_t key = chunk_key(c);
+    rt->st.rehearsals++;
+    warm_sink = index_find(rt, &rt->by_id, key, c, 1) + index_find(rt, &rt->by_session,
+                      session_key(c->tenant, c->session_id), c, 0) + (uint32_t)recently_done(rt, key);
+    char body[DP_MAX_RESP_BODY];
+    struct dp_adm_decision d;
+    dp_adm_decide(rt->adm, c->tenant, c->tokens, c->n_tokens, c->chunk_count, c->max_output_tokens, 0,
+                  now_ns(), &d, body, sizeof(body));
+    int spilled, p = choose_pool(rt, d.spill, &spilled);
+    if (p < 0)
+        return;
+    struct dp_policy *pol = &rt->pools[p].policy;
+    uint64_t rng = pol->rng;
+    uint32_t cursor = pol->cursor;
+    int k = dp_policy_pick(pol, &rt->pools[p].view, c->session_id, c->tenant);
+    pol->rng = rng;
+    pol->cursor = cursor;
+    size_t len = DP_CHUNK_HDR_LEN + c->n_tokens * sizeof(uint32_t);
+    if (rt->pool_free != NIL)
+        memcpy(&rt->pool[rt->pool_free].c, c, len);
+    if (k < 0)
+        return;
+    struct worker *w = &rt->w[rt->pools[p].member[k]];
+    if (w->kind == DP_LANE_SHM && !w->busy && dp_ring_prod_reserve(w->lane, 1) == 1)
+        memcpy(dp_ring_prod_slot(w->lane, 0), c, len);
 }
 
 /* --- lifecycle and control ------------------------------------------------------------ */
@@ -1309,8 +1366,13 @@ uint32_t dp_router_poll(struct dp_router *rt)
     work += drain_inputs(rt);
     work += send_batches(rt);
     work += expire_stalled(rt, now_ns());
-    if (!work)
+    if (work)
+        rt->idle_polls = 0;
+    else {
         warm_step(rt);
+        if (++rt->idle_polls % REHEARSE_EVERY == 0)
+            rehearse(rt);
+    }
     rt->st.loops++;
     pthread_mutex_unlock(&rt->lock);
     return work;

@@ -514,3 +514,32 @@ def test_the_trace_flag_of_a_requests_first_chunk_reaches_its_response(bench_fac
     flags = {int(r["request_id"]): int(r["flags"]) for r in b.responses}
     assert flags == {1: wire.FLAG_TRACE, 2: 0}
     assert all(r["t_first_lane"] > 0 for r in b.responses)
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "power_of_two", "weighted", "affinity"])
+def test_idle_rehearsals_leave_no_trace(bench_factory, policy):
+    """The idle router runs a new request's path dry (router.c, rehearse) to keep it warm:
+    the same requests with and without long idle stretches between them are placed on the
+    same workers, admitted or refused alike, and each worker receives exactly its records."""
+    from datapath.admission import TenantPolicy
+    outcomes = []
+    for idle in (0, 600):             # 2 rehearsals a gap (a multiple of 3 would hide a round-robin step)
+        b = bench_factory(n_workers=3, policy=policy)
+        b.router.set_tenant(4, TenantPolicy(tokens_per_minute=3 * (128 + 1)))   # room for 3 requests
+        placed = []
+        for rid in range(1, 9):
+            b.send(chunks_of(rid, [rid, 2, 3], max_out=1, tenant=4 if rid % 2 else 0))
+            b.router.poll()
+            for _ in range(idle):
+                b.router.poll()
+            placed.append(tuple(int(b.workers[k].lane.stats()["depth"]) for k in range(3)))
+        assert (b.router.stats()["rehearsals"] > 0) == (idle > 0)
+        got = [sorted(prefill_seen(b.run(k))) for k in range(3)]   # each worker's requests, run to the end
+        statuses = sorted((int(r["request_id"]), int(r["status"])) for r in b.responses)
+        st = b.router.stats()
+        outcomes.append((placed, got, statuses, st["admitted"], st["adm_rate_limited"]))
+    assert outcomes[0] == outcomes[1]
+    placed, got, statuses, admitted, limited = outcomes[0]
+    assert admitted == 7 and limited == 1
+    assert sorted(sum(got, [])) == [1, 2, 3, 4, 5, 6, 8]
+    assert statuses == [(rid, wire.STATUS_RATE_LIMITED if rid == 7 else wire.STATUS_OK) for rid in range(1, 9)]
