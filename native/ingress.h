@@ -52,6 +52,9 @@ struct dp_consumer {
     struct dp_lat xdp_lat;     /* t_consumer - t_xdp */
     struct dp_lat send_lat;    /* t_consumer - t_send */
     uint64_t *map_hist;        /* the program's lat_hist array, mmapped (or NULL) */
+    uint32_t idle_polls;       /* polls in a row that found nothing */
+    uint64_t rehearsals;       /* idle dry runs of a record's path (ingress.c, rehearse) */
+    struct dp_chunk rehearsal; /* the last record's header (its tokens: zeros, as many as it had) */
 };
 
 struct dp_udp_rx {

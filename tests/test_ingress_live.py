@@ -197,3 +197,23 @@ def test_udp_ingress_can_answer_instead(topology):
         assert not len(take(rd)), "answered requests do not go downstream"
     assert res["sent"] == 50 and rx.ptr.replies == 50 and rx.records == 0
     assert res["resp_429"] == 50 and len(res["rtt_ns"]) == 50
+
+
+def test_idle_rehearsals_leave_no_trace(live):
+    """Between bursts the idle consumer writes its last record's header into the input ring's
+    next free slot to keep the path warm (ingress.c, rehearse): never published, never over a
+    record the router has not read. Every record arrives once, with its own tokens."""
+    from collections import Counter
+    topo, ig, consumer = live
+    want = Counter()
+    for burst in range(3):
+        first = 2000 + 10 * burst
+        pkts = sessions(4, 2, tokens=16, first=first)
+        res = client.send_from(topo.client_ns[0], topo.host_ip[0], pkts, rate=2_000, count=len(pkts), duration=5)
+        assert res["sent"] == len(pkts)
+        want.update({(first + s, tuple(range(s, s + 16))): 2 for s in range(4)})
+        time.sleep(0.05)                           # idle: thousands of polls, so rehearsals
+    recs = drain_until(consumer.ring, sum(want.values()))
+    got = Counter((int(r["session_id"]), tuple(r["tokens"][:r["n_tokens"]].tolist())) for r in recs)
+    assert len(recs) == sum(want.values()) and got == want
+    assert consumer.ptr.rehearsals > 0
