@@ -1145,7 +1145,9 @@ static void fifo_remove(struct dp_router *rt, struct worker *w, uint32_t ri)
 static uint32_t expire_stalled(struct dp_router *rt, uint64_t now)
 {
     uint32_t n = 0;
-    if (now < rt->next_expiry_scan)
+    /* reserved counts the chunks still missing from live requests: none, nothing to expire (the
+     * scan reads every slot: 20-90 us here, and a quarter of L2 that the fast path wants) */
+    if (now < rt->next_expiry_scan || !rt->reserved)
         return 0;
     rt->next_expiry_scan = now + EXPIRY_SCAN_NS;
     for (uint32_t ri = 0; ri < rt->cfg.max_requests; ri++) {
