@@ -1249,9 +1249,9 @@ static void failover(struct dp_router *rt, uint32_t k)
  * shared with the worker, never taken from it. */
 #define WARM_LINES 8
 
-/* Region i of the working set: the indexes, the view, the workers, each pool's view and policy
- * state, then each shm lane's header and next batch's slots. */
-#define WARM_FIXED (4 + 2 * DP_MAX_POOLS)
+/* Region i of the working set: the indexes, the view, the workers, the done cache, each pool's
+ * view and policy state, then each shm lane's header and next batch's slots. */
+#define WARM_FIXED (5 + 2 * DP_MAX_POOLS)
 
 static size_t warm_region(const struct dp_router *rt, uint32_t i, const uint8_t **base)
 {
@@ -1268,11 +1268,15 @@ static size_t warm_region(const struct dp_router *rt, uint32_t i, const uint8_t 
         *base = (const uint8_t *)rt->w;
         return rt->view.n * sizeof(rt->w[0]);
     }
+    if (i == 4) {
+        *base = (const uint8_t *)rt->recent;
+        return sizeof(rt->recent);
+    }
     if (i < WARM_FIXED) {
-        const struct pool *pl = &rt->pools[(i - 4) / 2];
+        const struct pool *pl = &rt->pools[(i - 5) / 2];
         if (pl->view.n == 0)
             return 0;
-        if ((i - 4) % 2 == 0) {
+        if ((i - 5) % 2 == 0) {
             *base = (const uint8_t *)&pl->view;
             return sizeof(pl->view);
         }
@@ -1351,6 +1355,9 @@ static void rehearse(struct dp_router *rt)
     size_t len = DP_CHUNK_HDR_LEN + c->n_tokens * sizeof(uint32_t);
     if (rt->pool_free != NIL)
         memcpy(&rt->pool[rt->pool_free].c, c, len);
+    if (rt->req_free != NIL)              /* the slot the next request takes: read, it is written then */
+        for (size_t off = 0; off < offsetof(struct req, out); off += 64)
+            warm_sink = ((const volatile uint8_t *)&rt->reqs[rt->req_free])[off];
     if (k < 0)
         return;
     struct worker *w = &rt->w[rt->pools[p].member[k]];
