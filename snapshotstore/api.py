@@ -3,6 +3,7 @@
     key = session_key(tenant_secret, session_id)       # 32 bytes, HMAC-SHA256
     seq = store.put(key, Delta(kv_bytes, tokens=(0, 128), layers=(0, 4), codec="f32"))
     snap = store.restore(key)    # Snapshot: the chain's payloads concatenated, or None
+    n = store.held(key)          # the chain holds tokens [0, n): 128
     store.delete(key); store.list(); store.stats(); store.close()
 
 put returns only once the record is durable. A session's deltas form a chain
@@ -84,6 +85,9 @@ class SnapshotStore(Protocol):
     def restore(self, key: bytes) -> Snapshot | None:
         """The key's chain concatenated, or None if the store has nothing for key."""
 
+    def held(self, key: bytes) -> int:
+        """n: the store holds tokens [0, n) of key's session (0: nothing); no data is read."""
+
     def delete(self, key: bytes) -> bool:
         """Drop key's chain durably; False if there was none."""
 
@@ -128,6 +132,9 @@ class WorkerStore:
     def restore(self, key: tuple[int, int]) -> list[bytes]:
         snap = self.store.restore(self.key(key))
         return list(snap.parts) if snap is not None else []
+
+    def held(self, key: tuple[int, int]) -> int:
+        return self.store.held(self.key(key))
 
     def delete(self, key: tuple[int, int]) -> None:
         self.store.delete(self.key(key))

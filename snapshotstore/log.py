@@ -364,6 +364,13 @@ class LogStore:
             return Snapshot(b"".join(parts), (first.tokens[0], last.tokens[1]), layers, last.codec,
                             len(chain.entries), tuple(parts))
 
+    def held(self, key: bytes) -> int:
+        """n: the store holds tokens [0, n) of the session (0: nothing), from the index alone."""
+        key = check_key(key)
+        with self._lock:
+            chain = self._chains.get(key)
+            return chain.entries[-1].tokens[1] if chain is not None else 0
+
     def delete(self, key: bytes) -> bool:
         """Drop key's chain durably (a tombstone record); False if there was none."""
         key = check_key(key)

@@ -43,6 +43,8 @@ def handle(store, frames: list[bytes]) -> list[bytes]:
             return [b"ok", json.dumps(meta).encode(), *snap.parts]
         if op == b"delete":
             return [b"ok", json.dumps(store.delete(check_key(frames[1]))).encode()]
+        if op == b"held":
+            return [b"ok", json.dumps(store.held(check_key(frames[1]))).encode()]
         if op == b"list":
             return [b"ok", *store.list()]
         if op == b"stats":
@@ -113,6 +115,9 @@ class RemoteStore:
         meta, parts = json.loads(reply[1]), tuple(reply[2:])
         return Snapshot(b"".join(parts), tuple(meta["tokens"]), tuple(meta["layers"]), meta["codec"],
                         meta["records"], parts)
+
+    def held(self, key: bytes) -> int:
+        return json.loads(self._call(b"held", check_key(key))[1])
 
     def delete(self, key: bytes) -> bool:
         return json.loads(self._call(b"delete", check_key(key))[1])

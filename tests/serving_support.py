@@ -31,6 +31,10 @@ class MemoryStore:
     def restore(self, key: tuple[int, int]) -> list[bytes]:
         return list(self.chains.get(key, []))
 
+    def held(self, key: tuple[int, int]) -> int:
+        metas = self.metas.get(key)
+        return metas[-1]["token_end"] if metas else 0
+
     def delete(self, key: tuple[int, int]) -> None:
         self.chains.pop(key, None)
         self.metas.pop(key, None)

@@ -100,8 +100,9 @@ def test_put_restore_chain_bit_exact_and_durable(make_device):
         assert snap.payload == want and snap.tokens == (0, 5000) and snap.layers == (0, 2)
         assert snap.codec == "f16" and snap.records == 5
         assert s.restore(key(2)) is None
+        assert s.held(key(1)) == 5000 and s.held(key(2)) == 0
     with LogStore(path) as s:
-        assert s.restore(key(1)).payload == want
+        assert s.restore(key(1)).payload == want and s.held(key(1)) == 5000
         assert s.list() == [key(1)]
 
 

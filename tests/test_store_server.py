@@ -59,7 +59,7 @@ def test_store_errors_cross_the_socket(server):
         key = session_key(SECRET, 7)
         assert store.restore(key) is None and store.delete(key) is False
         store.put(key, Delta(b"x" * 100, tokens=(0, 5), codec="raw"))
-        assert store.list() == [key] and store.restore(key).payload == b"x" * 100
+        assert store.list() == [key] and store.restore(key).payload == b"x" * 100 and store.held(key) == 5
         with pytest.raises(SessionChanged):                   # a chain must continue where it ended
             store.put(key, Delta(b"y", tokens=(9, 10), codec="raw"))
         with pytest.raises(TooLarge):

@@ -213,3 +213,18 @@ def test_the_same_session_id_of_two_tenants_is_two_sessions(model):
     assert got == alone, "tenant 1's session 5 saw none of tenant 0's context"
     assert w.holds(5, tenant=0) and w.holds(5, tenant=1)
     assert [m["token_end"] for m in store.meta((0, 5))] == [202] and [m["token_end"] for m in store.meta((1, 5))] == [52]
+
+
+def test_a_session_that_moved_on_is_not_continued_from_a_stale_resident_copy(model):
+    """Turn 1 on worker A (kept resident), turn 2 on B (restored from the shared store), turn 3
+    on A again: A's resident copy lacks turn 2, so A restores from the store instead of using it."""
+    store = MemoryStore()
+    a = Worker(model, store, kv_budget_bytes=BIG, codec="zstd")
+    b = Worker(model, store, kv_budget_bytes=BIG, codec="zstd")
+    ref = Worker(model, MemoryStore(), kv_budget_bytes=BIG, codec="zstd")
+    turns = [(4, 1, prompt(5, 40), 5), (4, 2, prompt(6, 30), 5), (4, 3, prompt(7, 20), 5)]
+    got = [drive(a.step, [turns[0]]), drive(b.step, [turns[1]]), drive(a.step, [turns[2]])]
+    want = [drive(ref.step, [t]) for t in turns]
+    assert got == want
+    (done,) = finished(a)[1:]
+    assert done.restored_tokens == 40 + 4 + 30 + 4 and a.stats["restores"] == 1

@@ -52,6 +52,7 @@ SessionKey = tuple[int, int]   # (tenant, session_id): sessions of different ten
 class SnapshotStore(Protocol):
     def put(self, key: SessionKey, delta: bytes, meta: dict) -> None: ...
     def restore(self, key: SessionKey) -> list[bytes]: ...
+    def held(self, key: SessionKey) -> int: ...      # the store holds tokens [0, n) of the session
     def delete(self, key: SessionKey) -> None: ...
 
 
@@ -114,7 +115,7 @@ class Worker:
         self.sessions: OrderedDict[SessionKey, _Session] = OrderedDict()  # least recently used first
         self.finished: list[RequestDone] = []  # appended as requests finish; the caller drains it
         self.stats = dict(steps=0, records=0, refused=0, snapshots=0, snapshot_failures=0, restores=0,
-                          evictions=0, over_budget_steps=0, simulated_s=0.0)
+                          evictions=0, over_budget_steps=0, stale_dropped=0, simulated_s=0.0)
 
     @property
     def kv_bytes_resident(self) -> int:
@@ -163,6 +164,10 @@ class Worker:
         if tokens.max() >= self.model.config.vocab:
             return wire.STATUS_BAD_REQUEST  # one bad record must not fail the whole step
         s = self.sessions.get(key)
+        if s is not None and (s.request is None or s.request.request_id != rid) and self._moved_on(key, s):
+            del self.sessions[key]           # another worker continued it: the store's copy is newer
+            self.stats["stale_dropped"] += 1
+            s = None
         if s is None:
             try:
                 s = self._restore(key)
@@ -217,6 +222,13 @@ class Worker:
                     req.logits.append(lg)
             if len(req.tokens) >= req.max_output_tokens:
                 self.finished.append(self._finish(seg.key, s, t_step))
+
+    def _moved_on(self, key: SessionKey, s: _Session) -> bool:
+        """At a new request of a resident session: has another worker put more of it in the store
+        since (a policy that spreads sessions, a bounded-load spill, a failover)? Then this copy
+        is stale and continuing from it would answer from a context without those turns. One
+        index lookup per request (an RPC to a shared store's server), never per chunk."""
+        return self.store is not None and self.store.held(key) > s.cache.snapshot_len
 
     def _restore(self, key: SessionKey) -> _Session:
         chain = self.store.restore(key) if self.store is not None else []
