@@ -694,17 +694,76 @@ static int count_tokens(struct dp_router *rt, const struct dp_chunk *c, uint64_t
     return 1;
 }
 
+static void accept_chunk(struct dp_router *rt, uint32_t ri, uint32_t p);
+
+/* CLOSE: the client is done with the session. It runs like a request of the session (after the
+ * ones before it, one record, no tokens, nothing to generate, not priced) on the worker the policy
+ * picks for the session (with affinity, the one that holds it), which frees the session's KV and
+ * its snapshots; its completion is answered 200. A repeat of a CLOSE still running or just
+ * answered is counted, not run twice. */
+static int close_session(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, uint64_t key, uint32_t ri)
+{
+    if (ri != NIL || recently_done(rt, key)) {
+        rt->st.control_in++;
+        return 1;
+    }
+    int spilled;
+    uint16_t pool = 0;
+    int wk = rt->st.pool_free > rt->reserved && rt->req_free != NIL
+             ? pick_worker(rt, c->session_id, c->tenant, 0, &pool, &spilled) : -1;
+    if (wk < 0) {
+        if (!answer(rt, c, DP_STATUS_UNAVAILABLE, NULL, 0))
+            return 0;
+        remember_done(rt, key);
+        return 1;
+    }
+    ri = req_insert(rt, key);
+    struct req *r = &rt->reqs[ri];
+    memset(r, 0, offsetof(struct req, out));
+    r->key = key;
+    r->flags = c->flags & DP_FLAG_TRACE;
+    r->request_id = c->request_id;
+    r->session_id = c->session_id;
+    r->tenant = c->tenant;
+    r->chunk_count = 1;
+    r->worker = (int16_t)wk;
+    r->pool = pool;
+    r->state = REQ_PREFILL;
+    r->pending_head = r->pending_tail = r->ooo = r->fifo_next = NIL;
+    r->sent_head = r->sent_tail = NIL;
+    r->t_send = c->t_send;
+    r->t_xdp = c->t_xdp;
+    r->t_last = t;
+    r->client_ip = c->client_ip;
+    r->client_port = c->client_port;
+    session_join(rt, ri, c);
+    uint32_t p = pool_get(rt);
+    struct dp_chunk *pc = &rt->pool[p].c;
+    memcpy(pc, c, DP_CHUNK_HDR_LEN);
+    pc->n_tokens = 0;
+    pc->chunk_index = 0;
+    pc->chunk_count = 1;
+    pc->max_output_tokens = 0;
+    pc->t_router = t;
+    r->received = 1;
+    rt->st.closed++;
+    accept_chunk(rt, ri, p);
+    return 1;
+}
+
 /* Returns 0 if the router has no room for it now (the record stays in its ring). */
 static int ingest(struct dp_router *rt, const struct dp_chunk *c, uint64_t t)
 {
     if (c->kind == DP_KIND_COUNT_TOKENS)
         return count_tokens(rt, c, t);
-    if (c->kind != DP_KIND_CHUNK && c->kind != DP_KIND_OPEN) {   /* close is the control plane's */
+    if (c->kind != DP_KIND_CHUNK && c->kind != DP_KIND_OPEN && c->kind != DP_KIND_CLOSE) {
         rt->st.control_in++;
         return 1;
     }
     uint64_t key = chunk_key(c);
     uint32_t ri = index_find(rt, &rt->by_id, key, c, 1);
+    if (c->kind == DP_KIND_CLOSE)
+        return close_session(rt, c, t, key, ri);
     if (c->kind == DP_KIND_OPEN) {       /* admits the request before its chunks come */
         if (ri != NIL || recently_done(rt, key) || c->chunk_count < 1) {
             rt->st.control_in++;         /* a repeat, or too late: its chunks decided already */

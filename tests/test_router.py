@@ -543,3 +543,22 @@ def test_idle_rehearsals_leave_no_trace(bench_factory, policy):
     assert admitted == 7 and limited == 1
     assert sorted(sum(got, [])) == [1, 2, 3, 4, 5, 6, 8]
     assert statuses == [(rid, wire.STATUS_RATE_LIMITED if rid == 7 else wire.STATUS_OK) for rid in range(1, 9)]
+
+
+@pytest.mark.parametrize("batching", ["dynamic", "static"])
+def test_close_runs_after_the_sessions_request_and_is_answered_once(bench_factory, batching):
+    """A CLOSE waits for the session's unfinished request, goes to the session's worker as one
+    record (no tokens, not priced), is answered 200 once; a request reusing the session id after
+    it runs after it. A repeat of the CLOSE is counted, not run again."""
+    b = bench_factory(batching=batching, batch_timeout_s=0.0) if batching == "static" else bench_factory()
+    close = chunks_of(2, [], session=5)
+    close["kind"], close["n_tokens"] = wire.KIND_CLOSE, 0
+    b.send(chunks_of(1, [1, 2, 3], session=5, max_out=3), close, close, chunks_of(3, [4, 5], session=5, max_out=1))
+    batches = b.run()
+    order = [(int(r["request_id"]), int(r["kind"])) for x in batches for r in x]
+    assert order == [(1, wire.KIND_CHUNK), (1, records.KIND_DECODE), (1, records.KIND_DECODE),
+                     (2, wire.KIND_CLOSE), (3, wire.KIND_CHUNK)]
+    got = {int(r["request_id"]): (int(r["status"]), int(r["n_out"])) for r in b.responses}
+    assert len(b.responses) == 3 and got == {1: (200, 3), 2: (200, 0), 3: (200, 1)}
+    st = b.router.stats()
+    assert st["closed"] == 1 and st["control_in"] == 1 and st["admitted"] == 2 and st["active_requests"] == 0

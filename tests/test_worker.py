@@ -5,7 +5,7 @@ The snapshot store is the in-memory stand-in (tests/serving_support.py).
 import numpy as np
 import pytest
 
-from datapath import wire
+from datapath import records, wire
 from datapath.serving.devices import SimulatedDevice, profile
 from datapath.serving.model import KVCache, Model, ModelConfig, sample
 from datapath.serving.worker import Worker
@@ -159,6 +159,20 @@ def test_close_frees_the_session_here_and_in_the_store(model):
     assert store.restore((0, 1))
     w.close(1)
     assert not w.holds(1) and store.restore((0, 1)) == []
+
+
+def test_a_close_record_frees_the_session_and_a_reused_id_starts_fresh(model):
+    store = MemoryStore()
+    w = Worker(model, store)
+    drive(w.step, [(1, 1, prompt(1, 20), 2)])
+    close = np.zeros(1, dtype=records.CHUNK)
+    close["session_id"], close["request_id"], close["kind"] = 1, 2, wire.KIND_CLOSE
+    comp = w.step(as_batch([close]))
+    assert comp["e"][0]["status"][0] == wire.STATUS_OK and w.stats["closed"] == 1
+    assert not w.holds(1) and store.restore((0, 1)) == []
+    again = drive(w.step, [(1, 3, prompt(9, 10), 3)])
+    fresh = drive(Worker(model, MemoryStore()).step, [(1, 3, prompt(9, 10), 3)])
+    assert again == fresh and finished(w)[-1].restored_tokens == 0
 
 
 def test_corrupted_store_delta_is_refused(model):

@@ -19,7 +19,7 @@ import time
 import numpy as np
 import pytest
 
-from datapath import lanes, records
+from datapath import lanes, records, wire
 from datapath.ring import Ring, unlink
 from datapath.router import Router
 from datapath.serving import kvdelta
@@ -156,6 +156,17 @@ def test_native_router_restores_on_the_other_worker(store, processes, kind):
             assert resp["status"] == 200 and resp["worker"] == worker and resp["request_id"] == turn[1]
             assert resp["tokens"][:resp["n_out"]].tolist() == w[turn[1]]
         assert store.restore((0, 9)) == want_chain, "the second worker restored the first one's snapshot"
+        close = records.request_chunks(103, [], session=9)          # the client is done with session 9
+        close["kind"] = wire.KIND_CLOSE
+        router.start()
+        assert inp.enqueue(close.tobytes()) == 1
+        deadline = time.monotonic() + 60
+        while not (raw := egress.dequeue(1)) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        router.stop()
+        (resp,) = np.frombuffer(raw, dtype=records.RESPONSE)
+        assert (resp["request_id"], resp["status"], resp["n_out"], resp["worker"]) == (103, 200, 0, 1)
+        assert store.restore((0, 9)) == [], "the CLOSE freed the session's snapshots"
     finally:
         router.close()
         inp.close(), egress.close()

@@ -3,7 +3,8 @@
 The router (native/router.c) drives it. A micro-batch arrives on the lane as
 consecutive dp_chunk records (datapath.records.CHUNK): prompt pieces
 (KIND_CHUNK, the request's last one flagged CHUNK_F_FINAL) and decode steps
-(KIND_DECODE, no tokens). Worker.step runs them all as one forward pass and
+(KIND_DECODE, no tokens), and KIND_CLOSE records (the client is done with the
+session: its KV and snapshots are freed). Worker.step runs them all as one forward pass and
 answers with one dp_completion whose entry i answers record i: the token
 sampled after a final piece or a decode step, a status, and the step's start
 and end stamps and the KV bytes resident.
@@ -13,12 +14,14 @@ entries (its prompt and all but its last output token) then go to the store
 as one delta; only once put() has returned, i.e. the delta is durable, may the
 session be evicted (least recently used first) when the KV budget is
 exceeded. A record for a session this worker does not hold restores the
-session's chain of deltas from the store, whichever worker wrote them.
+session's chain of deltas from the store, whichever worker wrote them; one it
+holds is dropped for the store's copy if another worker has continued it since.
 
 The two interfaces other stages plug in:
 
     SnapshotStore  put(key, delta, meta) -> None   returns only once durable
                    restore(key) -> list[bytes]     the chain, oldest first; [] if none
+                   held(key) -> int                tokens [0, n) of the session it holds
                    delete(key) -> None
     Lane           recv_batch(timeout_s) -> CHUNK records | None
                    send_completion(comp) -> bool                    one COMPLETION record
@@ -115,7 +118,7 @@ class Worker:
         self.sessions: OrderedDict[SessionKey, _Session] = OrderedDict()  # least recently used first
         self.finished: list[RequestDone] = []  # appended as requests finish; the caller drains it
         self.stats = dict(steps=0, records=0, refused=0, snapshots=0, snapshot_failures=0, restores=0,
-                          evictions=0, over_budget_steps=0, stale_dropped=0, simulated_s=0.0)
+                          evictions=0, over_budget_steps=0, stale_dropped=0, closed=0, simulated_s=0.0)
 
     @property
     def kv_bytes_resident(self) -> int:
@@ -157,6 +160,12 @@ class Worker:
             if req is None or req.request_id != rid or not req.prefill_done or key in segments:
                 return wire.STATUS_UNPROCESSABLE  # no such request generating here, or twice in one step
             segments[key] = _Segment(key, True, [np.array([req.tokens[-1]])], answer=i)
+            return wire.STATUS_OK
+        if kind == wire.KIND_CLOSE:           # the client is done with the session (after its requests)
+            if key in segments:
+                return wire.STATUS_UNPROCESSABLE
+            self.close(key[1], key[0])
+            self.stats["closed"] += 1
             return wire.STATUS_OK
         if kind != wire.KIND_CHUNK or not 1 <= rec["n_tokens"] <= wire.MAX_CHUNK_TOKENS:
             return wire.STATUS_BAD_REQUEST
@@ -262,7 +271,8 @@ class Worker:
         return done
 
     def close(self, session_id: int, tenant: int = 0):
-        """The client is done with the session (a control-plane call): free it here and in the store."""
+        """The client is done with the session (its CLOSE record, or a control-plane call): free it
+        here and in the store."""
         self.sessions.pop((tenant, session_id), None)
         if self.store is not None:
             self.store.delete((tenant, session_id))
