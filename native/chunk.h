@@ -19,6 +19,8 @@
 #define DP_CHUNK_LEN 608                  /* header + DP_MAX_CHUNK_TOKENS tokens */
 #define DP_KIND_DECODE 6                  /* router -> worker: one decode step, no tokens */
 #define DP_CHUNK_F_FINAL 0x8000           /* last prefill piece of its request: sample after it */
+#define DP_CHUNK_F_MOVED 0x4000           /* its session last ran on another worker (or the router does not
+                                             know where): a copy this worker holds may be stale */
 #define DP_MAX_BATCH_CHUNKS 64            /* records in one micro-batch, at most */
 #define DP_MAX_OUTPUT_TOKENS 256          /* output tokens a response carries (1 KiB body) */
 #define DP_CE_EOS 1                       /* completion entry: the model ended the sequence */

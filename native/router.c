@@ -17,6 +17,7 @@
 #define NIL UINT32_MAX
 #define INPUT_BURST 32
 #define RECENT_BITS 12              /* finished request ids remembered, to spot late duplicates */
+#define LAST_RUN_BITS 12            /* sessions whose last worker is remembered (DP_CHUNK_F_MOVED) */
 #define EXPIRY_SCAN_NS 10000000ull  /* look for stalled reassemblies every 10 ms */
 
 enum { REQ_FREE = 0, REQ_PREFILL, REQ_DECODE, REQ_DONE };
@@ -51,6 +52,7 @@ struct req {
     uint16_t client_port;
     uint16_t pool;                               /* the pool it was placed on */
     uint8_t spill;                               /* admission throttled it to the secondary pool */
+    uint8_t moved;                               /* its session last ran elsewhere: DP_CHUNK_F_MOVED */
     uint32_t tokens_in, generated;               /* what ran: settled against the admission's charge */
     struct dp_adm_decision adm;
     uint32_t out[DP_MAX_OUTPUT_TOKENS];
@@ -94,6 +96,11 @@ struct pool {
     uint64_t requests, spilled;
 };
 
+struct last_run {               /* the worker a session's latest request went to */
+    uint64_t session;           /* session_key(tenant, session) */
+    int32_t worker;
+};
+
 struct dp_router {
     struct dp_router_config cfg;
     pthread_mutex_t lock;
@@ -113,6 +120,7 @@ struct dp_router {
     uint32_t pool_free;                 /* free list head */
     uint32_t done_head, done_tail;      /* finished requests waiting for egress room (via fifo_next) */
     uint64_t recent[1u << RECENT_BITS]; /* direct-mapped: keys of requests that finished lately */
+    struct last_run last_run[1u << LAST_RUN_BITS];   /* direct-mapped, by session key */
     uint32_t reserved;                  /* pool slots promised to chunks of admitted requests not here yet */
     uint64_t next_expiry_scan;
     uint32_t idle_polls, warm_region; /* idle passes in a row; warm_step's place in the working set */
@@ -375,6 +383,19 @@ static int pick_worker(struct dp_router *rt, uint64_t session, uint32_t tenant, 
     pl->requests++;
     pl->spilled += (uint64_t)*spilled;
     return pl->member[k];
+}
+
+/* Session sk's request now runs on worker wk: did it last run elsewhere? A worker holding the
+ * session resident checks the store for a newer copy only when told so (DP_CHUNK_F_MOVED): one
+ * store lookup per moved request, none while a session stays on its worker. A session the table
+ * does not hold (never seen, or its entry taken by another) counts as moved: never a false "no". */
+static uint8_t note_run(struct dp_router *rt, uint64_t sk, int wk)
+{
+    struct last_run *e = &rt->last_run[(sk >> 20) & ((1u << LAST_RUN_BITS) - 1)];
+    uint8_t moved = !(e->session == sk && e->worker == wk);
+    e->session = sk;
+    e->worker = wk;
+    return moved;
 }
 
 /* --- responses -------------------------------------------------------------------- */
@@ -665,6 +686,7 @@ static int admit(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, uin
     r->worker = (int16_t)wk;
     r->pool = pool;
     r->spill = d.spill;
+    r->moved = note_run(rt, session_key(c->tenant, c->session_id), wk);
     r->adm = d;
     r->state = REQ_PREFILL;
     r->pending_head = r->pending_tail = r->ooo = r->fifo_next = NIL;
@@ -1067,7 +1089,7 @@ static void add_prefill(struct dp_router *rt, struct builder *b, uint32_t ri, ui
     memcpy(out, c, DP_CHUNK_HDR_LEN);
     memcpy(out->tokens, c->tokens + pc->sent, take * sizeof(uint32_t));
     out->n_tokens = (uint16_t)take;
-    out->flags = c->flags | (final ? DP_CHUNK_F_FINAL : 0);
+    out->flags = c->flags | (final ? DP_CHUNK_F_FINAL : 0) | (r->moved ? DP_CHUNK_F_MOVED : 0);
     b->tokens += take;
     if (whole) {                         /* all of it is out: keep it aside for a replay */
         b->w->meta[b->n - 1].releases = 1;   /* in flight until its completion: still the worker's depth */
@@ -1289,6 +1311,7 @@ static void failover(struct dp_router *rt, uint32_t k)
             depth_add(rt, nk, 1);
         }
         r->worker = (int16_t)nk;
+        r->moved = note_run(rt, session_key(r->tenant, r->session_id), nk) | 1;   /* replayed: moved for sure */
         r->state = REQ_PREFILL;
         r->n_out = 0;
         r->decode_left = 0;
@@ -1308,9 +1331,9 @@ static void failover(struct dp_router *rt, uint32_t k)
  * shared with the worker, never taken from it. */
 #define WARM_LINES 8
 
-/* Region i of the working set: the indexes, the view, the workers, the done cache, each pool's
- * view and policy state, then each shm lane's header and next batch's slots. */
-#define WARM_FIXED (5 + 2 * DP_MAX_POOLS)
+/* Region i of the working set: the indexes, the view, the workers, the done cache, the sessions'
+ * last workers, each pool's view and policy state, then each shm lane's header and next slots. */
+#define WARM_FIXED (6 + 2 * DP_MAX_POOLS)
 
 static size_t warm_region(const struct dp_router *rt, uint32_t i, const uint8_t **base)
 {
@@ -1327,15 +1350,15 @@ static size_t warm_region(const struct dp_router *rt, uint32_t i, const uint8_t 
         *base = (const uint8_t *)rt->w;
         return rt->view.n * sizeof(rt->w[0]);
     }
-    if (i == 4) {
-        *base = (const uint8_t *)rt->recent;
-        return sizeof(rt->recent);
+    if (i == 4 || i == 5) {
+        *base = i == 4 ? (const uint8_t *)rt->recent : (const uint8_t *)rt->last_run;
+        return i == 4 ? sizeof(rt->recent) : sizeof(rt->last_run);
     }
     if (i < WARM_FIXED) {
-        const struct pool *pl = &rt->pools[(i - 5) / 2];
+        const struct pool *pl = &rt->pools[(i - 6) / 2];
         if (pl->view.n == 0)
             return 0;
-        if ((i - 5) % 2 == 0) {
+        if ((i - 6) % 2 == 0) {
             *base = (const uint8_t *)&pl->view;
             return sizeof(pl->view);
         }

@@ -562,3 +562,17 @@ def test_close_runs_after_the_sessions_request_and_is_answered_once(bench_factor
     assert len(b.responses) == 3 and got == {1: (200, 3), 2: (200, 0), 3: (200, 1)}
     st = b.router.stats()
     assert st["closed"] == 1 and st["control_in"] == 1 and st["admitted"] == 2 and st["active_requests"] == 0
+
+
+def test_a_request_whose_session_last_ran_elsewhere_is_flagged_moved(bench_factory):
+    """The worker checks its resident copy against the store only when told the session last
+    ran on another worker (or the router does not know where): first sight, a move, a move back."""
+    b = bench_factory(n_workers=2, policy="round_robin")
+    flags = []
+    for rid, up in [(1, 0), (2, 0), (3, 1), (4, 0), (5, 0)]:
+        b.router.set_up(up, True)
+        b.router.set_up(1 - up, False)
+        b.send(chunks_of(rid, [rid, 7], session=5, max_out=1))
+        (batch,) = b.run(up)
+        flags.append((up, bool(batch["flags"][0] & records.CHUNK_F_MOVED)))
+    assert flags == [(0, True), (0, False), (1, True), (0, True), (0, False)]

@@ -231,14 +231,26 @@ def test_the_same_session_id_of_two_tenants_is_two_sessions(model):
 
 def test_a_session_that_moved_on_is_not_continued_from_a_stale_resident_copy(model):
     """Turn 1 on worker A (kept resident), turn 2 on B (restored from the shared store), turn 3
-    on A again: A's resident copy lacks turn 2, so A restores from the store instead of using it."""
+    on A again, flagged by the router as moved: A's resident copy lacks turn 2, so A restores
+    from the store instead of using it. Unflagged requests ask the store nothing."""
     store = MemoryStore()
+    asked = []
+    held = store.held
+    store.held = lambda key: asked.append(key) or held(key)
     a = Worker(model, store, kv_budget_bytes=BIG, codec="zstd")
     b = Worker(model, store, kv_budget_bytes=BIG, codec="zstd")
     ref = Worker(model, MemoryStore(), kv_budget_bytes=BIG, codec="zstd")
-    turns = [(4, 1, prompt(5, 40), 5), (4, 2, prompt(6, 30), 5), (4, 3, prompt(7, 20), 5)]
-    got = [drive(a.step, [turns[0]]), drive(b.step, [turns[1]]), drive(a.step, [turns[2]])]
-    want = [drive(ref.step, [t]) for t in turns]
-    assert got == want
-    (done,) = finished(a)[1:]
-    assert done.restored_tokens == 40 + 4 + 30 + 4 and a.stats["restores"] == 1
+
+    def moved(step):                    # what the router sends when a session last ran elsewhere
+        def exchange(batch):
+            batch["flags"] |= records.CHUNK_F_MOVED
+            return step(batch)
+        return exchange
+    turns = [(4, 1, prompt(5, 40), 5), (4, 2, prompt(6, 30), 5), (4, 3, prompt(7, 20), 5), (4, 4, prompt(8, 9), 2)]
+    got = [drive(a.step, [turns[0]]), drive(moved(b.step), [turns[1]]), drive(moved(a.step), [turns[2]])]
+    assert len(asked) == 1, "B held nothing: nothing to check; A held a copy: one lookup"
+    got.append(drive(a.step, [turns[3]]))
+    assert len(asked) == 1, "a session that stays on its worker costs no lookup"
+    assert got == [drive(ref.step, [t]) for t in turns]
+    done = finished(a)
+    assert done[1].restored_tokens == 40 + 4 + 30 + 4 and a.stats["restores"] == 1 and a.stats["stale_dropped"] == 1

@@ -173,7 +173,7 @@ class Worker:
         if tokens.max() >= self.model.config.vocab:
             return wire.STATUS_BAD_REQUEST  # one bad record must not fail the whole step
         s = self.sessions.get(key)
-        if s is not None and (s.request is None or s.request.request_id != rid) and self._moved_on(key, s):
+        if s is not None and (s.request is None or s.request.request_id != rid) and self._moved_on(key, s, rec):
             del self.sessions[key]           # another worker continued it: the store's copy is newer
             self.stats["stale_dropped"] += 1
             s = None
@@ -232,12 +232,14 @@ class Worker:
             if len(req.tokens) >= req.max_output_tokens:
                 self.finished.append(self._finish(seg.key, s, t_step))
 
-    def _moved_on(self, key: SessionKey, s: _Session) -> bool:
+    def _moved_on(self, key: SessionKey, s: _Session, rec) -> bool:
         """At a new request of a resident session: has another worker put more of it in the store
         since (a policy that spreads sessions, a bounded-load spill, a failover)? Then this copy
-        is stale and continuing from it would answer from a context without those turns. One
-        index lookup per request (an RPC to a shared store's server), never per chunk."""
-        return self.store is not None and self.store.held(key) > s.cache.snapshot_len
+        is stale and continuing from it would answer from a context without those turns. Asked
+        only when the router flags that the session last ran elsewhere (CHUNK_F_MOVED): one store
+        lookup (a ~0.2 ms RPC to a shared store's server) per moved request, none otherwise."""
+        return (self.store is not None and bool(rec["flags"] & records.CHUNK_F_MOVED)
+                and self.store.held(key) > s.cache.snapshot_len)
 
     def _restore(self, key: SessionKey) -> _Session:
         chain = self.store.restore(key) if self.store is not None else []
