@@ -632,6 +632,34 @@ static int answer(struct dp_router *rt, const struct dp_chunk *c, uint16_t statu
 /* A request seen for the first time (its first chunk, or its OPEN): admission, then a pool and a
  * worker. Returns 0 if its refusal found no egress room (nothing changed: the record is tried again),
  * else 1 with *out its new slot, or NIL if it was answered. */
+/* Slot ri, just taken, becomes the request that chunk c (its first, or its OPEN or CLOSE) names,
+ * placed on worker wk of pool `pool`. */
+static struct req *req_init(struct dp_router *rt, uint32_t ri, const struct dp_chunk *c, uint64_t key, uint64_t t,
+                            int wk, uint16_t pool)
+{
+    struct req *r = &rt->reqs[ri];
+    memset(r, 0, offsetof(struct req, out));
+    r->key = key;
+    r->flags = c->flags & DP_FLAG_TRACE;   /* the first chunk's (or OPEN's) ask decides */
+    r->request_id = c->request_id;
+    r->session_id = c->session_id;
+    r->tenant = c->tenant;
+    r->max_output = c->max_output_tokens;
+    r->chunk_count = c->chunk_count;
+    r->worker = (int16_t)wk;
+    r->pool = pool;
+    r->moved = note_run(rt, session_key(c->tenant, c->session_id), wk);
+    r->state = REQ_PREFILL;
+    r->pending_head = r->pending_tail = r->ooo = r->fifo_next = NIL;
+    r->sent_head = r->sent_tail = NIL;
+    r->t_send = c->t_send;
+    r->t_xdp = c->t_xdp;
+    r->t_last = t;
+    r->client_ip = c->client_ip;
+    r->client_port = c->client_port;
+    return r;
+}
+
 static int admit(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, uint64_t key, uint32_t *out)
 {
     char body[DP_MAX_RESP_BODY];
@@ -674,28 +702,9 @@ static int admit(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, uin
     rt->st.admitted++;
     rt->st.to_secondary += (uint64_t)spilled;
     rt->reserved += c->chunk_count;     /* each chunk takes one back as it comes */
-    struct req *r = &rt->reqs[ri];
-    memset(r, 0, offsetof(struct req, out));
-    r->key = key;
-    r->flags = c->flags & DP_FLAG_TRACE;   /* the first chunk's (or OPEN's) ask decides */
-    r->request_id = c->request_id;
-    r->session_id = c->session_id;
-    r->tenant = c->tenant;
-    r->max_output = c->max_output_tokens;
-    r->chunk_count = c->chunk_count;
-    r->worker = (int16_t)wk;
-    r->pool = pool;
+    struct req *r = req_init(rt, ri, c, key, t, wk, pool);
     r->spill = d.spill;
-    r->moved = note_run(rt, session_key(c->tenant, c->session_id), wk);
     r->adm = d;
-    r->state = REQ_PREFILL;
-    r->pending_head = r->pending_tail = r->ooo = r->fifo_next = NIL;
-    r->sent_head = r->sent_tail = NIL;
-    r->t_send = c->t_send;
-    r->t_xdp = c->t_xdp;
-    r->t_last = t;
-    r->client_ip = c->client_ip;
-    r->client_port = c->client_port;
     session_join(rt, ri, c);
     rt->st.requests_in++;
     *out = ri;
@@ -740,24 +749,9 @@ static int close_session(struct dp_router *rt, const struct dp_chunk *c, uint64_
         return 1;
     }
     ri = req_insert(rt, key);
-    struct req *r = &rt->reqs[ri];
-    memset(r, 0, offsetof(struct req, out));
-    r->key = key;
-    r->flags = c->flags & DP_FLAG_TRACE;
-    r->request_id = c->request_id;
-    r->session_id = c->session_id;
-    r->tenant = c->tenant;
-    r->chunk_count = 1;
-    r->worker = (int16_t)wk;
-    r->pool = pool;
-    r->state = REQ_PREFILL;
-    r->pending_head = r->pending_tail = r->ooo = r->fifo_next = NIL;
-    r->sent_head = r->sent_tail = NIL;
-    r->t_send = c->t_send;
-    r->t_xdp = c->t_xdp;
-    r->t_last = t;
-    r->client_ip = c->client_ip;
-    r->client_port = c->client_port;
+    struct req *r = req_init(rt, ri, c, key, t, wk, pool);
+    r->chunk_count = 1;                  /* one record, nothing to generate */
+    r->max_output = 0;
     session_join(rt, ri, c);
     uint32_t p = pool_get(rt);
     struct dp_chunk *pc = &rt->pool[p].c;
