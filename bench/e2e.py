@@ -21,6 +21,7 @@ from datapath.pipeline import Pipeline, PipelineConfig
 from datapath.records import KIND_DECODE
 
 PROMPT, OUTPUT = 64, 4           # tokens per request: one chunk in, a few decode steps out
+TURNS = 2                        # requests per session in the load sweep, at every rate (see sweep)
 
 
 def _config(**kw) -> PipelineConfig:
@@ -100,7 +101,12 @@ def sweep(report, quick: bool, stages: dict, out: dict) -> dict:
                 _progress(f"sweep {mode}: offering {rate} req/s for {seconds:.0f} s "
                           f"({len(rates) - i} rates left in this mode)")
                 p.reset_trace()
-                res = _offer(p, rate, seconds, prompt_tokens=PROMPT, max_output_tokens=OUTPUT)
+                # the same work at every rate: each session makes TURNS requests. With a fixed 64
+                # sessions cycling, contexts grew with the request count (20 turns a session at
+                # 160 req/s, 1.25 at 10) and attention over them took 80% of the worker's time
+                # at saturation: the sweep measured context length as much as load.
+                res = _offer(p, rate, seconds, prompt_tokens=PROMPT, max_output_tokens=OUTPUT,
+                             sessions=max(1, int(rate * seconds) // TURNS))
                 pc = _pcts(res["rtt_ns"], 1e6)
                 row = {"qps": rate, "offered_qps": res["offered_qps"], "achieved_qps": res["achieved_qps"],
                        "p50_ms": pc["p50"], "p95_ms": pc["p95"],
