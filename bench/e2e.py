@@ -92,9 +92,15 @@ def sweep(report, quick: bool, stages: dict, out: dict) -> dict:
     rates = [10, 40, 160] if quick else [10, 20, 40, 80, 160, 320, 640]
     # full: at least 200 requests a rate (the p95 of 80, 8 s at 10 req/s, moved by ~25% run to run)
     duration = (lambda rate: 2.0) if quick else (lambda rate: max(8.0, 200 / rate))
+    # one worker per core the data path leaves (1 on a 2-core machine): batching is what this
+    # compares, and two workers time-sharing one core only add contention (measured here:
+    # dynamic p95 at every rate from 10 to 160 req/s 1.1-2.4x higher with two on the one core)
+    import os
+    workers = max(1, len(os.sched_getaffinity(0)) - 1)
+    report.machine["sweep_workers"] = workers
     for mode in ("dynamic", "static"):
         rows = []
-        with Pipeline(_config(batching=mode)) as p:
+        with Pipeline(_config(batching=mode, workers=workers)) as p:
             report.machine["xdp_mode"] = p.xdp_mode
             for i, rate in enumerate(rates):
                 seconds = duration(rate)
