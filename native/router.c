@@ -1305,7 +1305,8 @@ static void failover(struct dp_router *rt, uint32_t k)
             depth_add(rt, nk, 1);
         }
         r->worker = (int16_t)nk;
-        r->moved = note_run(rt, session_key(r->tenant, r->session_id), nk) | 1;   /* replayed: moved for sure */
+        note_run(rt, session_key(r->tenant, r->session_id), nk);
+        r->moved = 1;                    /* replayed elsewhere: its session moved for sure */
         r->state = REQ_PREFILL;
         r->n_out = 0;
         r->decode_left = 0;
