@@ -10,6 +10,7 @@ report directory (report.md, PNG plots, results.json).
 """
 from __future__ import annotations
 
+import os
 import pathlib
 import sys
 import time
@@ -28,7 +29,6 @@ def _config(**kw) -> PipelineConfig:
     """The data path's poll loop on the last core, the workers on the others (when there are two).
     Sessions return (the load cycles through them), so routing is by affinity unless a scenario
     gives the workers a shared store, where any worker can restore any session."""
-    import os
     cores = sorted(os.sched_getaffinity(0))
     pins = dict(datapath_cpu=cores[-1], worker_cpus=cores[:-1]) if len(cores) > 1 else {}
     return PipelineConfig(**{"workers": 2, "policy": "affinity", **pins, **kw})
@@ -95,7 +95,6 @@ def sweep(report, quick: bool, stages: dict, out: dict) -> dict:
     # one worker per core the data path leaves (1 on a 2-core machine): batching is what this
     # compares, and two workers time-sharing one core only add contention (measured here:
     # dynamic p95 at every rate from 10 to 160 req/s 1.1-2.4x higher with two on the one core)
-    import os
     workers = max(1, len(os.sched_getaffinity(0)) - 1)
     report.machine["sweep_workers"] = workers
     for mode in ("dynamic", "static"):
@@ -177,7 +176,6 @@ def client_batching(report, quick: bool) -> dict:
 def failover(report, quick: bool) -> dict:
     """Scenario 6: a worker SIGKILLed mid-run; the router replays its requests on the other one,
     which restores their sessions from the shared store."""
-    import os
     import shutil
     import tempfile
     from snapshotstore.device import state_dir
@@ -232,7 +230,6 @@ def _fresh_image(directory: str) -> str:
 def snapshot_evict(report, quick: bool, memory: dict) -> dict:
     """Scenario 3: snapshot each finished request and evict (LRU, small KV budget) vs keep every KV
     resident, at equal load with returning sessions (affinity routing brings them back to their worker)."""
-    import os
     import shutil
     import tempfile
     from snapshotstore.device import state_dir
