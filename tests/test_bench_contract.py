@@ -72,9 +72,12 @@ def test_e2e_quick_runs_every_landed_scenario_and_writes_the_report(tmp_path):
     m = data["metrics"]
     for key in ("e2e_xdp_to_lane_p50_ns", "e2e_xdp_to_lane_p99_ns", "e2e_xdp_to_worker_p50_ns",
                 "e2e_xdp_to_worker_p99_ns", "e2e_send_to_response_p50_us", "e2e_send_to_response_p99_us",
-                "sweep_p95_ms_dynamic_10", "sweep_p95_ms_static_10"):
+                "sweep_p95_ms_dynamic_10", "sweep_p95_ms_static_10", "sweep_l4_p95_ms_dynamic_10",
+                "sweep_l4_p95_ms_static_10"):
         assert m[key] > 0, key
-    assert "static_vs_dynamic_p95_at_10qps" in data["ratios"]
+    assert {"static_vs_dynamic_p95_at_10qps", "static_vs_dynamic_p95_at_10qps_l4"} <= set(data["ratios"])
+    steps = {p["step_p50_ms"] for p in data["sweep"]["dynamic (simulated l4)"]}
+    assert min(steps) > 60, "a simulated L4 step lasts the profile's ~67 ms, not the tiny model's few"
     assert data["machine"]["xdp_mode"] in ("native", "generic")
     assert m["failover_answered_fraction"] == 1.0, "a killed worker loses no request"
     assert m["kv_resident_bytes_snapshot_evict"] < m["kv_resident_bytes_resident"]
@@ -102,3 +105,18 @@ def test_compare_runs_each_policy_under_the_same_load(tmp_path):
                          text=True, timeout=60)
     assert bad.returncode == 1 and "unknown policy" in bad.stdout + bad.stderr
     assert subprocess.run([sys.executable, "-m", "bench", "compare"], capture_output=True).returncode == 2
+
+
+def test_the_flatness_figure_needs_a_saturated_sweep():
+    from bench.e2e import _spread_to_80pct
+
+    def row(qps, achieved, p95, errors=0):
+        return {"qps": qps, "achieved_qps": achieved, "p95_ms": p95, "requests": 100, "errors": errors}
+    below = [row(10, 10, 100), row(40, 40, 104), row(80, 79, 150)]
+    assert _spread_to_80pct(below) is None, "no rate saturated: there is no 80% to speak of"
+    saturated = below + [row(160, 100, 900)]       # saturation 100/s: rates up to 80 count
+    assert _spread_to_80pct(saturated) == pytest.approx(1.5)
+    assert _spread_to_80pct([row(10, 10, 100), row(40, 20, 400)]) is None, "nothing between 10 and 16/s"
+    keeping_up = below + [row(160, 150, 2500)]      # answers keep up, but the p95 blew up: saturated
+    assert _spread_to_80pct(keeping_up) == pytest.approx(1.5)
+    assert _spread_to_80pct(below + [row(160, 158, 300, errors=20)]) == pytest.approx(1.5)
