@@ -30,6 +30,7 @@ EPILOG = """examples:
     sudo python -m bench nvmetcp            # the store on an NVMe/TCP target (loopback) against a local one
     sudo python -m bench e2e --quick        # the whole pipeline, every scenario briefly, report in bench-results/e2e/
     sudo python -m bench compare --policy round_robin,affinity,static   # same load per policy, table + plot
+    sudo python -m bench compare --policy dynamic,static --device l4 --rate 30   # on a simulated L4's step time
 """
 
 
@@ -45,6 +46,9 @@ def main(argv=None) -> int:
                    help="compare: routing policies (round_robin, least_loaded, power_of_two, affinity, weighted) "
                         "and batching modes (dynamic, static) to run under the same load")
     p.add_argument("--rate", type=float, default=40, help="compare: offered requests/s (default 40)")
+    p.add_argument("--device", metavar="PROFILE",
+                   help="compare: workers simulate this device's step time (cpu, l4, h100, dpu: "
+                        "datapath.serving.devices); default: the tiny model's own step time")
     args = p.parse_args(argv)
     if args.suite == "compare" and not args.policy:
         p.error("compare needs --policy A,B,... (for example --policy round_robin,affinity,static)")

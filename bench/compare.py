@@ -2,6 +2,7 @@
 batching mode, side by side: the researchers' loop.
 
     sudo python -m bench compare --policy round_robin,power_of_two,affinity,static --rate 40
+    sudo python -m bench compare --policy dynamic,static --device l4 --rate 30
 
 A name is a routing policy (datapath.router.policies(), with dynamic batching)
 or a batching mode (dynamic, static; with affinity routing, the pipeline's
@@ -9,7 +10,8 @@ default, since sessions return). Each gets a fresh
 pipeline and the same Poisson schedule (same seed, same requests, same
 sessions); the table and `compare.png` show p50/p95/p99 send->response and
 what the router did. References: the first name's figures (ratios are
-relative to it).
+relative to it). --device makes every worker simulate that device profile's step
+time (datapath.serving.devices), so policies meet a GPU's step cost, not numpy's.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import pathlib
 from bench.e2e import OUTPUT, PROMPT, _config, _offer, _pcts, _progress
 from datapath.pipeline import Pipeline
 from datapath.router import policies
+from datapath.serving.devices import PROFILES
 
 
 def _plot(rows: list[dict], path: pathlib.Path):
@@ -42,14 +45,20 @@ def run(report, args):
     bad = [n for n in names if n not in known]
     if bad:
         raise ValueError(f"unknown policy or batching mode {', '.join(bad)} (known: {', '.join(sorted(known))})")
+    device = getattr(args, "device", None)
+    if device is not None and device not in PROFILES:
+        raise ValueError(f"unknown device profile {device!r} (known: {', '.join(PROFILES)})")
+    report.machine["device"] = device or "none (the tiny model's own step time)"
     seconds = 3.0 if args.quick else 10.0
     rows = []
     for i, name in enumerate(names):
         kw = {"batching": name} if name in ("dynamic", "static") else {"policy": name}
+        kw["device"] = device
         with Pipeline(_config(**kw)) as p:
             report.machine["xdp_mode"] = p.xdp_mode
             _progress(f"compare {name}: {args.rate:g} req/s for {seconds:.0f} s ({len(names) - i} left)")
-            res = _offer(p, args.rate, seconds, prompt_tokens=PROMPT, max_output_tokens=OUTPUT)
+            res = _offer(p, args.rate, seconds, prompt_tokens=PROMPT, max_output_tokens=OUTPUT,
+                         drain_s=5.0 if device else 2.0)
             st = p.router.stats()
         pc = _pcts(res["rtt_ns"], 1e6)
         row = {"name": name, "qps": args.rate, "achieved_qps": res["achieved_qps"], "p50_ms": pc["p50"],

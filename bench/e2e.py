@@ -20,6 +20,7 @@ import numpy as np
 from bench.report import write_report
 from datapath.pipeline import Pipeline, PipelineConfig
 from datapath.records import KIND_DECODE
+from datapath.serving.devices import profile
 
 PROMPT, OUTPUT = 64, 4           # tokens per request: one chunk in, a few decode steps out
 TURNS = 2                        # requests per session in the load sweep, at every rate (see sweep)
@@ -88,11 +89,12 @@ def _ran(p: Pipeline, res: dict, worker: int | None = None) -> int:
 
 
 # The second sweep's device: the workers run the real tiny model, then sleep out the step time
-# the L4 profile's roofline gives Llama-3-8B (serving.devices: ~67 ms a step, nearly flat up to
-# ~250 tokens, then compute-bound). Its real compute stays a fraction of that (~12 ms a step at
-# 45 req/s), so the step cost has a GPU's shape, not the CPU's: linear in tokens from the first
-# (the first sweep, where prefill is compute-bound on one core). H100 steps (~6 ms) would be
-# shorter than the tiny model's own compute near saturation, so they would measure the CPU again.
+# the L4 profile's roofline gives Llama-3-8B (serving.devices: ~67 ms a step, flat up to its knee of
+# 252 tokens, then compute-bound). The real compute stays a fraction of that (a step of 3 prefills
+# and 9 decodes, about what 45 req/s brings: 6.8 ms measured), so the step cost has a GPU's shape,
+# not the CPU's, linear in tokens from the first (the first sweep: prefill is compute-bound on one
+# core). H100 steps (~6 ms) are shorter than the tiny model's own compute near saturation: they
+# would measure the CPU again.
 SIM_DEVICE = "l4"
 
 
@@ -109,7 +111,8 @@ def sweep(report, quick: bool, stages: dict, out: dict) -> dict:
     report.note(f"load sweep, twice: on the tiny model's own step cost (numpy on one core: a 64-token "
                 f"prefill ~3 ms, linear in tokens), then with the workers simulating an {SIM_DEVICE.upper()} "
                 f"running Llama-3-8B (serving.devices: each step sleeps out the profile's roofline time, "
-                f"~67 ms flat to ~250 tokens; the tiny model still runs, so KV and answers are real)")
+                f"~67 ms flat to its knee of {profile(SIM_DEVICE).knee_tokens} tokens, dynamic's budget there; "
+                f"the tiny model still runs, so KV and answers are real)")
     figures = {}
     for device, rates, suffix in (
             (None, [10, 40, 160] if quick else [10, 20, 40, 80, 160, 320, 640], ""),
@@ -118,6 +121,8 @@ def sweep(report, quick: bool, stages: dict, out: dict) -> dict:
             label = mode + (f" (simulated {device})" if device else "")
             with Pipeline(_config(batching=mode, workers=workers, device=device)) as p:
                 report.machine["xdp_mode"] = p.xdp_mode
+                if device and mode == "dynamic":   # the profile's knee (pipeline budget_at_knee)
+                    report.machine[f"sweep_token_budget_{device}"] = p.router.worker_stats(0)["token_budget"]
                 out[label] = rows = _sweep_mode(report, p, label, rates, duration, stages if not (
                     device or mode == "static") else None, suffix, drain_s=5.0 if device else 2.0)
             figures.update({f"{label} p95 ms at {row['qps']} req/s": row["p95_ms"] for row in rows})

@@ -33,6 +33,7 @@ from .egress import Responder
 from .loop import PollLoop
 from .ring import Ring, unlink
 from .router import MAX_POOLS, Router
+from .serving.devices import profile
 from .topology import Topology, socket_in
 
 _seq = itertools.count()
@@ -51,7 +52,10 @@ class PipelineConfig:
     queues: int = 2
     policy: str = "round_robin"
     batching: str = "dynamic"          # or "static"
-    token_budget: int = 512
+    token_budget: int = 512            # dynamic: tokens per step (a worker on a simulated device: see below)
+    budget_at_knee: bool = True        # a simulated device's worker steps up to its profile's knee_tokens
+                                       # (where its step stops being flat in tokens; measured in bench e2e:
+                                       # a flatter p95 near saturation than 512), not token_budget
     max_chunks: int = 64
     max_batch_size: int = 32           # static
     batch_timeout_s: float = 0.05      # static
@@ -217,6 +221,8 @@ class Pipeline:
             name = f"{self.tag}.w{k}"
             es.callback(lanes.unlink_shm_lane, name)
             self.router.add_worker(*lanes.create_shm_lane(name), pool=pool)
+            if device and cfg.budget_at_knee:
+                self.router.set_worker_budget(k, profile(device).knee_tokens)
             buf = mmap.mmap(-1, 64 + cfg.trace_records * TRACE.itemsize)
             self.traces.append(buf)
             opts = WorkerOptions(index=k, kv_budget_bytes=cfg.kv_budget_bytes, codec=cfg.codec, device=device,

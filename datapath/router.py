@@ -104,6 +104,13 @@ class Router:
     def set_up(self, worker: int, up: bool):
         _check(lib.dp_router_set_up(self._rt, worker, int(up)), f"health of worker {worker}")
 
+    def set_worker_budget(self, worker: int, token_budget: int | None):
+        """Dynamic batching's tokens per step on one worker (None: the router's token_budget),
+        e.g. its device's knee (serving.devices DeviceProfile.knee_tokens)."""
+        if token_budget is not None and not 1 <= token_budget <= 1 << 20:
+            raise ValueError(f"token_budget must be 1..{1 << 20}, got {token_budget}")
+        _check(lib.dp_router_set_worker_budget(self._rt, worker, token_budget or 0), f"budget of worker {worker}")
+
     # --- pools: placement by price, health and room (native/router.h) -------------------------
     def set_pool(self, pool: int, price_per_1k: int, room_per_worker: int = 0):
         """Pool `pool` (0..MAX_POOLS-1) costs price_per_1k micro-USD per 1,000 tokens (the placement

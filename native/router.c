@@ -78,6 +78,7 @@ struct worker {
     uint32_t set[DP_MAX_BATCH_CHUNKS];  /* static: the batch being run */
     uint32_t n_set;
     uint32_t busy, batch_seq, batch_len;
+    uint32_t budget;                    /* its own token budget per step; 0: the router's */
     struct batch_meta meta[DP_MAX_BATCH_CHUNKS];
     struct dp_worker_stats st;
 };
@@ -1167,7 +1168,7 @@ static uint32_t send_batches(struct dp_router *rt)
             continue;
         if (!lane_ready(rt, w))
             continue;
-        struct builder b = { w, 0, 0, rt->cfg.token_budget, rt->cfg.max_chunks, now };
+        struct builder b = { w, 0, 0, w->budget ? w->budget : rt->cfg.token_budget, rt->cfg.max_chunks, now };
         if (rt->cfg.batching == DP_BATCH_DYNAMIC)
             build_dynamic(rt, &b);
         else
@@ -1695,6 +1696,16 @@ int dp_router_set_up(struct dp_router *rt, uint32_t worker, int up)
     return 0;
 }
 
+int dp_router_set_worker_budget(struct dp_router *rt, uint32_t worker, uint32_t token_budget)
+{
+    if (worker >= rt->view.n)
+        return -EINVAL;
+    pthread_mutex_lock(&rt->lock);
+    rt->w[worker].budget = token_budget;
+    pthread_mutex_unlock(&rt->lock);
+    return 0;
+}
+
 int dp_router_set_pool(struct dp_router *rt, uint32_t pool, uint32_t price_per_1k, uint32_t room_per_worker)
 {
     if (pool >= DP_MAX_POOLS)
@@ -1793,6 +1804,7 @@ int dp_router_worker_stats(struct dp_router *rt, uint32_t worker, struct dp_work
         return -EINVAL;
     pthread_mutex_lock(&rt->lock);
     *s = rt->w[worker].st;
+    s->token_budget = rt->w[worker].budget ? rt->w[worker].budget : rt->cfg.token_budget;
     if (rt->w[worker].kind == DP_LANE_SHM) {
         struct dp_ring_stats rs;
         dp_ring_get_stats(rt->w[worker].lane, &rs);

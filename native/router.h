@@ -73,6 +73,7 @@ struct dp_worker_stats {
     uint64_t batches, records, tokens, decode_steps, completions;
     uint32_t depth, busy, decoding, up;
     uint64_t lane_depth, lane_full_events;   /* shm lanes: the ring's own counters */
+    uint32_t token_budget;                   /* dynamic batching's per-step budget on this worker */
 };
 
 struct dp_router_stats {
@@ -115,6 +116,9 @@ int dp_router_set_policy(struct dp_router *rt, const char *policy, double param)
 int dp_router_set_weight(struct dp_router *rt, uint32_t worker, uint32_t weight);
 /* up = 0: the worker is gone; its unfinished requests are replayed on others (see failover). */
 int dp_router_set_up(struct dp_router *rt, uint32_t worker, int up);
+/* Dynamic batching's token budget per step on one worker (0: the router's token_budget again),
+ * e.g. where its device's step stops being flat in tokens (serving.devices knee_tokens). */
+int dp_router_set_worker_budget(struct dp_router *rt, uint32_t worker, uint32_t token_budget);
 /* Pools: a request goes to the cheapest pool (price_per_1k) with an up worker and room (depth below
  * room_per_worker x up workers; if none has room, the cheapest with an up worker); one that admission
  * marks spill goes to the next such pool, the secondary, if there is one. The routing policy then picks

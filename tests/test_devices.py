@@ -31,6 +31,18 @@ def test_kv_capacity_and_budget():
     assert profile("l4").kv_capacity_tokens < h.kv_capacity_tokens
 
 
+@pytest.mark.parametrize("name", ["cpu", "l4", "h100", "dpu"])
+def test_a_step_costs_the_same_up_to_the_knee_and_grows_past_it(name):
+    p = profile(name)
+    knee = p.knee_tokens
+    one, at_knee = p.step_s(prefill=[(1, 0)]), p.step_s(prefill=[(knee, 0)])
+    assert at_knee == pytest.approx(one, rel=0.01), "flat: the weights' read sets the step"
+    assert p.step_s(prefill=[(knee + max(2, knee // 10), 0)]) > 1.05 * at_knee
+    twice, four = (p.step_s(prefill=[(n * knee, 0)]) - p.step_overhead_s for n in (2, 4))
+    assert four == pytest.approx(2 * twice, rel=0.01), "past it, compute-bound: linear in tokens"
+    assert profile("l4").knee_tokens == 252     # 16.06 GB / 240 GB/s x 60.5 TFLOP/s / 16.06 GFLOP a token
+
+
 def test_faster_devices_are_faster():
     order = sorted(PROFILES.values(), key=lambda p: p.decode_s_per_token(8, 2048))
     assert [p.name for p in order] == ["h100", "l4", "cpu", "dpu"]

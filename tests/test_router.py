@@ -139,6 +139,33 @@ def test_budget_cap_and_rechunking(bench_factory):
     assert all(r["n_out"] == 3 for r in b.responses)
 
 
+def test_a_worker_budget_caps_that_workers_steps_only(bench_factory):
+    """A worker on a device whose step stops being flat at 100 tokens steps at most 100; the
+    other keeps the router's 512; None gives the router's back."""
+    b = bench_factory(n_workers=2, policy="round_robin")
+    b.router.set_worker_budget(0, 100)
+    assert [b.router.worker_stats(k)["token_budget"] for k in (0, 1)] == [100, 512]
+    reqs = {rid: list(range(rid * 1000, rid * 1000 + 300)) for rid in range(1, 5)}   # round robin: 1, 3 on w0
+    for rid, toks in reqs.items():
+        b.send(chunks_of(rid, toks, max_out=2))
+    b.router.poll()
+    first = {k: b.workers[k].recv_batch(0) for k in (0, 1)}
+    step_tokens = {k: int(x["n_tokens"].sum()) for k, x in first.items()}
+    assert step_tokens == {0: 100, 1: 512}
+    for k, x in first.items():   # answer them, then let each worker finish its requests
+        assert b.workers[k].send_completion(lanes.completion_for(x, [7] * len(x), worker=k))
+    seen = {k: [first[k]] + b.run(k) for k in (0, 1)}
+    assert all(int(x[x["kind"] == wire.KIND_CHUNK]["n_tokens"].sum()) <= 100 for x in seen[0])
+    assert prefill_seen(seen[0] + seen[1]) == reqs
+    assert b.router.stats()["active_requests"] == 0
+    b.router.set_worker_budget(0, None)
+    assert b.router.worker_stats(0)["token_budget"] == 512
+    with pytest.raises(ValueError, match="token_budget"):
+        b.router.set_worker_budget(0, 0)
+    with pytest.raises(ValueError, match="worker 5"):
+        b.router.set_worker_budget(5, 100)
+
+
 def test_dynamic_does_not_wait_for_a_full_batch(bench_factory):
     b = bench_factory(max_batch_size=32)
     b.send(chunks_of(1, [5, 6, 7], max_out=1))

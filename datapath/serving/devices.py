@@ -70,6 +70,15 @@ class DeviceProfile:
         memory = (t.weight_bytes + kv_read) / (self.mem_bandwidth * self.bandwidth_util)
         return max(compute, memory) + self.step_overhead_s
 
+    @property
+    def knee_tokens(self) -> int:
+        """Tokens a step can carry before its compute outlasts reading the weights: up to here a
+        step costs about the same whatever it carries (a dynamic batcher's best token budget,
+        as chunked-prefill schedulers pick theirs); past it, every token adds its FLOPs' time."""
+        t = self.target
+        weights_s = t.weight_bytes / (self.mem_bandwidth * self.bandwidth_util)
+        return max(1, int(weights_s * self.peak_flops * self.compute_util / (2 * t.n_params)))
+
     def prefill_s_per_token(self, batch: int, context: int, chunk: int = 128) -> float:
         """A step prefilling one `chunk`-token chunk for each of `batch` sessions at `context`."""
         return self.step_s(prefill=[(chunk, context)] * batch) / (batch * chunk)
