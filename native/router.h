@@ -83,6 +83,7 @@ struct dp_router_stats {
     uint64_t refused_by_worker, replayed, pool_refused;
     uint64_t held;                      /* requests that waited for an earlier one of their session */
     uint64_t rehearsals;                /* idle dry runs of a new request's path (router.c, rehearse) */
+    uint64_t shadow_answered;           /* rehearsal requests the shadow router ran whole and answered 200 */
     uint64_t closed;                    /* CLOSE records routed to their session's worker */
     /* admission (admission.h), one count per request decided */
     uint64_t admitted, adm_oversized, adm_over_budget, adm_rate_limited, adm_counted, opened;

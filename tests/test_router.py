@@ -550,7 +550,7 @@ def test_idle_rehearsals_leave_no_trace(bench_factory, policy):
     same workers, admitted or refused alike, and each worker receives exactly its records."""
     from datapath.admission import TenantPolicy
     outcomes = []
-    for idle in (0, 600):             # 2 rehearsals a gap (a multiple of 3 would hide a round-robin step)
+    for idle in (0, 1100):            # 4 rehearsals and a shadow run a gap (3 would hide a round-robin step)
         b = bench_factory(n_workers=3, policy=policy)
         b.router.set_tenant(4, TenantPolicy(tokens_per_minute=3 * (128 + 1)))   # room for 3 requests
         placed = []
@@ -560,7 +560,7 @@ def test_idle_rehearsals_leave_no_trace(bench_factory, policy):
             for _ in range(idle):
                 b.router.poll()
             placed.append(tuple(int(b.workers[k].lane.stats()["depth"]) for k in range(3)))
-        assert (b.router.stats()["rehearsals"] > 0) == (idle > 0)
+        assert (b.router.stats()["rehearsals"] > 0) == (b.router.stats()["shadow_answered"] > 0) == (idle > 0)
         got = [sorted(prefill_seen(b.run(k))) for k in range(3)]   # each worker's requests, run to the end
         statuses = sorted((int(r["request_id"]), int(r["status"])) for r in b.responses)
         st = b.router.stats()
@@ -570,6 +570,29 @@ def test_idle_rehearsals_leave_no_trace(bench_factory, policy):
     assert admitted == 7 and limited == 1
     assert sorted(sum(got, [])) == [1, 2, 3, 4, 5, 6, 8]
     assert statuses == [(rid, wire.STATUS_RATE_LIMITED if rid == 7 else wire.STATUS_OK) for rid in range(1, 9)]
+
+
+def test_the_shadow_runs_the_whole_path_on_rings_of_its_own(bench_factory):
+    """Every 4th rehearsal the last admitted chunk goes, as a new request, through a second
+    router's whole path (router.c, shadow_run): admitted, batched, answered by a played worker,
+    decoded, answered 200. The live router, its lane and its egress see none of it."""
+    b = bench_factory()
+    b.send(chunks_of(1, [5, 6, 7], max_out=1))
+    b.run()
+    before = b.router.stats()
+    lane_before = b.workers[0].lane.stats()["enqueued"]
+    for _ in range(4 * 1024):         # idle passes: a shadow run every 1024
+        b.router.poll()
+    st = b.router.stats()
+    assert st["shadow_answered"] == 4
+    for key in ("requests_in", "admitted", "chunks_in", "batches", "records_out", "completions", "responses"):
+        assert st[key] == before[key], key
+    assert b.workers[0].lane.stats()["enqueued"] == lane_before
+    b.collect()
+    assert len(b.responses) == 1, "nothing of the shadow's reaches the live egress"
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"dp-shadow.{os.getpid()}.")], "its rings are unlinked"
+    b.send(chunks_of(2, [5, 6, 7], max_out=2))
+    assert [len(x) for x in b.run()] == [1, 1] and len(b.responses) == 2
 
 
 @pytest.mark.parametrize("batching", ["dynamic", "static"])
