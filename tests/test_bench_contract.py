@@ -76,7 +76,8 @@ def test_e2e_quick_runs_every_landed_scenario_and_writes_the_report(tmp_path):
                 "sweep_l4_p95_ms_static_10"):
         assert m[key] > 0, key
     assert {"static_vs_dynamic_p95_at_10qps", "static_vs_dynamic_p95_at_10qps_l4"} <= set(data["ratios"])
-    steps = {p["step_p50_ms"] for p in data["sweep"]["dynamic (simulated l4)"]}
+    sweep = json.loads((tmp_path / "e2e" / "results.json").read_text())["sweep"]
+    steps = {p["step_p50_ms"] for p in sweep["dynamic (simulated l4)"]}
     assert min(steps) > 60, "a simulated L4 step lasts the profile's ~67 ms, not the tiny model's few"
     assert data["machine"]["sweep_token_budget_l4"] == 252, "dynamic steps up to the L4's knee"
     assert data["machine"]["xdp_mode"] in ("native", "generic")
