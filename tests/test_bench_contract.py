@@ -24,6 +24,9 @@ def test_bench_help_and_bad_suite():
     assert r.returncode == 0 and "examples" in r.stdout
     r = subprocess.run([sys.executable, "-m", "bench", "nope"], capture_output=True, text=True)
     assert r.returncode == 2 and "invalid choice" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "bench", "compare", "--policy", "dynamic", "--device", "tpu", "--json",
+                        "/dev/null"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "unknown device profile 'tpu' (known: cpu, l4, h100, dpu)" in r.stdout + r.stderr
 
 
 RING_KEYS = ["ring_op_ns_bulk1", "ring_op_ns_bulk8", "ring_op_ns_bulk32", "ring_oneway_p50_ns", "ring_oneway_p99_ns",
