@@ -2,9 +2,11 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <sched.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 #include <sys/mman.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -157,8 +159,22 @@ static int on_record(void *ctx, void *data, size_t size)
  * here before the router saw it). So every REHEARSE_EVERY idle polls the consumer
  * writes the last record's header and as many (zero) tokens into the input
  * ring's next free slot, not committed (the producer's own until then), and
- * touches the latency records' next sample and buckets. Nothing changes. */
+ * touches the latency records' next sample and buckets. Then, as the router's
+ * shadow does for its path, the record goes through on_record itself, on a
+ * shadow consumer whose output ring is private to this process (drained at
+ * once) and whose latency records keep no samples: the code a record runs is
+ * the code that ran. Nothing of the live consumer changes. Measured in the
+ * pipeline at 10 req/s (4 runs of 60 chunks each way): XDP->consumer p50
+ * 0.67-1.1 -> 0.36-0.40 us, consumer->router 0.37-0.45 -> 0.18-0.21 us. */
 #define REHEARSE_EVERY 256
+
+static void shadow_run(struct dp_consumer *c)
+{
+    struct dp_consumer *s = c->shadow;
+    on_record(s, &c->rehearsal, sizeof(c->rehearsal));
+    out_flush(&s->out);
+    dp_ring_cons_release(s->out.ring, dp_ring_cons_peek(s->out.ring, UINT32_MAX));
+}
 
 static void rehearse(struct dp_consumer *c)
 {
@@ -179,6 +195,8 @@ static void rehearse(struct dp_consumer *c)
     }
     if (c->map_hist)
         sink = c->map_hist[0];
+    if (c->shadow)
+        shadow_run(c);
 }
 
 uint32_t dp_consumer_poll(struct dp_consumer *c)
@@ -212,6 +230,40 @@ static void *consumer_main(void *arg)
 #define HIST_MAP_BYTES 4096   /* DP_LAT_BUCKETS u64s, a page: what mmap of the array gives */
 _Static_assert(DP_LAT_BUCKETS * 8 <= HIST_MAP_BYTES, "lat_hist fits one page");
 
+static void shadow_free(struct dp_consumer *s)
+{
+    if (!s)
+        return;
+    if (s->out.ring)
+        dp_ring_close(s->out.ring);
+    free(s);
+}
+
+/* The shadow: a consumer with no ring buffers, writing into a private ring shaped like `like`. */
+static struct dp_consumer *shadow_new(const struct dp_ring *like)
+{
+    static uint32_t seq;
+    char name[64];
+    int err;
+    snprintf(name, sizeof(name), "shadow-in.%d.%u", (int)getpid(), __atomic_fetch_add(&seq, 1, __ATOMIC_RELAXED));
+    struct dp_consumer *s = calloc(1, sizeof(*s));
+    struct dp_ring *r = s ? dp_ring_create(name, like->h->slot_size, 2 * DP_INGRESS_BURST, DP_WAIT_SPIN, &err) : NULL;
+    if (r) {
+        dp_ring_unlink(name);             /* the mapping is all it needs */
+        /* producer last: a handle keeps the role it took last, and out_init wants the producer */
+        if (dp_ring_claim(r, DP_ROLE_CONSUMER) || dp_ring_claim(r, DP_ROLE_PRODUCER) || out_init(&s->out, r)) {
+            dp_ring_close(r);
+            r = NULL;
+        }
+    }
+    if (!r) {
+        free(s);
+        return NULL;
+    }
+    s->cpu = -1;
+    return s;
+}
+
 struct dp_consumer *dp_consumer_new(const int *ring_fds, int n, int hist_fd, struct dp_ring *out, uint64_t samples)
 {
     struct dp_consumer *c = calloc(1, sizeof(*c));
@@ -226,7 +278,7 @@ struct dp_consumer *dp_consumer_new(const int *ring_fds, int n, int hist_fd, str
     c->cpu = -1;
     if (dp_lat_init(&c->xdp_lat, samples) || dp_lat_init(&c->send_lat, samples))
         goto fail;
-    if (!(c->rb = ring_buffer__new(ring_fds[0], on_record, c, NULL)))
+    if (!(c->rb = ring_buffer__new(ring_fds[0], on_record, c, NULL)) || !(c->shadow = shadow_new(out)))
         goto fail;
     for (int i = 1; i < n; i++)
         if (ring_buffer__add(c->rb, ring_fds[i], on_record, c))
@@ -264,6 +316,7 @@ void dp_consumer_free(struct dp_consumer *c)
     if (!c)
         return;
     dp_consumer_stop(c);
+    shadow_free(c->shadow);
     ring_buffer__free(c->rb);
     if (c->map_hist)
         munmap(c->map_hist, HIST_MAP_BYTES);

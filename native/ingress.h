@@ -55,6 +55,7 @@ struct dp_consumer {
     uint32_t idle_polls;       /* polls in a row that found nothing */
     uint64_t rehearsals;       /* idle dry runs of a record's path (ingress.c, rehearse) */
     struct dp_chunk rehearsal; /* the last record's header (its tokens: zeros, as many as it had) */
+    struct dp_consumer *shadow; /* runs on_record on the rehearsal, into a ring of its own */
 };
 
 struct dp_udp_rx {

@@ -202,7 +202,8 @@ def test_udp_ingress_can_answer_instead(topology):
 def test_idle_rehearsals_leave_no_trace(live):
     """Between bursts the idle consumer writes its last record's header into the input ring's
     next free slot to keep the path warm (ingress.c, rehearse): never published, never over a
-    record the router has not read. Every record arrives once, with its own tokens."""
+    record the router has not read; and runs the record through on_record on its shadow, whose
+    output ring is its own. Every record arrives once, with its own tokens."""
     from collections import Counter
     topo, ig, consumer = live
     want = Counter()
@@ -217,3 +218,6 @@ def test_idle_rehearsals_leave_no_trace(live):
     got = Counter((int(r["session_id"]), tuple(r["tokens"][:r["n_tokens"]].tolist())) for r in recs)
     assert len(recs) == sum(want.values()) and got == want
     assert consumer.ptr.rehearsals > 0
+    shadow = consumer.ptr.shadow                   # on_record itself ran on each rehearsal, into its own ring
+    assert shadow.records == consumer.ptr.rehearsals and shadow.out.full == 0
+    assert consumer.ptr.records == sum(want.values()), "the shadow's records are not the consumer's"
