@@ -220,6 +220,19 @@ poweroff -f
 """
 
 
+# What INIT mounts afresh over the host's root in the guest: files there are not the host's.
+GUEST_FRESH_MOUNTS = ("/proc", "/sys", "/dev", "/tmp", "/run", "/var/tmp")
+
+
+def hidden_in_guest(*paths: str) -> None:
+    """Refuse a checkout or interpreter the guest cannot see (it would fail there as "can't cd")."""
+    for path in paths:
+        for m in GUEST_FRESH_MOUNTS:        # the path as the guest reads it, and where its links lead
+            if any(p == m or p.startswith(m + "/") for p in (os.path.abspath(path), os.path.realpath(path))):
+                raise VmTestError(f"{path} is under {m}, which the guest mounts afresh over the host's root: "
+                                  f"run the VM test from a checkout (and venv) outside {', '.join(GUEST_FRESH_MOUNTS)}")
+
+
 def build_initramfs(path: str, modules: list[tuple[str, str]], accel: str, guest_args: str) -> None:
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     init = (INIT.replace("@ACCEL@", accel).replace("@REPO@", repo)
@@ -314,6 +327,7 @@ def run(accel: str = "auto", timeout: float = 1800, crash_iterations: int = 50, 
         raise VmTestError("needs root (apt-get, 9p passthrough of /): run it with sudo")
     if not os.path.exists("/usr/bin/dpkg-query"):
         raise VmTestError("needs a Debian or Ubuntu host (apt-get, dpkg-deb)")
+    hidden_in_guest(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), sys.executable)
     started = time.monotonic()
     apt = _Apt()
     ensure_packages(apt)

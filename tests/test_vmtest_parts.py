@@ -50,3 +50,13 @@ def test_module_missing_is_one_clear_error(tmp_path, monkeypatch):
     monkeypatch.setattr(vmtest, "MODULES", [("nvmet", "")])
     with pytest.raises(vmtest.VmTestError, match="no module configfs"):
         vmtest.module_load_order(str(tmp_path))
+
+
+def test_a_checkout_the_guest_cannot_see_is_refused_by_name():
+    """The guest mounts fresh tmpfs over /tmp, /run, ...: a clone there failed inside the guest
+    with a bare "can't cd"; it is refused on the host, saying why."""
+    with pytest.raises(vmtest.VmTestError, match=r"/tmp/ci/x is under /tmp, which the guest mounts afresh"):
+        vmtest.hidden_in_guest("/work/repo", "/tmp/ci/x")
+    with pytest.raises(vmtest.VmTestError, match="under /run"):
+        vmtest.hidden_in_guest("/run/x/.venv/bin/python")
+    vmtest.hidden_in_guest("/work/repo", "/work/repo/.venv/bin/python", "/tmpfoo/repo")   # fine
