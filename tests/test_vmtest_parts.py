@@ -56,7 +56,7 @@ def test_a_checkout_the_guest_cannot_see_is_refused_by_name():
     """The guest mounts fresh tmpfs over /tmp, /run, ...: a clone there failed inside the guest
     with a bare "can't cd"; it is refused on the host, saying why."""
     with pytest.raises(vmtest.VmTestError, match=r"/tmp/ci/x is under /tmp, which the guest mounts afresh"):
-        vmtest.hidden_in_guest("/work/repo", "/tmp/ci/x")
+        vmtest.hidden_in_guest("/srv/zerolayer", "/tmp/ci/x")
     with pytest.raises(vmtest.VmTestError, match="under /run"):
         vmtest.hidden_in_guest("/run/x/.venv/bin/python")
-    vmtest.hidden_in_guest("/work/repo", "/work/repo/.venv/bin/python", "/tmpfoo/repo")   # fine
+    vmtest.hidden_in_guest("/srv/zerolayer", "/srv/zerolayer/.venv/bin/python", "/tmpfoo/zerolayer")   # fine
