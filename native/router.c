@@ -1502,6 +1502,8 @@ static struct shadow *shadow_create(const struct dp_router_config *live, const c
 {
     struct dp_router_config c = *live;
     c.batching = DP_BATCH_DYNAMIC;
+    if (c.token_budget < DP_MAX_CHUNK_TOKENS)
+        c.token_budget = DP_MAX_CHUNK_TOKENS;   /* a whole chunk a step: each run answers its request */
     c.max_requests = 8;
     c.pool_chunks = 16;
     struct shadow *s = calloc(1, sizeof(*s));
@@ -1559,7 +1561,8 @@ static void shadow_run(struct dp_router *rt)
     in->chunk_count = 1;
     in->max_output_tokens = 2;
     dp_ring_prod_commit(s->in, 1);
-    for (int pass = 0; pass < 3; pass++) {   /* the prefill batch, its completion and the decode step, the answer */
+    /* the prefill batch; its completion and the decode step; the answer (3 passes) */
+    for (int pass = 0; pass < 8 && !dp_ring_cons_peek(s->egress, 1); pass++) {
         dp_router_poll(s->rt);
         shadow_answer(s);
     }

@@ -572,12 +572,14 @@ def test_idle_rehearsals_leave_no_trace(bench_factory, policy):
     assert statuses == [(rid, wire.STATUS_RATE_LIMITED if rid == 7 else wire.STATUS_OK) for rid in range(1, 9)]
 
 
-def test_the_shadow_runs_the_whole_path_on_rings_of_its_own(bench_factory):
+@pytest.mark.parametrize("budget", [512, 50])
+def test_the_shadow_runs_the_whole_path_on_rings_of_its_own(bench_factory, budget):
     """Every 4th rehearsal the last admitted chunk goes, as a new request, through a second
     router's whole path (router.c, shadow_run): admitted, batched, answered by a played worker,
-    decoded, answered 200. The live router, its lane and its egress see none of it."""
-    b = bench_factory()
-    b.send(chunks_of(1, [5, 6, 7], max_out=1))
+    decoded, answered 200, each run's request within the run (also when the live budget is less
+    than a chunk). The live router, its lane and its egress see none of it."""
+    b = bench_factory(token_budget=budget)
+    b.send(chunks_of(1, list(range(120)), max_out=1))
     b.run()
     before = b.router.stats()
     lane_before = b.workers[0].lane.stats()["enqueued"]
@@ -593,6 +595,9 @@ def test_the_shadow_runs_the_whole_path_on_rings_of_its_own(bench_factory):
     assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"dp-shadow.{os.getpid()}.")], "its rings are unlinked"
     b.send(chunks_of(2, [5, 6, 7], max_out=2))
     assert [len(x) for x in b.run()] == [1, 1] and len(b.responses) == 2
+    for _ in range(40 * 1024):        # 40 more runs: more than its 8 request slots, all answered
+        b.router.poll()
+    assert b.router.stats()["shadow_answered"] == 44
 
 
 @pytest.mark.parametrize("batching", ["dynamic", "static"])
