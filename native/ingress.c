@@ -2,11 +2,9 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <sched.h>
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-#include <unistd.h>
 #include <sys/mman.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -242,21 +240,13 @@ static void shadow_free(struct dp_consumer *s)
 /* The shadow: a consumer with no ring buffers, writing into a private ring shaped like `like`. */
 static struct dp_consumer *shadow_new(const struct dp_ring *like)
 {
-    static uint32_t seq;
-    char name[64];
     int err;
-    snprintf(name, sizeof(name), "shadow-in.%d.%u", (int)getpid(), __atomic_fetch_add(&seq, 1, __ATOMIC_RELAXED));
     struct dp_consumer *s = calloc(1, sizeof(*s));
-    struct dp_ring *r = s ? dp_ring_create(name, like->h->slot_size, 2 * DP_INGRESS_BURST, DP_WAIT_SPIN, &err) : NULL;
-    if (r) {
-        dp_ring_unlink(name);             /* the mapping is all it needs */
-        /* producer last: a handle keeps the role it took last, and out_init wants the producer */
-        if (dp_ring_claim(r, DP_ROLE_CONSUMER) || dp_ring_claim(r, DP_ROLE_PRODUCER) || out_init(&s->out, r)) {
+    struct dp_ring *r = s ? dp_ring_create_private(like->h->slot_size, 2 * DP_INGRESS_BURST, DP_WAIT_SPIN,
+                                                   DP_ROLE_PRODUCER, &err) : NULL;
+    if (!r || out_init(&s->out, r)) {
+        if (r)
             dp_ring_close(r);
-            r = NULL;
-        }
-    }
-    if (!r) {
         free(s);
         return NULL;
     }

@@ -211,6 +211,23 @@ int dp_ring_unlink(const char *name)
     return shm_unlink(path) < 0 ? -errno : 0;
 }
 
+struct dp_ring *dp_ring_create_private(uint32_t slot_size, uint32_t capacity, int wait_mode, int role, int *err)
+{
+    static uint32_t seq;
+    char name[64];
+    snprintf(name, sizeof(name), "private.%d.%u", (int)getpid(), __atomic_fetch_add(&seq, 1, __ATOMIC_RELAXED));
+    struct dp_ring *r = dp_ring_create(name, slot_size, capacity, wait_mode, err);
+    if (!r)
+        return NULL;
+    dp_ring_unlink(name);                /* the mapping is all it needs */
+    int other = role == DP_ROLE_PRODUCER ? DP_ROLE_CONSUMER : DP_ROLE_PRODUCER;
+    if ((*err = dp_ring_claim(r, other)) || (*err = dp_ring_claim(r, role))) {
+        dp_ring_close(r);
+        return NULL;
+    }
+    return r;
+}
+
 void dp_ring_get_stats(const struct dp_ring *r, struct dp_ring_stats *s)
 {
     const struct dp_ring_hdr *h = r->h;

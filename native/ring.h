@@ -52,6 +52,9 @@ struct dp_ring *dp_ring_attach(const char *name, int role, int *err);
 int dp_ring_claim(struct dp_ring *r, int role);  /* take a role on a handle (after create) */
 void dp_ring_close(struct dp_ring *r);
 int dp_ring_unlink(const char *name);
+/* A ring only this process uses, at both ends (a shadow stage's): created under a unique
+ * name, unlinked at once, both roles taken; the handle keeps `role`, what its user checks. */
+struct dp_ring *dp_ring_create_private(uint32_t slot_size, uint32_t capacity, int wait_mode, int role, int *err);
 void dp_ring_get_stats(const struct dp_ring *r, struct dp_ring_stats *s);
 void dp_ring_wake_consumer(struct dp_ring *r);
 /* Wait until at least one record is readable or timeout_ns passes (0: no wait,

@@ -12,7 +12,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-#include <unistd.h>
 #include <zmq.h>
 
 #define NIL UINT32_MAX
@@ -1470,22 +1469,6 @@ struct shadow {
 
 static struct dp_router *router_new(const struct dp_router_config *cfg, const char *policy, double param, int *err);
 
-static struct dp_ring *shadow_ring(uint32_t slot_size, uint32_t capacity, int wait_mode, int *err)
-{
-    static uint32_t seq;
-    char name[64];
-    snprintf(name, sizeof(name), "shadow.%d.%u", (int)getpid(), __atomic_fetch_add(&seq, 1, __ATOMIC_RELAXED));
-    struct dp_ring *r = dp_ring_create(name, slot_size, capacity, wait_mode, err);
-    if (!r)
-        return NULL;
-    dp_ring_unlink(name);                /* the mapping is all it needs */
-    if ((*err = dp_ring_claim(r, DP_ROLE_PRODUCER)) || (*err = dp_ring_claim(r, DP_ROLE_CONSUMER))) {
-        dp_ring_close(r);
-        return NULL;
-    }
-    return r;
-}
-
 static void shadow_destroy(struct shadow *s)
 {
     if (!s)
@@ -1512,10 +1495,11 @@ static struct shadow *shadow_create(const struct dp_router_config *live, const c
         return NULL;
     }
     if (!(s->rt = router_new(&c, policy, param, err)) ||
-        !(s->in = shadow_ring(sizeof(struct dp_chunk), 4, DP_WAIT_SPIN, err)) ||
-        !(s->lane = shadow_ring(sizeof(struct dp_chunk), 2 * DP_MAX_BATCH_CHUNKS, DP_WAIT_SLEEP, err)) ||
-        !(s->done = shadow_ring(sizeof(struct dp_completion), 4, DP_WAIT_SPIN, err)) ||
-        !(s->egress = shadow_ring(sizeof(struct dp_response_rec), 8, DP_WAIT_SPIN, err)) ||
+        !(s->in = dp_ring_create_private(sizeof(struct dp_chunk), 4, DP_WAIT_SPIN, DP_ROLE_CONSUMER, err)) ||
+        !(s->lane = dp_ring_create_private(sizeof(struct dp_chunk), 2 * DP_MAX_BATCH_CHUNKS, DP_WAIT_SLEEP,
+                                              DP_ROLE_PRODUCER, err)) ||
+        !(s->done = dp_ring_create_private(sizeof(struct dp_completion), 4, DP_WAIT_SPIN, DP_ROLE_CONSUMER, err)) ||
+        !(s->egress = dp_ring_create_private(sizeof(struct dp_response_rec), 8, DP_WAIT_SPIN, DP_ROLE_PRODUCER, err)) ||
         (*err = dp_router_add_input(s->rt, s->in)) < 0 || (*err = dp_router_add_worker(s->rt, s->lane, s->done, 1)) < 0 ||
         (*err = dp_router_set_egress(s->rt, s->egress)) < 0) {
         shadow_destroy(s);

@@ -213,3 +213,22 @@ def test_a_ring_is_resident_from_the_start(ring_name):
             rss = _rss_kib(path)
         assert len(rss) == 2
         assert all(kib * 1024 >= slot * cap for kib in rss), rss
+
+
+def test_a_private_ring_has_both_ends_here_and_no_name():
+    """A shadow stage's ring (dp_ring_create_private): unlinked at once, both roles this process's;
+    records go round through the one handle."""
+    err = ffi.new("int *")
+    before = set(os.listdir("/dev/shm"))
+    r = lib.dp_ring_create_private(64, 8, lib.DP_WAIT_SPIN, lib.DP_ROLE_PRODUCER, err)
+    assert r != ffi.NULL and err[0] == 0
+    try:
+        assert set(os.listdir("/dev/shm")) == before, "no name left behind"
+        st = ffi.new("struct dp_ring_stats *")
+        lib.dp_ring_get_stats(r, st)
+        assert st.producer_pid == st.consumer_pid == os.getpid() and st.capacity == 8
+        assert lib.dp_ring_enqueue_copy(r, b"x" * 64 * 3, 3, 64, 64) == 3
+        out = ffi.new("uint8_t[]", 64 * 8)
+        assert lib.dp_ring_dequeue_copy(r, out, 8) == 3 and bytes(out[0:64]) == b"x" * 64
+    finally:
+        lib.dp_ring_close(r)

@@ -592,7 +592,7 @@ def test_the_shadow_runs_the_whole_path_on_rings_of_its_own(bench_factory, budge
     assert b.workers[0].lane.stats()["enqueued"] == lane_before
     b.collect()
     assert len(b.responses) == 1, "nothing of the shadow's reaches the live egress"
-    assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"dp-shadow.{os.getpid()}.")], "its rings are unlinked"
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"dp-private.{os.getpid()}.")], "its rings are unlinked"
     b.send(chunks_of(2, [5, 6, 7], max_out=2))
     assert [len(x) for x in b.run()] == [1, 1] and len(b.responses) == 2
     for _ in range(40 * 1024):        # 40 more runs: more than its 8 request slots, all answered
