@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pathlib
 
-from bench.e2e import OUTPUT, PROMPT, _config, _offer, _pcts, _progress
+from bench.e2e import OUTPUT, PROMPT, _config, _offer, _pcts, _progress, drain_s
 from datapath.pipeline import Pipeline
 from datapath.router import policies
 from datapath.serving.devices import PROFILES
@@ -58,7 +58,7 @@ def run(report, args):
             report.machine["xdp_mode"] = p.xdp_mode
             _progress(f"compare {name}: {args.rate:g} req/s for {seconds:.0f} s ({len(names) - i} left)")
             res = _offer(p, args.rate, seconds, prompt_tokens=PROMPT, max_output_tokens=OUTPUT,
-                         drain_s=5.0 if device else 2.0)
+                         drain_s=drain_s(device))
             st = p.router.stats()
         pc = _pcts(res["rtt_ns"], 1e6)
         row = {"name": name, "qps": args.rate, "achieved_qps": res["achieved_qps"], "p50_ms": pc["p50"],

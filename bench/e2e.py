@@ -98,6 +98,15 @@ def _ran(p: Pipeline, res: dict, worker: int | None = None) -> int:
 SIM_DEVICE = "l4"
 
 
+def drain_s(device: str | None) -> float:
+    """How long an offer waits for its last answers: a simulated device's steps are ~10x numpy's."""
+    return 5.0 if device else 2.0
+
+
+def _label(mode: str, device: str | None) -> str:
+    return mode + (f" (simulated {device})" if device else "")
+
+
 def sweep(report, quick: bool, stages: dict, out: dict) -> dict:
     """Scenario 1: latency vs load, dynamic vs static micro-batching (rows into `out` per mode),
     on the tiny model's own step cost and again on a simulated GPU's."""
@@ -118,28 +127,29 @@ def sweep(report, quick: bool, stages: dict, out: dict) -> dict:
             (None, [10, 40, 160] if quick else [10, 20, 40, 80, 160, 320, 640], ""),
             (SIM_DEVICE, [10, 40] if quick else [10, 20, 30, 40, 45, 50, 60, 70], f"_{SIM_DEVICE}")):
         for mode in ("dynamic", "static"):
-            label = mode + (f" (simulated {device})" if device else "")
+            label = _label(mode, device)
             with Pipeline(_config(batching=mode, workers=workers, device=device)) as p:
                 report.machine["xdp_mode"] = p.xdp_mode
                 if device and mode == "dynamic":   # the profile's knee (pipeline budget_at_knee)
                     report.machine[f"sweep_token_budget_{device}"] = p.router.worker_stats(0)["token_budget"]
-                out[label] = rows = _sweep_mode(report, p, label, rates, duration, stages if not (
-                    device or mode == "static") else None, suffix, drain_s=5.0 if device else 2.0)
+                # the data path's own stages: from the dynamic sweep on the tiny model
+                out[label] = rows = _sweep_mode(report, p, mode, device, rates, duration, suffix,
+                                                stages if device is None and mode == "dynamic" else None)
             figures.update({f"{label} p95 ms at {row['qps']} req/s": row["p95_ms"] for row in rows})
         d10 = report.metrics.get(f"sweep{suffix}_p95_ms_dynamic_10")
         s10 = report.metrics.get(f"sweep{suffix}_p95_ms_static_10")
         if d10 and s10:
             report.ratios[f"static_vs_dynamic_p95_at_10qps{suffix}"] = s10 / d10
-        spread = _spread_to_80pct(out["dynamic" + (f" (simulated {device})" if device else "")])
+        spread = _spread_to_80pct(out[_label("dynamic", device)])
         if spread is not None:
             report.ratios[f"dynamic_p95_spread_to_80pct_saturation{suffix}"] = spread
     return figures
 
 
-def _sweep_mode(report, p: Pipeline, label: str, rates: list, duration, stages: dict | None, suffix: str,
-                drain_s: float) -> list[dict]:
-    """One mode's rates on one pipeline, lightest first, until it saturates."""
-    mode = label.split()[0]
+def _sweep_mode(report, p: Pipeline, mode: str, device: str | None, rates: list, duration, suffix: str,
+                stages: dict | None) -> list[dict]:
+    """One mode's rates on one pipeline, lightest first, until it is past use."""
+    label = _label(mode, device)
     rows = []
     for i, rate in enumerate(rates):
         seconds = duration(rate)
@@ -151,7 +161,7 @@ def _sweep_mode(report, p: Pipeline, label: str, rates: list, duration, stages: 
         # 160 req/s, 1.25 at 10) and attention over them took 80% of the worker's time
         # at saturation: the sweep measured context length as much as load.
         res = _offer(p, rate, seconds, prompt_tokens=PROMPT, max_output_tokens=OUTPUT,
-                     sessions=max(1, int(rate * seconds) // TURNS), drain_s=drain_s)
+                     sessions=max(1, int(rate * seconds) // TURNS), drain_s=drain_s(device))
         pc = _pcts(res["rtt_ns"], 1e6)
         trace = p.trace()
         steps = np.unique(np.stack([trace["t_start"], trace["t_end"]], 1), axis=0)  # a row a step, not a record
@@ -165,17 +175,21 @@ def _sweep_mode(report, p: Pipeline, label: str, rates: list, duration, stages: 
         report.metric(f"sweep{suffix}_p95_ms_{mode}_{rate}", row["p95_ms"], "ms")
         if stages is not None and i == 0:   # the data path's own stages, at the lightest load
             _stages(report, trace, res["rtt_ns"], stages)
-        if row["errors"] > 0.1 * row["requests"] or row["p95_ms"] > 20 * rows[0]["p95_ms"]:   # no use going on
+        if _past_use(row, rows[0]):
             _progress(f"  {label} saturated at {rate} req/s: stopping this mode")
             break
     return rows
 
 
+def _past_use(row: dict, first: dict) -> bool:
+    """No use offering more: a tenth unanswered, or a p95 20x the lightest rate's."""
+    return row["errors"] > 0.1 * row["requests"] or row["p95_ms"] > 20 * first["p95_ms"]
+
+
 def _saturated(row: dict, first: dict) -> bool:
-    """Past what the mode can answer: a tenth unanswered, a p95 20x the lightest rate's, or
-    answers falling behind the offer by more than Poisson noise (10%)."""
-    return (row["errors"] > 0.1 * row["requests"] or row["p95_ms"] > 20 * first["p95_ms"]
-            or row["achieved_qps"] < 0.9 * row["qps"])
+    """Past what the mode can answer: past use, or answers falling behind the offer by more
+    than Poisson noise (10%)."""
+    return _past_use(row, first) or row["achieved_qps"] < 0.9 * row["qps"]
 
 
 def _spread_to_80pct(rows: list[dict]) -> float | None:

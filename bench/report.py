@@ -33,8 +33,8 @@ from matplotlib.ticker import FuncFormatter
 from datapath.metrics import Distribution
 
 SWEEP_COLUMNS = [("qps", "offered qps"), ("achieved_qps", "achieved qps"), ("p50_ms", "p50 ms"),
-                 ("p95_ms", "p95 ms"), ("p99_ms", "p99 ms"), ("step_p50_ms", "worker step p50 ms"), ("requests", "requests"),
-                 ("errors", "errors")]
+                 ("p95_ms", "p95 ms"), ("p99_ms", "p99 ms"), ("step_p50_ms", "worker step p50 ms"),
+                 ("requests", "requests"), ("errors", "errors")]
 SWEEP_LINES = [("p50_ms", "p50", "-"), ("p95_ms", "p95", "--"), ("p99_ms", "p99", ":")]
 STAGE_PERCENTILES = [("p50", "p50", "-"), ("p95", "p95", "--"), ("p99", "p99", "-."), ("p999", "p99.9", ":")]
 MACHINE_FIRST = ["cores", "cpu_model", "kernel", "xdp_mode"]
