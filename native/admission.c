@@ -24,17 +24,32 @@ struct tenant {
     struct dp_adm_tenant_stats st;
 };
 
+/* The token counts of one entropy pass: open addressing (load <= 1/2), a slot live when its
+ * generation is the pass's, so a pass clears nothing (the table is the admission's own). */
+#define COUNT_SLOTS (2 * DP_MAX_CHUNK_TOKENS)
+struct count_table {
+    struct { uint32_t token; uint16_t count, gen; } slot[COUNT_SLOTS];
+    uint16_t gen;
+};
+
 struct dp_admission {
     struct dp_tenant_cfg dflt;
+    struct count_table counts;            /* entropy's scratch (the router calls under its lock) */
     struct tenant t[DP_ADM_MAX_TENANTS];
 };
 
-static double clog2c[DP_MAX_CHUNK_TOKENS + 1];   /* c x log2(c): one lookup per distinct token */
+/* c x log2(c) in fixed point (2^-50), and the step from c to c + 1 occurrences: counting a
+ * token's occurrence adds step[c], so a token seen k times has added clog2c[k] exactly (the
+ * steps telescope), and entropy is one pass of integer adds (no FP chain, never log2). */
+#define CLOG_SCALE 1125899906842624.0      /* 2^50: 128 x 7 x 2^50 < 2^60 fits the sum */
+static uint64_t clog2c[DP_MAX_CHUNK_TOKENS + 1], step[DP_MAX_CHUNK_TOKENS];
 
-__attribute__((constructor)) static void clog2c_init(void)   /* at load: entropy never calls log2 */
+__attribute__((constructor)) static void clog2c_init(void)   /* at load */
 {
     for (int c = 1; c <= DP_MAX_CHUNK_TOKENS; c++)
-        clog2c[c] = c * log2((double)c);
+        clog2c[c] = (uint64_t)llround(c * log2((double)c) * CLOG_SCALE);
+    for (int c = 0; c < DP_MAX_CHUNK_TOKENS; c++)
+        step[c] = clog2c[c + 1] - clog2c[c];
 }
 
 struct dp_admission *dp_adm_create(void)
@@ -110,30 +125,37 @@ int dp_adm_tenant_stats(struct dp_admission *a, uint32_t tenant, struct dp_adm_t
 
 /* --- pricing ----------------------------------------------------------------------- */
 
-double dp_adm_entropy_bits(const uint32_t *tokens, uint32_t n)
+static double entropy_bits(struct count_table *t, const uint32_t *tokens, uint32_t n)
 {
-    struct { uint32_t token, count; } slot[2 * DP_MAX_CHUNK_TOKENS];   /* load <= 1/2 */
-    uint32_t used[DP_MAX_CHUNK_TOKENS], n_used = 0;
     if (n > DP_MAX_CHUNK_TOKENS)
         n = DP_MAX_CHUNK_TOKENS;
     if (n < 2)
         return 0.0;
-    memset(slot, 0, sizeof(slot));
-    for (uint32_t i = 0; i < n; i++) {
-        uint32_t h = mix(tokens[i]) & (2 * DP_MAX_CHUNK_TOKENS - 1);
-        while (slot[h].count && slot[h].token != tokens[i])
-            h = (h + 1) & (2 * DP_MAX_CHUNK_TOKENS - 1);
-        if (!slot[h].count++) {
-            slot[h].token = tokens[i];
-            used[n_used++] = h;
-        }
+    if (++t->gen == 0) {                  /* generations wrapped: every slot is stale again */
+        memset(t->slot, 0, sizeof(t->slot));
+        t->gen = 1;
     }
-    /* H = -sum (c/n) log2(c/n) = log2(n) - sum c log2(c) / n */
-    double s = 0.0;
-    for (uint32_t k = 0; k < n_used; k++)
-        s += clog2c[slot[used[k]].count];
-    double h = clog2c[n] / n - s / n;
-    return h > 0.0 ? h : 0.0;
+    uint16_t g = t->gen;
+    uint64_t s = 0;                       /* sum over distinct tokens of c log2 c, fixed point */
+    for (uint32_t i = 0; i < n; i++) {
+        uint32_t h = mix(tokens[i]) & (COUNT_SLOTS - 1);
+        while (t->slot[h].gen == g && t->slot[h].token != tokens[i])
+            h = (h + 1) & (COUNT_SLOTS - 1);
+        uint16_t c = t->slot[h].gen == g ? t->slot[h].count : 0;
+        s += step[c];
+        t->slot[h].token = tokens[i];
+        t->slot[h].count = (uint16_t)(c + 1);
+        t->slot[h].gen = g;
+    }
+    /* H = -sum (c/n) log2(c/n) = (n log2 n - sum c log2 c) / n */
+    return (double)(clog2c[n] - s) / (CLOG_SCALE * n);
+}
+
+double dp_adm_entropy_bits(const uint32_t *tokens, uint32_t n)
+{
+    struct count_table t;
+    memset(&t, 0, sizeof(t));
+    return entropy_bits(&t, tokens, n);
 }
 
 static double output_factor(uint32_t max_output)
@@ -147,8 +169,8 @@ static double cost_of(uint32_t price, uint32_t input, uint32_t max_output, doubl
     return price / 1000.0 * ((double)input + max_output) * entropy_factor * output_factor(max_output);
 }
 
-void dp_adm_price(const struct dp_tenant_cfg *cfg, const uint32_t *tokens, uint32_t n_tokens, uint32_t chunk_count,
-                  uint32_t max_output, struct dp_adm_price *p)
+static void price(const struct dp_tenant_cfg *cfg, struct count_table *t, const uint32_t *tokens, uint32_t n_tokens,
+                  uint32_t chunk_count, uint32_t max_output, struct dp_adm_price *p)
 {
     memset(p, 0, sizeof(*p));
     p->price_per_1k = cfg->price_per_1k;
@@ -156,11 +178,19 @@ void dp_adm_price(const struct dp_tenant_cfg *cfg, const uint32_t *tokens, uint3
     p->input_tokens = chunk_count * DP_MAX_CHUNK_TOKENS;
     p->max_output = max_output;
     p->sample_tokens = n_tokens < DP_MAX_CHUNK_TOKENS ? n_tokens : DP_MAX_CHUNK_TOKENS;
-    p->entropy_bits = n_tokens ? dp_adm_entropy_bits(tokens, n_tokens) : ENTROPY_MAX_BITS;
+    p->entropy_bits = n_tokens ? entropy_bits(t, tokens, n_tokens) : ENTROPY_MAX_BITS;
     p->entropy_factor = 1.0 + 4.0 * p->entropy_bits / ENTROPY_MAX_BITS;
     p->output_factor = output_factor(max_output);
     p->complexity = p->entropy_factor * p->output_factor;
     p->cost = cost_of(cfg->price_per_1k, p->input_tokens, max_output, p->entropy_factor);
+}
+
+void dp_adm_price(const struct dp_tenant_cfg *cfg, const uint32_t *tokens, uint32_t n_tokens, uint32_t chunk_count,
+                  uint32_t max_output, struct dp_adm_price *p)
+{
+    struct count_table t;
+    memset(&t, 0, sizeof(t));
+    price(cfg, &t, tokens, n_tokens, chunk_count, max_output, p);
 }
 
 /* --- the body (JSON, <= cap bytes) -------------------------------------------------- */
@@ -323,7 +353,7 @@ uint32_t dp_adm_decide(struct dp_admission *a, uint32_t tenant, const uint32_t *
     const struct dp_tenant_cfg *cfg = cfg_of(a, t);
     memset(d, 0, sizeof(*d));
     d->count_only = count_only ? 1 : 0;
-    dp_adm_price(cfg, tokens, n_tokens, chunk_count, max_output, &d->p);
+    price(cfg, &a->counts, tokens, n_tokens, chunk_count, max_output, &d->p);
     d->charge = (uint64_t)ceil(d->p.cost);
     uint64_t tokens_all = (uint64_t)d->p.input_tokens + max_output;
     int new_day = !t || !t->day_start || now - t->day_start >= DAY_NS;

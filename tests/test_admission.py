@@ -98,6 +98,23 @@ def test_price_matches_the_python_reference(name, tokens, chunks, max_out):
     assert got.input_tokens == chunks * 128 and got.sample_tokens == min(len(tokens), 128)
 
 
+def test_decisions_reuse_one_count_table_and_stay_exact_past_its_generation_wrap():
+    """dp_adm_decide counts tokens in the admission's own table, cleared by generation, not per
+    call: 70,000 decisions (the 16-bit generation wraps at 65,536) keep matching the reference."""
+    adm = ffi.gc(lib.dp_adm_create(), lib.dp_adm_destroy)
+    lib.dp_adm_set_default(adm, TenantPolicy(price_per_1k=1700).cdata())
+    cases = [[ffi.new("uint32_t[]", t), len(t), ref_entropy_bits(t)] for _, t, _, _ in PRICE_CASES if t]
+    cases.append([ffi.new("uint32_t[]", [7, 7, 9]), 3, ref_entropy_bits([7, 7, 9])])
+    d, body = ffi.new("struct dp_adm_decision *"), ffi.new("char[]", 1024)
+    wrong = []
+    for i in range(70_000):
+        arr, n, want = cases[i % len(cases)]
+        lib.dp_adm_decide(adm, 1, arr, n, 1, 4, 0, 1, d, body, 1024)
+        if d.p.entropy_bits != pytest.approx(want, rel=1e-12, abs=1e-12):
+            wrong.append((i, d.p.entropy_bits, want))
+    assert not wrong, wrong[:5]
+
+
 def test_entropy_scale_ends():
     assert c_price(1, [3] * 100, 1, 0).entropy_factor == 1.0
     assert c_price(1, list(range(128)), 1, 0).entropy_factor == pytest.approx(5.0)
