@@ -273,7 +273,8 @@ class _Thread:
 
 
 class Consumer(_Thread):
-    """The C thread that busy-polls the steering program's ring buffers (libbpf ring_buffer__consume)."""
+    """The C thread that busy-polls the steering program's ring buffers (mapped and read by
+    native/ingress.c the way libbpf's ring_buffer__consume reads them)."""
 
     _start, _stop = lib.dp_consumer_start, lib.dp_consumer_stop
 
@@ -283,7 +284,7 @@ class Consumer(_Thread):
         fds = ffi.new("int[]", list(ring_fds))
         ptr = lib.dp_consumer_new(fds, len(ring_fds), hist_fd, _ring_ptr(out), samples)
         if ptr == ffi.NULL:
-            raise OSError("cannot set up the ring-buffer consumer: libbpf's ring_buffer__new failed, or the "
+            raise OSError("cannot set up the ring-buffer consumer: a ring buffer could not be mapped, or the "
                           "output ring's slots are smaller than a chunk or this process is not its producer")
         self.ptr = ffi.gc(ptr, lib.dp_consumer_free)
         self.cpu, self.rt_priority = cpu, rt_priority

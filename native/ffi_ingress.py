@@ -3,7 +3,7 @@
 The cdef is the LAYOUT sections of bpf/wire.h, native/chunk.h and bpf/steer.h and
 the CDEF section of native/ingress.h, taken verbatim, so Python sees the C
 structs and the drop-reason names as the compiler lays them out. Links libbpf
-(ring_buffer__new/__add/__consume); compiles native/ring.c for the output ring.
+(bpf_obj_get_info_by_fd: a ring buffer's size); compiles native/ring.c for the output ring.
 """
 import pathlib
 import subprocess
@@ -35,7 +35,7 @@ cflags, libs = libbpf_flags()
 ffibuilder = FFI()
 ffibuilder.cdef(
     "typedef uint8_t __u8; typedef uint16_t __u16; typedef uint32_t __u32; typedef uint64_t __u64;"
-    "typedef unsigned long pthread_t; struct ring_buffer; struct dp_ring;"
+    "typedef unsigned long pthread_t; struct dp_ring;"
     + layout_cdef(BPF_DIR / "wire.h") + layout_cdef(HERE / "chunk.h") + layout_cdef(BPF_DIR / "steer.h")
     + api_cdef(HERE / "ingress.h")
 )

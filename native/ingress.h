@@ -29,6 +29,17 @@ struct dp_lat {
     uint64_t n;
 };
 
+/* One BPF ring buffer as mapped for reading (the kernel's ABI, Documentation/bpf/ringbuf.rst):
+ * the consumer position page (ours to write), the producer position page and the data area
+ * after it, mapped twice in a row so a record is contiguous even where it wraps. */
+struct dp_bpf_ring {
+    unsigned long *consumer_pos;
+    const unsigned long *producer_pos;
+    const uint8_t *data;
+    unsigned long mask;        /* data size - 1 (a power of two) */
+    size_t map_len;            /* of the producer page and the data area */
+};
+
 /* Where a consumer writes: the router's input ring, and what it could not place. */
 struct dp_out {
     struct dp_ring *ring;      /* slot_size >= sizeof(struct dp_chunk) */
@@ -38,7 +49,8 @@ struct dp_out {
 };
 
 struct dp_consumer {
-    struct ring_buffer *rb;    /* libbpf, over the BPF ring buffers' fds */
+    struct dp_bpf_ring rings[8];   /* the steering program's ring buffers (DP_MAX_QUEUES) */
+    uint32_t n_rings;
     struct dp_out out;
     pthread_t thread;
     int stop;                  /* set by Python, read with __atomic_load_n */
@@ -47,8 +59,7 @@ struct dp_consumer {
     int rt_priority;           /* SCHED_FIFO priority while running, 0: the normal scheduler */
     uint64_t records;          /* records taken from the ring buffers */
     uint64_t per_queue[8];
-    uint64_t polls;            /* ring_buffer__consume calls */
-    uint64_t errors;           /* consume returned an error */
+    uint64_t polls;            /* passes over the ring buffers */
     struct dp_lat xdp_lat;     /* t_consumer - t_xdp */
     struct dp_lat send_lat;    /* t_consumer - t_send */
     uint64_t *map_hist;        /* the program's lat_hist array, mmapped (or NULL) */
