@@ -26,7 +26,8 @@ struct tenant {
 
 /* The token counts of one entropy pass: open addressing (load <= 1/2), a slot live when its
  * generation is the pass's, so a pass clears nothing (the table is the admission's own). */
-#define COUNT_SLOTS (2 * DP_MAX_CHUNK_TOKENS)
+#define COUNT_SLOTS (2 * DP_MAX_CHUNK_TOKENS)   /* 256: the hash below gives 8 bits */
+_Static_assert(COUNT_SLOTS == 256, "entropy_bits hashes a token to 8 bits");
 struct count_table {
     struct { uint32_t token; uint16_t count, gen; } slot[COUNT_SLOTS];
     uint16_t gen;
@@ -138,7 +139,7 @@ static double entropy_bits(struct count_table *t, const uint32_t *tokens, uint32
     uint16_t g = t->gen;
     uint64_t s = 0;                       /* sum over distinct tokens of c log2 c, fixed point */
     for (uint32_t i = 0; i < n; i++) {
-        uint32_t h = mix(tokens[i]) & (COUNT_SLOTS - 1);
+        uint32_t h = (uint32_t)((tokens[i] * 0x9e3779b97f4a7c15ull) >> 56);   /* Fibonacci hashing: 8 bits */
         while (t->slot[h].gen == g && t->slot[h].token != tokens[i])
             h = (h + 1) & (COUNT_SLOTS - 1);
         uint16_t c = t->slot[h].gen == g ? t->slot[h].count : 0;

@@ -166,6 +166,10 @@ static uint32_t bpf_ring_consume(struct dp_consumer *c, struct dp_bpf_ring *r)
     uint32_t n = 0;
     while (cons < prod) {
         const uint32_t *hdr = (const uint32_t *)(r->data + (cons & r->mask));
+        /* the record's lines (XDP wrote them on another core) fetched together, not one by one as
+         * the copy reaches them: header, then up to a 64-token chunk (the typical prompt) */
+        for (size_t off = 0; off < BPF_RINGBUF_HDR_SZ + DP_CHUNK_HDR_LEN + 64 * sizeof(uint32_t); off += 64)
+            __builtin_prefetch((const uint8_t *)hdr + off);
         uint32_t len = __atomic_load_n(hdr, __ATOMIC_ACQUIRE);
         if (len & BPF_RINGBUF_BUSY_BIT)
             break;
@@ -261,8 +265,8 @@ static void rehearse(struct dp_consumer *c)
         for (int b = 0; b < DP_LAT_BUCKETS; b += 8)
             sink += l->hist[b];
     }
-    if (c->map_hist)
-        sink = c->map_hist[0];
+    for (int b = 0; c->map_hist && b < DP_LAT_BUCKETS; b += 8)   /* every line: a bucket's first count */
+        sink += c->map_hist[b];
     if (c->shadow)
         shadow_run(c);
 }

@@ -128,6 +128,7 @@ struct dp_router {
     uint32_t idle_polls, warm_region; /* idle passes in a row; warm_step's place in the working set */
     size_t warm_off;
     struct dp_chunk rehearsal;          /* the last admitted request's first chunk: rehearse() runs it dry */
+    uint32_t rehearsal_from;            /* its pool slot, copied to `rehearsal` once its batch is out (NIL) */
     struct shadow *shadow;              /* the live router's rehearsal stage (NULL in a shadow) */
     struct dp_router_stats st;
 };
@@ -711,8 +712,6 @@ static int admit(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, uin
         return 1;
     }
     dp_adm_commit(rt->adm, c->tenant, &d, t);
-    if (c->n_tokens)                     /* (an OPEN has none to rehearse with) */
-        memcpy(&rt->rehearsal, c, DP_CHUNK_HDR_LEN + c->n_tokens * sizeof(uint32_t));
     rt->st.admitted++;
     rt->st.to_secondary += (uint64_t)spilled;
     rt->reserved += c->chunk_count;     /* each chunk takes one back as it comes */
@@ -842,6 +841,8 @@ static int ingest(struct dp_router *rt, const struct dp_chunk *c, uint64_t t)
     struct dp_chunk *pc = &rt->pool[p].c;
     memcpy(pc, c, DP_CHUNK_HDR_LEN + c->n_tokens * sizeof(uint32_t));
     pc->t_router = t;
+    if (c->chunk_index == 0)
+        rt->rehearsal_from = p;          /* (copied at the pass's end, off the chunk's way) */
     rt->reserved--;                      /* a promised chunk has come */
     r->received++;
     r->tokens_in += c->n_tokens;
@@ -1583,6 +1584,12 @@ uint32_t dp_router_poll(struct dp_router *rt)
     work += take_completions(rt);
     work += drain_inputs(rt);
     work += send_batches(rt);
+    if (rt->rehearsal_from != NIL) {     /* a new request's first chunk: the rehearsals' material */
+        const struct dp_chunk *c = &rt->pool[rt->rehearsal_from].c;
+        if (rt->shadow && c->n_tokens >= 1 && c->n_tokens <= DP_MAX_CHUNK_TOKENS)
+            memcpy(&rt->rehearsal, c, DP_CHUNK_HDR_LEN + c->n_tokens * sizeof(uint32_t));
+        rt->rehearsal_from = NIL;
+    }
     if (rt->reserved)
         work += expire_stalled(rt, pass_clock(rt));
     if (work)
@@ -1670,6 +1677,7 @@ static struct dp_router *router_new(const struct dp_router_config *cfg, const ch
         rt->req_free = i;
     }
     rt->done_head = rt->done_tail = NIL;
+    rt->rehearsal_from = NIL;
     for (uint32_t p = 0; p < DP_MAX_POOLS; p++) {
         rt->order[p] = (uint8_t)p;
         int rc = dp_policy_init(&rt->pools[p].policy, policy, c.seed, param);
