@@ -223,8 +223,9 @@ static void bpf_ring_unmap(struct dp_bpf_ring *r)
  * here before the router saw it). So every REHEARSE_EVERY idle polls the consumer
  * reads, through its own mapping, where each ring buffer's next record will land
  * (the first read of a fresh place there cost a TLB walk: XDP->consumer p50
- * 0.35-0.41 -> 0.26-0.32 us), writes the last record's header and as many (zero) tokens into the input
- * ring's next free slot, not committed (the producer's own until then), and
+ * 0.35-0.41 -> 0.28-0.31 us), writes the last record's header and as many (zero)
+ * tokens into the input ring's next free slot, not committed (the producer's own
+ * until then), and
  * touches the latency records' next sample and buckets. Then, as the router's
  * shadow does for its path, the record goes through on_record itself, on a
  * shadow consumer whose output ring is private to this process (drained at
