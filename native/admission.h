@@ -105,8 +105,9 @@ int dp_adm_tenant_stats(struct dp_admission *a, uint32_t tenant, struct dp_adm_t
 double dp_adm_entropy_bits(const uint32_t *tokens, uint32_t n);
 void dp_adm_price(const struct dp_tenant_cfg *cfg, const uint32_t *tokens, uint32_t n_tokens, uint32_t chunk_count,
                   uint32_t max_output, struct dp_adm_price *out);
-/* Price and decide, changing nothing; the JSON body (refusals, count_only) goes to body[cap].
- * Returns the body's length (0: none). */
+/* Price and decide, changing nothing but the admission's scratch table for counting tokens (so
+ * one admission is not reentrant: the router calls it under its lock); the JSON body (refusals,
+ * count_only) goes to body[cap]. Returns the body's length (0: none). */
 uint32_t dp_adm_decide(struct dp_admission *a, uint32_t tenant, const uint32_t *tokens, uint32_t n_tokens,
                        uint32_t chunk_count, uint32_t max_output, int count_only, uint64_t now,
                        struct dp_adm_decision *d, char *body, uint32_t cap);

@@ -125,6 +125,7 @@ struct dp_router {
     uint32_t reserved;                  /* pool slots promised to chunks of admitted requests not here yet */
     uint64_t next_expiry_scan;
     uint64_t now;                       /* the clock as read in this poll pass (0: not yet): pass_clock */
+    int in_pass;                        /* dp_router_poll is running (else a control call: no pass clock) */
     uint32_t idle_polls, warm_region; /* idle passes in a row; warm_step's place in the working set */
     size_t warm_off;
     struct dp_chunk rehearsal;          /* the last admitted request's first chunk: rehearse() runs it dry */
@@ -179,6 +180,8 @@ static uint64_t now_ns(void)
  * twice more before (make_ready, send_batches), an idle pass twice. Outside a pass: fresh. */
 static uint64_t pass_clock(struct dp_router *rt)
 {
+    if (!rt->in_pass)
+        return now_ns();
     if (!rt->now)
         rt->now = now_ns();
     return rt->now;
@@ -1059,8 +1062,6 @@ static struct dp_chunk *add_record(struct dp_router *rt, struct builder *b, uint
     struct dp_chunk *out = lane_slot(b->w, b->n);
     b->w->meta[b->n] = (struct batch_meta){ ri, kind, final, 0 };
     rt->reqs[ri].inflight++;
-    if (!rt->reqs[ri].t_first_lane)
-        rt->reqs[ri].t_first_lane = b->t;
     b->n++;
     return out;
 }
@@ -1193,6 +1194,9 @@ static uint32_t send_batches(struct dp_router *rt)
         uint64_t t_lane = now_ns();
         for (uint32_t i = 0; i < b.n; i++) {
             struct dp_chunk *c = lane_slot(w, i);
+            struct req *r = &rt->reqs[w->meta[i].req];
+            if (!r->t_first_lane)
+                r->t_first_lane = t_lane;
             c->batch_seq = w->batch_seq;
             c->batch_len = (uint16_t)b.n;
             c->batch_pos = (uint16_t)i;
@@ -1580,6 +1584,7 @@ static void shadow_run(struct dp_router *rt)
 uint32_t dp_router_poll(struct dp_router *rt)
 {
     pthread_mutex_lock(&rt->lock);
+    rt->in_pass = 1;
     uint32_t work = flush_done(rt);
     work += take_completions(rt);
     work += drain_inputs(rt);
@@ -1603,7 +1608,8 @@ uint32_t dp_router_poll(struct dp_router *rt)
         }
     }
     rt->st.loops++;
-    rt->now = 0;                         /* the next pass (or a control call) reads its own */
+    rt->now = 0;                         /* the next pass reads its own */
+    rt->in_pass = 0;
     pthread_mutex_unlock(&rt->lock);
     return work;
 }

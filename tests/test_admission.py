@@ -100,7 +100,7 @@ def test_price_matches_the_python_reference(name, tokens, chunks, max_out):
 
 def test_decisions_reuse_one_count_table_and_stay_exact_past_its_generation_wrap():
     """dp_adm_decide counts tokens in the admission's own table, cleared by generation, not per
-    call: 70,000 decisions (the 16-bit generation wraps at 65,536) keep matching the reference."""
+    call: 70,000 decisions (the 16-bit generation wraps after 65,535) keep matching the reference."""
     adm = ffi.gc(lib.dp_adm_create(), lib.dp_adm_destroy)
     lib.dp_adm_set_default(adm, TenantPolicy(price_per_1k=1700).cdata())
     cases = [[ffi.new("uint32_t[]", t), len(t), ref_entropy_bits(t)] for _, t, _, _ in PRICE_CASES if t]

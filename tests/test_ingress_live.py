@@ -78,13 +78,14 @@ def test_chunks_reach_their_queues_in_order(live):
 
 def test_records_cross_the_ring_buffers_end_whole():
     """The consumer reads the ring buffers itself (native/ingress.c, the kernel's mmap layout): with
-    4-page rings (28 records a lap) 400 chunks on 2 queues wrap each ring about 7 times, and every
-    record arrives once, in order within its session, with its own tokens."""
-    with Topology(clients=1) as topo, Ingress(queues=2, ring_pages=4) as ig, rings() as (out, rd):
+    8-page rings (~53 records a lap, 616 bytes each: not a divisor, so records straddle the end)
+    400 chunks on 2 queues wrap each ring about 4 times, and every record arrives once, in order
+    within its session, with its own tokens."""
+    with Topology(clients=1) as topo, Ingress(queues=2, ring_pages=8) as ig, rings() as (out, rd):
         ig.attach(topo.host_if[0], topo.host_ns, veth_peer=(topo.client_if[0], topo.client_ns[0]))
         with ig.consumer(out) as consumer:
             pkts = sessions(8, 50, tokens=100)
-            res = client.send_from(topo.client_ns[0], topo.host_ip[0], pkts, rate=5_000, count=len(pkts),
+            res = client.send_from(topo.client_ns[0], topo.host_ip[0], pkts, rate=2_000, count=len(pkts),
                                    duration=10)
             recs = drain_until(rd, res["sent"])
             assert res["sent"] == len(pkts) == 400 and len(recs) == 400, "a record was lost"
