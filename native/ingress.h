@@ -63,6 +63,8 @@ struct dp_consumer {
     struct dp_lat xdp_lat;     /* t_consumer - t_xdp */
     struct dp_lat send_lat;    /* t_consumer - t_send */
     uint64_t *map_hist;        /* the program's lat_hist array, mmapped (or NULL) */
+    uint64_t pend[DP_INGRESS_BURST][2];   /* (xdp, send) latencies not yet counted (ingress.c, lat_flush) */
+    uint32_t n_pend;
     uint32_t idle_polls;       /* polls in a row that found nothing */
     uint64_t rehearsals;       /* idle dry runs of a record's path (ingress.c, rehearse) */
     struct dp_chunk rehearsal; /* the last record's header (its tokens: zeros, as many as it had) */
