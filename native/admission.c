@@ -152,13 +152,6 @@ static double entropy_bits(struct count_table *t, const uint32_t *tokens, uint32
     return (double)(clog2c[n] - s) / (CLOG_SCALE * n);
 }
 
-double dp_adm_entropy_bits(const uint32_t *tokens, uint32_t n)
-{
-    struct count_table t;
-    memset(&t, 0, sizeof(t));
-    return entropy_bits(&t, tokens, n);
-}
-
 static double output_factor(uint32_t max_output)
 {
     uint32_t o = max_output < DP_ADM_OUTPUT_SCALE ? max_output : DP_ADM_OUTPUT_SCALE;

@@ -102,7 +102,6 @@ int dp_adm_set_tenant(struct dp_admission *a, uint32_t tenant, const struct dp_t
 void dp_adm_set_default(struct dp_admission *a, const struct dp_tenant_cfg *cfg);
 int dp_adm_tenant_stats(struct dp_admission *a, uint32_t tenant, struct dp_adm_tenant_stats *s);
 
-double dp_adm_entropy_bits(const uint32_t *tokens, uint32_t n);
 void dp_adm_price(const struct dp_tenant_cfg *cfg, const uint32_t *tokens, uint32_t n_tokens, uint32_t chunk_count,
                   uint32_t max_output, struct dp_adm_price *out);
 /* Price and decide, changing nothing but the admission's scratch table for counting tokens (so

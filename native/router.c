@@ -1236,12 +1236,16 @@ static void fifo_remove(struct dp_router *rt, struct worker *w, uint32_t ri)
 
 /* Requests still missing chunks, with nothing in flight, idle past the timeout:
  * answer 400 and free what they hold. */
-static uint32_t expire_stalled(struct dp_router *rt, uint64_t now)
+static uint32_t expire_stalled(struct dp_router *rt)
 {
     uint32_t n = 0;
     /* reserved counts the chunks still missing from live requests: none, nothing to expire (the
-     * scan reads every slot: 20-90 us here, and a quarter of L2 that the fast path wants) */
-    if (!rt->reserved || now < rt->next_expiry_scan)
+     * scan reads every slot: 20-90 us here, and a quarter of L2 that the fast path wants), and
+     * no clock read either */
+    if (!rt->reserved)
+        return 0;
+    uint64_t now = pass_clock(rt);
+    if (now < rt->next_expiry_scan)
         return 0;
     rt->next_expiry_scan = now + EXPIRY_SCAN_NS;
     for (uint32_t ri = 0; ri < rt->cfg.max_requests; ri++) {
@@ -1595,8 +1599,7 @@ uint32_t dp_router_poll(struct dp_router *rt)
             memcpy(&rt->rehearsal, c, DP_CHUNK_HDR_LEN + c->n_tokens * sizeof(uint32_t));
         rt->rehearsal_from = NIL;
     }
-    if (rt->reserved)
-        work += expire_stalled(rt, pass_clock(rt));
+    work += expire_stalled(rt);
     if (work)
         rt->idle_polls = 0;
     else if (rt->shadow) {               /* (a shadow's idle passes warm nothing) */
