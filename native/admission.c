@@ -163,8 +163,9 @@ static double cost_of(uint32_t price, uint32_t input, uint32_t max_output, doubl
     return price / 1000.0 * ((double)input + max_output) * entropy_factor * output_factor(max_output);
 }
 
-static void price(const struct dp_tenant_cfg *cfg, struct count_table *t, const uint32_t *tokens, uint32_t n_tokens,
-                  uint32_t chunk_count, uint32_t max_output, struct dp_adm_price *p)
+/* Every factor but the entropy's. */
+static void price_base(const struct dp_tenant_cfg *cfg, uint32_t n_tokens, uint32_t chunk_count, uint32_t max_output,
+                       struct dp_adm_price *p)
 {
     memset(p, 0, sizeof(*p));
     p->price_per_1k = cfg->price_per_1k;
@@ -172,11 +173,23 @@ static void price(const struct dp_tenant_cfg *cfg, struct count_table *t, const 
     p->input_tokens = chunk_count * DP_MAX_CHUNK_TOKENS;
     p->max_output = max_output;
     p->sample_tokens = n_tokens < DP_MAX_CHUNK_TOKENS ? n_tokens : DP_MAX_CHUNK_TOKENS;
-    p->entropy_bits = n_tokens ? entropy_bits(t, tokens, n_tokens) : ENTROPY_MAX_BITS;
-    p->entropy_factor = 1.0 + 4.0 * p->entropy_bits / ENTROPY_MAX_BITS;
     p->output_factor = output_factor(max_output);
+}
+
+/* The entropy's factors, and so the cost (tokens: the sample price_base was given). */
+static void price_entropy(struct count_table *t, const uint32_t *tokens, struct dp_adm_price *p)
+{
+    p->entropy_bits = p->sample_tokens ? entropy_bits(t, tokens, p->sample_tokens) : ENTROPY_MAX_BITS;
+    p->entropy_factor = 1.0 + 4.0 * p->entropy_bits / ENTROPY_MAX_BITS;
     p->complexity = p->entropy_factor * p->output_factor;
-    p->cost = cost_of(cfg->price_per_1k, p->input_tokens, max_output, p->entropy_factor);
+    p->cost = cost_of(p->price_per_1k, p->input_tokens, p->max_output, p->entropy_factor);
+}
+
+static void price(const struct dp_tenant_cfg *cfg, struct count_table *t, const uint32_t *tokens, uint32_t n_tokens,
+                  uint32_t chunk_count, uint32_t max_output, struct dp_adm_price *p)
+{
+    price_base(cfg, n_tokens, chunk_count, max_output, p);
+    price_entropy(t, tokens, p);
 }
 
 void dp_adm_price(const struct dp_tenant_cfg *cfg, const uint32_t *tokens, uint32_t n_tokens, uint32_t chunk_count,
@@ -339,26 +352,41 @@ static uint32_t write_body(const struct dp_tenant_cfg *cfg, const struct dp_adm_
 
 /* --- decisions ----------------------------------------------------------------------- */
 
+void dp_adm_finish(struct dp_admission *a, struct dp_adm_decision *d, const uint32_t *tokens)
+{
+    if (d->priced)
+        return;
+    price_entropy(&a->counts, tokens, &d->p);
+    d->charge = (uint64_t)ceil(d->p.cost);
+    d->priced = 1;
+}
+
 uint32_t dp_adm_decide(struct dp_admission *a, uint32_t tenant, const uint32_t *tokens, uint32_t n_tokens,
-                       uint32_t chunk_count, uint32_t max_output, int count_only, uint64_t now,
+                       uint32_t chunk_count, uint32_t max_output, int flags, uint64_t now,
                        struct dp_adm_decision *d, char *body, uint32_t cap)
 {
     struct tenant *t = find(a, tenant, 0);
     const struct dp_tenant_cfg *cfg = cfg_of(a, t);
+    int count_only = flags & DP_ADM_COUNT_ONLY;
     memset(d, 0, sizeof(*d));
     d->count_only = count_only ? 1 : 0;
-    price(cfg, &a->counts, tokens, n_tokens, chunk_count, max_output, &d->p);
-    d->charge = (uint64_t)ceil(d->p.cost);
+    price_base(cfg, n_tokens, chunk_count, max_output, &d->p);
     uint64_t tokens_all = (uint64_t)d->p.input_tokens + max_output;
     int new_day = !t || !t->day_start || now - t->day_start >= DAY_NS;
     d->spent = new_day ? 0 : t->spent;
     d->resets_in_ns = new_day ? DAY_NS : t->day_start + DAY_NS - now;
     d->remaining = !cfg->budget_per_day ? UINT64_MAX
                    : cfg->budget_per_day > d->spent ? cfg->budget_per_day - d->spent : 0;
+    /* The entropy is measured now unless the decision cannot depend on it: no entropy threshold
+     * strictly inside the factor's range 1..5, and the cost fits the budget even at factor 5. */
+    int hi_rule = cfg->hi_entropy_factor > 1.0;
+    if (!(flags & DP_ADM_LAZY) || count_only || hi_rule ||
+        (uint64_t)ceil(cost_of(cfg->price_per_1k, d->p.input_tokens, max_output, 5.0)) > d->remaining)
+        dp_adm_finish(a, d, tokens);
     d->status = DP_STATUS_OK;
     if (cfg->max_request_tokens && tokens_all > cfg->max_request_tokens)
         d->status = DP_STATUS_BAD_REQUEST;
-    else if (d->charge > d->remaining)
+    else if (d->priced && d->charge > d->remaining)
         d->status = DP_STATUS_UNPROCESSABLE;
     else if (cfg->tokens_per_minute) {
         uint64_t tat = t && t->tat_minute > now ? t->tat_minute : now;
@@ -368,7 +396,7 @@ uint32_t dp_adm_decide(struct dp_admission *a, uint32_t tenant, const uint32_t *
             d->retry_after_ns = next - now - MINUTE_NS;
         }
     }
-    d->high = cfg->hi_entropy_factor > 0 && d->p.entropy_factor >= cfg->hi_entropy_factor;
+    d->high = cfg->hi_entropy_factor > 0 && (!hi_rule || d->p.entropy_factor >= cfg->hi_entropy_factor);
     if (d->status == DP_STATUS_OK && d->high) {
         if (cfg->hi_per_second <= 0)
             d->spill = 1;
@@ -380,6 +408,7 @@ uint32_t dp_adm_decide(struct dp_admission *a, uint32_t tenant, const uint32_t *
     }
     if (d->status == DP_STATUS_OK && !count_only)
         return 0;
+    dp_adm_finish(a, d, tokens);      /* the body shows the whole price */
     return write_body(cfg, d, count_only, body, cap);
 }
 

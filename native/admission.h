@@ -78,6 +78,8 @@ struct dp_adm_decision {
     uint8_t spill;                /* admitted, to the secondary pool */
     uint8_t high;                 /* high-entropy */
     uint8_t count_only;           /* a COUNT_TOKENS record: answered, never charged */
+    uint8_t priced;               /* 0: a lazy decision's entropy (p.entropy_*, complexity, cost) and
+                                     charge are not measured yet: dp_adm_finish */
     uint64_t charge;              /* ceil(cost): micro-USD charged if admitted */
     uint64_t remaining;           /* budget left before this request (UINT64_MAX: unlimited) */
     uint64_t spent;               /* spent today before it */
@@ -104,13 +106,22 @@ int dp_adm_tenant_stats(struct dp_admission *a, uint32_t tenant, struct dp_adm_t
 
 void dp_adm_price(const struct dp_tenant_cfg *cfg, const uint32_t *tokens, uint32_t n_tokens, uint32_t chunk_count,
                   uint32_t max_output, struct dp_adm_price *out);
+#define DP_ADM_COUNT_ONLY 1   /* a COUNT_TOKENS record */
+#define DP_ADM_LAZY 2         /* measure the entropy only if the decision depends on it */
 /* Price and decide, changing nothing but the admission's scratch table for counting tokens (so
  * one admission is not reentrant: the router calls it under its lock); the JSON body (refusals,
- * count_only) goes to body[cap]. Returns the body's length (0: none). */
+ * count_only) goes to body[cap]. Returns the body's length (0: none).
+ * With DP_ADM_LAZY the entropy pass (~80 ns at 64 tokens, most of a decision) is left out when
+ * no outcome can depend on it: no high-entropy threshold inside the factor's range, and the
+ * request fits its budget even at the highest factor. Refusals and counts are priced whole. */
 uint32_t dp_adm_decide(struct dp_admission *a, uint32_t tenant, const uint32_t *tokens, uint32_t n_tokens,
-                       uint32_t chunk_count, uint32_t max_output, int count_only, uint64_t now,
+                       uint32_t chunk_count, uint32_t max_output, int flags, uint64_t now,
                        struct dp_adm_decision *d, char *body, uint32_t cap);
-/* The decision stands (the router placed the request, or answered it): count it, charge an admission. */
+/* Completes a lazy decision's price (tokens: the ones it was decided on, still unchanged); nothing
+ * if it is priced. The same outcome as deciding with the price measured, before its commit. */
+void dp_adm_finish(struct dp_admission *a, struct dp_adm_decision *d, const uint32_t *tokens);
+/* The decision stands (the router placed the request, or answered it): count it, charge an admission.
+ * Its price is measured (priced), and nothing else of the tenant was decided since. */
 void dp_adm_commit(struct dp_admission *a, uint32_t tenant, const struct dp_adm_decision *d, uint64_t now);
 /* Completion of an admitted request: the charge becomes the exact price of what ran (input tokens
  * received, output tokens generated, at the admission's price and entropy factor; never more than

@@ -115,6 +115,66 @@ def test_decisions_reuse_one_count_table_and_stay_exact_past_its_generation_wrap
     assert not wrong, wrong[:5]
 
 
+LAZY_POLICIES = [   # (policy, the lazy decision leaves the entropy unmeasured)
+    (TenantPolicy(), True),                                                   # free, no limits
+    (TenantPolicy(price_per_1k=1700), True),                                  # priced, no budget
+    (TenantPolicy(price_per_1k=1700, budget_per_day=10**9), True),            # fits even at factor 5
+    (TenantPolicy(price_per_1k=1700, tokens_per_minute=10**6, max_request_tokens=10**5), True),
+    (TenantPolicy(hi_entropy_factor=1.0, hi_per_second=1, hi_burst=2), True),  # every request is high
+    (TenantPolicy(price_per_1k=1700, budget_per_day=1000), False),            # the factor decides 200 or 422
+    (TenantPolicy(hi_entropy_factor=2.5, hi_per_second=1), False),            # the factor decides high
+    (TenantPolicy(max_request_tokens=100), False),                            # a refusal: its body shows it all
+]
+
+
+@pytest.mark.parametrize("policy,lazy", LAZY_POLICIES)
+def test_a_lazy_decision_once_finished_is_the_decision_priced_at_once(policy, lazy):
+    """DP_ADM_LAZY leaves the entropy pass out only where no outcome depends on it; finished, the
+    decision is the one measured at once, field for field (both start from a zeroed struct)."""
+    adm = ffi.gc(lib.dp_adm_create(), lib.dp_adm_destroy)
+    lib.dp_adm_set_tenant(adm, 1, policy.cdata())
+    body = ffi.new("char[]", wire.MAX_RESP_BODY)
+    rng = np.random.default_rng(5)
+    for i in range(200):
+        toks = rng.integers(0, 1 << 32, 128).tolist() if i % 3 else [i % 7] * (1 + i % 128)
+        arr = ffi.new("uint32_t[]", toks)
+        chunks, max_out, now = 1 + i % 4, i % 300, 10**12 + i * 10**8
+        want, got = ffi.new("struct dp_adm_decision *"), ffi.new("struct dp_adm_decision *")
+        n_want = lib.dp_adm_decide(adm, 1, arr, len(toks), chunks, max_out, 0, now, want, body, wire.MAX_RESP_BODY)
+        n_got = lib.dp_adm_decide(adm, 1, arr, len(toks), chunks, max_out, lib.DP_ADM_LAZY, now, got, body,
+                                  wire.MAX_RESP_BODY)
+        assert n_got == n_want and got.status == want.status and got.spill == want.spill
+        assert got.priced == (not lazy), (i, policy)
+        lib.dp_adm_finish(adm, got, arr)
+        assert bytes(ffi.buffer(got)) == bytes(ffi.buffer(want)), (i, policy)
+        if want.status == 200:
+            lib.dp_adm_commit(adm, 1, want, now)   # the tenant's state moves on (GCRA, budget)
+
+
+def test_lazily_admitted_requests_are_charged_as_if_priced_at_once(bench_factory):
+    """Through the router: requests whose admission left the entropy pass until their chunk was
+    placed are charged the reference price; one failed by its own bad chunk in the same burst is
+    priced before its chunks go back to the pool, then refunded whole."""
+    b = bench_factory()
+    price = 1000
+    b.router.set_tenant(4, TenantPolicy(price_per_1k=price, budget_per_day=10**9))
+    ta, tb = [1, 2, 3, 4] * 16, list(range(200))
+    failing = chunks_of(3, tb, max_out=2, tenant=4)
+    failing[1]["n_tokens"] = 0                                # its second chunk is malformed
+    b.send(chunks_of(1, ta, max_out=3, tenant=4), chunks_of(2, tb, max_out=2, tenant=4), failing)
+    b.router.poll()                                           # all three decided in one pass
+    est = [math.ceil(ref_price(price, t, n, m)["cost"]) for t, n, m in ((ta, 1, 3), (tb[:128], 2, 2), (tb[:128], 2, 2))]
+    ts = b.router.tenant_stats(4)
+    assert ts["admitted"] == 3 and ts["charged"] == sum(est) and ts["refunded"] == est[2]
+    b.run()
+    got = by_id(b.responses)
+    assert got[1]["status"] == got[2]["status"] == 200 and got[3]["status"] == 400
+    exact = [math.ceil(price / 1000 * (len(t) + m) * ref_price(price, t[:128], 1, m)["entropy_factor"] * (1 + m / 1024))
+             for t, m in ((ta, 3), (tb, 2))]
+    ts = b.router.tenant_stats(4)
+    assert ts["spent"] == sum(exact) and ts["charged"] == sum(est)
+
+
 def test_entropy_scale_ends():
     assert c_price(1, [3] * 100, 1, 0).entropy_factor == 1.0
     assert c_price(1, list(range(128)), 1, 0).entropy_factor == pytest.approx(5.0)
