@@ -207,8 +207,11 @@ def _stages(report, trace: np.ndarray, rtt_ns: np.ndarray, stages: dict):
     pre = trace[(trace["kind"] != KIND_DECODE) & (trace["t_xdp"] > 0)]
     i64 = lambda a: a.astype(np.int64)
     stages["xdp->consumer"] = i64(pre["t_consumer"] - pre["t_xdp"])
-    stages["consumer->router"] = i64(pre["t_router"] - pre["t_consumer"])
-    stages["router->lane"] = i64(pre["t_lane"] - pre["t_router"])
+    if (pre["t_router"] == pre["t_consumer"]).all():   # the consumer feeds the router: one stamp for both
+        stages["router->lane (fed: t_router = t_consumer)"] = i64(pre["t_lane"] - pre["t_router"])
+    else:
+        stages["consumer->router"] = i64(pre["t_router"] - pre["t_consumer"])
+        stages["router->lane"] = i64(pre["t_lane"] - pre["t_router"])
     stages["lane->worker"] = i64(pre["t_pickup"] - pre["t_lane"])
     stages["worker step"] = i64(trace["t_end"] - trace["t_start"])
     stages["xdp->lane"] = i64(pre["t_lane"] - pre["t_xdp"])

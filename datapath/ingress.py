@@ -7,11 +7,14 @@
             ig.set_policy("tenant"); ig.route_tenant(7, 2); ig.set_rate(7, tokens_per_minute=6000)
             ...
         ig.counters()                                          # {"queued": ..., "drop_bad_magic": ...}
+    router.add_feed(ig.consumer(None))                         # or: no thread, no input ring (the pipeline)
 
 The ring-buffer record is struct dp_chunk itself (native/chunk.h): XDP writes
 it, the C consumer stamps t_consumer and copies header + tokens into a slot of
-the router's input ring (native/ring.h), publishing once per burst. UdpIngress
-feeds the same kind of ring from a plain UDP socket. Detaching is certain: the
+the router's input ring (native/ring.h), publishing once per burst; or, as a
+router's feed, the router's own pass runs the consumer, which hands each record
+from where XDP wrote it into the router's chunk pool. UdpIngress feeds the same
+kind of ring from a plain UDP socket. Detaching is certain: the
 context manager detaches on exit, on error, on Ctrl-C and on SIGTERM (turned
 into SystemExit while an Ingress is open), and an attachment never outlives
 the namespace it lives in.
@@ -201,8 +204,9 @@ class Ingress:
             pass
         self._count_rate_limits()
 
-    def consumer(self, out: Ring, samples: int = 1 << 20, cpu: int = -1, rt_priority: int = 0) -> "Consumer":
-        """The C consumer of this program's ring buffers, writing into `out` (see output_ring)."""
+    def consumer(self, out: Ring | None, samples: int = 1 << 20, cpu: int = -1, rt_priority: int = 0) -> "Consumer":
+        """The C consumer of this program's ring buffers, writing into `out` (see output_ring), or,
+        with out None, only feeding a router (Router.add_feed)."""
         return Consumer(self.ring_fds(), out, samples, cpu, rt_priority, hist_fd=self.table("lat_hist").map_fd)
 
 
@@ -273,16 +277,17 @@ class _Thread:
 
 
 class Consumer(_Thread):
-    """The C thread that busy-polls the steering program's ring buffers (mapped and read by
-    native/ingress.c the way libbpf's ring_buffer__consume reads them)."""
+    """The C consumer of the steering program's ring buffers (mapped and read by native/ingress.c
+    the way libbpf's ring_buffer__consume reads them): a thread that busy-polls them into its
+    output ring, or a router's feed (out None), run by the router's own pass."""
 
     _start, _stop = lib.dp_consumer_start, lib.dp_consumer_stop
 
-    def __init__(self, ring_fds, out: Ring, samples: int = 1 << 20, cpu: int = -1, rt_priority: int = 0,
+    def __init__(self, ring_fds, out: Ring | None, samples: int = 1 << 20, cpu: int = -1, rt_priority: int = 0,
                  hist_fd: int = -1):
         self.out = out   # kept open as long as the thread may write it
         fds = ffi.new("int[]", list(ring_fds))
-        ptr = lib.dp_consumer_new(fds, len(ring_fds), hist_fd, _ring_ptr(out), samples)
+        ptr = lib.dp_consumer_new(fds, len(ring_fds), hist_fd, _ring_ptr(out) if out else ffi.NULL, samples)
         if ptr == ffi.NULL:
             raise OSError("cannot set up the ring-buffer consumer: a ring buffer could not be mapped, or the "
                           "output ring's slots are smaller than a chunk or this process is not its producer")
@@ -292,6 +297,11 @@ class Consumer(_Thread):
     @property
     def records(self) -> int:
         return self.ptr.records
+
+    def feed(self) -> tuple[int, int]:
+        """(dp_consumer_feed, this consumer) as addresses: what Router.add_feed takes."""
+        return (int(ffi.cast("uintptr_t", ffi.addressof(lib, "dp_consumer_feed"))),
+                int(ffi.cast("uintptr_t", self.ptr)))
 
     @property
     def out_full(self) -> int:

@@ -1,16 +1,17 @@
 """The whole data path, assembled: what `python -m bench e2e` runs.
 
     client netns --UDP--> veth --XDP steer--> BPF ring buffers
-        --> [one native poll loop: ingress consumer -> router -> responder]
+        --> [one native poll loop: router (its feed: the ingress consumer) -> responder]
         --> shm lanes --> worker processes (tiny model, KV caches, snapshots)
         --> completions --> router --> egress ring --> responder --UDP--> client
 
 The router admits each request (native/admission.h: price, budget, limits;
 PipelineConfig.tenants) and places it on a worker pool (PipelineConfig.pools)
 before its policy picks the worker. The consumer, the router and the
-responder run as stages of one native thread (datapath.loop), so the data
-path costs one core and the workers get the rest; nothing per chunk runs in
-Python. Every worker records each
+responder run in one native thread (datapath.loop; the router's pass runs the
+consumer, its feed, so a record goes from the BPF ring buffer into the router
+with no input ring between), so the data path costs one core and the workers
+get the rest; nothing per chunk runs in Python. Every worker records each
 record's stamps (XDP, consumer, router, lane, pickup, step start and end)
 into shared memory, so the stages can be read off afterwards. Everything is
 torn down on exit, also on error and Ctrl-C.
@@ -200,14 +201,13 @@ class Pipeline:
         self.ingress = es.enter_context(Ingress(queues=cfg.queues))
         self.xdp_mode = self.ingress.attach(topo.host_if[0], topo.host_ns, cfg.xdp_mode,
                                             veth_peer=(topo.client_if[0], topo.client_ns[0]))
-        in_name, in_ring = self._ring("in", records.CHUNK.itemsize, 1 << 14, "producer")
         out_name, out_ring = self._ring("out", records.RESPONSE.itemsize, 1 << 12, "producer")
-        self.consumer = self.ingress.consumer(in_ring)
+        self.consumer = self.ingress.consumer(None)   # the router's feed: no input ring between them
         self.router = Router(policy=cfg.policy, batching=cfg.batching, token_budget=cfg.token_budget,
                              max_chunks=cfg.max_chunks, max_batch_size=cfg.max_batch_size,
                              batch_timeout_s=cfg.batch_timeout_s)
         es.callback(self.router.close)
-        self.router.add_input(Ring.attach(in_name, "consumer"))
+        self.router.add_feed(self.consumer)
         self.router.set_egress(out_ring)
         # a shared byte, not a multiprocessing.Event: Event.is_set takes a lock, and a worker
         # SIGKILLed while holding it (the failover scenario) left every later set() and is_set() hung
@@ -238,9 +238,7 @@ class Pipeline:
         sock.bind((topo.host_ip[0], wire.DEFAULT_PORT))   # answers come from where the requests went
         self.responder = Responder(Ring.attach(out_name, "consumer"), sock, topo.client_ip[0], wire.DEFAULT_PORT)
         self.loop = PollLoop(cpu=cfg.datapath_cpu, yield_after=cfg.loop_yield_after)
-        from . import _ingress
-        self.loop.add(_ingress, "dp_consumer_poll", self.consumer.ptr, owner=self.consumer)
-        self.loop.add(_dataplane, "dp_router_poll", self.router.handle, owner=self.router)
+        self.loop.add(_dataplane, "dp_router_poll", self.router.handle, owner=self.router)   # (runs the consumer)
         self.loop.add(_dataplane, "dp_responder_poll", self.responder.handle, owner=self.responder)
         self.loop.start()
         es.callback(self.loop.stop)

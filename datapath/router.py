@@ -73,6 +73,14 @@ class Router:
         self._rings.append(ring)
         return _check(lib.dp_router_add_input(self._rt, ring.ptr), f"input ring {ring.name!r} (slots too small?)")
 
+    def add_feed(self, consumer) -> None:
+        """Records straight from an ingress consumer (datapath.ingress.Consumer made without an output
+        ring): the router's pass runs the consumer, which hands it each record where XDP wrote it,
+        stamped once for t_consumer and t_router (no input ring between). One feed per router."""
+        fn, src = consumer.feed()
+        _check(lib.dp_router_add_feed(self._rt, fn, src), "feed (one per router)")
+        self._rings.append(consumer)   # kept alive as long as the router may call it
+
     def add_worker(self, lane: Ring, done: Ring, weight: int = 1, pool: int = 0) -> int:
         self._rings += [lane, done]
         k = _check(lib.dp_router_add_worker(self._rt, lane.ptr, done.ptr, weight),

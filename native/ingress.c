@@ -151,21 +151,30 @@ static void lat_flush(struct dp_consumer *c)
     c->n_pend = 0;
 }
 
-static void on_record(struct dp_consumer *c, const void *data, size_t size)
+/* A record, stamped: to the router (a feed's take), else into the output ring. 0: not taken (the
+ * router had no room): it stays in its ring buffer for the next pass. */
+static int on_record(struct dp_consumer *c, const void *data, size_t size)
 {
     const struct dp_chunk *rec = data;   /* XDP wrote a whole struct dp_chunk */
     uint64_t now = dp_now_ns();
 
     if (size < sizeof(*rec))
-        return;
+        return 1;
+    if (c->take) {
+        if (!c->take(c->take_arg, rec, now))
+            return 0;
+    } else if (c->out.ring)
+        out_put(&c->out, rec, now);
+    else
+        return 0;
     if (c->n_pend == DP_INGRESS_BURST)   /* a long pass: count the earlier ones now */
         lat_flush(c);
     c->pend[c->n_pend][0] = now - rec->t_xdp;
     c->pend[c->n_pend++][1] = rec->t_send ? now - rec->t_send : UINT64_MAX;
     c->records++;
     c->per_queue[rec->queue & 7]++;
-    out_put(&c->out, rec, now);
     memcpy(&c->rehearsal, rec, DP_CHUNK_HDR_LEN);   /* one record's header: two lines */
+    return 1;
 }
 
 /* --- the BPF ring buffers, read as libbpf's ring_buffer__consume does ---------------- */
@@ -187,11 +196,12 @@ static uint32_t bpf_ring_consume(struct dp_consumer *c, struct dp_bpf_ring *r)
         uint32_t len = __atomic_load_n(hdr, __ATOMIC_ACQUIRE);
         if (len & BPF_RINGBUF_BUSY_BIT)
             break;
-        cons += (RB_LEN(len) + BPF_RINGBUF_HDR_SZ + 7) & ~7ul;
         if (!(len & BPF_RINGBUF_DISCARD_BIT)) {
-            on_record(c, (const uint8_t *)hdr + BPF_RINGBUF_HDR_SZ, RB_LEN(len));
+            if (!on_record(c, (const uint8_t *)hdr + BPF_RINGBUF_HDR_SZ, RB_LEN(len)))
+                break;                   /* not taken: read again next pass */
             n++;
         }
+        cons += (RB_LEN(len) + BPF_RINGBUF_HDR_SZ + 7) & ~7ul;
         __atomic_store_n(r->consumer_pos, cons, __ATOMIC_RELEASE);   /* the space is the kernel's again */
     }
     return n;
@@ -269,10 +279,14 @@ static void rehearse(struct dp_consumer *c)
         for (size_t off = 0; off < BPF_RINGBUF_HDR_SZ + sizeof(struct dp_chunk); off += 64)
             sink += next[off];
     }
-    if (!t->n_tokens || t->n_tokens > DP_MAX_CHUNK_TOKENS || o->pending || dp_ring_prod_reserve(o->ring, 1) < 1)
+    if (!t->n_tokens || t->n_tokens > DP_MAX_CHUNK_TOKENS)
         return;
+    if (!c->take) {                      /* (a feed hands records on from where they are) */
+        if (o->pending || dp_ring_prod_reserve(o->ring, 1) < 1)
+            return;
+        memcpy(dp_ring_prod_slot(o->ring, 0), t, DP_CHUNK_HDR_LEN + (size_t)t->n_tokens * sizeof(uint32_t));
+    }
     c->rehearsals++;
-    memcpy(dp_ring_prod_slot(o->ring, 0), t, DP_CHUNK_HDR_LEN + (size_t)t->n_tokens * sizeof(uint32_t));
     struct dp_lat *lats[2] = { &c->xdp_lat, &c->send_lat };
     for (int k = 0; k < 2; k++) {
         struct dp_lat *l = lats[k];
@@ -285,6 +299,15 @@ static void rehearse(struct dp_consumer *c)
         sink += c->map_hist[b];
     if (c->shadow)
         shadow_run(c);
+}
+
+uint32_t dp_consumer_feed(struct dp_consumer *c, int (*take)(void *, const struct dp_chunk *, uint64_t), void *arg)
+{
+    c->take = take;
+    c->take_arg = arg;
+    uint32_t n = dp_consumer_poll(c);
+    c->take = NULL;
+    return n;
 }
 
 uint32_t dp_consumer_poll(struct dp_consumer *c)
@@ -327,12 +350,12 @@ static void shadow_free(struct dp_consumer *s)
     free(s);
 }
 
-/* The shadow: a consumer with no ring buffers, writing into a private ring shaped like `like`. */
-static struct dp_consumer *shadow_new(const struct dp_ring *like)
+/* The shadow: a consumer with no ring buffers, writing into a private ring. */
+static struct dp_consumer *shadow_new(void)
 {
     int err;
     struct dp_consumer *s = calloc(1, sizeof(*s));
-    struct dp_ring *r = s ? dp_ring_create_private(like->h->slot_size, 2 * DP_INGRESS_BURST, DP_WAIT_SPIN,
+    struct dp_ring *r = s ? dp_ring_create_private(sizeof(struct dp_chunk), 2 * DP_INGRESS_BURST, DP_WAIT_SPIN,
                                                    DP_ROLE_PRODUCER, &err) : NULL;
     if (!r || out_init(&s->out, r)) {
         if (r)
@@ -347,7 +370,7 @@ static struct dp_consumer *shadow_new(const struct dp_ring *like)
 struct dp_consumer *dp_consumer_new(const int *ring_fds, int n, int hist_fd, struct dp_ring *out, uint64_t samples)
 {
     struct dp_consumer *c = calloc(1, sizeof(*c));
-    if (!c || n < 1 || out_init(&c->out, out))
+    if (!c || n < 1 || (out && out_init(&c->out, out)))
         goto fail;
     if (hist_fd >= 0) {
         void *p = mmap(NULL, HIST_MAP_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED, hist_fd, 0);
@@ -358,7 +381,7 @@ struct dp_consumer *dp_consumer_new(const int *ring_fds, int n, int hist_fd, str
     c->cpu = -1;
     if (dp_lat_init(&c->xdp_lat, samples) || dp_lat_init(&c->send_lat, samples))
         goto fail;
-    if (n > DP_MAX_QUEUES || !(c->shadow = shadow_new(out)))
+    if (n > DP_MAX_QUEUES || !(c->shadow = shadow_new()))
         goto fail;
     for (int i = 0; i < n; i++, c->n_rings++)
         if (bpf_ring_map(&c->rings[i], ring_fds[i]))
@@ -373,6 +396,8 @@ int dp_consumer_start(struct dp_consumer *c, int cpu, int rt_priority)
 {
     if (c->running)
         return -EBUSY;
+    if (!c->out.ring)
+        return -EINVAL;                  /* it feeds a router: the router's pass runs it */
     c->cpu = cpu;
     c->rt_priority = rt_priority;
     c->stop = 0;

@@ -5,8 +5,10 @@
  * stamps t_consumer, records latencies (log2 histogram + raw samples) and
  * writes every record into the router's input ring (native/ring.h, this
  * thread is its producer): in place, header plus the tokens it carries,
- * published once per burst of up to DP_INGRESS_BURST records. Nothing per
- * chunk runs in Python. The one place records leave is out_put() in ingress.c.
+ * published once per burst of up to DP_INGRESS_BURST records. Or the BPF
+ * consumer is a router's feed (dp_consumer_feed): no thread, the router's pass
+ * runs it and takes each record from where XDP wrote it. Nothing per chunk
+ * runs in Python. Records leave in on_record() in ingress.c.
  */
 #ifndef DP_INGRESS_H
 #define DP_INGRESS_H
@@ -69,6 +71,8 @@ struct dp_consumer {
     uint64_t rehearsals;       /* idle dry runs of a record's path (ingress.c, rehearse) */
     struct dp_chunk rehearsal; /* the last record's header (its tokens: zeros, as many as it had) */
     struct dp_consumer *shadow; /* runs on_record on the rehearsal, into a ring of its own */
+    int (*take)(void *, const struct dp_chunk *, uint64_t);   /* feeding a router: dp_consumer_feed's */
+    void *take_arg;
 };
 
 struct dp_udp_rx {
@@ -94,11 +98,17 @@ void dp_lat_reset(struct dp_lat *l);
 void dp_lat_free(struct dp_lat *l);
 
 /* Consumer of the steering program's ring buffers (map fds from bcc). */
-/* hist_fd: the program's mmapable lat_hist array (or -1), counted into as well */
+/* hist_fd: the program's mmapable lat_hist array (or -1), counted into as well; out: NULL for a
+ * consumer that only feeds a router (dp_consumer_feed) */
 struct dp_consumer *dp_consumer_new(const int *ring_fds, int n, int hist_fd, struct dp_ring *out, uint64_t samples);
 int dp_consumer_start(struct dp_consumer *c, int cpu, int rt_priority);
 /* One pass without the thread (for a shared poll loop, native/loop.h): records taken. */
 uint32_t dp_consumer_poll(struct dp_consumer *c);
+/* One pass handing each record, stamped, to take(arg, record, t_consumer) instead of the output ring:
+ * a router's feed (router.h, dp_router_add_feed) calls it in its drain, so a record goes from the BPF
+ * ring buffer into the router's pool with no copy or publish between. A record take refuses (0: no
+ * room) stays in its ring buffer for the next pass. Never while the consumer's thread runs. */
+uint32_t dp_consumer_feed(struct dp_consumer *c, int (*take)(void *, const struct dp_chunk *, uint64_t), void *arg);
 void dp_consumer_stop(struct dp_consumer *c);
 void dp_consumer_free(struct dp_consumer *c);
 

@@ -112,6 +112,7 @@ struct dp_router {
     struct worker w[DP_MAX_WORKERS];
     struct dp_ring *in[DP_MAX_INPUTS];
     uint32_t n_in, in_cursor;
+    uintptr_t feed, feed_src;           /* dp_router_add_feed (0: none) */
     struct dp_ring *egress;
     void *zctx;                         /* created with the first zmq lane */
     struct req *reqs;                   /* slab of cfg.max_requests */
@@ -771,7 +772,8 @@ static void accept_chunk(struct dp_router *rt, uint32_t ri, uint32_t p);
  * picks for the session (with affinity, the one that holds it), which frees the session's KV and
  * its snapshots; its completion is answered 200. A repeat of a CLOSE still running or just
  * answered is counted, not run twice. */
-static int close_session(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, uint64_t key, uint32_t ri)
+static int close_session(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, uint64_t key, uint32_t ri,
+                         int fed)
 {
     if (ri != NIL || recently_done(rt, key)) {
         rt->st.control_in++;
@@ -800,14 +802,17 @@ static int close_session(struct dp_router *rt, const struct dp_chunk *c, uint64_
     pc->chunk_count = 1;
     pc->max_output_tokens = 0;
     pc->t_router = t;
+    if (fed)
+        pc->t_consumer = t;
     r->received = 1;
     rt->st.closed++;
     accept_chunk(rt, ri, p);
     return 1;
 }
 
-/* Returns 0 if the router has no room for it now (the record stays in its ring). */
-static int ingest(struct dp_router *rt, const struct dp_chunk *c, uint64_t t)
+/* Returns 0 if the router has no room for it now (the record stays in its ring). fed: from a feed,
+ * whose take stamped it once for both stages (t is its t_consumer too). */
+static int ingest(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, int fed)
 {
     if (c->kind == DP_KIND_COUNT_TOKENS)
         return count_tokens(rt, c, t);
@@ -818,7 +823,7 @@ static int ingest(struct dp_router *rt, const struct dp_chunk *c, uint64_t t)
     uint64_t key = chunk_key(c);
     uint32_t ri = index_find(rt, &rt->by_id, key, c, 1);
     if (c->kind == DP_KIND_CLOSE)
-        return close_session(rt, c, t, key, ri);
+        return close_session(rt, c, t, key, ri, fed);
     if (c->kind == DP_KIND_OPEN) {       /* admits the request before its chunks come */
         if (ri != NIL || recently_done(rt, key) || c->chunk_count < 1) {
             rt->st.control_in++;         /* a repeat, or too late: its chunks decided already */
@@ -868,6 +873,8 @@ static int ingest(struct dp_router *rt, const struct dp_chunk *c, uint64_t t)
     struct dp_chunk *pc = &rt->pool[p].c;
     memcpy(pc, c, DP_CHUNK_HDR_LEN + c->n_tokens * sizeof(uint32_t));
     pc->t_router = t;
+    if (fed)
+        pc->t_consumer = t;
     if (c->chunk_index == 0)
         rt->rehearsal_from = p;          /* (copied at the pass's end, off the chunk's way) */
     if (admitted_now && !r->adm.priced) {   /* admitted on this chunk: priced on its tokens after the batch */
@@ -884,10 +891,26 @@ static int ingest(struct dp_router *rt, const struct dp_chunk *c, uint64_t t)
     return 1;
 }
 
+/* A feed's take (router.h, dp_router_add_feed). */
+static int take_fed(void *arg, const struct dp_chunk *c, uint64_t t)
+{
+    struct dp_router *rt = arg;
+    if (!rt->now)
+        rt->now = t;                     /* this pass's clock: its first record's stamp */
+    if (ingest(rt, c, t, 1))
+        return 1;
+    rt->st.input_stalls++;
+    return 0;
+}
+
+typedef uint32_t (*feed_fn)(void *src, int (*take)(void *, const struct dp_chunk *, uint64_t), void *arg);
+
 static uint32_t drain_inputs(struct dp_router *rt)
 {
     uint32_t total = 0;
     uint64_t t = 0;
+    if (rt->feed)
+        total += ((feed_fn)rt->feed)((void *)rt->feed_src, take_fed, rt);
     for (uint32_t k = 0; k < rt->n_in; k++) {
         struct dp_ring *in = rt->in[(rt->in_cursor + k) % rt->n_in];
         uint32_t n = dp_ring_cons_peek(in, INPUT_BURST), i;
@@ -896,7 +919,7 @@ static uint32_t drain_inputs(struct dp_router *rt)
         if (!t)
             t = rt->now = now_ns();   /* the records' stamp, and this pass's clock */
         for (i = 0; i < n; i++)
-            if (!ingest(rt, dp_ring_cons_slot(in, i), t))
+            if (!ingest(rt, dp_ring_cons_slot(in, i), t, 0))
                 break;
         if (i < n)
             rt->st.input_stalls++;
@@ -1760,6 +1783,20 @@ void dp_router_destroy(struct dp_router *rt)
     hot_free(rt->pool, (size_t)rt->cfg.pool_chunks * sizeof(struct pooled));
     pthread_mutex_destroy(&rt->lock);
     hot_free(rt, sizeof(*rt));
+}
+
+int dp_router_add_feed(struct dp_router *rt, uintptr_t feed, uintptr_t src)
+{
+    if (!feed || !src)
+        return -EINVAL;
+    pthread_mutex_lock(&rt->lock);
+    int rc = rt->feed ? -EBUSY : 0;
+    if (!rc) {
+        rt->feed = feed;
+        rt->feed_src = src;
+    }
+    pthread_mutex_unlock(&rt->lock);
+    return rc;
 }
 
 int dp_router_add_input(struct dp_router *rt, struct dp_ring *in)

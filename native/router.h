@@ -105,6 +105,13 @@ struct dp_router *dp_router_create(const struct dp_router_config *cfg, const cha
                                    int *err);
 void dp_router_destroy(struct dp_router *rt);
 int dp_router_add_input(struct dp_router *rt, struct dp_ring *in);
+/* A feed: a source the drain calls first, each pass, as feed(src, take, take_arg), to hand it records
+ * with take(take_arg, record, stamp) (0: no room, keep it): an ingress consumer
+ * (ingress.h, dp_consumer_feed) hands them straight from its BPF ring buffers, stamped once for
+ * both stages, with no input ring's copy, publish and hop between. feed is a
+ * uint32_t (*)(void *, int (*)(void *, const struct dp_chunk *, uint64_t), void *), as an address. One per
+ * router; the source must outlive it. */
+int dp_router_add_feed(struct dp_router *rt, uintptr_t feed, uintptr_t src);
 /* A worker: its lane (router produces) and completion ring (router consumes),
  * Returns the worker index. */
 int dp_router_add_worker(struct dp_router *rt, struct dp_ring *lane, struct dp_ring *done, uint32_t weight);

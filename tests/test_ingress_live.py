@@ -245,3 +245,53 @@ def test_idle_rehearsals_leave_no_trace(live):
     shadow = consumer.ptr.shadow                   # on_record itself ran on each rehearsal, into its own ring
     assert shadow.records == consumer.ptr.rehearsals and shadow.out.full == 0
     assert consumer.ptr.records == sum(want.values()), "the shadow's records are not the consumer's"
+
+
+def test_a_router_fed_by_the_consumer_takes_each_record_once_and_leaves_what_it_cannot_take():
+    """Router.add_feed: the router's pass runs the consumer, which hands it each record where XDP
+    wrote it (no input ring), stamped once for both stages. COUNT_TOKENS records are answered at
+    once into an 8-slot egress ring nobody reads yet: when it is full the router takes nothing
+    more and the records wait in the BPF ring buffers; as it is read, every one is answered once.
+    Then chunks: in the lane, each carries t_consumer == t_router after its XDP stamp."""
+    import numpy as np
+    from datapath import lanes, records
+    from datapath.router import Router
+    tag = f"test-feed-{os.getpid()}-{next(_names)}"
+    with contextlib.ExitStack() as es:
+        topo = es.enter_context(Topology(clients=1))
+        ig = es.enter_context(Ingress(queues=2))
+        ig.attach(topo.host_if[0], topo.host_ns, veth_peer=(topo.client_if[0], topo.client_ns[0]))
+        es.callback(ring.unlink, f"{tag}.out")
+        egress = es.enter_context(ring.Ring.create(f"{tag}.out", records.RESPONSE.itemsize, 8, role="producer"))
+        answers = es.enter_context(ring.Ring.attach(f"{tag}.out", "consumer"))
+        es.callback(lanes.unlink_shm_lane, f"{tag}.w0")
+        router = es.enter_context(Router())
+        router.add_worker(*lanes.create_shm_lane(f"{tag}.w0"))
+        worker = lanes.ShmWorkerLane(f"{tag}.w0")
+        es.callback(worker.close)
+        router.set_egress(egress)
+        consumer = ig.consumer(None)
+        router.add_feed(consumer)
+        with pytest.raises(OSError):
+            consumer.start()                       # its records are the router's to take
+        pkts = [client.count_tokens_packet(1, 100 + i, 1, range(i, i + 20)) for i in range(40)]
+        res = client.send_from(topo.client_ns[0], topo.host_ip[0], pkts, rate=5_000, count=40, duration=5)
+        assert res["sent"] == 40 and ig.counters()["queued"] == 40
+        for _ in range(50):
+            router.poll()
+        assert consumer.records == 8 and router.stats()["input_stalls"] > 0, "the router took what it could not answer"
+        got, deadline = [], time.monotonic() + 5
+        while len(got) < 40 and time.monotonic() < deadline:
+            router.poll()
+            got += list(np.frombuffer(answers.dequeue(8), dtype=records.RESPONSE))
+        assert sorted(int(r["session_id"]) for r in got) == list(range(100, 140)), "each answered once"
+        assert all(r["status"] == 200 for r in got) and consumer.records == 40
+        pkts = [p for s in range(4) for p in client.request_packets(1, 200 + s, 1, range(s, s + 16), max_output_tokens=1)]
+        res = client.send_from(topo.client_ns[0], topo.host_ip[0], pkts, rate=5_000, count=len(pkts), duration=5)
+        batch, deadline = None, time.monotonic() + 5
+        while batch is None and time.monotonic() < deadline:
+            router.poll()
+            batch = worker.recv_batch(0)
+        assert batch is not None and len(batch) == 4
+        assert all(0 < r["t_xdp"] <= r["t_consumer"] == r["t_router"] <= r["t_lane"] for r in batch)
+        assert sorted(int(r["session_id"]) for r in batch) == [200, 201, 202, 203]
