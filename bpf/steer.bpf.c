@@ -291,7 +291,7 @@ int xdp_steer(struct xdp_md *ctx)
     rec->t_consumer = 0;
     rec->t_router = 0;
     rec->t_lane = 0;
-    rec->t_worker = 0;
+    rec->t_xdp_in = now;   /* t_xdp - t_xdp_in: the live cost of steering and writing the record */
     rec->flags = req->flags;
     rec->client_ip = v6 ? 0 : iph->saddr;   /* where the response goes; IPv6 clients get the default */
     rec->client_port = udph->source;

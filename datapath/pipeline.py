@@ -41,10 +41,10 @@ _seq = itertools.count()
 ctx = multiprocessing.get_context("fork")
 
 # per record, what the worker saw: the chunk's stamps plus its own
-TRACE = np.dtype([("request_id", "<u8"), ("kind", "u1"), ("n_tokens", "<u2"), ("t_send", "<u8"), ("t_xdp", "<u8"),
-                  ("t_consumer", "<u8"), ("t_router", "<u8"), ("t_lane", "<u8"), ("t_pickup", "<u8"),
+TRACE = np.dtype([("request_id", "<u8"), ("kind", "u1"), ("n_tokens", "<u2"), ("t_send", "<u8"), ("t_xdp_in", "<u8"),
+                  ("t_xdp", "<u8"), ("t_consumer", "<u8"), ("t_router", "<u8"), ("t_lane", "<u8"), ("t_pickup", "<u8"),
                   ("t_start", "<u8"), ("t_end", "<u8"), ("kv_bytes", "<u8")])
-STAMPS = ("request_id", "kind", "n_tokens", "t_send", "t_xdp", "t_consumer", "t_router", "t_lane")
+STAMPS = ("request_id", "kind", "n_tokens", "t_send", "t_xdp_in", "t_xdp", "t_consumer", "t_router", "t_lane")
 
 
 @dataclass

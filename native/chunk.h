@@ -43,7 +43,7 @@ struct dp_chunk {
     __u64 t_consumer;          /* 56 ring-buffer consumer */
     __u64 t_router;            /* 64 router dequeued it */
     __u64 t_lane;              /* 72 placed in its worker's lane */
-    __u64 t_worker;            /* 80 worker picked the batch up */
+    __u64 t_xdp_in;            /* 80 XDP: the request validated, before its steering and its ring-buffer write */
     __u16 flags;               /* 88 DP_FLAG_* from the wire, DP_CHUNK_F_* */
     __u16 client_port;         /* 90 the client's UDP port (network order): where the response goes */
     __u32 client_ip;           /* 92 the client's IPv4 address (network order), 0 if unknown */

@@ -503,7 +503,7 @@ static void udp_record(struct dp_udp_rx *r, const uint8_t *buf, uint32_t len, ui
     c.t_send = h->send_ns;
     c.t_xdp = 0;                   /* the stage did not run */
     c.t_consumer = 0;              /* out_put stamps it */
-    c.t_router = c.t_lane = c.t_worker = 0;
+    c.t_router = c.t_lane = c.t_xdp_in = 0;
     c.flags = h->flags;
     c.client_ip = 0;               /* where the response goes (IPv4 senders; others get the default) */
     c.client_port = 0;
