@@ -77,6 +77,9 @@ class Router:
         """Records straight from an ingress consumer (datapath.ingress.Consumer made without an output
         ring): the router's pass runs the consumer, which hands it each record where XDP wrote it,
         stamped once for t_consumer and t_router (no input ring between). One feed per router."""
+        if consumer.out is not None:
+            raise ValueError("a router's feed is a consumer made without an output ring (ig.consumer(None)): "
+                             "one with a ring may also run its own thread on the same ring buffers")
         fn, src = consumer.feed()
         _check(lib.dp_router_add_feed(self._rt, fn, src), "feed (one per router)")
         self._rings.append(consumer)   # kept alive as long as the router may call it

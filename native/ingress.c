@@ -282,7 +282,7 @@ static void rehearse(struct dp_consumer *c)
     if (!t->n_tokens || t->n_tokens > DP_MAX_CHUNK_TOKENS)
         return;
     if (!c->take) {                      /* (a feed hands records on from where they are) */
-        if (o->pending || dp_ring_prod_reserve(o->ring, 1) < 1)
+        if (!o->ring || o->pending || dp_ring_prod_reserve(o->ring, 1) < 1)
             return;
         memcpy(dp_ring_prod_slot(o->ring, 0), t, DP_CHUNK_HDR_LEN + (size_t)t->n_tokens * sizeof(uint32_t));
     }
@@ -303,6 +303,8 @@ static void rehearse(struct dp_consumer *c)
 
 uint32_t dp_consumer_feed(struct dp_consumer *c, int (*take)(void *, const struct dp_chunk *, uint64_t), void *arg)
 {
+    if (__atomic_load_n(&c->running, __ATOMIC_RELAXED))
+        return 0;                        /* its thread owns the ring buffers */
     c->take = take;
     c->take_arg = arg;
     uint32_t n = dp_consumer_poll(c);

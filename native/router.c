@@ -895,8 +895,8 @@ static int ingest(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, in
 static int take_fed(void *arg, const struct dp_chunk *c, uint64_t t)
 {
     struct dp_router *rt = arg;
-    if (!rt->now)
-        rt->now = t;                     /* this pass's clock: its first record's stamp */
+    rt->now = t;                         /* this pass's clock: the latest record's stamp (each record
+                                            has its own, later than any read before it) */
     if (ingest(rt, c, t, 1))
         return 1;
     rt->st.input_stalls++;

@@ -295,3 +295,21 @@ def test_a_router_fed_by_the_consumer_takes_each_record_once_and_leaves_what_it_
         assert batch is not None and len(batch) == 4
         assert all(0 < r["t_xdp"] <= r["t_consumer"] == r["t_router"] <= r["t_lane"] for r in batch)
         assert sorted(int(r["session_id"]) for r in batch) == [200, 201, 202, 203]
+        # two requests' first chunks (of two), taken in one pass that is due to look for stalled
+        # reassemblies (the worker is busy: they wait): neither is stalled, each record's stamp is
+        # the pass's clock when it is taken, never ahead of it
+        firsts = [client.request_packets(1, 300 + s, 1, range(200))[0] for s in range(2)]
+        res = client.send_from(topo.client_ns[0], topo.host_ip[0], firsts, rate=5_000, count=2, duration=5,
+                               stamp_seq=False)   # (half requests: as sent)
+        assert res["sent"] == 2
+        time.sleep(0.05)
+        router.poll()
+        assert router.stats()["expired"] == 0 and not len(answers.dequeue(8)), "a live request expired"
+        assert router.stats()["active_requests"] == 4 + 2
+        from datapath._ingress import lib as ingress_lib
+        for _ in range(600):                       # polled as a stage of its own by mistake: it takes nothing,
+            ingress_lib.dp_consumer_poll(consumer.ptr)   # and its idle rehearsals need no output ring
+        with pytest.raises(RuntimeError):
+            router.add_feed(ig.consumer(None))     # one feed per router
+        with pytest.raises(ValueError), rings() as (out, _):
+            router.add_feed(ig.consumer(out))      # a consumer with a ring of its own could run its thread
