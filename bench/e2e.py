@@ -468,8 +468,12 @@ def run(report, args):
     from bench.ring import pingpong_oneway_ns
     quick = args.quick
     report.reference("pingpong_oneway_ns", pingpong_oneway_ns(200_000 if quick else 1_000_000), "ns")
-    report.note(f"{report.machine['cores']} cores: the poll loop (consumer, router, responder) shares them with "
-                "the worker processes and the load generator, so xdp->worker includes scheduling")
+    report.note(f"{report.machine['cores']} cores: the poll loop (router with the consumer as its feed, responder) "
+                "shares them with the worker processes and the load generator, so xdp->worker includes scheduling")
+    report.note("stamps: the XDP program's when a request is validated (t_xdp_in) and at its hand-off, after its "
+                "record is written into the ring buffer (t_xdp, where xdp->lane starts); the consumer's, which the "
+                "router's feed takes as the router's too; the lane's. 'xdp steer + ring write' is the program's live "
+                "part between its two stamps; steer_ns (bench ingress) is the same code warm")
     stages, scenarios = {}, {}
     failed = []
 
