@@ -131,8 +131,8 @@ struct dp_router {
     size_t warm_off;
     struct dp_chunk rehearsal;          /* the last admitted request's first chunk: rehearse() runs it dry */
     uint32_t rehearsal_from;            /* its pool slot, copied to `rehearsal` once its batch is out (NIL) */
-    uint32_t unpriced, unpriced_chunk;  /* a request admitted by a lazy decision (NIL: none), and the pool */
-    uint64_t unpriced_t;                /* slot of the chunk it was decided on, and when: price_admitted */
+    uint32_t unpriced, unpriced_chunk;  /* a request admitted by a lazy decision (NIL: none), and the pool
+                                           slot of the chunk it was decided on (its t_router: when) */
     struct shadow *shadow;              /* the live router's rehearsal stage (NULL in a shadow) */
     struct dp_router_stats st;
 };
@@ -549,8 +549,9 @@ static void price_admitted(struct dp_router *rt)
         return;
     rt->unpriced = NIL;
     struct req *r = &rt->reqs[ri];
-    dp_adm_finish(rt->adm, &r->adm, rt->pool[rt->unpriced_chunk].c.tokens);
-    dp_adm_commit(rt->adm, r->tenant, &r->adm, rt->unpriced_t);
+    const struct dp_chunk *c = &rt->pool[rt->unpriced_chunk].c;
+    dp_adm_finish(rt->adm, &r->adm, c->tokens);
+    dp_adm_commit(rt->adm, r->tenant, &r->adm, c->t_router);
 }
 
 static void finish(struct dp_router *rt, uint32_t ri)
@@ -880,7 +881,6 @@ static int ingest(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, in
     if (admitted_now && !r->adm.priced) {   /* admitted on this chunk: priced on its tokens after the batch */
         rt->unpriced = ri;
         rt->unpriced_chunk = p;
-        rt->unpriced_t = t;
     }
     rt->reserved--;                      /* a promised chunk has come */
     r->received++;
