@@ -211,7 +211,7 @@ mount -t tmpfs tmpfs $H/var/tmp
 mkdir -p $H/run/vmtest
 mount -t 9p -o trans=virtio,version=9p2000.L,msize=512000 scratch $H/run/vmtest
 chroot $H /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root PYTHONDONTWRITEBYTECODE=1 \
-    ZEROLAYER_STATE_DIR=/tmp/zerolayer ZL_VM_ACCEL=@ACCEL@ \
+    ZEROLAYER_STATE_DIR=/run/zerolayer ZL_VM_ACCEL=@ACCEL@ \
     /bin/sh -c 'cd @REPO@ && exec @PYTHON@ -m datapath.vmguest --out /run/vmtest/result.json @ARGS@'
 echo "vmtest-init: guest script exited $?"
 sync

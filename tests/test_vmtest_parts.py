@@ -55,8 +55,10 @@ def test_module_missing_is_one_clear_error(tmp_path, monkeypatch):
 def test_a_checkout_the_guest_cannot_see_is_refused_by_name():
     """The guest mounts fresh tmpfs over /tmp, /run, ...: a clone there failed inside the guest
     with a bare "can't cd"; it is refused on the host, saying why."""
-    with pytest.raises(vmtest.VmTestError, match=r"/tmp/ci/x is under /tmp, which the guest mounts afresh"):
-        vmtest.hidden_in_guest("/srv/zerolayer", "/tmp/ci/x")
+    for mount in vmtest.GUEST_FRESH_MOUNTS:
+        inside = f"{mount}/ci/x"
+        with pytest.raises(vmtest.VmTestError, match=f"{inside} is under {mount}, which the guest mounts afresh"):
+            vmtest.hidden_in_guest("/srv/zerolayer", inside)
     with pytest.raises(vmtest.VmTestError, match="under /run"):
         vmtest.hidden_in_guest("/run/x/.venv/bin/python")
     vmtest.hidden_in_guest("/srv/zerolayer", "/srv/zerolayer/.venv/bin/python", "/tmpfoo/zerolayer")   # fine
