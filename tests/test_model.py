@@ -37,11 +37,61 @@ def test_kv_size_formula():
 
 def test_weights_are_deterministic_per_seed(model):
     again, other = Model(ModelConfig(), seed=0), Model(ModelConfig(), seed=1)
-    assert np.array_equal(model.layers[2]["wq"], again.layers[2]["wq"])
-    assert not np.array_equal(model.layers[2]["wq"], other.layers[2]["wq"])
+    assert np.array_equal(model.layers[2]["wqkv"], again.layers[2]["wqkv"])
+    assert not np.array_equal(model.layers[2]["wqkv"], other.layers[2]["wqkv"])
     toks = prompt(1, 20)
     a, b = model.prefill(KVCache(model.config), toks), again.prefill(KVCache(again.config), toks)
     assert np.array_equal(a, b)
+
+
+def reference_logits(model, toks):
+    """The same transformer written out plainly, a token and a head at a time (float64, K/V
+    rounded to fp16 as the cache keeps them): what the vectorised forward must compute."""
+    c = model.config
+    nq, nkv, hd, half = c.n_heads, c.n_kv_heads, c.head_dim, c.head_dim // 2
+    g = nq // nkv
+
+    def norm(v, w):
+        return v / np.sqrt(np.mean(v * v) + c.norm_eps) * w
+
+    def rope(v, pos):                     # rotate each pair (i, i + half) by pos * theta^(-2i/hd)
+        ang = pos * c.rope_theta ** (-2.0 * np.arange(half) / hd)
+        a, b = v[:half], v[half:]
+        return np.concatenate([a * np.cos(ang) - b * np.sin(ang), a * np.sin(ang) + b * np.cos(ang)])
+    xs = [model.embed[t].astype(np.float64) for t in toks]
+    for w in model.layers:
+        wqkv = w["wqkv"].astype(np.float64)
+        wq, wk, wv = wqkv[:, :nq * hd], wqkv[:, nq * hd:(nq + nkv) * hd], wqkv[:, (nq + nkv) * hd:]
+        K, V, out = [], [], []
+        for pos, x in enumerate(xs):
+            h = norm(x, w["attn_norm"])
+            K.append([rope(k, pos).astype(np.float16).astype(np.float64) for k in (h @ wk).reshape(nkv, hd)])
+            V.append([v.astype(np.float16).astype(np.float64) for v in (h @ wv).reshape(nkv, hd)])
+            heads = []
+            for j, q in enumerate((h @ wq).reshape(nq, hd)):
+                q = rope(q, pos)
+                scores = np.array([q @ K[t][j // g] for t in range(pos + 1)]) / np.sqrt(hd)
+                p = np.exp(scores - scores.max())
+                heads.append(sum(pi * V[t][j // g] for t, pi in enumerate(p / p.sum())))
+            out.append(x + np.concatenate(heads) @ w["wo"])
+        gate_up = w["w_gate_up"].astype(np.float64)
+        xs = []
+        for x in out:
+            h = norm(x, w["mlp_norm"])
+            gate, up = h @ gate_up[:, :c.d_ff], h @ gate_up[:, c.d_ff:]
+            xs.append(x + (gate / (1 + np.exp(-gate)) * up) @ w["w_down"])
+    return np.array([norm(x, model.final_norm) @ model.head for x in xs])
+
+
+def test_forward_computes_the_transformer_written_out_plainly(model):
+    """Chunks of a prompt then decode steps, against the plain reference: RoPE, GQA, the causal
+    mask, RMSNorm and SwiGLU as written, not only consistent with themselves."""
+    toks = prompt(11, 40)
+    cache = KVCache(model.config)
+    got = [model.forward([(cache, toks[:25])], all_logits=True)[0],
+           model.forward([(cache, toks[25:37])], all_logits=True)[0]]
+    got += [model.forward([(cache, toks[i:i + 1])], all_logits=True)[0] for i in range(37, 40)]
+    np.testing.assert_allclose(np.concatenate(got), reference_logits(model, toks), rtol=0, atol=LOGIT_ATOL)
 
 
 @pytest.fixture(scope="module")

@@ -254,3 +254,33 @@ def test_a_session_that_moved_on_is_not_continued_from_a_stale_resident_copy(mod
     assert got == [drive(ref.step, [t]) for t in turns]
     done = finished(a)
     assert done[1].restored_tokens == 40 + 4 + 30 + 4 and a.stats["restores"] == 1 and a.stats["stale_dropped"] == 1
+
+
+def test_resident_kv_bytes_follow_every_session_that_comes_grows_and_goes(model):
+    """The worker keeps the resident total as sessions are made, restored, grown past their
+    capacity, evicted, found stale and closed (it was a sum over every session each step)."""
+    store = MemoryStore()
+    one_session = KVCache(model.config).nbytes
+    w = Worker(model, store, kv_budget_bytes=BIG)
+    other = Worker(model, store, kv_budget_bytes=BIG)
+
+    def held():
+        return sum(s.cache.nbytes for s in w.sessions.values())
+
+    def moved(batch):
+        batch["flags"] |= records.CHUNK_F_MOVED
+        return w.step(batch)
+    drive(w.step, [(1, 1, prompt(1, 40), 2)])
+    drive(w.step, [(2, 2, prompt(2, 300), 2)])     # grows past its first capacity, in three pieces
+    assert w.kv_bytes_resident == held() > 3 * one_session
+    w.kv_budget_bytes = held() + one_session // 2
+    drive(w.step, [(3, 3, prompt(3, 40), 2)])      # over budget: the least recent idle one goes
+    assert w.stats["evictions"] == 1 and not w.holds(1) and w.kv_bytes_resident == held()
+    drive(w.step, [(1, 4, prompt(4, 20), 2)])      # session 1 back from the store
+    assert w.stats["restores"] == 1 and w.kv_bytes_resident == held()
+    drive(other.step, [(3, 5, prompt(5, 20), 2)])  # continued elsewhere: w's copy is stale
+    drive(moved, [(3, 6, prompt(6, 20), 2)])
+    assert w.stats["stale_dropped"] == 1 and w.kv_bytes_resident == held()
+    for sid in list(w.sessions):
+        w.close(sid[1], sid[0])
+    assert w.kv_bytes_resident == held() == 0

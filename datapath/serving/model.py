@@ -125,7 +125,7 @@ class KVCache:
 
 
 def _rmsnorm(x, w, eps):
-    return x * (1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)) * w
+    return x * (1.0 / np.sqrt((x * x).sum(axis=-1, keepdims=True) / np.float32(x.shape[-1]) + eps)) * w
 
 
 def _silu(x):
@@ -144,15 +144,19 @@ class Model:
         self.embed = rng.standard_normal((c.vocab, c.d_model), dtype=np.float32)
         self.layers = []
         for _ in range(c.n_layers):
+            wq = w(c.d_model, c.d_model, c.n_heads * c.head_dim)
+            wk = w(c.d_model, c.d_model, c.n_kv_heads * c.head_dim)
+            wv = w(c.d_model, c.d_model, c.n_kv_heads * c.head_dim)
+            wo = w(c.n_heads * c.head_dim, c.n_heads * c.head_dim, c.d_model)
+            w_gate, w_up = w(c.d_model, c.d_model, c.d_ff), w(c.d_model, c.d_model, c.d_ff)
+            # Q, K, V side by side, and gate beside up: one matrix product each instead of three
+            # and two (a step's cost at a few tokens is numpy's per-call overhead, not FLOPs)
             self.layers.append(dict(
                 attn_norm=np.ones(c.d_model, np.float32),
-                wq=w(c.d_model, c.d_model, c.n_heads * c.head_dim),
-                wk=w(c.d_model, c.d_model, c.n_kv_heads * c.head_dim),
-                wv=w(c.d_model, c.d_model, c.n_kv_heads * c.head_dim),
-                wo=w(c.n_heads * c.head_dim, c.n_heads * c.head_dim, c.d_model),
+                wqkv=np.concatenate([wq, wk, wv], axis=1),
+                wo=wo,
                 mlp_norm=np.ones(c.d_model, np.float32),
-                w_gate=w(c.d_model, c.d_model, c.d_ff),
-                w_up=w(c.d_model, c.d_model, c.d_ff),
+                w_gate_up=np.concatenate([w_gate, w_up], axis=1),
                 w_down=w(c.d_ff, c.d_ff, c.d_model),
             ))
         self.final_norm = np.ones(c.d_model, np.float32)
@@ -161,32 +165,25 @@ class Model:
         self.head = w(c.d_model, c.d_model, c.vocab) * np.float32(4.0)
         inv_freq = 1.0 / (c.rope_theta ** (np.arange(0, c.head_dim, 2, dtype=np.float64) / c.head_dim))
         angles = np.outer(np.arange(c.max_context, dtype=np.float64), inv_freq)
-        self.rope_cos = np.cos(angles).astype(np.float32)
-        self.rope_sin = np.sin(angles).astype(np.float32)
+        # rotate-half RoPE as x * cos + swap_halves(x) * sin, with the sign in the sine's first half
+        self.rope_cos = np.tile(np.cos(angles), 2).astype(np.float32)
+        self.rope_sin = np.concatenate([-np.sin(angles), np.sin(angles)], axis=1).astype(np.float32)
 
-    def _rope(self, x, positions):
-        """Rotate (n, heads, head dim) by each row's position (rotate-half form)."""
-        cos = self.rope_cos[positions][:, None, :]
-        sin = self.rope_sin[positions][:, None, :]
-        half = x.shape[-1] // 2
-        x1, x2 = x[..., :half], x[..., half:]
-        return np.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
-
-    def _attend(self, q, cache: KVCache, layer: int, start: int):
-        """Causal GQA attention of q (n, heads, hd) at positions start.. over cache[:start + n]."""
+    def _attend(self, q, cache: KVCache, layer: int, start: int, causal):
+        """GQA attention of q (n, heads, hd) at positions start.. over cache[:start + n]; `causal`
+        (n, n) masks the chunk's later keys from its earlier queries (None for one token)."""
         c = self.config
         n, g = q.shape[0], c.n_heads // c.n_kv_heads
         s = start + n
         k = cache.k[layer, :, :s].astype(np.float32)                      # (kvh, s, hd)
         v = cache.v[layer, :, :s].astype(np.float32)
         qg = q.reshape(n, c.n_kv_heads, g, c.head_dim).transpose(1, 2, 0, 3).reshape(c.n_kv_heads, g * n, c.head_dim)
-        scores = (qg @ k.transpose(0, 2, 1)) * np.float32(1.0 / np.sqrt(c.head_dim))   # (kvh, g*n, s)
-        if n > 1:  # only the chunk's own keys can be in the future
-            future = np.arange(s)[None, :] > (start + np.arange(n))[:, None]          # (n, s)
-            scores = np.where(np.tile(future, (g, 1))[None], np.float32(-np.inf), scores)
+        scores = (qg @ k.transpose(0, 2, 1)).reshape(c.n_kv_heads, g, n, s) * np.float32(1.0 / np.sqrt(c.head_dim))
+        if causal is not None:  # only the chunk's own keys can be in the future
+            scores[..., start:] += causal
         scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
         scores /= scores.sum(axis=-1, keepdims=True)
-        out = scores @ v                                                  # (kvh, g*n, hd)
+        out = scores.reshape(c.n_kv_heads, g * n, s) @ v                  # (kvh, g*n, hd)
         return out.reshape(c.n_kv_heads, g, n, c.head_dim).transpose(2, 0, 1, 3).reshape(n, c.n_heads * c.head_dim)
 
     def forward(self, segments: list[tuple[KVCache, np.ndarray]], all_logits: bool = False) -> list[np.ndarray]:
@@ -210,23 +207,29 @@ class Model:
             cache.reserve(t.size)
         bounds = np.cumsum([0] + [t.size for t in toks])
         positions = np.concatenate([st + np.arange(t.size) for st, t in zip(starts, toks)])
+        # once a step, not once a layer: each row's rotation, each segment's causal mask
+        cos, sin = self.rope_cos[positions][:, None, :], self.rope_sin[positions][:, None, :]
+        causal = [np.triu(np.full((t.size, t.size), -np.inf, np.float32), k=1) if t.size > 1 else None
+                  for t in toks]
         x = self.embed[np.concatenate(toks)]
-        n_all = x.shape[0]
+        n_all, nq, nkv, half = x.shape[0], c.n_heads, c.n_kv_heads, c.head_dim // 2
         for li, w in enumerate(self.layers):
             h = _rmsnorm(x, w["attn_norm"], c.norm_eps)
-            q = self._rope((h @ w["wq"]).reshape(n_all, c.n_heads, c.head_dim), positions)
-            k = self._rope((h @ w["wk"]).reshape(n_all, c.n_kv_heads, c.head_dim), positions)
-            v = (h @ w["wv"]).reshape(n_all, c.n_kv_heads, c.head_dim)
-            attn = np.empty((n_all, c.n_heads * c.head_dim), np.float32)
+            qkv = (h @ w["wqkv"]).reshape(n_all, nq + 2 * nkv, c.head_dim)
+            qk = qkv[:, :nq + nkv]                  # Q and K rotate alike
+            qk = qk * cos + np.concatenate([qk[..., half:], qk[..., :half]], axis=-1) * sin
+            q, k, v = qk[:, :nq], qk[:, nq:], qkv[:, nq + nkv:]
+            attn = np.empty((n_all, nq * c.head_dim), np.float32)
             for i, (cache, _) in enumerate(segments):
                 a, b, st = bounds[i], bounds[i + 1], starts[i]
                 # Write first, then attend: the chunk reads its own K/V back as fp16, like any later step.
                 cache.k[li, :, st:st + b - a] = k[a:b].transpose(1, 0, 2)
                 cache.v[li, :, st:st + b - a] = v[a:b].transpose(1, 0, 2)
-                attn[a:b] = self._attend(q[a:b], cache, li, st)
+                attn[a:b] = self._attend(q[a:b], cache, li, st, causal[i])
             x = x + attn @ w["wo"]
             h = _rmsnorm(x, w["mlp_norm"], c.norm_eps)
-            x = x + (_silu(h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]
+            gate_up = h @ w["w_gate_up"]
+            x = x + (_silu(gate_up[:, :c.d_ff]) * gate_up[:, c.d_ff:]) @ w["w_down"]
         for (cache, _), t in zip(segments, toks):
             cache.length += t.size
         rows = x if all_logits else x[bounds[1:] - 1]

@@ -117,13 +117,14 @@ class Worker:
         self.codec, self.temperature, self.seed = codec, temperature, seed
         self.device, self.return_logits = device, return_logits
         self.sessions: OrderedDict[SessionKey, _Session] = OrderedDict()  # least recently used first
+        self._kv_bytes = 0   # the sessions' cache bytes, kept as they change (not summed over all each step)
         self.finished: list[RequestDone] = []  # appended as requests finish; the caller drains it
         self.stats = dict(steps=0, records=0, refused=0, snapshots=0, snapshot_failures=0, restores=0,
                           evictions=0, over_budget_steps=0, stale_dropped=0, closed=0, simulated_s=0.0)
 
     @property
     def kv_bytes_resident(self) -> int:
-        return sum(s.cache.nbytes for s in self.sessions.values())
+        return self._kv_bytes
 
     def holds(self, session_id: int, tenant: int = 0) -> bool:
         return (tenant, session_id) in self.sessions
@@ -175,7 +176,7 @@ class Worker:
             return wire.STATUS_BAD_REQUEST  # one bad record must not fail the whole step
         s = self.sessions.get(key)
         if s is not None and (s.request is None or s.request.request_id != rid) and self._moved_on(key, s, rec):
-            del self.sessions[key]           # another worker continued it: the store's copy is newer
+            self._drop(key)                  # another worker continued it: the store's copy is newer
             self.stats["stale_dropped"] += 1
             s = None
         if s is None:
@@ -206,7 +207,11 @@ class Worker:
         caches = [self.sessions[s.key].cache for s in segs]
         contexts = [c.length for c in caches]
         tokens = [np.concatenate(s.tokens) for s in segs]
-        logits = self.model.forward(list(zip(caches, tokens)))
+        before = sum(c.nbytes for c in caches)
+        try:
+            logits = self.model.forward(list(zip(caches, tokens)))
+        finally:
+            self._kv_bytes += sum(c.nbytes for c in caches) - before   # the caches that grew
         self.stats["steps"] += 1
         if self.device is not None:
             sim = self.device.profile.step_s(
@@ -248,6 +253,7 @@ class Worker:
         if chain:
             self.stats["restores"] += 1
         s = self.sessions[key] = _Session(cache, restored_tokens=cache.length)
+        self._kv_bytes += cache.nbytes
         return s
 
     def _finish(self, key: SessionKey, s: _Session, t_step: int) -> RequestDone:
@@ -276,7 +282,7 @@ class Worker:
     def close(self, session_id: int, tenant: int = 0):
         """The client is done with the session (its CLOSE record, or a control-plane call): free it
         here and in the store."""
-        self.sessions.pop((tenant, session_id), None)
+        self._drop((tenant, session_id))
         if self.store is not None:
             self.store.delete((tenant, session_id))
 
@@ -288,8 +294,13 @@ class Worker:
             if victim is None:
                 self.stats["over_budget_steps"] += 1
                 return
-            del self.sessions[victim]
+            self._drop(victim)
             self.stats["evictions"] += 1
+
+    def _drop(self, key: SessionKey):
+        s = self.sessions.pop(key, None)
+        if s is not None:
+            self._kv_bytes -= s.cache.nbytes
 
 
 def serve(worker: Worker, lane: Lane, stop: Callable[[], bool] = lambda: False, timeout_s: float = 0.05):
