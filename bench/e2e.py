@@ -217,6 +217,7 @@ def _stages(report, trace: np.ndarray, rtt_ns: np.ndarray, stages: dict):
         stages["consumer->router"] = i64(pre["t_router"] - pre["t_consumer"])
         stages["router->lane"] = i64(pre["t_lane"] - pre["t_router"])
     stages["lane->worker"] = i64(pre["t_pickup"] - pre["t_lane"])
+    stages["worker pickup->step start"] = i64(pre["t_start"] - pre["t_pickup"])
     stages["worker step"] = i64(trace["t_end"] - trace["t_start"])
     stages["xdp->lane"] = i64(pre["t_lane"] - pre["t_xdp"])
     stages["xdp validated->lane"] = i64(pre["t_lane"] - pre["t_xdp_in"])
@@ -472,8 +473,10 @@ def run(report, args):
                 "shares them with the worker processes and the load generator, so xdp->worker includes scheduling")
     report.note("stamps: the XDP program's when a request is validated (t_xdp_in) and at its hand-off, after its "
                 "record is written into the ring buffer (t_xdp, where xdp->lane starts); the consumer's, which the "
-                "router's feed takes as the router's too; the lane's. 'xdp steer + ring write' is the program's live "
-                "part between its two stamps; steer_ns (bench ingress) is the same code warm")
+                "router's feed takes as the router's too; the lane's; the worker's pickup, in C once the batch is "
+                "copied out of its lane, before any of the worker's Python (then 'worker pickup->step start'). "
+                "'xdp steer + ring write' is the program's live part between its two stamps; steer_ns (bench "
+                "ingress) is the same code warm")
     stages, scenarios = {}, {}
     failed = []
 

@@ -32,7 +32,7 @@ import numpy as np
 from . import _dataplane, client, lanes, records, wire
 from .egress import Responder
 from .loop import PollLoop
-from .ring import Ring, unlink
+from .ring import WAIT_MODES, Ring, unlink
 from .router import MAX_POOLS, Router
 from .serving.devices import profile
 from .topology import Topology, socket_in
@@ -61,6 +61,9 @@ class PipelineConfig:
     max_batch_size: int = 32           # static
     batch_timeout_s: float = 0.05      # static
     xdp_mode: str = "auto"
+    lane_wait: str = "sleep"           # how workers wait on their lanes: "sleep" (poll ~1-2 us, then a futex
+                                       # the router wakes), "yield" (poll, yielding the core to whatever else
+                                       # is runnable: a core's worth of polling) or "spin"
     device: str | None = None          # simulated device profile of the workers (serving.devices)
     sim_mode: str = "sleep"
     kv_budget_bytes: int = 256 << 20
@@ -92,7 +95,7 @@ class TracingLane:
     def recv_batch(self, timeout_s: float):
         batch = self.lane.recv_batch(timeout_s)
         if batch is not None:
-            self._batch = (batch[list(STAMPS)].copy(), time.monotonic_ns())
+            self._batch = (batch[list(STAMPS)].copy(), self.lane.t_pickup)
         return batch
 
     def send_completion(self, comp: np.ndarray) -> bool:
@@ -196,6 +199,8 @@ class Pipeline:
         from .ingress import Ingress
         from .serving.worker import WorkerOptions
         cfg, es = self.cfg, self._stack
+        if cfg.lane_wait not in WAIT_MODES:
+            raise ValueError(f"lane_wait must be one of {', '.join(WAIT_MODES)}, not {cfg.lane_wait!r}")
         self.topo = es.enter_context(Topology(clients=1))
         topo = self.topo
         self.ingress = es.enter_context(Ingress(queues=cfg.queues))
@@ -220,7 +225,7 @@ class Pipeline:
         for k, (pool, device, nice) in enumerate(self.placement):
             name = f"{self.tag}.w{k}"
             es.callback(lanes.unlink_shm_lane, name)
-            self.router.add_worker(*lanes.create_shm_lane(name), pool=pool)
+            self.router.add_worker(*lanes.create_shm_lane(name, wait=cfg.lane_wait), pool=pool)
             if device and cfg.budget_at_knee:
                 self.router.set_worker_budget(k, profile(device).knee_tokens)
             buf = mmap.mmap(-1, 64 + cfg.trace_records * TRACE.itemsize)

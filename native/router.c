@@ -951,6 +951,18 @@ static int lane_ready(struct dp_router *rt, struct worker *w)
     return zmq_getsockopt(w->zsock, ZMQ_EVENTS, &ev, &len) == 0 && (ev & ZMQ_POLLOUT);
 }
 
+uint32_t dp_lane_recv(struct dp_ring *lane, struct dp_chunk *out, uint32_t max, int64_t timeout_ns,
+                      uint64_t *t_pickup)
+{
+    if (!dp_ring_wait(lane, timeout_ns))
+        return 0;
+    const struct dp_chunk *first = dp_ring_cons_slot(lane, 0);
+    uint32_t n = first->batch_len ? first->batch_len : 1;
+    n = dp_ring_dequeue_burst(lane, out, n < max ? n : max);
+    *t_pickup = now_ns();
+    return n;
+}
+
 /* Publish n built records as one batch; 0 if a zmq socket refused it (kept for a retry). */
 static int lane_commit(struct worker *w, uint32_t n)
 {

@@ -121,6 +121,25 @@ def test_one_request_prefill_then_decode(bench_factory):
     assert b.router.stats()["active_requests"] == 0
 
 
+def test_the_worker_takes_a_batch_whole_stamped_and_in_its_own_memory(bench_factory):
+    """dp_lane_recv: all of a batch's records in one call, the pickup stamped after the lane's,
+    and the next batch does not overwrite one the worker still holds."""
+    b = bench_factory()
+    b.send(chunks_of(1, list(range(300)), max_out=2), chunks_of(2, list(range(50)), max_out=2))
+    b.router.poll()
+    w = b.workers[0]
+    first = w.recv_batch(0.5)
+    after = time.monotonic_ns()
+    assert len(first) == first["batch_len"][0] == 4 and sorted(set(first["request_id"].tolist())) == [1, 2]
+    assert (first["t_lane"] <= w.t_pickup).all() and w.t_pickup <= after
+    kept, t_first = first.copy(), w.t_pickup
+    assert w.send_completion(lanes.completion_for(first, [5] * 4))
+    b.router.poll()
+    second = w.recv_batch(0.5)
+    assert len(second) == 2 and (second["kind"] == records.KIND_DECODE).all() and w.t_pickup >= t_first
+    assert np.array_equal(first, kept), "a later batch landed in the earlier one's memory"
+
+
 def test_budget_cap_and_rechunking(bench_factory):
     b = bench_factory(token_budget=200, max_chunks=5)
     reqs = {rid: list(range(rid * 1000, rid * 1000 + 90 + 37 * rid)) for rid in range(1, 9)}
