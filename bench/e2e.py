@@ -143,7 +143,30 @@ def sweep(report, quick: bool, stages: dict, out: dict) -> dict:
         spread = _spread_to_80pct(out[_label("dynamic", device)])
         if spread is not None:
             report.ratios[f"dynamic_p95_spread_to_80pct_saturation{suffix}"] = spread
+        if device is None:
+            figures.update(_polling_workers(report, quick, stages))
     return figures
+
+
+def _polling_workers(report, quick: bool, stages: dict) -> dict:
+    """The lightest rate again with the worker polling its lane (lane_wait "yield": a core's worth of
+    polling that gives way to anything runnable) instead of sleeping on a futex: the goal's
+    "core per poller", as near as this machine comes. Its core is also the load generator's,
+    whose send the XDP program runs in, so a pickup can wait for the client's send to return."""
+    rate, seconds = 10, (3.0 if quick else 10.0)
+    _progress(f"polling workers: {rate} req/s for {seconds:.0f} s, the worker polling its lane")
+    with Pipeline(_config(batching="dynamic", workers=1, lane_wait="yield")) as p:
+        res = _offer(p, rate, seconds, prompt_tokens=PROMPT, max_output_tokens=OUTPUT,
+                     sessions=max(1, int(rate * seconds) // TURNS), drain_s=drain_s(None))
+        trace = p.trace()
+    pre = trace[(trace["kind"] != KIND_DECODE) & (trace["t_xdp"] > 0)]
+    stages["lane->worker (worker polling)"] = (pre["t_pickup"] - pre["t_lane"]).astype(np.int64)
+    stages["xdp->worker (worker polling)"] = (pre["t_pickup"] - pre["t_xdp"]).astype(np.int64)
+    pc = _pcts(stages["xdp->worker (worker polling)"], 1)
+    report.metric("e2e_xdp_to_worker_polling_p50_ns", pc["p50"], "ns")
+    report.metric("e2e_xdp_to_worker_polling_p99_ns", pc["p99"], "ns")
+    return {"xdp->worker p50 us, worker polling": pc["p50"] / 1e3,
+            "send->response p95 ms, worker polling": _pcts(res["rtt_ns"], 1e6)["p95"]}
 
 
 def _sweep_mode(report, p: Pipeline, mode: str, device: str | None, rates: list, duration, suffix: str,

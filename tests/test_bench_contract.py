@@ -75,8 +75,8 @@ def test_e2e_quick_runs_every_landed_scenario_and_writes_the_report(tmp_path):
     m = data["metrics"]
     for key in ("e2e_xdp_to_lane_p50_ns", "e2e_xdp_to_lane_p99_ns", "e2e_xdp_validated_to_lane_p50_ns",
                 "e2e_xdp_validated_to_lane_p99_ns", "e2e_xdp_to_worker_p50_ns",
-                "e2e_xdp_to_worker_p99_ns", "e2e_send_to_response_p50_us", "e2e_send_to_response_p99_us",
-                "sweep_p95_ms_dynamic_10", "sweep_p95_ms_static_10", "sweep_l4_p95_ms_dynamic_10",
+                "e2e_xdp_to_worker_p99_ns", "e2e_xdp_to_worker_polling_p50_ns", "e2e_xdp_to_worker_polling_p99_ns",
+                "e2e_send_to_response_p50_us", "e2e_send_to_response_p99_us", "sweep_p95_ms_dynamic_10", "sweep_p95_ms_static_10", "sweep_l4_p95_ms_dynamic_10",
                 "sweep_l4_p95_ms_static_10"):
         assert m[key] > 0, key
     assert {"static_vs_dynamic_p95_at_10qps", "static_vs_dynamic_p95_at_10qps_l4"} <= set(data["ratios"])
