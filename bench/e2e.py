@@ -46,9 +46,21 @@ def _pcts(samples, scale) -> dict:
     return {k: v / scale for k, v in s.items()}
 
 
+def _cpu_steal() -> tuple[int, int]:
+    """(steal, all) CPU time in ticks since boot, over every CPU (/proc/stat): the time the host
+    ran something else while this machine's vCPUs had work."""
+    with open("/proc/stat") as f:
+        ticks = [int(x) for x in f.readline().split()[1:]]
+    return ticks[7], sum(ticks[:8])
+
+
+def _steal_pct(before: tuple[int, int], after: tuple[int, int]) -> float:
+    return 100.0 * (after[0] - before[0]) / max(1, after[1] - before[1])
+
+
 def _offer(p: Pipeline, rate: float, seconds: float, count: int | None = None, **kw) -> dict:
     count = count or max(10, int(rate * seconds))
-    t = time.monotonic()
+    t, steal = time.monotonic(), _cpu_steal()
     r = p.offer(rate, count, **kw)
     rtt = np.array(r["rtt_ok_ns"], dtype=np.int64)     # latency of what was answered 200
     ok = r["resp_ok"]
@@ -58,7 +70,7 @@ def _offer(p: Pipeline, rate: float, seconds: float, count: int | None = None, *
             "requests": r["requests"], "responses": r["responses"], "errors": r["requests"] - ok,
             "wall_s": time.monotonic() - t, "rtt_ns": rtt, "by_status": r["by_status"],
             "sample_body": r["sample_body"], "seq_base": r["seq_base"], "packets": r["sent"],
-            "merge_wait_ns_mean": r["merge_wait_ns_mean"]}
+            "merge_wait_ns_mean": r["merge_wait_ns_mean"], "steal_pct": _steal_pct(steal, _cpu_steal())}
 
 
 def _together(p: Pipeline, *offers: dict) -> list[dict]:
@@ -177,7 +189,7 @@ def _sweep_row(rate: float, res: dict, trace: np.ndarray) -> dict:
     return {"qps": rate, "offered_qps": res["offered_qps"], "achieved_qps": res["achieved_qps"],
             "p50_ms": pc["p50"], "p95_ms": pc["p95"], "p99_ms": pc["p99"],
             "step_p50_ms": float(np.median(steps[:, 1] - steps[:, 0])) / 1e6 if len(steps) else None,
-            "requests": res["requests"], "errors": res["errors"]}
+            "requests": res["requests"], "errors": res["errors"], "steal_pct": res["steal_pct"]}
 
 
 def _lightest_alternating(report, workers: int, device: str | None, rate: float, quick: bool, suffix: str,
@@ -208,7 +220,8 @@ def _lightest_alternating(report, workers: int, device: str | None, rate: float,
         res = {"rtt_ns": np.concatenate(g["rtt"]),
                "offered_qps": float(np.mean([r["offered_qps"] for r in g["res"]])),
                "achieved_qps": float(np.mean([r["achieved_qps"] for r in g["res"]])),
-               "requests": sum(r["requests"] for r in g["res"]), "errors": sum(r["errors"] for r in g["res"])}
+               "requests": sum(r["requests"] for r in g["res"]), "errors": sum(r["errors"] for r in g["res"]),
+               "steal_pct": float(np.mean([r["steal_pct"] for r in g["res"]]))}
         trace = np.concatenate(g["trace"])
         rows[mode] = row = _sweep_row(rate, res, trace)
         report.metric(f"sweep{suffix}_p95_ms_{mode}_{rate}", row["p95_ms"], "ms")
@@ -543,6 +556,7 @@ def entropy_burst(report, quick: bool) -> dict:
 def run(report, args):
     from bench.ring import pingpong_oneway_ns
     quick = args.quick
+    steal = _cpu_steal()
     report.reference("pingpong_oneway_ns", pingpong_oneway_ns(200_000 if quick else 1_000_000), "ns")
     report.note(f"{report.machine['cores']} cores: the poll loop (router with the consumer as its feed, responder) "
                 "shares them with the worker processes and the load generator, so xdp->worker includes scheduling")
@@ -579,6 +593,8 @@ def run(report, args):
         report.ratio("e2e_xdp_to_lane_p50_ns", "pingpong_oneway_ns")
     for name, sc in scenarios.items():
         report.note(f"scenario {name}: {sc['status']}" + (f" ({sc['reason']})" if sc["reason"] else ""))
+    # this machine is a guest on a shared host: a run with much steal is a slow spell, not the code
+    report.machine["host_steal_pct"] = round(_steal_pct(steal, _cpu_steal()), 2)
     outdir = pathlib.Path(args.json).with_suffix("") if args.json else pathlib.Path("bench-results/e2e")
     paths = write_report(outdir, report.as_dict(), stages, sweep_rows, memory, scenarios)
     print(f"  report: {paths['report.md']}")

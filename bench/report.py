@@ -34,7 +34,7 @@ from datapath.metrics import Distribution
 
 SWEEP_COLUMNS = [("qps", "offered qps"), ("achieved_qps", "achieved qps"), ("p50_ms", "p50 ms"),
                  ("p95_ms", "p95 ms"), ("p99_ms", "p99 ms"), ("step_p50_ms", "worker step p50 ms"),
-                 ("requests", "requests"), ("errors", "errors")]
+                 ("requests", "requests"), ("errors", "errors"), ("steal_pct", "host steal %")]
 SWEEP_LINES = [("p50_ms", "p50", "-"), ("p95_ms", "p95", "--"), ("p99_ms", "p99", ":")]
 STAGE_PERCENTILES = [("p50", "p50", "-"), ("p95", "p95", "--"), ("p99", "p99", "-."), ("p999", "p99.9", ":")]
 MACHINE_FIRST = ["cores", "cpu_model", "kernel", "xdp_mode"]
@@ -45,7 +45,7 @@ def write_report(outdir, results: dict, stages: dict, sweep: dict, memory: dict,
     """Write report.md, the PNG plots and results.json into outdir; return {file name: path}.
 
     stages: {stage: ns samples}; sweep: {mode: [{"qps", "achieved_qps", "p50_ms", "p95_ms",
-    "p99_ms", "requests", "errors"}, ...]}; memory: {scenario or mode: bytes};
+    "p99_ms", "requests", "errors", "steal_pct"}, ...]}; memory: {scenario or mode: bytes};
     scenarios: {name: {"status": "ran" | "not run" | "failed", "reason": str, "figures": {...}}}.
     Only the plots that have data are written.
     """
