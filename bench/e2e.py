@@ -147,6 +147,7 @@ def sweep(report, quick: bool, stages: dict, out: dict) -> dict:
                 report.machine["xdp_mode"] = p.xdp_mode
                 if device and mode == "dynamic":   # the profile's knee (pipeline budget_at_knee)
                     report.machine[f"sweep_token_budget_{device}"] = p.router.worker_stats(0)["token_budget"]
+                _warm_up(p, device)
                 out[label] = rows = _sweep_mode(report, p, mode, device, rates[1:], duration, suffix,
                                                 lightest[mode])
             figures.update({f"{label} p95 ms at {row['qps']} req/s": row["p95_ms"] for row in rows})
@@ -170,6 +171,7 @@ def _polling_workers(report, quick: bool, stages: dict) -> dict:
     rate, seconds = 10, (3.0 if quick else 10.0)
     _progress(f"polling workers: {rate} req/s for {seconds:.0f} s, the worker polling its lane")
     with Pipeline(_config(batching="dynamic", workers=1, lane_wait="yield")) as p:
+        _warm_up(p, None)
         res = _offer(p, rate, seconds, prompt_tokens=PROMPT, max_output_tokens=OUTPUT,
                      sessions=max(1, int(rate * seconds) // TURNS), drain_s=drain_s(None))
         trace = p.trace()
@@ -202,8 +204,9 @@ def _lightest_alternating(report, workers: int, device: str | None, rate: float,
     got = {mode: {"rtt": [], "trace": [], "res": []} for mode in ("dynamic", "static")}
     with Pipeline(_config(batching="dynamic", workers=workers, device=device)) as p:
         cfg = p.cfg
+        _warm_up(p, device)
         for k in range(spells):
-            for mode in ("dynamic", "static"):
+            for mode in ("dynamic", "static") if k % 2 == 0 else ("static", "dynamic"):   # neither always first
                 _progress(f"sweep {_label(mode, device)}: offering {rate} req/s for {seconds:.0f} s, spell "
                           f"{k + 1} of {spells} (the modes alternate at this rate)")
                 _idle(p)
@@ -230,6 +233,13 @@ def _lightest_alternating(report, workers: int, device: str | None, rate: float,
         if stages is not None and mode == "dynamic":
             _stages(report, trace, res["rtt_ns"], stages)
     return rows
+
+
+def _warm_up(p: Pipeline, device: str | None):
+    """A few requests through a new pipeline, not measured: its first ones pay for first use
+    (the worker's first steps, the path's first packets), which no rate should carry."""
+    _progress("warming up a new pipeline: 10 requests, not measured")
+    _offer(p, 10, 1.0, prompt_tokens=PROMPT, max_output_tokens=OUTPUT, sessions=5, drain_s=drain_s(device))
 
 
 def _idle(p: Pipeline, timeout_s: float = 30.0):

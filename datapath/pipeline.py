@@ -86,7 +86,8 @@ class PipelineConfig:
 
 
 class TracingLane:
-    """A worker's lane that also writes each record's stamps into a shared trace buffer."""
+    """A worker's lane (datapath.lanes: one that stamps t_pickup) that also writes each record's
+    stamps into a shared trace buffer."""
 
     def __init__(self, lane, trace: np.ndarray, count: np.ndarray):
         self.lane, self.trace, self.count = lane, trace, count

@@ -958,7 +958,10 @@ uint32_t dp_lane_recv(struct dp_ring *lane, struct dp_chunk *out, uint32_t max, 
         return 0;
     const struct dp_chunk *first = dp_ring_cons_slot(lane, 0);
     uint32_t n = first->batch_len ? first->batch_len : 1;
-    n = dp_ring_dequeue_burst(lane, out, n < max ? n : max);
+    n = dp_ring_cons_peek(lane, n < max ? n : max);   /* max >= DP_MAX_BATCH_CHUNKS holds any batch */
+    for (uint32_t i = 0; i < n; i++)     /* a record's own size: out is records, whatever the slot */
+        memcpy(&out[i], dp_ring_cons_slot(lane, i), sizeof(*out));
+    dp_ring_cons_release(lane, n);
     *t_pickup = now_ns();
     return n;
 }

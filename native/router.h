@@ -117,7 +117,8 @@ int dp_router_add_feed(struct dp_router *rt, uintptr_t feed, uintptr_t src);
 int dp_router_add_worker(struct dp_router *rt, struct dp_ring *lane, struct dp_ring *done, uint32_t weight);
 /* The worker's end of an shm lane: wait (the lane's wait mode) up to timeout_ns (< 0: no limit)
  * for the router's next micro-batch and copy all of it (batch_len records, published at once)
- * into out (room for max); *t_pickup: the clock once it is copied. Its record count, 0 on timeout. */
+ * into out (room for max >= DP_MAX_BATCH_CHUNKS records); *t_pickup: the clock once it is copied.
+ * Its record count, 0 on timeout. */
 uint32_t dp_lane_recv(struct dp_ring *lane, struct dp_chunk *out, uint32_t max, int64_t timeout_ns,
                       uint64_t *t_pickup);
 /* A worker on another host (or process) behind a ZeroMQ DEALER socket bound at
