@@ -163,6 +163,11 @@ def sweep(report, quick: bool, stages: dict, out: dict) -> dict:
     return figures
 
 
+def _from_xdp(trace: np.ndarray) -> np.ndarray:
+    """The records that came in through XDP (prompt chunks; decode steps are the router's own)."""
+    return trace[(trace["kind"] != KIND_DECODE) & (trace["t_xdp"] > 0)]
+
+
 def _polling_workers(report, quick: bool, stages: dict) -> dict:
     """The lightest rate again with the worker polling its lane (lane_wait "yield": a core's worth of
     polling that gives way to anything runnable) instead of sleeping on a futex: the goal's
@@ -175,7 +180,7 @@ def _polling_workers(report, quick: bool, stages: dict) -> dict:
         res = _offer(p, rate, seconds, prompt_tokens=PROMPT, max_output_tokens=OUTPUT,
                      sessions=max(1, int(rate * seconds) // TURNS), drain_s=drain_s(None))
         trace = p.trace()
-    pre = trace[(trace["kind"] != KIND_DECODE) & (trace["t_xdp"] > 0)]
+    pre = _from_xdp(trace)
     stages["lane->worker (worker polling)"] = (pre["t_pickup"] - pre["t_lane"]).astype(np.int64)
     stages["xdp->worker (worker polling)"] = (pre["t_pickup"] - pre["t_xdp"]).astype(np.int64)
     pc = _pcts(stages["xdp->worker (worker polling)"], 1)
@@ -302,7 +307,7 @@ def _spread_to_80pct(rows: list[dict]) -> float | None:
 
 
 def _stages(report, trace: np.ndarray, rtt_ns: np.ndarray, stages: dict):
-    pre = trace[(trace["kind"] != KIND_DECODE) & (trace["t_xdp"] > 0)]
+    pre = _from_xdp(trace)
     i64 = lambda a: a.astype(np.int64)
     # the XDP program's own live part: from the request validated (t_xdp_in) to its hand-off stamp
     # (t_xdp) after the record is written into its ring buffer; BPF_PROG_TEST_RUN's steer_ns (bench

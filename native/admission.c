@@ -377,8 +377,9 @@ uint32_t dp_adm_decide(struct dp_admission *a, uint32_t tenant, const uint32_t *
     d->resets_in_ns = new_day ? DAY_NS : t->day_start + DAY_NS - now;
     d->remaining = !cfg->budget_per_day ? UINT64_MAX
                    : cfg->budget_per_day > d->spent ? cfg->budget_per_day - d->spent : 0;
-    /* The entropy is measured now unless the decision cannot depend on it: no entropy threshold
-     * strictly inside the factor's range 1..5, and the cost fits the budget even at factor 5. */
+    /* The entropy is measured now unless the decision cannot depend on it: no high-entropy threshold
+     * above 1 (at or below it every request is high, whatever its factor in 1..5), and the cost fits
+     * the budget even at factor 5. */
     int hi_rule = cfg->hi_entropy_factor > 1.0;
     if (!(flags & DP_ADM_LAZY) || count_only || hi_rule ||
         (uint64_t)ceil(cost_of(cfg->price_per_1k, d->p.input_tokens, max_output, 5.0)) > d->remaining)

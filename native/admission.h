@@ -112,7 +112,7 @@ void dp_adm_price(const struct dp_tenant_cfg *cfg, const uint32_t *tokens, uint3
  * one admission is not reentrant: the router calls it under its lock); the JSON body (refusals,
  * count_only) goes to body[cap]. Returns the body's length (0: none).
  * With DP_ADM_LAZY the entropy pass (~80 ns at 64 tokens, most of a decision) is left out when
- * no outcome can depend on it: no high-entropy threshold inside the factor's range, and the
+ * no outcome can depend on it: no high-entropy threshold above 1 (the factor's least), and the
  * request fits its budget even at the highest factor. Refusals and counts are priced whole. */
 uint32_t dp_adm_decide(struct dp_admission *a, uint32_t tenant, const uint32_t *tokens, uint32_t n_tokens,
                        uint32_t chunk_count, uint32_t max_output, int flags, uint64_t now,
