@@ -12,15 +12,28 @@ sessions); the table and `compare.png` show p50/p95/p99 send->response and
 what the router did. References: the first name's figures (ratios are
 relative to it). --device makes every worker simulate that device profile's step
 time (datapath.serving.devices), so policies meet a GPU's step cost, not numpy's.
+
+Every pipeline gets a fresh shared snapshot store: sessions return (61 of
+them cycle through the offer), and a policy that sends a session's next request to another
+worker must have that worker restore its KV, or the request would run on a
+context without its earlier turn (less attention work, a wrong answer, an
+unfair comparison). So a spreading policy pays its restores here; the table
+counts the requests that moved (router stat `moved`) and the sessions the store
+restored.
 """
 from __future__ import annotations
 
 import pathlib
 
-from bench.e2e import OUTPUT, PROMPT, _config, _offer, _pcts, _progress, drain_s
+from bench.e2e import OUTPUT, PROMPT, _config, _offer, _pcts, _progress, drain_s, fresh_store
 from datapath.pipeline import Pipeline
 from datapath.router import policies
 from datapath.serving.devices import PROFILES
+
+# Sessions the offer cycles through: a prime, so that a session's next request does not land on
+# the same worker of a rotation by the arithmetic of the load (with 64 and 2 workers, round_robin
+# sent every session back to its worker: affinity by accident).
+SESSIONS = 61
 
 
 def _plot(rows: list[dict], path: pathlib.Path):
@@ -54,27 +67,32 @@ def run(report, args):
     for i, name in enumerate(names):
         kw = {"batching": name} if name in ("dynamic", "static") else {"policy": name}
         kw["device"] = device
-        with Pipeline(_config(**kw)) as p:
+        with fresh_store() as store, Pipeline(_config(shared_store=store, **kw)) as p:
             report.machine["xdp_mode"] = p.xdp_mode
             _progress(f"compare {name}: {args.rate:g} req/s for {seconds:.0f} s ({len(names) - i} left)")
             res = _offer(p, args.rate, seconds, prompt_tokens=PROMPT, max_output_tokens=OUTPUT,
-                         drain_s=drain_s(device))
-            st = p.router.stats()
+                         sessions=SESSIONS, drain_s=drain_s(device))
+            st, store = p.router.stats(), p.store_stats()
         pc = _pcts(res["rtt_ns"], 1e6)
         row = {"name": name, "qps": args.rate, "achieved_qps": res["achieved_qps"], "p50_ms": pc["p50"],
                "p95_ms": pc["p95"], "p99_ms": pc["p99"], "unanswered": res["errors"], "batches": st["batches"],
-               "records_per_batch": st["records_out"] / max(st["batches"], 1)}
+               "records_per_batch": st["records_out"] / max(st["batches"], 1), "moved": st["moved"],
+               "restores": store["restores"], "requests": st["requests_in"]}
         rows.append(row)
         for key in ("p50_ms", "p95_ms", "p99_ms"):
             (report.reference if i == 0 else report.metric)(f"{name}_{key}", row[key], "ms")
             if i:
                 report.ratio(f"{name}_{key}", f"{names[0]}_{key}")
+        for key in ("unanswered", "moved", "restores"):
+            report.metric(f"{name}_{key}", row[key])
     out = pathlib.Path(args.json).with_suffix("") if args.json else pathlib.Path("bench-results/compare")
     out.mkdir(parents=True, exist_ok=True)
-    lines = ["| policy | offered req/s | achieved | p50 ms | p95 ms | p99 ms | unanswered | records per batch |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| policy | offered req/s | achieved | p50 ms | p95 ms | p99 ms | unanswered | records per batch "
+             "| requests moved | sessions restored |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     lines += [f"| {r['name']} | {r['qps']:g} | {r['achieved_qps']:.1f} | {r['p50_ms']:.2f} | {r['p95_ms']:.2f} | "
-              f"{r['p99_ms']:.2f} | {r['unanswered']} | {r['records_per_batch']:.2f} |" for r in rows]
+              f"{r['p99_ms']:.2f} | {r['unanswered']} | {r['records_per_batch']:.2f} | "
+              f"{r['moved']} of {r['requests']} | {r['restores']} |" for r in rows]
     (out / "compare.md").write_text("\n".join(lines) + "\n")
     _plot(rows, out / "compare.png")
     print("\n".join(lines))

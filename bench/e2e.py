@@ -10,9 +10,12 @@ report directory (report.md, PNG plots, results.json).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
+import shutil
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -360,16 +363,9 @@ def client_batching(report, quick: bool) -> dict:
 def failover(report, quick: bool) -> dict:
     """Scenario 6: a worker SIGKILLed mid-run; the router replays its requests on the other one,
     which restores their sessions from the shared store."""
-    import shutil
-    import tempfile
-    from snapshotstore.device import state_dir
     rate, seconds = 40, (3.0 if quick else 10.0)
-    os.makedirs(state_dir(), exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix="e2e-store-", dir=state_dir())
-    try:
-        return _failover(report, rate, seconds, _fresh_image(tmp))
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with fresh_store() as store:
+        return _failover(report, rate, seconds, store)
 
 
 def _failover(report, rate: float, seconds: float, store: str) -> dict:
@@ -401,40 +397,38 @@ def _failover(report, rate: float, seconds: float, store: str) -> dict:
             "replayed": st["replayed"], "p50_ms": pc["p50"], "p99_ms": pc["p99"]}
 
 
-def _fresh_image(directory: str) -> str:
-    """A formatted store image in `directory` (on the real disk: O_DIRECT)."""
-    from snapshotstore.device import create_image
+@contextlib.contextmanager
+def fresh_store():
+    """A formatted store image in a scratch directory on the real disk (O_DIRECT needs one, not a
+    tmpfs), removed afterwards: the path a pipeline's shared_store takes."""
+    from snapshotstore.device import create_image, state_dir
     from snapshotstore.log import format_device
-    path = f"{directory}/store.img"
-    create_image(path, 256 << 20)
-    format_device(path)
-    return path
+    os.makedirs(state_dir(), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix="e2e-store-", dir=state_dir())
+    try:
+        path = f"{tmp}/store.img"
+        create_image(path, 256 << 20)
+        format_device(path)
+        yield path
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def snapshot_evict(report, quick: bool, memory: dict) -> dict:
     """Scenario 3: snapshot each finished request and evict (LRU, small KV budget) vs keep every KV
     resident, at equal load with returning sessions (affinity routing brings them back to their worker)."""
-    import shutil
-    import tempfile
-    from snapshotstore.device import state_dir
     sessions, rounds, rate = (32, 3, 20) if quick else (128, 5, 40)
     figures = {}
     for mode in ("resident", "snapshot+evict"):
-        kw = dict(policy="affinity")
-        tmp = None
-        if mode == "snapshot+evict":
-            os.makedirs(state_dir(), exist_ok=True)
-            tmp = tempfile.mkdtemp(prefix="e2e-store-", dir=state_dir())   # O_DIRECT needs a real disk
-            kw.update(shared_store=_fresh_image(tmp), kv_budget_bytes=1 << 20)
-        try:
-            with Pipeline(_config(**kw)) as p:
-                _progress(f"{mode}: {sessions} sessions x {rounds} requests at {rate} req/s")
-                res = _offer(p, rate, sessions * rounds / rate, prompt_tokens=PROMPT, max_output_tokens=OUTPUT,
-                             sessions=sessions, drain_s=15)
-                kv, kv_end = p.kv_resident_bytes()
-        finally:
-            if tmp:
-                shutil.rmtree(tmp, ignore_errors=True)
+        with contextlib.ExitStack() as es:
+            kw = dict(policy="affinity")
+            if mode == "snapshot+evict":
+                kw.update(shared_store=es.enter_context(fresh_store()), kv_budget_bytes=1 << 20)
+            p = es.enter_context(Pipeline(_config(**kw)))
+            _progress(f"{mode}: {sessions} sessions x {rounds} requests at {rate} req/s")
+            res = _offer(p, rate, sessions * rounds / rate, prompt_tokens=PROMPT, max_output_tokens=OUTPUT,
+                         sessions=sessions, drain_s=15)
+            kv, kv_end = p.kv_resident_bytes()
         pc = _pcts(res["rtt_ns"], 1e6)
         key = mode.replace("+", "_")
         memory[mode] = kv

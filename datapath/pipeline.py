@@ -51,7 +51,9 @@ STAMPS = ("request_id", "kind", "n_tokens", "t_send", "t_xdp_in", "t_xdp", "t_co
 class PipelineConfig:
     workers: int = 2
     queues: int = 2
-    policy: str = "round_robin"
+    policy: str = "affinity"           # a session's requests on the worker holding its KV; a policy that
+                                       # spreads them needs shared_store, or a moved request runs on a
+                                       # context without its session's earlier turns
     batching: str = "dynamic"          # or "static"
     token_budget: int = 512            # dynamic: tokens per step (a worker on a simulated device: see below)
     budget_at_knee: bool = True        # a simulated device's worker steps up to its profile's knee_tokens
@@ -176,6 +178,7 @@ class Pipeline:
         self._stack = contextlib.ExitStack()
         self._ids = itertools.count(1)   # request ids never repeat within a pipeline
         self.workers: list = []
+        self._store_endpoint = None      # the shared store server's, when shared_store is given
         self.traces: list = []
 
     def __enter__(self):
@@ -288,6 +291,7 @@ class Pipeline:
                 server.join(5)
             shutil.rmtree(sockdir, ignore_errors=True)
         self._stack.callback(halt)
+        self._store_endpoint = endpoint
         deadline = time.monotonic() + 30
         while not ready.wait(0.1):
             if not server.is_alive() or time.monotonic() > deadline:
@@ -366,6 +370,14 @@ class Pipeline:
     def reset_trace(self):
         for buf in self.traces:
             np.frombuffer(buf, dtype="<u8", count=1)[0] = 0
+
+    def store_stats(self) -> dict | None:
+        """The shared store's counters (puts, restores, ...), asked of its server; None without one."""
+        if self._store_endpoint is None:
+            return None
+        from snapshotstore.server import RemoteStore
+        with RemoteStore(self._store_endpoint) as store:
+            return store.stats()
 
     def stats(self) -> dict:
         pools = sorted({p for p, _, _ in self.placement})

@@ -414,6 +414,7 @@ static uint8_t note_run(struct dp_router *rt, uint64_t sk, int wk)
 {
     struct last_run *e = &rt->last_run[(sk >> 20) & ((1u << LAST_RUN_BITS) - 1)];
     uint8_t moved = !(e->session == sk && e->worker == wk);
+    rt->st.moved += e->session == sk && e->worker != wk;   /* a move seen, not a session first seen */
     e->session = sk;
     e->worker = wk;
     return moved;

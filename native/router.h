@@ -85,6 +85,11 @@ struct dp_router_stats {
     uint64_t rehearsals;                /* idle dry runs of a new request's path (router.c, rehearse) */
     uint64_t shadow_answered;           /* rehearsal requests the shadow router ran whole and answered 200 */
     uint64_t closed;                    /* CLOSE records routed to their session's worker */
+    uint64_t moved;                     /* requests placed on another worker than their session's last,
+                                         * which restores the session from the store (if it has one); a
+                                         * session whose entry in the last-run table another took counts
+                                         * as new, not here (a pair of 61 sessions collides in ~36% of
+                                         * offers: compare's restores are the store's exact count) */
     /* admission (admission.h), one count per request decided */
     uint64_t admitted, adm_oversized, adm_over_budget, adm_rate_limited, adm_counted, opened;
     uint64_t to_secondary;      /* admitted requests placed on the secondary pool (a tenant's high-entropy burst) */

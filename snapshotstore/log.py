@@ -359,6 +359,7 @@ class LogStore:
                 return None
             self._chains.move_to_end(key)
             parts = self._read_chain(chain)
+            self.counters["restores"] += 1
             first, last = chain.entries[0], chain.entries[-1]
             layers = (min(e.layers[0] for e in chain.entries), max(e.layers[1] for e in chain.entries))
             return Snapshot(b"".join(parts), (first.tokens[0], last.tokens[1]), layers, last.codec,
@@ -397,7 +398,7 @@ class LogStore:
                 "head": self._head, "tail": self._tail, "generation": self._generation,
                 "last_seq": self._last_seq, "superblocks_valid": self.superblocks_valid,
                 "max_record_bytes": self.max_payload, "recovery_ms": round(self.recovery_s * 1e3, 3),
-                **{k: self.counters[k] for k in ("puts", "flushes", "compactions", "relocations", "evictions",
+                **{k: self.counters[k] for k in ("puts", "restores", "flushes", "compactions", "relocations", "evictions",
                                                  "torn_records_skipped", "corrupt_blocks_skipped",
                                                  "unlinked_records_skipped", "damaged_chains_dropped")},
             }

@@ -29,6 +29,22 @@ def test_bench_help_and_bad_suite():
     assert r.returncode == 1 and "unknown device profile 'tpu' (known: cpu, l4, h100, dpu)" in r.stdout + r.stderr
 
 
+@pytest.mark.root
+@pytest.mark.bpf
+def test_compare_gives_a_spreading_policy_the_store_its_moved_sessions_need(tmp_path):
+    """round_robin sends a returning session's request (40 req/s for 3 s over 61 sessions) to the other
+    worker, which must restore its KV from the shared store; affinity keeps sessions home (a bounded-load spill may move a few)."""
+    r = subprocess.run([sys.executable, "-m", "bench", "compare", "--quick", "--policy", "round_robin,affinity",
+                        "--json", str(tmp_path / "compare.json")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    m = json.loads((tmp_path / "compare.json").read_text())["metrics"]
+    assert m["round_robin_unanswered"] == 0 and m["affinity_unanswered"] == 0
+    assert m["round_robin_moved"] > 10 and m["round_robin_restores"] >= m["round_robin_moved"]
+    assert m["affinity_restores"] <= m["affinity_moved"] < m["round_robin_moved"]
+    assert "sessions restored" in (tmp_path / "compare" / "compare.md").read_text()
+
+
 RING_KEYS = ["ring_op_ns_bulk1", "ring_op_ns_bulk8", "ring_op_ns_bulk32", "ring_oneway_p50_ns", "ring_oneway_p99_ns",
              "ring_oneway_p999_ns", "ring_mchunks_per_s", "policy_ns_power_of_two_256", "policy_ns_affinity_4",
              "lane_batch_us_shm", "lane_batch_us_zmq_ipc", "lane_batch_us_zmq_tcp"]

@@ -650,3 +650,4 @@ def test_a_request_whose_session_last_ran_elsewhere_is_flagged_moved(bench_facto
         (batch,) = b.run(up)
         flags.append((up, bool(batch["flags"][0] & records.CHUNK_F_MOVED)))
     assert flags == [(0, True), (0, False), (1, True), (0, True), (0, False)]
+    assert b.router.stats()["moved"] == 2   # the two moves, not the first sight
