@@ -14,6 +14,7 @@ from multiprocessing.managers import BaseManager
 import numpy as np
 
 from datapath import records, wire
+from snapshotstore.errors import SessionChanged
 
 
 class MemoryStore:
@@ -25,6 +26,9 @@ class MemoryStore:
     def put(self, key: tuple[int, int], delta: bytes, meta: dict) -> None:
         if self.fail_puts:
             raise OSError("stand-in store told to fail")
+        end = self.metas[key][-1]["token_end"] if key in self.metas else 0
+        if meta["token_start"] != end:     # as the real store: a chain continues where it ends
+            raise SessionChanged(f"the store holds tokens [0, {end}), not up to {meta['token_start']}")
         self.chains.setdefault(key, []).append(bytes(delta))
         self.metas.setdefault(key, []).append(dict(meta))
 
@@ -38,6 +42,8 @@ class MemoryStore:
     def delete(self, key: tuple[int, int]) -> None:
         self.chains.pop(key, None)
         self.metas.pop(key, None)
+
+    evict = delete       # the real store's LRU drops a chain the same way (no record of it)
 
     def meta(self, key: tuple[int, int]) -> list[dict]:
         return list(self.metas.get(key, []))

@@ -256,6 +256,27 @@ def test_a_session_that_moved_on_is_not_continued_from_a_stale_resident_copy(mod
     assert done[1].restored_tokens == 40 + 4 + 30 + 4 and a.stats["restores"] == 1 and a.stats["stale_dropped"] == 1
 
 
+def test_a_session_the_store_evicted_goes_back_in_whole_at_its_next_put(model):
+    """The store's LRU drops a chain while the session stays resident on its worker: the next put
+    (a delta from where the store no longer is) is refused, so the worker puts its whole copy
+    from token 0, and another worker restoring it later continues from the whole context."""
+    store = MemoryStore()
+    w = Worker(model, store, kv_budget_bytes=BIG)
+    ref = Worker(model, None, return_logits=True)
+    turns = [(1, 1, prompt(1, 40), 2), (1, 2, prompt(2, 20), 2), (1, 3, prompt(3, 10), 2)]
+    drive(w.step, turns[:1]), drive(ref.step, turns[:1])
+    store.evict((0, 1))
+    drive(w.step, turns[1:2]), drive(ref.step, turns[1:2])
+    done = finished(w)[-1]
+    assert done.snapshot_error is None and w.stats["whole_reputs"] == 1
+    assert [(m["token_start"], m["token_end"]) for m in store.meta((0, 1))] == [(0, 40 + 1 + 20 + 1)]   # prompts and all but each turn's last output
+    other = Worker(model, store, return_logits=True)
+    drive(other.step, turns[2:]), drive(ref.step, turns[2:])
+    (got,), want = finished(other), finished(ref)[2]
+    assert got.restored_tokens == 62
+    assert np.array_equal(got.logits, want.logits), "restored whole: the never-evicted logits"
+
+
 def test_resident_kv_bytes_follow_every_session_that_comes_grows_and_goes(model):
     """The worker keeps the resident total as sessions are made, restored, grown past their
     capacity, evicted, found stale and closed (it was a sum over every session each step)."""

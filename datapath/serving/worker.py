@@ -19,7 +19,9 @@ holds is dropped for the store's copy if another worker has continued it since.
 
 The two interfaces other stages plug in:
 
-    SnapshotStore  put(key, delta, meta) -> None   returns only once durable
+    SnapshotStore  put(key, delta, meta) -> None   returns only once durable; raises
+                                                   SessionChanged if the store does not hold
+                                                   the session up to meta["token_start"]
                    restore(key) -> list[bytes]     the chain, oldest first; [] if none
                    held(key) -> int                tokens [0, n) of the session it holds
                    delete(key) -> None
@@ -44,6 +46,8 @@ from typing import Callable, Protocol
 
 import numpy as np
 
+from snapshotstore.errors import SessionChanged
+
 from .. import records, wire
 from . import kvdelta
 from .devices import SimulatedDevice
@@ -54,7 +58,7 @@ SessionKey = tuple[int, int]   # (tenant, session_id): sessions of different ten
 
 
 class SnapshotStore(Protocol):
-    def put(self, key: SessionKey, delta: bytes, meta: dict) -> None: ...
+    def put(self, key: SessionKey, delta: bytes, meta: dict) -> None: ...   # SessionChanged: see above
     def restore(self, key: SessionKey) -> list[bytes]: ...
     def held(self, key: SessionKey) -> int: ...      # the store holds tokens [0, n) of the session
     def delete(self, key: SessionKey) -> None: ...
@@ -120,7 +124,8 @@ class Worker:
         self._kv_bytes = 0   # the sessions' cache bytes, kept as they change (not summed over all each step)
         self.finished: list[RequestDone] = []  # appended as requests finish; the caller drains it
         self.stats = dict(steps=0, records=0, refused=0, snapshots=0, snapshot_failures=0, restores=0,
-                          evictions=0, over_budget_steps=0, stale_dropped=0, closed=0, simulated_s=0.0)
+                          evictions=0, over_budget_steps=0, stale_dropped=0, closed=0, whole_reputs=0,
+                          simulated_s=0.0)
 
     @property
     def kv_bytes_resident(self) -> int:
@@ -264,20 +269,31 @@ class Worker:
                            if self.return_logits else None)
         done.stamps["t_last_token"] = t_step
         if self.store is not None and s.cache.length > s.cache.snapshot_len:
-            blob = kvdelta.encode(kvdelta.export_delta(s.cache), self.model.config, self.codec)
-            meta = dict(token_start=s.cache.snapshot_len, token_end=s.cache.length, codec=self.codec,
-                        request_id=req.request_id)
             try:
-                self.store.put(key, blob, meta)
+                try:
+                    done.snapshot_bytes = self._put(key, s.cache, s.cache.snapshot_len, req.request_id)
+                except SessionChanged:
+                    # The store no longer holds what this copy put last (its LRU evicted the chain
+                    # while the session stayed resident here): this copy is the whole session, so
+                    # it goes in whole, from token 0. Without this every later put failed the same
+                    # way, and the session, never durable again, could never be evicted.
+                    done.snapshot_bytes = self._put(key, s.cache, 0, req.request_id)
+                    self.stats["whole_reputs"] += 1
             except Exception as e:  # the session stays resident and unsnapshotted, so it is never evicted
                 self.stats["snapshot_failures"] += 1
                 done.snapshot_error = f"{type(e).__name__}: {e}"
             else:
                 s.cache.snapshot_len = s.cache.length
                 self.stats["snapshots"] += 1
-                done.snapshot_bytes = len(blob)
                 done.stamps["t_snapshot"] = time.monotonic_ns()
         return done
+
+    def _put(self, key: SessionKey, cache: KVCache, start: int, request_id: int) -> int:
+        """Put the session's entries [start, length) as one delta; its stored size once durable."""
+        blob = kvdelta.encode(kvdelta.export_delta(cache, start), self.model.config, self.codec)
+        self.store.put(key, blob, dict(token_start=start, token_end=cache.length, codec=self.codec,
+                                       request_id=request_id))
+        return len(blob)
 
     def close(self, session_id: int, tenant: int = 0):
         """The client is done with the session (its CLOSE record, or a control-plane call): free it
