@@ -71,7 +71,13 @@ def check_delta(delta) -> Delta:
     codec = delta.codec.encode("ascii", "replace") if isinstance(delta.codec, str) else b""
     if not codec or len(codec) > CODEC_LEN or not delta.codec.isascii():
         raise ValueError(f"a codec name is 1 to {CODEC_LEN} ASCII characters, not {delta.codec!r}")
-    for name, (lo, hi), top in (("tokens", delta.tokens, 1 << 32), ("layers", delta.layers, 1 << 16)):
+    for name, rng, top in (("tokens", delta.tokens, 1 << 32), ("layers", delta.layers, 1 << 16)):
+        # whole numbers only: a float passed every check here and failed the record's packing in
+        # the middle of a group commit, which failed the store for every other writer
+        if (not isinstance(rng, tuple) or len(rng) != 2 or
+                not all(isinstance(x, int) and not isinstance(x, bool) for x in rng)):
+            raise TypeError(f"a delta's {name} range is a tuple of two ints, not {rng!r}")
+        lo, hi = rng
         if not (0 <= lo <= hi < top):
             raise ValueError(f"a delta's {name} range must be 0 <= start <= end < {top}, not ({lo}, {hi})")
     return delta

@@ -343,7 +343,8 @@ class LogStore:
                     first = chain.entries[0]
                     raw = fmt.pack_parts(self._read_chain(chain) + [raw])
                 kind, tokens = KIND_BASE, (first.tokens[0], delta.tokens[1])
-                layers = (min(first.layers[0], delta.layers[0]), max(first.layers[1], delta.layers[1]))
+                layers = (min([e.layers[0] for e in chain.entries] + [delta.layers[0]]),
+                          max([e.layers[1] for e in chain.entries] + [delta.layers[1]]))
                 self.counters["compactions"] += 1
             req = self._request(kind, key, raw, tokens, layers, delta.codec, chain)
             self._commit(req)
@@ -369,6 +370,7 @@ class LogStore:
         """n: the store holds tokens [0, n) of the session (0: nothing), from the index alone."""
         key = check_key(key)
         with self._lock:
+            self._check_usable()     # after a failed write the index may be ahead of the device
             chain = self._chains.get(key)
             return chain.entries[-1].tokens[1] if chain is not None else 0
 
@@ -386,6 +388,7 @@ class LogStore:
 
     def list(self) -> list[bytes]:
         with self._lock:
+            self._check_usable()
             return list(self._chains)
 
     def stats(self) -> dict:

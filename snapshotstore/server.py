@@ -69,7 +69,10 @@ def serve(path: str, endpoint: str, stop, eviction: str = "lru", ready=None):
             while not stop.is_set():
                 if not sock.poll(POLL_MS):
                     continue
-                ident, empty, *frames = sock.recv_multipart()
+                msg = sock.recv_multipart()
+                if len(msg) < 3 or msg[1] != b"":      # not a REQ client's [identity, b"", op, ...]:
+                    continue                            # dropped, the server keeps serving the others
+                ident, empty, *frames = msg
                 sock.send_multipart([ident, empty, *handle(store, frames)])
     finally:
         sock.close(0)

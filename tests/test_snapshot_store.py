@@ -304,6 +304,29 @@ def test_bad_keys_are_refused(make_device, what, bad, msg):
                 op()
 
 
+def test_a_delta_with_fractional_bounds_is_refused_alone(make_device):
+    """A float token range passed every check once, then failed the record's packing in the
+    middle of a group commit: the store failed for every writer until reopened."""
+    with LogStore(make_device()) as s:
+        s.put(key(1), Delta(b"a" * 100, tokens=(0, 10), codec="raw"))
+        for bad in (dict(tokens=(10, 20.0)), dict(tokens=(10.0, 20)), dict(layers=(0, 4.0)), dict(tokens=(10,))):
+            with pytest.raises(TypeError, match="tuple of two ints"):
+                s.put(key(1), Delta(b"b" * 100, codec="raw", **{"tokens": (10, 20), **bad}))
+        s.put(key(1), Delta(b"b" * 100, tokens=(10, 20), codec="raw"))
+        assert s.held(key(1)) == 20 and s.restore(key(1)).payload == b"a" * 100 + b"b" * 100
+
+
+def test_compaction_keeps_every_delta_s_layers(make_device):
+    """The base a put compacts into covers the layers of all the chain's deltas, not only the
+    first and the new one's (restore reported (0, 4) where the deltas spanned (0, 32))."""
+    with LogStore(make_device(), compact_after=3) as s:
+        spans = [(0, 4), (8, 32), (4, 8), (0, 2)]
+        for i, layers in enumerate(spans):
+            s.put(key(1), Delta(bytes([i]) * 100, tokens=(10 * i, 10 * i + 10), layers=layers, codec="raw"))
+        snap = s.restore(key(1))
+        assert snap.records == 1 and s.stats()["compactions"] == 1 and snap.layers == (0, 32)
+
+
 def test_a_delta_larger_than_the_device_is_refused(make_device):
     with LogStore(make_device()) as s:
         with pytest.raises(TooLarge, match="more than the .* bytes one record holds"):

@@ -67,6 +67,21 @@ def test_store_errors_cross_the_socket(server):
         assert store.stats()
 
 
+def test_a_malformed_message_does_not_stop_the_server(server):
+    """A client that skips the REQ envelope (a DEALER sending bare frames) once raised in the
+    serve loop, which closed the store under every worker."""
+    import zmq
+    with zmq.Context() as zctx, zctx.socket(zmq.DEALER) as rogue:
+        rogue.linger = 0
+        rogue.connect(server)
+        for msg in ([b""], [b"held"], [b"x", b"y"]):
+            rogue.send_multipart(msg)
+        with RemoteStore(server) as store:
+            key = session_key(SECRET, 8)
+            store.put(key, Delta(b"x" * 10, tokens=(0, 1), codec="raw"))
+            assert store.held(key) == 1
+
+
 def test_no_server_is_a_clear_error(tmp_path):
     with RemoteStore(f"ipc://{tmp_path}/nobody.sock", timeout_s=0.3) as store:
         with pytest.raises(DeviceError, match="did not answer"):
