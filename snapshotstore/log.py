@@ -151,6 +151,12 @@ class LogStore:
         self._chains: collections.OrderedDict[bytes, _Chain] = collections.OrderedDict()  # LRU first
         self._log: collections.deque[_Entry] = collections.deque()
         self._damaged: set[bytes] = set()       # recovery: chains with a hole, until restarted
+        # sessions LRU eviction dropped from the index (not logged) whose records recovery would
+        # still replay, each with its chain's first record: a delete of one writes a tombstone, or
+        # the next open would bring it back. Forgotten once the log supersedes it, or once the
+        # superblock's head passes that first record (recovery starts there, and the chain's
+        # later records no longer link up)
+        self._evicted: dict[bytes, _Entry] = {}
         self._failed: BaseException | None = None
         self._closed = False
         self.counters = collections.Counter()
@@ -268,6 +274,8 @@ class LogStore:
                 self.counters["unlinked_records_skipped"] += 1
                 return
             self._damaged.discard(e.key)
+        if e.kind == KIND_TOMBSTONE or e.parent == 0:
+            self._evicted.pop(e.key, None)        # what the log held of it is superseded now
         chain = self._chains.get(e.key)
         if e.kind == KIND_BASE and chain is not None:
             # The base replaces the chain in one assignment, in the same chain object: a put
@@ -380,7 +388,7 @@ class LogStore:
         with self._key_locks[key[0]]:
             with self._lock:
                 self._check_usable(write=True)
-                if key not in self._chains:
+                if key not in self._chains and key not in self._evicted:
                     return False
             req = _Request(KIND_TOMBSTONE, key, block_size=self.block_size)
             self._commit(req)
@@ -478,7 +486,7 @@ class LogStore:
                 staged: list[_Request] = []
                 protect = {r.key for r in batch}
                 for req in batch:
-                    if req.kind == KIND_TOMBSTONE and req.key not in self._chains:
+                    if req.kind == KIND_TOMBSTONE and req.key not in self._chains and req.key not in self._evicted:
                         continue                  # deleted meanwhile: nothing to write
                     try:
                         self._check_chain(req)
@@ -566,6 +574,7 @@ class LogStore:
             raise DeviceFull(f"{self.path} is full of live snapshots ({self._live_blocks} of {self.log_blocks} "
                              f"blocks): delete sessions, use a larger device, or open the store with "
                              f"eviction='lru'")
+        self._evicted[key] = self._chains[key].entries[0]
         self._drop(key)
         self.counters["evictions"] += 1
 
@@ -639,6 +648,7 @@ class LogStore:
                         self._head, self._durable_tail, self._generation, self._last_seq)
         _write_superblocks(self.dev, self._sbuf, sb)
         self._sb_head = self._head
+        self._evicted = {k: e for k, e in self._evicted.items() if e.lpos >= self._sb_head}
         self.superblocks_valid = fmt.SB_COPIES
 
     def _read_chain(self, chain: _Chain) -> list[bytes]:

@@ -210,6 +210,24 @@ def test_lru_eviction_drops_the_least_recently_used(make_device):
             assert s.restore(k).payload == deltas(1, 3000, seed=n)[0].payload
 
 
+def test_a_deleted_session_stays_deleted_though_eviction_had_dropped_it(make_device):
+    """LRU eviction is not logged, so an evicted session's records still lie past the head: a
+    delete of it once found nothing in the index, wrote no tombstone, and the next open replayed
+    the session back (the CLOSE promise: a reused id starts from nothing)."""
+    path = make_device(1 << 20)
+    with LogStore(path, eviction="lru") as s:
+        for n in range(300):
+            put_all(s, key(n), deltas(1, 3000, seed=n))
+        evicted = [n for n in range(300) if s.restore(key(n)) is None]
+        assert evicted, "the small log evicted some"
+        for n in evicted:
+            s.delete(key(n))
+        assert s.stats()["evictions"] == len(evicted)
+    with LogStore(path) as s:
+        assert not [n for n in evicted if s.restore(key(n)) is not None], "deleted, and stays so"
+        assert s.restore(key(299)).payload == deltas(1, 3000, seed=299)[0].payload
+
+
 TORN = [  # name, how the last record's blocks are damaged (block index within the record, fn)
     ("truncated", -1, lambda b: bytes(len(b))),
     ("garbled payload", -1, lambda b: os.urandom(64) + b[64:]),
