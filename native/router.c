@@ -414,10 +414,19 @@ static uint8_t note_run(struct dp_router *rt, uint64_t sk, int wk)
 {
     struct last_run *e = &rt->last_run[(sk >> 20) & ((1u << LAST_RUN_BITS) - 1)];
     uint8_t moved = !(e->session == sk && e->worker == wk);
-    rt->st.moved += e->session == sk && e->worker != wk;   /* a move seen, not a session first seen */
+    rt->st.moved += e->session == sk && e->worker != wk && e->worker >= 0;   /* a move seen, not a first sight */
     e->session = sk;
     e->worker = wk;
     return moved;
+}
+
+/* Session sk's request placed on wk failed: it may never have run there, so where the session
+ * last ran is unknown now (the next request is flagged moved and its worker asks the store). */
+static void forget_run(struct dp_router *rt, uint64_t sk, int wk)
+{
+    struct last_run *e = &rt->last_run[(sk >> 20) & ((1u << LAST_RUN_BITS) - 1)];
+    if (e->session == sk && e->worker == wk)
+        e->worker = -1;
 }
 
 /* --- responses -------------------------------------------------------------------- */
@@ -484,7 +493,9 @@ static void free_list(struct dp_router *rt, uint32_t p)
 static void make_ready(struct dp_router *rt, uint32_t ri)
 {
     struct req *r = &rt->reqs[ri];
-    if (r->held || r->in_fifo || r->in_set || r->state != REQ_PREFILL)
+    /* a down worker's requests are being moved (failover): queued there, one stayed behind on
+     * its queue after the move, and a worker set up again then read a freed slot */
+    if (r->held || r->in_fifo || r->in_set || r->state != REQ_PREFILL || !rt->view.up[r->worker])
         return;
     if (rt->cfg.batching == DP_BATCH_DYNAMIC ? r->pending_head != NIL : r->next_index == r->chunk_count) {
         r->t_ready = pass_clock(rt);
@@ -560,6 +571,13 @@ static void finish(struct dp_router *rt, uint32_t ri)
     price_admitted(rt);
     struct req *r = &rt->reqs[ri];
     struct worker *w = &rt->w[r->worker];
+    if (r->status) {
+        /* it may not have run (not all of it): its worker's copy of the session may lack turns run
+         * elsewhere, and the session's later requests were flagged as if it had run there */
+        for (uint32_t n = r->session_next; n != NIL; n = rt->reqs[n].session_next)
+            rt->reqs[n].moved = 1;
+        forget_run(rt, session_key(r->tenant, r->session_id), r->worker);
+    }
     session_leave(rt, ri);
     remember_done(rt, r->key);
     dp_adm_settle(rt->adm, r->tenant, &r->adm, r->tokens_in, r->generated, r->status == 0);
@@ -1401,6 +1419,7 @@ static void failover(struct dp_router *rt, uint32_t k)
         r->moved = 1;                    /* replayed elsewhere: its session moved for sure */
         r->state = REQ_PREFILL;
         r->n_out = 0;
+        r->generated = 0;                /* what it ran on the dead worker is not what it returns */
         r->decode_left = 0;
         make_ready(rt, ri);
         rt->st.replayed++;
@@ -2031,9 +2050,12 @@ int dp_router_set_batching(struct dp_router *rt, uint32_t batching, uint32_t bud
     if (rc)
         return rc;
     pthread_mutex_lock(&rt->lock);
-    if (batching != rt->cfg.batching && rt->st.active_requests)
+    for (uint32_t k = 0; k < rt->view.n; k++)   /* a batch must fit each lane, as add_worker checks */
+        if (rt->w[k].kind == DP_LANE_SHM && rt->w[k].lane->h->capacity < max_chunks)
+            rc = -EINVAL;
+    if (!rc && batching != rt->cfg.batching && rt->st.active_requests)
         rc = -EBUSY;             /* switching modes with requests in flight would strand them */
-    else {
+    if (!rc) {
         rt->cfg.batching = batching;
         rt->cfg.token_budget = budget;
         rt->cfg.max_chunks = max_chunks;

@@ -651,3 +651,79 @@ def test_a_request_whose_session_last_ran_elsewhere_is_flagged_moved(bench_facto
         flags.append((up, bool(batch["flags"][0] & records.CHUNK_F_MOVED)))
     assert flags == [(0, True), (0, False), (1, True), (0, True), (0, False)]
     assert b.router.stats()["moved"] == 2   # the two moves, not the first sight
+
+
+def test_a_worker_set_up_again_after_its_failover_runs_new_requests(bench_factory):
+    """A and B of one session on the only worker (B held behind A); the worker goes down: both are
+    answered 503. Ending A made B ready on the down worker's queue, which the failover had already
+    emptied: the queue kept B's freed slot, and the first poll after set_up(True) read it
+    (a crash). Now nothing is queued on a down worker."""
+    b = bench_factory(n_workers=1)
+    b.send(chunks_of(1, [1, 2, 3], session=5, max_out=3), chunks_of(2, [4, 5, 6], session=5, max_out=3))
+    b.router.poll()
+    b.router.set_up(0, False)
+    b.router.poll()
+    b.collect()
+    assert sorted((int(r["request_id"]), int(r["status"])) for r in b.responses) == [(1, 503), (2, 503)]
+    assert b.router.stats()["active_requests"] == 0
+    b.workers[0].recv_batch(0)                 # what the dead worker left in its lane
+    b.router.set_up(0, True)
+    b.send(chunks_of(3, [7, 8], session=6, max_out=2))
+    b.run()
+    assert [(int(r["request_id"]), int(r["status"])) for r in b.responses[2:]] == [(3, 200)]
+
+
+def test_a_failed_request_leaves_where_its_session_ran_unknown(bench_factory):
+    """R1 on w0, R2 on w1 (the store now has more than w0's copy), R3 placed on w0 fails before it
+    runs (a malformed chunk): R4 on w0 must be flagged moved, or w0 answers from its copy without
+    R2's turn. A request of the session placed behind the failed one is flagged too."""
+    b = bench_factory(n_workers=2, policy="round_robin")
+    flags = {}
+
+    def place(rid, up, *chunks):
+        b.router.set_up(up, True)
+        b.router.set_up(1 - up, False)
+        b.send(*chunks)
+        for batch in b.run(up):
+            for r in batch[batch["kind"] == wire.KIND_CHUNK]:
+                flags[int(r["request_id"])] = bool(r["flags"] & records.CHUNK_F_MOVED)
+    place(1, 0, chunks_of(1, [1, 2], session=9, max_out=1))
+    place(2, 1, chunks_of(2, [3, 4], session=9, max_out=1))
+    r3 = chunks_of(3, list(range(200)), session=9, max_out=1)
+    bad = r3[[1]].copy()
+    bad["n_tokens"] = 0
+    place(3, 0, r3[[0]], bad)
+    place(4, 0, chunks_of(4, [5, 6], session=9, max_out=1))
+    assert flags[2] and flags[4], flags
+    assert [(int(r["request_id"]), int(r["status"])) for r in b.responses] == [(1, 200), (2, 200), (3, 400), (4, 200)]
+    # behind a request that fails: R6 placed on w0 while R5 (on w0) is unfinished, then R5 fails
+    b.router.set_up(0, True)
+    b.router.set_up(1, False)
+    r5 = chunks_of(5, list(range(200)), session=9, max_out=1)
+    b.send(r5[[0]], chunks_of(6, [7, 8], session=9, max_out=1))
+    b.router.poll()
+    bad = r5[[1]].copy()
+    bad["n_tokens"] = 0
+    b.send(bad)
+    for batch in b.run(0):
+        for r in batch[batch["kind"] == wire.KIND_CHUNK]:
+            flags[int(r["request_id"])] = bool(r["flags"] & records.CHUNK_F_MOVED)
+    assert flags[6], "placed behind R5 as if R5 would run on w0"
+
+
+def test_set_batching_refuses_more_chunks_a_step_than_a_lane_holds():
+    """add_worker refuses a lane smaller than a step; set_batching raising the step past a lane
+    made that worker's lane never ready, its requests never answered."""
+    tag = f"rtsmall{os.getpid()}"
+    lane = Ring.create(f"{tag}.lane", records.CHUNK.itemsize, 16, role="producer")
+    done = Ring.create(f"{tag}.done", records.COMPLETION.itemsize, 64, role="consumer")
+    try:
+        with Router(max_chunks=16) as rt:
+            rt.add_worker(lane, done)
+            with pytest.raises(ValueError, match="batching: invalid argument"):
+                rt.set_batching("dynamic", 512, 32)
+            rt.set_batching("dynamic", 512, 16)
+    finally:
+        for ring, name in ((lane, "lane"), (done, "done")):
+            ring.close()
+            unlink(f"{tag}.{name}")

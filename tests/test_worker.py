@@ -93,6 +93,23 @@ def test_int8_restore_continues_with_bounded_logit_error(model):
     assert 0 < err < 0.25, err
 
 
+def test_a_request_the_router_gave_up_on_leaves_nothing_in_the_session(model):
+    """Request 2's first piece ran, then the router failed it (a later chunk malformed, or
+    expired): its client got an error, so its prompt is not the session's. Request 3 on the same
+    session continues from request 1's context alone, as if 2 had never come."""
+    w = Worker(model, None, kv_budget_bytes=BIG, return_logits=True)
+    ref = Worker(model, None, kv_budget_bytes=BIG, return_logits=True)
+    first, last = (7, 1, prompt(1, 40), 2), (7, 3, prompt(3, 10), 2)
+    drive(w.step, [first]), drive(ref.step, [first])
+    length = w.sessions[(0, 7)].cache.length
+    w.step(as_batch([prefill_records(7, 2, prompt(2, 150), 2)[:1]]))    # its first piece of two, no more
+    assert w.sessions[(0, 7)].cache.length == length + 128
+    got, want = drive(w.step, [last]), drive(ref.step, [last])
+    assert got == want and w.stats["superseded"] == 1
+    assert np.array_equal(finished(w)[-1].logits, finished(ref)[-1].logits)
+    assert w.sessions[(0, 7)].cache.length == ref.sessions[(0, 7)].cache.length
+
+
 def test_eviction_waits_for_a_durable_snapshot(model):
     store = MemoryStore()
     store.fail_puts = True

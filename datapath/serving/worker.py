@@ -90,6 +90,7 @@ class _Request:
     max_output_tokens: int
     restored_tokens: int
     stamps: dict[str, int]
+    start_len: int = 0       # the session's KV length before it: what it is cut back to if superseded
     prefill_done: bool = False
     tokens: list[int] = field(default_factory=list)
     logits: list[np.ndarray] = field(default_factory=list)
@@ -124,7 +125,7 @@ class Worker:
         self._kv_bytes = 0   # the sessions' cache bytes, kept as they change (not summed over all each step)
         self.finished: list[RequestDone] = []  # appended as requests finish; the caller drains it
         self.stats = dict(steps=0, records=0, refused=0, snapshots=0, snapshot_failures=0, restores=0,
-                          evictions=0, over_budget_steps=0, stale_dropped=0, closed=0, whole_reputs=0,
+                          evictions=0, over_budget_steps=0, stale_dropped=0, closed=0, whole_reputs=0, superseded=0,
                           simulated_s=0.0)
 
     @property
@@ -193,10 +194,14 @@ class Worker:
         if s.cache.length + queued + len(tokens) > self.model.config.max_context:
             return wire.STATUS_TOO_LARGE
         if s.request is None or s.request.request_id != rid:
-            # A new request on the session (one the router gave up on is superseded).
+            # A new request on the session. One the router gave up on (refused, expired: its client
+            # got an error) is superseded, and the KV its pieces added is cut off: not the session's.
+            if s.request is not None:
+                s.cache.length = s.request.start_len
+                self.stats["superseded"] += 1
             stamps = {name: int(rec[name]) for name in ("t_send", "t_xdp", "t_router", "t_lane") if rec[name]}
             stamps["t_worker"] = t_start
-            s.request = _Request(rid, int(rec["max_output_tokens"]), s.restored_tokens, stamps)
+            s.request = _Request(rid, int(rec["max_output_tokens"]), s.restored_tokens, stamps, s.cache.length)
             s.restored_tokens = 0
         seg = segments.get(key)
         if s.request.prefill_done or (seg is not None and (seg.decode or seg.answer is not None)):
