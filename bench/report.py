@@ -34,7 +34,8 @@ from datapath.metrics import Distribution
 
 SWEEP_COLUMNS = [("qps", "offered qps"), ("achieved_qps", "achieved qps"), ("p50_ms", "p50 ms"),
                  ("p95_ms", "p95 ms"), ("p99_ms", "p99 ms"), ("step_p50_ms", "worker step p50 ms"),
-                 ("requests", "requests"), ("errors", "errors"), ("steal_pct", "host steal %")]
+                 ("requests", "requests"), ("errors", "errors"), ("unanswered", "of them unanswered"),
+                 ("late_max_ms", "sender late max ms"), ("steal_pct", "host steal %")]
 SWEEP_LINES = [("p50_ms", "p50", "-"), ("p95_ms", "p95", "--"), ("p99_ms", "p99", ":")]
 STAGE_PERCENTILES = [("p50", "p50", "-"), ("p95", "p95", "--"), ("p99", "p99", "-."), ("p999", "p99.9", ":")]
 MACHINE_FIRST = ["cores", "cpu_model", "kernel", "xdp_mode"]
@@ -120,6 +121,9 @@ def _sweep_section(sweep: dict) -> list[str]:
     lines = ["", "## Latency versus load", ""]
     if not any(sweep.values()):
         return lines + ["No load sweep in this run."]
+    lines += ["Latency counts from each request's scheduled (Poisson) send, so a sender that ran late "
+              "adds its lag; a request still unanswered when the client stopped waiting counts with the "
+              "time it had waited then (a lower bound). Errors: requests not answered 200.", ""]
     for mode, points in sweep.items():
         lines += [f"### {mode}", "", "| " + " | ".join(h for _, h in SWEEP_COLUMNS) + " |",
                   "|" + "---:|" * len(SWEEP_COLUMNS)]

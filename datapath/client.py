@@ -81,7 +81,13 @@ def send(sock: socket.socket, packets: list[bytes], rate: float, count: int, dur
 
     merge > 1 is client-side batching: requests arrive at `rate`, every `merge` of them leave
     as one packet (each packet must carry that many requests' prompts) once the last has
-    arrived, and each answer counts `merge` latencies, from each request's own arrival."""
+    arrived, and each answer counts `merge` latencies, from each request's own arrival.
+
+    rtt_ns / rtt_ok_ns: per answer (all / 200s), from the packet's own send: the path's round
+    trip. lat_ok_ns (stamp_seq): per request answered 200, from its scheduled send, and per
+    request still unanswered when the drain ended (`unanswered`) the time it had waited then:
+    the open-loop latency, with a late sender's lag (`late_mean_ns`, `max_late_ns`) and the
+    unanswered tail kept in it."""
     if not packets or rate <= 0 or count < 1 or duration <= 0:
         raise ValueError("send needs packets, rate > 0, count >= 1 and duration > 0")
     if stamp_seq:
@@ -95,27 +101,30 @@ def send(sock: socket.socket, packets: list[bytes], rate: float, count: int, dur
                                                 seed=seed, batch=batch, drain_ms=drain_ms, stamp_seq=stamp_seq,
                                                 spin_ns=spin_us * 1000, seq_base=seq_base, merge=merge))
     st = ffi.new("struct dp_send_stats *")
-    if lib.dp_lat_init(ffi.addressof(st.rtt), 1 << 16) or lib.dp_lat_init(ffi.addressof(st.rtt_ok), 1 << 16):
-        lib.dp_lat_free(ffi.addressof(st.rtt))
+    lats = (st.rtt, st.rtt_ok, st.lat_ok)
+    if any(lib.dp_lat_init(ffi.addressof(lat), 1 << 16) for lat in lats):
+        for lat in lats:
+            lib.dp_lat_free(ffi.addressof(lat))
         raise MemoryError("cannot allocate the response latency samples")
     try:
         rc = lib.dp_send_poisson(sock.fileno(), buf, stride, lens, len(packets), cfg, st)
         if rc:
             raise OSError(-rc, os.strerror(-rc))
-        rtt = sorted(ffi.unpack(st.rtt.samples, st.rtt.n))
-        rtt_ok = sorted(ffi.unpack(st.rtt_ok.samples, st.rtt_ok.n))
+        rtt, rtt_ok, lat_ok = (sorted(ffi.unpack(lat.samples, lat.n)) for lat in lats)
         return dict(sent=st.sent, send_errors=st.send_errors, elapsed_s=st.elapsed_ns / 1e9,
                     offered_pps=st.sent / (st.elapsed_ns / 1e9) if st.elapsed_ns else 0.0,
                     max_late_ns=st.max_late_ns, responses=st.responses, resp_429=st.resp_429,
                     resp_ok=st.resp_ok, resp_other=st.resp_other, last_resp_s=st.last_resp_ns / 1e9,
-                    requests=st.requests, rtt_ns=rtt, rtt_ok_ns=rtt_ok,
+                    requests=st.requests, rtt_ns=rtt, rtt_ok_ns=rtt_ok, lat_ok_ns=lat_ok,
+                    unanswered=st.unanswered, duplicates=st.duplicates,
+                    late_mean_ns=st.late_ns_sum / st.sent if st.sent and merge == 1 else 0.0,
                     merge_wait_ns_mean=st.merge_wait_ns / (st.sent * merge) if merge > 1 and st.sent else 0.0,
                     by_status={s: st.by_status[i] for i, s in enumerate(wire.STATUSES) if st.by_status[i]},
                     sample_status=st.sample_status,
                     sample_body=bytes(ffi.buffer(st.sample_body, st.sample_len)).decode(errors="replace"))
     finally:
-        lib.dp_lat_free(ffi.addressof(st.rtt))
-        lib.dp_lat_free(ffi.addressof(st.rtt_ok))
+        for lat in lats:
+            lib.dp_lat_free(ffi.addressof(lat))
 
 
 def run_in_netns(netns: str, fn, *args, cpu: int | None = None, rt_priority: int = 0,
@@ -163,11 +172,12 @@ def run_in_netns(netns: str, fn, *args, cpu: int | None = None, rt_priority: int
 
 
 def spawn_in_netns(netns: str, dst: str, packets: list[bytes], timeout: float, port: int = wire.DEFAULT_PORT,
-                   cpu: int | None = None, **kw) -> dict:
+                   cpu: int | None = None, rt_priority: int = 0, **kw) -> dict:
     """send_from's twin for a parent whose memory must stay its own: the sender is a fresh
     interpreter (exec'd in the client namespace), not a fork. A forked child shares the
     parent's pages copy-on-write, so while it lives every first write of the parent's
-    native threads (router, consumer) to a page costs them a page fault."""
+    native threads (router, consumer) to a page costs them a page fault. rt_priority > 0
+    runs it SCHED_FIFO (pinned to cpu), so a busy task there cannot hold its sends back."""
     import pickle
     import subprocess
     import sys
@@ -178,10 +188,12 @@ def spawn_in_netns(netns: str, dst: str, packets: list[bytes], timeout: float, p
     # `ip netns exec` enters the namespace in the child, so the parent forks nothing of its own
     # (no preexec_fn: that would run Python between fork and exec in a process with native threads)
     code = ("import json, os, pickle, sys; from datapath.client import _send_to; "
-            "a, k, cpu = pickle.load(sys.stdin.buffer); cpu is None or os.sched_setaffinity(0, {cpu}); "
+            "a, k, cpu, rt = pickle.load(sys.stdin.buffer); cpu is None or os.sched_setaffinity(0, {cpu}); "
+            "rt and os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(rt)); "
             "print(json.dumps(_send_to(*a, **k)))")
     r = subprocess.run(["ip", "netns", "exec", netns, sys.executable, "-c", code],
-                       input=pickle.dumps(((dst, port, packets), kw, cpu)), capture_output=True, timeout=timeout)
+                       input=pickle.dumps(((dst, port, packets), kw, cpu, rt_priority)), capture_output=True,
+                       timeout=timeout)
     if r.returncode:
         raise RuntimeError(f"client in {netns}: {r.stderr.decode(errors='replace').strip()[-500:]}")
     return json.loads(r.stdout)

@@ -338,11 +338,14 @@ class Pipeline:
         pkts = [pkt for s, prompt in enumerate(prompts)
                 for pkt in client.request_packets(tenants[s % len(tenants)], base + s + 1, 0, prompt,
                                                   max_output_tokens=max_output_tokens * merge)]
-        # the client runs beside the workers, off the data path's core
+        # The client runs beside the workers, off the data path's core, SCHED_FIFO: on the core
+        # it shares with a worker it would otherwise wait for the worker's step to yield, and send
+        # late exactly when the worker is busy. Its latency counts from the schedule either way
+        # (a late send's lag counted); this keeps the lag that of the client's own wake-up.
         cpu = self.cfg.worker_cpus[0] if self.cfg.worker_cpus else None
         duration = count * merge / rate * 3 + 5
         res = client.spawn_in_netns(self.topo.client_ns[0], self.topo.host_ip[0], pkts, timeout=duration + 60,
-                                    cpu=cpu, rate=rate, count=count, duration=duration,
+                                    cpu=cpu, rt_priority=1, rate=rate, count=count, duration=duration,
                                     drain_ms=int(drain_s * 1000), seq_base=base, merge=merge)
         by_status = {int(k): v for k, v in res["by_status"].items()}   # JSON made the keys strings
         return {**res, "by_status": by_status, "seq_base": base}
@@ -357,12 +360,16 @@ class Pipeline:
         return np.concatenate(parts) if parts else np.zeros(0, TRACE)
 
     def kv_resident_bytes(self) -> tuple[int, int]:
-        """KV cache bytes resident across the workers: (mean over their steps, after their last step)."""
+        """KV cache bytes resident across the workers, as each step left them (after its
+        evictions): (the mean over each worker's steps, summed; after their last steps)."""
         mean = last = 0
         for buf in self.traces:
             n = int(np.frombuffer(buf, dtype="<u8", count=1)[0])
             if n:
-                kv = np.frombuffer(buf, dtype=TRACE, offset=64, count=n)["kv_bytes"]
+                rows = np.frombuffer(buf, dtype=TRACE, offset=64, count=n)
+                # a row per record: a step's rows share its t_start, so one per step
+                _, first = np.unique(rows["t_start"], return_index=True)
+                kv = rows["kv_bytes"][np.sort(first)]
                 mean += int(kv.mean())
                 last += int(kv[-1])
         return mean, last

@@ -155,8 +155,14 @@ struct dp_send_stats {
     uint16_t sample_status;    /* the first response other than 200 ... */
     uint16_t sample_len;
     uint8_t sample_body[DP_MAX_RESP_BODY];   /* ... and its body (an admission answer's JSON) */
-    struct dp_lat rtt;         /* now - echoed send_ns, per response */
+    uint64_t late_ns_sum;      /* each packet's lag behind its scheduled send, summed (merge 1) */
+    uint64_t duplicates;       /* answers to a request already answered (not sampled again) */
+    uint64_t unanswered;       /* requests without an answer when the drain ended */
+    struct dp_lat rtt;         /* now - echoed send_ns, per response: the path's round trip */
     struct dp_lat rtt_ok;      /* the same, for 200 responses only */
+    struct dp_lat lat_ok;      /* stamp_seq: now - the request's scheduled send, per 200 (a repeat
+                                  once), then per unanswered request the time it had waited when
+                                  the drain ended: the open-loop latency, lateness and tail kept */
 };
 
 int dp_send_poisson(int fd, const uint8_t *pkts, uint32_t stride, const uint16_t *lens, uint32_t n_pkts,

@@ -1,9 +1,16 @@
 /* loadgen.c - open-loop Poisson sender (sendmmsg) and the ping-pong reference.
  *
  * Open loop: send times come from the Poisson schedule alone, never from
- * replies, so a slow server cannot slow the offered load down (no
- * coordinated omission). Packets due together go out in one sendmmsg, each
- * stamped with send_ns just before the call. Bounded by count and time.
+ * replies, so a slow server cannot slow the offered load down. Packets due
+ * together go out in one sendmmsg, each stamped with send_ns just before the
+ * call. Bounded by count and time.
+ *
+ * Two latencies per answer. rtt: from the packet's own send_ns (the path's
+ * round trip). lat_ok: from the request's scheduled send (its Poisson arrival),
+ * so a send that ran late (this core busy: it is shared with a worker) adds
+ * its lateness instead of hiding it (no coordinated omission), and a request
+ * still unanswered when the drain ends counts with the time it had waited
+ * then (a lower bound) instead of dropping out of the tail.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -60,26 +67,42 @@ static void wait_until(int fd, uint64_t t)
     ppoll(&p, 1, &ts, NULL);
 }
 
-/* merge > 1: waits[seq * merge + j] is how long arrival j of packet seq waited for the packet */
-struct merged {
+/* The schedule, per packet seq (stamp_seq only: an answer names its request's first packet).
+ * merge > 1: waits[seq * merge + j] is how long arrival j of packet seq waited for the packet. */
+enum { SEQ_NONE, SEQ_SENT, SEQ_ANSWERED };
+struct sched {
     uint32_t merge;
     uint64_t seq_base, count;
     uint64_t *waits;
+    uint64_t *at;          /* the time packet seq's latency counts from: its scheduled send
+                            * (merge > 1: its actual send, the waits add each arrival's wait) */
+    uint8_t *state;        /* SEQ_SENT once a request's first packet is out, SEQ_ANSWERED once answered */
 };
 
-static void add_rtt(struct dp_send_stats *st, const struct merged *m, const struct dp_resp_hdr *h, uint64_t rtt)
+/* Latency samples of one answer; lat_ok from the schedule, once per request (a repeat is counted). */
+static void add_rtt(struct dp_send_stats *st, struct sched *m, const struct dp_resp_hdr *h, uint64_t now)
 {
     uint64_t seq = h->request_id - m->seq_base;
-    uint32_t each = m->merge > 1 && seq < m->count ? m->merge : 1;
-    for (uint32_t j = 0; j < each; j++) {   /* a merged answer answers every request it carried */
-        uint64_t v = rtt + (each > 1 ? m->waits[seq * m->merge + j] : 0);
-        dp_lat_add(&st->rtt, v);
-        if (h->status == DP_STATUS_OK)
-            dp_lat_add(&st->rtt_ok, v);
+    int known = m->state && seq < m->count && m->state[seq] != SEQ_NONE;
+    if (known && m->state[seq] == SEQ_ANSWERED) {
+        st->duplicates++;
+        return;
     }
+    uint32_t each = m->merge > 1 && known ? m->merge : 1;
+    for (uint32_t j = 0; j < each; j++) {   /* a merged answer answers every request it carried */
+        uint64_t wait = each > 1 ? m->waits[seq * m->merge + j] : 0;
+        if (h->send_ns && now > h->send_ns)
+            dp_lat_add(&st->rtt, now - h->send_ns + wait);
+        if (h->send_ns && now > h->send_ns && h->status == DP_STATUS_OK)
+            dp_lat_add(&st->rtt_ok, now - h->send_ns + wait);
+        if (known && h->status == DP_STATUS_OK)
+            dp_lat_add(&st->lat_ok, now - m->at[seq] + wait);
+    }
+    if (known)
+        m->state[seq] = SEQ_ANSWERED;
 }
 
-static void read_responses(int fd, struct dp_send_stats *st, uint64_t start, const struct merged *m)
+static void read_responses(int fd, struct dp_send_stats *st, uint64_t start, struct sched *m)
 {
     uint8_t buf[2048];
     struct dp_resp_hdr h;
@@ -109,8 +132,7 @@ static void read_responses(int fd, struct dp_send_stats *st, uint64_t start, con
             st->resp_ok++;
         else
             st->resp_other++;
-        if (h.send_ns && now > h.send_ns)
-            add_rtt(st, m, &h, now - h.send_ns);
+        add_rtt(st, m, &h, now);
     }
 }
 
@@ -122,18 +144,21 @@ int dp_send_poisson(int fd, const uint8_t *pkts, uint32_t stride, const uint16_t
     uint8_t *bufs;
     uint64_t rng = seed_state(cfg->seed), start, due, deadline, i = 0;
     uint32_t batch = cfg->batch < 1 ? 1 : cfg->batch > TX_BATCH_MAX ? TX_BATCH_MAX : cfg->batch;
-    struct merged m = { cfg->merge > 1 ? cfg->merge : 1, cfg->seq_base, cfg->count, NULL };
+    struct sched m = { cfg->merge > 1 ? cfg->merge : 1, cfg->seq_base, cfg->count, NULL, NULL, NULL };
     uint64_t arrival[DP_MAX_BATCH_CHUNKS];   /* merge > 1: arrival times of the next packet's requests */
 
     if (!n_pkts || cfg->rate_pps <= 0 || stride < DP_REQ_HDR_LEN || m.merge > DP_MAX_BATCH_CHUNKS ||
-        (m.merge > 1 && (!cfg->stamp_seq || cfg->count > (1u << 24))))
+        (m.merge > 1 && !cfg->stamp_seq) || (cfg->stamp_seq && cfg->count > (1u << 24)))
         return -EINVAL;
     if (m.merge > 1)
         batch = 1;                       /* one packet per merge: its stamp is its last arrival's send */
     if (!(bufs = malloc((size_t)batch * stride)))
         return -ENOMEM;
-    if (m.merge > 1 && !(m.waits = calloc(cfg->count * m.merge, sizeof(uint64_t)))) {
+    if ((m.merge > 1 && !(m.waits = calloc(cfg->count * m.merge, sizeof(uint64_t)))) ||
+        (cfg->stamp_seq && (!(m.at = calloc(cfg->count, sizeof(uint64_t))) || !(m.state = calloc(cfg->count, 1))))) {
         free(bufs);
+        free(m.waits);
+        free(m.at);
         return -ENOMEM;
     }
     memset(msgs, 0, sizeof(msgs));
@@ -168,6 +193,10 @@ int dp_send_poisson(int fd, const uint8_t *pkts, uint32_t stride, const uint16_t
                 memcpy(dst + offsetof(struct dp_req_hdr, request_id), &id, 8);
             }
             st->requests += chunk == 0;
+            if (m.state) {
+                m.at[seq] = due;             /* merge > 1: replaced by the send time below */
+                m.state[seq] = chunk == 0 ? SEQ_SENT : SEQ_NONE;
+            }
             iov[k].iov_base = dst;
             iov[k].iov_len = len;
             msgs[k].msg_hdr.msg_iov = &iov[k];
@@ -178,9 +207,14 @@ int dp_send_poisson(int fd, const uint8_t *pkts, uint32_t stride, const uint16_t
             due += next_gap(&rng, cfg->rate_pps);
         }
         now = dp_now_ns();
-        for (uint32_t j = 0; j < k; j++)
+        for (uint32_t j = 0; j < k; j++) {
             memcpy(bufs + (size_t)j * stride + offsetof(struct dp_req_hdr, send_ns), &now, 8);
+            if (m.state && m.merge == 1)
+                st->late_ns_sum += now - m.at[i + j];
+        }
         if (m.merge > 1 && k) {          /* each request waited from its arrival to this send */
+            if (m.state)
+                m.at[i] = now;
             for (uint32_t j = 0; j < m.merge; j++) {
                 m.waits[i * m.merge + j] = now - arrival[j];
                 st->merge_wait_ns += now - arrival[j];
@@ -203,12 +237,23 @@ int dp_send_poisson(int fd, const uint8_t *pkts, uint32_t stride, const uint16_t
     st->elapsed_ns = dp_now_ns() - start;
     for (uint64_t end = dp_now_ns() + (uint64_t)cfg->drain_ms * 1000000; dp_now_ns() < end;) {
         read_responses(fd, st, start, &m);
-        if (st->responses >= st->requests)
+        if (st->responses - st->duplicates >= st->requests)
             break;                 /* every request answered: no need to wait out the drain */
         wait_until(fd, end);
     }
+    /* the tail keeps what the drain did not see answered: each at the time it had waited */
+    uint64_t given_up = dp_now_ns();
+    for (uint64_t seq = 0; m.state && seq < i; seq++) {
+        if (m.state[seq] != SEQ_SENT)
+            continue;
+        st->unanswered++;
+        for (uint32_t j = 0; j < m.merge; j++)
+            dp_lat_add(&st->lat_ok, given_up - m.at[seq] + (m.merge > 1 ? m.waits[seq * m.merge + j] : 0));
+    }
     free(bufs);
     free(m.waits);
+    free(m.at);
+    free(m.state);
     return 0;
 }
 

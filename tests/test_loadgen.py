@@ -125,3 +125,65 @@ def test_merged_sends_count_every_request_from_its_own_arrival():
         assert single["merge_wait_ns_mean"] == 0.0
     finally:
         sink.close(), tx.close()
+
+
+def _answering(sink, n, copies=lambda req: 1):
+    """A server answering up to n requests at once, each `copies(req)` times (0: not at all)."""
+    import threading
+
+    def run():
+        try:
+            for _ in range(n):
+                data, addr = sink.recvfrom(2048)
+                req = wire.decode_request(data)
+                resp = wire.encode_response(wire.Response(tenant=req.tenant, session_id=req.session_id,
+                                                          request_id=req.request_id, status=200,
+                                                          send_ns=req.send_ns))
+                for _ in range(copies(req)):
+                    sink.sendto(resp, addr)
+        except socket.timeout:
+            pass
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def test_latency_counts_from_the_schedule_so_a_late_sender_cannot_hide_its_lag():
+    """A schedule the sender cannot keep (1e9 req/s, one packet per sendmmsg): the round trip from
+    each packet's own send stays short while the latency from its scheduled send grows with the
+    lag, as an open-loop client must count it (no coordinated omission)."""
+    import numpy as np
+    sink, tx = pair()
+    sink.settimeout(2)
+    for sock in (sink, tx):     # requests and answers pile up while the sender is busy: room for all
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+    t = _answering(sink, 200)
+    try:
+        res = client.send(tx, client.request_packets(1, 1, 1, [1, 2, 3]), rate=1e9, count=200, duration=5,
+                          drain_ms=2000, batch=1)
+        t.join()
+        assert res["resp_ok"] + res["unanswered"] == 200 and len(res["lat_ok_ns"]) == 200
+        lat, rtt = np.array(res["lat_ok_ns"]), np.array(res["rtt_ok_ns"])
+        # all 200 were due at once: the k-th went out k sends late, so half lag more than half the most
+        assert 0 < res["late_mean_ns"] <= res["max_late_ns"]
+        assert np.percentile(lat, 50) > np.percentile(rtt, 50) + 0.25 * res["max_late_ns"]
+    finally:
+        sink.close(), tx.close()
+
+
+def test_an_unanswered_request_stays_in_the_tail_and_a_repeated_answer_counts_once():
+    import numpy as np
+    sink, tx = pair()
+    sink.settimeout(2)
+    # requests with an even id answered twice, odd ones never
+    t = _answering(sink, 40, copies=lambda req: 2 if req.request_id % 2 == 0 else 0)
+    try:
+        res = client.send(tx, client.request_packets(1, 1, 1, [1, 2, 3]), rate=2000, count=40, duration=5,
+                          drain_ms=300)
+        t.join()
+        assert res["responses"] == 40 and res["duplicates"] == 20 and res["unanswered"] == 20
+        lat = np.sort(res["lat_ok_ns"])
+        assert len(lat) == 40, "20 answered, 20 at the time they waited"
+        assert lat[20:].min() >= 0.3e9 > lat[:20].max(), "each unanswered one waited at least the drain"
+    finally:
+        sink.close(), tx.close()
