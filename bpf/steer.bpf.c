@@ -109,12 +109,19 @@ static __always_inline int over_limit(__u32 tenant, __u32 n, __u64 now)
 
     if (!b)
         return 0;
-    tat = b->tat > now ? b->tat : now;
-    tat += n * b->ns_per_token;
-    if (tat > now + b->burst_ns)
-        return 1;
-    b->tat = tat;   /* not atomic: two CPUs racing on one tenant may both pass */
-    return 0;
+    /* compare-and-swap: two CPUs admitting one tenant's chunks at once cannot both take the same
+     * room (a plain store let both pass, up to one rate per CPU); the loser retries against the
+     * winner's tat, and one that loses 4 times running is refused, never let through */
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        __u64 old = b->tat;
+        tat = (old > now ? old : now) + n * b->ns_per_token;
+        if (tat > now + b->burst_ns)
+            return 1;
+        if (__sync_val_compare_and_swap(&b->tat, old, tat) == old)
+            return 0;
+    }
+    return 1;
 }
 
 static __always_inline __u16 dp_csum_fold(__u32 sum)
@@ -229,6 +236,12 @@ int xdp_steer(struct xdp_md *ctx)
     if (frag)
         return drop(DP_DROP_FRAGMENT);
     if (udp_len < 0)
+        return drop(DP_DROP_LENGTH);
+    /* The IP header's own length must hold the whole UDP datagram, and its version match the
+     * EtherType, as the kernel's IP input checks: otherwise bytes past the IP datagram (a frame
+     * longer than it says) passed for the request. */
+    if (v6 ? ip6h->version != 6 || bpf_ntohs(ip6h->payload_len) < bpf_ntohs(udph->len)
+           : iph->version != 4 || bpf_ntohs(iph->tot_len) < iph->ihl * 4 + bpf_ntohs(udph->len))
         return drop(DP_DROP_LENGTH);
 
     /* validation, in the order of datapath/wire.py's decoder */

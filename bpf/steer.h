@@ -28,7 +28,7 @@ enum dp_drop {
     DP_DROP_BAD_FLAGS = 4,       /* unknown flag bits or reserved != 0 */
     DP_DROP_BAD_CHUNK = 5,       /* chunk_count 0 or chunk_index >= chunk_count */
     DP_DROP_BAD_TOKENS = 6,      /* n_tokens outside 1..128 (chunk) or != 0 (open/close) */
-    DP_DROP_LENGTH = 7,          /* UDP length != header + 4 * n_tokens */
+    DP_DROP_LENGTH = 7,          /* UDP length != header + 4 * n_tokens, or more than the IP length */
     DP_DROP_FRAGMENT = 8,        /* an IP fragment of a datagram to our port */
     DP_DROP_RATE_LIMITED = 9,    /* over the tenant's token bucket (answered 429 by XDP_TX) */
     DP_DROP_RING_FULL = 10,      /* the queue's ring buffer had no room */

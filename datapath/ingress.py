@@ -192,6 +192,9 @@ class Ingress:
         if burst < lib.DP_MAX_CHUNK_TOKENS:
             raise ValueError(f"burst_tokens must be at least one full chunk ({lib.DP_MAX_CHUNK_TOKENS}), not {burst}")
         ns_per_token = NS_PER_MINUTE // tokens_per_minute
+        if burst * ns_per_token >= 1 << 62:    # the program adds it to the clock: it must not wrap
+            raise ValueError(f"burst_tokens {burst} at {tokens_per_minute}/minute is more than the bucket can hold "
+                             f"({((1 << 62) - 1) // ns_per_token} tokens): clear_rate() to lift the limit")
         t = self.table("buckets")
         t[t.Key(tenant)] = t.Leaf(ns_per_token, burst * ns_per_token, 0)
         self._count_rate_limits()

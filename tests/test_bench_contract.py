@@ -132,9 +132,12 @@ def test_compare_runs_each_policy_under_the_same_load(tmp_path):
 def test_the_flatness_figure_needs_a_saturated_sweep():
     from bench.e2e import _spread_to_80pct
 
-    def row(qps, achieved, p95, errors=0):
-        return {"qps": qps, "achieved_qps": achieved, "p95_ms": p95, "requests": 100, "errors": errors}
+    def row(qps, achieved, p95, errors=0, sent=None):
+        return {"qps": qps, "offered_qps": qps if sent is None else sent, "achieved_qps": achieved, "p95_ms": p95,
+                "requests": 100, "errors": errors}
     below = [row(10, 10, 100), row(40, 40, 104), row(80, 79, 150)]
+    # Poisson gaps sent 70/s of a nominal 80: answering all of it is keeping up, not saturation
+    assert _spread_to_80pct([row(10, 10, 100), row(40, 40, 104), row(80, 70, 150, sent=70)]) is None
     assert _spread_to_80pct(below) is None, "no rate saturated: there is no 80% to speak of"
     saturated = below + [row(160, 100, 900)]       # saturation 100/s: rates up to 80 count
     assert _spread_to_80pct(saturated) == pytest.approx(1.5)

@@ -65,6 +65,10 @@ def limited(ig):  # an empty bucket: 1 token a minute, burst of one chunk, alrea
     assert prog_test_run(ig.fn.fd, frame(req(tokens=tuple(range(128)))))[0] == XDP_DROP
 
 
+def patched(frm: bytes, at: int, data: bytes) -> bytes:
+    return frm[:at] + data + frm[at + len(data):]
+
+
 def case(name, frm, verdict, counter, queue=None, setup=None):
     return pytest.param(frm, verdict, counter, queue, setup, id=name)
 
@@ -116,6 +120,12 @@ CASES = [
     case("udp length short of the tokens", frame(udp_len=8 + 48 + 60), XDP_DROP, "drop_length"),
     case("udp length past the packet", frame(udp_len=8 + 48 + 64 + 4), XDP_DROP, "drop_length"),
     case("udp length below 8", frame(udp_len=4), XDP_DROP, "drop_length"),
+    # the IP header's length must hold the datagram (the kernel would trim the frame to it)
+    case("ipv4 total length short of the udp datagram", patched(VALID, 16, struct.pack("!H", 20 + 8)), XDP_DROP,
+         "drop_length"),
+    case("ipv6 payload length short of the udp datagram", patched(frame(v6=True), 18, struct.pack("!H", 8)),
+         XDP_DROP, "drop_length"),
+    case("ipv4 ethertype, version 6 in the header", patched(VALID, 14, bytes([0x65])), XDP_DROP, "drop_length"),
     case("first ipv4 fragment", frame(mf=True), XDP_DROP, "drop_fragment"),
     case("first ipv6 fragment", V6_FRAG, XDP_DROP, "drop_fragment"),
     # not ours: passed untouched
@@ -241,6 +251,50 @@ def test_bad_tunables_are_refused():
     for kw in (dict(queues=0), dict(queues=9), dict(ring_pages=3), dict(port=70000)):
         with pytest.raises(ValueError):
             Ingress(**kw)
+
+
+def test_a_burst_too_large_for_the_clock_is_refused(ig):
+    """burst x ns_per_token is added to the clock in the program: a huge burst ("unlimited")
+    wrapped it and cut the tenant off entirely instead."""
+    ig, consumer = ig
+    for burst in (2 ** 63, 2 ** 64 + 5, 10 ** 30):
+        with pytest.raises(ValueError, match="more than the bucket can hold"):
+            ig.set_rate(7, tokens_per_minute=60, burst_tokens=burst)
+    ig.set_rate(7, tokens_per_minute=60, burst_tokens=10 ** 6)   # a large one that fits: admitted
+    before = ig.counters()
+    assert prog_test_run(ig.fn.fd, VALID)[0] == XDP_DROP
+    after = ig.counters()
+    assert after["queued"] == before["queued"] + 1 and after["drop_rate_limited"] == before["drop_rate_limited"]
+
+
+def test_two_cpus_admitting_one_tenant_cannot_both_take_the_same_room(ig):
+    """The bucket holds 20,000 chunks and refills one token a minute. Two threads on two CPUs run
+    the program on that tenant's chunks at once, 20,000 times each: no more than the 20,000 get
+    through, however the CPUs interleave (a plain store of the virtual clock let both CPUs take
+    the same room: 18-121 too many in three runs here). A CPU's first refusal rewrites its packet into
+    the 429 (the test run repeats on that buffer), so each refuses once."""
+    import threading
+    ig, consumer = ig
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two CPUs to race")
+    chunk = frame(req(tokens=tuple(range(128))))
+    ig.set_rate(7, tokens_per_minute=1, burst_tokens=128 * 20_000)
+    before = ig.counters()
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+
+    def run(cpu):
+        os.sched_setaffinity(0, {cpu})      # this thread only
+        prog_test_run(ig.fn.fd, chunk, repeat=20_000)
+    threads = [threading.Thread(target=run, args=(cpu,)) for cpu in cpus]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    after = ig.counters()
+    admitted = sum(after[k] - before[k] for k in ("queued", "drop_ring_full"))
+    refused = after["drop_rate_limited"] - before["drop_rate_limited"]
+    assert refused >= 1 and admitted <= 20_000, (admitted, refused)
+    settle(ig, consumer)
 
 
 def test_maps_and_cffi_share_one_layout(ig):
