@@ -337,7 +337,7 @@ class LogStore:
                                      f"tokens [0, {held}) of the session (evicted or deleted?): put "
                                      f"its whole context again from token 0")
             # bytes of the base this chain compacts into: its deltas and a part table (a bound)
-            total = len(raw) + (chain.raw_len + 4 * (len(chain.entries) + 2) if chain is not None else 0)
+            total = len(raw) + (chain.raw_len + 4 * (len(chain.entries) + 2) if chain is not None else 8)
             if total > self.max_payload:
                 what = "this delta" if chain is None else "this session's chain with this delta"
                 raise TooLarge(f"{what} is {total} bytes, more than the {self.max_payload} bytes one "
@@ -528,11 +528,11 @@ class LogStore:
     # --- space --------------------------------------------------------------------------
 
     def _floor(self, req: _Request) -> int:
-        """Free blocks that must remain after req: a tombstone may use the reserve; a put
-        leaves room to relocate the largest chain, so reclaim can always make progress."""
-        if req.kind == KIND_TOMBSTONE:
-            return 0
-        return self._reserve + self.max_record_blocks
+        """Free blocks that must remain after req: room to relocate the largest chain and the pad
+        a record may need before the lap's end (records never wrap), so reclaim can always make
+        progress; a put also leaves the reserve, which tombstones may use."""
+        relocation = 2 * self.max_record_blocks - 1
+        return relocation if req.kind == KIND_TOMBSTONE else self._reserve + relocation
 
     def _fits(self, nblocks: int, floor: int) -> bool:
         phys = self._tail % self.log_blocks
@@ -541,8 +541,8 @@ class LogStore:
 
     def _make_room(self, req: _Request, protect: set):
         floor = self._floor(req)
-        # the record, a pad before it, the floor, and a pad that a relocation may need
-        worst = 2 * req.nblocks + floor + self.max_record_blocks
+        # the record, a pad before it, and the floor (which holds a relocation and its pad)
+        worst = 2 * req.nblocks + floor
         while self._live_blocks + worst > self.log_blocks:
             self._evict_or_refuse(protect)
         sweep = len(self._log) + len(self._chains) + 1    # steps in one pass over the log
@@ -557,7 +557,12 @@ class LogStore:
                 self._head = e.lpos + e.nblocks
                 continue
             base = self._base_of(e.key, self._chains[e.key])
-            if self._fits(base.nblocks, min(floor, self._reserve)):
+            # A relocation may borrow the tombstones' reserve: it gives its old copy's blocks back
+            # as the head passes them, and the record that asked for room still has to fit its own
+            # floor. Kept out of the reserve, a live chain at the head that a delete, or the pad
+            # before the lap's end, had left a few blocks short of it stopped the head for good
+            # (DeviceFull, or under "lru" that live session evicted, with 15 of 254 blocks live).
+            if self._fits(base.nblocks, 0):
                 self._stage(base)                 # relocate: durable before the head passes it
                 self._flush([base])
                 self.counters["relocations"] += 1

@@ -189,6 +189,25 @@ def test_full_device_refuses_clearly_and_stays_consistent(make_device):
             assert s.restore(k).payload == v
 
 
+@pytest.mark.parametrize("eviction", ["refuse", "lru"])
+@pytest.mark.parametrize("short,small", [(100, 5000), (5000, 3000), (300, 12000)])
+def test_churn_never_stops_the_head_at_a_live_chain(make_device, eviction, short, small):
+    """One large session (a few bytes short of the largest record) stays live while small
+    sessions are put and deleted: the log laps over dead records, and the head must relocate
+    the large chain each lap. A delete, or the pad a record needs before the lap's end, once left
+    the free space a few blocks short of that relocation: the head stopped there for good, and
+    DeviceFull came with 15 of 254 blocks live (under "lru", the large session was evicted)."""
+    with LogStore(make_device(1 << 20), eviction=eviction) as s:
+        big = b"B" * (s.max_payload - 8 - short)
+        s.put(key(0), Delta(big, tokens=(0, 10), codec="raw"))
+        for n in range(1, 1500):
+            s.put(key(n), Delta(b"s" * small, tokens=(0, 1), codec="raw"))
+            s.delete(key(n))
+        st = s.stats()
+        assert st["relocations"] >= 5 and st["evictions"] == 0    # the head lapped the chain, again and again
+        assert s.restore(key(0)).payload == big
+
+
 def test_lru_eviction_drops_the_least_recently_used(make_device):
     path = make_device(1 << 20)
     with LogStore(path, eviction="lru") as s:
