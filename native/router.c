@@ -16,7 +16,8 @@
 
 #define NIL UINT32_MAX
 #define INPUT_BURST 32
-#define RECENT_BITS 12              /* finished request ids remembered, to spot late duplicates */
+#define RECENT_SET_BITS 9           /* finished request keys remembered, to spot late duplicates: */
+#define RECENT_WAYS 8               /* 512 sets of 8 (a set is one cache line), first in first out */
 #define LAST_RUN_BITS 12            /* sessions whose last worker is remembered (DP_CHUNK_F_MOVED) */
 #define EXPIRY_SCAN_NS 10000000ull  /* look for stalled reassemblies every 10 ms */
 
@@ -121,7 +122,8 @@ struct dp_router {
     struct pooled *pool;
     uint32_t pool_free;                 /* free list head */
     uint32_t done_head, done_tail;      /* finished requests waiting for egress room (via fifo_next) */
-    uint64_t recent[1u << RECENT_BITS]; /* direct-mapped: keys of requests that finished lately */
+    _Alignas(64) uint64_t recent[(1u << RECENT_SET_BITS) * RECENT_WAYS];   /* keys of requests that finished lately */
+    uint8_t recent_next[1u << RECENT_SET_BITS];                             /* each set's oldest way */
     struct last_run last_run[1u << LAST_RUN_BITS];   /* direct-mapped, by session key */
     uint32_t reserved;                  /* pool slots promised to chunks of admitted requests not here yet */
     uint64_t next_expiry_scan;
@@ -469,15 +471,24 @@ static int emit(struct dp_router *rt, const struct req *r, uint16_t status, uint
     return 1;
 }
 
-/* Keys are 64-bit hashes: a false match needs two live keys to collide in all 64 bits. */
+/* Keys are 64-bit hashes: a false match needs two live keys to collide in all 64 bits. A key is
+ * forgotten once 8 newer ones landed in its set. Direct-mapped (4096 entries), any one finishing
+ * request with the same 12 bits made it forget: a refused request's later chunks were then taken
+ * for a new request, admitted or refused again, its client answered twice. */
 static void remember_done(struct dp_router *rt, uint64_t key)
 {
-    rt->recent[(key >> 32) & ((1u << RECENT_BITS) - 1)] = key;
+    uint32_t set = (key >> 32) & ((1u << RECENT_SET_BITS) - 1);
+    rt->recent[set * RECENT_WAYS + rt->recent_next[set]] = key;
+    rt->recent_next[set] = (uint8_t)((rt->recent_next[set] + 1) % RECENT_WAYS);
 }
 
 static int recently_done(const struct dp_router *rt, uint64_t key)
 {
-    return rt->recent[(key >> 32) & ((1u << RECENT_BITS) - 1)] == key;
+    const uint64_t *ways = &rt->recent[((key >> 32) & ((1u << RECENT_SET_BITS) - 1)) * RECENT_WAYS];
+    int hit = 0;
+    for (uint32_t i = 0; i < RECENT_WAYS; i++)
+        hit |= ways[i] == key;
+    return hit;
 }
 
 static void free_list(struct dp_router *rt, uint32_t p)

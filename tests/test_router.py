@@ -727,3 +727,39 @@ def test_set_batching_refuses_more_chunks_a_step_than_a_lane_holds():
         for ring, name in ((lane, "lane"), (done, "done")):
             ring.close()
             unlink(f"{tag}.{name}")
+
+
+def _key_index(tenant, session, request_id, bits=12):
+    """The router's req_key (splitmix64 finaliser, native/policy.h) and its direct-mapped index of old."""
+    mask = (1 << 64) - 1
+
+    def h(x):
+        x = (x + 0x9E3779B97F4A7C15) & mask
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
+        return x ^ (x >> 31)
+    return (h(request_id ^ h(session ^ h(tenant))) >> 32) & ((1 << bits) - 1)
+
+
+def test_a_refused_request_s_later_chunks_stay_late_duplicates_past_colliding_requests(bench_factory):
+    """Request 1 is refused at its first chunk (malformed); three requests whose keys share its
+    12 bits then finish; its other two chunks come after. With one direct-mapped entry per 12
+    bits the first of them made the router forget 1, so its chunks were taken for a new request
+    and its client answered again. Now 8 keys share a set, first in first out."""
+    b = bench_factory()
+    want = _key_index(0, 1, 1)
+    colliding = [rid for rid in range(2, 200_000) if _key_index(0, 1, rid) == want][:3]
+    assert len(colliding) == 3
+    x = chunks_of(1, list(range(300)), session=1, max_out=1)
+    bad = x[[0]].copy()
+    bad["n_tokens"] = 0
+    b.send(bad)
+    b.run()
+    for rid in colliding:
+        b.send(chunks_of(rid, [1, 2], session=1, max_out=1))
+        b.run()
+    b.send(x[[1]], x[[2]])
+    b.run()
+    got = [(int(r["request_id"]), int(r["status"])) for r in b.responses]
+    assert got == [(1, 400)] + [(rid, 200) for rid in colliding], got
+    assert b.router.stats()["late_duplicates"] == 2
