@@ -256,19 +256,18 @@ int xdp_steer(struct xdp_md *ctx)
         return drop(DP_DROP_BAD_FLAGS);
     kind = req->kind;
     n = req->n_tokens;
-    if (kind == DP_KIND_CHUNK || kind == DP_KIND_COUNT_TOKENS) {
-        if (n < 1 || n > DP_MAX_CHUNK_TOKENS)
-            return drop(DP_DROP_BAD_TOKENS);
-    } else if (kind == DP_KIND_OPEN || kind == DP_KIND_CLOSE) {
-        if (n)
-            return drop(DP_DROP_BAD_TOKENS);
-    } else {
+    if (kind != DP_KIND_CHUNK && kind != DP_KIND_COUNT_TOKENS && kind != DP_KIND_OPEN && kind != DP_KIND_CLOSE)
         return drop(DP_DROP_BAD_KIND);
-    }
     if (req->reserved)
         return drop(DP_DROP_BAD_FLAGS);
     if (req->chunk_count == 0 || req->chunk_index >= req->chunk_count)
         return drop(DP_DROP_BAD_CHUNK);
+    if (kind == DP_KIND_CHUNK || kind == DP_KIND_COUNT_TOKENS) {
+        if (n < 1 || n > DP_MAX_CHUNK_TOKENS)
+            return drop(DP_DROP_BAD_TOKENS);
+    } else if (n) {
+        return drop(DP_DROP_BAD_TOKENS);
+    }
     len = n * sizeof(__u32);
     if (udp_len != DP_REQ_HDR_LEN + len)
         return drop(DP_DROP_LENGTH);

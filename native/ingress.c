@@ -447,19 +447,19 @@ int dp_req_check(const uint8_t *buf, uint32_t len)
         return 1 + DP_DROP_BAD_VERSION;
     if (h.flags & ~DP_FLAGS_KNOWN)
         return 1 + DP_DROP_BAD_FLAGS;
-    if (h.kind == DP_KIND_CHUNK || h.kind == DP_KIND_COUNT_TOKENS) {
-        if (h.n_tokens < 1 || h.n_tokens > DP_MAX_CHUNK_TOKENS)
-            return 1 + DP_DROP_BAD_TOKENS;
-    } else if (h.kind == DP_KIND_OPEN || h.kind == DP_KIND_CLOSE) {
-        if (h.n_tokens)
-            return 1 + DP_DROP_BAD_TOKENS;
-    } else {
+    if (h.kind != DP_KIND_CHUNK && h.kind != DP_KIND_COUNT_TOKENS && h.kind != DP_KIND_OPEN &&
+        h.kind != DP_KIND_CLOSE)
         return 1 + DP_DROP_BAD_KIND;
-    }
     if (h.reserved)
         return 1 + DP_DROP_BAD_FLAGS;
     if (h.chunk_count == 0 || h.chunk_index >= h.chunk_count)
         return 1 + DP_DROP_BAD_CHUNK;
+    if (h.kind == DP_KIND_CHUNK || h.kind == DP_KIND_COUNT_TOKENS) {
+        if (h.n_tokens < 1 || h.n_tokens > DP_MAX_CHUNK_TOKENS)
+            return 1 + DP_DROP_BAD_TOKENS;
+    } else if (h.n_tokens) {
+        return 1 + DP_DROP_BAD_TOKENS;
+    }
     if (len != sizeof(h) + h.n_tokens * 4u)
         return 1 + DP_DROP_LENGTH;
     return 0;

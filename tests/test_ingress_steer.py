@@ -115,6 +115,9 @@ CASES = [
     case("open with tokens", frame(req(kind=wire.KIND_OPEN)), XDP_DROP, "drop_bad_tokens"),
     case("chunk_count 0", frame(req(chunk_count=0)), XDP_DROP, "drop_bad_chunk"),
     case("chunk_index = chunk_count", frame(req(chunk_index=3, chunk_count=3)), XDP_DROP, "drop_bad_chunk"),
+    # two faults: the reason is wire.py's first (it checked n_tokens before chunk_count and reserved)
+    case("0 tokens and chunk_count 0", frame(req(tokens=(), chunk_count=0)), XDP_DROP, "drop_bad_chunk"),
+    case("0 tokens and reserved set", frame(req(tokens=(), reserved=1)), XDP_DROP, "drop_bad_flags"),
     case("n_tokens 16, 17 tokens sent", frame(req(tokens=TOKENS + (1,), n_tokens=16)), XDP_DROP, "drop_length"),
     case("n_tokens 16, 15 tokens sent", frame(req(tokens=TOKENS[:15], n_tokens=16)), XDP_DROP, "drop_length"),
     case("udp length short of the tokens", frame(udp_len=8 + 48 + 60), XDP_DROP, "drop_length"),
