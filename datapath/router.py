@@ -113,6 +113,11 @@ class Router:
         _check(lib.dp_router_set_weight(self._rt, worker, weight), f"weight of worker {worker}")
 
     def set_up(self, worker: int, up: bool):
+        """Down: the worker is gone (its process died); its unfinished requests are replayed on
+        the others, whole. Up again: new requests go to it. The router does not take back what it
+        had published in the worker's lane (only its consumer may), so a worker set up again
+        must be a fresh process on a fresh lane, or it first runs that old batch (its completion
+        is then dropped as stale, but its side effects, KV and snapshots, happen)."""
         _check(lib.dp_router_set_up(self._rt, worker, int(up)), f"health of worker {worker}")
 
     def set_worker_budget(self, worker: int, token_budget: int | None):
