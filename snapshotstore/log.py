@@ -528,11 +528,15 @@ class LogStore:
     # --- space --------------------------------------------------------------------------
 
     def _floor(self, req: _Request) -> int:
-        """Free blocks that must remain after req: room to relocate the largest chain and the pad
-        a record may need before the lap's end (records never wrap), so reclaim can always make
-        progress; a put also leaves the reserve, which tombstones may use."""
-        relocation = 2 * self.max_record_blocks - 1
-        return relocation if req.kind == KIND_TOMBSTONE else self._reserve + relocation
+        """Free blocks that must remain after req. A tombstone may use all of it (a delete is how
+        room is made). A put leaves the reserve and room to relocate the largest chain with the
+        pad it may need before the lap's end (records never wrap). That room is enough for one
+        chain at the head whose records all lie there; a chain of several records spread over
+        the log frees only its first as the head passes, so a run of them can still need more:
+        then DeviceFull (or an eviction under "lru")."""
+        if req.kind == KIND_TOMBSTONE:
+            return 0
+        return self._reserve + 2 * self.max_record_blocks - 1
 
     def _fits(self, nblocks: int, floor: int) -> bool:
         phys = self._tail % self.log_blocks

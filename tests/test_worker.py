@@ -110,6 +110,22 @@ def test_a_request_the_router_gave_up_on_leaves_nothing_in_the_session(model):
     assert w.sessions[(0, 7)].cache.length == ref.sessions[(0, 7)].cache.length
 
 
+def test_a_superseded_request_is_cut_off_before_the_next_one_s_room_is_judged():
+    """Request 2 fills a 512-token context piece by piece until its last piece is refused (413) and
+    the router fails it; request 3 (100 tokens) fits the session's real context (41 + 100). The
+    room check ran before the cut once: 3 was refused too, and every request after it."""
+    import dataclasses
+    small = Model(dataclasses.replace(ModelConfig(), max_context=512), seed=0)
+    w = Worker(small, None, kv_budget_bytes=BIG)
+    drive(w.step, [(7, 1, prompt(1, 40), 2)])
+    recs = prefill_records(7, 2, prompt(2, 500), 2)
+    statuses = [int(w.step(as_batch([recs[i:i + 1]]))["e"][0]["status"][0]) for i in range(len(recs))]
+    assert statuses == [wire.STATUS_OK] * 3 + [wire.STATUS_TOO_LARGE]
+    comp = w.step(as_batch([prefill_records(7, 3, prompt(3, 100), 2)[:1]]))
+    assert int(comp["e"][0]["status"][0]) == wire.STATUS_OK and w.stats["superseded"] == 1
+    assert w.sessions[(0, 7)].cache.length == 41 + 100
+
+
 def test_eviction_waits_for_a_durable_snapshot(model):
     store = MemoryStore()
     store.fail_puts = True

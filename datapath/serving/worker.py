@@ -190,15 +190,17 @@ class Worker:
                 s = self._restore(key)
             except kvdelta.DeltaError:
                 return wire.STATUS_UNAVAILABLE
+        if s.request is not None and s.request.request_id != rid:
+            # A new request on the session: one the router gave up on (refused, expired: its client
+            # got an error) is superseded, and the KV its pieces added is cut off (not the
+            # session's) before this one's room is judged.
+            s.cache.length = s.request.start_len
+            s.request = None
+            self.stats["superseded"] += 1
         queued = sum(len(x) for x in segments[key].tokens) if key in segments else 0
         if s.cache.length + queued + len(tokens) > self.model.config.max_context:
             return wire.STATUS_TOO_LARGE
-        if s.request is None or s.request.request_id != rid:
-            # A new request on the session. One the router gave up on (refused, expired: its client
-            # got an error) is superseded, and the KV its pieces added is cut off: not the session's.
-            if s.request is not None:
-                s.cache.length = s.request.start_len
-                self.stats["superseded"] += 1
+        if s.request is None:
             stamps = {name: int(rec[name]) for name in ("t_send", "t_xdp", "t_router", "t_lane") if rec[name]}
             stamps["t_worker"] = t_start
             s.request = _Request(rid, int(rec["max_output_tokens"]), s.restored_tokens, stamps, s.cache.length)
