@@ -102,7 +102,9 @@ def send(sock: socket.socket, packets: list[bytes], rate: float, count: int, dur
                                                 spin_ns=spin_us * 1000, seq_base=seq_base, merge=merge))
     st = ffi.new("struct dp_send_stats *")
     lats = (st.rtt, st.rtt_ok, st.lat_ok)
-    if any(lib.dp_lat_init(ffi.addressof(lat), 1 << 16) for lat in lats):
+    # room for every sample: the unanswered come last, so a cap would drop exactly the tail
+    cap = max(1 << 16, count * max(merge, 1))
+    if any(lib.dp_lat_init(ffi.addressof(lat), cap) for lat in lats):
         for lat in lats:
             lib.dp_lat_free(ffi.addressof(lat))
         raise MemoryError("cannot allocate the response latency samples")

@@ -156,7 +156,7 @@ struct dp_send_stats {
     uint16_t sample_len;
     uint8_t sample_body[DP_MAX_RESP_BODY];   /* ... and its body (an admission answer's JSON) */
     uint64_t late_ns_sum;      /* each packet's lag behind its scheduled send, summed (merge 1) */
-    uint64_t duplicates;       /* answers to a request already answered (not sampled again) */
+    uint64_t duplicates;       /* answers to a request already answered (stamp_seq): in no other count */
     uint64_t unanswered;       /* requests without an answer when the drain ended */
     struct dp_lat rtt;         /* now - echoed send_ns, per response: the path's round trip */
     struct dp_lat rtt_ok;      /* the same, for 200 responses only */

@@ -79,15 +79,18 @@ struct sched {
     uint8_t *state;        /* SEQ_SENT once a request's first packet is out, SEQ_ANSWERED once answered */
 };
 
-/* Latency samples of one answer; lat_ok from the schedule, once per request (a repeat is counted). */
+/* A second answer to a request already answered (stamp_seq): counted apart, nothing else. */
+static int repeated(const struct sched *m, const struct dp_resp_hdr *h)
+{
+    uint64_t seq = h->request_id - m->seq_base;
+    return m->state && seq < m->count && m->state[seq] == SEQ_ANSWERED;
+}
+
+/* Latency samples of one answer; lat_ok from the schedule. */
 static void add_rtt(struct dp_send_stats *st, struct sched *m, const struct dp_resp_hdr *h, uint64_t now)
 {
     uint64_t seq = h->request_id - m->seq_base;
     int known = m->state && seq < m->count && m->state[seq] != SEQ_NONE;
-    if (known && m->state[seq] == SEQ_ANSWERED) {
-        st->duplicates++;
-        return;
-    }
     uint32_t each = m->merge > 1 && known ? m->merge : 1;
     for (uint32_t j = 0; j < each; j++) {   /* a merged answer answers every request it carried */
         uint64_t wait = each > 1 ? m->waits[seq * m->merge + j] : 0;
@@ -114,6 +117,10 @@ static void read_responses(int fd, struct dp_send_stats *st, uint64_t start, str
         memcpy(&h, buf, sizeof(h));
         if (h.magic != DP_WIRE_MAGIC || h.kind != DP_KIND_RESPONSE)
             continue;
+        if (repeated(m, &h)) {
+            st->duplicates++;           /* not a response more: counts, rates and samples see it once */
+            continue;
+        }
         st->responses++;
         st->last_resp_ns = now - start;
         int slot = h.status == DP_STATUS_OK ? 0 : h.status == DP_STATUS_BAD_REQUEST ? 1
@@ -237,7 +244,7 @@ int dp_send_poisson(int fd, const uint8_t *pkts, uint32_t stride, const uint16_t
     st->elapsed_ns = dp_now_ns() - start;
     for (uint64_t end = dp_now_ns() + (uint64_t)cfg->drain_ms * 1000000; dp_now_ns() < end;) {
         read_responses(fd, st, start, &m);
-        if (st->responses - st->duplicates >= st->requests)
+        if (st->responses >= st->requests)
             break;                 /* every request answered: no need to wait out the drain */
         wait_until(fd, end);
     }
@@ -246,7 +253,7 @@ int dp_send_poisson(int fd, const uint8_t *pkts, uint32_t stride, const uint16_t
     for (uint64_t seq = 0; m.state && seq < i; seq++) {
         if (m.state[seq] != SEQ_SENT)
             continue;
-        st->unanswered++;
+        st->unanswered += m.merge;       /* a merged packet carried merge requests */
         for (uint32_t j = 0; j < m.merge; j++)
             dp_lat_add(&st->lat_ok, given_up - m.at[seq] + (m.merge > 1 ? m.waits[seq * m.merge + j] : 0));
     }

@@ -39,7 +39,7 @@ def test_compare_gives_a_spreading_policy_the_store_its_moved_sessions_need(tmp_
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     m = json.loads((tmp_path / "compare.json").read_text())["metrics"]
-    assert m["round_robin_unanswered"] == 0 and m["affinity_unanswered"] == 0
+    assert m["round_robin_errors"] == 0 and m["affinity_errors"] == 0
     assert m["round_robin_moved"] > 10 and m["round_robin_restores"] >= m["round_robin_moved"]
     assert m["affinity_restores"] <= m["affinity_moved"] < m["round_robin_moved"]
     assert "sessions restored" in (tmp_path / "compare" / "compare.md").read_text()
