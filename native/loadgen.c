@@ -214,11 +214,8 @@ int dp_send_poisson(int fd, const uint8_t *pkts, uint32_t stride, const uint16_t
             due += next_gap(&rng, cfg->rate_pps);
         }
         now = dp_now_ns();
-        for (uint32_t j = 0; j < k; j++) {
+        for (uint32_t j = 0; j < k; j++)
             memcpy(bufs + (size_t)j * stride + offsetof(struct dp_req_hdr, send_ns), &now, 8);
-            if (m.state && m.merge == 1)
-                st->late_ns_sum += now - m.at[i + j];
-        }
         if (m.merge > 1 && k) {          /* each request waited from its arrival to this send */
             if (m.state)
                 m.at[i] = now;
@@ -236,6 +233,9 @@ int dp_send_poisson(int fd, const uint8_t *pkts, uint32_t stride, const uint16_t
                 st->send_errors += k - off;   /* counted, not retried: open loop */
                 break;
             }
+            if (m.state && m.merge == 1)   /* the lag of what went out (sent_ns divides it) */
+                for (int j = 0; j < n; j++)
+                    st->late_ns_sum += now - m.at[i + off + (uint32_t)j];
             st->sent += n;
             off += n;
         }
