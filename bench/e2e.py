@@ -199,12 +199,18 @@ def _polling_workers(report, quick: bool, stages: dict) -> dict:
             "send->response p95 ms, worker polling": _pcts(res["rtt_ns"], 1e6)["p95"]}
 
 
+def _step_ns(trace: np.ndarray) -> np.ndarray:
+    """Each worker step's duration once (the trace has a row per record, a step's rows share its stamps)."""
+    steps = np.unique(np.stack([trace["t_start"], trace["t_end"]], 1), axis=0)
+    return (steps[:, 1] - steps[:, 0]).astype(np.int64)
+
+
 def _sweep_row(rate: float, res: dict, trace: np.ndarray) -> dict:
     pc = _pcts(res["rtt_ns"], 1e6)
-    steps = np.unique(np.stack([trace["t_start"], trace["t_end"]], 1), axis=0)  # a row a step, not a record
+    steps = _step_ns(trace)
     return {"qps": rate, "offered_qps": res["offered_qps"], "achieved_qps": res["achieved_qps"],
             "p50_ms": pc["p50"], "p95_ms": pc["p95"], "p99_ms": pc["p99"],
-            "step_p50_ms": float(np.median(steps[:, 1] - steps[:, 0])) / 1e6 if len(steps) else None,
+            "step_p50_ms": float(np.median(steps)) / 1e6 if len(steps) else None,
             "requests": res["requests"], "errors": res["errors"], "unanswered": res["unanswered"],
             "late_mean_us": res["late_mean_us"], "late_max_ms": res["late_max_ms"], "steal_pct": res["steal_pct"]}
 
@@ -336,8 +342,7 @@ def _stages(report, trace: np.ndarray, rtt_ns: np.ndarray, stages: dict):
         stages["router->lane"] = i64(pre["t_lane"] - pre["t_router"])
     stages["lane->worker"] = i64(pre["t_pickup"] - pre["t_lane"])
     stages["worker pickup->step start"] = i64(pre["t_start"] - pre["t_pickup"])
-    steps = np.unique(np.stack([trace["t_start"], trace["t_end"]], 1), axis=0)   # a step once, not per record
-    stages["worker step"] = i64(steps[:, 1] - steps[:, 0])
+    stages["worker step"] = _step_ns(trace)
     stages["xdp->lane"] = i64(pre["t_lane"] - pre["t_xdp"])
     stages["xdp validated->lane"] = i64(pre["t_lane"] - pre["t_xdp_in"])
     stages["xdp->worker"] = i64(pre["t_pickup"] - pre["t_xdp"])

@@ -412,9 +412,14 @@ static int pick_worker(struct dp_router *rt, uint64_t session, uint32_t tenant, 
  * session resident checks the store for a newer copy only when told so (DP_CHUNK_F_MOVED): one
  * store lookup per moved request, none while a session stays on its worker. A session the table
  * does not hold (never seen, or its entry taken by another) counts as moved: never a false "no". */
+static struct last_run *last_run_of(struct dp_router *rt, uint64_t sk)
+{
+    return &rt->last_run[(sk >> 20) & ((1u << LAST_RUN_BITS) - 1)];
+}
+
 static uint8_t note_run(struct dp_router *rt, uint64_t sk, int wk)
 {
-    struct last_run *e = &rt->last_run[(sk >> 20) & ((1u << LAST_RUN_BITS) - 1)];
+    struct last_run *e = last_run_of(rt, sk);
     uint8_t moved = !(e->session == sk && e->worker == wk);
     rt->st.moved += e->session == sk && e->worker != wk && e->worker >= 0;   /* a move seen, not a first sight */
     e->session = sk;
@@ -426,7 +431,7 @@ static uint8_t note_run(struct dp_router *rt, uint64_t sk, int wk)
  * last ran is unknown now (the next request is flagged moved and its worker asks the store). */
 static void forget_run(struct dp_router *rt, uint64_t sk, int wk)
 {
-    struct last_run *e = &rt->last_run[(sk >> 20) & ((1u << LAST_RUN_BITS) - 1)];
+    struct last_run *e = last_run_of(rt, sk);
     if (e->session == sk && e->worker == wk)
         e->worker = -1;
 }

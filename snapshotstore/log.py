@@ -388,11 +388,15 @@ class LogStore:
         with self._key_locks[key[0]]:
             with self._lock:
                 self._check_usable(write=True)
-                if key not in self._chains and key not in self._evicted:
+                if not self._in_log(key):
                     return False
             req = _Request(KIND_TOMBSTONE, key, block_size=self.block_size)
             self._commit(req)
         return req.seq != 0
+
+    def _in_log(self, key: bytes) -> bool:
+        """Has key records recovery would replay: a chain in the index, or one LRU eviction dropped."""
+        return key in self._chains or key in self._evicted
 
     def list(self) -> list[bytes]:
         with self._lock:
@@ -486,7 +490,7 @@ class LogStore:
                 staged: list[_Request] = []
                 protect = {r.key for r in batch}
                 for req in batch:
-                    if req.kind == KIND_TOMBSTONE and req.key not in self._chains and req.key not in self._evicted:
+                    if req.kind == KIND_TOMBSTONE and not self._in_log(req.key):
                         continue                  # deleted meanwhile: nothing to write
                     try:
                         self._check_chain(req)
