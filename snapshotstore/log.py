@@ -16,17 +16,23 @@ first bad record is the torn end of the last, unacknowledged batch: counted,
 and the log ends there. A record must carry this store's id, its own
 position and an epoch no older than the record before it, so a stale block
 (an earlier lap, an earlier format, an unacknowledged record left beyond a
-torn one by an earlier crash) never passes for a live one.
+torn one by an earlier crash) never passes for a live one. The records found
+are then applied in sequence-number order, the order they were first written:
+a copied record keeps its number, so it takes its old place in its chain
+wherever it now lies.
 
 Space. The log runs from head to tail. Before a record lands on reclaimed
 blocks, the superblock (both copies) is written with the new head, so a
 crash never leaves a head pointing at overwritten blocks. Reclaim pops dead
-records at the head and relocates a live chain found there by compacting it
-into one base record at the tail. When live data alone would not leave room,
-eviction="lru" drops the least recently used sessions (not logged: a crash
-may bring an evicted session back whole, never half), eviction="refuse"
-raises DeviceFull. Every chain fits one record (max_record_bytes), so a
-chain can always be compacted.
+records at the head and relocates a live one found there: its whole chain
+compacted into one base record at the tail when that fits, else the record
+alone, copied as it is, which the head gives back as it passes the original.
+(Compaction alone costs a chain to free one record: a run of chains spread
+over the log used up the free room and stopped the head.) When live data
+alone would not leave room, eviction="lru" drops the least recently used
+sessions (not logged: a crash may bring an evicted session back whole,
+never half), eviction="refuse" raises DeviceFull. Every chain fits one
+record (max_record_bytes), so a put can always compact it.
 """
 from __future__ import annotations
 
@@ -155,7 +161,8 @@ class LogStore:
         # still replay, each with its chain's first record: a delete of one writes a tombstone, or
         # the next open would bring it back. Forgotten once the log supersedes it, or once the
         # superblock's head passes that first record (recovery starts there, and the chain's
-        # later records no longer link up)
+        # later records no longer link up). A first record copied past later ones would come
+        # back alone once the head passed those: the head writes the tombstone first (_bury).
         self._evicted: dict[bytes, _Entry] = {}
         self._failed: BaseException | None = None
         self._closed = False
@@ -220,7 +227,9 @@ class LogStore:
                 win[:] = pos, count, self.dev.read_into(self._read_buf(count * bs), self.log_start + phys, count)
             return win[2], (pos - win[0]) * bs
 
-        pos, last_epoch = head, 0
+        pos, last_epoch, newest = head, 0, 0
+        found: list[_Entry] = []
+        holes = []                                # (key, seq, newest seq before it) of damaged records
         while pos - head < L:
             phys = pos % L
             view, off = blocks_at(pos, 1)
@@ -236,21 +245,45 @@ class LogStore:
                 if pos < ckpt:                    # durable region: damage; resync on the next block
                     self.counters["corrupt_blocks_skipped"] += 1
                     if h is not None and h.store_id == self.store_id and h.lpos == pos:
-                        self._damage(h.key)       # its payload is bad: that chain has a hole
+                        holes.append((h.key, h.seq, newest))    # its payload is bad: a hole
                     pos += 1
                     continue
                 if h is not None and h.store_id == self.store_id and h.lpos == pos:
                     self.counters["torn_records_skipped"] += 1
                 break                             # past the checkpoint: the torn end of the log
             last_epoch = h.epoch
-            self._last_seq = max(self._last_seq, h.seq)
+            self._last_seq, newest = max(self._last_seq, h.seq), max(newest, h.seq)
             entry = _Entry(h)
             self._log.append(entry)
-            self._link(entry)
+            if h.kind != KIND_PAD:
+                found.append(entry)
             pos += h.nblocks
         self._head = self._log[0].lpos if self._log else pos
         self._tail = pos
         self._sb_head = sb.head
+        copies: dict[int, _Entry] = {}
+        for e in sorted(found, key=lambda e: (e.seq, e.lpos)):
+            first = copies.setdefault(e.seq, e)
+            if first is e:
+                self._link(e)
+            elif first.live and first.key == e.key:   # a copy (reclaim's): the later one stays
+                self._swap(first, e)
+                copies[e.seq] = e
+        for key, seq, before in holes:
+            chain = self._chains.get(key)
+            if chain is None or (seq in copies and copies[seq].key == key):
+                continue                          # nothing of it left, or another copy is whole
+            start = chain.entries[0].seq
+            # The chain began before the damaged record (by its header's number, or because the
+            # log held a newer record before it): that record was part of it, or ended it.
+            if start < seq or start <= before:
+                self._damage(key)
+
+    def _swap(self, old: _Entry, new: _Entry):
+        """new, a copy of the live record old, takes its place in the chain."""
+        entries = self._chains[old.key].entries
+        entries[entries.index(old)] = new
+        old.live, new.live = False, True
 
     def _shape_ok(self, h: RecordHeader, phys: int) -> bool:
         if h.kind == KIND_PAD:
@@ -296,7 +329,7 @@ class LogStore:
             chain = self._chains[e.key] = _Chain()
         elif chain is None:
             # Only recovery meets this: a dead record whose chain start was reclaimed
-            # (the chain was relocated or evicted, then the head passed its first record).
+            # (the chain was superseded or evicted, then the head passed its first record).
             self.counters["unlinked_records_skipped"] += 1
             return
         elif chain.entries[-1].seq != e.parent:
@@ -413,7 +446,8 @@ class LogStore:
                 "head": self._head, "tail": self._tail, "generation": self._generation,
                 "last_seq": self._last_seq, "superblocks_valid": self.superblocks_valid,
                 "max_record_bytes": self.max_payload, "recovery_ms": round(self.recovery_s * 1e3, 3),
-                **{k: self.counters[k] for k in ("puts", "restores", "flushes", "compactions", "relocations", "evictions",
+                **{k: self.counters[k] for k in ("puts", "restores", "flushes", "compactions", "relocations",
+                                                 "copies", "evictions", "evicted_tombstones",
                                                  "torn_records_skipped", "corrupt_blocks_skipped",
                                                  "unlinked_records_skipped", "damaged_chains_dropped")},
             }
@@ -533,11 +567,8 @@ class LogStore:
 
     def _floor(self, req: _Request) -> int:
         """Free blocks that must remain after req. A tombstone may use all of it (a delete is how
-        room is made). A put leaves the reserve and room to relocate the largest chain with the
-        pad it may need before the lap's end (records never wrap). That room is enough for one
-        chain at the head whose records all lie there; a chain of several records spread over
-        the log frees only its first as the head passes, so a run of them can still need more:
-        then DeviceFull (or an eviction under "lru")."""
+        room is made). A put leaves the reserve and room to relocate the largest record (a
+        chain's base is one) with the pad it may need before the lap's end (records never wrap)."""
         if req.kind == KIND_TOMBSTONE:
             return 0
         return self._reserve + 2 * self.max_record_blocks - 1
@@ -553,29 +584,55 @@ class LogStore:
         worst = 2 * req.nblocks + floor
         while self._live_blocks + worst > self.log_blocks:
             self._evict_or_refuse(protect)
-        sweep = len(self._log) + len(self._chains) + 1    # steps in one pass over the log
+        sweep = 2 * len(self._log) + 1            # steps in one pass: a live record is moved, then popped
         while not self._fits(req.nblocks, floor):
             if sweep == 0:                        # a whole pass freed too little: too much is live
                 self._evict_or_refuse(protect)
-                sweep = len(self._log) + len(self._chains) + 1
+                sweep = 2 * len(self._log) + 1
             sweep -= 1
             e = self._log[0]
             if not e.live:
+                if self._halves_evicted(e):
+                    self._bury(e.key)
                 self._log.popleft()
                 self._head = e.lpos + e.nblocks
                 continue
+            # The record's whole chain compacted into one base at the tail: it costs the chain and
+            # frees one record now, the chain's others as the head reaches them, dead. It may
+            # borrow the tombstones' reserve (kept out of it, a live chain at the head that a
+            # delete, or the pad before the lap's end, had left a few blocks short stopped the
+            # head for good: DeviceFull with 15 of 254 blocks live). When it does not fit, the
+            # record alone is copied as it is, which the head gives back at once: a run of chains
+            # spread over the log, compacted one after another, had used up the free room, and
+            # the head stopped (DeviceFull with a fifth of the log live, or evictions).
             base = self._base_of(e.key, self._chains[e.key])
-            # A relocation may borrow the tombstones' reserve: it gives its old copy's blocks back
-            # as the head passes them, and the record that asked for room still has to fit its own
-            # floor. Kept out of the reserve, a live chain at the head that a delete, or the pad
-            # before the lap's end, had left a few blocks short of it stopped the head for good
-            # (DeviceFull, or under "lru" that live session evicted, with 15 of 254 blocks live).
             if self._fits(base.nblocks, 0):
-                self._stage(base)                 # relocate: durable before the head passes it
+                self._stage(base)                 # durable before the head passes it
                 self._flush([base])
                 self.counters["relocations"] += 1
+            elif self._fits(e.nblocks, 0):
+                self._copy(e)                     # durable before the head passes the original
+                self.counters["copies"] += 1
             else:
                 self._evict_or_refuse(protect, e.key)     # the head is stuck on it
+
+    def _halves_evicted(self, e: _Entry) -> bool:
+        """Would passing the dead record e leave recovery half of a session LRU eviction dropped?
+        Yes if e belongs to it and its first record lies further on (copied): recovery would
+        find that first record and link what follows it, without e."""
+        start = self._evicted.get(e.key)
+        return (start is not None and e.kind != KIND_PAD and e.seq > start.seq
+                and e.lpos < start.lpos)
+
+    def _bury(self, key: bytes):
+        """A durable tombstone for an evicted session, before the head passes part of it."""
+        req = _Request(KIND_TOMBSTONE, key, block_size=self.block_size)
+        if not self._fits(req.nblocks, 0):
+            raise DeviceFull(f"{self.path} has no room left for the tombstone of an evicted session "
+                             f"({self._live_blocks} of {self.log_blocks} blocks live): delete sessions")
+        self._stage(req)                          # its link forgets the eviction
+        self._flush([req])
+        self.counters["evicted_tombstones"] += 1
 
     def _evict_or_refuse(self, protect: set, key: bytes | None = None):
         """Under eviction="lru", drop key, by default the least recently used session, one
@@ -598,30 +655,45 @@ class LogStore:
         return self._request(KIND_BASE, key, fmt.pack_parts(self._read_chain(chain)),
                              (first.tokens[0], last.tokens[1]), layers, last.codec, chain)
 
+    def _copy(self, e: _Entry):
+        """Copy the live record e to the tail as it is (key, sequence number and parent; a new
+        position and epoch), durably, into its place in its chain."""
+        body, flags = self._read_record(e)
+        h = RecordHeader(e.kind, flags, self.store_id, 0, self._epoch, e.seq, e.parent, e.key, e.tokens[0],
+                         e.tokens[1], e.layers[0], e.layers[1], e.nblocks, e.raw_len, len(body), e.codec, 0)
+        self._swap(e, self._append(h, body))
+        self._flush([])
+
     # --- staging and flushing ------------------------------------------------------------
 
     def _stage(self, req: _Request):
         """Lay req out at the tail in the write buffer and link it into the index."""
+        chain = self._chains.get(req.key)
+        parent = chain.entries[-1].seq if req.kind == KIND_DELTA and chain is not None else 0
+        self._last_seq += 1
+        h = RecordHeader(req.kind, req.flags, self.store_id, 0, self._epoch, self._last_seq, parent,
+                         req.key, req.tokens[0], req.tokens[1], req.layers[0], req.layers[1], req.nblocks,
+                         req.raw_len, len(req.payload), req.codec, 0)
+        req.seq = self._last_seq
+        self._link(self._append(h, req.payload))
+
+    def _append(self, h: RecordHeader, payload) -> _Entry:
+        """Place the record h at the tail (after a pad to the lap's end if it would not fit
+        before it: records never wrap), in the write buffer; its entry in the log."""
         L = self.log_blocks
         phys = self._tail % L
-        if phys + req.nblocks > L:
+        if phys + h.nblocks > L:
             pad = RecordHeader(KIND_PAD, 0, self.store_id, self._tail, self._epoch, 0, 0, bytes(fmt.KEY_LEN),
                                0, 0, 0, 0, L - phys, 0, 0, "", 0)
             self._place(pad, b"")
             self._log.append(_Entry(pad))
             self._tail += L - phys
-        chain = self._chains.get(req.key)
-        parent = chain.entries[-1].seq if req.kind == KIND_DELTA and chain is not None else 0
-        self._last_seq += 1
-        h = RecordHeader(req.kind, req.flags, self.store_id, self._tail, self._epoch, self._last_seq, parent,
-                         req.key, req.tokens[0], req.tokens[1], req.layers[0], req.layers[1], req.nblocks,
-                         req.raw_len, len(req.payload), req.codec, 0)
-        self._place(h, req.payload)
-        req.seq = self._last_seq
+        h = h._replace(lpos=self._tail)
+        self._place(h, payload)
         entry = _Entry(h)
         self._log.append(entry)
-        self._tail += req.nblocks
-        self._link(entry)
+        self._tail += h.nblocks
+        return entry
 
     def _place(self, h: RecordHeader, payload):
         """Copy the record's first block (a pad) or all its blocks into the write buffer."""
@@ -664,17 +736,22 @@ class LogStore:
         self._evicted = {k: e for k, e in self._evicted.items() if e.lpos >= self._sb_head}
         self.superblocks_valid = fmt.SB_COPIES
 
+    def _read_record(self, e: _Entry):
+        """The record's stored payload and flags, its CRC and identity checked."""
+        bs, L = self.block_size, self.log_blocks
+        view = self.dev.read_into(self._read_buf(e.nblocks * bs), self.log_start + e.lpos % L, e.nblocks)
+        got = fmt.read_payload(view, e.lpos, e.seq, e.key)
+        if got is None:
+            raise SnapshotError(f"the record at block {e.lpos % L} of {self.path} is damaged "
+                                f"(run `snapshotstore fsck {self.path}`)")
+        return got
+
     def _read_chain(self, chain: _Chain) -> list[bytes]:
         """The chain's deltas, oldest first (a base gives back the ones it merged), each
         record's CRC and identity checked."""
-        bs, L, parts = self.block_size, self.log_blocks, []
+        parts = []
         for e in chain.entries:
-            view = self.dev.read_into(self._read_buf(e.nblocks * bs), self.log_start + e.lpos % L, e.nblocks)
-            got = fmt.read_payload(view, e.lpos, e.seq, e.key)
-            if got is None:
-                raise SnapshotError(f"the record at block {e.lpos % L} of {self.path} is damaged "
-                                    f"(run `snapshotstore fsck {self.path}`)")
-            body, flags = got
+            body, flags = self._read_record(e)
             body = zlib.decompress(body) if flags & fmt.FLAG_ZLIB else body
             if e.kind == KIND_BASE:
                 parts += fmt.unpack_parts(body)
