@@ -63,6 +63,14 @@ def put_all(store, k, ds):
     return b"".join(d.payload for d in ds)
 
 
+def holds(s, model, exactly=False):
+    """The store restores every session of model bit-exact (and, exactly, no other)."""
+    if exactly:
+        assert sorted(s.list()) == sorted(model)
+    for k, v in model.items():
+        assert s.restore(k).payload == v
+
+
 def write_and_die(path, fn):
     """Run fn(store) in a forked process that then dies without closing the store (a crash)."""
     pid = os.fork()
@@ -165,12 +173,9 @@ def test_wrap_around_reclaims_and_relocates(make_device):
             n += 1
         st = s.stats()
         assert st["relocations"] > 0 and st["head"] > L
-        for k, v in model.items():
-            assert s.restore(k).payload == v
+        holds(s, model)
     with LogStore(path) as s:
-        assert sorted(s.list()) == sorted(model)
-        for k, v in model.items():
-            assert s.restore(k).payload == v
+        holds(s, model, exactly=True)
 
 
 def test_full_device_refuses_clearly_and_stays_consistent(make_device):
@@ -180,16 +185,13 @@ def test_full_device_refuses_clearly_and_stays_consistent(make_device):
         with pytest.raises(DeviceFull, match="full of live snapshots.*eviction='lru'"):
             for n in range(1000):
                 model[key(n)] = put_all(s, key(n), deltas(1, 3000, seed=n))
-        for k, v in model.items():
-            assert s.restore(k).payload == v
+        holds(s, model)
         for k in list(model)[: len(model) // 2]:    # deleting makes room again
             s.delete(k)
             del model[k]
         model[key(5000)] = put_all(s, key(5000), deltas(1, 3000))
     with LogStore(path) as s:
-        assert sorted(s.list()) == sorted(model)
-        for k, v in model.items():
-            assert s.restore(k).payload == v
+        holds(s, model, exactly=True)
 
 
 @pytest.mark.parametrize("eviction", ["refuse", "lru"])
@@ -271,12 +273,9 @@ def test_chains_spread_over_the_log_never_stop_the_head(make_device, eviction):
         churn(s, lambda s: s.stats()["head"] >= 2 * s.log_blocks)
         st = s.stats()
         assert st["copies"] > 0 and st["evictions"] == 0
-        for k, v in model.items():
-            assert s.restore(k).payload == v
+        holds(s, model)
     with LogStore(path) as s:
-        assert sorted(s.list()) == sorted(model)
-        for k, v in model.items():
-            assert s.restore(k).payload == v
+        holds(s, model, exactly=True)
 
 
 def test_lru_eviction_drops_the_least_recently_used(make_device):
