@@ -197,6 +197,12 @@ class LogStore:
         self.max_record_blocks = max(1, min(self.log_blocks // 16, MAX_RECORD_BYTES // bs))
         self.max_payload = self.max_record_blocks * bs - HEADER_SIZE
         self._reserve = max(RESERVE_BLOCKS, self.log_blocks // 32)
+        # Under "refuse" a compaction must leave room for a copy of the largest record and its
+        # pad, so the head always moves on (compactions taken at floor 0 left a large live
+        # record fitting neither way: DeviceFull at 70 of 254 blocks live). Under "lru" it may
+        # use all of it: a stuck head evicts instead, and compaction first wrote a third of the
+        # blocks that copying did under a cache's churn (README, snapshot store).
+        self._compaction_floor = 0 if self.eviction == "lru" else 2 * self.max_record_blocks - 1
         self._generation, self._last_seq = sb.generation, sb.last_seq
         self._live_blocks = 0
         self._rbuf = aligned_buffer(SCAN_WINDOW_BYTES)
@@ -566,11 +572,12 @@ class LogStore:
     # --- space --------------------------------------------------------------------------
 
     def _floor(self, req: _Request) -> int:
-        """Free blocks that must remain after req. A tombstone may use all of it (a delete is how
-        room is made). A put leaves the reserve and room to relocate the largest record (a
+        """Free blocks that must remain after req. A tombstone may use all but one (a delete is
+        how room is made; the last block is for the tombstone reclaim may have to write first,
+        _bury: deletes that used it stopped every later write, for good). A put leaves the reserve and room to relocate the largest record (a
         chain's base is one) with the pad it may need before the lap's end (records never wrap)."""
         if req.kind == KIND_TOMBSTONE:
-            return 0
+            return 1
         return self._reserve + 2 * self.max_record_blocks - 1
 
     def _fits(self, nblocks: int, floor: int) -> bool:
@@ -606,7 +613,7 @@ class LogStore:
             # spread over the log, compacted one after another, had used up the free room, and
             # the head stopped (DeviceFull with a fifth of the log live, or evictions).
             base = self._base_of(e.key, self._chains[e.key])
-            if self._fits(base.nblocks, 0):
+            if self._fits(base.nblocks, self._compaction_floor):
                 self._stage(base)                 # durable before the head passes it
                 self._flush([base])
                 self.counters["relocations"] += 1

@@ -209,15 +209,17 @@ def test_churn_never_stops_the_head_at_a_live_chain(make_device, eviction, short
             s.put(key(n), Delta(b"s" * small, tokens=(0, 1), codec="raw"))
             s.delete(key(n))
         st = s.stats()
-        assert st["relocations"] >= 5 and st["evictions"] == 0    # the head lapped the chain, again and again
+        moved = st["relocations"] + st["copies"]          # the head lapped the chain, again and again
+        assert moved >= 5 and st["evictions"] == 0
         assert s.restore(key(0)).payload == big
 
 
-def spread_chains(s, records=5):
+def spread_chains(s, records=5, big=False):
     """Sessions of `records` one-block records each, put in rounds an eighth of the log apart
     (dead records between): the head meets their first records side by side, their later ones
     spread behind. So many that compacting each chain in turn as the head meets it (the chain's
-    size written, one block freed) would use up the room a put keeps free. Returns {key: payload}."""
+    size written, one block freed) would use up the room a put keeps free. big: one session of
+    the largest record right after their first records. Returns {key: payload}."""
     one = s.block_size - fmt.HEADER_SIZE
     room = max(8, s.log_blocks // 32) + 2 * s.max_record_blocks     # what a put keeps free
     model = {}
@@ -230,7 +232,10 @@ def spread_chains(s, records=5):
             d = Delta(bytes([c % 251, r]) * (one // 2), tokens=(len(have), len(have) + one), codec="raw")
             s.put(key(c), d)
             model[key(c)] = have + d.payload
-    assert s.stats()["live_blocks"] <= s.log_blocks // 4 and s.stats()["head"] == 0
+        if big and not r:
+            model[key(999)] = b"B" * (s.max_payload - 8)
+            s.put(key(999), Delta(model[key(999)], tokens=(0, 1), codec="raw"))
+    assert s.stats()["live_blocks"] <= s.log_blocks // 3 and s.stats()["head"] == 0
     return model
 
 
@@ -299,6 +304,18 @@ def test_lru_eviction_drops_the_least_recently_used(make_device):
             assert s.restore(k).payload == deltas(1, 3000, seed=n)[0].payload
 
 
+def test_refuse_never_stops_on_a_large_record_after_compactions(make_device):
+    """Compactions taken while they fit at all used up the free room, then the largest record
+    came to the head and fit neither as a base nor as a copy: DeviceFull with 70 of 254 blocks
+    live (review). Under "refuse" a compaction now leaves room for a copy."""
+    path = make_device(1 << 20)
+    with LogStore(path, eviction="refuse") as s:
+        model = spread_chains(s, big=True)
+        churn(s, lambda s: s.stats()["head"] >= 2 * s.log_blocks)
+        assert s.stats()["copies"] > 0
+        holds(s, model, exactly=True)
+
+
 def test_an_evicted_session_whose_first_record_moved_never_comes_back_half(make_device):
     """Reclaim may copy a session's first record past its later ones. Evicted (not logged),
     such a session lost a later record first as the head passed it, and the next open found
@@ -316,6 +333,39 @@ def test_an_evicted_session_whose_first_record_moved_never_comes_back_half(make_
         assert s.stats()["evicted_tombstones"] == 1
     with LogStore(path) as s:
         assert victim not in s.list()
+
+
+def test_deletes_leave_the_block_an_evicted_session_s_tombstone_needs(tmp_path):
+    """The head on a dead record of an evicted session whose first record was copied must write
+    that session's tombstone before it moves on. Deletes could take the last free block first:
+    then every put and delete got DeviceFull, again after reopening (review). A delete now
+    leaves one block."""
+    path = str(tmp_path / "store.img")       # the file only: the walk below lands exactly there
+    create_image(path, 1 << 20)
+    format_device(path)
+    with LogStore(path, eviction="lru") as s:
+        one = s.block_size - fmt.HEADER_SIZE
+        model = spread_chains(s, records=2)
+        n = churn(s, lambda s: moved_first(s))
+        victim, (first, _) = next(iter(moved_first(s).items()))
+        with s._lock:
+            s._evict_or_refuse(set(), victim)
+        target = min(e.lpos for e in s.entries() if e.key == victim and e.seq > first.seq)
+        kept = []
+        while s.stats()["head"] < target:          # the head onto the victim's later record
+            s.put(key(n), Delta(b"p" * one, tokens=(0, 1), codec="raw"))
+            if s.stats()["head"] >= target:
+                kept.append(key(n))
+            else:
+                s.delete(key(n))
+            n += 1
+        assert s.stats()["head"] == target and s.stats()["evicted_tombstones"] == 0
+        for k in kept + [k for k in model if k != victim]:
+            s.delete(k)                            # tombstones until the log is all but full
+        s.put(key(n), Delta(b"x", tokens=(0, 1), codec="raw"))     # reclaim buries the victim
+        assert s.stats()["evicted_tombstones"] == 1
+    with LogStore(path) as s:
+        assert s.list() == [key(n)]
 
 
 def test_a_deleted_session_stays_deleted_though_eviction_had_dropped_it(make_device):
