@@ -25,10 +25,11 @@ Space. The log runs from head to tail. Before a record lands on reclaimed
 blocks, the superblock (both copies) is written with the new head, so a
 crash never leaves a head pointing at overwritten blocks. Reclaim pops dead
 records at the head and relocates a live one found there: its whole chain
-compacted into one base record at the tail when that fits, else the record
-alone, copied as it is, which the head gives back as it passes the original.
-(Compaction alone costs a chain to free one record: a run of chains spread
-over the log used up the free room and stopped the head.) When live data
+compacted into one base record at the tail when that fits (under "refuse":
+leaving room for a copy), else the record alone, copied as it is, which the
+head gives back as it passes the original. (Compaction alone costs a chain
+to free one record: a run of chains spread over the log used up the free
+room and stopped the head.) When live data
 alone would not leave room, eviction="lru" drops the least recently used
 sessions (not logged: a crash may bring an evicted session back whole,
 never half), eviction="refuse" raises DeviceFull. Every chain fits one
@@ -608,10 +609,11 @@ class LogStore:
             # frees one record now, the chain's others as the head reaches them, dead. It may
             # borrow the tombstones' reserve (kept out of it, a live chain at the head that a
             # delete, or the pad before the lap's end, had left a few blocks short stopped the
-            # head for good: DeviceFull with 15 of 254 blocks live). When it does not fit, the
-            # record alone is copied as it is, which the head gives back at once: a run of chains
-            # spread over the log, compacted one after another, had used up the free room, and
-            # the head stopped (DeviceFull with a fifth of the log live, or evictions).
+            # head for good: DeviceFull with 15 of 254 blocks live), down to _compaction_floor.
+            # When it does not fit, the record alone is copied as it is, which the head gives
+            # back at once: a run of chains spread over the log, compacted one after another,
+            # had used up the free room and stopped the head (DeviceFull with a fifth of the log
+            # live, or evictions).
             base = self._base_of(e.key, self._chains[e.key])
             if self._fits(base.nblocks, self._compaction_floor):
                 self._stage(base)                 # durable before the head passes it
