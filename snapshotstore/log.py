@@ -29,11 +29,11 @@ compacted into one base record at the tail when that fits (under "refuse":
 leaving room for a copy), else the record alone, copied as it is, which the
 head gives back as it passes the original. (Compaction alone costs a chain
 to free one record: a run of chains spread over the log used up the free
-room and stopped the head.) When live data
-alone would not leave room, eviction="lru" drops the least recently used
-sessions (not logged: a crash may bring an evicted session back whole,
-never half), eviction="refuse" raises DeviceFull. Every chain fits one
-record (max_record_bytes), so a put can always compact it.
+room and stopped the head.) When live data alone would not leave room,
+eviction="lru" drops the least recently used sessions (not logged: a crash
+may bring an evicted session back whole, never half), eviction="refuse"
+raises DeviceFull. Every chain fits one record (max_record_bytes), so a put
+can always compact it.
 """
 from __future__ import annotations
 
@@ -575,8 +575,9 @@ class LogStore:
     def _floor(self, req: _Request) -> int:
         """Free blocks that must remain after req. A tombstone may use all but one (a delete is
         how room is made; the last block is for the tombstone reclaim may have to write first,
-        _bury: deletes that used it stopped every later write, for good). A put leaves the reserve and room to relocate the largest record (a
-        chain's base is one) with the pad it may need before the lap's end (records never wrap)."""
+        _bury: deletes that used it stopped every later write, for good). A put leaves the
+        reserve and room to relocate the largest record (a chain's base is one) with the pad it
+        may need before the lap's end (records never wrap)."""
         if req.kind == KIND_TOMBSTONE:
             return 1
         return self._reserve + 2 * self.max_record_blocks - 1
