@@ -251,6 +251,13 @@ def churn(s, until, start=1_000_000):
     return n
 
 
+def evict(s, k):
+    """Evict session k as LRU eviction does (filling the log to make it evict would also move
+    the head, which these tests place)."""
+    with s._lock:
+        s._evict_or_refuse(set(), k)
+
+
 def moved_first(s):
     """Sessions whose first record reclaim copied past their later ones: key -> (that copy, the
     position of their last other record)."""
@@ -326,8 +333,7 @@ def test_an_evicted_session_whose_first_record_moved_never_comes_back_half(make_
         spread_chains(s)
         churn(s, lambda s: moved_first(s))
         victim, (first, last_other) = next(iter(moved_first(s).items()))
-        with s._lock:                             # evicted as LRU eviction does (filling the log
-            s._evict_or_refuse(set(), victim)     # to make it evict would move the head too)
+        evict(s, victim)
         churn(s, lambda s: s.stats()["head"] > last_other)
         assert s.stats()["head"] <= first.lpos    # the first record is still in the log
         assert s.stats()["evicted_tombstones"] == 1
@@ -348,8 +354,7 @@ def test_deletes_leave_the_block_an_evicted_session_s_tombstone_needs(tmp_path):
         model = spread_chains(s, records=2)
         n = churn(s, lambda s: moved_first(s))
         victim, (first, _) = next(iter(moved_first(s).items()))
-        with s._lock:
-            s._evict_or_refuse(set(), victim)
+        evict(s, victim)
         target = min(e.lpos for e in s.entries() if e.key == victim and e.seq > first.seq)
         kept = []
         while s.stats()["head"] < target:          # the head onto the victim's later record
