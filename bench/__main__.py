@@ -30,8 +30,17 @@ EPILOG = """examples:
     sudo python -m bench nvmetcp            # the store on an NVMe/TCP target (loopback) against a local one
     sudo python -m bench e2e --quick        # the whole pipeline, every scenario briefly, report in bench-results/e2e/
     sudo python -m bench compare --policy round_robin,affinity,static   # same load per policy, table + plot
+    sudo python -m bench compare --policy affinity,affinity:0.05 --repeat 4   # a policy parameter, 4 rounds
     sudo python -m bench compare --policy dynamic,static --device l4 --rate 30   # on a simulated L4's step time
 """
+
+
+def _policy_names() -> str:
+    try:
+        from datapath.router import policies
+        return ", ".join(policies())
+    except ImportError:          # the extension not built yet (make setup builds it)
+        return "see datapath.router.policies()"
 
 
 def main(argv=None) -> int:
@@ -43,15 +52,23 @@ def main(argv=None) -> int:
     p.add_argument("--json", metavar="PATH", help="where to write the JSON (default bench-results/SUITE.json)")
     p.add_argument("--soak", action="store_true", help="snapshot: also run the 1,000-iteration crash soak")
     p.add_argument("--policy", metavar="A,B,...",
-                   help="compare: routing policies (round_robin, least_loaded, power_of_two, affinity, weighted) "
+                   help=f"compare: routing policies ({_policy_names()}; NAME:X gives one parameter X) "
                         "and batching modes (dynamic, static) to run under the same load")
     p.add_argument("--rate", type=float, default=40, help="compare: offered requests/s (default 40)")
+    p.add_argument("--repeat", type=int, metavar="N",
+                   help="compare: rounds of every name, the order reversed every other round (default 2; 1 with --quick)")
     p.add_argument("--device", metavar="PROFILE",
                    help="compare: workers simulate this device's step time (cpu, l4, h100, dpu: "
                         "datapath.serving.devices); default: the tiny model's own step time")
     args = p.parse_args(argv)
     if args.suite == "compare" and not args.policy:
         p.error("compare needs --policy A,B,... (for example --policy round_robin,affinity,static)")
+    if args.suite == "compare":
+        from .compare import check_args
+        try:
+            check_args(args)      # before any pipeline is built or any JSON overwritten
+        except ValueError as e:
+            p.error(str(e))
     names = IN_ALL if args.suite == "all" else [args.suite]
     if args.json and len(names) > 1:
         p.error("--json names one file: use it with a single suite")

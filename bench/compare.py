@@ -1,17 +1,24 @@
-"""bench compare: the same open-loop load through the pipeline once per routing policy or
+"""bench compare: the same open-loop load through the pipeline for each routing policy or
 batching mode, side by side: the researchers' loop.
 
     sudo python -m bench compare --policy round_robin,power_of_two,affinity,static --rate 40
+    sudo python -m bench compare --policy affinity,affinity:0.05 --repeat 4
     sudo python -m bench compare --policy dynamic,static --device l4 --rate 30
 
-A name is a routing policy (datapath.router.policies(), with dynamic batching)
-or a batching mode (dynamic, static; with affinity routing, the pipeline's
-default, since sessions return). Each gets a fresh
-pipeline and the same Poisson schedule (same seed, same requests, same
-sessions); the table and `compare.png` show p50/p95/p99 send->response and
-what the router did. References: the first name's figures (ratios are
-relative to it). --device makes every worker simulate that device profile's step
-time (datapath.serving.devices), so policies meet a GPU's step cost, not numpy's.
+A name is a routing policy (datapath.router.policies(), with dynamic batching;
+"name:x" passes it parameter x, e.g. affinity's load bound, default 0.25) or a
+batching mode (dynamic, static; with affinity routing, the pipeline's default,
+since sessions return). Each run gets a fresh pipeline and the same Poisson
+schedule (same seed, same requests, same sessions). The names run in rounds
+(--repeat, 2 by default, 1 with --quick), the order reversed every other round,
+and each name's latencies are pooled over its rounds, so a slow spell of this
+shared machine does not fall on one name alone. The table (compare.md, and
+rows.json with each round's p95) and `compare.png` show p50/p95/p99
+send->response and what the router did; the JSON has every figure, the
+offered and achieved rates, the requests not answered 200 and the host's
+steal. References: the first name's figures (ratios are relative to it).
+--device makes every worker simulate that device profile's step time
+(datapath.serving.devices), so policies meet a GPU's step cost, not numpy's.
 
 Every pipeline gets a fresh shared snapshot store: sessions return (61 of
 them cycle through the offer), and a policy that sends a session's next request to another
@@ -23,7 +30,10 @@ restored.
 """
 from __future__ import annotations
 
+import json
 import pathlib
+
+import numpy as np
 
 from bench.e2e import OUTPUT, PROMPT, _config, _offer, _pcts, _progress, _warm_up, drain_s, fresh_store
 from datapath.pipeline import Pipeline
@@ -52,51 +62,126 @@ def _plot(rows: list[dict], path: pathlib.Path):
     FigureCanvasAgg(fig).print_png(str(path))
 
 
-def run(report, args):
-    names = [n.strip() for n in args.policy.split(",") if n.strip()]
+def parse_names(spec: str) -> list[tuple[str, str, float | None]]:
+    """"a,b:0.1,..." -> [(label, name, param)]: a routing policy (datapath.router.policies(), with
+    dynamic batching; ":x" gives it parameter x, e.g. affinity's load bound) or a batching mode
+    (dynamic, static). ValueError, naming what is known, for anything else."""
     known = set(policies()) | {"dynamic", "static"}
-    bad = [n for n in names if n not in known]
-    if bad:
-        raise ValueError(f"unknown policy or batching mode {', '.join(bad)} (known: {', '.join(sorted(known))})")
-    device = getattr(args, "device", None)
-    if device is not None and device not in PROFILES:
-        raise ValueError(f"unknown device profile {device!r} (known: {', '.join(PROFILES)})")
-    report.machine["device"] = device or "none (the tiny model's own step time)"
+    out = []
+    for label in (n.strip() for n in spec.split(",")):
+        if not label:
+            continue
+        name, _, param = label.partition(":")
+        if name not in known:
+            raise ValueError(f"unknown policy or batching mode {name!r} (known: {', '.join(sorted(known))})")
+        if param and name in ("dynamic", "static"):
+            raise ValueError(f"{label!r}: a batching mode takes no parameter")
+        try:
+            value = float(param) if param else None
+        except ValueError:
+            raise ValueError(f"{label!r}: the parameter after ':' must be a number") from None
+        out.append((label, name, value))
+    if not out:
+        raise ValueError("--policy names nothing")
+    if len({label for label, _, _ in out}) != len(out):
+        raise ValueError("--policy names one twice")
+    return out
+
+
+def check_args(args):
+    """Everything compare can refuse, before it builds anything (ValueError)."""
+    parse_names(args.policy or "")
+    if not args.rate > 0:
+        raise ValueError(f"--rate must be > 0 requests/s, not {args.rate:g}")
+    if args.device is not None and args.device not in PROFILES:
+        raise ValueError(f"unknown device profile {args.device!r} (known: {', '.join(PROFILES)})")
+    if args.repeat is not None and args.repeat < 1:
+        raise ValueError(f"--repeat must be >= 1, not {args.repeat}")
+
+
+def _one(label: str, name: str, param: float | None, device: str | None, rate: float, seconds: float) -> dict:
+    """One offer through a fresh pipeline and store: its latencies and what the router did."""
+    kw = {"batching": name} if name in ("dynamic", "static") else {"policy": name}
+    if param is not None:
+        kw["policy_param"] = param
+    with fresh_store() as store, Pipeline(_config(shared_store=store, device=device, **kw)) as p:
+        _warm_up(p, device)
+        st0, store0 = p.router.stats(), p.store_stats()     # the counts below are the offer's own
+        res = _offer(p, rate, seconds, prompt_tokens=PROMPT, max_output_tokens=OUTPUT,
+                     sessions=SESSIONS, drain_s=drain_s(device))
+        st1, store1 = p.router.stats(), p.store_stats()
+        res["xdp_mode"] = p.xdp_mode
+    res["router"] = {k: st1[k] - st0[k] for k in ("batches", "records_out", "moved", "requests_in")}
+    res["restores"] = store1["restores"] - store0["restores"]
+    return res
+
+
+def run(report, args):
+    check_args(args)
+    names = parse_names(args.policy)
+    device = args.device
     seconds = 3.0 if args.quick else 10.0
+    # Rounds, the order reversed every other one (A B, B A, ...): on this shared machine a slow
+    # spell that fell on one name's run alone moved its figures more than most policies differ.
+    repeat = args.repeat or (1 if args.quick else 2)
+    report.machine.update(device=device or "none (the tiny model's own step time)", rate_per_s=args.rate,
+                          seconds_per_run=seconds, sessions=SESSIONS, repeat=repeat)
+    runs = {label: [] for label, _, _ in names}
+    for k in range(repeat):
+        order = names if k % 2 == 0 else names[::-1]
+        for i, (label, name, param) in enumerate(order):
+            _progress(f"compare {label}: {args.rate:g} req/s for {seconds:.0f} s, round {k + 1} of {repeat} "
+                      f"({len(order) - i} left in the round)")
+            res = _one(label, name, param, device, args.rate, seconds)
+            report.machine["xdp_mode"] = res["xdp_mode"]
+            runs[label].append(res)
     rows = []
-    for i, name in enumerate(names):
-        kw = {"batching": name} if name in ("dynamic", "static") else {"policy": name}
-        kw["device"] = device
-        with fresh_store() as store, Pipeline(_config(shared_store=store, **kw)) as p:
-            report.machine["xdp_mode"] = p.xdp_mode
-            _warm_up(p, device)
-            st0, store0 = p.router.stats(), p.store_stats()     # the counts below are the offer's own
-            _progress(f"compare {name}: {args.rate:g} req/s for {seconds:.0f} s ({len(names) - i} left)")
-            res = _offer(p, args.rate, seconds, prompt_tokens=PROMPT, max_output_tokens=OUTPUT,
-                         sessions=SESSIONS, drain_s=drain_s(device))
-            st1, store1 = p.router.stats(), p.store_stats()
-        st = {k: st1[k] - st0[k] for k in ("batches", "records_out", "moved", "requests_in")}
-        pc = _pcts(res["rtt_ns"], 1e6)
-        row = {"name": name, "qps": args.rate, "achieved_qps": res["achieved_qps"], "p50_ms": pc["p50"],
-               "p95_ms": pc["p95"], "p99_ms": pc["p99"], "errors": res["errors"], "batches": st["batches"],
-               "records_per_batch": st["records_out"] / max(st["batches"], 1), "moved": st["moved"],
-               "restores": store1["restores"] - store0["restores"], "requests": st["requests_in"]}
+    for i, (label, _, _) in enumerate(names):
+        rs = runs[label]
+        pc = _pcts(np.concatenate([r["rtt_ns"] for r in rs]), 1e6)   # the rounds pooled
+        st = {key: sum(r["router"][key] for r in rs) for key in rs[0]["router"]}
+        row = {"name": label, "qps": args.rate,
+               "offered_qps": float(np.mean([r["offered_qps"] for r in rs])),
+               "achieved_qps": float(np.mean([r["achieved_qps"] for r in rs])),
+               "p50_ms": pc["p50"], "p95_ms": pc["p95"], "p99_ms": pc["p99"],
+               "p95_ms_per_round": [_pcts(r["rtt_ns"], 1e6)["p95"] for r in rs],
+               "requests": sum(r["requests"] for r in rs), "errors": sum(r["errors"] for r in rs),
+               "unanswered": sum(r["unanswered"] for r in rs),
+               "late_max_ms": max(r["late_max_ms"] for r in rs),
+               "steal_pct": float(np.mean([r["steal_pct"] for r in rs])),
+               "batches": st["batches"], "records_per_batch": st["records_out"] / max(st["batches"], 1),
+               "moved": st["moved"], "routed": st["requests_in"], "restores": sum(r["restores"] for r in rs)}
         rows.append(row)
         for key in ("p50_ms", "p95_ms", "p99_ms"):
-            (report.reference if i == 0 else report.metric)(f"{name}_{key}", row[key], "ms")
+            (report.reference if i == 0 else report.metric)(f"{label}_{key}", row[key], "ms")
             if i:
-                report.ratio(f"{name}_{key}", f"{names[0]}_{key}")
-        for key in ("errors", "moved", "restores"):
-            report.metric(f"{name}_{key}", row[key])
+                report.ratio(f"{label}_{key}", f"{names[0][0]}_{key}")
+        for key, unit in (("offered_qps", "req/s"), ("achieved_qps", "req/s"), ("late_max_ms", "ms"),
+                          ("steal_pct", "%")):
+            report.metric(f"{label}_{key}", row[key], unit)
+        for key in ("requests", "errors", "unanswered", "moved", "restores"):
+            report.metric(f"{label}_{key}", row[key])
+        if row["errors"] > 0.01 * row["requests"]:
+            report.note(f"{label}: {row['errors']} of {row['requests']} requests not answered 200; the "
+                        f"percentiles count 200s and the unanswered, not other answers (a policy that "
+                        f"fails fast would look fast)")
+        if row["achieved_qps"] < 0.95 * row["offered_qps"]:
+            report.note(f"{label}: answered {row['achieved_qps']:.1f} of {row['offered_qps']:.1f} req/s "
+                        f"offered: past what it sustains, its percentiles grow with the run's length")
+    report.note("send->response from each request's scheduled send; percentiles over the rounds pooled "
+                "(200 answers, and the unanswered at the time they had waited); p95_ms_per_round in compare.json "
+                "(rows.json, beside the table) shows how much one round moved")
     out = pathlib.Path(args.json).with_suffix("") if args.json else pathlib.Path("bench-results/compare")
     out.mkdir(parents=True, exist_ok=True)
-    lines = ["| policy | offered req/s | achieved | p50 ms | p95 ms | p99 ms | not answered 200 | records per batch "
-             "| requests moved | sessions restored |",
+    lines = ["| policy | offered req/s | achieved | p50 ms | p95 ms (each round) | p99 ms | not answered 200 "
+             "| records per batch | requests moved | sessions restored |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    lines += [f"| {r['name']} | {r['qps']:g} | {r['achieved_qps']:.1f} | {r['p50_ms']:.2f} | {r['p95_ms']:.2f} | "
-              f"{r['p99_ms']:.2f} | {r['errors']} | {r['records_per_batch']:.2f} | "
-              f"{r['moved']} of {r['requests']} | {r['restores']} |" for r in rows]
+    lines += [f"| {r['name']} | {r['offered_qps']:.1f} | {r['achieved_qps']:.1f} | {r['p50_ms']:.2f} | "
+              f"{r['p95_ms']:.2f} ({', '.join(f'{x:.2f}' for x in r['p95_ms_per_round'])}) | "
+              f"{r['p99_ms']:.2f} | {r['errors']} of {r['requests']} | {r['records_per_batch']:.2f} | "
+              f"{r['moved']} of {r['routed']} | {r['restores']} |" for r in rows]
     (out / "compare.md").write_text("\n".join(lines) + "\n")
+    (out / "rows.json").write_text(json.dumps(rows, indent=1) + "\n")
     _plot(rows, out / "compare.png")
     print("\n".join(lines))
     print(f"  table and plot: {out}/compare.md, {out}/compare.png")

@@ -54,6 +54,7 @@ class PipelineConfig:
     policy: str = "affinity"           # a session's requests on the worker holding its KV; a policy that
                                        # spreads them needs shared_store, or a moved request runs on a
                                        # context without its session's earlier turns
+    policy_param: float = 0.0          # the policy's parameter (0: its default; affinity: the load bound, 0.25)
     batching: str = "dynamic"          # or "static"
     token_budget: int = 512            # dynamic: tokens per step (a worker on a simulated device: see below)
     budget_at_knee: bool = True        # a simulated device's worker steps up to its profile's knee_tokens
@@ -212,7 +213,7 @@ class Pipeline:
                                             veth_peer=(topo.client_if[0], topo.client_ns[0]))
         out_name, out_ring = self._ring("out", records.RESPONSE.itemsize, 1 << 12, "producer")
         self.consumer = self.ingress.consumer(None)   # the router's feed: no input ring between them
-        self.router = Router(policy=cfg.policy, batching=cfg.batching, token_budget=cfg.token_budget,
+        self.router = Router(policy=cfg.policy, policy_param=cfg.policy_param, batching=cfg.batching, token_budget=cfg.token_budget,
                              max_chunks=cfg.max_chunks, max_batch_size=cfg.max_batch_size,
                              batch_timeout_s=cfg.batch_timeout_s)
         es.callback(self.router.close)
@@ -241,6 +242,7 @@ class Pipeline:
                             name=f"worker{k}", daemon=True)
             p.start()
             self.workers.append(p)
+        self._watch_workers()
         # the response socket is made after the workers are forked, so none of them holds it
         sock = socket_in(topo.host_ns)
         es.callback(sock.close)
@@ -306,11 +308,48 @@ class Pipeline:
                 p.kill()
                 p.join(5)
 
-    def kill_worker(self, k: int):
-        """SIGKILL worker k (the failover scenario) and tell the router it is down."""
+    def _watch_workers(self):
+        """A worker process that exits while the pipeline runs (a crash, the OOM killer, a SIGKILL)
+        is marked down at once, so the router replays its unfinished requests on the others:
+        failover waits for no one to announce the death. (A worker that hangs alive is not seen.)"""
+        import threading
+        from multiprocessing.connection import wait
+        wake_r, wake_w = os.pipe()
+        stopping = threading.Event()
+        self.worker_exits: list[tuple[int, int | None]] = []   # (worker, exit code) as the watcher saw them
+
+        def watch():
+            alive = {p.sentinel: k for k, p in enumerate(self.workers)}
+            while alive:
+                for ready in wait([*alive, wake_r]):
+                    if ready == wake_r or stopping.is_set():
+                        return                     # teardown: the workers are being stopped
+                    k = alive.pop(ready)
+                    self.workers[k].join(5)        # its files close before it can be reaped
+                    self.worker_exits.append((k, self.workers[k].exitcode))
+                    self.router.set_up(k, False)
+                    print(f"pipeline: worker {k} exited (code {self.worker_exits[-1][1]}): marked down, its "
+                          f"unfinished requests replayed on the others", file=sys.stderr, flush=True)
+        watcher = threading.Thread(target=watch, name="worker-watch", daemon=True)
+        watcher.start()
+
+        def halt():        # before the workers are reaped and the router is closed (LIFO)
+            stopping.set()
+            os.write(wake_w, b"x")
+            watcher.join(10)
+            os.close(wake_r)
+            os.close(wake_w)
+        self._stack.callback(halt)
+
+    def kill_worker(self, k: int, timeout_s: float = 5.0):
+        """SIGKILL worker k, as a crash would (the failover scenario): nobody tells the router; the
+        pipeline's watcher sees the process exit and marks it down. Returns once it is down."""
         self.workers[k].kill()
-        self.workers[k].join(5)
-        self.router.set_up(k, False)
+        deadline = time.monotonic() + timeout_s
+        while self.router.worker_stats(k)["up"]:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"worker {k} was killed but the router still had it up after {timeout_s:g} s")
+            time.sleep(0.01)
 
     # --- load -------------------------------------------------------------------------------
     def offer(self, rate: float, count: int, prompt_tokens: int = 64, max_output_tokens: int = 4,
@@ -328,6 +367,8 @@ class Pipeline:
         several threads at once (each offer is its own client process and socket).
         Returns the client's stats (rtt_ns per response) and the offer's seq_base.
         """
+        if not rate > 0 or count < 1:
+            raise ValueError(f"an offer needs a rate > 0 requests/s and a count >= 1, not {rate} and {count}")
         if prompts is None:
             if not 1 <= prompt_tokens * merge <= wire.MAX_CHUNK_TOKENS:
                 raise ValueError(f"a request here is one chunk: prompt_tokens x merge must be 1..{wire.MAX_CHUNK_TOKENS}")

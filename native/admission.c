@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "chunk.h"
 #include "wire.h"
 
 #define MINUTE_NS 60000000000ull
@@ -72,24 +73,42 @@ static uint32_t mix(uint32_t x)
     return x ^ (x >> 16);
 }
 
-/* The tenant's slot, or NULL; with insert, a free slot is taken for it (NULL if the table is full). */
-static struct tenant *find(struct dp_admission *a, uint32_t id, int insert)
+enum { FIND, INSERT, INSERT_OWN };
+
+/* A default-settings tenant whose state says nothing a fresh one's would not (nothing spent
+ * today, no bucket debt): its slot may go to another tenant once the table is full. */
+static int idle(const struct tenant *t, uint64_t now)
+{
+    return !t->own && (!t->spent || now - t->day_start >= DAY_NS) && t->tat_minute <= now && t->tat_high <= now;
+}
+
+/* The tenant's slot, or NULL. INSERT takes a free slot for it or, the table full (slots are
+ * never freed), an idle tenant's; INSERT_OWN (settings of its own) any default tenant's, which
+ * then starts afresh. Before, a table filled with junk tenant ids (1,024 COUNT_TOKENS records)
+ * left every new tenant stateless (no budget, no per-minute bucket) and set_tenant failing. */
+static struct tenant *find(struct dp_admission *a, uint32_t id, int insert, uint64_t now)
 {
     uint32_t mask = DP_ADM_MAX_TENANTS - 1;
+    struct tenant *spare = NULL;
     for (uint32_t i = mix(id) & mask, k = 0; k < DP_ADM_MAX_TENANTS; i = (i + 1) & mask, k++) {
         struct tenant *t = &a->t[i];
         if (t->used && t->id == id)
             return t;
         if (!t->used) {
-            if (!insert)
+            if (insert == FIND)
                 return NULL;
-            memset(t, 0, sizeof(*t));
-            t->used = 1;
-            t->id = id;
-            return t;
+            spare = t;
+            break;
         }
+        if (!spare && (insert == INSERT_OWN ? !t->own : insert == INSERT && idle(t, now)))
+            spare = t;                    /* taken only if the whole table is in use */
     }
-    return NULL;
+    if (!spare || insert == FIND)
+        return NULL;
+    memset(spare, 0, sizeof(*spare));     /* in place: the probe chains through it stay whole */
+    spare->used = 1;
+    spare->id = id;
+    return spare;
 }
 
 static const struct dp_tenant_cfg *cfg_of(const struct dp_admission *a, const struct tenant *t)
@@ -99,9 +118,9 @@ static const struct dp_tenant_cfg *cfg_of(const struct dp_admission *a, const st
 
 int dp_adm_set_tenant(struct dp_admission *a, uint32_t tenant, const struct dp_tenant_cfg *cfg)
 {
-    struct tenant *t = find(a, tenant, 1);
+    struct tenant *t = find(a, tenant, INSERT_OWN, 0);
     if (!t)
-        return -ENOSPC;
+        return -ENOSPC;                   /* every slot has settings of its own */
     t->cfg = *cfg;
     t->own = 1;
     return 0;
@@ -114,7 +133,7 @@ void dp_adm_set_default(struct dp_admission *a, const struct dp_tenant_cfg *cfg)
 
 int dp_adm_tenant_stats(struct dp_admission *a, uint32_t tenant, struct dp_adm_tenant_stats *s)
 {
-    struct tenant *t = find(a, tenant, 0);
+    struct tenant *t = find(a, tenant, FIND, 0);
     memset(s, 0, sizeof(*s));
     if (!t)
         return -ENOENT;
@@ -173,6 +192,10 @@ static void price_base(const struct dp_tenant_cfg *cfg, uint32_t n_tokens, uint3
     p->input_tokens = chunk_count * DP_MAX_CHUNK_TOKENS;
     p->max_output = max_output;
     p->sample_tokens = n_tokens < DP_MAX_CHUNK_TOKENS ? n_tokens : DP_MAX_CHUNK_TOKENS;
+    /* A request of several chunks is sampled on a full chunk only: otherwise a 1-token first
+     * record (entropy 0) priced all its chunks at factor 1.0 and kept it off the secondary pool. */
+    if (chunk_count > 1 && p->sample_tokens < DP_MAX_CHUNK_TOKENS)
+        p->sample_tokens = 0;             /* assumed the maximum, as for OPEN */
     p->output_factor = output_factor(max_output);
 }
 
@@ -279,7 +302,10 @@ static void suggestions(struct jw *w, const struct dp_tenant_cfg *cfg, const str
     int first = 1;
 #define HINT(...) (put(w, first ? "\"" : ",\""), put(w, __VA_ARGS__), put(w, "\""), first = 0)
     put(w, ",\"suggestions\":[");
-    if (st == DP_STATUS_BAD_REQUEST) {
+    if (st == DP_STATUS_BAD_REQUEST && p->max_output > DP_MAX_OUTPUT_TOKENS) {
+        HINT("lower max_output_tokens to %d and ask for the rest in a further request on the session",
+             DP_MAX_OUTPUT_TOKENS);
+    } else if (st == DP_STATUS_BAD_REQUEST) {
         uint32_t limit = cfg->max_request_tokens;
         split_hint(w, &first, limit, p);
         if (p->input_tokens < limit && p->max_output > limit - p->input_tokens)
@@ -314,10 +340,12 @@ static void suggestions(struct jw *w, const struct dp_tenant_cfg *cfg, const str
 #undef HINT
 }
 
-static const char *reason(uint16_t st)
+static const char *reason(const struct dp_adm_decision *d)
 {
-    switch (st) {
-    case DP_STATUS_BAD_REQUEST: return "the request is larger than the tenant's context limit";
+    switch (d->status) {
+    case DP_STATUS_BAD_REQUEST:
+        return d->p.max_output > DP_MAX_OUTPUT_TOKENS ? "max_output_tokens is more than one answer carries"
+                                                       : "the request is larger than the tenant's context limit";
     case DP_STATUS_UNPROCESSABLE: return "the estimated cost exceeds the remaining daily budget";
     case DP_STATUS_RATE_LIMITED: return "over the tenant's tokens per minute";
     default: return "";
@@ -332,9 +360,11 @@ static uint32_t write_body(const struct dp_tenant_cfg *cfg, const struct dp_adm_
     if (count_only)
         put(&w, "{\"status\":200,\"count_tokens\":true,\"would_be\":%u", d->status);
     else
-        put(&w, "{\"status\":%u,\"error\":\"%s\"", d->status, reason(d->status));
+        put(&w, "{\"status\":%u,\"error\":\"%s\"", d->status, reason(d));
     put(&w, ",\"request_tokens\":%" PRIu64, tokens);
-    if (d->status == DP_STATUS_BAD_REQUEST)
+    if (d->status == DP_STATUS_BAD_REQUEST && d->p.max_output > DP_MAX_OUTPUT_TOKENS)
+        put(&w, ",\"max_output_tokens_limit\":%d", DP_MAX_OUTPUT_TOKENS);
+    else if (d->status == DP_STATUS_BAD_REQUEST)
         put(&w, ",\"limit_tokens\":%" PRIu32, cfg->max_request_tokens);
     if (d->status == DP_STATUS_RATE_LIMITED)
         put(&w, ",\"tokens_per_minute\":%" PRIu32 ",\"retry_after_ms\":%" PRIu64, cfg->tokens_per_minute,
@@ -365,7 +395,7 @@ uint32_t dp_adm_decide(struct dp_admission *a, uint32_t tenant, const uint32_t *
                        uint32_t chunk_count, uint32_t max_output, int flags, uint64_t now,
                        struct dp_adm_decision *d, char *body, uint32_t cap)
 {
-    struct tenant *t = find(a, tenant, 0);
+    struct tenant *t = find(a, tenant, FIND, 0);
     const struct dp_tenant_cfg *cfg = cfg_of(a, t);
     int count_only = flags & DP_ADM_COUNT_ONLY;
     memset(d, 0, sizeof(*d));
@@ -385,7 +415,7 @@ uint32_t dp_adm_decide(struct dp_admission *a, uint32_t tenant, const uint32_t *
         (uint64_t)ceil(cost_of(cfg->price_per_1k, d->p.input_tokens, max_output, 5.0)) > d->remaining)
         dp_adm_finish(a, d, tokens);
     d->status = DP_STATUS_OK;
-    if (cfg->max_request_tokens && tokens_all > cfg->max_request_tokens)
+    if (max_output > DP_MAX_OUTPUT_TOKENS || (cfg->max_request_tokens && tokens_all > cfg->max_request_tokens))
         d->status = DP_STATUS_BAD_REQUEST;
     else if (d->priced && d->charge > d->remaining)
         d->status = DP_STATUS_UNPROCESSABLE;
@@ -415,9 +445,12 @@ uint32_t dp_adm_decide(struct dp_admission *a, uint32_t tenant, const uint32_t *
 
 void dp_adm_commit(struct dp_admission *a, uint32_t tenant, const struct dp_adm_decision *d, uint64_t now)
 {
-    struct tenant *t = find(a, tenant, 1);
+    /* Only an admitted request needs state kept (refusals and counts change none): a tenant id
+     * seen only in refusals or counts takes no slot, and keeps no per-tenant counts either. */
+    int admitted = !d->count_only && d->status == DP_STATUS_OK;
+    struct tenant *t = find(a, tenant, admitted ? INSERT : FIND, now);
     if (!t)
-        return;                       /* table full: the tenant runs under the default settings, stateless */
+        return;                       /* every slot holds some tenant's spending or debt: stateless */
     const struct dp_tenant_cfg *cfg = cfg_of(a, t);
     if (d->count_only) {
         t->st.counted++;
@@ -451,7 +484,7 @@ void dp_adm_commit(struct dp_admission *a, uint32_t tenant, const struct dp_adm_
 void dp_adm_settle(struct dp_admission *a, uint32_t tenant, const struct dp_adm_decision *admitted, uint32_t input,
                    uint32_t output, int ok)
 {
-    struct tenant *t = find(a, tenant, 0);
+    struct tenant *t = find(a, tenant, FIND, 0);
     if (!t)
         return;
     const struct dp_tenant_cfg *cfg = cfg_of(a, t);

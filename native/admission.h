@@ -13,7 +13,11 @@
  *                                              the first chunk is here yet
  *   entropy_bits   = Shannon entropy of the token ids of the first record
  *                    seen (H = -sum p log2 p over its n <= 128 tokens;
- *                    0 for one repeated token, log2(n) for n distinct ones)
+ *                    0 for one repeated token, log2(n) for n distinct ones);
+ *                    a request of several chunks is sampled only on a full
+ *                    first record (else the maximum: a 1-token first chunk
+ *                    priced them all at 1.0). A sample is a sample: the
+ *                    other chunks are not measured (never a per-chunk cost)
  *   entropy_factor = 1 + 4 x entropy_bits / 7   1.0 repetitive .. 5.0 for 128
  *                                              distinct tokens (log2 128 = 7);
  *                                              5.0 when no tokens are seen
@@ -25,7 +29,8 @@
  *
  * Decision, in this order (the first that applies):
  *   400  input_tokens + max_output_tokens > max_request_tokens (the context
- *        limit): refused whole and alone, never truncated;
+ *        limit), or max_output_tokens > DP_MAX_OUTPUT_TOKENS (256: what one
+ *        answer carries, chunk.h): refused whole and alone, never truncated;
  *   422  ceil(cost) > what is left of budget_per_day: a JSON body with the
  *        cost breakdown and suggestions;
  *   429  the request's tokens (input + max_output) exceed tokens_per_minute,

@@ -9,6 +9,7 @@
 #include <stddef.h>
 #include <stdio.h>
 #include <sys/mman.h>
+#include <sys/random.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -122,6 +123,7 @@ struct dp_router {
     struct pooled *pool;
     uint32_t pool_free;                 /* free list head */
     uint32_t done_head, done_tail;      /* finished requests waiting for egress room (via fifo_next) */
+    uint64_t key_secret;                /* random per router: req_key, session_key */
     _Alignas(64) uint64_t recent[(1u << RECENT_SET_BITS) * RECENT_WAYS];   /* keys of requests that finished lately */
     uint8_t recent_next[1u << RECENT_SET_BITS];                             /* each set's oldest way */
     struct last_run last_run[1u << LAST_RUN_BITS];   /* direct-mapped, by session key */
@@ -199,20 +201,23 @@ static uint64_t pass_clock(struct dp_router *rt)
  * the slab's size, so it is never full. ------------------------------------ */
 
 /* A request is named by (tenant, session, request_id), not by its id alone:
- * two clients that reuse an id never meet, and no tenant can touch another's. */
-static uint64_t req_key(uint32_t tenant, uint64_t session, uint64_t request_id)
+ * two clients that reuse an id never meet, and no tenant can touch another's.
+ * The hash is keyed by the router's random secret: recent[] holds keys alone,
+ * and with a public hash (a bijection) a tenant could pick a request_id whose
+ * key is another tenant's request's, then have that one dropped as "done". */
+static uint64_t req_key(const struct dp_router *rt, uint32_t tenant, uint64_t session, uint64_t request_id)
 {
-    return dp_hash64(request_id ^ dp_hash64(session ^ dp_hash64(tenant)));
+    return dp_hash64(request_id ^ dp_hash64(session ^ dp_hash64(tenant ^ rt->key_secret)));
 }
 
-static uint64_t session_key(uint32_t tenant, uint64_t session)
+static uint64_t session_key(const struct dp_router *rt, uint32_t tenant, uint64_t session)
 {
-    return dp_hash64(session ^ dp_hash64(tenant ^ 0x5e55104ull));
+    return dp_hash64(session ^ dp_hash64(tenant ^ 0x5e55104ull ^ rt->key_secret));
 }
 
-static uint64_t chunk_key(const struct dp_chunk *c)
+static uint64_t chunk_key(const struct dp_router *rt, const struct dp_chunk *c)
 {
-    return req_key(c->tenant, c->session_id, c->request_id);
+    return req_key(rt, c->tenant, c->session_id, c->request_id);
 }
 
 /* The first slot under key whose request has the same tenant and session (and request id, if by_id). */
@@ -530,7 +535,7 @@ static void make_ready(struct dp_router *rt, uint32_t ri)
 static void session_join(struct dp_router *rt, uint32_t ri, const struct dp_chunk *c)
 {
     struct req *r = &rt->reqs[ri];
-    uint64_t sk = session_key(c->tenant, c->session_id);
+    uint64_t sk = session_key(rt, c->tenant, c->session_id);
     uint32_t last = index_find(rt, &rt->by_session, sk, c, 0);
     r->session_prev = last;
     r->session_next = NIL;
@@ -554,7 +559,7 @@ static void session_leave(struct dp_router *rt, uint32_t ri)
         return;
     r->in_session = 0;
     if (next == NIL)                     /* it was the latest: the index points at the one before, if any */
-        index_move(&rt->by_session, session_key(r->tenant, r->session_id), ri, prev);
+        index_move(&rt->by_session, session_key(rt, r->tenant, r->session_id), ri, prev);
     else
         rt->reqs[next].session_prev = prev;
     if (prev != NIL) {
@@ -592,7 +597,7 @@ static void finish(struct dp_router *rt, uint32_t ri)
          * elsewhere, and the session's later requests were flagged as if it had run there */
         for (uint32_t n = r->session_next; n != NIL; n = rt->reqs[n].session_next)
             rt->reqs[n].moved = 1;
-        forget_run(rt, session_key(r->tenant, r->session_id), r->worker);
+        forget_run(rt, session_key(rt, r->tenant, r->session_id), r->worker);
     }
     session_leave(rt, ri);
     remember_done(rt, r->key);
@@ -722,7 +727,7 @@ static struct req *req_init(struct dp_router *rt, uint32_t ri, const struct dp_c
     r->chunk_count = c->chunk_count;
     r->worker = (int16_t)wk;
     r->pool = pool;
-    r->moved = note_run(rt, session_key(c->tenant, c->session_id), wk);
+    r->moved = note_run(rt, session_key(rt, c->tenant, c->session_id), wk);
     r->state = REQ_PREFILL;
     r->pending_head = r->pending_tail = r->ooo = r->fifo_next = NIL;
     r->sent_head = r->sent_tail = NIL;
@@ -856,7 +861,7 @@ static int ingest(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, in
         rt->st.control_in++;
         return 1;
     }
-    uint64_t key = chunk_key(c);
+    uint64_t key = chunk_key(rt, c);
     uint32_t ri = index_find(rt, &rt->by_id, key, c, 1);
     if (c->kind == DP_KIND_CLOSE)
         return close_session(rt, c, t, key, ri, fed);
@@ -1431,7 +1436,7 @@ static void failover(struct dp_router *rt, uint32_t k)
             depth_add(rt, nk, 1);
         }
         r->worker = (int16_t)nk;
-        note_run(rt, session_key(r->tenant, r->session_id), nk);
+        note_run(rt, session_key(rt, r->tenant, r->session_id), nk);
         r->moved = 1;                    /* replayed elsewhere: its session moved for sure */
         r->state = REQ_PREFILL;
         r->n_out = 0;
@@ -1546,10 +1551,10 @@ static void rehearse(struct dp_router *rt)
     for (uint32_t k = 0; k < rt->n_in; k++)
         for (size_t off = 0; off < rt->in[k]->h->slot_size; off += 64)
             warm_sink = ((const volatile uint8_t *)dp_ring_cons_slot(rt->in[k], 0))[off];
-    uint64_t key = chunk_key(c);
+    uint64_t key = chunk_key(rt, c);
     rt->st.rehearsals++;
     warm_sink = index_find(rt, &rt->by_id, key, c, 1) + index_find(rt, &rt->by_session,
-                      session_key(c->tenant, c->session_id), c, 0) + (uint32_t)recently_done(rt, key);
+                      session_key(rt, c->tenant, c->session_id), c, 0) + (uint32_t)recently_done(rt, key);
     char body[DP_MAX_RESP_BODY];
     struct dp_adm_decision d;
     dp_adm_decide(rt->adm, c->tenant, c->tokens, c->n_tokens, c->chunk_count, c->max_output_tokens, DP_ADM_LAZY,
@@ -1770,6 +1775,8 @@ static struct dp_router *router_new(const struct dp_router_config *cfg, const ch
         return NULL;
     }
     rt->cfg = c;
+    if (getrandom(&rt->key_secret, sizeof(rt->key_secret), 0) != sizeof(rt->key_secret))
+        rt->key_secret = dp_hash64((uint64_t)(uintptr_t)rt ^ now_ns());
     pthread_mutex_init(&rt->lock, NULL);
     rt->reqs = hot_alloc(c.max_requests * sizeof(struct req));
     rt->by_id.e = hot_alloc(2 * (size_t)c.max_requests * sizeof(*rt->by_id.e));

@@ -43,7 +43,8 @@ def ref_entropy_bits(tokens) -> float:
 
 
 def ref_price(price_per_1k, tokens, chunk_count, max_out):
-    h = ref_entropy_bits(tokens)
+    # several chunks are sampled on a full first record only, else priced at the most
+    h = 7.0 if chunk_count > 1 and len(tokens) < 128 else ref_entropy_bits(tokens)
     ef = 1 + 4 * h / 7
     of = 1 + min(max_out, 1024) / 1024
     cost = price_per_1k / 1000 * (chunk_count * 128 + max_out) * ef * of
@@ -292,6 +293,72 @@ def test_an_oversized_request_is_refused_alone_and_never_truncated(bench_factory
     assert ran == {2}, "no chunk of the oversized request reached a worker"
     st = b.router.stats()
     assert st["adm_oversized"] == 1 and st["late_duplicates"] == 4 and st["active_requests"] == 0
+
+
+def test_more_output_tokens_than_an_answer_carries_is_refused_not_cut(bench_factory):
+    """An answer holds at most records.MAX_OUTPUT_TOKENS (256) tokens: a request for more was run,
+    billed for all it generated and answered 200 with the first 256, cut without a word."""
+    b = bench_factory()
+    cap = records.MAX_OUTPUT_TOKENS
+    b.send(chunks_of(1, [3] * 10, max_out=cap + 1), chunks_of(2, [3] * 10, max_out=cap))
+    batches = b.run()
+    got = by_id(b.responses)
+    assert got[1]["status"] == 400 and got[2]["status"] == 200 and got[2]["n_out"] == cap
+    doc = wire.decode_admission_body(body_of(got[1]))
+    assert doc.fields["max_output_tokens_limit"] == cap and "more than one answer carries" in doc.error
+    assert doc.suggestions[0].startswith(f"lower max_output_tokens to {cap}")
+    assert {int(r["request_id"]) for x in batches for r in x} == {2}
+
+
+def test_a_short_first_chunk_does_not_price_a_long_request_as_repetitive(bench_factory):
+    """The entropy sample of a request of several chunks is a full first record: a 1-token first
+    chunk (entropy 0, factor 1.0) priced all its chunks at a fifth and kept them off the secondary."""
+    b = bench_factory()
+    b.router.set_tenant(3, TenantPolicy(price_per_1k=1000, budget_per_day=10**9))
+    toks = RNG.integers(0, 512, 129).tolist()
+    req = chunks_of(1, toks, max_out=4, tenant=3)              # 128 tokens, then 1
+    b.send(req[[1]])                                           # the 1-token chunk arrives first
+    b.send(req[[0]])
+    b.run()
+    assert by_id(b.responses)[1]["status"] == 200
+    charged = b.router.tenant_stats(3)["charged"]
+    assert charged == math.ceil(ref_price(1000, [], 2, 4)["cost"]), "priced at the most, as an OPEN"
+    assert charged > 4 * math.ceil(ref_price(1000, [toks[128]], 1, 4)["cost"] * 2)
+
+
+def test_junk_tenant_ids_fill_no_table_that_real_tenants_then_miss(bench_factory):
+    """Tenant state lives in a 1,024-slot table whose slots are never freed. COUNT_TOKENS records
+    and refusals of 1,100 made-up ids took every slot: new tenants then ran with no budget or
+    per-minute bucket kept, and set_tenant failed. Now only admissions take a slot, and a full
+    table gives an idle default tenant's slot to a new one, any default one's to set_tenant."""
+    b = bench_factory()
+    b.router.set_default_tenant(TenantPolicy(tokens_per_minute=600))   # 128 + 128 tokens a request
+    for rid in range(1, 1101):
+        b.send(count_record(rid, [1, 2, 3], chunk_count=1, max_out=128, tenant=10_000 + rid))
+        if rid % 100 == 0:             # within the input and egress rings
+            while b.router.poll():
+                b.collect()
+    assert all(r["status"] == 200 for r in b.responses) and len(b.responses) == 1100
+    b.router.set_tenant(5, TenantPolicy(max_request_tokens=100))      # a slot for the operator's tenant
+    b.responses.clear()
+    for rid in range(2001, 2004):                                     # a new default tenant: 3 x 256 > 600
+        b.send(chunks_of(rid, [7] * 10, max_out=128, tenant=777))
+    b.router.poll()
+    b.collect()
+    assert sorted(int(r["status"]) for r in b.responses if r["status"] != 200) == [429], "its bucket is kept"
+    # a table full of tenants that spent nothing and owe nothing: a new one still gets state
+    adm = ffi.gc(lib.dp_adm_create(), lib.dp_adm_destroy)
+    lib.dp_adm_set_default(adm, TenantPolicy().cdata())
+    d, body, one = ffi.new("struct dp_adm_decision *"), ffi.new("char[]", 1024), ffi.new("uint32_t[]", [1])
+    for tenant in range(1, lib.DP_ADM_MAX_TENANTS + 1):
+        assert lib.dp_adm_decide(adm, tenant, one, 1, 1, 1, 0, 10**12, d, body, 1024) == 0
+        lib.dp_adm_commit(adm, tenant, d, 10**12)
+    st = ffi.new("struct dp_adm_tenant_stats *")
+    assert lib.dp_adm_tenant_stats(adm, lib.DP_ADM_MAX_TENANTS, st) == 0, "every slot taken"
+    lib.dp_adm_decide(adm, 99_999, one, 1, 1, 1, 0, 10**12, d, body, 1024)
+    lib.dp_adm_commit(adm, 99_999, d, 10**12)
+    assert lib.dp_adm_tenant_stats(adm, 99_999, st) == 0 and st.admitted == 1
+    assert lib.dp_adm_set_tenant(adm, 123_456, TenantPolicy(price_per_1k=5).cdata()) == 0
 
 
 # --- COUNT_TOKENS --------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ def test_bench_help_and_bad_suite():
     assert r.returncode == 2 and "invalid choice" in r.stderr
     r = subprocess.run([sys.executable, "-m", "bench", "compare", "--policy", "dynamic", "--device", "tpu", "--json",
                         "/dev/null"], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 1 and "unknown device profile 'tpu' (known: cpu, l4, h100, dpu)" in r.stdout + r.stderr
+    assert r.returncode == 2 and "unknown device profile 'tpu' (known: cpu, l4, h100, dpu)" in r.stderr
 
 
 @pytest.mark.root
@@ -119,14 +119,24 @@ def test_e2e_quick_runs_every_landed_scenario_and_writes_the_report(tmp_path):
 @pytest.mark.bpf
 @pytest.mark.slow
 def test_compare_runs_each_policy_under_the_same_load(tmp_path):
-    data, _ = run_suite("compare", tmp_path, "--policy", "power_of_two,static")
+    data, _ = run_suite("compare", tmp_path, "--policy", "power_of_two,static,affinity:0.1", "--repeat", "2",
+                        "--rate", "10")
     assert data["references"]["power_of_two_p95_ms"] > 0 and data["metrics"]["static_p95_ms"] > 0
-    assert "static_p95_ms_vs_power_of_two_p95_ms" in data["ratios"]
+    assert "static_p95_ms_vs_power_of_two_p95_ms" in data["ratios"] and "affinity:0.1_p95_ms" in data["metrics"]
+    m = data["metrics"]
+    assert m["static_requests"] == 2 * 30 and m["static_offered_qps"] > 0 and "static_steal_pct" in m
+    assert data["machine"]["repeat"] == 2 and data["machine"]["rate_per_s"] == 10
+    rows = json.loads((tmp_path / "compare" / "rows.json").read_text())
+    assert [len(r["p95_ms_per_round"]) for r in rows] == [2, 2, 2]
     assert (tmp_path / "compare" / "compare.png").stat().st_size > 5_000
-    bad = subprocess.run([sys.executable, "-m", "bench", "compare", "--policy", "nope"], capture_output=True,
-                         text=True, timeout=60)
-    assert bad.returncode == 1 and "unknown policy" in bad.stdout + bad.stderr
-    assert subprocess.run([sys.executable, "-m", "bench", "compare"], capture_output=True).returncode == 2
+    for args, says in ((["--policy", "nope"], "unknown policy"), (["--policy", "affinity:x"], "must be a number"),
+                       (["--policy", "static:1"], "takes no parameter"), (["--policy", "affinity", "--rate", "0"], "--rate"),
+                       (["--policy", "affinity", "--device", "tpu"], "unknown device"), ([], "needs --policy")):
+        json_path = tmp_path / "bad.json"
+        bad = subprocess.run([sys.executable, "-m", "bench", "compare", "--json", str(json_path), *args],
+                             capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2 and says in bad.stderr, (args, bad.stderr)
+        assert not json_path.exists(), "refused before any result is written"
 
 
 def test_the_flatness_figure_needs_a_saturated_sweep():

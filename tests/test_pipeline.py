@@ -1,0 +1,31 @@
+"""The assembled pipeline (datapath.pipeline: netns, XDP, the native loop, worker processes), as
+bench e2e builds it, checked on its own."""
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from bench.e2e import _config, fresh_store
+from datapath.pipeline import Pipeline
+
+
+@pytest.mark.root
+@pytest.mark.bpf
+def test_a_worker_that_dies_unannounced_is_failed_over_and_nothing_is_lost():
+    """Failover ran only when someone called set_up(k, False) (kill_worker did): a worker that
+    crashed by itself kept its requests, and its sessions' later ones, unanswered for good. The
+    pipeline now watches its worker processes."""
+    with fresh_store() as store, Pipeline(_config(workers=2, shared_store=store)) as p:
+        out = {}
+        load = threading.Thread(target=lambda: out.update(
+            r=p.offer(20, 60, max_output_tokens=16, sessions=20, drain_s=10)))
+        load.start()
+        time.sleep(1.0)
+        os.kill(p.workers[1].pid, signal.SIGKILL)     # a crash: nobody tells the router
+        load.join(120)
+        assert p.worker_exits == [(1, -signal.SIGKILL)]
+        assert p.router.worker_stats(1)["up"] == 0
+    r = out["r"]
+    assert r["requests"] == 60 and r["resp_ok"] == 60 and r["unanswered"] == 0, r["by_status"]
