@@ -743,6 +743,16 @@ static int admit(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, uin
 {
     char body[DP_MAX_RESP_BODY];
     struct dp_adm_decision d;
+    *out = NIL;
+    if (c->chunk_count > rt->cfg.pool_chunks) {   /* could never be held whole: before, a 503 at every try */
+        int n = snprintf(body, sizeof(body), "{\"status\":400,\"error\":\"more chunks than the router holds\","
+                         "\"chunk_count\":%u,\"limit_chunks\":%u}", c->chunk_count, rt->cfg.pool_chunks);
+        if (!answer(rt, c, DP_STATUS_BAD_REQUEST, body, (uint32_t)n))
+            return 0;
+        remember_done(rt, key);
+        rt->st.adm_oversized++;
+        return 1;
+    }
     price_admitted(rt);
     /* lazy for a chunk (ingest keeps its tokens in the pool until price_admitted); an OPEN has none */
     uint32_t len = dp_adm_decide(rt->adm, c->tenant, c->tokens, c->n_tokens, c->chunk_count, c->max_output_tokens,
@@ -1207,6 +1217,9 @@ static void add_prefill(struct dp_router *rt, struct builder *b, uint32_t ri, ui
     memcpy(out, c, DP_CHUNK_HDR_LEN);
     memcpy(out->tokens, c->tokens + pc->sent, take * sizeof(uint32_t));
     out->n_tokens = (uint16_t)take;
+    /* the admitted answer length, not this packet's: chunks that disagreed made the worker stop
+     * early (a 422 whose body was tokens) or never finish (the turn silently dropped) */
+    out->max_output_tokens = r->max_output;
     out->flags = c->flags | (final ? DP_CHUNK_F_FINAL : 0) | (r->moved ? DP_CHUNK_F_MOVED : 0);
     b->tokens += take;
     if (whole) {                         /* all of it is out: keep it aside for a replay */

@@ -310,6 +310,21 @@ def test_more_output_tokens_than_an_answer_carries_is_refused_not_cut(bench_fact
     assert {int(r["request_id"]) for x in batches for r in x} == {2}
 
 
+def test_a_request_of_more_chunks_than_the_router_holds_is_refused_400_not_503_forever(bench_factory):
+    """chunk_count over the router's chunk pool can never be held whole: it was answered 503
+    (pool full) at every try, as if waiting would help."""
+    b = bench_factory(pool_chunks=16)
+    big = chunks_of(1, list(range(20 * 128)), max_out=2)      # 20 chunks > 16
+    b.send(big[:3], chunks_of(2, list(range(300)), max_out=2))
+    batches = b.run()
+    got = by_id(b.responses)
+    assert got[1]["status"] == 400 and got[2]["status"] == 200
+    doc = json.loads(body_of(got[1]))
+    assert doc["chunk_count"] == 20 and doc["limit_chunks"] == 16
+    assert {int(r["request_id"]) for x in batches for r in x} == {2}
+    assert b.router.stats()["adm_oversized"] == 1 and b.router.stats()["pool_refused"] == 0
+
+
 def test_a_short_first_chunk_does_not_price_a_long_request_as_repetitive(bench_factory):
     """The entropy sample of a request of several chunks is a full first record: a 1-token first
     chunk (entropy 0, factor 1.0) priced all its chunks at a fifth and kept them off the secondary."""

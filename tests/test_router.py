@@ -791,3 +791,16 @@ def test_no_tenant_can_aim_a_request_id_at_another_tenants_request(bench_factory
     got = {(int(r["tenant"]), int(r["request_id"])): int(r["status"]) for r in b.responses}
     assert got == {(attacker_tenant, rid): 200, (victim[0], victim[2]): 200}
     assert b.router.stats()["late_duplicates"] == 0
+
+
+def test_every_record_carries_the_admitted_answer_length_whatever_its_packet_said(bench_factory):
+    """A request's chunks that disagree on max_output_tokens: the worker gets the one admitted
+    (the first chunk seen's) on every record, so it neither stops early nor runs on."""
+    b = bench_factory()
+    req = chunks_of(5, list(range(200)), max_out=3)
+    req[1]["max_output_tokens"] = 1
+    b.send(req)
+    batches = b.run()
+    assert {int(r["max_output_tokens"]) for x in batches for r in x} == {3}
+    (resp,) = b.responses
+    assert resp["status"] == 200 and resp["n_out"] == 3

@@ -6,7 +6,7 @@
  * a returning session meets its KV cache unless its worker is overloaded,
  * and adding or removing a worker moves only the sessions it owned.
  * The ring is rebuilt when the workers' generation changes (control path).
- * A bucket index on the hash's top 16 bits gives each lookup its starting
+ * A bucket index on the hash's top BUCKET_BITS (12) bits gives each lookup its starting
  * point directly (under one point per bucket on average), so a decision costs
  * the same with 4 workers as with 256, instead of a binary search's log n.
  */
