@@ -70,6 +70,8 @@ class PipelineConfig:
     device: str | None = None          # simulated device profile of the workers (serving.devices)
     sim_mode: str = "sleep"
     kv_budget_bytes: int = 256 << 20
+    worker_hang_s: float = 30.0        # a worker holding a batch this long without a completion is killed
+                                       # and failed over (0: never; a step is ms, a simulated L4's ~70 ms)
     codec: str = "zstd"
     store_factory: object = None       # callable(worker index) -> SnapshotStore, called in the worker
     shared_store: str | None = None    # an image path: one store process serves it to every worker
@@ -311,25 +313,45 @@ class Pipeline:
     def _watch_workers(self):
         """A worker process that exits while the pipeline runs (a crash, the OOM killer, a SIGKILL)
         is marked down at once, so the router replays its unfinished requests on the others:
-        failover waits for no one to announce the death. (A worker that hangs alive is not seen.)"""
+        failover waits for no one to announce the death. A worker that holds a batch without
+        completing anything for cfg.worker_hang_s (a hang, a SIGSTOP) is killed, and so goes the
+        same way."""
         import threading
         from multiprocessing.connection import wait
         wake_r, wake_w = os.pipe()
         stopping = threading.Event()
         self.worker_exits: list[tuple[int, int | None]] = []   # (worker, exit code) as the watcher saw them
+        self.worker_hangs: list[int] = []                      # workers killed for holding a batch too long
+        hang_s = self.cfg.worker_hang_s
+
+        def hung(k: int, seen: dict) -> bool:
+            st = self.router.worker_stats(k)
+            now = time.monotonic()
+            if not st["busy"] or seen.get(k, (None,))[0] != st["completions"]:
+                seen[k] = (st["completions"], now)     # idle, or it completed something since
+                return False
+            return now - seen[k][1] > hang_s
 
         def watch():
             alive = {p.sentinel: k for k, p in enumerate(self.workers)}
+            seen: dict = {}
             while alive:
-                for ready in wait([*alive, wake_r]):
-                    if ready == wake_r or stopping.is_set():
-                        return                     # teardown: the workers are being stopped
-                    k = alive.pop(ready)
+                ready = wait([*alive, wake_r], timeout=min(1.0, hang_s / 4) if hang_s > 0 else None)
+                if wake_r in ready or stopping.is_set():
+                    return                         # teardown: the workers are being stopped
+                for r in ready:
+                    k = alive.pop(r)
                     self.workers[k].join(5)        # its files close before it can be reaped
                     self.worker_exits.append((k, self.workers[k].exitcode))
                     self.router.set_up(k, False)
                     print(f"pipeline: worker {k} exited (code {self.worker_exits[-1][1]}): marked down, its "
                           f"unfinished requests replayed on the others", file=sys.stderr, flush=True)
+                for k in list(alive.values()) if hang_s > 0 else []:
+                    if k not in self.worker_hangs and hung(k, seen):
+                        self.worker_hangs.append(k)
+                        print(f"pipeline: worker {k} held a batch {hang_s:g} s without completing anything: "
+                              f"killing it", file=sys.stderr, flush=True)
+                        self.workers[k].kill()     # its exit is seen above on the next pass
         watcher = threading.Thread(target=watch, name="worker-watch", daemon=True)
         watcher.start()
 

@@ -29,3 +29,23 @@ def test_a_worker_that_dies_unannounced_is_failed_over_and_nothing_is_lost():
         assert p.router.worker_stats(1)["up"] == 0
     r = out["r"]
     assert r["requests"] == 60 and r["resp_ok"] == 60 and r["unanswered"] == 0, r["by_status"]
+
+
+@pytest.mark.root
+@pytest.mark.bpf
+def test_a_worker_that_hangs_holding_a_batch_is_killed_and_failed_over():
+    """A worker alive but stuck (here SIGSTOPped) held its batch, and its sessions, forever: a
+    process watcher alone cannot see it. One that holds a batch worker_hang_s without completing
+    anything is now killed, and failed over like a crash."""
+    with fresh_store() as store, Pipeline(_config(workers=2, shared_store=store, worker_hang_s=1.0)) as p:
+        out = {}
+        load = threading.Thread(target=lambda: out.update(
+            r=p.offer(20, 60, max_output_tokens=16, sessions=20, drain_s=10)))
+        load.start()
+        time.sleep(1.0)
+        os.kill(p.workers[1].pid, signal.SIGSTOP)
+        load.join(120)
+        assert p.worker_hangs == [1] and p.worker_exits == [(1, -signal.SIGKILL)]
+        assert p.router.worker_stats(1)["up"] == 0
+    r = out["r"]
+    assert r["requests"] == 60 and r["resp_ok"] == 60 and r["unanswered"] == 0, r["by_status"]
