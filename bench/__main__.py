@@ -64,9 +64,11 @@ def main(argv=None) -> int:
     if args.suite == "compare" and not args.policy:
         p.error("compare needs --policy A,B,... (for example --policy round_robin,affinity,static)")
     if args.suite == "compare":
-        from .compare import check_args
         try:
+            from .compare import check_args
             check_args(args)      # before any pipeline is built or any JSON overwritten
+        except ImportError as e:
+            p.error(f"the native extensions are not built ({e}): run `sudo make setup`")
         except ValueError as e:
             p.error(str(e))
     names = IN_ALL if args.suite == "all" else [args.suite]

@@ -31,6 +31,7 @@ restored.
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 
 import numpy as np
@@ -79,7 +80,9 @@ def parse_names(spec: str) -> list[tuple[str, str, float | None]]:
         try:
             value = float(param) if param else None
         except ValueError:
-            raise ValueError(f"{label!r}: the parameter after ':' must be a number") from None
+            value = float("nan")
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{label!r}: the parameter after ':' must be a number > 0 (0 is the policy's default)")
         out.append((label, name, value))
     if not out:
         raise ValueError("--policy names nothing")
@@ -169,8 +172,8 @@ def run(report, args):
             report.note(f"{label}: answered {row['achieved_qps']:.1f} of {row['offered_qps']:.1f} req/s "
                         f"offered: past what it sustains, its percentiles grow with the run's length")
     report.note("send->response from each request's scheduled send; percentiles over the rounds pooled "
-                "(200 answers, and the unanswered at the time they had waited); p95_ms_per_round in compare.json "
-                "(rows.json, beside the table) shows how much one round moved")
+                "(200 answers, and the unanswered at the time they had waited); p95_ms_per_round in rows.json, "
+                "beside the table, shows how much one round moved")
     out = pathlib.Path(args.json).with_suffix("") if args.json else pathlib.Path("bench-results/compare")
     out.mkdir(parents=True, exist_ok=True)
     lines = ["| policy | offered req/s | achieved | p50 ms | p95 ms (each round) | p99 ms | not answered 200 "

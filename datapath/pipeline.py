@@ -332,26 +332,38 @@ class Pipeline:
                 return False
             return now - seen[k][1] > hang_s
 
+        def one_pass(alive: dict, seen: dict) -> bool:
+            """False once the pipeline is being torn down."""
+            ready = wait([*alive, wake_r], timeout=min(1.0, hang_s / 4) if hang_s > 0 else None)
+            if wake_r in ready or stopping.is_set():
+                return False                       # teardown: the workers are being stopped
+            for r in ready:
+                k = alive.pop(r)
+                self.workers[k].join(5)            # its files close before it can be reaped
+                self.worker_exits.append((k, self.workers[k].exitcode))
+                if stopping.is_set():
+                    return False
+                self.router.set_up(k, False)
+                print(f"pipeline: worker {k} exited (code {self.worker_exits[-1][1]}): marked down, its "
+                      f"unfinished requests replayed on the others", file=sys.stderr, flush=True)
+            for k in list(alive.values()) if hang_s > 0 else []:
+                if k not in self.worker_hangs and not stopping.is_set() and hung(k, seen):
+                    self.worker_hangs.append(k)
+                    self.workers[k].kill()         # its exit is seen above on the next pass
+                    print(f"pipeline: worker {k} held a batch {hang_s:g} s without completing anything: "
+                          f"killed", file=sys.stderr, flush=True)
+            return True
+
         def watch():
             alive = {p.sentinel: k for k, p in enumerate(self.workers)}
             seen: dict = {}
             while alive:
-                ready = wait([*alive, wake_r], timeout=min(1.0, hang_s / 4) if hang_s > 0 else None)
-                if wake_r in ready or stopping.is_set():
-                    return                         # teardown: the workers are being stopped
-                for r in ready:
-                    k = alive.pop(r)
-                    self.workers[k].join(5)        # its files close before it can be reaped
-                    self.worker_exits.append((k, self.workers[k].exitcode))
-                    self.router.set_up(k, False)
-                    print(f"pipeline: worker {k} exited (code {self.worker_exits[-1][1]}): marked down, its "
-                          f"unfinished requests replayed on the others", file=sys.stderr, flush=True)
-                for k in list(alive.values()) if hang_s > 0 else []:
-                    if k not in self.worker_hangs and hung(k, seen):
-                        self.worker_hangs.append(k)
-                        print(f"pipeline: worker {k} held a batch {hang_s:g} s without completing anything: "
-                              f"killing it", file=sys.stderr, flush=True)
-                        self.workers[k].kill()     # its exit is seen above on the next pass
+                try:
+                    if not one_pass(alive, seen):
+                        return
+                except Exception as e:             # the watcher must outlive one bad pass
+                    print(f"pipeline: worker watcher: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+                    time.sleep(0.1)
         watcher = threading.Thread(target=watch, name="worker-watch", daemon=True)
         watcher.start()
 
@@ -359,8 +371,9 @@ class Pipeline:
             stopping.set()
             os.write(wake_w, b"x")
             watcher.join(10)
-            os.close(wake_r)
-            os.close(wake_w)
+            if not watcher.is_alive():       # else leave its fds open: it may still wait() on them
+                os.close(wake_r)
+                os.close(wake_w)
         self._stack.callback(halt)
 
     def kill_worker(self, k: int, timeout_s: float = 5.0):

@@ -112,6 +112,11 @@ class Router:
     def set_weight(self, worker: int, weight: int):
         _check(lib.dp_router_set_weight(self._rt, worker, weight), f"weight of worker {worker}")
 
+    def set_key_secret(self, secret: int):
+        """Tests only: the secret request keys are hashed with (random otherwise), so a test can
+        compute ids whose keys collide; refused once any record has been seen."""
+        _check(lib.dp_router_set_key_secret(self._rt, secret), "key secret (only before the first record)")
+
     def set_up(self, worker: int, up: bool):
         """Down: the worker is gone (its process died); its unfinished requests are replayed on
         the others, whole. Up again: new requests go to it. The router does not take back what it

@@ -36,6 +36,8 @@ struct count_table {
 
 struct dp_admission {
     struct dp_tenant_cfg dflt;
+    uint32_t max_chunks;                  /* chunks a request may have (the router's pool; 0: any) */
+    uint32_t used;                        /* slots in use (never freed) */
     struct count_table counts;            /* entropy's scratch (the router calls under its lock) */
     struct tenant t[DP_ADM_MAX_TENANTS];
 };
@@ -98,6 +100,7 @@ static struct tenant *find(struct dp_admission *a, uint32_t id, int insert, uint
             if (insert == FIND)
                 return NULL;
             spare = t;
+            a->used++;
             break;
         }
         if (!spare && (insert == INSERT_OWN ? !t->own : insert == INSERT && idle(t, now)))
@@ -109,6 +112,28 @@ static struct tenant *find(struct dp_admission *a, uint32_t id, int insert, uint
     spare->used = 1;
     spare->id = id;
     return spare;
+}
+
+/* Settings whose decisions need the tenant's state kept (spending, buckets). */
+static int limited(const struct dp_tenant_cfg *cfg)
+{
+    return cfg->budget_per_day || cfg->tokens_per_minute || (cfg->hi_entropy_factor > 0 && cfg->hi_per_second > 0);
+}
+
+/* A tenant with no slot that could not be given one: the table full and no tenant in it idle. */
+static int no_slot(const struct dp_admission *a, const struct tenant *t, uint64_t now)
+{
+    if (t || a->used < DP_ADM_MAX_TENANTS)
+        return 0;
+    for (uint32_t i = 0; i < DP_ADM_MAX_TENANTS; i++)
+        if (idle(&a->t[i], now))
+            return 0;
+    return 1;
+}
+
+void dp_adm_set_max_chunks(struct dp_admission *a, uint32_t max_chunks)
+{
+    a->max_chunks = max_chunks;
 }
 
 static const struct dp_tenant_cfg *cfg_of(const struct dp_admission *a, const struct tenant *t)
@@ -296,7 +321,8 @@ static void split_hint(struct jw *w, int *first, uint32_t limit, const struct dp
     }
 }
 
-static void suggestions(struct jw *w, const struct dp_tenant_cfg *cfg, const struct dp_adm_decision *d, uint16_t st)
+static void suggestions(struct jw *w, const struct dp_admission *a, const struct dp_tenant_cfg *cfg,
+                        const struct dp_adm_decision *d, uint16_t st)
 {
     const struct dp_adm_price *p = &d->p;
     int first = 1;
@@ -305,6 +331,8 @@ static void suggestions(struct jw *w, const struct dp_tenant_cfg *cfg, const str
     if (st == DP_STATUS_BAD_REQUEST && p->max_output > DP_MAX_OUTPUT_TOKENS) {
         HINT("lower max_output_tokens to %d and ask for the rest in a further request on the session",
              DP_MAX_OUTPUT_TOKENS);
+    } else if (st == DP_STATUS_BAD_REQUEST && a->max_chunks && p->chunk_count > a->max_chunks) {
+        HINT("split into requests of at most %" PRIu32 " chunks", a->max_chunks);
     } else if (st == DP_STATUS_BAD_REQUEST) {
         uint32_t limit = cfg->max_request_tokens;
         split_hint(w, &first, limit, p);
@@ -340,30 +368,36 @@ static void suggestions(struct jw *w, const struct dp_tenant_cfg *cfg, const str
 #undef HINT
 }
 
-static const char *reason(const struct dp_adm_decision *d)
+static const char *reason(const struct dp_admission *a, const struct dp_adm_decision *d)
 {
     switch (d->status) {
     case DP_STATUS_BAD_REQUEST:
-        return d->p.max_output > DP_MAX_OUTPUT_TOKENS ? "max_output_tokens is more than one answer carries"
-                                                       : "the request is larger than the tenant's context limit";
+        if (d->p.max_output > DP_MAX_OUTPUT_TOKENS)
+            return "max_output_tokens is more than one answer carries";
+        if (a->max_chunks && d->p.chunk_count > a->max_chunks)
+            return "more chunks than the router holds";
+        return "the request is larger than the tenant's context limit";
+    case DP_STATUS_UNAVAILABLE: return "the tenant table is full: this tenant's limits cannot be kept";
     case DP_STATUS_UNPROCESSABLE: return "the estimated cost exceeds the remaining daily budget";
     case DP_STATUS_RATE_LIMITED: return "over the tenant's tokens per minute";
     default: return "";
     }
 }
 
-static uint32_t write_body(const struct dp_tenant_cfg *cfg, const struct dp_adm_decision *d, int count_only,
-                           char *body, uint32_t cap)
+static uint32_t write_body(const struct dp_admission *a, const struct dp_tenant_cfg *cfg,
+                           const struct dp_adm_decision *d, int count_only, char *body, uint32_t cap)
 {
     struct jw w = { body, 0, cap, 0 };
     uint64_t tokens = (uint64_t)d->p.input_tokens + d->p.max_output;
     if (count_only)
         put(&w, "{\"status\":200,\"count_tokens\":true,\"would_be\":%u", d->status);
     else
-        put(&w, "{\"status\":%u,\"error\":\"%s\"", d->status, reason(d));
+        put(&w, "{\"status\":%u,\"error\":\"%s\"", d->status, reason(a, d));
     put(&w, ",\"request_tokens\":%" PRIu64, tokens);
     if (d->status == DP_STATUS_BAD_REQUEST && d->p.max_output > DP_MAX_OUTPUT_TOKENS)
         put(&w, ",\"max_output_tokens_limit\":%d", DP_MAX_OUTPUT_TOKENS);
+    else if (d->status == DP_STATUS_BAD_REQUEST && a->max_chunks && d->p.chunk_count > a->max_chunks)
+        put(&w, ",\"limit_chunks\":%" PRIu32, a->max_chunks);
     else if (d->status == DP_STATUS_BAD_REQUEST)
         put(&w, ",\"limit_tokens\":%" PRIu32, cfg->max_request_tokens);
     if (d->status == DP_STATUS_RATE_LIMITED)
@@ -371,7 +405,7 @@ static uint32_t write_body(const struct dp_tenant_cfg *cfg, const struct dp_adm_
             (d->retry_after_ns + 999999) / 1000000);
     put(&w, ",");
     breakdown(&w, cfg, d);
-    suggestions(&w, cfg, d, d->status);
+    suggestions(&w, a, cfg, d, d->status);
     put(&w, "}");
     if (w.over) {                     /* cannot happen with these fields; a short valid body if it did */
         int k = snprintf(body, cap, "{\"status\":%u,\"error\":\"body too long\"}", d->status);
@@ -415,8 +449,11 @@ uint32_t dp_adm_decide(struct dp_admission *a, uint32_t tenant, const uint32_t *
         (uint64_t)ceil(cost_of(cfg->price_per_1k, d->p.input_tokens, max_output, 5.0)) > d->remaining)
         dp_adm_finish(a, d, tokens);
     d->status = DP_STATUS_OK;
-    if (max_output > DP_MAX_OUTPUT_TOKENS || (cfg->max_request_tokens && tokens_all > cfg->max_request_tokens))
+    if (max_output > DP_MAX_OUTPUT_TOKENS || (a->max_chunks && chunk_count > a->max_chunks) ||
+        (cfg->max_request_tokens && tokens_all > cfg->max_request_tokens))
         d->status = DP_STATUS_BAD_REQUEST;
+    else if (limited(cfg) && no_slot(a, t, now))
+        d->status = DP_STATUS_UNAVAILABLE;   /* its limits could not be kept: refused, not run unlimited */
     else if (d->priced && d->charge > d->remaining)
         d->status = DP_STATUS_UNPROCESSABLE;
     else if (cfg->tokens_per_minute) {
@@ -440,7 +477,7 @@ uint32_t dp_adm_decide(struct dp_admission *a, uint32_t tenant, const uint32_t *
     if (d->status == DP_STATUS_OK && !count_only)
         return 0;
     dp_adm_finish(a, d, tokens);      /* the body shows the whole price */
-    return write_body(cfg, d, count_only, body, cap);
+    return write_body(a, cfg, d, count_only, body, cap);
 }
 
 void dp_adm_commit(struct dp_admission *a, uint32_t tenant, const struct dp_adm_decision *d, uint64_t now)

@@ -30,7 +30,11 @@
  * Decision, in this order (the first that applies):
  *   400  input_tokens + max_output_tokens > max_request_tokens (the context
  *        limit), or max_output_tokens > DP_MAX_OUTPUT_TOKENS (256: what one
- *        answer carries, chunk.h): refused whole and alone, never truncated;
+ *        answer carries, chunk.h), or chunk_count > the router's chunk pool
+ *        (dp_adm_set_max_chunks): refused whole and alone, never truncated;
+ *   503  a tenant with limits (a budget, a per-minute or high-entropy rate)
+ *        but no state slot, none free or idle (the table is full of tenants
+ *        that spent today or owe a bucket): refused, not run unlimited;
  *   422  ceil(cost) > what is left of budget_per_day: a JSON body with the
  *        cost breakdown and suggestions;
  *   429  the request's tokens (input + max_output) exceed tokens_per_minute,
@@ -79,7 +83,7 @@ struct dp_adm_price {             /* every factor of one request's price */
 
 struct dp_adm_decision {
     struct dp_adm_price p;
-    uint16_t status;              /* 200, 400, 422 or 429 */
+    uint16_t status;              /* 200, 400, 422, 429 or 503 */
     uint8_t spill;                /* admitted, to the secondary pool */
     uint8_t high;                 /* high-entropy */
     uint8_t count_only;           /* a COUNT_TOKENS record: answered, never charged */
@@ -106,6 +110,7 @@ struct dp_admission *dp_adm_create(void);
 void dp_adm_destroy(struct dp_admission *a);
 /* Settings of one tenant (kept with its spending), or the default for the others. -ENOSPC: table full. */
 int dp_adm_set_tenant(struct dp_admission *a, uint32_t tenant, const struct dp_tenant_cfg *cfg);
+void dp_adm_set_max_chunks(struct dp_admission *a, uint32_t max_chunks);   /* 0: no limit */
 void dp_adm_set_default(struct dp_admission *a, const struct dp_tenant_cfg *cfg);
 int dp_adm_tenant_stats(struct dp_admission *a, uint32_t tenant, struct dp_adm_tenant_stats *s);
 

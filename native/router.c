@@ -124,6 +124,7 @@ struct dp_router {
     uint32_t pool_free;                 /* free list head */
     uint32_t done_head, done_tail;      /* finished requests waiting for egress room (via fifo_next) */
     uint64_t key_secret;                /* random per router: req_key, session_key */
+    int keyed;                          /* a key was made with it (dp_router_set_key_secret refuses) */
     _Alignas(64) uint64_t recent[(1u << RECENT_SET_BITS) * RECENT_WAYS];   /* keys of requests that finished lately */
     uint8_t recent_next[1u << RECENT_SET_BITS];                             /* each set's oldest way */
     struct last_run last_run[1u << LAST_RUN_BITS];   /* direct-mapped, by session key */
@@ -743,16 +744,6 @@ static int admit(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, uin
 {
     char body[DP_MAX_RESP_BODY];
     struct dp_adm_decision d;
-    *out = NIL;
-    if (c->chunk_count > rt->cfg.pool_chunks) {   /* could never be held whole: before, a 503 at every try */
-        int n = snprintf(body, sizeof(body), "{\"status\":400,\"error\":\"more chunks than the router holds\","
-                         "\"chunk_count\":%u,\"limit_chunks\":%u}", c->chunk_count, rt->cfg.pool_chunks);
-        if (!answer(rt, c, DP_STATUS_BAD_REQUEST, body, (uint32_t)n))
-            return 0;
-        remember_done(rt, key);
-        rt->st.adm_oversized++;
-        return 1;
-    }
     price_admitted(rt);
     /* lazy for a chunk (ingest keeps its tokens in the pool until price_admitted); an OPEN has none */
     uint32_t len = dp_adm_decide(rt->adm, c->tenant, c->tokens, c->n_tokens, c->chunk_count, c->max_output_tokens,
@@ -767,8 +758,10 @@ static int admit(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, uin
             rt->st.adm_oversized++;
         else if (d.status == DP_STATUS_UNPROCESSABLE)
             rt->st.adm_over_budget++;
-        else
+        else if (d.status == DP_STATUS_RATE_LIMITED)
             rt->st.adm_rate_limited++;
+        else
+            rt->st.adm_no_slot++;
         return 1;
     }
     /* the chunk pool must hold this request's chunks besides those promised to requests still
@@ -871,6 +864,7 @@ static int ingest(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, in
         rt->st.control_in++;
         return 1;
     }
+    rt->keyed = 1;
     uint64_t key = chunk_key(rt, c);
     uint32_t ri = index_find(rt, &rt->by_id, key, c, 1);
     if (c->kind == DP_KIND_CLOSE)
@@ -1827,6 +1821,7 @@ static struct dp_router *router_new(const struct dp_router_config *cfg, const ch
         *err = -ENOMEM;
         return NULL;
     }
+    dp_adm_set_max_chunks(rt->adm, c.pool_chunks);   /* more could never be held whole (a 503 at every try) */
     return rt;
 }
 
@@ -1986,6 +1981,16 @@ int dp_router_set_weight(struct dp_router *rt, uint32_t worker, uint32_t weight)
     rebuild_pools(rt);
     pthread_mutex_unlock(&rt->lock);
     return 0;
+}
+
+int dp_router_set_key_secret(struct dp_router *rt, uint64_t secret)
+{
+    pthread_mutex_lock(&rt->lock);
+    int fresh = !rt->keyed;              /* no key made yet with the old one */
+    if (fresh)
+        rt->key_secret = secret;
+    pthread_mutex_unlock(&rt->lock);
+    return fresh ? 0 : -EBUSY;
 }
 
 int dp_router_set_up(struct dp_router *rt, uint32_t worker, int up)

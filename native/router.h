@@ -92,6 +92,7 @@ struct dp_router_stats {
                                          * offers: compare's restores are the store's exact count) */
     /* admission (admission.h), one count per request decided */
     uint64_t admitted, adm_oversized, adm_over_budget, adm_rate_limited, adm_counted, opened;
+    uint64_t adm_no_slot;               /* 503: a limited tenant the admission's table had no slot for */
     uint64_t to_secondary;      /* admitted requests placed on the secondary pool (a tenant's high-entropy burst) */
     uint32_t active_requests, pool_free;
 };
@@ -134,6 +135,8 @@ int dp_router_set_egress(struct dp_router *rt, struct dp_ring *egress);
 int dp_router_set_policy(struct dp_router *rt, const char *policy, double param);
 int dp_router_set_weight(struct dp_router *rt, uint32_t worker, uint32_t weight);
 /* up = 0: the worker is gone; its unfinished requests are replayed on others (see failover). */
+/* Tests: a known key secret (req_key), to compute colliding ids; only before the first record. */
+int dp_router_set_key_secret(struct dp_router *rt, uint64_t secret);
 int dp_router_set_up(struct dp_router *rt, uint32_t worker, int up);
 /* Dynamic batching's token budget per step on one worker (0: the router's token_budget again),
  * e.g. where its device's step stops being flat in tokens (serving.devices knee_tokens). */

@@ -314,15 +314,46 @@ def test_a_request_of_more_chunks_than_the_router_holds_is_refused_400_not_503_f
     """chunk_count over the router's chunk pool can never be held whole: it was answered 503
     (pool full) at every try, as if waiting would help."""
     b = bench_factory(pool_chunks=16)
-    big = chunks_of(1, list(range(20 * 128)), max_out=2)      # 20 chunks > 16
-    b.send(big[:3], chunks_of(2, list(range(300)), max_out=2))
+    b.router.set_tenant(4, TenantPolicy())
+    big = chunks_of(1, list(range(20 * 128)), max_out=2, tenant=4)      # 20 chunks > 16
+    b.send(big[:3], chunks_of(2, list(range(300)), max_out=2, tenant=4))
+    b.send(count_record(3, list(range(128)), chunk_count=20, max_out=2, tenant=4))
     batches = b.run()
     got = by_id(b.responses)
     assert got[1]["status"] == 400 and got[2]["status"] == 200
-    doc = json.loads(body_of(got[1]))
-    assert doc["chunk_count"] == 20 and doc["limit_chunks"] == 16
+    doc = wire.decode_admission_body(body_of(got[1]))
+    assert doc.cost_breakdown["chunk_count"] == 20 and doc.fields["limit_chunks"] == 16
+    assert doc.error == "more chunks than the router holds"
+    assert doc.suggestions == ["split into requests of at most 16 chunks"]
+    assert wire.decode_admission_body(body_of(got[3])).fields["would_be"] == 400
     assert {int(r["request_id"]) for x in batches for r in x} == {2}
     assert b.router.stats()["adm_oversized"] == 1 and b.router.stats()["pool_refused"] == 0
+    assert b.router.tenant_stats(4)["oversized"] == 1
+
+
+def test_a_tenant_with_limits_that_no_slot_can_hold_is_refused_503_not_run_unlimited():
+    """The table full of tenants that spent today (1,024 cheap admitted requests under a priced
+    default with a budget): a new tenant found no slot and ran with no budget or bucket kept.
+    Now it is refused 503 while its limits cannot be kept; a tenant of the operator's still
+    gets a slot, and a default without limits needs none."""
+    adm = ffi.gc(lib.dp_adm_create(), lib.dp_adm_destroy)
+    lib.dp_adm_set_default(adm, TenantPolicy(price_per_1k=1000, budget_per_day=10**6).cdata())
+    d, body, one = ffi.new("struct dp_adm_decision *"), ffi.new("char[]", 1024), ffi.new("uint32_t[]", [1])
+    now = 10**12
+    for tenant in range(1, lib.DP_ADM_MAX_TENANTS + 1):
+        assert lib.dp_adm_decide(adm, tenant, one, 1, 1, 1, 0, now, d, body, 1024) == 0
+        lib.dp_adm_commit(adm, tenant, d, now)
+    n = lib.dp_adm_decide(adm, 99_999, one, 1, 1, 1, 0, now, d, body, 1024)
+    assert d.status == 503
+    doc = wire.decode_admission_body(bytes(ffi.buffer(body, n)))
+    assert "table is full" in doc.error
+    assert lib.dp_adm_set_tenant(adm, 5, TenantPolicy(price_per_1k=1000, budget_per_day=10**6).cdata()) == 0
+    assert lib.dp_adm_decide(adm, 5, one, 1, 1, 1, 0, now, d, body, 1024) == 0 and d.status == 200
+    lib.dp_adm_set_default(adm, TenantPolicy(price_per_1k=1000).cdata())     # no limits: no state needed
+    assert lib.dp_adm_decide(adm, 99_999, one, 1, 1, 1, 0, now, d, body, 1024) == 0 and d.status == 200
+    lib.dp_adm_set_default(adm, TenantPolicy(price_per_1k=1000, budget_per_day=10**6).cdata())
+    later = now + 86_400 * 10**9                                             # a new day: every tenant idle
+    assert lib.dp_adm_decide(adm, 99_999, one, 1, 1, 1, 0, later, d, body, 1024) == 0 and d.status == 200
 
 
 def test_a_short_first_chunk_does_not_price_a_long_request_as_repetitive(bench_factory):

@@ -38,6 +38,7 @@ def test_a_worker_that_hangs_holding_a_batch_is_killed_and_failed_over():
     process watcher alone cannot see it. One that holds a batch worker_hang_s without completing
     anything is now killed, and failed over like a crash."""
     with fresh_store() as store, Pipeline(_config(workers=2, shared_store=store, worker_hang_s=1.0)) as p:
+        p.offer(10, 10, sessions=10)       # both workers past their first (slowest) steps
         out = {}
         load = threading.Thread(target=lambda: out.update(
             r=p.offer(20, 60, max_output_tokens=16, sessions=20, drain_s=10)))

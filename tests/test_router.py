@@ -729,8 +729,12 @@ def test_set_batching_refuses_more_chunks_a_step_than_a_lane_holds():
             unlink(f"{tag}.{name}")
 
 
+KEY_SECRET = 0x5eC2e7
+
+
 def _key_index(tenant, session, request_id, bits=12):
-    """The router's req_key (splitmix64 finaliser, native/policy.h) and its direct-mapped index of old."""
+    """The router's req_key (splitmix64 finaliser, native/policy.h, keyed by the router's secret,
+    here set to KEY_SECRET) and its direct-mapped index of old."""
     mask = (1 << 64) - 1
 
     def h(x):
@@ -738,7 +742,7 @@ def _key_index(tenant, session, request_id, bits=12):
         x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
         x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
         return x ^ (x >> 31)
-    return (h(request_id ^ h(session ^ h(tenant))) >> 32) & ((1 << bits) - 1)
+    return (h(request_id ^ h(session ^ h(tenant ^ KEY_SECRET))) >> 32) & ((1 << bits) - 1)
 
 
 def test_a_refused_request_s_later_chunks_stay_late_duplicates_past_colliding_requests(bench_factory):
@@ -747,6 +751,7 @@ def test_a_refused_request_s_later_chunks_stay_late_duplicates_past_colliding_re
     bits the first of them made the router forget 1, so its chunks were taken for a new request
     and its client answered again. Now 8 keys share a set, first in first out."""
     b = bench_factory()
+    b.router.set_key_secret(KEY_SECRET)
     want = _key_index(0, 1, 1)
     colliding = [rid for rid in range(2, 200_000) if _key_index(0, 1, rid) == want][:3]
     assert len(colliding) == 3
@@ -804,3 +809,21 @@ def test_every_record_carries_the_admitted_answer_length_whatever_its_packet_sai
     assert {int(r["max_output_tokens"]) for x in batches for r in x} == {3}
     (resp,) = b.responses
     assert resp["status"] == 200 and resp["n_out"] == 3
+
+
+def test_request_keys_are_hashed_with_the_router_s_secret(bench_factory):
+    """The other side of the test above: knowing the secret (set_key_secret, for tests), the same
+    aim does collide, so the secret, not luck, is what keeps tenants apart."""
+    b = bench_factory()
+    secret = 0xABCDEF
+    b.router.set_key_secret(secret)
+    h = _splitmix64
+    victim = (1, 55, 1001)
+    rid = victim[2] ^ h(victim[1] ^ h(victim[0] ^ secret)) ^ h(77 ^ h(2 ^ secret))
+    b.send(chunks_of(rid, [1, 2, 3], session=77, max_out=1, tenant=2))
+    b.run(sample=lambda rec: 7)
+    b.send(chunks_of(victim[2], [4, 5, 6], session=victim[1], max_out=1, tenant=victim[0]))
+    b.run(sample=lambda rec: 7)
+    assert b.router.stats()["late_duplicates"] == 1 and len(b.responses) == 1
+    with pytest.raises(RuntimeError):
+        b.router.set_key_secret(1)          # keys were made with the old one
