@@ -60,6 +60,7 @@ class PipelineConfig:
     budget_at_knee: bool = True        # a simulated device's worker steps up to its profile's knee_tokens
                                        # (where its step stops being flat in tokens; measured in bench e2e:
                                        # a flatter p95 near saturation than 512), not token_budget
+    split_slack: int = 32              # dynamic: a prompt piece over the budget by <= this goes whole (router.h)
     max_chunks: int = 64
     max_batch_size: int = 32           # static
     batch_timeout_s: float = 0.05      # static
@@ -217,7 +218,7 @@ class Pipeline:
         self.consumer = self.ingress.consumer(None)   # the router's feed: no input ring between them
         self.router = Router(policy=cfg.policy, policy_param=cfg.policy_param, batching=cfg.batching, token_budget=cfg.token_budget,
                              max_chunks=cfg.max_chunks, max_batch_size=cfg.max_batch_size,
-                             batch_timeout_s=cfg.batch_timeout_s)
+                             batch_timeout_s=cfg.batch_timeout_s, split_slack=cfg.split_slack)
         es.callback(self.router.close)
         self.router.add_feed(self.consumer)
         self.router.set_egress(out_ring)

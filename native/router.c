@@ -1196,7 +1196,10 @@ static void add_decode(struct dp_router *rt, struct builder *b, uint32_t ri)
     rt->st.decode_out++;
 }
 
-/* Move up to `room` tokens of r's first pending chunk into the batch; split if it does not fit. */
+/* Move up to `room` tokens of r's first pending chunk into the batch; split if it does not fit,
+ * unless what would be left for the next step is at most split_slack tokens: a split delays its
+ * request's first token by a whole step (~67 ms on a simulated L4), the overrun lengthens this
+ * step by slack/budget of a step at most, and only past the device's knee. */
 static void add_prefill(struct dp_router *rt, struct builder *b, uint32_t ri, uint32_t room)
 {
     struct req *r = &rt->reqs[ri];
@@ -1204,7 +1207,7 @@ static void add_prefill(struct dp_router *rt, struct builder *b, uint32_t ri, ui
     struct pooled *pc = &rt->pool[p];
     struct dp_chunk *c = &pc->c;
     uint32_t left = c->n_tokens - pc->sent;
-    uint32_t take = left <= room ? left : room;
+    uint32_t take = left <= room || left - room <= rt->cfg.split_slack ? left : room;
     int whole = take == left;
     int final = whole && r->next_index == r->chunk_count && pc->next == NIL && r->received == r->chunk_count;
     struct dp_chunk *out = add_record(rt, b, ri, DP_KIND_CHUNK, (uint8_t)final);
@@ -1772,7 +1775,7 @@ static struct dp_router *router_new(const struct dp_router_config *cfg, const ch
         c.pool_chunks = 8192;
     if (check_batching(c.batching, c.token_budget, c.max_chunks, c.max_batch_size) ||
         (c.max_requests & (c.max_requests - 1)) || c.max_requests < 8 || c.max_requests > (1u << 20) ||
-        c.pool_chunks > (1u << 22)) {
+        c.pool_chunks > (1u << 22) || c.split_slack > DP_MAX_CHUNK_TOKENS) {
         *err = -EINVAL;
         return NULL;
     }

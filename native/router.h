@@ -67,6 +67,8 @@ struct dp_router_config {
     uint32_t pool_chunks;       /* chunks buffered in the router */
     uint64_t seed;              /* policy randomness */
     uint64_t reassembly_timeout_ns;  /* a request missing chunks this long is answered 400 and freed */
+    uint32_t split_slack;       /* dynamic: a prompt piece that overruns the step's budget by at most
+                                 * this many tokens goes whole, not split (0: always split) */
 };
 
 struct dp_worker_stats {

@@ -141,7 +141,7 @@ def test_the_worker_takes_a_batch_whole_stamped_and_in_its_own_memory(bench_fact
 
 
 def test_budget_cap_and_rechunking(bench_factory):
-    b = bench_factory(token_budget=200, max_chunks=5)
+    b = bench_factory(token_budget=200, max_chunks=5, split_slack=0)   # the budget as a hard cap
     reqs = {rid: list(range(rid * 1000, rid * 1000 + 90 + 37 * rid)) for rid in range(1, 9)}
     for rid, toks in reqs.items():
         b.send(chunks_of(rid, toks, max_out=3))
@@ -158,10 +158,31 @@ def test_budget_cap_and_rechunking(bench_factory):
     assert all(r["n_out"] == 3 for r in b.responses)
 
 
+def test_a_piece_that_overruns_the_budget_by_at_most_the_slack_goes_whole(bench_factory):
+    """split_slack: a split costs its request a whole step (its first token a step later); a piece
+    over the budget by at most the slack goes whole instead, and one over it by more is split."""
+    b = bench_factory(token_budget=100, split_slack=32)
+    b.send(chunks_of(1, list(range(60)), max_out=1), chunks_of(2, list(range(70)), max_out=1))
+    b.router.poll()
+    first = b.workers[0].recv_batch(0)                         # 60 + 70 = 130: 30 over, within 32
+    assert [int(n) for n in first["n_tokens"]] == [60, 70] and b.router.stats()["splits"] == 0
+    assert b.workers[0].send_completion(lanes.completion_for(first, [7] * len(first)))
+    b.run()
+    b.send(chunks_of(3, list(range(60)), max_out=1), chunks_of(4, list(range(80)), max_out=1))
+    b.router.poll()
+    second = b.workers[0].recv_batch(0)                        # 60 + 80 = 140: 40 over: split at 100
+    assert [int(n) for n in second["n_tokens"]] == [60, 40] and b.router.stats()["splits"] == 1
+    assert b.workers[0].send_completion(lanes.completion_for(second, [7] * len(second)))
+    b.run()
+    assert sorted(int(r["request_id"]) for r in b.responses) == [1, 2, 3, 4]
+    with pytest.raises(ValueError):
+        Router(split_slack=129)
+
+
 def test_a_worker_budget_caps_that_workers_steps_only(bench_factory):
     """A worker on a device whose step stops being flat at 100 tokens steps at most 100; the
     other keeps the router's 512; None gives the router's back."""
-    b = bench_factory(n_workers=2, policy="round_robin")
+    b = bench_factory(n_workers=2, policy="round_robin", split_slack=0)
     b.router.set_worker_budget(0, 100)
     assert [b.router.worker_stats(k)["token_budget"] for k in (0, 1)] == [100, 512]
     reqs = {rid: list(range(rid * 1000, rid * 1000 + 300)) for rid in range(1, 5)}   # round robin: 1, 3 on w0
@@ -426,7 +447,7 @@ def test_a_record_the_worker_refuses_ends_its_request_with_that_status(bench_fac
 
 
 def test_a_dead_workers_requests_are_replayed_whole_on_another(bench_factory):
-    b = bench_factory(n_workers=2, policy="round_robin", token_budget=100)
+    b = bench_factory(n_workers=2, policy="round_robin", token_budget=100, split_slack=0)
     toks = {rid: list(range(rid * 1000, rid * 1000 + 300)) for rid in (1, 2)}
     for rid, t in toks.items():
         b.send(chunks_of(rid, t, max_out=3))
