@@ -82,7 +82,7 @@ def parse_names(spec: str) -> list[tuple[str, str, float | None]]:
         except ValueError:
             value = float("nan")
         if value is not None and not (math.isfinite(value) and value > 0):
-            raise ValueError(f"{label!r}: the parameter after ':' must be a number > 0 (0 is the policy's default)")
+            raise ValueError(f"{label!r}: the parameter after ':' must be a number > 0 (leave it off for the policy's default)")
         out.append((label, name, value))
     if not out:
         raise ValueError("--policy names nothing")
