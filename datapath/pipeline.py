@@ -216,8 +216,8 @@ class Pipeline:
                                             veth_peer=(topo.client_if[0], topo.client_ns[0]))
         out_name, out_ring = self._ring("out", records.RESPONSE.itemsize, 1 << 12, "producer")
         self.consumer = self.ingress.consumer(None)   # the router's feed: no input ring between them
-        self.router = Router(policy=cfg.policy, policy_param=cfg.policy_param, batching=cfg.batching, token_budget=cfg.token_budget,
-                             max_chunks=cfg.max_chunks, max_batch_size=cfg.max_batch_size,
+        self.router = Router(policy=cfg.policy, policy_param=cfg.policy_param, batching=cfg.batching,
+                             token_budget=cfg.token_budget, max_chunks=cfg.max_chunks, max_batch_size=cfg.max_batch_size,
                              batch_timeout_s=cfg.batch_timeout_s, split_slack=cfg.split_slack)
         es.callback(self.router.close)
         self.router.add_feed(self.consumer)

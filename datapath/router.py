@@ -116,8 +116,8 @@ class Router:
 
     def set_key_secret(self, secret: int):
         """Tests only: the secret request keys are hashed with (random otherwise), so a test can
-        compute ids whose keys collide; refused once any record has been seen."""
-        _check(lib.dp_router_set_key_secret(self._rt, secret), "key secret (only before the first record)")
+        compute ids whose keys collide; refused once the router has made a pass."""
+        _check(lib.dp_router_set_key_secret(self._rt, secret), "key secret (only before the first pass)")
 
     def set_up(self, worker: int, up: bool):
         """Down: the worker is gone (its process died); its unfinished requests are replayed on

@@ -248,6 +248,22 @@ void dp_adm_price(const struct dp_tenant_cfg *cfg, const uint32_t *tokens, uint3
     price(cfg, &t, tokens, n_tokens, chunk_count, max_output, p);
 }
 
+/* Why a request is refused 400, the first that applies (FITS: it is not): more output than an
+ * answer carries, more chunks than the router holds, over the tenant's context limit. */
+enum oversize { FITS, OVER_OUTPUT, OVER_CHUNKS, OVER_CONTEXT };
+
+static enum oversize oversize(const struct dp_admission *a, const struct dp_tenant_cfg *cfg,
+                              const struct dp_adm_price *p)
+{
+    if (p->max_output > DP_MAX_OUTPUT_TOKENS)
+        return OVER_OUTPUT;
+    if (a->max_chunks && p->chunk_count > a->max_chunks)
+        return OVER_CHUNKS;
+    if (cfg->max_request_tokens && (uint64_t)p->input_tokens + p->max_output > cfg->max_request_tokens)
+        return OVER_CONTEXT;
+    return FITS;
+}
+
 /* --- the body (JSON, <= cap bytes) -------------------------------------------------- */
 
 struct jw {
@@ -328,12 +344,13 @@ static void suggestions(struct jw *w, const struct dp_admission *a, const struct
     int first = 1;
 #define HINT(...) (put(w, first ? "\"" : ",\""), put(w, __VA_ARGS__), put(w, "\""), first = 0)
     put(w, ",\"suggestions\":[");
-    if (st == DP_STATUS_BAD_REQUEST && p->max_output > DP_MAX_OUTPUT_TOKENS) {
+    enum oversize why = st == DP_STATUS_BAD_REQUEST ? oversize(a, cfg, p) : FITS;
+    if (why == OVER_OUTPUT) {
         HINT("lower max_output_tokens to %d and ask for the rest in a further request on the session",
              DP_MAX_OUTPUT_TOKENS);
-    } else if (st == DP_STATUS_BAD_REQUEST && a->max_chunks && p->chunk_count > a->max_chunks) {
+    } else if (why == OVER_CHUNKS) {
         HINT("split into requests of at most %" PRIu32 " chunks", a->max_chunks);
-    } else if (st == DP_STATUS_BAD_REQUEST) {
+    } else if (why == OVER_CONTEXT) {
         uint32_t limit = cfg->max_request_tokens;
         split_hint(w, &first, limit, p);
         if (p->input_tokens < limit && p->max_output > limit - p->input_tokens)
@@ -368,15 +385,16 @@ static void suggestions(struct jw *w, const struct dp_admission *a, const struct
 #undef HINT
 }
 
-static const char *reason(const struct dp_admission *a, const struct dp_adm_decision *d)
+static const char *reason(const struct dp_admission *a, const struct dp_tenant_cfg *cfg,
+                          const struct dp_adm_decision *d)
 {
     switch (d->status) {
     case DP_STATUS_BAD_REQUEST:
-        if (d->p.max_output > DP_MAX_OUTPUT_TOKENS)
-            return "max_output_tokens is more than one answer carries";
-        if (a->max_chunks && d->p.chunk_count > a->max_chunks)
-            return "more chunks than the router holds";
-        return "the request is larger than the tenant's context limit";
+        switch (oversize(a, cfg, &d->p)) {
+        case OVER_OUTPUT: return "max_output_tokens is more than one answer carries";
+        case OVER_CHUNKS: return "more chunks than the router holds";
+        default: return "the request is larger than the tenant's context limit";
+        }
     case DP_STATUS_UNAVAILABLE: return "the tenant table is full: this tenant's limits cannot be kept";
     case DP_STATUS_UNPROCESSABLE: return "the estimated cost exceeds the remaining daily budget";
     case DP_STATUS_RATE_LIMITED: return "over the tenant's tokens per minute";
@@ -392,13 +410,14 @@ static uint32_t write_body(const struct dp_admission *a, const struct dp_tenant_
     if (count_only)
         put(&w, "{\"status\":200,\"count_tokens\":true,\"would_be\":%u", d->status);
     else
-        put(&w, "{\"status\":%u,\"error\":\"%s\"", d->status, reason(a, d));
+        put(&w, "{\"status\":%u,\"error\":\"%s\"", d->status, reason(a, cfg, d));
     put(&w, ",\"request_tokens\":%" PRIu64, tokens);
-    if (d->status == DP_STATUS_BAD_REQUEST && d->p.max_output > DP_MAX_OUTPUT_TOKENS)
+    enum oversize why = d->status == DP_STATUS_BAD_REQUEST ? oversize(a, cfg, &d->p) : FITS;
+    if (why == OVER_OUTPUT)
         put(&w, ",\"max_output_tokens_limit\":%d", DP_MAX_OUTPUT_TOKENS);
-    else if (d->status == DP_STATUS_BAD_REQUEST && a->max_chunks && d->p.chunk_count > a->max_chunks)
+    else if (why == OVER_CHUNKS)
         put(&w, ",\"limit_chunks\":%" PRIu32, a->max_chunks);
-    else if (d->status == DP_STATUS_BAD_REQUEST)
+    else if (why == OVER_CONTEXT)
         put(&w, ",\"limit_tokens\":%" PRIu32, cfg->max_request_tokens);
     if (d->status == DP_STATUS_RATE_LIMITED)
         put(&w, ",\"tokens_per_minute\":%" PRIu32 ",\"retry_after_ms\":%" PRIu64, cfg->tokens_per_minute,
@@ -449,8 +468,7 @@ uint32_t dp_adm_decide(struct dp_admission *a, uint32_t tenant, const uint32_t *
         (uint64_t)ceil(cost_of(cfg->price_per_1k, d->p.input_tokens, max_output, 5.0)) > d->remaining)
         dp_adm_finish(a, d, tokens);
     d->status = DP_STATUS_OK;
-    if (max_output > DP_MAX_OUTPUT_TOKENS || (a->max_chunks && chunk_count > a->max_chunks) ||
-        (cfg->max_request_tokens && tokens_all > cfg->max_request_tokens))
+    if (oversize(a, cfg, &d->p) != FITS)
         d->status = DP_STATUS_BAD_REQUEST;
     else if (limited(cfg) && no_slot(a, t, now))
         d->status = DP_STATUS_UNAVAILABLE;   /* its limits could not be kept: refused, not run unlimited */

@@ -124,7 +124,6 @@ struct dp_router {
     uint32_t pool_free;                 /* free list head */
     uint32_t done_head, done_tail;      /* finished requests waiting for egress room (via fifo_next) */
     uint64_t key_secret;                /* random per router: req_key, session_key */
-    int keyed;                          /* a key was made with it (dp_router_set_key_secret refuses) */
     _Alignas(64) uint64_t recent[(1u << RECENT_SET_BITS) * RECENT_WAYS];   /* keys of requests that finished lately */
     uint8_t recent_next[1u << RECENT_SET_BITS];                             /* each set's oldest way */
     struct last_run last_run[1u << LAST_RUN_BITS];   /* direct-mapped, by session key */
@@ -864,7 +863,6 @@ static int ingest(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, in
         rt->st.control_in++;
         return 1;
     }
-    rt->keyed = 1;
     uint64_t key = chunk_key(rt, c);
     uint32_t ri = index_find(rt, &rt->by_id, key, c, 1);
     if (c->kind == DP_KIND_CLOSE)
@@ -1989,7 +1987,7 @@ int dp_router_set_weight(struct dp_router *rt, uint32_t worker, uint32_t weight)
 int dp_router_set_key_secret(struct dp_router *rt, uint64_t secret)
 {
     pthread_mutex_lock(&rt->lock);
-    int fresh = !rt->keyed;              /* no key made yet with the old one */
+    int fresh = !rt->st.loops;           /* no pass yet, so no key made with the old one */
     if (fresh)
         rt->key_secret = secret;
     pthread_mutex_unlock(&rt->lock);

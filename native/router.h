@@ -136,9 +136,9 @@ int dp_router_add_zmq_worker(struct dp_router *rt, const char *endpoint, uint32_
 int dp_router_set_egress(struct dp_router *rt, struct dp_ring *egress);
 int dp_router_set_policy(struct dp_router *rt, const char *policy, double param);
 int dp_router_set_weight(struct dp_router *rt, uint32_t worker, uint32_t weight);
-/* up = 0: the worker is gone; its unfinished requests are replayed on others (see failover). */
-/* Tests: a known key secret (req_key), to compute colliding ids; only before the first record. */
+/* Tests: a known key secret (req_key), to compute colliding ids; only before the first pass. */
 int dp_router_set_key_secret(struct dp_router *rt, uint64_t secret);
+/* up = 0: the worker is gone; its unfinished requests are replayed on others (see failover). */
 int dp_router_set_up(struct dp_router *rt, uint32_t worker, int up);
 /* Dynamic batching's token budget per step on one worker (0: the router's token_budget again),
  * e.g. where its device's step stops being flat in tokens (serving.devices knee_tokens). */
