@@ -8,7 +8,8 @@
  * as a struct dp_chunk (native/chunk.h) into its queue's ring buffer with an
  * XDP stamp, then the packet is dropped: the consumer has everything.
  * A chunk over its tenant's token bucket never reaches user space: the
- * packet is rewritten in place into a 429 response and sent back (XDP_TX).
+ * packet is rewritten in place into a 429 response and sent back (XDP_TX);
+ * the rest of its request, if it has more chunks, is dropped (the `cuts` map).
  * Tunables (-D): DP_QUEUES, DP_RING_PAGES, DP_PORT (see steer_maps.h).
  */
 #include <uapi/linux/bpf.h>
@@ -102,13 +103,10 @@ static __always_inline __u32 pick_queue(struct dp_req_hdr *req, __u32 mode)
 }
 
 /* GCRA: admit n tokens if the bucket has room, and charge them. */
-static __always_inline int over_limit(__u32 tenant, __u32 n, __u64 now)
+static __always_inline int over_limit(struct dp_bucket *b, __u32 n, __u64 now)
 {
-    struct dp_bucket *b = buckets.lookup(&tenant);
     __u64 tat;
 
-    if (!b)
-        return 0;
     /* compare-and-swap: two CPUs admitting one tenant's chunks at once cannot both take the same
      * room (a plain store let both pass, up to one rate per CPU); the loser retries against the
      * winner's tat, and one that loses 4 times running is refused, never let through */
@@ -278,9 +276,21 @@ int xdp_steer(struct xdp_md *ctx)
     pol = policy.lookup(&zero);
     if (!pol)
         return XDP_ABORTED;   /* an array always has index 0: unreachable */
-    if (pol->rate_limits && kind == DP_KIND_CHUNK && over_limit(req->tenant, n, now)) {
-        drop(DP_DROP_RATE_LIMITED);
-        return reply_429(ctx, eth, iph, ip6h, v6, udph, req);
+    if (pol->rate_limits && kind == DP_KIND_CHUNK) {
+        __u32 tenant = req->tenant;
+        struct dp_bucket *b = buckets.lookup(&tenant);
+        /* a request of several chunks is cut once: one 429, and its later chunks neither
+         * charged nor answered again (the router drops what did pass: steer.h, dp_cut_key) */
+        struct dp_cut_key ck = { .session_id = req->session_id, .request_id = req->request_id, .tenant = tenant };
+        int several = req->chunk_count > 1;
+        if (b && several && cuts.lookup(&ck))
+            return drop(DP_DROP_CUT_REQUEST);
+        if (b && over_limit(b, n, now)) {
+            if (several)
+                cuts.update(&ck, &now);
+            drop(DP_DROP_RATE_LIMITED);
+            return reply_429(ctx, eth, iph, ip6h, v6, udph, req);
+        }
     }
 
     q = pick_queue(req, pol->mode);

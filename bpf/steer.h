@@ -32,7 +32,8 @@ enum dp_drop {
     DP_DROP_FRAGMENT = 8,        /* an IP fragment of a datagram to our port */
     DP_DROP_RATE_LIMITED = 9,    /* over the tenant's token bucket (answered 429 by XDP_TX) */
     DP_DROP_RING_FULL = 10,      /* the queue's ring buffer had no room */
-    DP_DROP_MAX = 11
+    DP_DROP_CUT_REQUEST = 11,    /* a later chunk of a request the bucket already cut (answered 429 once) */
+    DP_DROP_MAX = 12
 };
 
 /* Other events (index of the `events` per-CPU array). Records queued are

@@ -41,6 +41,7 @@ BPF_ARRAY(policy, struct dp_policy, 1);
 BPF_HASH(pins, __u64, __u32, 65536);          /* session_id -> queue */
 BPF_HASH(tenant_queue, __u32, __u32, 4096);   /* tenant -> queue */
 BPF_HASH(buckets, __u32, struct dp_bucket, 4096);
+BPF_TABLE("lru_hash", struct dp_cut_key, __u64, cuts, DP_CUTS);   /* requests the bucket cut (chunk.h, dp_cut_key) */
 
 /* the queues: one ring buffer each (bcc needs one declaration per map) */
 BPF_RINGBUF_OUTPUT(ring0, DP_RING_PAGES);

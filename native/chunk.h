@@ -91,6 +91,19 @@ struct dp_response_rec {
         __u8 body[DP_MAX_RESP_BODY];
     };
 };
+
+/* Key of the steering program's `cuts` LRU map (value: the cut's bpf_ktime_get_ns), written
+ * by XDP, read by the router: a request of several chunks that the tenant's bucket cut. Its
+ * first cut chunk is answered 429, its later chunks are dropped uncharged and unanswered, and
+ * the router, finding the key when the chunks that did pass expire, drops them without a 400
+ * (router.c, expire_stalled). */
+struct dp_cut_key {
+    __u64 session_id;
+    __u64 request_id;
+    __u32 tenant;
+    __u32 pad;                   /* 0: the key is hashed as bytes */
+};
+#define DP_CUTS 16384            /* cut requests remembered; the oldest go first */
 /* LAYOUT END */
 
 _Static_assert(sizeof(struct dp_chunk) == DP_CHUNK_LEN, "chunk record size");

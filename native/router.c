@@ -5,6 +5,7 @@
 #include "router.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <sched.h>
 #include <stddef.h>
 #include <stdio.h>
@@ -13,6 +14,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
+#include <linux/bpf.h>
+#include <sys/syscall.h>
 #include <zmq.h>
 
 #define NIL UINT32_MAX
@@ -115,6 +119,7 @@ struct dp_router {
     struct dp_ring *in[DP_MAX_INPUTS];
     uint32_t n_in, in_cursor;
     uintptr_t feed, feed_src;           /* dp_router_add_feed (0: none) */
+    int cuts_fd;                        /* the XDP program's `cuts` map (dp_router_watch_cuts; -1: none) */
     struct dp_ring *egress;
     void *zctx;                         /* created with the first zmq lane */
     struct req *reqs;                   /* slab of cfg.max_requests */
@@ -1350,8 +1355,23 @@ static void fifo_remove(struct dp_router *rt, struct worker *w, uint32_t ri)
     }
 }
 
+/* Did the XDP program's bucket cut this request (steer.h, dp_cut_key)? Then its client has
+ * had the 429, and the chunks that passed are dropped without a second answer. A syscall, on
+ * the expiry path only. */
+static int cut_by_xdp(const struct dp_router *rt, const struct req *r)
+{
+    if (rt->cuts_fd < 0)
+        return 0;
+    struct dp_cut_key key = { .session_id = r->session_id, .request_id = r->request_id, .tenant = r->tenant };
+    uint64_t when;
+    union bpf_attr a = { .map_fd = (uint32_t)rt->cuts_fd };
+    a.key = (uint64_t)(uintptr_t)&key;
+    a.value = (uint64_t)(uintptr_t)&when;
+    return syscall(__NR_bpf, BPF_MAP_LOOKUP_ELEM, &a, sizeof(a)) == 0;
+}
+
 /* Requests still missing chunks, with nothing in flight, idle past the timeout:
- * answer 400 and free what they hold. */
+ * answer 400 (unless the XDP bucket cut them: their 429 was the answer) and free what they hold. */
 static uint32_t expire_stalled(struct dp_router *rt)
 {
     uint32_t n = 0;
@@ -1369,12 +1389,14 @@ static uint32_t expire_stalled(struct dp_router *rt)
         if (r->state != REQ_PREFILL || r->received == r->chunk_count || r->inflight ||
             now - r->t_last < rt->cfg.reassembly_timeout_ns)
             continue;
+        int cut = cut_by_xdp(rt, r);
         char body[128];
         int len = snprintf(body, sizeof(body), "{\"status\":400,\"error\":\"chunks missing after the reassembly "
                            "timeout\",\"received\":%u,\"chunk_count\":%u}", r->received, r->chunk_count);
-        if (!emit(rt, NULL, DP_STATUS_BAD_REQUEST, r->request_id, r->session_id, r->tenant,
-                  &(struct dp_chunk){ .t_send = r->t_send, .t_xdp = r->t_xdp, .client_ip = r->client_ip,
-                                      .client_port = r->client_port, .flags = r->flags }, body, (uint32_t)len))
+        if (!cut && !emit(rt, NULL, DP_STATUS_BAD_REQUEST, r->request_id, r->session_id, r->tenant,
+                          &(struct dp_chunk){ .t_send = r->t_send, .t_xdp = r->t_xdp, .client_ip = r->client_ip,
+                                              .client_port = r->client_port, .flags = r->flags },
+                          body, (uint32_t)len))
             break;                       /* egress full: try again at the next scan */
         dp_adm_settle(rt->adm, r->tenant, &r->adm, r->tokens_in, 0, 0);
         if (r->in_fifo)
@@ -1385,8 +1407,12 @@ static uint32_t expire_stalled(struct dp_router *rt)
         remember_done(rt, r->key);   /* its late chunks are stragglers, not a new request */
         session_leave(rt, ri);
         rt->reserved -= r->chunk_count - r->received;
-        rt->st.expired++;
-        rt->st.responses++;
+        if (cut) {
+            rt->st.xdp_cut++;
+        } else {
+            rt->st.expired++;
+            rt->st.responses++;
+        }
         req_free(rt, ri);
         n++;
     }
@@ -1783,6 +1809,7 @@ static struct dp_router *router_new(const struct dp_router_config *cfg, const ch
         return NULL;
     }
     rt->cfg = c;
+    rt->cuts_fd = -1;
     if (getrandom(&rt->key_secret, sizeof(rt->key_secret), 0) != sizeof(rt->key_secret))
         rt->key_secret = dp_hash64((uint64_t)(uintptr_t)rt ^ now_ns());
     pthread_mutex_init(&rt->lock, NULL);
@@ -1848,8 +1875,24 @@ void dp_router_destroy(struct dp_router *rt)
     hot_free(rt->by_id.e, 2 * (size_t)rt->cfg.max_requests * sizeof(*rt->by_id.e));
     hot_free(rt->by_session.e, 2 * (size_t)rt->cfg.max_requests * sizeof(*rt->by_session.e));
     hot_free(rt->pool, (size_t)rt->cfg.pool_chunks * sizeof(struct pooled));
+    if (rt->cuts_fd >= 0)
+        close(rt->cuts_fd);
     pthread_mutex_destroy(&rt->lock);
     hot_free(rt, sizeof(*rt));
+}
+
+int dp_router_watch_cuts(struct dp_router *rt, int map_fd)
+{
+    int fd = fcntl(map_fd, F_DUPFD_CLOEXEC, 0);   /* its own: the ingress may close first */
+    if (fd < 0)
+        return -errno;
+    pthread_mutex_lock(&rt->lock);
+    int old = rt->cuts_fd;
+    rt->cuts_fd = fd;
+    pthread_mutex_unlock(&rt->lock);
+    if (old >= 0)
+        close(old);
+    return 0;
 }
 
 int dp_router_add_feed(struct dp_router *rt, uintptr_t feed, uintptr_t src)

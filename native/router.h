@@ -33,7 +33,8 @@
  * yields a 400/503 response record (once per request: its other chunks then
  * count as late duplicates); a new request whose chunks the pool could not
  * hold besides those promised to requests still arriving is refused 503; a request still missing chunks after
- * reassembly_timeout is answered 400 and its state freed; a chunk of a request
+ * reassembly_timeout is answered 400 (unless the XDP bucket cut it and answered 429: dp_router_watch_cuts)
+ * and its state freed; a chunk of a request
  * that has just finished is counted as a late duplicate, not run again; a
  * full chunk pool or lane stops the router from taking more input (the input
  * ring's full counter shows it).
@@ -96,6 +97,8 @@ struct dp_router_stats {
     uint64_t admitted, adm_oversized, adm_over_budget, adm_rate_limited, adm_counted, opened;
     uint64_t adm_no_slot;               /* 503: a limited tenant the admission's table had no slot for */
     uint64_t to_secondary;      /* admitted requests placed on the secondary pool (a tenant's high-entropy burst) */
+    uint64_t xdp_cut;           /* requests the XDP bucket cut (answered 429 there), dropped at the reassembly
+                                 * timeout without a 400 (dp_router_watch_cuts) */
     uint32_t active_requests, pool_free;
 };
 
@@ -120,6 +123,10 @@ int dp_router_add_input(struct dp_router *rt, struct dp_ring *in);
  * uint32_t (*)(void *, int (*)(void *, const struct dp_chunk *, uint64_t), void *), as an address. One per
  * router; the source must outlive it. */
 int dp_router_add_feed(struct dp_router *rt, uintptr_t feed, uintptr_t src);
+/* The XDP program's `cuts` map (bpf/steer.h, dp_cut_key), as an fd (duplicated, kept): a request
+ * still missing chunks at the reassembly timeout whose key is there was cut by the bucket and
+ * answered 429 in the kernel, so it is dropped without the 400 (counted xdp_cut). */
+int dp_router_watch_cuts(struct dp_router *rt, int map_fd);
 /* A worker: its lane (router produces) and completion ring (router consumes),
  * Returns the worker index. */
 int dp_router_add_worker(struct dp_router *rt, struct dp_ring *lane, struct dp_ring *done, uint32_t weight);

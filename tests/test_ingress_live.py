@@ -313,3 +313,54 @@ def test_a_router_fed_by_the_consumer_takes_each_record_once_and_leaves_what_it_
             router.add_feed(ig.consumer(None))     # one feed per router
         with pytest.raises(ValueError), rings() as (out, _):
             router.add_feed(ig.consumer(out))      # a consumer with a ring of its own could run its thread
+
+
+def test_a_request_the_bucket_cuts_gets_one_answer_the_429():
+    """A request of three full chunks from a tenant whose bucket holds one: the first passes, the
+    second is cut (XDP answers 429 and remembers the request in its `cuts` map), the third is
+    dropped uncharged and unanswered. The router, fed by the consumer, runs the first chunk, and at
+    the reassembly timeout drops it without the 400 the client would have had as a second answer.
+    A request that is only half sent, never cut, still gets its 400."""
+    from datapath import lanes, records
+    from datapath.router import Router
+    import numpy as np
+    tag = f"test-cut-{os.getpid()}-{next(_names)}"
+    with contextlib.ExitStack() as es:
+        topo = es.enter_context(Topology(clients=1))
+        ig = es.enter_context(Ingress(queues=2))
+        ig.attach(topo.host_if[0], topo.host_ns, veth_peer=(topo.client_if[0], topo.client_ns[0]))
+        ig.set_rate(7, tokens_per_minute=60, burst_tokens=128)   # one full chunk, then a token a second
+        es.callback(ring.unlink, f"{tag}.out")
+        egress = es.enter_context(ring.Ring.create(f"{tag}.out", records.RESPONSE.itemsize, 64, role="producer"))
+        answers = es.enter_context(ring.Ring.attach(f"{tag}.out", "consumer"))
+        es.callback(lanes.unlink_shm_lane, f"{tag}.w0")
+        router = es.enter_context(Router(reassembly_timeout_s=0.05))
+        router.add_worker(*lanes.create_shm_lane(f"{tag}.w0"))
+        worker = lanes.ShmWorkerLane(f"{tag}.w0")
+        es.callback(worker.close)
+        router.set_egress(egress)
+        router.add_feed(ig.consumer(None))
+        cut = client.request_packets(7, 500, 1, range(3 * 128), max_output_tokens=1)
+        half = client.request_packets(8, 501, 1, range(2 * 128), max_output_tokens=1)[:1]
+        res = client.send_from(topo.client_ns[0], topo.host_ip[0], cut + half, rate=1_000, count=4, duration=5,
+                               stamp_seq=False, drain_ms=300)
+        assert res["sent"] == 4 and res["responses"] == 1 and res["resp_429"] == 1, res
+        c = ig.counters()
+        assert c["queued"] == 2 and c["drop_rate_limited"] == 1 and c["drop_cut_request"] == 1
+        got, ran, deadline = [], 0, time.monotonic() + 5
+        while len(got) < 1 or router.stats()["active_requests"]:
+            assert time.monotonic() < deadline, router.stats()
+            router.poll()
+            batch = worker.recv_batch(0)
+            if batch is not None:                  # each request's first chunk: prefill, nothing sampled
+                ran += len(batch)
+                assert worker.send_completion(lanes.completion_for(batch, [0] * len(batch)))
+            got += list(np.frombuffer(answers.dequeue(8), dtype=records.RESPONSE))
+            time.sleep(0.005)
+        time.sleep(0.1)
+        router.poll()
+        got += list(np.frombuffer(answers.dequeue(8), dtype=records.RESPONSE))
+        assert ran == 2
+        assert [(int(r["session_id"]), int(r["status"])) for r in got] == [(501, 400)], "the cut request answered twice"
+        st = router.stats()
+        assert st["xdp_cut"] == 1 and st["expired"] == 1 and st["active_requests"] == 0
