@@ -59,6 +59,7 @@ struct req {
     uint16_t pool;                               /* the pool it was placed on */
     uint8_t spill;                               /* admission throttled it to the secondary pool */
     uint8_t moved;                               /* its session last ran elsewhere: DP_CHUNK_F_MOVED */
+    uint8_t replayed;                            /* failover replayed it once already (see failover) */
     uint32_t tokens_in, generated;               /* what ran: settled against the admission's charge */
     struct dp_adm_decision adm;
     uint32_t out[DP_MAX_OUTPUT_TOKENS];
@@ -1425,7 +1426,9 @@ static uint32_t expire_stalled(struct dp_router *rt)
  * each of its unfinished requests is replayed on another worker from its
  * first chunk (kept for that until the request ends); the new worker restores
  * the session from the snapshot store and runs the prompt again. With no
- * worker left, the request is answered 503. Nothing is dropped silently. */
+ * worker left, the request is answered 503, and so is one whose replay's worker
+ * died too: a request that kills workers (a bug, a store that hangs them) must
+ * not go round the pool killing every one. Nothing is dropped silently. */
 static void failover(struct dp_router *rt, uint32_t k)
 {
     struct worker *w = &rt->w[k];
@@ -1448,8 +1451,9 @@ static void failover(struct dp_router *rt, uint32_t k)
         }
         r->inflight = r->in_fifo = r->in_set = 0;
         int spilled;
-        int nk = pick_worker(rt, r->session_id, r->tenant, r->spill, &r->pool, &spilled);
+        int nk = r->replayed ? -1 : pick_worker(rt, r->session_id, r->tenant, r->spill, &r->pool, &spilled);
         if (nk < 0) {
+            rt->st.replay_refused += r->replayed;
             free_list(rt, r->pending_head);
             free_list(rt, r->ooo);
             r->pending_head = r->pending_tail = r->ooo = NIL;
@@ -1472,6 +1476,7 @@ static void failover(struct dp_router *rt, uint32_t k)
         r->worker = (int16_t)nk;
         note_run(rt, session_key(rt, r->tenant, r->session_id), nk);
         r->moved = 1;                    /* replayed elsewhere: its session moved for sure */
+        r->replayed = 1;
         r->state = REQ_PREFILL;
         r->n_out = 0;
         r->generated = 0;                /* what it ran on the dead worker is not what it returns */

@@ -465,6 +465,28 @@ def test_a_dead_workers_requests_are_replayed_whole_on_another(bench_factory):
     assert st["replayed"] == 1 and st["active_requests"] == 0 and st["pool_free"] == 8192
 
 
+def test_a_request_whose_replay_kills_its_worker_too_is_answered_503_not_replayed_again(bench_factory):
+    """A request that kills workers (a bug, a store that hangs them) goes round the pool no
+    further than one replay: when the worker it was replayed on dies too, it is answered 503
+    although a third worker is up; the other requests of both dead workers move on as before."""
+    b = bench_factory(n_workers=3, policy="round_robin")
+    b.send(chunks_of(1, [1, 2, 3], max_out=2))
+    b.router.poll()
+    assert b.workers[0].recv_batch(0)["request_id"].tolist() == [1]
+    b.router.set_up(0, False)                    # replayed once: on worker 1
+    b.router.poll()
+    assert b.workers[1].recv_batch(0)["request_id"].tolist() == [1]
+    b.send(chunks_of(2, [4, 5], max_out=1))      # round robin: worker 2; then 3 goes to worker 1
+    b.send(chunks_of(3, [6, 7], max_out=1))
+    b.router.poll()
+    b.router.set_up(1, False)                    # request 1's replay dies too
+    b.run(k=2)
+    got = {int(r["request_id"]): int(r["status"]) for r in b.responses}
+    assert got == {1: 503, 2: 200, 3: 200}, got
+    st = b.router.stats()
+    assert st["replay_refused"] == 1 and st["replayed"] == 2 and st["active_requests"] == 0
+
+
 def test_no_worker_left_answers_503(bench_factory):
     b = bench_factory(n_workers=1)
     b.send(chunks_of(1, [1, 2, 3], max_out=2))

@@ -9,6 +9,7 @@ from datapath import records, wire
 from datapath.serving.devices import SimulatedDevice, profile
 from datapath.serving.model import KVCache, Model, ModelConfig, sample
 from datapath.serving.worker import Worker
+from snapshotstore.errors import DeviceError
 from serving_support import MemoryStore, as_batch, decode_record, drive, prefill_records, prompt
 
 BIG = 1 << 30
@@ -183,6 +184,61 @@ def test_context_past_max_context_is_refused_not_fatal():
     assert list(comp["e"][0]["status"][:3]) == [200, 200, 413]
     ok = w.step(as_batch([prefill_records(2, 2, prompt(3, 10), 1)]))
     assert ok["e"][0]["status"][0] == 200 and ok["e"][0]["token"][0]
+
+
+def test_a_request_that_fills_the_context_ends_there_with_eos_not_a_dead_worker():
+    """A prompt that brings its session to max_context exactly: the first token is sampled from
+    the last position, but there is no room to feed it back, so the request ends with it (the
+    entry flagged CE_EOS: the router answers with the tokens so far). Before, the router's next
+    decode record raised in the model and killed the worker, and the failover's replay killed the
+    next one the same way. A decode record sent anyway is refused 413, not fatal."""
+    small = Model(ModelConfig(max_context=256), seed=0)
+    w = Worker(small, None)
+    comp = w.step(as_batch([prefill_records(1, 1, prompt(1, 256), 4)]))
+    e = comp["e"][0]
+    assert list(e["status"][:2]) == [200, 200] and e["flags"][1] & records.CE_EOS and e["token"][1]
+    (done,) = finished(w)
+    assert done.tokens == [int(e["token"][1])] and done.context_tokens == 256
+    assert w.stats["context_full"] == 1
+    comp = w.step(as_batch([decode_record(1, 1, 4)]))
+    assert comp["e"][0]["status"][0] == wire.STATUS_UNPROCESSABLE   # it is over: no such request here
+    # one token short of full: a decode fills the last slot, and that step's token ends it
+    comp = w.step(as_batch([prefill_records(2, 2, prompt(2, 255), 4)]))
+    assert not comp["e"][0]["flags"][1] & records.CE_EOS
+    comp = w.step(as_batch([decode_record(2, 2, 4)]))
+    assert comp["e"][0]["status"][0] == 200 and comp["e"][0]["flags"][0] & records.CE_EOS
+    assert [len(d.tokens) for d in finished(w)] == [2] and w.stats["context_full"] == 2
+
+
+class FailingStore(MemoryStore):
+    """A store that is down: every call raises (as a remote store's timeout does)."""
+
+    def __init__(self, exc):
+        super().__init__()
+        self.exc = exc
+
+    def restore(self, key):
+        raise self.exc
+
+    def held(self, key):
+        raise self.exc
+
+    def delete(self, key):
+        raise self.exc
+
+
+@pytest.mark.parametrize("exc", [DeviceError("the target did not answer in 30 s"), OSError(5, "EIO")])
+def test_a_store_that_fails_costs_the_request_a_503_not_the_worker(model, exc):
+    store = FailingStore(exc)
+    w = Worker(model, store)
+    comp = w.step(as_batch([prefill_records(1, 1, prompt(1, 20), 2)]))
+    assert comp["e"][0]["status"][0] == wire.STATUS_UNAVAILABLE and not w.holds(1)
+    assert w.stats["store_errors"] == 1 and type(exc).__name__ in w.last_store_error
+    close = np.zeros(1, dtype=records.CHUNK)
+    close["session_id"], close["request_id"], close["kind"] = 1, 2, wire.KIND_CLOSE
+    assert w.step(as_batch([close]))["e"][0]["status"][0] == wire.STATUS_UNAVAILABLE
+    ok = w.step(as_batch([prefill_records(2, 3, prompt(2, 20), 1)]))   # the worker goes on
+    assert ok["e"][0]["status"][0] == wire.STATUS_UNAVAILABLE and w.stats["store_errors"] == 3
 
 
 def test_close_frees_the_session_here_and_in_the_store(model):

@@ -126,7 +126,8 @@ class Worker:
         self.finished: list[RequestDone] = []  # appended as requests finish; the caller drains it
         self.stats = dict(steps=0, records=0, refused=0, snapshots=0, snapshot_failures=0, restores=0,
                           evictions=0, over_budget_steps=0, stale_dropped=0, closed=0, whole_reputs=0, superseded=0,
-                          simulated_s=0.0)
+                          context_full=0, store_errors=0, simulated_s=0.0)
+        self.last_store_error: str | None = None
 
     @property
     def kv_bytes_resident(self) -> int:
@@ -167,12 +168,18 @@ class Worker:
             req = s.request if s is not None else None
             if req is None or req.request_id != rid or not req.prefill_done or key in segments:
                 return wire.STATUS_UNPROCESSABLE  # no such request generating here, or twice in one step
+            if s.cache.length >= self.model.config.max_context:
+                return wire.STATUS_TOO_LARGE      # no room for the token (_run ends such a request first)
             segments[key] = _Segment(key, True, [np.array([req.tokens[-1]])], answer=i)
             return wire.STATUS_OK
         if kind == wire.KIND_CLOSE:           # the client is done with the session (after its requests)
             if key in segments:
                 return wire.STATUS_UNPROCESSABLE
-            self.close(key[1], key[0])
+            try:
+                self.close(key[1], key[0])
+            except Exception as e:           # dropped here, but the store may still hold it: say so
+                self._store_failed(e)
+                return wire.STATUS_UNAVAILABLE
             self.stats["closed"] += 1
             return wire.STATUS_OK
         if kind != wire.KIND_CHUNK or not 1 <= rec["n_tokens"] <= wire.MAX_CHUNK_TOKENS:
@@ -181,15 +188,18 @@ class Worker:
         if tokens.max() >= self.model.config.vocab:
             return wire.STATUS_BAD_REQUEST  # one bad record must not fail the whole step
         s = self.sessions.get(key)
-        if s is not None and (s.request is None or s.request.request_id != rid) and self._moved_on(key, s, rec):
-            self._drop(key)                  # another worker continued it: the store's copy is newer
-            self.stats["stale_dropped"] += 1
-            s = None
-        if s is None:
-            try:
+        # The store is another component (a remote one times out): its failure is this request's
+        # 503, never the worker's death, which would replay the request onto the next worker.
+        try:
+            if s is not None and (s.request is None or s.request.request_id != rid) and self._moved_on(key, s, rec):
+                self._drop(key)                  # another worker continued it: the store's copy is newer
+                self.stats["stale_dropped"] += 1
+                s = None
+            if s is None:
                 s = self._restore(key)
-            except kvdelta.DeltaError:
-                return wire.STATUS_UNAVAILABLE
+        except Exception as e:               # kvdelta.DeltaError (a corrupt delta) among them
+            self._store_failed(e)
+            return wire.STATUS_UNAVAILABLE
         if s.request is not None and s.request.request_id != rid:
             # A new request on the session: one the router gave up on (refused, expired: its client
             # got an error) is superseded, and the KV its pieces added is cut off (not the
@@ -247,8 +257,14 @@ class Worker:
                 entries["token"][seg.answer] = tok
                 if self.return_logits:
                     req.logits.append(lg)
-            if len(req.tokens) >= req.max_output_tokens:
-                self.finished.append(self._finish(seg.key, s, t_step))
+            if len(req.tokens) < req.max_output_tokens and s.cache.length >= self.model.config.max_context:
+                # no room to feed that token back: the sequence ends here (a "length" stop), and the
+                # router, told so by the flag, answers with the tokens so far
+                entries["flags"][seg.answer] |= records.CE_EOS
+                self.stats["context_full"] += 1
+            elif len(req.tokens) < req.max_output_tokens:
+                continue
+            self.finished.append(self._finish(seg.key, s, t_step))
 
     def _moved_on(self, key: SessionKey, s: _Session, rec) -> bool:
         """At a new request of a resident session: has another worker put more of it in the store
@@ -258,6 +274,10 @@ class Worker:
         lookup (a ~0.2 ms RPC to a shared store's server) per moved request, none otherwise."""
         return (self.store is not None and bool(rec["flags"] & records.CHUNK_F_MOVED)
                 and self.store.held(key) > s.cache.snapshot_len)
+
+    def _store_failed(self, e: Exception):
+        self.stats["store_errors"] += 1
+        self.last_store_error = f"{type(e).__name__}: {e}"
 
     def _restore(self, key: SessionKey) -> _Session:
         chain = self.store.restore(key) if self.store is not None else []
