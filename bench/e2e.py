@@ -70,9 +70,12 @@ def _offer(p: Pipeline, rate: float, seconds: float, count: int | None = None, *
     # lower bound): the tail keeps what the drain did not see answered
     rtt = np.array(r["lat_ok_ns"], dtype=np.int64)
     ok = r["resp_ok"]
-    # achieved: 200s per second from the first send to the last response
-    return {"qps": rate, "offered_qps": r["offered_pps"],
-            "achieved_qps": ok / max(r["elapsed_s"], r["last_resp_s"], 1e-9),
+    # achieved: the rate of 200s, between the first and the last. (Over first send to last
+    # response it carried one latency too many: 0.84x the offer at an idle 10 req/s on the
+    # simulated L4, whose answers take ~330 ms, so a light row passed for a saturated one.)
+    span = r["last_ok_s"] - r["first_ok_s"]
+    achieved = (ok - 1) / span if ok >= 2 and span > 0 else ok / max(r["elapsed_s"], r["last_resp_s"], 1e-9)
+    return {"qps": rate, "offered_qps": r["offered_pps"], "achieved_qps": achieved,
             "requests": r["requests"], "responses": r["responses"], "errors": r["requests"] - ok,
             "unanswered": r["unanswered"], "late_mean_us": r["late_mean_ns"] / 1e3,
             "late_max_ms": r["max_late_ns"] / 1e6,
@@ -390,6 +393,7 @@ def failover(report, quick: bool) -> dict:
 def _failover(report, rate: float, seconds: float, store: str) -> dict:
     import threading
     with Pipeline(_config(workers=2, shared_store=store)) as p:
+        _warm_up(p, None)
         out = {}
 
         def load():
@@ -400,7 +404,13 @@ def _failover(report, rate: float, seconds: float, store: str) -> dict:
         t = threading.Thread(target=load)
         t.start()
         time.sleep(seconds / 3)
-        _progress(f"failover: killing worker 1 with SIGKILL, {seconds * 2 / 3:.0f} s of load left")
+        # killed while it is generating for some request (a worker idle between requests, as
+        # half the time here, left the replay untested: 0 replayed in a quick run)
+        deadline = time.monotonic() + seconds / 3
+        while not p.router.worker_stats(1)["decoding"] and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        _progress(f"failover: killing worker 1 with SIGKILL while it holds "
+                  f"{p.router.worker_stats(1)['depth']} records of work")
         p.kill_worker(1)
         t.join()
         st = p.router.stats()
@@ -408,6 +418,9 @@ def _failover(report, rate: float, seconds: float, store: str) -> dict:
         raise out["error"]
     res = out["r"]
     answered = (res["requests"] - res["errors"]) / max(res["requests"], 1)   # answered 200: none lost
+    if answered < 1 or not st["replayed"]:
+        raise RuntimeError(f"failover: {res['errors']} of {res['requests']} requests not answered 200 "
+                           f"({res['by_status']}), {st['replayed']} replayed: the kill lost work, or found none")
     pc = _pcts(res["rtt_ns"], 1e6)
     report.metric("failover_answered_fraction", answered)
     report.metric("failover_replayed_requests", st["replayed"])
@@ -443,6 +456,8 @@ def snapshot_evict(report, quick: bool, memory: dict) -> dict:
             kw = dict(policy="affinity")
             if mode == "snapshot+evict":
                 kw.update(shared_store=es.enter_context(fresh_store()), kv_budget_bytes=1 << 20)
+            # not warmed up: both modes are fresh pipelines that pay first use alike, and a warm-up's
+            # sessions would stay resident in one mode only
             p = es.enter_context(Pipeline(_config(**kw)))
             _progress(f"{mode}: {sessions} sessions x {rounds} requests at {rate} req/s")
             res = _offer(p, rate, sessions * rounds / rate, prompt_tokens=PROMPT, max_output_tokens=OUTPUT,

@@ -38,6 +38,7 @@ from datapath.packet import udp_frame
 from datapath.topology import Topology, socket_in
 from datapath.xdp import BpfUnavailable, load_xdp, prog_test_run
 from datapath._ingress import lib
+from bench.ring import pingpong_oneway_ns
 
 SENDER_CPU, RECEIVER_CPU, RT = 0, 1, 1
 SEGMENT_S, GAP_S = 0.8, 0.2
@@ -132,7 +133,7 @@ def pingpong_ns(quick) -> float:
     affinity, policy, param = os.sched_getaffinity(0), os.sched_getscheduler(0), os.sched_getparam(0)
     os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(RT))
     try:
-        return lib.dp_pingpong_oneway_ns(rounds, SENDER_CPU, RECEIVER_CPU)
+        return pingpong_oneway_ns(rounds, (SENDER_CPU, RECEIVER_CPU))
     finally:
         os.sched_setscheduler(0, policy, param)
         os.sched_setaffinity(0, affinity)

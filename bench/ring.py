@@ -58,13 +58,18 @@ def _name(what):
     return f"bench{os.getpid()}-{what}-{next(_seq)}"
 
 
-def pingpong_oneway_ns(iters: int) -> float:
-    shared = mmap.mmap(-1, 4096)   # anonymous shared mapping: the child sees the same page
-    line = ffi.cast("uint64_t *", ffi.from_buffer(shared))
-    ns = _across_cores(lambda: lib.dp_pingpong(line, 0, iters, 60 * SEC),
-                       lambda: lib.dp_pingpong(line, 1, iters, 60 * SEC))
+def pingpong_oneway_ns(rounds: int, cpus: tuple[int, int] | None = None) -> float:
+    """The bare cross-core hand-off: one cache line between two pinned threads (the median of
+    timed blocks, the first, start-up, left out: native/ring_bench.c). The calling thread's
+    affinity is restored afterwards."""
+    a, b = cpus or _cores()
+    affinity = os.sched_getaffinity(0)
+    try:
+        ns = lib.dp_pingpong_oneway_ns(rounds, a, b, 60 * SEC)
+    finally:
+        os.sched_setaffinity(0, affinity)
     if ns < 0:
-        raise RuntimeError("ping-pong timed out")
+        raise RuntimeError("ping-pong timed out (are both CPUs available to this process?)")
     return ns
 
 

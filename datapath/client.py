@@ -117,6 +117,7 @@ def send(sock: socket.socket, packets: list[bytes], rate: float, count: int, dur
                     offered_pps=st.sent / (st.elapsed_ns / 1e9) if st.elapsed_ns else 0.0,
                     max_late_ns=st.max_late_ns, responses=st.responses, resp_429=st.resp_429,
                     resp_ok=st.resp_ok, resp_other=st.resp_other, last_resp_s=st.last_resp_ns / 1e9,
+                    first_ok_s=st.first_ok_ns / 1e9, last_ok_s=st.last_ok_ns / 1e9,
                     requests=st.requests, rtt_ns=rtt, rtt_ok_ns=rtt_ok, lat_ok_ns=lat_ok,
                     unanswered=st.unanswered, duplicates=st.duplicates,
                     late_mean_ns=st.late_ns_sum / st.sent if st.sent and merge == 1 else 0.0,

@@ -148,7 +148,8 @@ struct dp_send_stats {
     uint64_t resp_429;
     uint64_t resp_ok;          /* status 200 */
     uint64_t resp_other;       /* any other status */
-    uint64_t last_resp_ns;     /* from the start to the last response (throughput over that span) */
+    uint64_t last_resp_ns;     /* from the start to the last response */
+    uint64_t first_ok_ns, last_ok_ns;   /* from the start to the first and the last 200: the answer rate */
     uint64_t requests;         /* packets sent that start a request (chunk_index 0): one answer each */
     uint64_t merge_wait_ns;    /* merge > 1: the time arrivals waited for their packet, summed */
     uint64_t by_status[6];     /* responses with status 200 400 413 422 429 503 */
@@ -168,8 +169,6 @@ struct dp_send_stats {
 int dp_send_poisson(int fd, const uint8_t *pkts, uint32_t stride, const uint16_t *lens, uint32_t n_pkts,
                     const struct dp_send_cfg *cfg, struct dp_send_stats *st);
 
-/* Reference: one-way cross-core hand-off of a cache line between two pinned threads. */
-double dp_pingpong_oneway_ns(uint64_t rounds, int cpu_a, int cpu_b);
 /* CDEF END */
 
 uint64_t dp_now_ns(void);

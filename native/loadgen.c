@@ -17,7 +17,6 @@
 #include <math.h>
 #include <poll.h>
 #include <stddef.h>
-#include <pthread.h>
 #include <sched.h>
 #include <stdlib.h>
 #include <string.h>
@@ -135,8 +134,11 @@ static void read_responses(int fd, struct dp_send_stats *st, uint64_t start, str
         }
         if (h.status == DP_STATUS_RATE_LIMITED)
             st->resp_429++;
-        else if (h.status == DP_STATUS_OK)
-            st->resp_ok++;
+        else if (h.status == DP_STATUS_OK) {
+            if (!st->resp_ok++)
+                st->first_ok_ns = now - start;
+            st->last_ok_ns = now - start;
+        }
         else
             st->resp_other++;
         add_rtt(st, m, &h, now);
@@ -264,50 +266,3 @@ int dp_send_poisson(int fd, const uint8_t *pkts, uint32_t stride, const uint16_t
     return 0;
 }
 
-/* --- ping-pong reference ---------------------------------------------------------- */
-
-struct pingpong {
-    _Alignas(64) uint64_t ball;   /* odd: A served, even: B returned */
-    uint64_t rounds;
-    int cpu;
-};
-
-static void pin_self(int cpu)
-{
-    cpu_set_t set;
-    CPU_ZERO(&set);
-    CPU_SET(cpu, &set);
-    pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
-}
-
-static void *pong(void *arg)
-{
-    struct pingpong *p = arg;
-    pin_self(p->cpu);
-    for (uint64_t r = 0; r < p->rounds; r++) {
-        while (__atomic_load_n(&p->ball, __ATOMIC_ACQUIRE) != 2 * r + 1)
-            ;
-        __atomic_store_n(&p->ball, 2 * r + 2, __ATOMIC_RELEASE);
-    }
-    return NULL;
-}
-
-double dp_pingpong_oneway_ns(uint64_t rounds, int cpu_a, int cpu_b)
-{
-    struct pingpong p = { .ball = 0, .rounds = rounds, .cpu = cpu_b };
-    pthread_t t;
-    uint64_t start;
-
-    if (!rounds || pthread_create(&t, NULL, pong, &p))
-        return -1;
-    pin_self(cpu_a);
-    start = dp_now_ns();
-    for (uint64_t r = 0; r < rounds; r++) {
-        __atomic_store_n(&p.ball, 2 * r + 1, __ATOMIC_RELEASE);
-        while (__atomic_load_n(&p.ball, __ATOMIC_ACQUIRE) != 2 * r + 2)
-            ;
-    }
-    double ns = (double)(dp_now_ns() - start) / (2.0 * rounds);
-    pthread_join(t, NULL);
-    return ns;
-}
