@@ -241,6 +241,36 @@ def test_a_store_that_fails_costs_the_request_a_503_not_the_worker(model, exc):
     assert ok["e"][0]["status"][0] == wire.STATUS_UNAVAILABLE and w.stats["store_errors"] == 3
 
 
+@pytest.mark.parametrize("max_out", [1, 3])
+def test_a_replay_whose_turn_is_already_durable_runs_from_before_it_and_is_not_put_twice(model, max_out):
+    """A worker finishes a request (its turn put, durable) and dies before the router has the
+    answer: the router replays the request, flagged MOVED, on another worker. The store's last
+    delta names the request, so the replay runs from the context before that turn: the same
+    tokens as the first run, and the store holds the turn once. Before, the replay ran on top of
+    its own turn (the prompt twice in the context: other tokens, and the turn stored twice)."""
+    store = MemoryStore()
+    turn1, turn2 = (7, 1, prompt(1, 40), 2), (7, 2, prompt(2, 64), max_out)
+    drive(Worker(model, store, kv_budget_bytes=0).step, [turn1])
+    first = Worker(model, store)
+    want = drive(first.step, [turn2])[2]          # durable; its completion "lost" with the worker
+    held = store.held((0, 7))
+    assert held == 41 + 64 + max_out - 1
+    replay = Worker(model, store)
+
+    def moved(batch):
+        batch["flags"] |= records.CHUNK_F_MOVED
+        return replay.step(batch)
+    assert drive(moved, [turn2])[2] == want
+    (done,) = finished(replay)
+    assert done.context_tokens == held and done.restored_tokens == 41
+    assert store.held((0, 7)) == held and len(store.restore((0, 7))) == 2, "the turn is in the store once"
+    assert replay.stats["replays_durable"] == 1
+    turn3 = (7, 3, prompt(3, 10), 2)                # and the session goes on from it, on either worker
+    ref = Worker(model, MemoryStore())
+    drive(ref.step, [turn1]), drive(ref.step, [turn2])
+    assert drive(replay.step, [turn3]) == drive(ref.step, [turn3])
+
+
 def test_close_frees_the_session_here_and_in_the_store(model):
     store = MemoryStore()
     w = Worker(model, store)

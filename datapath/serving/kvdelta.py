@@ -1,18 +1,23 @@
 """KV deltas: the K/V entries a session gained since its last snapshot, and their codecs.
 
 A delta covers tokens [token_start, token_end) of one session, for every layer
-and KV head. Its stored form is a 48-byte header and a codec payload:
+and KV head, and names the request that wrote it. Its stored form is a 56-byte
+header and a codec payload:
 
   off  field            off  field
     0  magic "ZLKD"      24  n_layers u16, n_kv_heads u16
-    4  format u16 = 1    28  head_dim u16, reserved u16 = 0
+    4  format u16 = 2    28  head_dim u16, reserved u16 = 0
     6  codec_version u16 32  token_start u32
     8  codec name 16s    36  token_end u32
                          40  payload_len u32
-                         44  crc32 u32 (zlib CRC-32 of the header with this field 0, then the payload)
+                         44  request_id u64 (0: none)
+                         52  crc32 u32 (zlib CRC-32 of the header with this field 0, then the payload)
 
 Little-endian. The checksum lets a corrupted delta fail at import with a clear
-error; the snapshot store adds its own record checksum around it.
+error; the snapshot store adds its own record checksum around it. The request id
+lets a worker that replays a request after a failover see that its turn is
+already in the store (worker.py, _restore). Format 1 (48 bytes, no request id)
+is still read.
 
 Codecs (name, version):
   raw 1        K then V, fp16, (layers, KV heads, tokens, head dim) order
@@ -35,10 +40,11 @@ import zstandard
 from .model import KV_DTYPE, KVCache, ModelConfig
 
 MAGIC = b"ZLKD"
-FORMAT = 1
-HEADER = struct.Struct("<4sHH16sHHHHIIII")
-HEADER_LEN = HEADER.size  # 48
+FORMAT = 2
+HEADER = struct.Struct("<4sHH16sHHHHIIIQI")
+HEADER_LEN = HEADER.size  # 56
 CRC_OFFSET = HEADER_LEN - 4
+HEADER_V1 = struct.Struct("<4sHH16sHHHHIIII")   # format 1: no request id
 
 
 class DeltaError(ValueError):
@@ -160,37 +166,47 @@ def export_delta(cache: KVCache, start: int | None = None, end: int | None = Non
     return KVDelta(start, end, k, v)
 
 
-def encode(delta: KVDelta, config: ModelConfig, codec: str = "zstd") -> bytes:
+def encode(delta: KVDelta, config: ModelConfig, codec: str = "zstd", request_id: int = 0) -> bytes:
     if codec not in CODECS:
         raise ValueError(f"unknown KV codec {codec!r}: choose one of {', '.join(CODECS)}")
     c = CODECS[codec]
     payload = c.encode(delta.k, delta.v)
     hdr = HEADER.pack(MAGIC, FORMAT, c.version, c.name.encode(), config.n_layers, config.n_kv_heads,
-                      config.head_dim, 0, delta.token_start, delta.token_end, len(payload), 0)
+                      config.head_dim, 0, delta.token_start, delta.token_end, len(payload), request_id, 0)
     crc = zlib.crc32(payload, zlib.crc32(hdr))
     return hdr[:CRC_OFFSET] + struct.pack("<I", crc) + payload
 
 
 def header(buf: bytes) -> dict:
     """The header's fields, checked for magic and format only (no checksum)."""
-    if len(buf) < HEADER_LEN:
+    if len(buf) < HEADER_V1.size:
         raise DeltaError(f"KV delta is {len(buf)} bytes, shorter than its {HEADER_LEN}-byte header")
-    magic, fmt, cver, name, L, H, D, _, start, end, plen, crc = HEADER.unpack_from(buf)
+    magic, fmt = struct.unpack_from("<4sH", buf)
     if magic != MAGIC:
         raise DeltaError(f"not a KV delta: magic {magic!r}, expected {MAGIC!r}")
-    if fmt != FORMAT:
-        raise DeltaError(f"KV delta format {fmt} is not supported (this build reads format {FORMAT})")
+    if fmt == 1:
+        _, _, cver, name, L, H, D, _, start, end, plen, crc = HEADER_V1.unpack_from(buf)
+        rid, hlen = 0, HEADER_V1.size
+    elif fmt == FORMAT:
+        if len(buf) < HEADER_LEN:
+            raise DeltaError(f"KV delta is {len(buf)} bytes, shorter than its {HEADER_LEN}-byte header")
+        _, _, cver, name, L, H, D, _, start, end, plen, rid, crc = HEADER.unpack_from(buf)
+        hlen = HEADER_LEN
+    else:
+        raise DeltaError(f"KV delta format {fmt} is not supported (this build reads formats 1 and {FORMAT})")
     return dict(codec=name.rstrip(b"\0").decode(errors="replace"), codec_version=cver, n_layers=L,
-                n_kv_heads=H, head_dim=D, token_start=start, token_end=end, payload_len=plen, crc32=crc)
+                n_kv_heads=H, head_dim=D, token_start=start, token_end=end, payload_len=plen, request_id=rid,
+                crc32=crc, header_len=hlen)
 
 
 def decode(buf: bytes, config: ModelConfig) -> KVDelta:
     """Verify and decode a stored delta; DeltaError says what is wrong with it."""
     h = header(buf)
-    if len(buf) != HEADER_LEN + h["payload_len"]:
-        raise DeltaError(f"KV delta is {len(buf)} bytes, its header says {HEADER_LEN + h['payload_len']}: truncated or padded")
-    zeroed = bytes(buf[:CRC_OFFSET]) + b"\0\0\0\0"
-    crc = zlib.crc32(memoryview(buf)[HEADER_LEN:], zlib.crc32(zeroed))
+    hlen = h["header_len"]
+    if len(buf) != hlen + h["payload_len"]:
+        raise DeltaError(f"KV delta is {len(buf)} bytes, its header says {hlen + h['payload_len']}: truncated or padded")
+    zeroed = bytes(buf[:hlen - 4]) + b"\0\0\0\0"
+    crc = zlib.crc32(memoryview(buf)[hlen:], zlib.crc32(zeroed))
     if crc != h["crc32"]:
         raise DeltaError(f"KV delta for tokens {h['token_start']}..{h['token_end']} is corrupted: "
                          f"CRC-32 {crc:#010x}, header says {h['crc32']:#010x}")
@@ -204,7 +220,7 @@ def decode(buf: bytes, config: ModelConfig) -> KVDelta:
     if h["token_end"] < h["token_start"]:
         raise DeltaError(f"KV delta token range {h['token_start']}..{h['token_end']} is reversed")
     shape = (config.n_layers, config.n_kv_heads, h["token_end"] - h["token_start"], config.head_dim)
-    k, v = codec.decode(bytes(memoryview(buf)[HEADER_LEN:]), shape)
+    k, v = codec.decode(bytes(memoryview(buf)[hlen:]), shape)
     return KVDelta(h["token_start"], h["token_end"], k, v)
 
 

@@ -91,6 +91,7 @@ class _Request:
     restored_tokens: int
     stamps: dict[str, int]
     start_len: int = 0       # the session's KV length before it: what it is cut back to if superseded
+    durable_end: int = 0     # a replay whose own turn the store holds already: that turn's end (_restore)
     prefill_done: bool = False
     tokens: list[int] = field(default_factory=list)
     logits: list[np.ndarray] = field(default_factory=list)
@@ -101,6 +102,7 @@ class _Session:
     cache: KVCache
     request: _Request | None = None
     restored_tokens: int = 0  # handed to the session's next request, which reports them
+    durable_end: int = 0      # handed to it too (_restore)
 
 
 @dataclass
@@ -126,7 +128,7 @@ class Worker:
         self.finished: list[RequestDone] = []  # appended as requests finish; the caller drains it
         self.stats = dict(steps=0, records=0, refused=0, snapshots=0, snapshot_failures=0, restores=0,
                           evictions=0, over_budget_steps=0, stale_dropped=0, closed=0, whole_reputs=0, superseded=0,
-                          context_full=0, store_errors=0, simulated_s=0.0)
+                          context_full=0, store_errors=0, replays_durable=0, simulated_s=0.0)
         self.last_store_error: str | None = None
 
     @property
@@ -196,7 +198,7 @@ class Worker:
                 self.stats["stale_dropped"] += 1
                 s = None
             if s is None:
-                s = self._restore(key)
+                s = self._restore(key, rid if rec["flags"] & records.CHUNK_F_MOVED else None)
         except Exception as e:               # kvdelta.DeltaError (a corrupt delta) among them
             self._store_failed(e)
             return wire.STATUS_UNAVAILABLE
@@ -213,8 +215,9 @@ class Worker:
         if s.request is None:
             stamps = {name: int(rec[name]) for name in ("t_send", "t_xdp", "t_router", "t_lane") if rec[name]}
             stamps["t_worker"] = t_start
-            s.request = _Request(rid, int(rec["max_output_tokens"]), s.restored_tokens, stamps, s.cache.length)
-            s.restored_tokens = 0
+            s.request = _Request(rid, int(rec["max_output_tokens"]), s.restored_tokens, stamps, s.cache.length,
+                                 durable_end=s.durable_end)
+            s.restored_tokens = s.durable_end = 0
         seg = segments.get(key)
         if s.request.prefill_done or (seg is not None and (seg.decode or seg.answer is not None)):
             return wire.STATUS_UNPROCESSABLE  # prompt after the final piece
@@ -279,12 +282,24 @@ class Worker:
         self.stats["store_errors"] += 1
         self.last_store_error = f"{type(e).__name__}: {e}"
 
-    def _restore(self, key: SessionKey) -> _Session:
+    def _restore(self, key: SessionKey, moved_request: int | None = None) -> _Session:
+        """The session from the store. moved_request: the id of the request it is restored for, when
+        that request last ran elsewhere (a failover's replay among them). If the store's last delta
+        is that request's own, its worker put its turn and died before the router had the answer:
+        the request runs again from the context before that turn (the same tokens come out), and
+        the turn is not put twice. Before, the replay ran on top of its own turn: a context holding
+        the prompt twice, and other tokens."""
         chain = self.store.restore(key) if self.store is not None else []
+        durable_end = 0
+        if chain and moved_request is not None:
+            last = kvdelta.header(chain[-1])
+            if last["request_id"] == moved_request:
+                durable_end, chain = last["token_end"], chain[:-1]
+                self.stats["replays_durable"] += 1
         cache = kvdelta.restore(chain, self.model.config) if chain else KVCache(self.model.config)
         if chain:
             self.stats["restores"] += 1
-        s = self.sessions[key] = _Session(cache, restored_tokens=cache.length)
+        s = self.sessions[key] = _Session(cache, restored_tokens=cache.length, durable_end=durable_end)
         self._kv_bytes += cache.nbytes
         return s
 
@@ -295,7 +310,9 @@ class Worker:
                            logits=np.array(req.logits, np.float32).reshape(len(req.tokens), vocab)
                            if self.return_logits else None)
         done.stamps["t_last_token"] = t_step
-        if self.store is not None and s.cache.length > s.cache.snapshot_len:
+        if req.durable_end and req.durable_end == s.cache.length:
+            s.cache.snapshot_len = s.cache.length     # the store holds this very turn (_restore)
+        elif self.store is not None and s.cache.length > s.cache.snapshot_len:
             try:
                 try:
                     done.snapshot_bytes = self._put(key, s.cache, s.cache.snapshot_len, req.request_id)
@@ -317,7 +334,7 @@ class Worker:
 
     def _put(self, key: SessionKey, cache: KVCache, start: int, request_id: int) -> int:
         """Put the session's entries [start, length) as one delta; its stored size once durable."""
-        blob = kvdelta.encode(kvdelta.export_delta(cache, start), self.model.config, self.codec)
+        blob = kvdelta.encode(kvdelta.export_delta(cache, start), self.model.config, self.codec, request_id)
         self.store.put(key, blob, dict(token_start=start, token_end=cache.length, codec=self.codec,
                                        request_id=request_id))
         return len(blob)
