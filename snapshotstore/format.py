@@ -1,6 +1,7 @@
 """The snapshot store's on-device format, defined once (little-endian).
 
-    block 0, block 1   the superblock, two copies; a write goes to copy
+    block 0, block 1   the superblock, two copies; a head move writes both
+                       (each synced), a flush's checkpoint goes to copy
                        generation % 2, so a torn superblock write leaves the
                        other copy; open takes the valid copy with the
                        highest generation

@@ -109,6 +109,11 @@ def format_device(path: str, force: bool = False) -> Superblock:
                               f"blocks of {dev.block_size} bytes")
         sb = Superblock(dev.block_size, random.getrandbits(64), dev.blocks, fmt.LOG_START, log_blocks,
                         head=0, tail=0, generation=1, last_seq=0)
+        # Both old copies go first: a crash between the new copies' writes left the old store's
+        # copy 1 (a higher generation) to win, and the erased store came back whole.
+        buf[:] = bytes(len(buf))
+        dev.write_from(buf, 0, 0, fmt.SB_COPIES)
+        dev.sync()
         _write_superblocks(dev, buf, sb)
         return sb
     finally:
@@ -117,11 +122,15 @@ def format_device(path: str, force: bool = False) -> Superblock:
 
 def _write_superblocks(dev: BlockDevice, buf, sb: Superblock) -> None:
     # Copy 0, sync, copy 1, sync: a torn write damages one copy, the other is the same or one older.
+    for copy in range(fmt.SB_COPIES):
+        _write_superblock_copy(dev, buf, sb, copy)
+        dev.sync()
+
+
+def _write_superblock_copy(dev: BlockDevice, buf, sb: Superblock, copy: int) -> None:
     data = fmt.pack_superblock(sb)
     buf[:dev.block_size] = data + bytes(dev.block_size - len(data))
-    for copy in range(fmt.SB_COPIES):
-        dev.write_from(buf, 0, copy, 1)
-        dev.sync()
+    dev.write_from(buf, 0, copy, 1)
 
 
 class LogStore:
@@ -231,7 +240,7 @@ class LogStore:
             """A view of n blocks at pos (never across the lap end), read a window at a time."""
             if not (win[0] <= pos and pos + n <= win[0] + win[1]):
                 phys, count = pos % L, min(max(n, window), L - pos % L)
-                win[:] = pos, count, self.dev.read_into(self._read_buf(count * bs), self.log_start + phys, count)
+                win[:] = pos, count, self._read_salvaging(self._read_buf(count * bs), self.log_start + phys, count)
             return win[2], (pos - win[0]) * bs
 
         pos, last_epoch, newest = head, 0, 0
@@ -285,6 +294,23 @@ class LogStore:
             # log held a newer record before it): that record was part of it, or ended it.
             if start < seq or start <= before:
                 self._damage(key)
+
+    def _read_salvaging(self, buf, block: int, n: int) -> memoryview:
+        """Recovery's read: a window that fails (EIO: a bad sector) is read again block by block, and
+        a block that still cannot be read reads as zeros, so it counts as damage like a corrupt one
+        (unreadable_blocks). Before, one bad sector made the store, and fsck, fail to open."""
+        try:
+            return self.dev.read_into(buf, block, n)
+        except OSError:
+            bs, one = self.block_size, aligned_buffer(self.block_size)
+            view = memoryview(buf)[:n * bs]
+            for i in range(n):
+                try:
+                    view[i * bs:(i + 1) * bs] = self.dev.read_into(one, block + i, 1)
+                except OSError:
+                    view[i * bs:(i + 1) * bs] = bytes(bs)
+                    self.counters["unreadable_blocks"] += 1
+            return view
 
     def _swap(self, old: _Entry, new: _Entry):
         """new, a copy of the live record old, takes its place in the chain."""
@@ -455,7 +481,7 @@ class LogStore:
                 "max_record_bytes": self.max_payload, "recovery_ms": round(self.recovery_s * 1e3, 3),
                 **{k: self.counters[k] for k in ("puts", "restores", "flushes", "compactions", "relocations",
                                                  "copies", "evictions", "evicted_tombstones",
-                                                 "torn_records_skipped", "corrupt_blocks_skipped",
+                                                 "torn_records_skipped", "corrupt_blocks_skipped", "unreadable_blocks",
                                                  "unlinked_records_skipped", "damaged_chains_dropped")},
             }
 
@@ -732,10 +758,23 @@ class LogStore:
             self._write_superblock()                      # the head moves before its blocks are reused
         for lpos, off, n in self._segments:
             self.dev.write_from(self._wbuf, off, self.log_start + lpos % self.log_blocks, n)
+        self._checkpoint()
         self.dev.sync()
         self._segments, self._woff = [], 0
         self._durable_tail = self._tail
         self.counters["flushes"] += 1
+
+    def _checkpoint(self):
+        """One superblock copy, in turn, moved up to what the last flush made durable, written in this
+        flush's fdatasync: so only this flush's records can lie past the checkpoint, and recovery
+        reads a bad record there as this batch's torn end, any earlier one as damage. (With the
+        checkpoint moved only at open, close and head moves, every record since was past it: one
+        corrupt block cut off every later acknowledged record as a "torn" end, for good.) A torn
+        copy leaves the other, one flush older. The head stays the one both copies recorded."""
+        self._generation += 1
+        sb = Superblock(self.block_size, self.store_id, self.capacity_blocks, self.log_start, self.log_blocks,
+                        self._sb_head, self._durable_tail, self._generation, self._last_seq)
+        _write_superblock_copy(self.dev, self._sbuf, sb, self._generation % fmt.SB_COPIES)
 
     def _write_superblock(self):
         self._generation += 1
@@ -749,7 +788,11 @@ class LogStore:
     def _read_record(self, e: _Entry):
         """The record's stored payload and flags, its CRC and identity checked."""
         bs, L = self.block_size, self.log_blocks
-        view = self.dev.read_into(self._read_buf(e.nblocks * bs), self.log_start + e.lpos % L, e.nblocks)
+        try:
+            view = self.dev.read_into(self._read_buf(e.nblocks * bs), self.log_start + e.lpos % L, e.nblocks)
+        except OSError as err:
+            raise SnapshotError(f"the record at block {e.lpos % L} of {self.path} cannot be read ({err.strerror}): "
+                                f"run `snapshotstore fsck {self.path}`") from None
         got = fmt.read_payload(view, e.lpos, e.seq, e.key)
         if got is None:
             raise SnapshotError(f"the record at block {e.lpos % L} of {self.path} is damaged "

@@ -437,6 +437,96 @@ def test_corruption_inside_the_log_drops_only_the_damaged_chain(make_device):
         assert s.restore(key(2)).payload == b
 
 
+def test_a_corrupt_acknowledged_record_after_a_crash_cuts_off_only_its_chain(make_device):
+    """The checkpoint follows the flushes (one superblock copy per flush), so after a crash only
+    the last flush's records lie past it. A record corrupted in an earlier flush is damage: its
+    chain is dropped and every later acknowledged record stays. Before, the checkpoint moved only
+    at open, close and head moves: the corrupt record read as the log's torn end, and the 40
+    acknowledged records after it were lost for good."""
+    path = make_device()
+    model = {}
+
+    def write(s):
+        for i in range(50):
+            d = deltas(1, 300, start=300 * (i // 10), seed=i)[0]
+            s.put(key(i % 10), d)
+    write_and_die(path, write)
+    with LogStore(path, readonly=True) as s:
+        entries = [e for e in s.entries() if e.kind != fmt.KIND_PAD]
+        st = s.stats()
+        for k in range(10):
+            model[key(k)] = s.restore(key(k)).payload
+    victim = entries[10]                             # key 0's second delta, acknowledged long before the crash
+    assert victim.key == key(0) and victim.nblocks == 1
+    rewrite_blocks(path, phys_block(st, victim.lpos), lambda blk: blk[:300] + bytes([blk[300] ^ 1]) + blk[301:])
+    with LogStore(path) as s:
+        st = s.stats()
+        assert st["torn_records_skipped"] == 0 and st["corrupt_blocks_skipped"] == 1
+        assert st["damaged_chains_dropped"] == 1 and s.restore(key(0)) is None
+        for k in range(1, 10):
+            assert s.restore(key(k)).payload == model[key(k)], k
+
+
+def test_an_unreadable_block_is_damage_not_a_store_that_cannot_open(make_device, monkeypatch):
+    """A bad sector (EIO) under one record: recovery reads around it, counts it, drops that
+    record's chain and serves the others; a restore that meets it says so. Before, the OSError
+    left the store (and fsck) unable to open."""
+    import errno
+    from snapshotstore import device
+    from snapshotstore.errors import SnapshotError
+    path = make_device()
+    with LogStore(path) as s:
+        a = put_all(s, key(1), deltas(3, 300, seed=1))
+        b = put_all(s, key(2), deltas(3, 300, seed=2))
+        assert s.restore(key(1)).payload == a
+        victim = next(e for e in s.entries() if e.key == key(1) and e.parent != 0)
+        bad = phys_block(s.stats(), victim.lpos)
+    real = device.BlockDevice.read_into
+
+    def read_into(self, buf, block, nblocks):
+        if block <= bad < block + nblocks:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real(self, buf, block, nblocks)
+    monkeypatch.setattr(device.BlockDevice, "read_into", read_into)
+    with LogStore(path, readonly=True) as s:
+        st = s.stats()
+        assert st["unreadable_blocks"] == 1 and st["corrupt_blocks_skipped"] >= 1
+        assert s.restore(key(1)) is None and s.restore(key(2)).payload == b
+    monkeypatch.setattr(device.BlockDevice, "read_into", real)
+    with LogStore(path) as s:
+        e = next(e for e in s.entries() if e.key == key(2))
+        bad = phys_block(s.stats(), e.lpos)
+        monkeypatch.setattr(device.BlockDevice, "read_into", read_into)
+        with pytest.raises(SnapshotError, match="cannot be read"):
+            s.restore(key(2))
+
+
+@pytest.mark.parametrize("crash_at_sync", [1, 2])
+def test_a_format_cut_by_a_crash_never_brings_the_old_store_back(make_device, monkeypatch, crash_at_sync):
+    from snapshotstore import device
+    path = make_device()
+    with LogStore(path) as s:
+        for i in range(5):
+            s.put(key(i), deltas(1, 100)[0])       # generation well past the new store's 1
+    real, calls = device.BlockDevice.sync, []
+
+    def sync(self):
+        calls.append(1)
+        if len(calls) == crash_at_sync:
+            raise OSError("crash")
+        return real(self)
+    monkeypatch.setattr(device.BlockDevice, "sync", sync)
+    with pytest.raises(OSError):
+        format_device(path, force=True)
+    monkeypatch.setattr(device.BlockDevice, "sync", real)
+    if crash_at_sync == 1:                          # both old copies gone, no new one: says so
+        with pytest.raises(FormatError):
+            LogStore(path)
+    else:                                          # the new store's first copy: empty
+        with LogStore(path) as s:
+            assert s.list() == []
+
+
 @pytest.mark.parametrize("damaged", ["moved original", "later record"])
 def test_recovery_orders_a_moved_record_by_its_sequence(make_device, damaged):
     """A crash right after reclaim copied a session's first record past its later ones (the
