@@ -38,6 +38,7 @@ can always compact it.
 from __future__ import annotations
 
 import collections
+import errno
 import os
 import random
 import sys
@@ -301,13 +302,17 @@ class LogStore:
         (unreadable_blocks). Before, one bad sector made the store, and fsck, fail to open."""
         try:
             return self.dev.read_into(buf, block, n)
-        except OSError:
+        except OSError as e:
+            if e.errno != errno.EIO:
+                raise                     # not the medium (a device gone): no reading past it
             bs, one = self.block_size, aligned_buffer(self.block_size)
             view = memoryview(buf)[:n * bs]
             for i in range(n):
                 try:
                     view[i * bs:(i + 1) * bs] = self.dev.read_into(one, block + i, 1)
-                except OSError:
+                except OSError as e:
+                    if e.errno != errno.EIO:
+                        raise
                     view[i * bs:(i + 1) * bs] = bytes(bs)
                     self.counters["unreadable_blocks"] += 1
             return view
