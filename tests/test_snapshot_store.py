@@ -438,11 +438,12 @@ def test_corruption_inside_the_log_drops_only_the_damaged_chain(make_device):
 
 
 def test_a_corrupt_acknowledged_record_after_a_crash_cuts_off_only_its_chain(make_device):
-    """The checkpoint follows the flushes (one superblock copy per flush), so after a crash only
-    the last flush's records lie past it. A record corrupted in an earlier flush is damage: its
-    chain is dropped and every later acknowledged record stays. Before, the checkpoint moved only
-    at open, close and head moves: the corrupt record read as the log's torn end, and the 40
-    acknowledged records after it were lost for good."""
+    """The checkpoint follows the flushes (a superblock copy in a flush, at most every
+    CHECKPOINT_EVERY_S), so after a crash only the records of the flushes since lie past it. A
+    record corrupted before it is damage: its chain is dropped and every later acknowledged
+    record stays. Before, the checkpoint moved only at open, close and head moves: the corrupt
+    record read as the log's torn end, and the 39 acknowledged records after it were lost."""
+    from snapshotstore.log import CHECKPOINT_EVERY_S
     path = make_device()
     model = {}
 
@@ -450,6 +451,8 @@ def test_a_corrupt_acknowledged_record_after_a_crash_cuts_off_only_its_chain(mak
         for i in range(50):
             d = deltas(1, 300, start=300 * (i // 10), seed=i)[0]
             s.put(key(i % 10), d)
+            if i == 11:
+                time.sleep(CHECKPOINT_EVERY_S)   # the next flush checkpoints the first 12
     write_and_die(path, write)
     with LogStore(path, readonly=True) as s:
         entries = [e for e in s.entries() if e.kind != fmt.KIND_PAD]
