@@ -33,7 +33,8 @@ import threading
 import time
 
 from datapath import client, ring, wire
-from datapath.ingress import Ingress, UdpIngress, output_ring, percentile
+from datapath.ingress import Ingress, UdpIngress, output_ring
+from datapath.metrics import percentile
 from datapath.packet import udp_frame
 from datapath.topology import Topology, socket_in
 from datapath.xdp import BpfUnavailable, load_xdp, prog_test_run
@@ -56,8 +57,8 @@ def _packets(sessions=64, chunks=4, tenant=1):
         tenant, 1 + s, r, range(s, s + TOKENS))] for s in range(sessions)])
 
 
-def _pct(values, p, scale=1.0):
-    return percentile(sorted(values), p) / scale
+def _pct(values_ns, p, scale=1.0):
+    return percentile(values_ns, p) / scale
 
 
 def _send(topo, rate, seconds, pkts, rt_priority=RT, **kw):

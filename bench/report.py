@@ -123,7 +123,8 @@ def _sweep_section(sweep: dict) -> list[str]:
         return lines + ["No load sweep in this run."]
     lines += ["Latency counts from each request's scheduled (Poisson) send, so a sender that ran late "
               "adds its lag; a request still unanswered when the client stopped waiting counts with the "
-              "time it had waited then (a lower bound). Errors: requests not answered 200.", ""]
+              "time it had waited then (a lower bound); a request answered with an error (a 503) is in no "
+              "percentile, only in errors: read the two together. Errors: requests not answered 200.", ""]
     for mode, points in sweep.items():
         lines += [f"### {mode}", "", "| " + " | ".join(h for _, h in SWEEP_COLUMNS) + " |",
                   "|" + "---:|" * len(SWEEP_COLUMNS)]

@@ -249,12 +249,6 @@ def lat_samples(lat) -> list[int]:
     return list(ffi.unpack(lat.samples, lat.n)) if lat.n else []
 
 
-def percentile(sorted_values, p: float) -> float:
-    if not sorted_values:
-        return float("nan")
-    return float(sorted_values[min(len(sorted_values) - 1, int(p / 100 * len(sorted_values)))])
-
-
 class _Thread:
     """A C consumer thread's Python handle: start/stop, stats.
 

@@ -48,6 +48,11 @@ def log2_buckets(samples) -> list[int]:
     return np.bincount(np.searchsorted(_LOG2_UPPER, values, side="right")).tolist()
 
 
+def percentile(samples_ns, p: float) -> float:
+    """One percentile (0..100) of integer ns samples, by HdrHistogram: what every benchmark quotes."""
+    return Distribution(samples_ns).percentile(p)
+
+
 class Distribution:
     """The distribution of integer samples in ns: exact count/min/max/mean, HdrHistogram percentiles.
 
