@@ -8,8 +8,9 @@ batching mode, side by side: the researchers' loop.
 A name is a routing policy (datapath.router.policies(), with dynamic batching;
 "name:x" passes it parameter x, e.g. affinity's load bound, default 0.25) or a
 batching mode (dynamic, static; with affinity routing, the pipeline's default,
-since sessions return). Each run gets a fresh pipeline and the same Poisson
-schedule (same seed, same requests, same sessions). The names run in rounds
+since sessions return). Each run gets a fresh pipeline and, within a round,
+the same Poisson schedule (same seed, same requests, same sessions); each
+round has its own seed, so the pooled rounds are that many schedules. The names run in rounds
 (--repeat, 2 by default, 1 with --quick), the order reversed every other round,
 and each name's latencies are pooled over its rounds, so a slow spell of this
 shared machine does not fall on one name alone. The table (compare.md, and
@@ -102,7 +103,8 @@ def check_args(args):
         raise ValueError(f"--repeat must be >= 1, not {args.repeat}")
 
 
-def _one(label: str, name: str, param: float | None, device: str | None, rate: float, seconds: float) -> dict:
+def _one(label: str, name: str, param: float | None, device: str | None, rate: float, seconds: float,
+         seed: int) -> dict:
     """One offer through a fresh pipeline and store: its latencies and what the router did."""
     kw = {"batching": name} if name in ("dynamic", "static") else {"policy": name}
     if param is not None:
@@ -111,7 +113,7 @@ def _one(label: str, name: str, param: float | None, device: str | None, rate: f
         _warm_up(p, device)
         st0, store0 = p.router.stats(), p.store_stats()     # the counts below are the offer's own
         res = _offer(p, rate, seconds, prompt_tokens=PROMPT, max_output_tokens=OUTPUT,
-                     sessions=SESSIONS, drain_s=drain_s(device))
+                     sessions=SESSIONS, drain_s=drain_s(device), seed=seed)
         st1, store1 = p.router.stats(), p.store_stats()
         res["xdp_mode"] = p.xdp_mode
     res["router"] = {k: st1[k] - st0[k] for k in ("batches", "records_out", "moved", "requests_in")}
@@ -135,7 +137,7 @@ def run(report, args):
         for i, (label, name, param) in enumerate(order):
             _progress(f"compare {label}: {args.rate:g} req/s for {seconds:.0f} s, round {k + 1} of {repeat} "
                       f"({len(order) - i} left in the round)")
-            res = _one(label, name, param, device, args.rate, seconds)
+            res = _one(label, name, param, device, args.rate, seconds, seed=k + 1)   # a round's own schedule
             report.machine["xdp_mode"] = res["xdp_mode"]
             runs[label].append(res)
     rows = []

@@ -237,8 +237,10 @@ def _lightest_alternating(report, workers: int, device: str | None, rate: float,
                 p.router.set_batching(mode, cfg.token_budget, cfg.max_chunks, cfg.max_batch_size,
                                       cfg.batch_timeout_s)
                 p.reset_trace()
+                # a spell's two modes get the same arrivals (paired); each spell its own, so the
+                # pooled spells are that many schedules, not one repeated (seed 1 for all, before)
                 res = _offer(p, rate, seconds, prompt_tokens=PROMPT, max_output_tokens=OUTPUT,
-                             sessions=max(1, int(rate * seconds) // TURNS), drain_s=drain_s(device))
+                             sessions=max(1, int(rate * seconds) // TURNS), drain_s=drain_s(device), seed=k + 1)
                 got[mode]["rtt"].append(res["rtt_ns"])
                 got[mode]["trace"].append(p.trace())
                 got[mode]["res"].append(res)

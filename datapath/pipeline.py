@@ -390,7 +390,7 @@ class Pipeline:
     # --- load -------------------------------------------------------------------------------
     def offer(self, rate: float, count: int, prompt_tokens: int = 64, max_output_tokens: int = 4,
               sessions: int = 64, tenant: int | list = 1, drain_s: float = 2.0, merge: int = 1,
-              prompts: list | None = None) -> dict:
+              prompts: list | None = None, seed: int = 1) -> dict:
         """Open-loop Poisson arrivals of `count` packets at `rate`/s from the client namespace.
 
         Each request is one chunk of prompt_tokens (<= 128) from one of `sessions`
@@ -399,7 +399,8 @@ class Pipeline:
         last has arrived; `count` counts those packets, and each answer gives `merge`
         latencies, from each request's arrival (the wait for its companions measured). `prompts` (token lists, one per session, any length)
         replaces them: a prompt over 128 tokens is several chunks, each a packet of
-        the count. `tenant` may be a list, one per session in turn. Safe to call from
+        the count. `tenant` may be a list, one per session in turn. `seed` picks the arrival
+        times (the same seed, the same schedule). Safe to call from
         several threads at once (each offer is its own client process and socket).
         Returns the client's stats (rtt_ns per response) and the offer's seq_base.
         """
@@ -423,7 +424,7 @@ class Pipeline:
         duration = count * merge / rate * 3 + 5
         res = client.spawn_in_netns(self.topo.client_ns[0], self.topo.host_ip[0], pkts, timeout=duration + 60,
                                     cpu=cpu, rt_priority=1, rate=rate, count=count, duration=duration,
-                                    drain_ms=int(drain_s * 1000), seq_base=base, merge=merge)
+                                    drain_ms=int(drain_s * 1000), seq_base=base, merge=merge, seed=seed)
         by_status = {int(k): v for k, v in res["by_status"].items()}   # JSON made the keys strings
         return {**res, "by_status": by_status, "seq_base": base}
 
