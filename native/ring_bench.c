@@ -107,7 +107,7 @@ double dp_ring_op_ns(struct dp_ring *r, uint32_t bulk, uint64_t items, uint32_t 
 
 struct pingpong {
     _Alignas(64) uint64_t ball;   /* odd: A served, even: B returned */
-    _Alignas(64) uint64_t rounds, deadline;
+    _Alignas(64) uint64_t rounds;
     int cpu, stop;
 };
 

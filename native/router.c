@@ -1356,7 +1356,7 @@ static void fifo_remove(struct dp_router *rt, struct worker *w, uint32_t ri)
     }
 }
 
-/* Did the XDP program's bucket cut this request (steer.h, dp_cut_key)? Then its client has
+/* Did the XDP program's bucket cut this request (chunk.h, dp_cut_key)? Then its client has
  * had the 429, and the chunks that passed are dropped without a second answer. A syscall, on
  * the expiry path only. */
 static int cut_by_xdp(const struct dp_router *rt, const struct req *r)
@@ -1888,15 +1888,12 @@ void dp_router_destroy(struct dp_router *rt)
 
 int dp_router_watch_cuts(struct dp_router *rt, int map_fd)
 {
+    if (rt->cuts_fd >= 0)
+        return -EBUSY;                             /* one map, set before the router runs */
     int fd = fcntl(map_fd, F_DUPFD_CLOEXEC, 0);   /* its own: the ingress may close first */
     if (fd < 0)
         return -errno;
-    pthread_mutex_lock(&rt->lock);
-    int old = rt->cuts_fd;
     rt->cuts_fd = fd;
-    pthread_mutex_unlock(&rt->lock);
-    if (old >= 0)
-        close(old);
     return 0;
 }
 

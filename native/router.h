@@ -124,9 +124,10 @@ int dp_router_add_input(struct dp_router *rt, struct dp_ring *in);
  * uint32_t (*)(void *, int (*)(void *, const struct dp_chunk *, uint64_t), void *), as an address. One per
  * router; the source must outlive it. */
 int dp_router_add_feed(struct dp_router *rt, uintptr_t feed, uintptr_t src);
-/* The XDP program's `cuts` map (bpf/steer.h, dp_cut_key), as an fd (duplicated, kept): a request
+/* The XDP program's `cuts` map (chunk.h, dp_cut_key), as an fd (duplicated, kept): a request
  * still missing chunks at the reassembly timeout whose key is there was cut by the bucket and
- * answered 429 in the kernel, so it is dropped without the 400 (counted xdp_cut). */
+ * answered 429 in the kernel, so it is dropped without the 400 (counted xdp_cut). One per router,
+ * set before it runs (add_feed does). */
 int dp_router_watch_cuts(struct dp_router *rt, int map_fd);
 /* A worker: its lane (router produces) and completion ring (router consumes),
  * Returns the worker index. */

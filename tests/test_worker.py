@@ -271,6 +271,20 @@ def test_a_replay_whose_turn_is_already_durable_runs_from_before_it_and_is_not_p
     assert drive(replay.step, [turn3]) == drive(ref.step, [turn3])
 
 
+def test_a_request_the_router_gave_up_on_is_released_and_its_session_evicted(model, monkeypatch):
+    """The router expires a request still missing chunks (or fails it on a refusal) and tells no
+    worker: after ABANDONED_NS untouched, its KV is cut back off the session, which can be evicted
+    again. Before, the session stayed pinned, over the budget, until its next request came."""
+    from datapath.serving import worker as worker_mod
+    w = Worker(model, MemoryStore(), kv_budget_bytes=1)
+    w.step(as_batch([prefill_records(1, 1, prompt(1, 200), 2)[:1]]))   # piece 1 of 2 never comes
+    drive(w.step, [(2, 2, prompt(2, 10), 1)])
+    assert w.holds(1) and w.stats["abandoned"] == 0, "a live request is never released"
+    monkeypatch.setattr(worker_mod, "ABANDONED_NS", 0)
+    drive(w.step, [(3, 3, prompt(3, 10), 1)])
+    assert not w.holds(1) and w.stats["abandoned"] == 1
+
+
 def test_close_frees_the_session_here_and_in_the_store(model):
     store = MemoryStore()
     w = Worker(model, store)

@@ -6,7 +6,8 @@ builds Model(config, seed) holds the same model. Compute is float32; the KV
 cache stores float16, and a step writes its own K/V to the cache before it
 attends, so a token's attention reads the same fp16 values whichever chunk,
 step or process produced them. That is what makes restored sessions continue
-bit for bit.
+bit for bit, given steps of the same make-up: a BLAS product's row may round
+differently with the number of rows beside it (other sessions in the step).
 
 One forward pass (Model.forward) runs any mix of segments, one per session: a
 prefill chunk or a single decode token, each against its own cache and

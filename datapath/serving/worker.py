@@ -55,6 +55,9 @@ from .model import KVCache, Model, ModelConfig, sample
 
 
 SessionKey = tuple[int, int]   # (tenant, session_id): sessions of different tenants never meet
+# A live request gets its next piece within the router's reassembly timeout (1 s) and a decode
+# step in every batch of its worker: one untouched this long was given up on (_release_abandoned).
+ABANDONED_NS = 10_000_000_000
 
 
 class SnapshotStore(Protocol):
@@ -92,6 +95,7 @@ class _Request:
     stamps: dict[str, int]
     start_len: int = 0       # the session's KV length before it: what it is cut back to if superseded
     durable_end: int = 0     # a replay whose own turn the store holds already: that turn's end (_restore)
+    last_step: int = 0       # the last step that ran any of it (monotonic ns): _release_abandoned
     prefill_done: bool = False
     tokens: list[int] = field(default_factory=list)
     logits: list[np.ndarray] = field(default_factory=list)
@@ -128,7 +132,7 @@ class Worker:
         self.finished: list[RequestDone] = []  # appended as requests finish; the caller drains it
         self.stats = dict(steps=0, records=0, refused=0, snapshots=0, snapshot_failures=0, restores=0,
                           evictions=0, over_budget_steps=0, stale_dropped=0, closed=0, whole_reputs=0, superseded=0,
-                          context_full=0, store_errors=0, replays_durable=0, simulated_s=0.0)
+                          context_full=0, store_errors=0, replays_durable=0, abandoned=0, simulated_s=0.0)
         self.last_store_error: str | None = None
 
     @property
@@ -216,7 +220,7 @@ class Worker:
             stamps = {name: int(rec[name]) for name in ("t_send", "t_xdp", "t_router", "t_lane") if rec[name]}
             stamps["t_worker"] = t_start
             s.request = _Request(rid, int(rec["max_output_tokens"]), s.restored_tokens, stamps, s.cache.length,
-                                 durable_end=s.durable_end)
+                                 durable_end=s.durable_end, last_step=t_start)
             s.restored_tokens = s.durable_end = 0
         seg = segments.get(key)
         if s.request.prefill_done or (seg is not None and (seg.decode or seg.answer is not None)):
@@ -248,6 +252,7 @@ class Worker:
         for seg, lg in zip(segs, logits):
             s = self.sessions[seg.key]
             self.sessions.move_to_end(seg.key)
+            s.request.last_step = t_start
             if seg.answer is None:
                 continue  # prompt pieces before the final one
             req = s.request
@@ -346,8 +351,22 @@ class Worker:
         if self.store is not None:
             self.store.delete((tenant, session_id))
 
+    def _release_abandoned(self):
+        """Requests no step has touched for ABANDONED_NS: the router gave up on them (expired one still
+        missing chunks, failed one on a refusal) and nothing tells this worker so. Their KV is cut
+        back off the session, which may be evicted again. Before, such a session stayed pinned until
+        its next request came here, if ever."""
+        now = time.monotonic_ns()
+        for s in self.sessions.values():
+            if s.request is not None and now - s.request.last_step > ABANDONED_NS:
+                s.cache.length = s.request.start_len
+                s.request = None
+                self.stats["abandoned"] += 1
+
     def _evict(self):
         """Least recently used first, and only sessions that are idle and fully in the store."""
+        if self.kv_bytes_resident > self.kv_budget_bytes:
+            self._release_abandoned()
         while self.kv_bytes_resident > self.kv_budget_bytes:
             victim = next((key for key, s in self.sessions.items()
                            if s.request is None and s.cache.snapshot_len == s.cache.length), None)
