@@ -571,7 +571,8 @@ class LogStore:
                     try:
                         self._check_chain(req)
                         if not self._fits(req.nblocks, self._floor(req)):
-                            self._flush(staged)
+                            self._flush()
+                            self._count_puts(staged)
                             staged = []
                             self._make_room(req, protect)
                             self._check_chain(req)    # make_room may have evicted it
@@ -579,8 +580,8 @@ class LogStore:
                         staged.append(req)
                     except (DeviceFull, SessionChanged) as e:
                         req.error = e             # this record only; the batch goes on
-                self._flush(staged)
-                self.counters["puts"] += sum(r.kind != KIND_TOMBSTONE for r in staged)
+                self._flush()
+                self._count_puts(staged)
             except BaseException as e:
                 if not self._closed and self._failed is None and not self.readonly:
                     self._failed = e              # the index may be ahead of the device now
@@ -653,7 +654,7 @@ class LogStore:
             base = self._base_of(e.key, self._chains[e.key])
             if self._fits(base.nblocks, self._compaction_floor):
                 self._stage(base)                 # durable before the head passes it
-                self._flush([base])
+                self._flush()
                 self.counters["relocations"] += 1
             elif self._fits(e.nblocks, 0):
                 self._copy(e)                     # durable before the head passes the original
@@ -676,7 +677,7 @@ class LogStore:
             raise DeviceFull(f"{self.path} has no room left for the tombstone of an evicted session "
                              f"({self._live_blocks} of {self.log_blocks} blocks live): delete sessions")
         self._stage(req)                          # its link forgets the eviction
-        self._flush([req])
+        self._flush()
         self.counters["evicted_tombstones"] += 1
 
     def _evict_or_refuse(self, protect: set, key: bytes | None = None):
@@ -707,7 +708,7 @@ class LogStore:
         h = RecordHeader(e.kind, flags, self.store_id, 0, self._epoch, e.seq, e.parent, e.key, e.tokens[0],
                          e.tokens[1], e.layers[0], e.layers[1], e.nblocks, e.raw_len, len(body), e.codec, 0)
         self._swap(e, self._append(h, body))
-        self._flush([])
+        self._flush()
 
     # --- staging and flushing ------------------------------------------------------------
 
@@ -759,7 +760,11 @@ class LogStore:
             self._segments.append([h.lpos, off, n])
         self._woff += n * bs
 
-    def _flush(self, staged: list[_Request]):
+    def _count_puts(self, flushed: list[_Request]):
+        # each flush's own: puts flushed before a batch made room were not counted before
+        self.counters["puts"] += sum(r.kind != KIND_TOMBSTONE for r in flushed)
+
+    def _flush(self):
         """Write what is staged (one pwritev per contiguous run), then one fdatasync."""
         if not self._segments:
             return

@@ -643,6 +643,25 @@ def test_group_commit_shares_flushes(make_device):
         assert all(s.restore(key(t * 100 + 9)).payload == bytes([t]) * 500 for t in range(8))
 
 
+def test_every_put_is_counted_when_a_batch_makes_room_midway(make_device):
+    """Group commits on a small log that keeps wrapping, so a batch flushes what it staged
+    before it makes room for the rest: each of those flushes' puts counts. Before, only the
+    last flush's did."""
+    path = make_device(1 << 20)
+    with LogStore(path, group_commit_us=3000, eviction="lru") as s:
+        def writer(t):
+            for i in range(40):
+                s.put(key(t * 1000 + i), Delta(bytes([t]) * 6000))
+        threads = [threading.Thread(target=writer, args=(t,)) for t in range(6)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        st = s.stats()
+        assert st["evictions"] > 0 and st["flushes"] < 240, "the log wrapped, puts shared flushes"
+        assert st["puts"] == 240
+
+
 BAD_KEYS = [("a str", "session-1", "not a str"), ("an int", 7, "not a int"),
             ("31 bytes", b"k" * 31, "not 31 bytes"), ("33 bytes", b"k" * 33, "not 33 bytes")]
 
