@@ -31,3 +31,19 @@ def test_sigkill_writer_on_a_loop_device(tmp_path):
     create_image(image, 4 << 20)
     with loop_device(image) as dev:
         _assert_consistent(crashtest.run(dev, ITERATIONS, seed=7))
+
+
+
+def test_the_check_catches_a_deleted_session_that_comes_back(tmp_path):
+    """The checker itself: a session of an earlier iteration that the check no longer holds
+    (its delete was acknowledged) but the store lists again is reported, in any later
+    iteration. Before, only the iteration that deleted it looked, and a key ever written
+    passed the listing check."""
+    from snapshotstore import LogStore, format_device
+    path = str(tmp_path / "crash.img")
+    create_image(path, 4 << 20)
+    format_device(path)
+    with LogStore(path, **crashtest.STORE_OPTIONS) as s:
+        s.put(crashtest.key_of(0, 0), crashtest.delta_of(0, 0, 0, 0))   # iteration 0's, deleted since
+    problems = crashtest._check(path, 5, [], {}, crashtest.CrashResult())
+    assert len(problems) == 1 and "holds nothing" in problems[0]
