@@ -13,8 +13,9 @@ reopens the store and checks, for every session it ever wrote:
     when the kill came may or may not have landed: it was durable, or not,
     before the acknowledgement that never came);
     a session from an earlier iteration is exactly what the last check saw,
-    an acknowledged delete stays deleted, and no key appears that was never
-    written.
+    and the store lists no session the check does not hold: an acknowledged
+    delete stays deleted, in every later check too, and no key appears that
+    was never written.
 
 Used by tests/test_snapshot_crash.py (200 iterations) and the benchmark's
 soak mode (`python -m bench snapshot --soak`, 1,000 iterations).
