@@ -322,6 +322,37 @@ def test_every_capsule_carries_psdt_sgl(target, monkeypatch):
     assert all(flags & 0xC0 == P.PSDT_SGL for _, flags in sent), sent
 
 
+@pytest.mark.parametrize("hpda,digests", [(0, False), (3, False), (3, True), (31, True)])
+def test_c2h_data_starts_where_the_host_s_hpda_says(target, monkeypatch, hpda, digests):
+    """ICReq's HPDA: the controller places each C2HData's data at a multiple of (HPDA + 1) x 4
+    bytes. Before, it accepted any HPDA and put the data right after the header (PDO 24 or 28)."""
+    real_send, real_recv = Channel.send, Channel.recv_header
+    pdos = []
+
+    def send(self, pdu_type, psh, data=None, flags=0):
+        if pdu_type == P.ICREQ:
+            psh = P.psh(P.ICREQ_PDU, pfv=0, hpda=hpda, dgst=P.unpack(P.ICREQ_PDU, bytes(8) + psh)["dgst"], maxr2t=0)
+        return real_send(self, pdu_type, psh, data, flags)
+
+    def recv_header(self, allowed, max_data):
+        got = real_recv(self, allowed, max_data)
+        if got[0] == P.C2H_DATA:
+            pdos.append(P.CH.struct.unpack(got[2][:P.CH.size])[3])
+        return got
+    monkeypatch.setattr(Channel, "send", send)
+    monkeypatch.setattr(Channel, "recv_header", recv_header)
+    dev = NvmeTcpDevice(target.url, digests=digests)
+    try:
+        out, back = aligned_buffer(8 * 4096), aligned_buffer(8 * 4096)
+        out[:] = random.Random(hpda).randbytes(8 * 4096)
+        dev.write_from(out, 0, 3, 8)
+        assert dev.read_into(back, 3, 8) == memoryview(out)
+    finally:
+        dev.close()
+    align = (hpda + 1) * 4
+    assert pdos and all(p % align == 0 and p >= 24 + 4 * digests for p in pdos), (align, pdos)
+
+
 def test_digests_from_the_url(target):
     dev = NvmeTcpDevice(target.url + "?digests")
     assert (dev.io.channel.hdgst, dev.io.channel.ddgst) == (True, True)

@@ -247,6 +247,7 @@ class _Connection:
         dgst = req["dgst"] & (P.DGST_HEADER | P.DGST_DATA)     # both digests are offered
         ch.send(P.ICRESP, P.psh(P.ICRESP_PDU, pfv=0, cpda=0, dgst=dgst, maxh2cdata=self.t.maxh2cdata))
         ch.hdgst, ch.ddgst = bool(dgst & P.DGST_HEADER), bool(dgst & P.DGST_DATA)
+        ch.data_align = (req["hpda"] + 1) * 4      # every C2HData's PDO a multiple of it (HPDA)
 
     def _max_data(self, pdu_type):
         if pdu_type == P.CAPSULE_CMD:

@@ -32,6 +32,7 @@ class Channel:
     def __init__(self, sock: socket.socket):
         self.sock = sock
         self.hdgst = self.ddgst = False          # negotiated by ICReq/ICResp
+        self.data_align = 1                      # a controller's: (the host's HPDA + 1) x 4 bytes
         self._ch = bytearray(P.CH.size)
         self._scratch = bytearray(256)
 
@@ -44,17 +45,22 @@ class Channel:
         hd = P.DIGEST_LEN if digests and self.hdgst else 0
         dlen = len(data) if data is not None else 0
         dd = P.DIGEST_LEN if digests and self.ddgst and dlen else 0
-        pdo = hlen + hd if dlen else 0
+        # the data starts at a multiple of the alignment the host asked for (HPDA), padded
+        pdo = -(-(hlen + hd) // self.data_align) * self.data_align if dlen else 0
+        pad = pdo - hlen - hd if dlen else 0
+        plen = hlen + hd + pad + dlen + dd
         flags |= (P.FLAG_HDGST if hd else 0) | (P.FLAG_DDGST if dd else 0)
-        header = P.CH.struct.pack(pdu_type, flags, hlen, pdo, hlen + hd + dlen + dd) + psh
+        header = P.CH.struct.pack(pdu_type, flags, hlen, pdo, plen) + psh
         parts = [header]
         if hd:
             parts.append(P.digest(header))
         if dlen:
+            if pad:
+                parts.append(bytes(pad))
             parts.append(data)
             if dd:
                 parts.append(P.digest(data))
-        self._sendall(parts, hlen + hd + dlen + dd)
+        self._sendall(parts, plen)
 
     def _sendall(self, parts, total: int) -> None:
         sent = self.sock.sendmsg(parts)
