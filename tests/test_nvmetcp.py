@@ -665,6 +665,42 @@ def test_a_host_reconnecting_at_once_finds_the_controller_free(target, monkeypat
         dev.close()
 
 
+def test_a_dead_host_s_last_write_never_lands_over_the_next_host_s(target, monkeypatch):
+    """Host A's write is still being executed by the target when A's connections drop; host B
+    connects, writes the same block and flushes. B's data must be what the block holds: the
+    association's end waits for A's write, and a write of an ended association is refused.
+    Before, B got in at once and A's write landed a second later over B's."""
+    real = target.dev.write_from
+    started = threading.Event()
+
+    def slow(buf, offset, block, n):
+        if bytes(memoryview(buf)[offset:offset + 1]) == b"A":
+            started.set()
+            time.sleep(1.0)                        # A's write, slow on the device
+        return real(buf, offset, block, n)
+    monkeypatch.setattr(target.dev, "write_from", slow)
+    a, b = NvmeTcpDevice(target.url), None
+    buf = aligned_buffer(4096)
+    buf[:] = b"A" * 4096
+    writer = threading.Thread(target=lambda: pytest.raises(Exception, a.write_from, buf, 0, 9, 1), daemon=True)
+    writer.start()
+    assert started.wait(5)
+    for q in (a.io, a.admin):                      # the host dies: its connections drop
+        q.channel.sock.shutdown(socket.SHUT_RDWR)
+    try:
+        b = NvmeTcpDevice(target.url)
+        mine = aligned_buffer(4096)
+        mine[:] = b"B" * 4096
+        b.write_from(mine, 0, 9, 1)
+        b.sync()
+        time.sleep(1.2)                            # A's write has long finished, or been refused
+        assert bytes(b.read_into(mine, 9, 1)) == b"B" * 4096
+    finally:
+        writer.join(5)
+        if b is not None:
+            b.close()
+
+
 def test_no_target_and_a_dead_target_are_clear_errors(image):
     s = socket.create_server(("127.0.0.1", 0))
     port = s.getsockname()[1]

@@ -54,6 +54,11 @@ class Target:
         self._stopping = threading.Event()
         self.cc = self.csts = 0
         self.host_nqn: str | None = None              # the associated host, None when free
+        # An association's number, bumped when it ends, under the write lock every write holds:
+        # a write of an ended association either lands before the next host can connect or not
+        # at all (a dead host's last in-flight write landed over the new host's before).
+        self.association = 0
+        self._write_lock = threading.Lock()
         self.admin_queue: _Connection | None = None
         self.io_queue: _Connection | None = None
 
@@ -140,6 +145,8 @@ class Target:
     def _end_association(self) -> list["_Connection"]:
         """The admin queue is gone (lock held): the controller is free; its I/O queues, to close."""
         self.host_nqn, self.cc, self.csts, self.admin_queue, self.io_queue = None, 0, 0, None, None
+        with self._write_lock:                        # waits out a write in progress
+            self.association += 1
         return [c for c in self._conns if c.connected and c.qid != 0]
 
     # --- identify data and properties -------------------------------------------------------
@@ -203,6 +210,7 @@ class _Connection:
         self.t, self.channel = target, Channel(sock)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.qid, self.connected, self.sqsize, self.sqhd, self.ttag = None, False, 0, 0, 0
+        self.association = -1                      # the target's, when this queue connected
         self.pending: collections.deque[_Command] = collections.deque()   # arrived during an R2T exchange
         self.buf = aligned_buffer(target.max_transfer)
 
@@ -312,8 +320,7 @@ class _Connection:
                 if not self.channel.recv_data(view[r2to + got:r2to + got + dlen]):
                     sc = P.SC_TRANSIENT_TRANSPORT
                 got += dlen
-            if sc == P.SC_SUCCESS and not self._device(self.t.dev.write_from, view, r2to, block + r2to // bs,
-                                                       r2tl // bs):
+            if sc == P.SC_SUCCESS and not self._write(view, r2to, block + r2to // bs, r2tl // bs):
                 sc = P.SC_WRITE_FAULT
         return sc
 
@@ -392,6 +399,7 @@ class _Connection:
             else:
                 return invalid(False, 40 + P.CONNECT_SPECIFIC.offsets["qid"])
             self.qid, self.sqsize, self.connected = c["qid"], c["sqsize"], True
+            self.association = t.association
         self._respond(cid, dw0=CNTLID)
         if t.log:
             on = lambda flag: "on" if flag else "off"
@@ -471,12 +479,18 @@ class _Connection:
                 return self._respond(cid, P.SC_SGL_INVALID_DATA_LENGTH)
             if cmd.data.obj is not self.buf:          # queued during an R2T exchange: to aligned memory
                 self.buf[:n] = cmd.data
-            sc = P.SC_SUCCESS if self._device(dev.write_from, self.buf, 0, slba, nlb) else P.SC_WRITE_FAULT
+            sc = P.SC_SUCCESS if self._write(self.buf, 0, slba, nlb) else P.SC_WRITE_FAULT
         else:
             sc = self._pull(cmd, memoryview(self.buf)[:n], slba)
         if sc == P.SC_SUCCESS and sqe["cdw12"] & P.RW_FUA and not self._device(dev.sync):
             sc = P.SC_WRITE_FAULT
         self._respond(cid, sc)
+
+    def _write(self, buf, offset: int, block: int, nblocks: int) -> bool:
+        """A write to the device, only while this queue's association lasts (Target.association)."""
+        with self.t._write_lock:
+            return self.association == self.t.association and self._device(self.t.dev.write_from, buf, offset,
+                                                                            block, nblocks)
 
     @staticmethod
     def _device(fn, *args) -> bool:
