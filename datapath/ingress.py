@@ -101,14 +101,20 @@ class Ingress:
         it does once an XDP program is attached there, so the pass-everything
         count program goes on the peer. A physical NIC needs nothing of the kind.
         """
+        # listed before they attach, so close() detaches one that a signal or an error interrupts
+        # between the attach and the list (detach of one not attached does nothing)
         att = xdp.XdpAttachment(self.fn.fd, ifname, netns, mode)
-        att.__enter__()
         self.attachments.append(att)
+        try:
+            att.__enter__()
+        except BpfUnavailable:
+            self.attachments.remove(att)          # nothing attached: the next try starts clean
+            raise
         if veth_peer and att.mode == "native":
             self._peer_prog = self._peer_prog or xdp.load_xdp("count.bpf.c", "xdp_count")
             peer = xdp.XdpAttachment(self._peer_prog[1].fd, *veth_peer, mode="native")
-            peer.__enter__()
             self.attachments.append(peer)
+            peer.__enter__()
         return att.mode
 
     @property

@@ -107,13 +107,18 @@ class XdpAttachment:
             tries = ["native", "generic"] if self.want == "auto" else [self.want]
             errors = []
             for mode in tries:
+                self.mode = mode            # first: a signal right after the attach still detaches
                 try:
                     _set_xdp(ipr, self.ifindex, self.prog_fd, XDP_MODES[mode])
                 except Exception as e:  # netlink error: mode unsupported on this device
+                    self.mode = None
                     errors.append(f"{mode}: {e}")
                     continue
-                self.mode = mode
-                got = self.attached_mode()
+                try:
+                    got = self.attached_mode()
+                except BaseException:       # (SIGTERM's SystemExit among them) never left attached
+                    self.detach()
+                    raise
                 if got != mode:
                     self.detach()
                     raise BpfUnavailable(f"asked the kernel for {mode} XDP on {self.ifname}, it attached {got}")

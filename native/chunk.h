@@ -93,10 +93,10 @@ struct dp_response_rec {
 };
 
 /* Key of the steering program's `cuts` LRU map (value: the cut's bpf_ktime_get_ns), written
- * by XDP, read by the router: a request of several chunks that the tenant's bucket cut. Its
- * first cut chunk is answered 429, its later chunks are dropped uncharged and unanswered, and
- * the router, finding the key when the chunks that did pass expire, drops them without a 400
- * (router.c, expire_stalled). */
+ * by XDP, read by the router: a request whose chunk the tenant's bucket refused. That chunk is
+ * answered 429; the request's later chunks, for DP_CUT_TTL_NS, are dropped uncharged and
+ * unanswered; and the router, finding the key when what did pass of it (chunks, or an OPEN)
+ * expires, drops that without a 400 (router.c, expire_stalled). */
 struct dp_cut_key {
     __u64 session_id;
     __u64 request_id;
@@ -104,6 +104,7 @@ struct dp_cut_key {
     __u32 pad;                   /* 0: the key is hashed as bytes */
 };
 #define DP_CUTS 16384            /* cut requests remembered; the oldest go first */
+#define DP_CUT_TTL_NS 2000000000ull   /* how long a cut stands: past it, the same ids are a new request */
 /* LAYOUT END */
 
 _Static_assert(sizeof(struct dp_chunk) == DP_CHUNK_LEN, "chunk record size");

@@ -1357,18 +1357,19 @@ static void fifo_remove(struct dp_router *rt, struct worker *w, uint32_t ri)
 }
 
 /* Did the XDP program's bucket cut this request (chunk.h, dp_cut_key)? Then its client has
- * had the 429, and the chunks that passed are dropped without a second answer. A syscall, on
- * the expiry path only. */
+ * had the 429, and what passed of it is dropped without a second answer. The cut must be this
+ * request's, not one of the same ids long before: no earlier than DP_CUT_TTL_NS before its first
+ * record reached XDP. A syscall, on the expiry path only. */
 static int cut_by_xdp(const struct dp_router *rt, const struct req *r)
 {
-    if (rt->cuts_fd < 0)
+    if (rt->cuts_fd < 0 || !r->t_xdp)
         return 0;
     struct dp_cut_key key = { .session_id = r->session_id, .request_id = r->request_id, .tenant = r->tenant };
     uint64_t when;
     union bpf_attr a = { .map_fd = (uint32_t)rt->cuts_fd };
     a.key = (uint64_t)(uintptr_t)&key;
     a.value = (uint64_t)(uintptr_t)&when;
-    return syscall(__NR_bpf, BPF_MAP_LOOKUP_ELEM, &a, sizeof(a)) == 0;
+    return syscall(__NR_bpf, BPF_MAP_LOOKUP_ELEM, &a, sizeof(a)) == 0 && when + DP_CUT_TTL_NS >= r->t_xdp;
 }
 
 /* Requests still missing chunks, with nothing in flight, idle past the timeout:

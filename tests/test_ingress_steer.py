@@ -166,7 +166,7 @@ def ingress():
 def ig(ingress):
     ig, consumer = ingress
     ig.set_policy("hash")
-    for name in ("pins", "tenant_queue", "buckets"):
+    for name in ("pins", "tenant_queue", "buckets", "cuts"):
         ig.table(name).clear()
     ig.clear_rate(7)
     settle(ig, consumer)
@@ -240,6 +240,33 @@ def check_429(frm, out):
     resp = wire.decode_response(out[l4 + 8:])
     assert resp.status == wire.STATUS_RATE_LIMITED and resp.session_id == SID and resp.request_id == 42
     assert resp.tenant == 7
+
+
+def test_a_cut_request_s_later_chunks_are_dropped_for_a_while_then_its_ids_are_new(ig):
+    """The bucket cuts chunk 1 of a two-chunk request (a 429): its chunks are then dropped
+    uncharged and unanswered for DP_CUT_TTL_NS, even with the bucket full again; past that the
+    same ids are a new request. A cut request sent to a group address is dropped, never answered
+    from that address."""
+    from datapath._ingress import lib
+    ig, consumer = ig
+    two = [frame(req(tokens=tuple(range(128)), request_id=77, chunk_count=2, chunk_index=i)) for i in range(2)]
+    ig.set_rate(7, tokens_per_minute=1, burst_tokens=128)
+    assert prog_test_run(ig.fn.fd, two[0])[0] == XDP_DROP          # queued: the burst
+    assert prog_test_run(ig.fn.fd, two[1])[0] == XDP_TX            # cut: the 429
+    ig.set_rate(7, tokens_per_minute=1, burst_tokens=128)          # a full bucket again
+    before = ig.counters()
+    assert prog_test_run(ig.fn.fd, two[0])[0] == XDP_DROP
+    after = ig.counters()
+    assert {k: after[k] - before[k] for k in after if after[k] != before[k]} == {"drop_cut_request": 1}
+    time.sleep(lib.DP_CUT_TTL_NS / 1e9 + 0.1)
+    assert prog_test_run(ig.fn.fd, two[0])[0] == XDP_DROP
+    assert ig.counters()["queued"] == after["queued"] + 1, "past the cut's time: a new request"
+    group = b"\xff" * 6 + two[1][6:]                             # the bucket is empty again
+    before = ig.counters()
+    assert prog_test_run(ig.fn.fd, group)[0] == XDP_DROP
+    after = ig.counters()
+    assert {k: after[k] - before[k] for k in after if after[k] != before[k]} == {"drop_rate_limited": 1}
+    settle(ig, consumer)
 
 
 def test_full_ring_is_counted():
