@@ -50,6 +50,8 @@ class Ring:
     def create(cls, name: str, slot_size: int, capacity: int, wait: str = "spin", role: str = "observer") -> "Ring":
         if wait not in WAIT_MODES:
             raise ValueError(f"wait must be one of {sorted(WAIT_MODES)}, not {wait!r}")
+        if role not in ROLES:        # before anything exists: a bad role left a segment behind
+            raise ValueError(f"role must be one of {sorted(ROLES)}, not {role!r}")
         if not (0 < slot_size < 1 << 31 and 0 < capacity < 1 << 31):
             raise ValueError(f"slot_size and capacity must be positive 31-bit integers")
         err = ffi.new("int *")

@@ -122,8 +122,12 @@ struct dp_ring *dp_ring_create(const char *name, uint32_t slot_size, uint32_t ca
         *err = -errno;
         return NULL;
     }
-    if (ftruncate(fd, (off_t)size) < 0) {
-        *err = -errno;
+    /* posix_fallocate, not ftruncate alone: tmpfs reserves no pages for a truncated file, and
+     * MAP_POPULATE ignores the ones it cannot fill, so a full /dev/shm let create succeed and the
+     * data path die of SIGBUS at its first touch of such a page; this way it is ENOSPC here */
+    rc = posix_fallocate(fd, 0, (off_t)size);
+    if (rc) {
+        *err = -rc;
         close(fd);
         shm_unlink(path);
         return NULL;
@@ -233,8 +237,9 @@ void dp_ring_get_stats(const struct dp_ring *r, struct dp_ring_stats *s)
     const struct dp_ring_hdr *h = r->h;
     s->capacity = h->capacity;
     s->slot_size = h->slot_size;
-    s->enqueued = __atomic_load_n(&h->tail, __ATOMIC_ACQUIRE);
+    /* head first: read after tail, a consumer could have passed that tail (depth ~2^64) */
     s->dequeued = __atomic_load_n(&h->head, __ATOMIC_ACQUIRE);
+    s->enqueued = __atomic_load_n(&h->tail, __ATOMIC_ACQUIRE);
     s->depth = s->enqueued - s->dequeued;
     s->full_events = h->full_events;
     s->refused = h->refused;

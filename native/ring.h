@@ -17,8 +17,9 @@
  * The ring lives in a POSIX shared-memory object (/dev/shm/dp-<name>); other
  * processes attach by name. One producer and one consumer process hold their
  * role (pid recorded in the header); a role held by a dead process may be
- * taken over, so a consumer killed mid-stream is replaced without losing or
- * duplicating committed records: the consumer's index only moves on release.
+ * taken over, so a consumer killed mid-stream is replaced without losing
+ * committed records: the consumer's index only moves on release, so the records
+ * the dead one had read but not released come again (at least once).
  *
  * Wait strategy (consumer side, chosen at create): spin; spin then yield;
  * spin, yield, then sleep on a futex in the shared header (the producer wakes

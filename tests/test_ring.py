@@ -232,3 +232,32 @@ def test_a_private_ring_has_both_ends_here_and_no_name():
         assert lib.dp_ring_dequeue_copy(r, out, 8) == 3 and bytes(out[0:64]) == b"x" * 64
     finally:
         lib.dp_ring_close(r)
+
+
+@pytest.mark.root
+def test_a_ring_too_large_for_dev_shm_is_refused_at_create_not_a_sigbus_later():
+    """/dev/shm (a 1 MiB tmpfs here, in a mount namespace of its own) cannot hold the ring:
+    create says ENOSPC. Before, ftruncate reserved nothing, create succeeded, and the first
+    touch of an unbacked page killed the process with SIGBUS."""
+    import subprocess
+    import sys
+    script = ("import errno, sys\n"
+              "from datapath.ring import Ring\n"
+              "try:\n"
+              "    r = Ring.create('test-too-big', 4096, 1024, role='producer')\n"
+              "except OSError as e:\n"
+              "    sys.exit(0 if e.errno == errno.ENOSPC else 3)\n"
+              "r.enqueue(bytes(4096 * 1024))\n"
+              "sys.exit(4)\n")
+    cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+           f"mount -t tmpfs -o size=1m tmpfs /dev/shm && exec {sys.executable} -c \"$0\"", script]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert done.returncode == 0, (done.returncode, done.stderr[-500:])
+
+
+def test_a_bad_role_leaves_no_segment_behind():
+    name = f"test-role-{os.getpid()}"
+    with pytest.raises(ValueError, match="role must be one of"):
+        Ring.create(name, 16, 8, role="boss")
+    Ring.create(name, 16, 8).close()               # the name is free: nothing was created
+    ringmod.unlink(name)
