@@ -389,6 +389,29 @@ def test_a_session_that_moved_on_is_not_continued_from_a_stale_resident_copy(mod
     assert done[1].restored_tokens == 40 + 4 + 30 + 4 and a.stats["restores"] == 1 and a.stats["stale_dropped"] == 1
 
 
+def test_a_session_closed_on_another_worker_is_not_continued_from_a_stale_resident_copy(model):
+    """Turn 1 on A (kept resident, durable), turn 2 on B, the client's CLOSE on B (the store's
+    chain deleted), then the same session id again on A, flagged moved: the store holds less
+    than A's copy, so A drops it and the reused id starts fresh, as on a worker that never saw
+    it. Before, only a store holding more made the copy stale: A continued the closed session."""
+    store = MemoryStore()
+    a, b = Worker(model, store, kv_budget_bytes=BIG), Worker(model, store, kv_budget_bytes=BIG)
+
+    def moved(step):
+        def exchange(batch):
+            batch["flags"] |= records.CHUNK_F_MOVED
+            return step(batch)
+        return exchange
+    drive(a.step, [(4, 1, prompt(5, 40), 3)])
+    drive(moved(b.step), [(4, 2, prompt(6, 30), 3)])
+    close = np.zeros(1, dtype=records.CHUNK)
+    close["session_id"], close["request_id"], close["kind"] = 4, 3, wire.KIND_CLOSE
+    assert b.step(as_batch([close]))["e"][0]["status"][0] == wire.STATUS_OK and store.restore((0, 4)) == []
+    again = (4, 4, prompt(7, 20), 3)
+    assert drive(moved(a.step), [again]) == drive(Worker(model, MemoryStore()).step, [again])
+    assert finished(a)[-1].context_tokens == 20 + 2 and a.stats["stale_dropped"] == 1
+
+
 def test_a_session_the_store_evicted_goes_back_in_whole_at_its_next_put(model):
     """The store's LRU drops a chain while the session stays resident on its worker: the next put
     (a delta from where the store no longer is) is refused, so the worker puts its whole copy

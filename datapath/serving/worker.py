@@ -280,8 +280,10 @@ class Worker:
         is stale and continuing from it would answer from a context without those turns. Asked
         only when the router flags that the session last ran elsewhere (CHUNK_F_MOVED): one store
         lookup (a ~0.2 ms RPC to a shared store's server) per moved request, none otherwise."""
+        # != and not >: the store may hold less too, when the session was closed on the other
+        # worker (deleted: a reused id starts fresh) or ran there anew; this copy is stale then
         return (self.store is not None and bool(rec["flags"] & records.CHUNK_F_MOVED)
-                and self.store.held(key) > s.cache.snapshot_len)
+                and self.store.held(key) != s.cache.snapshot_len)
 
     def _store_failed(self, e: Exception):
         self.stats["store_errors"] += 1
