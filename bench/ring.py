@@ -1,7 +1,7 @@
 """bench ring: the shared-memory ring, the routing policies and the lanes.
 
 Measured in one run (two pinned processes on cores 0 and 1 where there are two):
-  references.pingpong_oneway_ns       a bare cache-line ping-pong between two processes
+  references.pingpong_oneway_ns       a bare cache-line ping-pong between two pinned threads
   metrics.ring_op_ns_bulk1|8|32       enqueue+dequeue per 64-byte record, one thread
   metrics.ring_oneway_p50|p99|p999_ns one record at a time, producer stamp to consumer stamp (C, CLOCK_MONOTONIC)
   metrics.ring_mchunks_per_s          dp_chunk slots, 32-record bursts, 96-byte headers written in place

@@ -279,14 +279,17 @@ int xdp_steer(struct xdp_md *ctx)
     if (pol->rate_limits && kind == DP_KIND_CHUNK) {
         __u32 tenant = req->tenant;
         struct dp_bucket *b = buckets.lookup(&tenant);
-        /* a request is cut once: one 429, and its later chunks neither charged nor answered
-         * again (the router drops what did pass of it, chunks or an OPEN: chunk.h, dp_cut_key) */
+        /* a request of several chunks is cut once: one 429, and its later chunks neither
+         * charged nor answered again (the router drops what did pass: chunk.h, dp_cut_key).
+         * One-chunk requests stay out of the map: a flood of them would push the others out. */
         struct dp_cut_key ck = { .session_id = req->session_id, .request_id = req->request_id, .tenant = tenant };
-        __u64 *cut = b && req->chunk_count > 1 ? cuts.lookup(&ck) : NULL;
+        int several = req->chunk_count > 1;
+        __u64 *cut = b && several ? cuts.lookup(&ck) : NULL;
         if (cut && now - *cut < DP_CUT_TTL_NS)
             return drop(DP_DROP_CUT_REQUEST);
         if (b && over_limit(b, n, now)) {
-            cuts.update(&ck, &now);
+            if (several)
+                cuts.update(&ck, &now);
             drop(DP_DROP_RATE_LIMITED);
             if (eth->h_dest[0] & 1)
                 return XDP_DROP;   /* sent to a group address: a reply from it would be a martian */

@@ -101,8 +101,8 @@ class Ingress:
         it does once an XDP program is attached there, so the pass-everything
         count program goes on the peer. A physical NIC needs nothing of the kind.
         """
-        # listed before they attach, so close() detaches one that a signal or an error interrupts
-        # between the attach and the list (detach of one not attached does nothing)
+        # listed before they attach, so close() detaches one that an error (or a signal) interrupts
+        # after the attach, in attached_mode() (detach of one whose mode is unset does nothing)
         att = xdp.XdpAttachment(self.fn.fd, ifname, netns, mode)
         self.attachments.append(att)
         try:

@@ -107,13 +107,14 @@ class XdpAttachment:
             tries = ["native", "generic"] if self.want == "auto" else [self.want]
             errors = []
             for mode in tries:
-                self.mode = mode            # first: a signal right after the attach still detaches
                 try:
                     _set_xdp(ipr, self.ifindex, self.prog_fd, XDP_MODES[mode])
                 except Exception as e:  # netlink error: mode unsupported on this device
-                    self.mode = None
                     errors.append(f"{mode}: {e}")
                     continue
+                # after, not before: a detach in a mode set before a failed attach would remove
+                # whatever other program is on the device
+                self.mode = mode
                 try:
                     got = self.attached_mode()
                 except BaseException:       # (SIGTERM's SystemExit among them) never left attached

@@ -21,6 +21,7 @@
 #define DP_CHUNK_F_FINAL 0x8000           /* last prefill piece of its request: sample after it */
 #define DP_CHUNK_F_MOVED 0x4000           /* its session last ran on another worker (or the router does not
                                              know where): a copy this worker holds may be stale */
+#define DP_CHUNK_F_REPLAY 0x2000          /* failover replays its request: its own turn may be in the store */
 #define DP_MAX_BATCH_CHUNKS 64            /* records in one micro-batch, at most */
 #define DP_MAX_OUTPUT_TOKENS 256          /* output tokens a response carries (1 KiB body) */
 #define DP_CE_EOS 1                       /* completion entry: the model ended the sequence */
@@ -93,9 +94,9 @@ struct dp_response_rec {
 };
 
 /* Key of the steering program's `cuts` LRU map (value: the cut's bpf_ktime_get_ns), written
- * by XDP, read by the router: a request whose chunk the tenant's bucket refused. That chunk is
- * answered 429; the request's later chunks, for DP_CUT_TTL_NS, are dropped uncharged and
- * unanswered; and the router, finding the key when what did pass of it (chunks, or an OPEN)
+ * by XDP, read by the router: a request of several chunks whose chunk the tenant's bucket
+ * refused. That chunk is answered 429; the request's later chunks, for DP_CUT_TTL_NS, are
+ * dropped uncharged and unanswered; and the router, finding the key when what did pass of it
  * expires, drops that without a 400 (router.c, expire_stalled). */
 struct dp_cut_key {
     __u64 session_id;

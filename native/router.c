@@ -1221,7 +1221,8 @@ static void add_prefill(struct dp_router *rt, struct builder *b, uint32_t ri, ui
     /* the admitted answer length, not this packet's: chunks that disagreed made the worker stop
      * early (a 422 whose body was tokens) or never finish (the turn silently dropped) */
     out->max_output_tokens = r->max_output;
-    out->flags = c->flags | (final ? DP_CHUNK_F_FINAL : 0) | (r->moved ? DP_CHUNK_F_MOVED : 0);
+    out->flags = c->flags | (final ? DP_CHUNK_F_FINAL : 0) | (r->moved ? DP_CHUNK_F_MOVED : 0) |
+                 (r->replayed ? DP_CHUNK_F_REPLAY : 0);
     b->tokens += take;
     if (whole) {                         /* all of it is out: keep it aside for a replay */
         b->w->meta[b->n - 1].releases = 1;   /* in flight until its completion: still the worker's depth */
@@ -1366,7 +1367,9 @@ static int cut_by_xdp(const struct dp_router *rt, const struct req *r)
         return 0;
     struct dp_cut_key key = { .session_id = r->session_id, .request_id = r->request_id, .tenant = r->tenant };
     uint64_t when;
-    union bpf_attr a = { .map_fd = (uint32_t)rt->cuts_fd };
+    union bpf_attr a;
+    memset(&a, 0, sizeof(a));            /* the kernel refuses any byte set past the command's fields */
+    a.map_fd = (uint32_t)rt->cuts_fd;
     a.key = (uint64_t)(uintptr_t)&key;
     a.value = (uint64_t)(uintptr_t)&when;
     return syscall(__NR_bpf, BPF_MAP_LOOKUP_ELEM, &a, sizeof(a)) == 0 && when + DP_CUT_TTL_NS >= r->t_xdp;

@@ -191,7 +191,7 @@ def test_a_request_that_fills_the_context_ends_there_with_eos_not_a_dead_worker(
     the last position, but there is no room to feed it back, so the request ends with it (the
     entry flagged CE_EOS: the router answers with the tokens so far). Before, the router's next
     decode record raised in the model and killed the worker, and the failover's replay killed the
-    next one the same way. A decode record sent anyway is refused 413, not fatal."""
+    next one the same way. A decode record sent anyway finds no request generating: 422."""
     small = Model(ModelConfig(max_context=256), seed=0)
     w = Worker(small, None)
     comp = w.step(as_batch([prefill_records(1, 1, prompt(1, 256), 4)]))
@@ -241,40 +241,84 @@ def test_a_store_that_fails_costs_the_request_a_503_not_the_worker(model, exc):
     assert ok["e"][0]["status"][0] == wire.STATUS_UNAVAILABLE and w.stats["store_errors"] == 3
 
 
+def replayed(step):
+    """What the router sends when failover replays a request on another worker."""
+    def exchange(batch):
+        batch["flags"] |= records.CHUNK_F_MOVED | records.CHUNK_F_REPLAY
+        return step(batch)
+    return exchange
+
+
 @pytest.mark.parametrize("max_out", [1, 3])
-def test_a_replay_whose_turn_is_already_durable_runs_from_before_it_and_is_not_put_twice(model, max_out):
+@pytest.mark.parametrize("whole", [False, True], ids=["delta", "whole re-put"])
+def test_a_replay_whose_turn_is_already_durable_runs_from_before_it_and_is_not_put_twice(model, max_out, whole):
     """A worker finishes a request (its turn put, durable) and dies before the router has the
-    answer: the router replays the request, flagged MOVED, on another worker. The store's last
+    answer: the router replays the request, flagged REPLAY, on another worker. The store's last
     delta names the request, so the replay runs from the context before that turn: the same
     tokens as the first run, and the store holds the turn once. Before, the replay ran on top of
-    its own turn (the prompt twice in the context: other tokens, and the turn stored twice)."""
+    its own turn (the prompt twice in the context: other tokens, and the turn stored twice).
+    Also when the turn went in with a whole re-put (the store had evicted the chain): its turn
+    is a delta of its own, so the roll-back is exact there too."""
     store = MemoryStore()
     turn1, turn2 = (7, 1, prompt(1, 40), 2), (7, 2, prompt(2, 64), max_out)
-    drive(Worker(model, store, kv_budget_bytes=0).step, [turn1])
     first = Worker(model, store)
-    want = drive(first.step, [turn2])[2]          # durable; its completion "lost" with the worker
+    drive(first.step, [turn1])
+    if whole:
+        store.evict((0, 7))                        # turn 2's put then goes in whole
+    want = drive(first.step, [turn2])[2]           # durable; its completion "lost" with the worker
     held = store.held((0, 7))
-    assert held == 41 + 64 + max_out - 1
+    assert held == 41 + 64 + max_out - 1 and first.stats["whole_reputs"] == whole
     replay = Worker(model, store)
-
-    def moved(batch):
-        batch["flags"] |= records.CHUNK_F_MOVED
-        return replay.step(batch)
-    assert drive(moved, [turn2])[2] == want
+    assert drive(replayed(replay.step), [turn2])[2] == want
     (done,) = finished(replay)
     assert done.context_tokens == held and done.restored_tokens == 41
     assert store.held((0, 7)) == held and len(store.restore((0, 7))) == 2, "the turn is in the store once"
     assert replay.stats["replays_durable"] == 1
-    turn3 = (7, 3, prompt(3, 10), 2)                # and the session goes on from it, on either worker
+    turn3 = (7, 3, prompt(3, 10), 2)                # and the session goes on from it
     ref = Worker(model, MemoryStore())
     drive(ref.step, [turn1]), drive(ref.step, [turn2])
     assert drive(replay.step, [turn3]) == drive(ref.step, [turn3])
 
 
+def test_a_moved_request_with_a_reused_id_is_no_replay(model):
+    """Only the router's REPLAY flag means "maybe already durable": a request merely flagged
+    MOVED whose id equals the store's last delta's (a client reusing ids) runs on the whole
+    context."""
+    store = MemoryStore()
+    a, b = Worker(model, store), Worker(model, store)
+    drive(a.step, [(7, 5, prompt(1, 40), 2)])
+
+    def moved(batch):
+        batch["flags"] |= records.CHUNK_F_MOVED
+        return b.step(batch)
+    drive(moved, [(7, 5, prompt(2, 10), 2)])
+    assert finished(b)[-1].restored_tokens == 41 and b.stats["replays_durable"] == 0
+
+
+def test_a_replay_given_up_on_leaves_the_session_to_the_store_s_copy(model):
+    """A replay that rolled back its durable turn and is then superseded (the router failed it)
+    drops the session: the next request restores the store's copy, turn included, and its put
+    continues the chain. Before the drop, the copy was behind the store's: every put failed."""
+    store = MemoryStore()
+    turn1, turn2 = (7, 1, prompt(1, 40), 2), (7, 2, prompt(2, 200), 2)
+    w = Worker(model, store)
+    drive(w.step, [turn1]), drive(w.step, [turn2])
+    held = store.held((0, 7))
+    replay = Worker(model, store)
+    piece = prefill_records(7, 2, prompt(2, 200), 2)[:1]
+    piece["flags"] |= records.CHUNK_F_MOVED | records.CHUNK_F_REPLAY
+    replay.step(as_batch([piece]))                   # its first piece only: then the router gives up
+    assert replay.stats["replays_durable"] == 1
+    drive(replay.step, [(7, 3, prompt(3, 10), 2)])
+    done = finished(replay)[-1]
+    assert done.restored_tokens == held and done.snapshot_error is None and store.held((0, 7)) == held + 10 + 1
+
+
 def test_a_request_the_router_gave_up_on_is_released_and_its_session_evicted(model, monkeypatch):
     """The router expires a request still missing chunks (or fails it on a refusal) and tells no
     worker: after ABANDONED_NS untouched, its KV is cut back off the session, which can be evicted
-    again. Before, the session stayed pinned, over the budget, until its next request came."""
+    again, and a late piece of it is refused 503. Before, the session stayed pinned, over the
+    budget, until its next request came."""
     from datapath.serving import worker as worker_mod
     w = Worker(model, MemoryStore(), kv_budget_bytes=1)
     w.step(as_batch([prefill_records(1, 1, prompt(1, 200), 2)[:1]]))   # piece 1 of 2 never comes
@@ -283,6 +327,8 @@ def test_a_request_the_router_gave_up_on_is_released_and_its_session_evicted(mod
     monkeypatch.setattr(worker_mod, "ABANDONED_NS", 0)
     drive(w.step, [(3, 3, prompt(3, 10), 1)])
     assert not w.holds(1) and w.stats["abandoned"] == 1
+    late = w.step(as_batch([prefill_records(1, 1, prompt(1, 200), 2)[1:]]))   # its piece 2 after all
+    assert late["e"][0]["status"][0] == wire.STATUS_UNAVAILABLE, "never run on a cut-back context"
 
 
 def test_close_frees_the_session_here_and_in_the_store(model):
@@ -425,7 +471,8 @@ def test_a_session_the_store_evicted_goes_back_in_whole_at_its_next_put(model):
     drive(w.step, turns[1:2]), drive(ref.step, turns[1:2])
     done = finished(w)[-1]
     assert done.snapshot_error is None and w.stats["whole_reputs"] == 1
-    assert [(m["token_start"], m["token_end"]) for m in store.meta((0, 1))] == [(0, 40 + 1 + 20 + 1)]   # prompts and all but each turn's last output
+    # prompts and all but each turn's last output, the turn its own delta
+    assert [(m["token_start"], m["token_end"]) for m in store.meta((0, 1))] == [(0, 41), (41, 40 + 1 + 20 + 1)]
     other = Worker(model, store, return_logits=True)
     drive(other.step, turns[2:]), drive(ref.step, turns[2:])
     (got,), want = finished(other), finished(ref)[2]

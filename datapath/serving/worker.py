@@ -55,9 +55,10 @@ from .model import KVCache, Model, ModelConfig, sample
 
 
 SessionKey = tuple[int, int]   # (tenant, session_id): sessions of different tenants never meet
-# A live request gets its next piece within the router's reassembly timeout (1 s) and a decode
-# step in every batch of its worker: one untouched this long was given up on (_release_abandoned).
-ABANDONED_NS = 10_000_000_000
+# A live request's next record comes within the router's reassembly timeout (1 s) plus the wait
+# behind its worker's queue (seconds, at saturation): one untouched this long is taken as given
+# up on (_release_abandoned), and its later records, if any come, are refused.
+ABANDONED_NS = 60_000_000_000
 
 
 class SnapshotStore(Protocol):
@@ -134,6 +135,7 @@ class Worker:
                           evictions=0, over_budget_steps=0, stale_dropped=0, closed=0, whole_reputs=0, superseded=0,
                           context_full=0, store_errors=0, replays_durable=0, abandoned=0, simulated_s=0.0)
         self.last_store_error: str | None = None
+        self._abandoned: dict[SessionKey, int] = {}   # the request released as abandoned, per session
 
     @property
     def kv_bytes_resident(self) -> int:
@@ -174,8 +176,6 @@ class Worker:
             req = s.request if s is not None else None
             if req is None or req.request_id != rid or not req.prefill_done or key in segments:
                 return wire.STATUS_UNPROCESSABLE  # no such request generating here, or twice in one step
-            if s.cache.length >= self.model.config.max_context:
-                return wire.STATUS_TOO_LARGE      # no room for the token (_run ends such a request first)
             segments[key] = _Segment(key, True, [np.array([req.tokens[-1]])], answer=i)
             return wire.STATUS_OK
         if kind == wire.KIND_CLOSE:           # the client is done with the session (after its requests)
@@ -193,6 +193,10 @@ class Worker:
         tokens = rec["tokens"][:rec["n_tokens"]]
         if tokens.max() >= self.model.config.vocab:
             return wire.STATUS_BAD_REQUEST  # one bad record must not fail the whole step
+        if key in self._abandoned:
+            if self._abandoned[key] == rid:
+                return wire.STATUS_UNAVAILABLE   # released as abandoned: never run on a cut context
+            del self._abandoned[key]
         s = self.sessions.get(key)
         # The store is another component (a remote one times out): its failure is this request's
         # 503, never the worker's death, which would replay the request onto the next worker.
@@ -202,7 +206,7 @@ class Worker:
                 self.stats["stale_dropped"] += 1
                 s = None
             if s is None:
-                s = self._restore(key, rid if rec["flags"] & records.CHUNK_F_MOVED else None)
+                s = self._restore(key, rid if rec["flags"] & records.CHUNK_F_REPLAY else None)
         except Exception as e:               # kvdelta.DeltaError (a corrupt delta) among them
             self._store_failed(e)
             return wire.STATUS_UNAVAILABLE
@@ -210,9 +214,14 @@ class Worker:
             # A new request on the session: one the router gave up on (refused, expired: its client
             # got an error) is superseded, and the KV its pieces added is cut off (not the
             # session's) before this one's room is judged.
-            s.cache.length = s.request.start_len
-            s.request = None
             self.stats["superseded"] += 1
+            s = self._cut_back(key, s)
+            if s is None:
+                try:
+                    s = self._restore(key)
+                except Exception as e:
+                    self._store_failed(e)
+                    return wire.STATUS_UNAVAILABLE
         queued = sum(len(x) for x in segments[key].tokens) if key in segments else 0
         if s.cache.length + queued + len(tokens) > self.model.config.max_context:
             return wire.STATUS_TOO_LARGE
@@ -328,7 +337,10 @@ class Worker:
                     # while the session stayed resident here): this copy is the whole session, so
                     # it goes in whole, from token 0. Without this every later put failed the same
                     # way, and the session, never durable again, could never be evicted.
-                    done.snapshot_bytes = self._put(key, s.cache, 0, req.request_id)
+                    # In two deltas, the turn its own: a replay of this request finds its turn
+                    # as the last delta and rolls back exactly that (_restore).
+                    done.snapshot_bytes = self._put(key, s.cache, 0, 0, req.start_len) if req.start_len else 0
+                    done.snapshot_bytes += self._put(key, s.cache, req.start_len, req.request_id)
                     self.stats["whole_reputs"] += 1
             except Exception as e:  # the session stays resident and unsnapshotted, so it is never evicted
                 self.stats["snapshot_failures"] += 1
@@ -339,11 +351,11 @@ class Worker:
                 done.stamps["t_snapshot"] = time.monotonic_ns()
         return done
 
-    def _put(self, key: SessionKey, cache: KVCache, start: int, request_id: int) -> int:
-        """Put the session's entries [start, length) as one delta; its stored size once durable."""
-        blob = kvdelta.encode(kvdelta.export_delta(cache, start), self.model.config, self.codec, request_id)
-        self.store.put(key, blob, dict(token_start=start, token_end=cache.length, codec=self.codec,
-                                       request_id=request_id))
+    def _put(self, key: SessionKey, cache: KVCache, start: int, request_id: int, end: int | None = None) -> int:
+        """Put the session's entries [start, end or length) as one delta; its stored size once durable."""
+        end = cache.length if end is None else end
+        blob = kvdelta.encode(kvdelta.export_delta(cache, start, end), self.model.config, self.codec, request_id)
+        self.store.put(key, blob, dict(token_start=start, token_end=end, codec=self.codec, request_id=request_id))
         return len(blob)
 
     def close(self, session_id: int, tenant: int = 0):
@@ -353,16 +365,26 @@ class Worker:
         if self.store is not None:
             self.store.delete((tenant, session_id))
 
+    def _cut_back(self, key: SessionKey, s: _Session) -> _Session | None:
+        """The session without its unfinished request's KV; None if it had to go (a replay whose
+        turn is in the store: this copy is behind the store's, which the next request restores)."""
+        req, s.request = s.request, None
+        if req.durable_end:
+            self._drop(key)
+            return None
+        s.cache.length = req.start_len
+        return s
+
     def _release_abandoned(self):
         """Requests no step has touched for ABANDONED_NS: the router gave up on them (expired one still
         missing chunks, failed one on a refusal) and nothing tells this worker so. Their KV is cut
-        back off the session, which may be evicted again. Before, such a session stayed pinned until
-        its next request came here, if ever."""
+        back off the session, which may be evicted again, and their later records, should any come,
+        are refused 503. Before, such a session stayed pinned until its next request came here."""
         now = time.monotonic_ns()
-        for s in self.sessions.values():
+        for key, s in list(self.sessions.items()):
             if s.request is not None and now - s.request.last_step > ABANDONED_NS:
-                s.cache.length = s.request.start_len
-                s.request = None
+                self._abandoned[key] = s.request.request_id
+                self._cut_back(key, s)
                 self.stats["abandoned"] += 1
 
     def _evict(self):

@@ -54,9 +54,10 @@ class Target:
         self._stopping = threading.Event()
         self.cc = self.csts = 0
         self.host_nqn: str | None = None              # the associated host, None when free
-        # An association's number, bumped when it ends, under the write lock every write holds:
-        # a write of an ended association either lands before the next host can connect or not
-        # at all (a dead host's last in-flight write landed over the new host's before).
+        # An association's number, bumped when it ends; every write checks it under the write lock,
+        # and a new association's Connect waits for that lock (outside the target's lock): a write
+        # of an ended association lands before the next host is let in, or not at all (a dead
+        # host's last in-flight write landed over the new host's before).
         self.association = 0
         self._write_lock = threading.Lock()
         self.admin_queue: _Connection | None = None
@@ -145,8 +146,7 @@ class Target:
     def _end_association(self) -> list["_Connection"]:
         """The admin queue is gone (lock held): the controller is free; its I/O queues, to close."""
         self.host_nqn, self.cc, self.csts, self.admin_queue, self.io_queue = None, 0, 0, None, None
-        with self._write_lock:                        # waits out a write in progress
-            self.association += 1
+        self.association += 1
         return [c for c in self._conns if c.connected and c.qid != 0]
 
     # --- identify data and properties -------------------------------------------------------
@@ -400,6 +400,9 @@ class _Connection:
                 return invalid(False, 40 + P.CONNECT_SPECIFIC.offsets["qid"])
             self.qid, self.sqsize, self.connected = c["qid"], c["sqsize"], True
             self.association = t.association
+        if self.qid == 0:
+            with t._write_lock:                        # a write of the ended association, still running
+                pass
         self._respond(cid, dw0=CNTLID)
         if t.log:
             on = lambda flag: "on" if flag else "off"

@@ -32,7 +32,7 @@ class Channel:
     def __init__(self, sock: socket.socket):
         self.sock = sock
         self.hdgst = self.ddgst = False          # negotiated by ICReq/ICResp
-        self.data_align = 1                      # a controller's: (the host's HPDA + 1) x 4 bytes
+        self.data_align = 1                      # a controller's C2HData: (the host's HPDA + 1) x 4 bytes
         self._ch = bytearray(P.CH.size)
         self._scratch = bytearray(256)
 
@@ -45,8 +45,9 @@ class Channel:
         hd = P.DIGEST_LEN if digests and self.hdgst else 0
         dlen = len(data) if data is not None else 0
         dd = P.DIGEST_LEN if digests and self.ddgst and dlen else 0
-        # the data starts at a multiple of the alignment the host asked for (HPDA), padded
-        pdo = -(-(hlen + hd) // self.data_align) * self.data_align if dlen else 0
+        # a C2HData's data starts at a multiple of the alignment the host asked for (HPDA), padded
+        align = self.data_align if pdu_type == P.C2H_DATA else 1
+        pdo = -(-(hlen + hd) // align) * align if dlen else 0
         pad = pdo - hlen - hd if dlen else 0
         plen = hlen + hd + pad + dlen + dd
         flags |= (P.FLAG_HDGST if hd else 0) | (P.FLAG_DDGST if dd else 0)
