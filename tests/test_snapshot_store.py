@@ -625,17 +625,22 @@ def test_superblock_copy_loss(make_device, lost):
         assert s.superblocks_valid == 2
 
 
+def put_from_threads(store, threads: int, puts: int, size: int, stride: int):
+    """Each thread t puts `puts` deltas of `size` bytes of t, to keys t * stride + i, at once."""
+    def writer(t):
+        for i in range(puts):
+            store.put(key(t * stride + i), Delta(bytes([t]) * size))
+    running = [threading.Thread(target=writer, args=(t,)) for t in range(threads)]
+    for th in running:
+        th.start()
+    for th in running:
+        th.join()
+
+
 def test_group_commit_shares_flushes(make_device):
     path = make_device(8 << 20)
     with LogStore(path, group_commit_us=2000) as s:
-        def writer(t):
-            for i in range(10):
-                s.put(key(t * 100 + i), Delta(bytes([t]) * 500))
-        threads = [threading.Thread(target=writer, args=(t,)) for t in range(8)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
+        put_from_threads(s, threads=8, puts=10, size=500, stride=100)
         st = s.stats()
         assert st["puts"] == 80 and st["flushes"] < 80 // 2
     with LogStore(path) as s:
@@ -649,14 +654,7 @@ def test_every_put_is_counted_when_a_batch_makes_room_midway(make_device):
     last flush's did."""
     path = make_device(1 << 20)
     with LogStore(path, group_commit_us=3000, eviction="lru") as s:
-        def writer(t):
-            for i in range(40):
-                s.put(key(t * 1000 + i), Delta(bytes([t]) * 6000))
-        threads = [threading.Thread(target=writer, args=(t,)) for t in range(6)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
+        put_from_threads(s, threads=6, puts=40, size=6000, stride=1000)
         st = s.stats()
         assert st["evictions"] > 0 and st["flushes"] < 240, "the log wrapped, puts shared flushes"
         assert st["puts"] == 240
