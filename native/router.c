@@ -920,7 +920,13 @@ static int ingest(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, in
         return 0;                        /* cannot happen to an admitted request: its room is reserved */
     uint32_t p = pool_get(rt);
     struct dp_chunk *pc = &rt->pool[p].c;
-    memcpy(pc, c, DP_CHUNK_HDR_LEN + c->n_tokens * sizeof(uint32_t));
+    /* read once and bounded: an input slot is shared memory, and a peer rewriting it after
+     * bad_chunk's check must not size this copy past the pool slot */
+    uint16_t n = __atomic_load_n(&c->n_tokens, __ATOMIC_RELAXED);
+    if (n > DP_MAX_CHUNK_TOKENS)
+        n = DP_MAX_CHUNK_TOKENS;
+    memcpy(pc, c, DP_CHUNK_HDR_LEN + n * sizeof(uint32_t));
+    pc->n_tokens = n;
     pc->t_router = t;
     if (fed)
         pc->t_consumer = t;
@@ -932,7 +938,7 @@ static int ingest(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, in
     }
     rt->reserved--;                      /* a promised chunk has come */
     r->received++;
-    r->tokens_in += c->n_tokens;
+    r->tokens_in += n;
     r->t_last = t;
     rt->st.chunks_in++;
     accept_chunk(rt, ri, p);
