@@ -787,18 +787,18 @@ class LogStore:
         every record since was past it: one corrupt block cut off every later acknowledged record
         as a "torn" end, for good.) A torn copy leaves the other, one checkpoint older. The head
         stays the one both copies recorded."""
-        self._checkpointed = time.monotonic()
+        _write_superblock_copy(self.dev, self._sbuf, self._next_superblock(self._sb_head),
+                               self._generation % fmt.SB_COPIES)
+
+    def _next_superblock(self, head: int) -> Superblock:
+        """The next generation's superblock: head, and the tail the last flush made durable."""
         self._generation += 1
-        sb = Superblock(self.block_size, self.store_id, self.capacity_blocks, self.log_start, self.log_blocks,
-                        self._sb_head, self._durable_tail, self._generation, self._last_seq)
-        _write_superblock_copy(self.dev, self._sbuf, sb, self._generation % fmt.SB_COPIES)
+        self._checkpointed = time.monotonic()
+        return Superblock(self.block_size, self.store_id, self.capacity_blocks, self.log_start, self.log_blocks,
+                          head, self._durable_tail, self._generation, self._last_seq)
 
     def _write_superblock(self):
-        self._generation += 1
-        sb = Superblock(self.block_size, self.store_id, self.capacity_blocks, self.log_start, self.log_blocks,
-                        self._head, self._durable_tail, self._generation, self._last_seq)
-        _write_superblocks(self.dev, self._sbuf, sb)
-        self._checkpointed = time.monotonic()
+        _write_superblocks(self.dev, self._sbuf, self._next_superblock(self._head))
         self._sb_head = self._head
         self._evicted = {k: e for k, e in self._evicted.items() if e.lpos >= self._sb_head}
         self.superblocks_valid = fmt.SB_COPIES
