@@ -1,5 +1,6 @@
 """Every suite writes the contract's JSON and prints a table."""
 import json
+import re
 import subprocess
 import sys
 
@@ -112,7 +113,10 @@ def test_e2e_quick_runs_every_landed_scenario_and_writes_the_report(tmp_path):
     assert m["oversized_others_p95_ms_with"] > 0 and m["burst_others_p95_ms_with"] > 0
     assert m["burst_to_secondary"] > 0, "the burst beyond its rate went to the secondary pool"
     assert (tmp_path / "e2e" / "latency_vs_load.png").stat().st_size > 10_000
-    assert json.loads((tmp_path / "e2e" / "results.json").read_text())["scenarios"]
+    scenarios = json.loads((tmp_path / "e2e" / "results.json").read_text())["scenarios"]
+    merged = next(s["figures"] for name, s in scenarios.items() if name.startswith("2 "))
+    # 20 req/s for 3 s both ways: every count in requests, 10 to a merged send (not 6 sends)
+    assert re.fullmatch(r"\d+ of 60, \d+ of 60", merged["requests not answered 200 (single, merged)"]), merged
 
 
 @pytest.mark.root
