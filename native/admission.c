@@ -249,8 +249,9 @@ void dp_adm_price(const struct dp_tenant_cfg *cfg, const uint32_t *tokens, uint3
 }
 
 /* Why a request is refused 400, the first that applies (FITS: it is not): more output than an
- * answer carries, more chunks than the router holds, over the tenant's context limit. */
-enum oversize { FITS, OVER_OUTPUT, OVER_CHUNKS, OVER_CONTEXT };
+ * answer carries, more chunks than the router holds, over the tenant's context limit, more tokens
+ * than the tenant's whole minute (a 429 would name a retry that never succeeds). */
+enum oversize { FITS, OVER_OUTPUT, OVER_CHUNKS, OVER_CONTEXT, OVER_MINUTE };
 
 static enum oversize oversize(const struct dp_admission *a, const struct dp_tenant_cfg *cfg,
                               const struct dp_adm_price *p)
@@ -261,6 +262,8 @@ static enum oversize oversize(const struct dp_admission *a, const struct dp_tena
         return OVER_CHUNKS;
     if (cfg->max_request_tokens && (uint64_t)p->input_tokens + p->max_output > cfg->max_request_tokens)
         return OVER_CONTEXT;
+    if (cfg->tokens_per_minute && (uint64_t)p->input_tokens + p->max_output > cfg->tokens_per_minute)
+        return OVER_MINUTE;
     return FITS;
 }
 
@@ -350,6 +353,11 @@ static void suggestions(struct jw *w, const struct dp_admission *a, const struct
              DP_MAX_OUTPUT_TOKENS);
     } else if (why == OVER_CHUNKS) {
         HINT("split into requests of at most %" PRIu32 " chunks", a->max_chunks);
+    } else if (why == OVER_MINUTE) {
+        split_hint(w, &first, cfg->tokens_per_minute, p);
+        if (first)
+            HINT("the tenant's limit is %" PRIu32 " tokens per minute: ask for a higher one",
+                 cfg->tokens_per_minute);
     } else if (why == OVER_CONTEXT) {
         uint32_t limit = cfg->max_request_tokens;
         split_hint(w, &first, limit, p);
@@ -375,11 +383,7 @@ static void suggestions(struct jw *w, const struct dp_admission *a, const struct
             HINT("a less varied prompt costs less: entropy factor %.2f of 1.00..5.00", p->entropy_factor);
         HINT("wait %" PRIu64 " s for the daily budget to reset, or raise it", d->resets_in_ns / 1000000000ull);
     } else if (st == DP_STATUS_RATE_LIMITED) {
-        uint64_t tokens = (uint64_t)p->input_tokens + p->max_output;
-        if (tokens > cfg->tokens_per_minute)
-            split_hint(w, &first, cfg->tokens_per_minute, p);
-        else
-            HINT("retry after %" PRIu64 " ms", (d->retry_after_ns + 999999) / 1000000);
+        HINT("retry after %" PRIu64 " ms", (d->retry_after_ns + 999999) / 1000000);
     }
     put(w, "]");
 #undef HINT
@@ -393,6 +397,7 @@ static const char *reason(const struct dp_admission *a, const struct dp_tenant_c
         switch (oversize(a, cfg, &d->p)) {
         case OVER_OUTPUT: return "max_output_tokens is more than one answer carries";
         case OVER_CHUNKS: return "more chunks than the router holds";
+        case OVER_MINUTE: return "the request is larger than the tenant's tokens per minute";
         default: return "the request is larger than the tenant's context limit";
         }
     case DP_STATUS_UNAVAILABLE: return "the tenant table is full: this tenant's limits cannot be kept";
@@ -419,6 +424,8 @@ static uint32_t write_body(const struct dp_admission *a, const struct dp_tenant_
         put(&w, ",\"limit_chunks\":%" PRIu32, a->max_chunks);
     else if (why == OVER_CONTEXT)
         put(&w, ",\"limit_tokens\":%" PRIu32, cfg->max_request_tokens);
+    else if (why == OVER_MINUTE)
+        put(&w, ",\"tokens_per_minute\":%" PRIu32, cfg->tokens_per_minute);
     if (d->status == DP_STATUS_RATE_LIMITED)
         put(&w, ",\"tokens_per_minute\":%" PRIu32 ",\"retry_after_ms\":%" PRIu64, cfg->tokens_per_minute,
             (d->retry_after_ns + 999999) / 1000000);
@@ -498,7 +505,7 @@ uint32_t dp_adm_decide(struct dp_admission *a, uint32_t tenant, const uint32_t *
     return write_body(a, cfg, d, count_only, body, cap);
 }
 
-void dp_adm_commit(struct dp_admission *a, uint32_t tenant, const struct dp_adm_decision *d, uint64_t now)
+void dp_adm_commit(struct dp_admission *a, uint32_t tenant, struct dp_adm_decision *d, uint64_t now)
 {
     /* Only an admitted request needs state kept (refusals and counts change none): a tenant id
      * seen only in refusals or counts takes no slot, and keeps no per-tenant counts either. */
@@ -523,6 +530,7 @@ void dp_adm_commit(struct dp_admission *a, uint32_t tenant, const struct dp_adm_
     }
     t->spent += d->charge;
     t->st.charged += d->charge;
+    d->charged_day = t->day_start;
     if (cfg->tokens_per_minute) {
         uint64_t tat = t->tat_minute > now ? t->tat_minute : now;
         t->tat_minute = tat + (uint64_t)((double)(d->p.input_tokens + d->p.max_output) * MINUTE_NS /
@@ -545,7 +553,9 @@ void dp_adm_settle(struct dp_admission *a, uint32_t tenant, const struct dp_adm_
     const struct dp_tenant_cfg *cfg = cfg_of(a, t);
     const struct dp_adm_price *p = &admitted->p;
     uint64_t exact = ok ? (uint64_t)ceil(cost_of(p->price_per_1k, input, output, p->entropy_factor)) : 0;
-    if (exact < admitted->charge) {
+    /* a charge of a day that has ended is not given back to the new one (the tenant could spend
+     * more than its budget in that day) */
+    if (exact < admitted->charge && admitted->charged_day == t->day_start) {
         uint64_t back = admitted->charge - exact;
         t->spent = t->spent > back ? t->spent - back : 0;
         t->st.refunded += back;

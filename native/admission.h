@@ -22,23 +22,27 @@
  *                                              distinct tokens (log2 128 = 7);
  *                                              5.0 when no tokens are seen
  *                                              (OPEN): the system estimates high
- *   output_factor  = 1 + min(max_output_tokens, 1024) / 1024    1.0 .. 2.0:
- *                    each output token is one decode step over the whole KV
+ *   output_factor  = 1 + min(max_output_tokens, 1024) / 1024    1.0 .. 1.25
+ *                    for any request admitted (max_output_tokens <= 256; the
+ *                    bound only shows in a 400's body): each output token is
+ *                    one decode step over the whole KV
  *   complexity     = entropy_factor x output_factor
  *   cost (micro-USD) = price_per_1k / 1000 x (input_tokens + max_output_tokens) x complexity
  *
  * Decision, in this order (the first that applies):
- *   400  input_tokens + max_output_tokens > max_request_tokens (the context
- *        limit), or max_output_tokens > DP_MAX_OUTPUT_TOKENS (256: what one
- *        answer carries, chunk.h), or chunk_count > the router's chunk pool
- *        (dp_adm_set_max_chunks): refused whole and alone, never truncated;
+ *   400  max_output_tokens > DP_MAX_OUTPUT_TOKENS (256: what one answer
+ *        carries, chunk.h), or chunk_count > the router's chunk pool
+ *        (dp_adm_set_max_chunks), or input_tokens + max_output_tokens >
+ *        max_request_tokens (the context limit), or > tokens_per_minute (no
+ *        retry would ever fit the minute): the body names the first that
+ *        applies; refused whole and alone, never truncated;
  *   503  a tenant with limits (a budget, a per-minute or high-entropy rate)
  *        but no state slot, none free or idle (the table is full of tenants
  *        that spent today or owe a bucket): refused, not run unlimited;
  *   422  ceil(cost) > what is left of budget_per_day: a JSON body with the
  *        cost breakdown and suggestions;
- *   429  the request's tokens (input + max_output) exceed tokens_per_minute,
- *        a GCRA bucket of one minute's worth (request level, per key; the XDP
+ *   429  the request's tokens (input + max_output) exceed what is left of
+ *        tokens_per_minute, a GCRA bucket of one minute's worth (request level, per key; the XDP
  *        program's bucket is per chunk, see README);
  *   200  admitted: ceil(cost) is charged to the day's budget and the tokens to
  *        the minute's bucket. A high-entropy request (entropy_factor >=
@@ -47,7 +51,8 @@
  *        places it on the secondary pool.
  * At completion the router settles: the charge becomes the exact price of
  * what ran (the tokens received and generated, the same complexity); a
- * request that did not complete with 200 is not charged.
+ * request that did not complete with 200 is not charged (a charge to a day
+ * that has ended since stays in that day).
  * COUNT_TOKENS records are priced and answered 200 with the same breakdown
  * (and the status the request would get); nothing is charged or run.
  */
@@ -94,6 +99,7 @@ struct dp_adm_decision {
     uint64_t spent;               /* spent today before it */
     uint64_t resets_in_ns;        /* until the budget's day ends */
     uint64_t retry_after_ns;      /* 429: until the minute's bucket has room */
+    uint64_t charged_day;         /* set by dp_adm_commit: the start of the day charged */
 };
 
 struct dp_adm_tenant_stats {
@@ -132,7 +138,7 @@ uint32_t dp_adm_decide(struct dp_admission *a, uint32_t tenant, const uint32_t *
 void dp_adm_finish(struct dp_admission *a, struct dp_adm_decision *d, const uint32_t *tokens);
 /* The decision stands (the router placed the request, or answered it): count it, charge an admission.
  * Its price is measured (priced), and nothing else of the tenant was decided since. */
-void dp_adm_commit(struct dp_admission *a, uint32_t tenant, const struct dp_adm_decision *d, uint64_t now);
+void dp_adm_commit(struct dp_admission *a, uint32_t tenant, struct dp_adm_decision *d, uint64_t now);
 /* Completion of an admitted request: the charge becomes the exact price of what ran (input tokens
  * received, output tokens generated, at the admission's price and entropy factor; never more than
  * charged), or nothing if it failed (ok = 0); the minute's bucket gets the unused tokens back. */

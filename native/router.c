@@ -378,9 +378,8 @@ static uint32_t pool_up(const struct pool *pl)
 }
 
 /* The placement rule (router.h): the cheapest pool with an up worker and room, or, for a request
- * admission throttled (spill), the next one; the policy then picks inside the pool. -1: none is up. */
-/* The pool a new request goes to: the cheapest healthy one with room (the
- * second with room for a spill), else the cheapest healthy one; -1 if none is up. */
+ * admission throttled (spill), the next one; else the cheapest with an up worker; the policy then
+ * picks inside the pool. -1: none is up. */
 static int choose_pool(const struct dp_router *rt, int spill, int *spilled)
 {
     int first = -1, second = -1, healthy = -1;
@@ -449,7 +448,9 @@ static void forget_run(struct dp_router *rt, uint64_t sk, int wk)
 
 /* --- responses -------------------------------------------------------------------- */
 
-/* A response: r's output tokens, or (no r) a refusal of chunk c's request with an optional JSON body. */
+/* A response: r's output tokens, or (no r) a refusal of chunk c's request with an optional JSON body.
+ * An error carries no tokens: a request failed part-way (its worker died with no other to take it,
+ * a record refused) is not charged, and its partial output is not an answer. */
 static int emit(struct dp_router *rt, const struct req *r, uint16_t status, uint64_t request_id, uint64_t session,
                 uint32_t tenant, const struct dp_chunk *c, const char *body, uint32_t body_len)
 {
@@ -460,7 +461,7 @@ static int emit(struct dp_router *rt, const struct req *r, uint16_t status, uint
         return 0;
     }
     struct dp_response_rec *o = dp_ring_prod_slot(rt->egress, 0);
-    uint16_t n = r ? r->n_out : 0;
+    uint16_t n = r && status == DP_STATUS_OK ? r->n_out : 0;
     o->request_id = request_id;
     o->session_id = session;
     o->tenant = tenant;
@@ -714,9 +715,6 @@ static int answer(struct dp_router *rt, const struct dp_chunk *c, uint16_t statu
     return 1;
 }
 
-/* A request seen for the first time (its first chunk, or its OPEN): admission, then a pool and a
- * worker. Returns 0 if its refusal found no egress room (nothing changed: the record is tried again),
- * else 1 with *out its new slot, or NIL if it was answered. */
 /* Slot ri, just taken, becomes the request that chunk c (its first, or its OPEN or CLOSE) names,
  * placed on worker wk of pool `pool`. */
 static struct req *req_init(struct dp_router *rt, uint32_t ri, const struct dp_chunk *c, uint64_t key, uint64_t t,
@@ -745,6 +743,9 @@ static struct req *req_init(struct dp_router *rt, uint32_t ri, const struct dp_c
     return r;
 }
 
+/* A request seen for the first time (its first chunk, or its OPEN): admission, then a pool and a
+ * worker. Returns 0 if its refusal found no egress room (nothing changed: the record is tried again),
+ * else 1 with *out its new slot, or NIL if it was answered. */
 static int admit(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, uint64_t key, uint32_t *out)
 {
     char body[DP_MAX_RESP_BODY];

@@ -275,6 +275,45 @@ def test_429_after_the_per_minute_limit_for_that_tenant_only(bench_factory):
     assert b.router.tenant_stats(4)["rate_limited"] == 2 and b.router.tenant_stats(8)["rate_limited"] == 0
 
 
+def test_a_request_larger_than_the_whole_minute_is_refused_400_not_told_to_retry(bench_factory):
+    """More tokens than the tenant's tokens_per_minute never fit its bucket: a 429's retry_after
+    would never come true. It is a 400 naming the limit, with a split that fits."""
+    b = bench_factory()
+    b.router.set_tenant(4, TenantPolicy(tokens_per_minute=300))
+    b.send(chunks_of(1, [1] * 300, max_out=16, tenant=4))          # 3 chunks: 384 + 16 tokens
+    b.send(chunks_of(2, [1] * 10, max_out=16, tenant=4))           # 128 + 16: fits
+    b.run()
+    got = by_id(b.responses)
+    assert got[1]["status"] == 400 and got[2]["status"] == 200
+    doc = wire.decode_admission_body(body_of(got[1]))
+    assert doc.fields["tokens_per_minute"] == 300 and doc.fields["request_tokens"] == 400
+    assert "retry_after_ms" not in doc.fields and "tokens per minute" in doc.error
+    assert doc.suggestions == ["split into 2 requests of <= 256 prompt tokens"], doc.suggestions
+    assert b.router.stats()["adm_oversized"] == 1 and b.router.stats()["adm_rate_limited"] == 0
+
+
+def test_a_charge_settled_after_its_day_ended_is_not_given_back_to_the_new_day():
+    """A request charged in the last second of a day fails in the next one: its refund went to the
+    new day's spending, and the tenant could spend more than its budget in that day."""
+    adm = ffi.gc(lib.dp_adm_create(), lib.dp_adm_destroy)
+    lib.dp_adm_set_tenant(adm, 1, TenantPolicy(price_per_1k=1000, budget_per_day=10**6).cdata())
+    toks = ffi.new("uint32_t[]", [1] * 128)
+    body, st = ffi.new("char[]", 1024), ffi.new("struct dp_adm_tenant_stats *")
+    late, early = ffi.new("struct dp_adm_decision *"), ffi.new("struct dp_adm_decision *")
+    day0 = 10**12
+    for d, now in ((early, day0), (late, day0 + 86_399 * 10**9)):
+        assert lib.dp_adm_decide(adm, 1, toks, 128, 1, 16, 0, now, d, body, 1024) == 0
+        lib.dp_adm_commit(adm, 1, d, now)
+    nxt = ffi.new("struct dp_adm_decision *")
+    assert lib.dp_adm_decide(adm, 1, toks, 128, 1, 16, 0, day0 + 86_401 * 10**9, nxt, body, 1024) == 0
+    lib.dp_adm_commit(adm, 1, nxt, day0 + 86_401 * 10**9)          # a new day: spent = this charge
+    lib.dp_adm_settle(adm, 1, late, 128, 0, 0)                     # yesterday's request failed
+    assert lib.dp_adm_tenant_stats(adm, 1, st) == 0
+    assert st.spent == nxt.charge and st.refunded == 0
+    lib.dp_adm_settle(adm, 1, nxt, 128, 0, 0)                      # today's is given back
+    assert lib.dp_adm_tenant_stats(adm, 1, st) == 0 and st.spent == 0 and st.refunded == nxt.charge
+
+
 # --- 400 ---------------------------------------------------------------------------------------------------
 
 def test_an_oversized_request_is_refused_alone_and_never_truncated(bench_factory):

@@ -446,6 +446,23 @@ def test_a_record_the_worker_refuses_ends_its_request_with_that_status(bench_fac
     assert b.router.stats()["late_duplicates"] == 1
 
 
+def test_a_request_refused_after_some_output_is_answered_without_it(bench_factory):
+    """A request its worker refuses part-way through decoding ends 503 with no tokens: it is
+    not charged, and its first tokens are not an answer. Before, the 503 carried them."""
+    b = bench_factory(n_workers=1)
+    b.send(chunks_of(6, [1, 2, 3], max_out=5))
+    b.router.poll()
+    for _ in range(2):                           # the prefill and one decode step, a token each
+        assert b.step() is not None
+    batch = b.workers[0].recv_batch(0)
+    comp = lanes.completion_for(batch, [1006] * len(batch))
+    comp["e"][0]["status"][0] = 503              # the third is refused
+    b.workers[0].send_completion(comp)
+    b.run()
+    (r,) = b.responses
+    assert r["status"] == 503 and r["n_out"] == 0
+
+
 def test_a_dead_workers_requests_are_replayed_whole_on_another(bench_factory):
     b = bench_factory(n_workers=2, policy="round_robin", token_budget=100, split_slack=0)
     toks = {rid: list(range(rid * 1000, rid * 1000 + 300)) for rid in (1, 2)}
