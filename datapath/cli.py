@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 EPILOG = """examples:
@@ -36,23 +37,28 @@ def build_parser() -> argparse.ArgumentParser:
                         formatter_class=argparse.RawDescriptionHelpFormatter,
                         epilog="examples:\n    datapath ingress stats\n    datapath ingress stats 5 3\n"
                                "    datapath ingress stats -p 42 1\n")
-    st.add_argument("interval", nargs="?", type=_positive(float), default=1.0, help="seconds between reports")
-    st.add_argument("count", nargs="?", type=_positive(int), default=None, help="number of reports")
-    st.add_argument("-p", "--prog-id", type=int, help="the program's id, when several are loaded")
+    st.add_argument("interval", nargs="?", type=positive(float), default=1.0,
+                    help="seconds between reports (default 1)")
+    st.add_argument("count", nargs="?", type=positive(int), default=None, help="number of reports (default: until Ctrl-C)")
+    st.add_argument("-p", "--prog-id", type=positive(int, most=2**32 - 1),
+                    help="the program's id, when several are loaded")
     st.add_argument("--ebpf", action="store_true", help=argparse.SUPPRESS)   # print the BPF C, as bcc tools do
     from .serving import commands as serving_commands
     serving_commands.add_parsers(sub)
     return p
 
 
-def _positive(kind):
+def positive(kind, zero_ok: bool = False, most=None):
+    """An argparse type: a finite number > 0 (>= 0 with zero_ok, <= most); argparse names the flag."""
     def parse(text):
         try:
             v = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if v <= 0:
-            raise argparse.ArgumentTypeError(f"{text} must be positive")
+            raise argparse.ArgumentTypeError(f"{text!r} is not a{' whole' if kind is int else ''} number") from None
+        if not math.isfinite(v) or v < 0 or (v == 0 and not zero_ok):
+            raise argparse.ArgumentTypeError(f"{text} must be {'0 or more' if zero_ok else 'positive'}")
+        if most is not None and v > most:
+            raise argparse.ArgumentTypeError(f"{text} must be at most {most}")
         return v
     return parse
 

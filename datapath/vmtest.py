@@ -36,6 +36,7 @@ import tempfile
 import time
 
 from snapshotstore.device import state_dir
+from .cli import positive
 
 PACKAGES = ("qemu-system-x86", "busybox-static")
 KERNEL_META = "linux-image-amd64"
@@ -385,13 +386,17 @@ EPILOG = """examples:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m datapath.vmtest", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
-    p.add_argument("--accel", choices=("auto", "kvm", "tcg"), default="auto")
-    p.add_argument("--timeout", type=float, default=1800, help="seconds for the whole run (default 1800)")
-    p.add_argument("--crash-iterations", type=int, default=50, help="SIGKILLed writers on the namespace")
+    p.add_argument("--accel", choices=("auto", "kvm", "tcg"), default="auto",
+                   help="kvm, tcg (emulation: slower, no /dev/kvm needed) or auto: kvm when usable (default)")
+    p.add_argument("--timeout", type=positive(float), default=1800, help="seconds for the whole run (default 1800)")
+    p.add_argument("--crash-iterations", type=positive(int), default=50,
+                   help="SIGKILLed writers on the namespace (default 50)")
     p.add_argument("--json", help="write the result here too")
     p.add_argument("--keep", action="store_true", help="keep the run directory (kernel, initramfs, console log)")
     p.add_argument("--install-only", action="store_true", help="install the packages and fetch the kernel, no boot")
     args = p.parse_args(argv)
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        p.error(f"--json {args.json}: no such directory (checked now, not after the run)")
     try:
         if args.install_only:
             if os.geteuid() != 0:

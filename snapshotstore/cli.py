@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -37,14 +38,27 @@ EPILOG = """examples:
 
 
 def parse_size(text: str) -> int:
+    """Bytes, a K/M/G/T suffix (powers of 1024) allowed; more than 0."""
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
     t = text.strip().upper().removesuffix("IB").removesuffix("B")
     try:
-        if t and t[-1] in units:
-            return int(float(t[:-1]) * units[t[-1]])
-        return int(t)
+        scale = units[t[-1]] if t and t[-1] in units else 1
+        value = float(t[:-1] if scale > 1 else t) * scale
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size (examples: 4096, 256M, 1G)") from None
+        value = math.nan
+    if not math.isfinite(value) or value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (examples: 4096, 256M, 1G)")
+    return int(value)
+
+
+def _count(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count (0 or more)")
+    return n
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,12 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
     device = dict(nargs="?", help=f"block device or image file (default: {default_image_path()})")
     f = sub.add_parser("format", help="make an empty store (creates an image file with --size)")
     f.add_argument("device", **device)
-    f.add_argument("--size", type=parse_size, help="create the image file with this size "
-                                                    f"(default {DEFAULT_IMAGE_SIZE >> 30} GiB for the default image)")
-    f.add_argument("--force", action="store_true", help="erase an existing store")
+    f.add_argument("--size", type=parse_size, help="create the image file with this size, in bytes or with a "
+                   f"K/M/G/T suffix (default {DEFAULT_IMAGE_SIZE >> 30}G for the default image)")
+    f.add_argument("--force", action="store_true",
+                   help="erase what DEVICE holds: a store, or any data (without it only zeroed blocks are formatted)")
     i = sub.add_parser("inspect", help="list the records of the log, oldest first")
     i.add_argument("device", **device)
-    i.add_argument("--limit", type=int, default=0, help="show at most N records (default all)")
+    i.add_argument("--limit", type=_count, default=0, metavar="N", help="show at most N records (default 0: all)")
     c = sub.add_parser("fsck", help="verify every record's CRC and every chain; exit 1 on damage")
     c.add_argument("device", **device)
     s = sub.add_parser("stats", help="sessions, records, space and recovery counters")
@@ -71,8 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--listen", default=f"127.0.0.1:{DEFAULT_PORT}", metavar="HOST:PORT",
                    help=f"address to listen on (default 127.0.0.1:{DEFAULT_PORT}; port 0 picks a free one)")
     t.add_argument("--nqn", default=DEFAULT_NQN, help=f"subsystem NQN (default {DEFAULT_NQN})")
-    t.add_argument("--maxh2cdata", type=parse_size, default=128 << 10,
-                   help="largest H2CData PDU, and R2T chunk, the target accepts (default 128K)")
+    t.add_argument("--maxh2cdata", type=parse_size, default=128 << 10, metavar="SIZE",
+                   help="largest H2CData PDU, and R2T chunk, the target accepts: a multiple of the block "
+                        "size, in bytes or with a K/M suffix (default 128K)")
     return p
 
 
@@ -87,8 +103,9 @@ def _format(args) -> int:
             os.makedirs(os.path.dirname(path), exist_ok=True)
         elif args.size is None:
             raise SnapshotError(f"{path} does not exist: pass --size to create an image file there")
-        create_image(path, args.size or DEFAULT_IMAGE_SIZE)
-        print(f"created {path} ({(args.size or DEFAULT_IMAGE_SIZE) >> 20} MiB sparse image)")
+        size = DEFAULT_IMAGE_SIZE if args.size is None else args.size
+        create_image(path, size)
+        print(f"created {path} ({size >> 20} MiB sparse image)")
     elif args.size is not None:
         raise SnapshotError(f"{path} exists already: --size only applies to a new image file")
     sb = format_device(path, force=args.force)

@@ -56,6 +56,7 @@ from .format import (HEADER_SIZE, KIND_BASE, KIND_DELTA, KIND_PAD, KIND_TOMBSTON
 RESERVE_BLOCKS = 8               # at least, and 1/32 of the log: kept for tombstones (deletes on a full log)
 MAX_RECORD_BYTES = 16 << 20      # and at most 1/16 of the log
 SCAN_WINDOW_BYTES = 1 << 20      # recovery reads the log in windows this large
+FORMAT_CHECK_BLOCKS = 16         # format without force wants these first blocks zeroed (or a store)
 KEY_LOCKS = 256
 # The checkpoint follows the flushes at most this often: a superblock write per flush cost a
 # put 1.2x -> 1.7x of a raw O_DIRECT write + fdatasync here (one more device round trip).
@@ -97,7 +98,9 @@ class _Request:
 
 
 def format_device(path: str, force: bool = False) -> Superblock:
-    """Write an empty store (both superblock copies) on path; refuses to erase a store unless force."""
+    """Write an empty store (both superblock copies) on path. Unless force, refuses to erase a store,
+    or any data in the first FORMAT_CHECK_BLOCKS blocks: a mistyped path to a disk that holds a
+    file system or a partition table is refused, not overwritten."""
     dev = open_device(path)
     try:
         dev.lock(shared=False)
@@ -107,6 +110,10 @@ def format_device(path: str, force: bool = False) -> Superblock:
             bs = dev.block_size
             if any(fmt.unpack_superblock(view[i * bs:(i + 1) * bs]) for i in range(fmt.SB_COPIES)):
                 raise FormatError(f"{path} already holds a snapshot store: pass --force to erase it")
+            n = min(dev.blocks, FORMAT_CHECK_BLOCKS)
+            if any(dev.read_into(aligned_buffer(n * bs), 0, n)):
+                raise FormatError(f"{path} holds data that is not a snapshot store (a file system? a "
+                                  f"partition table?): pass --force to erase it")
         log_blocks = dev.blocks - fmt.LOG_START
         if log_blocks < 64:
             raise DeviceError(f"{path} is too small: a store needs at least {64 + fmt.LOG_START} "

@@ -133,9 +133,21 @@ def test_constants_and_the_status_word():
 def test_url_form():
     assert parse_url("nvme-tcp://127.0.0.1:4421/nqn.2026-12.io.x:a") == ("127.0.0.1", 4421, "nqn.2026-12.io.x:a")
     assert parse_url("nvme-tcp://127.0.0.1/nqn.x") == ("127.0.0.1", 4420, "nqn.x")
-    for bad in ("nvme-tcp://127.0.0.1:4420", "nvme-tcp://:4420/nqn.x", "tcp://127.0.0.1:4420/nqn.x"):
+    for bad in ("nvme-tcp://127.0.0.1:4420", "nvme-tcp://:4420/nqn.x", "tcp://127.0.0.1:4420/nqn.x",
+                "nvme-tcp://127.0.0.1:99999/nqn.x"):          # the port was cut to 16 bits: 34463
         with pytest.raises(DeviceError, match="nvme-tcp://HOST"):
             parse_url(bad)
+
+
+def test_a_target_refuses_an_empty_namespace_and_a_zero_maxh2cdata(image, tmp_path):
+    """Both started serving before: a namespace of 0 blocks, and R2Ts that could never move a byte."""
+    empty = tmp_path / "empty.img"
+    empty.write_bytes(b"")
+    for path, kw in ((str(empty), {}), (image(), {"maxh2cdata": 0})):
+        t = Target(path, port=0, **kw)
+        with pytest.raises(DeviceError, match="positive multiples of the block size"):
+            t.start()
+        assert t._listener is None
 
 
 # --- the initiator, and LogStore on a remote namespace ----------------------------------------------

@@ -1,4 +1,6 @@
 """`datapath model info` and `datapath worker`: sizes printed, user errors in one sentence."""
+import pytest
+
 from datapath.cli import main
 
 
@@ -20,11 +22,34 @@ def test_worker_demo_runs_requests_through_the_native_router(capsys):
 
 def test_user_errors_are_one_sentence(capsys):
     assert main(["worker"]) == 2
-    assert capsys.readouterr().out.strip() == \
+    assert capsys.readouterr().err.strip() == \
         "datapath worker: give one of --lane NAME, --zmq ENDPOINT or --demo N"
     assert main(["model", "info", "--heads", "3"]) == 2
-    assert "Traceback" not in capsys.readouterr().out
+    assert "must be a multiple of n_kv_heads" in capsys.readouterr().err
     assert main(["worker", "--zmq", "nonsense"]) == 1
-    assert "cannot bind zmq lane at nonsense" in capsys.readouterr().out
+    assert "cannot bind zmq lane at nonsense" in capsys.readouterr().err
     assert main(["worker", "--lane", "zl-no-such-lane"]) == 1
-    assert "no ring named 'zl-no-such-lane.lane'" in capsys.readouterr().out
+    assert "no ring named 'zl-no-such-lane.lane'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args,says", [
+    (["model", "info", "--kv-heads", "0"], "--kv-heads: 0 must be positive"),      # was a ZeroDivisionError
+    (["model", "info", "--layers", "-1"], "--layers: -1 must be positive"),        # printed -131,200 parameters
+    (["model", "info", "--seed", "-1"], "--seed: -1 must be 0 or more"),
+    (["worker", "--demo", "1", "--prompt-tokens", "0"], "--prompt-tokens: 0 must be positive"),   # hung 600 s
+    (["worker", "--demo", "1", "--output-tokens", "-1"], "--output-tokens: -1 must be positive"),  # OverflowError
+    (["worker", "--demo", "1", "--output-tokens", "300"], "--output-tokens: 300 must be at most 256"),
+    (["ingress", "stats", "nan"], "interval: nan must be positive"),
+    (["ingress", "stats", "1", "-p", "99999999999"], "must be at most 4294967295"),
+])
+def test_bad_numbers_are_usage_errors_naming_the_flag(capsys, args, says):
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    assert e.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_model_info_of_a_model_too_large_to_build_prints_its_sizes(capsys):
+    big = ["--layers", "32", "--heads", "32", "--kv-heads", "8", "--head-dim", "128", "--d-model", "4096"]
+    assert main(["model", "info", *big]) == 0
+    out = capsys.readouterr().out
+    assert "= 131,072 bytes" in out and "stored delta: not measured (the model would take 5.6 GiB" in out

@@ -85,5 +85,28 @@ def test_errors_on_a_formatted_store(store_image, tmp_path):
 def test_help_has_examples_and_bad_size_is_a_usage_error():
     r = cli("-h")
     assert r.returncode == 0 and "examples:" in r.stdout and "fsck" in r.stdout
-    r = cli("format", "x.img", "--size", "12Q")
-    assert r.returncode == 2 and "is not a size" in r.stderr
+    for bad in ("12Q", "0", "-1M", "infG", "nan"):            # 0 made the default 1 GiB image before
+        r = cli("format", "x.img", f"--size={bad}")
+        assert r.returncode == 2 and "is not a size" in r.stderr, (bad, r.stderr)
+    r = cli("inspect", "x.img", "--limit", "-1")
+    assert r.returncode == 2 and "is not a count" in r.stderr
+
+
+def test_format_refuses_data_that_is_not_a_store_without_force(tmp_path):
+    """A mistyped path to a disk with a file system on it: before, format overwrote its first blocks."""
+    junk = tmp_path / "junk.img"
+    junk.write_bytes(bytes(4096) + b"\x53\xef" + bytes((1 << 20) - 4098))    # data in its second block
+    r = cli("format", str(junk))
+    assert r.returncode == 1 and "holds data that is not a snapshot store" in r.stderr, r.stderr
+    assert junk.read_bytes()[4096:4098] == b"\x53\xef", "untouched"
+    assert cli("format", str(junk), "--force").returncode == 0
+    zeroed = tmp_path / "zeroed.img"
+    zeroed.write_bytes(bytes(1 << 20))
+    assert cli("format", str(zeroed)).returncode == 0, "zeroed blocks need no --force"
+
+
+def test_an_image_too_large_for_the_file_system_leaves_no_file(tmp_path):
+    image = tmp_path / "huge.img"
+    r = cli("format", str(image), "--size", "99999T")
+    assert r.returncode == 1 and "cannot make" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not image.exists(), "a retry must not find an empty file"

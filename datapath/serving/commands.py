@@ -6,11 +6,15 @@ turns user errors into one sentence.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import numpy as np
 
+from ..cli import positive
 from .devices import PROFILES
+
+MODEL_INFO_MAX_BYTES = 1 << 30   # model info measures deltas on a model it builds: up to this size
 
 WORKER_EPILOG = """examples:
     datapath worker --lane zl-w0                 # attach the shared-memory lane the router created
@@ -23,27 +27,35 @@ the router to connect to: one message per micro-batch of dp_chunk records,
 one dp_completion back. Ctrl-C stops the worker. --demo runs the native
 router in this process with one shared-memory lane and this worker, feeds it
 N requests and prints the responses. No snapshot store is attached from the
-command line yet, so sessions stay resident and are never evicted.
+command line, so sessions stay resident and are never evicted (the pipeline,
+datapath.pipeline, attaches one).
 """
 
 MODEL_EPILOG = """examples:
     datapath model info                          # the default model: 1 KiB of KV per token
-    datapath model info --layers 32 --kv-heads 8 --head-dim 128 --heads 32 --d-model 4096
+    datapath model info --layers 8 --heads 8 --kv-heads 8 --head-dim 64 --d-model 512
+    datapath model info --layers 32 --heads 32 --kv-heads 8 --head-dim 128 --d-model 4096   # sizes only
+
+A model over 1 GiB of float32 weights is not built: its KV sizes are printed,
+not the measured delta sizes.
 """
 
 
 def _model_args(p: argparse.ArgumentParser):
     from .model import ModelConfig
     d = ModelConfig()
-    g = p.add_argument_group("model shape")
-    g.add_argument("--vocab", type=int, default=d.vocab)
-    g.add_argument("--layers", type=int, default=d.n_layers)
-    g.add_argument("--d-model", type=int, default=d.d_model)
-    g.add_argument("--heads", type=int, default=d.n_heads)
-    g.add_argument("--kv-heads", type=int, default=d.n_kv_heads)
-    g.add_argument("--head-dim", type=int, default=d.head_dim)
-    g.add_argument("--d-ff", type=int, default=d.d_ff)
-    g.add_argument("--seed", type=int, default=0, help="weights seed (default 0)")
+    g = p.add_argument_group("model shape (every process that builds the same shape and seed holds the same model)")
+    dim = positive(int)
+    g.add_argument("--vocab", type=dim, default=d.vocab, help=f"token ids 0..vocab-1 (default {d.vocab})")
+    g.add_argument("--layers", type=dim, default=d.n_layers, help=f"transformer layers (default {d.n_layers})")
+    g.add_argument("--d-model", type=dim, default=d.d_model, help=f"hidden size (default {d.d_model})")
+    g.add_argument("--heads", type=dim, default=d.n_heads, help=f"attention heads (default {d.n_heads})")
+    g.add_argument("--kv-heads", type=dim, default=d.n_kv_heads,
+                   help=f"KV heads, dividing --heads (grouped-query attention; default {d.n_kv_heads})")
+    g.add_argument("--head-dim", type=dim, default=d.head_dim, help=f"per head, even for RoPE (default {d.head_dim})")
+    g.add_argument("--d-ff", type=dim, default=d.d_ff, help=f"MLP hidden size (default {d.d_ff})")
+    g.add_argument("--seed", type=positive(int, zero_ok=True, most=2**63 - 1), default=0,
+                   help="weights seed (default 0)")
 
 
 def _config(args) -> dict:
@@ -53,27 +65,33 @@ def _config(args) -> dict:
 
 def add_parsers(sub):
     from .kvdelta import CODECS
-    w = sub.add_parser("worker", help="run one worker on a ZeroMQ lane (or an in-process demo)",
+    w = sub.add_parser("worker", help="run one worker on a shared-memory or ZeroMQ lane (or an in-process demo)",
                        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=WORKER_EPILOG,
                        description="A worker: the tiny model, per-session KV caches, one model step per micro-batch.")
     w.add_argument("--lane", metavar="NAME", help="shared-memory lane to attach (created by the router)")
-    w.add_argument("--index", type=int, default=0, help="this worker's index in completions (default 0)")
+    w.add_argument("--index", type=positive(int, zero_ok=True, most=0xfffe), default=0, help="this worker's index in completions (default 0)")
     w.add_argument("--zmq", metavar="ENDPOINT", help="bind a ZeroMQ lane at tcp://HOST:PORT or ipc://PATH")
     w.add_argument("--codec", choices=list(CODECS), default="zstd", help="KV delta codec (default zstd)")
-    w.add_argument("--kv-budget-mib", type=float, help="KV memory budget (default: the device's, else 256)")
     w.add_argument("--device", choices=list(PROFILES), help="simulate this device's step times")
-    w.add_argument("--sim", choices=["sleep", "busy"], default="sleep", help="how simulated time is spent")
-    w.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    w.add_argument("--demo", type=int, metavar="N", help="run N requests through an in-process router and print them")
-    w.add_argument("--prompt-tokens", type=int, default=300, help="demo prompt length (default 300)")
-    w.add_argument("--output-tokens", type=int, default=16, help="demo output length (default 16)")
+    w.add_argument("--sim", choices=["sleep", "busy"], default="sleep",
+                   help="how simulated time is spent: asleep, or spinning a core (default sleep)")
+    w.add_argument("--temperature", type=positive(float, zero_ok=True), default=0.0, help="0 = greedy (default)")
+    w.add_argument("--demo", type=positive(int, most=1000), metavar="N",
+                   help="run N requests through an in-process router and print them")
+    w.add_argument("--prompt-tokens", type=positive(int, most=4096), default=300,
+                   help="demo prompt length (default 300)")
+    w.add_argument("--output-tokens", type=positive(int, most=256), default=16,
+                   help="demo output length, at most the 256 one answer carries (default 16)")
     _model_args(w)
-    m = sub.add_parser("model", help="the tiny model: sizes", formatter_class=argparse.RawDescriptionHelpFormatter,
+    m = sub.add_parser("model", help="the tiny model: its sizes", formatter_class=argparse.RawDescriptionHelpFormatter,
                        epilog=MODEL_EPILOG, description="Sizes of the model and of its KV deltas, per codec.")
     msub = m.add_subparsers(dest="model_command", metavar="SUBCOMMAND")
     msub.required = True
     info = msub.add_parser("info", help="parameters, KV bytes per token, stored delta sizes per codec",
-                           formatter_class=argparse.RawDescriptionHelpFormatter, epilog=MODEL_EPILOG)
+                           formatter_class=argparse.RawDescriptionHelpFormatter, epilog=MODEL_EPILOG,
+                           description="The model's parameters and KV bytes per token, the stored size of a "
+                                       "decode step's and a 128-token chunk's KV delta per codec (measured "
+                                       "on the model, built), and the simulated devices' step times.")
     _model_args(info)
 
 
@@ -81,15 +99,13 @@ def run(args) -> int:
     try:
         return model_info(args) if args.command == "model" else worker(args)
     except ValueError as e:  # bad shapes, lengths: already one sentence
-        print(f"datapath {args.command}: {e}")
+        print(f"datapath {args.command}: {e}", file=sys.stderr)
         return 2
 
 
 def model_info(args) -> int:
-    from . import kvdelta
-    from .model import LLAMA3_8B_KV_BYTES_PER_TOKEN, KVCache, Model, ModelConfig
+    from .model import LLAMA3_8B_KV_BYTES_PER_TOKEN, Model, ModelConfig
     config = ModelConfig(**_config(args))
-    model = Model(config, args.seed)
     c = config
     print(f"model: vocab {c.vocab}, {c.n_layers} layers, d_model {c.d_model}, {c.n_heads} heads, "
           f"{c.n_kv_heads} KV heads x head dim {c.head_dim}, d_ff {c.d_ff}, seed {args.seed}")
@@ -97,13 +113,11 @@ def model_info(args) -> int:
     print(f"KV per token: 2 x {c.n_layers} layers x {c.n_kv_heads} KV heads x {c.head_dim} x 2 bytes (fp16) "
           f"= {c.kv_bytes_per_token:,} bytes")
     print(f"  for comparison, Llama-3-8B (2 x 32 x 8 x 128 x 2): {LLAMA3_8B_KV_BYTES_PER_TOKEN:,} bytes")
-    cache = KVCache(config)
-    model.prefill(cache, np.random.default_rng(0).integers(0, c.vocab, 129))
-    print("stored delta (measured on a random 129-token prompt; header included):")
-    for name in kvdelta.CODECS:
-        step = len(kvdelta.encode(kvdelta.export_delta(cache, 128, 129), config, name))
-        chunk = len(kvdelta.encode(kvdelta.export_delta(cache, 0, 128), config, name))
-        print(f"  {name:<10} decode step {step:>7,} B   128-token chunk {chunk:>9,} B")
+    if c.n_params * 4 > MODEL_INFO_MAX_BYTES:
+        print(f"stored delta: not measured (the model would take {c.n_params * 4 / 2**30:.1f} GiB to build; "
+              f"raw, a decode step is {c.kv_bytes_per_token:,} bytes plus the header)")
+    else:
+        _delta_sizes(Model(config, args.seed), config)
     print("simulated devices (Llama-3-8B step times; `datapath/serving/devices.py` has the sources):")
     for p in PROFILES.values():
         print(f"  {p.name:<5} decode {p.decode_s_per_token(1, 2048) * 1e3:6.2f} ms/token at batch 1, "
@@ -113,29 +127,40 @@ def model_info(args) -> int:
     return 0
 
 
+def _delta_sizes(model, config):
+    from . import kvdelta
+    from .model import KVCache
+    cache = KVCache(config)
+    model.prefill(cache, np.random.default_rng(0).integers(0, config.vocab, 129))
+    print("stored delta (measured on a random 129-token prompt; header included):")
+    for name in kvdelta.CODECS:
+        step = len(kvdelta.encode(kvdelta.export_delta(cache, 128, 129), config, name))
+        chunk = len(kvdelta.encode(kvdelta.export_delta(cache, 0, 128), config, name))
+        print(f"  {name:<10} decode step {step:>7,} B   128-token chunk {chunk:>9,} B")
+
+
 def worker(args) -> int:
     from ..ring import RingError
     from .devices import profile
     from .model import ModelConfig
     from .worker import WorkerOptions, worker_process
     if (args.demo is not None) + bool(args.lane) + bool(args.zmq) != 1:
-        print("datapath worker: give one of --lane NAME, --zmq ENDPOINT or --demo N")
+        print("datapath worker: give one of --lane NAME, --zmq ENDPOINT or --demo N", file=sys.stderr)
         return 2
-    if args.kv_budget_mib is not None:
-        budget = int(args.kv_budget_mib * 2**20)
-    else:
-        budget = profile(args.device).kv_budget_bytes(ModelConfig(**_config(args))) if args.device else 256 << 20
+    # without a store nothing is evicted: the budget is only what the worker counts against
+    budget = profile(args.device).kv_budget_bytes(ModelConfig(**_config(args))) if args.device else 256 << 20
     opts = WorkerOptions(config=_config(args), seed=args.seed, index=args.index, kv_budget_bytes=budget,
                          codec=args.codec, temperature=args.temperature, device=args.device, sim_mode=args.sim)
     if args.demo is not None:
         return _demo(opts, args)
     spec = ("shm", args.lane) if args.lane else ("zmq", args.zmq)
-    print(f"worker {args.index}: {spec[0]} lane {spec[1]}, codec {args.codec}, KV budget {budget / 2**20:.0f} MiB"
-          + (f", simulating {args.device} ({args.sim})" if args.device else "") + "; no snapshot store attached")
+    print(f"worker {args.index}: {spec[0]} lane {spec[1]}, codec {args.codec}"
+          + (f", simulating {args.device} ({args.sim})" if args.device else "")
+          + "; no snapshot store attached: sessions stay resident")
     try:
         worker_process(spec, None, opts)
     except (OSError, RingError) as e:  # no such ring, or an endpoint that cannot be bound
-        print(f"datapath worker: {e}")
+        print(f"datapath worker: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         pass

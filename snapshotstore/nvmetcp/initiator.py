@@ -47,7 +47,7 @@ def parse_url(url: str) -> tuple[str, int, str]:
     rest, _, option = (url[len(SCHEME):] if is_url(url) else "").partition("?")
     hostport, _, nqn = rest.partition("/")
     host, _, port = hostport.rpartition(":") if ":" in hostport else (hostport, "", str(DEFAULT_PORT))
-    if not host or not nqn or not port.isdigit() or option not in ("", "digests"):
+    if not host or not nqn or not port.isdigit() or int(port) > 65535 or option not in ("", "digests"):
         raise DeviceError(f"{url!r} is not an NVMe/TCP namespace URL: write "
                           f"nvme-tcp://HOST[:PORT]/SUBSYSTEM-NQN[?digests] "
                           f"(for example nvme-tcp://127.0.0.1:4420/nqn.2026-12.io.zerolayer:snapshots)")

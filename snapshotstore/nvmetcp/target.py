@@ -69,10 +69,12 @@ class Target:
 
     def start(self) -> "Target":
         self.dev = BlockDevice(self.path)
-        if self.max_transfer % self.dev.block_size or self.maxh2cdata % self.dev.block_size:
+        if (self.max_transfer % self.dev.block_size or self.maxh2cdata % self.dev.block_size
+                or not self.maxh2cdata or not self.dev.blocks):
             self.dev.close()
-            raise DeviceError(f"{self.path} has {self.dev.block_size}-byte blocks: the transfer sizes must "
-                              f"be multiples of it")
+            raise DeviceError(f"{self.path} has {self.dev.blocks} blocks of {self.dev.block_size} bytes: a "
+                              f"namespace needs one at least, and the transfer sizes (maxh2cdata "
+                              f"{self.maxh2cdata}) must be positive multiples of the block size")
         try:
             self.dev.lock(shared=False)                # no local store on it meanwhile
             self._listener = socket.create_server((self.host, self.port))
