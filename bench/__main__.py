@@ -37,8 +37,8 @@ EPILOG = """examples:
 
 def _policy_names() -> str:
     try:
-        from datapath.router import policies
-        return ", ".join(policies())
+        from datapath.router import policy_params
+        return ", ".join(f"{n} (:X {param.split(':')[0]})" if param else n for n, param in policy_params().items())
     except ImportError:          # the extension not built yet (make setup builds it)
         return "see datapath.router.policies()"
 
@@ -52,11 +52,12 @@ def main(argv=None) -> int:
     p.add_argument("--json", metavar="PATH", help="where to write the JSON (default bench-results/SUITE.json)")
     p.add_argument("--soak", action="store_true", help="snapshot: also run the 1,000-iteration crash soak")
     p.add_argument("--policy", metavar="A,B,...",
-                   help=f"compare: routing policies ({_policy_names()}; NAME:X gives one parameter X) "
+                   help=f"compare: routing policies ({_policy_names()}; NAME:X gives the policy's parameter X) "
                         "and batching modes (dynamic, static) to run under the same load")
     p.add_argument("--rate", type=float, default=40, help="compare: offered requests/s (default 40)")
     p.add_argument("--repeat", type=int, metavar="N",
-                   help="compare: rounds of every name, the order reversed every other round (default 2; 1 with --quick)")
+                   help="compare: rounds of every name, the order reversed every other round, so an even N "
+                        "balances it (default 2; 1 with --quick)")
     p.add_argument("--device", metavar="PROFILE",
                    help="compare: workers simulate this device's step time (cpu, l4, h100, dpu: "
                         "datapath.serving.devices); default: the tiny model's own step time")

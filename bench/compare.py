@@ -10,8 +10,10 @@ A name is a routing policy (datapath.router.policies(), with dynamic batching;
 batching mode (dynamic, static; with affinity routing, the pipeline's default,
 since sessions return). Each run gets a fresh pipeline and, within a round,
 the same Poisson schedule (same seed, same requests, same sessions); each
-round has its own seed, so the pooled rounds are that many schedules. The names run in rounds
-(--repeat, 2 by default, 1 with --quick), the order reversed every other round,
+round has its own seed, so the pooled rounds are that many schedules, and the router's key
+secret is the round's (the same sessions collide in its tables for every name). The names run
+in rounds (--repeat, 2 by default, 1 with --quick), the order reversed every other round (an
+even count gives every name each place equally often; --quick's one round does not),
 and each name's latencies are pooled over its rounds, so a slow spell of this
 shared machine does not fall on one name alone. The table (compare.md, and
 rows.json with each round's p95) and `compare.png` show p50/p95/p99
@@ -39,7 +41,7 @@ import numpy as np
 
 from bench.e2e import OUTPUT, PROMPT, _config, _offer, _pcts, _progress, _warm_up, drain_s, fresh_store
 from datapath.pipeline import Pipeline
-from datapath.router import policies
+from datapath.router import policy_params
 from datapath.serving.devices import PROFILES
 
 # Sessions the offer cycles through: a prime, so that a session's next request does not land on
@@ -68,7 +70,8 @@ def parse_names(spec: str) -> list[tuple[str, str, float | None]]:
     """"a,b:0.1,..." -> [(label, name, param)]: a routing policy (datapath.router.policies(), with
     dynamic batching; ":x" gives it parameter x, e.g. affinity's load bound) or a batching mode
     (dynamic, static). ValueError, naming what is known, for anything else."""
-    known = set(policies()) | {"dynamic", "static"}
+    params = policy_params()
+    known = set(params) | {"dynamic", "static"}
     out = []
     for label in (n.strip() for n in spec.split(",")):
         if not label:
@@ -78,6 +81,8 @@ def parse_names(spec: str) -> list[tuple[str, str, float | None]]:
             raise ValueError(f"unknown policy or batching mode {name!r} (known: {', '.join(sorted(known))})")
         if param and name in ("dynamic", "static"):
             raise ValueError(f"{label!r}: a batching mode takes no parameter")
+        if param and params.get(name, "") is None:
+            raise ValueError(f"{label!r}: {name} takes no parameter (it would be ignored)")
         try:
             value = float(param) if param else None
         except ValueError:
@@ -109,7 +114,9 @@ def _one(label: str, name: str, param: float | None, device: str | None, rate: f
     kw = {"batching": name} if name in ("dynamic", "static") else {"policy": name}
     if param is not None:
         kw["policy_param"] = param
-    with fresh_store() as store, Pipeline(_config(shared_store=store, device=device, **kw)) as p:
+    # the same key secret for every name: which sessions share a slot of the router's last-run table
+    # (flagged moved, a store lookup) was drawn anew for each run
+    with fresh_store() as store, Pipeline(_config(shared_store=store, device=device, key_secret=seed, **kw)) as p:
         _warm_up(p, device)
         st0, store0 = p.router.stats(), p.store_stats()     # the counts below are the offer's own
         res = _offer(p, rate, seconds, prompt_tokens=PROMPT, max_output_tokens=OUTPUT,

@@ -55,6 +55,8 @@ class PipelineConfig:
                                        # spreads them needs shared_store, or a moved request runs on a
                                        # context without its session's earlier turns
     policy_param: float = 0.0          # the policy's parameter (0: its default; affinity: the load bound, 0.25)
+    key_secret: int | None = None      # the router's key hash secret (random if None): compare fixes it, so
+                                       # every policy's run sees the same sessions collide in its tables
     batching: str = "dynamic"          # or "static"
     token_budget: int = 512            # dynamic: tokens per step (a worker on a simulated device: see below)
     budget_at_knee: bool = True        # a simulated device's worker steps up to its profile's knee_tokens
@@ -220,6 +222,8 @@ class Pipeline:
                              token_budget=cfg.token_budget, max_chunks=cfg.max_chunks, max_batch_size=cfg.max_batch_size,
                              batch_timeout_s=cfg.batch_timeout_s, split_slack=cfg.split_slack)
         es.callback(self.router.close)
+        if cfg.key_secret is not None:
+            self.router.set_key_secret(cfg.key_secret)
         self.router.add_feed(self.consumer)
         self.router.set_egress(out_ring)
         # a shared byte, not a multiprocessing.Event: Event.is_set takes a lock, and a worker

@@ -17,11 +17,17 @@ MAX_POOLS = lib.DP_MAX_POOLS
 
 
 def policies() -> list[str]:
-    names, i = [], 0
+    return list(policy_params())
+
+
+def policy_params() -> dict[str, str | None]:
+    """Each registered policy: what its parameter means, or None if it takes none."""
+    out, i = {}, 0
     while (p := lib.dp_policy_name(i)) != ffi.NULL:
-        names.append(ffi.string(p).decode())
+        param = lib.dp_policy_param(i)
+        out[ffi.string(p).decode()] = ffi.string(param).decode() if param != ffi.NULL else None
         i += 1
-    return names
+    return out
 
 
 def _check(rc: int, what: str) -> int:
@@ -57,6 +63,8 @@ class Router:
             raise ValueError(f"split_slack must be 0..128 tokens, not {split_slack}")
         if max_requests < 8 or max_requests & (max_requests - 1):
             raise ValueError(f"max_requests must be a power of two >= 8, not {max_requests}")
+        if policy_param and policy_params().get(policy, "") is None:
+            raise ValueError(f"policy {policy!r} takes no parameter (it would be ignored), not {policy_param:g}")
         cfg = ffi.new("struct dp_router_config *", dict(
             batching=BATCHING[batching], token_budget=token_budget, max_chunks=max_chunks,
             max_batch_size=max_batch_size, batch_timeout_ns=max(1, int(batch_timeout_s * 1e9)),
@@ -123,8 +131,9 @@ class Router:
         _check(lib.dp_router_set_weight(self._rt, worker, weight), f"weight of worker {worker}")
 
     def set_key_secret(self, secret: int):
-        """Tests only: the secret request keys are hashed with (random otherwise), so a test can
-        compute ids whose keys collide; refused once the router has made a pass."""
+        """The secret request and session keys are hashed with (random otherwise): a test computes
+        ids whose keys collide, bench compare gives every policy's run the same; refused once the
+        router has made a pass."""
         _check(lib.dp_router_set_key_secret(self._rt, secret), "key secret (only before the first pass)")
 
     def set_up(self, worker: int, up: bool):
@@ -191,7 +200,8 @@ class Router:
         return self._rt
 
     def poll(self) -> int:
-        """One pass (drain inputs, take completions, send batches); for tests and single-threaded use."""
+        """One pass (send held responses, take completions, drain inputs, send batches, expire
+        stalled requests); for tests and single-threaded use."""
         return lib.dp_router_poll(self._rt)
 
     def start(self, cpu: int | None = None):

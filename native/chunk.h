@@ -79,7 +79,8 @@ struct dp_response_rec {
     __u64 t_send;              /* 24 client stamp of the first chunk */
     __u64 t_xdp;               /* 32 first chunk at XDP */
     __u64 t_first_lane;        /* 40 first piece placed in a lane */
-    __u64 t_done;              /* 48 router saw the last completion */
+    __u64 t_done;              /* 48 router wrote the response (after the last completion; a full
+                                *    egress ring's wait included) */
     __u16 worker;              /* 56 */
     __u16 client_port;         /* 58 copied from the request's first chunk */
     __u32 client_ip;           /* 60 */

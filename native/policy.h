@@ -13,7 +13,8 @@
  *
  * Adding a policy: write policies/<name>.c defining
  *     const struct dp_policy_ops dp_policy_<name> = { "<name>", init, pick, fini };
- * and add one line to policies/registry.c.
+ * (a fifth field, when pick reads p->param: what the parameter means) and
+ * add one line to policies/registry.c.
  */
 #ifndef DP_POLICY_H
 #define DP_POLICY_H
@@ -33,6 +34,7 @@ struct dp_workers {
     uint8_t up[DP_MAX_WORKERS];          /* 1 if healthy and accepting work */
 };
 const char *dp_policy_name(unsigned i);  /* registry walk; NULL past the end */
+const char *dp_policy_param(unsigned i); /* what policy i's parameter means; NULL: it takes none */
 /* CDEF END */
 
 struct dp_policy;
@@ -42,6 +44,7 @@ struct dp_policy_ops {
     int (*init)(struct dp_policy *p);    /* may allocate p->priv; 0 or -errno */
     int (*pick)(struct dp_policy *p, const struct dp_workers *w, uint64_t session, uint32_t tenant);
     void (*fini)(struct dp_policy *p);
+    const char *param;                   /* what p->param means to pick; NULL: not read (refused) */
 };
 
 struct dp_policy {

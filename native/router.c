@@ -402,6 +402,16 @@ static int choose_pool(const struct dp_router *rt, int spill, int *spilled)
     return *spilled ? second : first >= 0 ? first : healthy;
 }
 
+/* The policy's pick in pool pl, checked: a policy (the researchers' own code) that returns a worker
+ * out of range or down would strand the request on a lane nobody serves; -2 then, -1 for none up. */
+static int policy_pick(struct pool *pl, uint64_t session, uint32_t tenant)
+{
+    int k = dp_policy_pick(&pl->policy, &pl->view, session, tenant);
+    if (k >= 0 && ((uint32_t)k >= pl->view.n || !pl->view.up[k]))
+        return -2;
+    return k;
+}
+
 static int pick_worker(struct dp_router *rt, uint64_t session, uint32_t tenant, int spill, uint16_t *pool,
                        int *spilled)
 {
@@ -409,7 +419,8 @@ static int pick_worker(struct dp_router *rt, uint64_t session, uint32_t tenant, 
     if (p < 0)
         return -1;
     struct pool *pl = &rt->pools[p];
-    int k = dp_policy_pick(&pl->policy, &pl->view, session, tenant);
+    int k = policy_pick(pl, session, tenant);
+    rt->st.bad_picks += k == -2;
     if (k < 0)
         return -1;
     *pool = (uint16_t)p;
@@ -594,18 +605,23 @@ static void price_admitted(struct dp_router *rt)
     dp_adm_commit(rt->adm, r->tenant, &r->adm, c->t_router);
 }
 
+/* Request r ends without having run whole (failed, expired): its worker's copy of the session may
+ * lack turns run elsewhere, and the session's later requests were flagged as if r had run there.
+ * Before session_leave (its later requests are still linked). */
+static void not_run(struct dp_router *rt, const struct req *r)
+{
+    for (uint32_t n = r->session_next; n != NIL; n = rt->reqs[n].session_next)
+        rt->reqs[n].moved = 1;
+    forget_run(rt, session_key(rt, r->tenant, r->session_id), r->worker);
+}
+
 static void finish(struct dp_router *rt, uint32_t ri)
 {
     price_admitted(rt);
     struct req *r = &rt->reqs[ri];
     struct worker *w = &rt->w[r->worker];
-    if (r->status) {
-        /* it may not have run (not all of it): its worker's copy of the session may lack turns run
-         * elsewhere, and the session's later requests were flagged as if it had run there */
-        for (uint32_t n = r->session_next; n != NIL; n = rt->reqs[n].session_next)
-            rt->reqs[n].moved = 1;
-        forget_run(rt, session_key(rt, r->tenant, r->session_id), r->worker);
-    }
+    if (r->status)
+        not_run(rt, r);
     session_leave(rt, ri);
     remember_done(rt, r->key);
     dp_adm_settle(rt->adm, r->tenant, &r->adm, r->tokens_in, r->generated, r->status == 0);
@@ -780,10 +796,12 @@ static int admit(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, uin
         if (!answer(rt, c, DP_STATUS_UNAVAILABLE, NULL, 0))
             return 0;
         remember_done(rt, key);
-        if (room)
+        if (!room)
+            rt->st.pool_refused++;
+        else if (rt->req_free == NIL)
             rt->st.table_full++;
         else
-            rt->st.pool_refused++;
+            rt->st.no_worker++;
         return 1;
     }
     if (d.priced)
@@ -814,8 +832,6 @@ static int count_tokens(struct dp_router *rt, const struct dp_chunk *c, uint64_t
     rt->st.adm_counted++;
     return 1;
 }
-
-static void accept_chunk(struct dp_router *rt, uint32_t ri, uint32_t p);
 
 /* CLOSE: the client is done with the session. It runs like a request of the session (after the
  * ones before it, one record, no tokens, nothing to generate, not priced) on the worker the policy
@@ -1259,7 +1275,8 @@ static void build_dynamic(struct dp_router *rt, struct builder *b)
     }
     if (w->n_decoding)
         w->decode_cursor = (w->decode_cursor + 1) % w->n_decoding;
-    /* then prefill, first come first served, chunks of different requests interleaving */
+    /* then prefill, first come first served: the oldest request's chunks until they run out, then
+     * the next's (a long prompt holds the step's prefill budget until its queued chunks are in) */
     while (b->n < b->cap && b->tokens < b->budget && w->fifo_head != NIL) {
         uint32_t ri = w->fifo_head;
         struct req *r = &rt->reqs[ri];
@@ -1417,6 +1434,7 @@ static uint32_t expire_stalled(struct dp_router *rt)
         free_list(rt, r->sent_head);
         r->sent_head = r->sent_tail = NIL;
         remember_done(rt, r->key);   /* its late chunks are stragglers, not a new request */
+        not_run(rt, r);
         session_leave(rt, ri);
         rt->reserved -= r->chunk_count - r->received;
         if (cut) {
@@ -1616,7 +1634,7 @@ static void rehearse(struct dp_router *rt)
     struct dp_policy *pol = &rt->pools[p].policy;
     uint64_t rng = pol->rng;
     uint32_t cursor = pol->cursor;
-    int k = dp_policy_pick(pol, &rt->pools[p].view, c->session_id, c->tenant);
+    int k = policy_pick(&rt->pools[p], c->session_id, c->tenant);
     pol->rng = rng;
     pol->cursor = cursor;
     size_t len = DP_CHUNK_HDR_LEN + c->n_tokens * sizeof(uint32_t);

@@ -9,9 +9,11 @@
  *
  *   dynamic (default): whenever a worker is free, its batch is built at once:
  *     one decode step for each of its decoding requests first, then prefill
- *     chunks in arrival order, up to a token budget and a chunk cap; a chunk
- *     that does not fit the remaining budget is split (re-chunked), so no
- *     batch waits to fill and no piece exceeds 128 tokens.
+ *     chunks in arrival order (the oldest request's first, until its chunks
+ *     run out), up to a token budget and a chunk cap; a chunk that does not
+ *     fit the remaining budget is split (re-chunked) unless it overruns it by
+ *     at most split_slack tokens, so no batch waits to fill and no piece
+ *     exceeds 128 tokens.
  *   static (the classic server, for comparison): a worker takes up to
  *     max_batch_size complete requests once that many wait or the oldest has
  *     waited batch_timeout; it runs them to the end (all prefill, then decode
@@ -32,12 +34,14 @@
  * Nothing is dropped silently: a malformed chunk or a full request table
  * yields a 400/503 response record (once per request: its other chunks then
  * count as late duplicates); a new request whose chunks the pool could not
- * hold besides those promised to requests still arriving is refused 503; a request still missing chunks after
- * reassembly_timeout is answered 400 (unless the XDP bucket cut it and answered 429: dp_router_watch_cuts)
- * and its state freed; a chunk of a request
- * that has just finished is counted as a late duplicate, not run again; a
- * full chunk pool or lane stops the router from taking more input (the input
- * ring's full counter shows it).
+ * hold besides those promised to requests still arriving is refused 503; a
+ * request still missing chunks reassembly_timeout after its last one came
+ * (and nothing of it in flight) is answered 400 (unless the XDP bucket cut
+ * it and answered 429: dp_router_watch_cuts) and its state freed; a chunk of
+ * a request that has just finished is counted as a late duplicate, not run
+ * again. A full lane only delays its worker's batches; input is held back
+ * (input_stalls) only while a refusal or a price must be answered and the
+ * egress ring is full.
  */
 #ifndef DP_ROUTER_H
 #define DP_ROUTER_H
@@ -67,7 +71,8 @@ struct dp_router_config {
     uint32_t max_requests;      /* request table size (power of two) */
     uint32_t pool_chunks;       /* chunks buffered in the router */
     uint64_t seed;              /* policy randomness */
-    uint64_t reassembly_timeout_ns;  /* a request missing chunks this long is answered 400 and freed */
+    uint64_t reassembly_timeout_ns;  /* a request missing chunks this long after its last one came is
+                                      * answered 400 and freed */
     uint32_t split_slack;       /* dynamic: a prompt piece that overruns the step's budget by at most
                                  * this many tokens goes whole, not split (0: always split) */
 };
@@ -100,6 +105,8 @@ struct dp_router_stats {
     uint64_t to_secondary;      /* admitted requests placed on the secondary pool (a tenant's high-entropy burst) */
     uint64_t xdp_cut;           /* requests the XDP bucket cut (answered 429 there), dropped at the reassembly
                                  * timeout without a 400 (dp_router_watch_cuts) */
+    uint64_t no_worker;         /* 503: no worker up in any pool, or the policy picked none */
+    uint64_t bad_picks;         /* of those, picks of a worker out of range or down (a policy's bug) */
     uint32_t active_requests, pool_free;
 };
 

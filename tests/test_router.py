@@ -13,7 +13,7 @@ import pytest
 from datapath import lanes, records, wire
 from datapath.ring import Ring, unlink
 from datapath.records import request_chunks as chunks_of
-from datapath.router import Router, policies
+from datapath.router import Router, policies, policy_params
 
 _seq = itertools.count()
 
@@ -504,6 +504,24 @@ def test_a_request_whose_replay_kills_its_worker_too_is_answered_503_not_replaye
     assert st["replay_refused"] == 1 and st["replayed"] == 2 and st["active_requests"] == 0
 
 
+def test_a_new_request_with_no_worker_up_is_counted_as_such_not_as_a_full_table(bench_factory):
+    b = bench_factory(n_workers=1)
+    b.router.set_up(0, False)
+    b.send(chunks_of(1, [1, 2, 3], max_out=2))
+    b.router.poll()
+    b.collect()
+    assert [int(r["status"]) for r in b.responses] == [503]
+    st = b.router.stats()
+    assert st["no_worker"] == 1 and st["table_full"] == 0 and st["bad_picks"] == 0
+
+
+def test_a_parameter_for_a_policy_that_reads_none_is_refused():
+    assert policy_params()["affinity"].startswith("load bound") and policy_params()["round_robin"] is None
+    with pytest.raises(ValueError, match="takes no parameter"):
+        Router(policy="round_robin", policy_param=3)
+    Router(policy="affinity", policy_param=0.1).close()
+
+
 def test_no_worker_left_answers_503(bench_factory):
     b = bench_factory(n_workers=1)
     b.send(chunks_of(1, [1, 2, 3], max_out=2))
@@ -769,6 +787,33 @@ def test_a_failed_request_leaves_where_its_session_ran_unknown(bench_factory):
         for r in batch[batch["kind"] == wire.KIND_CHUNK]:
             flags[int(r["request_id"])] = bool(r["flags"] & records.CHUNK_F_MOVED)
     assert flags[6], "placed behind R5 as if R5 would run on w0"
+
+
+def test_an_expired_request_leaves_where_its_session_ran_unknown(bench_factory):
+    """As a failed one: R3, placed on w0, expires still missing its first chunk (nothing of it ran
+    there); R4 on w0 must be flagged moved. Before, the reassembly timeout freed R3 and left w0 as
+    where the session last ran: w0 answered R4 from its copy, without R2's turn."""
+    b = bench_factory(n_workers=2, policy="round_robin", reassembly_timeout_s=0.05)
+    flags = {}
+
+    def place(up, *chunks):
+        b.router.set_up(up, True)
+        b.router.set_up(1 - up, False)
+        b.send(*chunks)
+        for batch in b.run(up):
+            for r in batch[batch["kind"] == wire.KIND_CHUNK]:
+                flags[int(r["request_id"])] = bool(r["flags"] & records.CHUNK_F_MOVED)
+    place(0, chunks_of(1, [1, 2], session=9, max_out=1))
+    place(1, chunks_of(2, [3, 4], session=9, max_out=1))
+    place(0, chunks_of(3, list(range(200)), session=9, max_out=1)[[1]])     # its first chunk never comes
+    deadline = time.monotonic() + 10
+    while len(b.responses) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+        b.router.poll()
+        b.collect()
+    place(0, chunks_of(4, [5, 6], session=9, max_out=1))
+    assert [(int(r["request_id"]), int(r["status"])) for r in b.responses] == [(1, 200), (2, 200), (3, 400), (4, 200)]
+    assert flags[2] and flags[4], flags
 
 
 def test_set_batching_refuses_more_chunks_a_step_than_a_lane_holds():

@@ -92,4 +92,5 @@ static void fini(struct dp_policy *p)
     p->priv = NULL;
 }
 
-const struct dp_policy_ops dp_policy_affinity = { "affinity", init, pick, fini };
+const struct dp_policy_ops dp_policy_affinity = { "affinity", init, pick, fini,
+                                                  "load bound: a worker takes up to (1 + x) x the mean load" };

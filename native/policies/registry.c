@@ -20,6 +20,11 @@ const char *dp_policy_name(unsigned i)
     return i < sizeof(registry) / sizeof(registry[0]) ? registry[i]->name : NULL;
 }
 
+const char *dp_policy_param(unsigned i)
+{
+    return i < sizeof(registry) / sizeof(registry[0]) ? registry[i]->param : NULL;
+}
+
 int dp_policy_init(struct dp_policy *p, const char *name, uint64_t seed, double param)
 {
     memset(p, 0, sizeof(*p));
