@@ -2,6 +2,9 @@
 
   references.xdp_count_ns           bpf/count.bpf.c under BPF_PROG_TEST_RUN (same frame as steer_ns)
   references.pingpong_oneway_ns     a cache line handed between two pinned threads, one way
+                                    (round trip / 2: no clock read per hand-off)
+  references.handoff_oneway_p50_ns  a cache line handed from CPU 0 to CPU 1, stamped at both ends
+                                    as the XDP program and the consumer stamp (bench ring's method)
   references.udp_socket_p50_us/_p99_us   a plain Python UDP receiver, send stamp to recv
   references.udp_socket_c_p50_us/_p99_us the C recvmmsg receiver (datapath.ingress.UdpIngress)
   references.reply_429_user_rtt_p50_us   a 429 answered from user space (C receiver + sendto), client RTT
@@ -39,7 +42,7 @@ from datapath.packet import udp_frame
 from datapath.topology import Topology, socket_in
 from datapath.xdp import BpfUnavailable, load_xdp, prog_test_run
 from datapath._ingress import lib
-from bench.ring import pingpong_oneway_ns
+from bench.ring import handoff_oneway_ns, pingpong_oneway_ns
 
 SENDER_CPU, RECEIVER_CPU, RT = 0, 1, 1
 SEGMENT_S, GAP_S = 0.8, 0.2
@@ -127,24 +130,29 @@ def test_run_figures(report, quick):
     report.ratio("steer_ns", "xdp_count_ns")
 
 
-def pingpong_ns(quick) -> float:
-    """One-way cache-line hand-off CPU 0 <-> CPU 1, SCHED_FIFO like the receivers (the C pong thread
-    inherits the policy); the calling thread's affinity and policy are restored afterwards."""
+def pingpong_ns(quick) -> tuple[float, float]:
+    """One-way cache-line hand-off CPU 0 -> CPU 1, SCHED_FIFO like the receivers (the C pong thread
+    and the forked consumer inherit the policy): the ping-pong's round trip / 2, and the p50 of the
+    stamped hand-off. The calling thread's affinity and policy are restored afterwards."""
     rounds = 200_000 if quick else 1_000_000
     affinity, policy, param = os.sched_getaffinity(0), os.sched_getscheduler(0), os.sched_getparam(0)
     os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(RT))
     try:
-        return pingpong_oneway_ns(rounds, (SENDER_CPU, RECEIVER_CPU))
+        pp = pingpong_oneway_ns(rounds, (SENDER_CPU, RECEIVER_CPU))
+        stamped = percentile(handoff_oneway_ns(rounds // 10, (SENDER_CPU, RECEIVER_CPU)), 50)
+        return pp, stamped
     finally:
         os.sched_setscheduler(0, policy, param)
         os.sched_setaffinity(0, affinity)
 
 
 def pingpong(report, samples):
-    """The reference is measured at several points of the run: the hypervisor moves these vCPUs
+    """The references are measured at several points of the run: the hypervisor moves these vCPUs
     between sibling and separate cores, and the hand-off cost moves with them (45..240 ns seen)."""
-    report.reference("pingpong_oneway_ns", statistics.median(samples), "ns")
-    report.note(f"pingpong one-way over the run: {', '.join(f'{v:.0f}' for v in samples)} ns (median taken)")
+    report.reference("pingpong_oneway_ns", statistics.median(s[0] for s in samples), "ns")
+    report.reference("handoff_oneway_p50_ns", statistics.median(s[1] for s in samples), "ns")
+    report.note(f"pingpong one-way over the run: {', '.join(f'{s[0]:.0f}' for s in samples)} ns; stamped "
+                f"hand-off p50: {', '.join(f'{s[1]:.0f}' for s in samples)} ns (medians taken)")
 
 
 def python_receiver(sock, n, deadline, out):
@@ -297,6 +305,7 @@ def _run(report, quick):
         pp.append(pingpong_ns(quick))
     pingpong(report, pp)
     report.ratio("xdp_to_consumer_p50_ns", "pingpong_oneway_ns")
+    report.ratio("xdp_to_consumer_p50_ns", "handoff_oneway_p50_ns")
     report.ratio("sender_to_consumer_p50_us", "udp_socket_p50_us")
     report.ratio("sender_to_consumer_p99_us", "udp_socket_p99_us")
     report.ratio("sender_to_consumer_p50_us", "udp_socket_c_p50_us")

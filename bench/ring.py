@@ -1,7 +1,9 @@
 """bench ring: the shared-memory ring, the routing policies and the lanes.
 
 Measured in one run (two pinned processes on cores 0 and 1 where there are two):
-  references.pingpong_oneway_ns       a bare cache-line ping-pong between two pinned threads
+  references.pingpong_oneway_ns       a bare cache-line ping-pong between two pinned threads (round trip / 2)
+  references.handoff_oneway_p50_ns    a bare cache line handed from one pinned process to the other,
+                                      stamped as the ring's records are: the same method, without the ring
   metrics.ring_op_ns_bulk1|8|32       enqueue+dequeue per 64-byte record, one thread
   metrics.ring_oneway_p50|p99|p999_ns one record at a time, producer stamp to consumer stamp (C, CLOCK_MONOTONIC)
   metrics.ring_mchunks_per_s          dp_chunk slots, 32-record bursts, 96-byte headers written in place
@@ -40,9 +42,9 @@ def _pinned(cpu, fn):
     fn()
 
 
-def _across_cores(child, parent):
+def _across_cores(child, parent, cpus: tuple[int, int] | None = None):
     """Run child() in a forked process pinned to one core and parent() here, pinned to the other."""
-    a, b = _cores()
+    a, b = cpus or _cores()
     p = ctx.Process(target=_pinned, args=(b, child))
     p.start()
     old = os.sched_getaffinity(0)
@@ -71,6 +73,26 @@ def pingpong_oneway_ns(rounds: int, cpus: tuple[int, int] | None = None) -> floa
     if ns < 0:
         raise RuntimeError("ping-pong timed out (are both CPUs available to this process?)")
     return ns
+
+
+def handoff_oneway_ns(n: int, cpus: tuple[int, int] | None = None) -> np.ndarray:
+    """The ring's one-way measurement (ring_oneway_ns) on a bare shared line: its reference.
+    Consumer on cpus[1], producer (this process) on cpus[0]."""
+    shared = mmap.mmap(-1, 8 * n + lib.DP_HANDOFF_BYTES)   # page-aligned: the lines start at 0
+    line = ffi.from_buffer(shared)
+    samples = np.frombuffer(shared, dtype=np.uint64, count=n, offset=lib.DP_HANDOFF_BYTES)
+
+    def consume():
+        lib.dp_handoff_consume(line, n, ffi.cast("uint64_t *", line + lib.DP_HANDOFF_BYTES), 60 * SEC)
+
+    def produce():
+        time.sleep(0.05)  # let the consumer spin
+        return lib.dp_handoff_produce(line, n, 2000, 60 * SEC)
+
+    sent = _across_cores(consume, produce, cpus)
+    if sent != n:
+        raise RuntimeError(f"hand-off run sent {sent} of {n}")
+    return samples.copy()
 
 
 def ring_op_ns(bulk: int, items: int) -> float:
@@ -201,9 +223,17 @@ def run(report, args):
     report.reference("pingpong_oneway_ns", pingpong_oneway_ns(200_000 if quick else 1_000_000), "ns")
     for bulk in (1, 8, 32):
         report.metric(f"ring_op_ns_bulk{bulk}", ring_op_ns(bulk, 2_000_000 if quick else 20_000_000), "ns")
-    lat = ring_oneway_ns(50_000 if quick else 500_000)
+    # the ring and its bare-line reference in turn, twice each: a slow spell falls on both
+    n = 25_000 if quick else 250_000
+    lat, bare = [], []
+    for _ in range(2):
+        lat.append(ring_oneway_ns(n))
+        bare.append(handoff_oneway_ns(n))
+    lat, bare = np.concatenate(lat), np.concatenate(bare)
     for q, name in ((50, "p50"), (99, "p99"), (99.9, "p999")):
         report.metric(f"ring_oneway_{name}_ns", float(np.percentile(lat, q)), "ns")
+    report.reference("handoff_oneway_p50_ns", float(np.percentile(bare, 50)), "ns")
+    report.metric("handoff_oneway_p99_ns", float(np.percentile(bare, 99)), "ns")
     report.metric("ring_mchunks_per_s", ring_mchunks_per_s(5_000_000 if quick else 50_000_000), "M/s")
     for pol in policies():
         for n in (4, 16, 64, 256):
@@ -213,3 +243,7 @@ def run(report, args):
         report.metric(f"lane_batch_us_{kind}", lane_batch_us(kind, rounds), "us")
     report.note("lane_batch_us_*: a Python driver and a Python echo worker on each side, per batch (never per chunk)")
     report.ratio("ring_oneway_p50_ns", "pingpong_oneway_ns")
+    report.ratio("ring_oneway_p50_ns", "handoff_oneway_p50_ns")
+    report.note("ring_oneway against handoff_oneway: the same stamped method (a clock read at each end), so "
+                "the ratio is the ring's own cost; against the ping-pong's round trip / 2, which reads no "
+                "clock per hand-off, it also carries the stamping")

@@ -198,6 +198,55 @@ uint64_t dp_latency_produce(struct dp_ring *r, uint64_t n, uint64_t gap_ns, uint
     return i;
 }
 
+/* The reference for the two above, the same steps without the ring: the producer waits for the
+ * consumer's ack of the last record (the ring's "empty"), stamps and publishes on one line; the
+ * consumer stamps on arrival. Both pay the clock reads the ring's samples pay, which a ping-pong's
+ * round trip over two does not (its one-way is no stamped sample). */
+struct handoff {
+    _Alignas(64) uint64_t stamp;         /* the record: one line, seq written last */
+    uint64_t seq;
+    _Alignas(64) uint64_t ack;           /* the consumer's: records taken */
+};
+_Static_assert(sizeof(struct handoff) == DP_HANDOFF_BYTES, "one line each");
+
+uint64_t dp_handoff_produce(void *shared, uint64_t n, uint64_t gap_ns, uint64_t timeout_ns)
+{
+    struct handoff *h = shared;
+    uint64_t deadline = now_ns() + timeout_ns, i;
+    for (i = 0; i < n; i++) {
+        while (__atomic_load_n(&h->ack, __ATOMIC_ACQUIRE) != i) {
+            relax();
+            if (now_ns() > deadline)
+                return i;
+        }
+        uint64_t t = now_ns() + gap_ns;
+        while (now_ns() < t)
+            relax();
+        h->stamp = now_ns();
+        __atomic_store_n(&h->seq, i + 1, __ATOMIC_RELEASE);
+    }
+    return i;
+}
+
+uint64_t dp_handoff_consume(void *shared, uint64_t n, uint64_t *samples, uint64_t timeout_ns)
+{
+    struct handoff *h = shared;
+    uint64_t deadline = now_ns() + timeout_ns, i = 0;
+    unsigned spins = 0;
+    while (i < n) {
+        if (__atomic_load_n(&h->seq, __ATOMIC_ACQUIRE) != i + 1) {
+            relax();
+            if ((++spins & 4095) == 0 && now_ns() > deadline)
+                break;
+            continue;
+        }
+        uint64_t t = now_ns();
+        samples[i++] = t - h->stamp;
+        __atomic_store_n(&h->ack, i, __ATOMIC_RELEASE);
+    }
+    return i;
+}
+
 uint64_t dp_latency_consume(struct dp_ring *r, uint64_t n, uint64_t *samples, uint64_t timeout_ns)
 {
     uint64_t deadline = now_ns() + timeout_ns, i = 0;

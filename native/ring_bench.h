@@ -14,5 +14,10 @@ double dp_ring_op_ns(struct dp_ring *r, uint32_t bulk, uint64_t items, uint32_t 
 double dp_pingpong_oneway_ns(uint64_t rounds, int cpu_a, int cpu_b, uint64_t timeout_ns);
 uint64_t dp_latency_produce(struct dp_ring *r, uint64_t n, uint64_t gap_ns, uint64_t timeout_ns);
 uint64_t dp_latency_consume(struct dp_ring *r, uint64_t n, uint64_t *samples, uint64_t timeout_ns);
+/* The same stamped one-way hand-off on a bare cache line (shared: DP_HANDOFF_BYTES, zeroed, shared by
+ * the two processes): the reference the ring's one-way latency is measured against, same method. */
+#define DP_HANDOFF_BYTES 128
+uint64_t dp_handoff_produce(void *shared, uint64_t n, uint64_t gap_ns, uint64_t timeout_ns);
+uint64_t dp_handoff_consume(void *shared, uint64_t n, uint64_t *samples, uint64_t timeout_ns);
 /* CDEF END */
 #endif

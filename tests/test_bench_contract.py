@@ -58,9 +58,11 @@ def test_ring_suite_reports_every_figure(tmp_path):
     for key in RING_KEYS:
         assert data["metrics"][key] > 0, key
     assert "ring_oneway_p50_ns_vs_pingpong_oneway_ns" in data["ratios"]
+    assert data["references"]["handoff_oneway_p50_ns"] > 0
+    assert data["ratios"]["ring_oneway_p50_ns_vs_handoff_oneway_p50_ns"] > 0
 
 
-INGRESS_REFERENCES = ["xdp_count_ns", "pingpong_oneway_ns", "udp_socket_p50_us", "udp_socket_p99_us",
+INGRESS_REFERENCES = ["xdp_count_ns", "pingpong_oneway_ns", "handoff_oneway_p50_ns", "udp_socket_p50_us", "udp_socket_p99_us",
                       "udp_socket_c_p50_us"]
 INGRESS_METRICS = ["steer_ns", "xdp_to_consumer_p50_ns", "xdp_to_consumer_p99_ns", "xdp_to_consumer_p50_ns_100k",
                    "xdp_to_consumer_p99_ns_100k", "xdp_to_consumer_p50_ns_max", "xdp_to_consumer_p99_ns_max",
