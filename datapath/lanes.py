@@ -128,18 +128,28 @@ class ZmqWorkerLane:
             raise OSError(f"cannot bind zmq lane at {endpoint}: {e}") from None
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.t_pickup = 0
+        self.malformed = 0       # messages dropped: not 1..MAX_BATCH_CHUNKS whole chunk records
 
     def recv_batch(self, timeout_s: float) -> np.ndarray | None:
         if not self.sock.poll(int(timeout_s * 1000) if timeout_s >= 0 else None):
             return None
         frame = self.sock.recv(copy=False)
-        if len(frame.buffer) % records.CHUNK.itemsize:
-            raise ValueError(f"zmq lane: a {len(frame.buffer)}-byte message is not whole chunk records")
+        n, odd = divmod(len(frame.buffer), records.CHUNK.itemsize)
+        if odd or not 1 <= n <= records.MAX_BATCH_CHUNKS:
+            # a stray peer's message (the endpoint takes any): dropped, not the worker's death
+            self.malformed += 1
+            return None
         self.t_pickup = time.monotonic_ns()
         return np.frombuffer(frame.buffer, dtype=records.CHUNK)
 
     def send_completion(self, comp: np.ndarray) -> bool:
-        self.sock.send(np.ascontiguousarray(comp, dtype=records.COMPLETION).tobytes(), copy=False)
+        """False when it would block (no router connected: gone, or not yet): the caller retries
+        and checks its stop flag meanwhile. A blocking send hung a worker whose router had gone."""
+        try:
+            self.sock.send(np.ascontiguousarray(comp, dtype=records.COMPLETION).tobytes(), self._zmq.NOBLOCK,
+                           copy=False)
+        except self._zmq.Again:
+            return False
         return True
 
     def close(self):

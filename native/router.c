@@ -78,6 +78,8 @@ struct worker {
     void *zsock;                        /* zmq: a DEALER connected to the worker's */
     uint8_t *stage;                     /* zmq: the batch being built, sent as one message */
     struct dp_completion *cbuf;         /* zmq: the last completion received */
+    uint64_t t_busy;                    /* when its batch was placed (zmq: its answer's deadline counts
+                                         * from here) */
     uint32_t unsent;                    /* zmq: records of a built batch the socket refused */
     uint32_t fifo_head, fifo_tail;      /* requests with pending chunks (dynamic) / complete requests (static) */
     uint32_t *decoding;                 /* requests in decode on this worker */
@@ -123,6 +125,7 @@ struct dp_router {
     int cuts_fd;                        /* the XDP program's `cuts` map (dp_router_watch_cuts; -1: none) */
     struct dp_ring *egress;
     void *zctx;                         /* created with the first zmq lane */
+    uint32_t n_zmq;                     /* zmq workers (their answers have a deadline) */
     struct req *reqs;                   /* slab of cfg.max_requests */
     uint32_t req_free;                  /* free slots, linked through fifo_next */
     struct index by_id, by_session;     /* request key -> slot; session key -> its latest request */
@@ -1162,6 +1165,29 @@ static void complete_entry(struct dp_router *rt, int wk, const struct batch_meta
         finish(rt, m->req);
 }
 
+static void set_up(struct dp_router *rt, uint32_t k, int up);
+
+/* A zmq worker whose batch has gone unanswered for zmq_timeout: ZeroMQ does not resend what a
+ * broken connection held (a worker that died after taking the batch, a dropped link), and no
+ * process of ours watches a remote worker, so nothing else would ever free it: it stayed busy,
+ * and every request placed on it waited for ever. It is marked down, its requests replayed. */
+static uint32_t zmq_timeouts(struct dp_router *rt)
+{
+    if (!rt->n_zmq || !rt->cfg.zmq_timeout_ns)
+        return 0;
+    uint32_t n = 0;
+    for (uint32_t k = 0; k < rt->view.n; k++) {
+        struct worker *w = &rt->w[k];
+        if (w->kind != DP_LANE_ZMQ || !w->busy || !rt->view.up[k] ||
+            pass_clock(rt) - w->t_busy < rt->cfg.zmq_timeout_ns)
+            continue;
+        rt->st.zmq_timeouts++;
+        set_up(rt, k, 0);
+        n++;
+    }
+    return n;
+}
+
 static uint32_t take_completions(struct dp_router *rt)
 {
     uint32_t n = 0;
@@ -1320,7 +1346,7 @@ static uint32_t send_batches(struct dp_router *rt)
         struct worker *w = &rt->w[k];
         if (w->unsent) {                 /* a zmq batch the socket refused: it goes first, unchanged */
             if (lane_commit(w, w->unsent))
-                w->busy = 1, w->st.busy = 1;
+                w->busy = 1, w->st.busy = 1, w->t_busy = pass_clock(rt);
             continue;
         }
         if (w->busy || !rt->view.up[k])
@@ -1351,7 +1377,7 @@ static uint32_t send_batches(struct dp_router *rt)
         }
         w->batch_len = b.n;
         if (lane_commit(w, b.n))
-            w->busy = 1, w->st.busy = 1;
+            w->busy = 1, w->st.busy = 1, w->t_busy = t_lane;
         w->st.batches++;
         w->st.records += b.n;
         w->st.tokens += b.tokens;
@@ -1768,6 +1794,7 @@ uint32_t dp_router_poll(struct dp_router *rt)
     pthread_mutex_lock(&rt->lock);
     rt->in_pass = 1;
     uint32_t work = flush_done(rt);
+    work += zmq_timeouts(rt);
     work += take_completions(rt);
     work += drain_inputs(rt);
     work += send_batches(rt);
@@ -2008,6 +2035,8 @@ int dp_router_add_zmq_worker(struct dp_router *rt, const char *endpoint, uint32_
     int k = add_worker(rt, DP_LANE_ZMQ, NULL, NULL, s, weight);
     if (k < 0)
         zmq_close(s);
+    else
+        rt->n_zmq++;
     return k;
 }
 
@@ -2068,18 +2097,23 @@ int dp_router_set_key_secret(struct dp_router *rt, uint64_t secret)
     return fresh ? 0 : -EBUSY;
 }
 
+static void set_up(struct dp_router *rt, uint32_t k, int up)
+{
+    int was_up = rt->view.up[k];
+    rt->view.up[k] = up ? 1 : 0;
+    rt->w[k].st.up = rt->view.up[k];
+    rt->view.generation++;
+    rebuild_pools(rt);
+    if (was_up && !up)
+        failover(rt, k);
+}
+
 int dp_router_set_up(struct dp_router *rt, uint32_t worker, int up)
 {
     if (worker >= rt->view.n)
         return -EINVAL;
     pthread_mutex_lock(&rt->lock);
-    int was_up = rt->view.up[worker];
-    rt->view.up[worker] = up ? 1 : 0;
-    rt->w[worker].st.up = rt->view.up[worker];
-    rt->view.generation++;
-    rebuild_pools(rt);
-    if (was_up && !up)
-        failover(rt, worker);
+    set_up(rt, worker, up);
     pthread_mutex_unlock(&rt->lock);
     return 0;
 }

@@ -75,6 +75,9 @@ struct dp_router_config {
                                       * answered 400 and freed */
     uint32_t split_slack;       /* dynamic: a prompt piece that overruns the step's budget by at most
                                  * this many tokens goes whole, not split (0: always split) */
+    uint64_t zmq_timeout_ns;    /* a zmq worker whose batch is unanswered this long is marked down and
+                                 * its requests replayed (0: never; shm workers: the control plane's
+                                 * watcher, which sees their processes) */
 };
 
 struct dp_worker_stats {
@@ -107,6 +110,7 @@ struct dp_router_stats {
                                  * timeout without a 400 (dp_router_watch_cuts) */
     uint64_t no_worker;         /* 503: no worker up in any pool, or the policy picked none */
     uint64_t bad_picks;         /* of those, picks of a worker out of range or down (a policy's bug) */
+    uint64_t zmq_timeouts;      /* zmq workers marked down: a batch unanswered for zmq_timeout */
     uint32_t active_requests, pool_free;
 };
 

@@ -90,3 +90,29 @@ def test_requests_through_real_worker_processes(kind, tmp_path):
         unlink(f"{tag}.in"), unlink(f"{tag}.out")
         for n in names:
             lanes.unlink_shm_lane(n)
+
+
+def test_a_zmq_worker_lane_without_its_router_neither_blocks_nor_dies():
+    """With no router connected (gone mid-step), a send would block for ever: the worker's stop
+    flag was never checked again. A stray peer's malformed message killed the worker."""
+    import zmq
+    lane = lanes.ZmqWorkerLane("tcp://127.0.0.1:0")
+    try:
+        comp = np.zeros(1, dtype=records.COMPLETION)
+        t0 = time.monotonic()
+        assert lane.send_completion(comp) is False and time.monotonic() - t0 < 1
+        ctx = zmq.Context()
+        peer = ctx.socket(zmq.DEALER)
+        peer.linger = 0
+        peer.connect(lane.endpoint)
+        try:
+            peer.send(b"x" * 7)
+            peer.send(np.zeros(records.MAX_BATCH_CHUNKS + 1, dtype=records.CHUNK).tobytes())
+            peer.send(np.zeros(2, dtype=records.CHUNK).tobytes())
+            got = [lane.recv_batch(2.0) for _ in range(3)]
+            assert got[0] is None and got[1] is None and len(got[2]) == 2 and lane.malformed == 2
+        finally:
+            peer.close(0)
+            ctx.term()
+    finally:
+        lane.close()

@@ -522,6 +522,34 @@ def test_a_parameter_for_a_policy_that_reads_none_is_refused():
     Router(policy="affinity", policy_param=0.1).close()
 
 
+def test_a_zmq_worker_that_never_answers_is_marked_down_and_its_request_replayed(bench_factory):
+    """ZeroMQ does not resend a batch a broken connection held, and nothing watches a remote
+    worker: before, it stayed busy for good and its requests were never answered."""
+    b = bench_factory(n_workers=1, policy="round_robin", zmq_timeout_s=0.2)
+    silent = lanes.ZmqWorkerLane("tcp://127.0.0.1:0")
+    try:
+        assert b.router.add_zmq_worker(silent.endpoint) == 1
+        b.router.set_up(0, False)                # the request goes to the zmq worker
+        b.send(chunks_of(1, [1, 2, 3], max_out=2))
+        deadline = time.monotonic() + 10
+        got = None
+        while got is None and time.monotonic() < deadline:
+            b.router.poll()
+            got = silent.recv_batch(0.01)
+        assert got is not None and got["request_id"].tolist() == [1]   # taken, never answered
+        b.router.set_up(0, True)
+        while b.router.stats()["zmq_timeouts"] == 0 and time.monotonic() < deadline:
+            b.router.poll()
+            time.sleep(0.01)
+        b.run(0)
+        assert [(int(r["request_id"]), int(r["status"]), int(r["worker"])) for r in b.responses] == [(1, 200, 0)]
+        st = b.router.stats()
+        assert st["zmq_timeouts"] == 1 and st["replayed"] == 1 and b.router.worker_stats(1)["up"] == 0
+    finally:
+        b.router.close()
+        silent.close()
+
+
 def test_no_worker_left_answers_503(bench_factory):
     b = bench_factory(n_workers=1)
     b.send(chunks_of(1, [1, 2, 3], max_out=2))
