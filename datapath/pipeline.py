@@ -74,7 +74,9 @@ class PipelineConfig:
     sim_mode: str = "sleep"
     kv_budget_bytes: int = 256 << 20
     worker_hang_s: float = 30.0        # a worker holding a batch this long without a completion is killed
-                                       # and failed over (0: never; a step is ms, a simulated L4's ~70 ms)
+                                       # and failed over (0: never; a step is ms, a simulated L4's ~70 ms;
+                                       # a shared store that stopped answering costs a step one
+                                       # RemoteStore timeout, 5 s, well inside it)
     codec: str = "zstd"
     store_factory: object = None       # callable(worker index) -> SnapshotStore, called in the worker
     shared_store: str | None = None    # an image path: one store process serves it to every worker

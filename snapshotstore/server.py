@@ -15,6 +15,7 @@ errors cross the socket by name and are raised again on the client's side.
 from __future__ import annotations
 
 import json
+import time
 
 from . import errors
 from .api import Delta, Snapshot, check_key
@@ -80,11 +81,18 @@ def serve(path: str, endpoint: str, stop, eviction: str = "lru", ready=None):
 
 
 class RemoteStore:
-    """The SnapshotStore interface on a store that another process serves (see serve)."""
+    """The SnapshotStore interface on a store that another process serves (see serve).
 
-    def __init__(self, endpoint: str, timeout_s: float = 30.0):
+    A call the server does not answer within timeout_s raises DeviceError, and so does every call
+    for the next timeout_s without asking (then one asks again): a worker's step makes up to two
+    calls for each of its records, and waiting out each (30 s before) took a step past the
+    pipeline's hang timeout (worker_hang_s, 30 s), whose kill then went round every worker. A dead
+    store costs each request its 503, at most one wait per timeout_s."""
+
+    def __init__(self, endpoint: str, timeout_s: float = 5.0):
         import zmq
         self._zmq, self.endpoint, self.timeout_ms = zmq, endpoint, int(timeout_s * 1000)
+        self._silent_until = 0.0             # monotonic: calls fail at once until then
         self.ctx = zmq.Context()
         self._connect()
 
@@ -94,10 +102,14 @@ class RemoteStore:
         self.sock.connect(self.endpoint)
 
     def _call(self, *frames: bytes) -> list[bytes]:
+        if time.monotonic() < self._silent_until:
+            raise errors.DeviceError(f"the snapshot store at {self.endpoint} did not answer within "
+                                     f"{self.timeout_ms / 1000:g} s a moment ago: not asked again yet")
         self.sock.send_multipart(list(frames))
         if not self.sock.poll(self.timeout_ms):
             self.sock.close(0)       # a REQ socket that missed its reply cannot be used again
             self._connect()
+            self._silent_until = time.monotonic() + self.timeout_ms / 1000
             raise errors.DeviceError(f"the snapshot store at {self.endpoint} did not answer within "
                                      f"{self.timeout_ms / 1000:g} s: is its server running?")
         reply = self.sock.recv_multipart()

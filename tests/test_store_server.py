@@ -1,5 +1,6 @@
 """One store process, several worker processes: a session one writes, another restores."""
 import multiprocessing
+import time
 
 import pytest
 
@@ -82,7 +83,20 @@ def test_a_malformed_message_does_not_stop_the_server(server):
             assert store.held(key) == 1
 
 
-def test_no_server_is_a_clear_error(tmp_path):
+def test_no_server_is_a_clear_error_and_is_waited_for_once_per_timeout(tmp_path):
+    """A step's many calls to a dead store each waited the whole timeout: the step outlived the
+    pipeline's hang timeout and the worker was killed. Now the calls right after a timeout fail
+    at once, and one waits again once the timeout has passed."""
     with RemoteStore(f"ipc://{tmp_path}/nobody.sock", timeout_s=0.3) as store:
-        with pytest.raises(DeviceError, match="did not answer"):
+        t0 = time.monotonic()
+        with pytest.raises(DeviceError, match="did not answer within 0.3 s: is its server running"):
             store.restore(session_key(SECRET, 1))
+        assert time.monotonic() - t0 >= 0.3
+        t0 = time.monotonic()
+        for n in range(50):
+            with pytest.raises(DeviceError, match="not asked again yet"):
+                store.held(session_key(SECRET, n))
+        assert time.monotonic() - t0 < 0.2
+        time.sleep(0.3)
+        with pytest.raises(DeviceError, match="is its server running"):
+            store.held(session_key(SECRET, 1))
