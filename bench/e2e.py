@@ -76,6 +76,8 @@ def _offer(p: Pipeline, rate: float, seconds: float, count: int | None = None, *
     # achieved: the rate of 200s, between the first and the last. (Over first send to last
     # response it carried one latency too many: 0.84x the offer at an idle 10 req/s on the
     # simulated L4, whose answers take ~330 ms, so a light row passed for a saturated one.)
+    if r["send_errors"]:
+        _progress(f"{r['send_errors']} packets could not be sent: not offered, in no figure")
     span = r["last_ok_s"] - r["first_ok_s"]
     achieved = ((r["resp_ok"] - 1) * per / span if r["resp_ok"] >= 2 and span > 0
                 else ok / max(r["elapsed_s"], r["last_resp_s"], 1e-9))
@@ -85,7 +87,8 @@ def _offer(p: Pipeline, rate: float, seconds: float, count: int | None = None, *
             "late_max_ms": r["max_late_ns"] / 1e6,
             "wall_s": time.monotonic() - t, "rtt_ns": rtt, "by_status": r["by_status"],
             "sample_body": r["sample_body"], "seq_base": r["seq_base"], "packets": r["sent"],
-            "merge_wait_ns_mean": r["merge_wait_ns_mean"], "steal_pct": _steal_pct(steal, _cpu_steal())}
+            "merge_wait_ns_mean": r["merge_wait_ns_mean"], "steal_pct": _steal_pct(steal, _cpu_steal()),
+            "send_errors": r["send_errors"]}
 
 
 def _together(p: Pipeline, *offers: dict) -> list[dict]:

@@ -84,7 +84,8 @@ def send(sock: socket.socket, packets: list[bytes], rate: float, count: int, dur
     arrived, and each answer counts `merge` latencies, from each request's own arrival.
 
     rtt_ns / rtt_ok_ns: per answer (all / 200s), from the packet's own send: the path's round
-    trip. lat_ok_ns (stamp_seq): per request answered 200, from its scheduled send, and per
+    trip (merge > 1: per request the answer carried, each with its own wait for its companions).
+    A packet that could not be sent (send_errors) starts no request. lat_ok_ns (stamp_seq): per request answered 200, from its scheduled send, and per
     request still unanswered when the drain ended (`unanswered`) the time it had waited then:
     the open-loop latency, with a late sender's lag (`late_mean_ns`, `max_late_ns`) and the
     unanswered tail kept in it."""

@@ -150,7 +150,8 @@ struct dp_send_stats {
     uint64_t resp_other;       /* any other status */
     uint64_t last_resp_ns;     /* from the start to the last response */
     uint64_t first_ok_ns, last_ok_ns;   /* from the start to the first and the last 200: the answer rate */
-    uint64_t requests;         /* packets sent that start a request (chunk_index 0): one answer each */
+    uint64_t requests;         /* packets sent that start a request (chunk_index 0): one answer each
+                                  (one whose send failed is a send error, in no other count) */
     uint64_t merge_wait_ns;    /* merge > 1: the time arrivals waited for their packet, summed */
     uint64_t by_status[6];     /* responses with status 200 400 413 422 429 503 */
     uint16_t sample_status;    /* the first response other than 200 ... */
@@ -159,7 +160,8 @@ struct dp_send_stats {
     uint64_t late_ns_sum;      /* each packet's lag behind its scheduled send, summed (merge 1) */
     uint64_t duplicates;       /* answers to a request already answered (stamp_seq): in no other count */
     uint64_t unanswered;       /* requests without an answer when the drain ended */
-    struct dp_lat rtt;         /* now - echoed send_ns, per response: the path's round trip */
+    struct dp_lat rtt;         /* now - echoed send_ns, per response: the path's round trip (merge > 1:
+                                  per request it answered, plus that request's wait for the packet) */
     struct dp_lat rtt_ok;      /* the same, for 200 responses only */
     struct dp_lat lat_ok;      /* stamp_seq: now - the request's scheduled send, per 200 (a repeat
                                   once), then per unanswered request the time it had waited when

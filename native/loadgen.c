@@ -232,7 +232,20 @@ int dp_send_poisson(int fd, const uint8_t *pkts, uint32_t stride, const uint16_t
         for (uint32_t off = 0; off < k;) {
             int n = sendmmsg(fd, msgs + off, k - off, 0);
             if (n <= 0) {
-                st->send_errors += k - off;   /* counted, not retried: open loop */
+                /* counted, not retried (open loop), and taken back: a request whose first packet
+                 * never left is no request, never unanswered, and has no latency (it was both
+                 * a send error and an unanswered request with a made-up wait before) */
+                st->send_errors += k - off;
+                for (uint32_t j = off; j < k; j++) {
+                    uint64_t seq = i + j;
+                    uint16_t chunk;
+                    memcpy(&chunk, bufs + (size_t)j * stride + offsetof(struct dp_req_hdr, chunk_index), 2);
+                    st->requests -= chunk == 0;
+                    if (m.state)
+                        m.state[seq] = SEQ_NONE;
+                    for (uint32_t q = 0; m.merge > 1 && q < m.merge; q++)
+                        st->merge_wait_ns -= m.waits[seq * m.merge + q];
+                }
                 break;
             }
             if (m.state && m.merge == 1)   /* the lag of what went out (sent_ns divides it) */

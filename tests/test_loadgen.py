@@ -191,3 +191,18 @@ def test_an_unanswered_request_stays_in_the_tail_and_a_repeated_answer_counts_on
         assert lat[20:].min() >= 0.3e9 > lat[:20].max(), "each unanswered one waited at least the drain"
     finally:
         sink.close(), tx.close()
+
+
+def test_a_packet_that_cannot_be_sent_is_a_send_error_not_an_unanswered_request():
+    """A send to a closed port fails (ECONNREFUSED once the ICMP unreachable is back): before, each
+    such request was counted a send error and also unanswered, with the drain's wait as its latency."""
+    sink, tx = pair()
+    sink.close()                              # nobody listens any more
+    try:
+        res = client.send(tx, client.request_packets(1, 1, 1, [1]), rate=2000, count=200, duration=5,
+                          drain_ms=50, seed=1)
+        assert res["send_errors"] > 0, res
+        assert res["requests"] == res["sent"] and res["unanswered"] == res["sent"]
+        assert len(res["lat_ok_ns"]) == res["unanswered"], "a latency for each request that left, no more"
+    finally:
+        tx.close()
