@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import signal
 import sys
 
 # suite name -> module in bench/ with run(report, args)
@@ -75,15 +77,24 @@ def main(argv=None) -> int:
     names = IN_ALL if args.suite == "all" else [args.suite]
     if args.json and len(names) > 1:
         p.error("--json names one file: use it with a single suite")
+    # SIGTERM unwinds like Ctrl-C: every with-block (namespaces, images, processes) cleans up;
+    # what a SIGKILLed run left (its pid dead) goes first
+    from datapath.ingress import SigtermExit
+    signal.signal(signal.SIGTERM, SigtermExit())
+    if os.geteuid() == 0:
+        from datapath.topology import sweep_stale
+        swept = sweep_stale()
+        if swept:
+            print(f"bench: removed what killed runs left: {', '.join(swept)}", file=sys.stderr)
     failed = []
     for name in names:
         report = Report(name, quick=args.quick)
         try:
             importlib.import_module(SUITES[name]).run(report, args)
-        except KeyboardInterrupt:
+        except (KeyboardInterrupt, SystemExit) as e:
             report.note("interrupted: partial results")
             report.finish(args.json)
-            return 130
+            return e.code if isinstance(e, SystemExit) and isinstance(e.code, int) else 130
         except Exception as e:  # one suite's failure is reported; the others still run
             report.note(f"FAILED: {type(e).__name__}: {e}")
             failed.append(name)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pathlib
+import re
 import shutil
 import sys
 import tempfile
@@ -447,7 +448,11 @@ def fresh_store():
     from snapshotstore.device import create_image, state_dir
     from snapshotstore.log import format_device
     os.makedirs(state_dir(), exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix="e2e-store-", dir=state_dir())
+    for name in os.listdir(state_dir()):      # a SIGKILLed run's (its pid dead): 256 MiB images
+        m = re.match(r"e2e-store-(\d+)-", name)
+        if m and int(m.group(1)) != os.getpid() and not os.path.exists(f"/proc/{m.group(1)}"):
+            shutil.rmtree(os.path.join(state_dir(), name), ignore_errors=True)
+    tmp = tempfile.mkdtemp(prefix=f"e2e-store-{os.getpid()}-", dir=state_dir())
     try:
         path = f"{tmp}/store.img"
         create_image(path, 256 << 20)

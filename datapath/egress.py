@@ -16,7 +16,8 @@ STATUS_SLOTS = (200, 400, 413, 422, 429, 503)
 
 
 class Responder:
-    """Drains `egress` (its consumer) and sends each response to (dst_ip, dst_port) from `sock`.
+    """Drains `egress` (its consumer) and sends each response from `sock` to its request's source
+    (the record's client address), or to (dst_ip, dst_port) for a record without one.
 
     sock: a UDP socket, opened in the namespace the responses leave from
     (topology.socket_in); the responder keeps it open while it runs.

@@ -132,7 +132,7 @@ class Ingress:
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
-            self._old_sigterm = signal.signal(signal.SIGTERM, _SigtermExit())
+            self._old_sigterm = signal.signal(signal.SIGTERM, SigtermExit())
         try:
             return self.load()
         except BaseException:
@@ -220,7 +220,7 @@ class Ingress:
                         cuts_fd=self.table("cuts").map_fd)
 
 
-class _SigtermExit:
+class SigtermExit:
     """SIGTERM as SystemExit, so with-blocks unwind and the program is detached.
 
     Only in the process that installed it: a forked child (pyroute2's netns

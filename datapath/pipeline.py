@@ -23,7 +23,9 @@ import itertools
 import mmap
 import multiprocessing
 import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -31,6 +33,7 @@ import numpy as np
 
 from . import _dataplane, client, lanes, records, wire
 from .egress import Responder
+from .ingress import SigtermExit
 from .loop import PollLoop
 from .ring import WAIT_MODES, Ring, unlink
 from .router import MAX_POOLS, Router
@@ -190,6 +193,12 @@ class Pipeline:
         self.traces: list = []
 
     def __enter__(self):
+        # SIGTERM unwinds the whole pipeline (namespaces, rings, processes) from here on, not only
+        # while the ingress is open: before, one during the topology's build or its teardown left
+        # the namespaces behind
+        if threading.current_thread() is threading.main_thread():
+            old = signal.signal(signal.SIGTERM, SigtermExit())
+            self._stack.callback(signal.signal, signal.SIGTERM, old)
         try:
             self._build()
         except BaseException:
@@ -202,8 +211,8 @@ class Pipeline:
 
     def _ring(self, suffix, slot, capacity, role):
         name = f"{self.tag}.{suffix}"
+        self._stack.callback(unlink, name)           # first: an interrupt in the create leaks nothing
         ring = Ring.create(name, slot, capacity, role=role)
-        self._stack.callback(unlink, name)
         self._stack.callback(ring.close)
         return name, ring
 
@@ -231,10 +240,12 @@ class Pipeline:
         # a shared byte, not a multiprocessing.Event: Event.is_set takes a lock, and a worker
         # SIGKILLed while holding it (the failover scenario) left every later set() and is_set() hung
         self._stop_workers = mmap.mmap(-1, 1)
-        es.callback(self._reap_workers)    # before any worker starts: a half-built pipeline reaps what it started
         store_factory = cfg.store_factory
         if cfg.shared_store:
             store_factory = self._start_store_server(cfg.shared_store)
+        # before any worker starts (a half-built pipeline reaps what it started), and after the
+        # store server's halt, so it runs first: the workers stop while their store still answers
+        es.callback(self._reap_workers)
         self._admission(cfg)
         for k, (pool, device, nice) in enumerate(self.placement):
             name = f"{self.tag}.w{k}"
@@ -260,8 +271,8 @@ class Pipeline:
         self.loop = PollLoop(cpu=cfg.datapath_cpu, yield_after=cfg.loop_yield_after)
         self.loop.add(_dataplane, "dp_router_poll", self.router.handle, owner=self.router)   # (runs the consumer)
         self.loop.add(_dataplane, "dp_responder_poll", self.responder.handle, owner=self.responder)
+        es.callback(self.loop.stop)       # first: the thread must never outlive what it polls
         self.loop.start()
-        es.callback(self.loop.stop)
 
     def _admission(self, cfg: PipelineConfig):
         """Pools (placement[k] = (pool, device, nice) of worker k) and the tenants' admission settings."""
@@ -285,23 +296,24 @@ class Pipeline:
     def _start_store_server(self, path: str):
         """The store's own process (snapshotstore.server); returns the workers' store factory."""
         import functools
-        import tempfile
-        from snapshotstore.server import serve
         import shutil
+        import tempfile
         sockdir = tempfile.mkdtemp(prefix=f"{self.tag}-")
+        self._stack.callback(shutil.rmtree, sockdir, ignore_errors=True)
         endpoint = f"ipc://{sockdir}/store"
         stop, ready = ctx.Event(), ctx.Event()
         server = ctx.Process(target=_store_main, args=(path, endpoint, stop, ready), name="store", daemon=True)
-        server.start()
 
         def halt():
             stop.set()
+            if server.pid is None:
+                return                    # interrupted before it started
             server.join(10)
             if server.is_alive():
                 server.kill()
                 server.join(5)
-            shutil.rmtree(sockdir, ignore_errors=True)
         self._stack.callback(halt)
+        server.start()
         self._store_endpoint = endpoint
         deadline = time.monotonic() + 30
         while not ready.wait(0.1):

@@ -12,11 +12,14 @@ anything that belongs to a live process.
 """
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import itertools
 import os
 import re
+import shutil
 import socket
+import tempfile
 
 from pyroute2 import NetNS, netns
 
@@ -72,8 +75,8 @@ class Topology:
 
     def _build(self):
         for name in (self.host_ns, *self.client_ns):
+            self._made.append(name)       # first: an interrupt during the create leaves no namespace
             netns.create(name)
-            self._made.append(name)
             with NetNS(name) as ns:
                 ns.link("set", index=ns.link_lookup(ifname="lo")[0], state="up")
         with NetNS(self.host_ns) as host:
@@ -125,18 +128,37 @@ def ours() -> list[str]:
     return [n for n in netns.listnetns() if NAME_RE.match(n)]
 
 
-def sweep_stale() -> list[str]:
-    """Remove namespaces whose creating process is dead (a run killed with SIGKILL).
+# what a pipeline (datapath.pipeline, tag pl<pid>-<seq>) leaves if SIGKILLed: its rings and lanes
+# in /dev/shm, its store server's socket directory in the temp directory
+PIPELINE_LEFTOVERS = ((re.compile(r"^dp-pl(\d+)-\d+\."), "/dev/shm"),
+                      (re.compile(r"^pl(\d+)-\d+-"), tempfile.gettempdir()))
 
-    Namespaces of live processes are left alone, whoever they belong to.
+
+def sweep_stale() -> list[str]:
+    """Remove namespaces, and a pipeline's shared-memory rings and socket directories, whose
+    creating process is dead (a run killed with SIGKILL): nothing else cleans them up.
+
+    What belongs to live processes is left alone, whoever they are.
     """
+    def dead(pid: int) -> bool:
+        return pid != os.getpid() and not os.path.exists(f"/proc/{pid}")
     removed = []
     for name in ours():
-        pid = int(NAME_RE.match(name).group(1))
-        if pid != os.getpid() and not os.path.exists(f"/proc/{pid}"):
+        if dead(int(NAME_RE.match(name).group(1))):
             try:
                 netns.remove(name)
                 removed.append(name)
             except OSError:
                 pass
+    for pattern, where in PIPELINE_LEFTOVERS:
+        for name in os.listdir(where) if os.path.isdir(where) else []:
+            m = pattern.match(name)
+            if m and dead(int(m.group(1))):
+                path = os.path.join(where, name)
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
+                removed.append(path)
     return removed

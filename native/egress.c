@@ -68,16 +68,21 @@ uint32_t dp_responder_poll(struct dp_responder *r)
         msgs[i] = (struct mmsghdr){ .msg_hdr = { .msg_name = &dst[i], .msg_namelen = sizeof(dst[i]),
                                                  .msg_iov = &iov[i], .msg_iovlen = 1 } };
     }
-    uint32_t done = 0;
+    uint32_t done = 0, sent = 0;
     while (done < n) {
         int k = sendmmsg(r->fd, msgs + done, n - done, 0);
         if (k < 0) {
             if (errno == EINTR)
                 continue;
-            r->send_errors += n - done;  /* the socket refused: counted, the records are released */
-            break;
+            /* the message at `done` was refused (its client's address is one this socket cannot
+             * send to): it alone is counted and dropped, the burst's others still go (all of
+             * them were dropped with it before) */
+            r->send_errors++;
+            done++;
+            continue;
         }
         done += (uint32_t)k;
+        sent += (uint32_t)k;
     }
     uint64_t t = now_ns();
     for (uint32_t i = 0; i < n; i++) {
@@ -87,7 +92,7 @@ uint32_t dp_responder_poll(struct dp_responder *r)
             r->trace[r->traced++] = (struct dp_trace){ rec->request_id, rec->t_send, rec->t_xdp, rec->t_first_lane,
                                                        rec->t_done, t, rec->status, rec->n_out };
     }
-    r->sent += done;
+    r->sent += sent;
     dp_ring_cons_release(r->egress, n);
     return n;
 }

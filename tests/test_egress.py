@@ -89,6 +89,24 @@ def test_each_response_goes_to_the_client_its_request_came_from():
         unlink(name)
 
 
+def test_a_response_the_socket_refuses_costs_only_itself(link):
+    """The second of three goes to port 0, which the kernel refuses (EINVAL; a client address this
+    socket cannot reach does the same): before, the whole rest of the burst was counted a send
+    error and dropped with it."""
+    recs = np.zeros(3, dtype=records.RESPONSE)
+    recs["request_id"] = [1, 2, 3]
+    recs["status"] = 200
+    recs[1]["client_ip"] = int.from_bytes(socket.inet_aton("127.0.0.1"), "little")
+    recs[1]["client_port"] = 0
+    link.egress.enqueue(recs.tobytes())
+    resp = link.responder()
+    assert resp.poll() == 3
+    got = [wire.decode_response(link.rx.recv(2048)).request_id for _ in range(2)]
+    assert got == [1, 3]
+    st = resp.stats()
+    assert st["sent"] == 2 and st["send_errors"] == 1
+
+
 def test_an_admission_body_reaches_the_client_whole(link):
     body = ('{"status":422,"cost_breakdown":{"estimate_micro_usd":12},"suggestions":["lower max_output_tokens'
             ' to 3"],"pad":"' + "x" * 900 + '"}').encode()

@@ -50,3 +50,30 @@ def test_a_worker_that_hangs_holding_a_batch_is_killed_and_failed_over():
         assert p.router.worker_stats(1)["up"] == 0
     r = out["r"]
     assert r["requests"] == 60 and r["resp_ok"] == 60 and r["unanswered"] == 0, r["by_status"]
+
+
+@pytest.mark.root
+def test_a_sigterm_while_the_pipeline_is_built_leaves_no_namespace():
+    """SIGTERM was turned into an unwinding exit only while the ingress was open: one during the
+    topology's build (or its teardown) killed the process with its namespaces left behind. Here
+    the build signals itself right after creating its first namespace."""
+    import subprocess
+    import sys
+    script = (
+        "import os, signal\n"
+        "from datapath import topology\n"
+        "from datapath.pipeline import Pipeline, PipelineConfig\n"
+        "real = topology.netns.create\n"
+        "def create(name, *a, **k):\n"
+        "    real(name, *a, **k)\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "topology.netns.create = create\n"
+        "with Pipeline(PipelineConfig(workers=1)):\n"
+        "    pass\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    netns_dir = "/run/netns"
+    left = [n for n in (os.listdir(netns_dir) if os.path.isdir(netns_dir) else []) if n.startswith(f"dp{proc.pid}t")]
+    assert left == [], left

@@ -4,6 +4,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 
@@ -111,6 +112,12 @@ def test_sweep_removes_what_a_killed_run_left():
     try:
         names = proc.stdout.readline().split()
         assert len(names) == 3 and set(names) <= set(topology.ours())
+        # a killed pipeline's ring and store socket directory, and a live one's ring
+        ring = f"/dev/shm/dp-pl{proc.pid}-1.out"
+        open(ring, "w").close()
+        sockdir = tempfile.mkdtemp(prefix=f"pl{proc.pid}-1-")
+        live_ring = f"/dev/shm/dp-pl{os.getpid()}-999.out"
+        open(live_ring, "w").close()
         mine = Topology(clients=1).__enter__()  # a live run's namespaces must survive the sweep
         try:
             os.kill(proc.pid, signal.SIGKILL)
@@ -119,8 +126,10 @@ def test_sweep_removes_what_a_killed_run_left():
             assert set(names) <= set(removed)
             assert not set(mine.namespaces()) & set(removed)
             assert set(mine.namespaces()) <= set(topology.ours())
+            assert not os.path.exists(ring) and not os.path.exists(sockdir) and os.path.exists(live_ring)
         finally:
             mine.close()
+            os.unlink(live_ring)
     finally:
         if proc.poll() is None:
             proc.kill()
