@@ -117,6 +117,7 @@ class TracingLane:
             stamps, t_pickup = self._batch
             self._batch = None
             i, n = int(self.count[0]), len(stamps)
+            self.count[1] += n - max(0, min(n, len(self.trace) - i))   # past trace_records: counted
             n = max(0, min(n, len(self.trace) - i))
             if n:
                 rows = self.trace[i:i + n]
@@ -148,7 +149,7 @@ def _worker_main(lane_name: str, options, store_factory, trace_buf, stop, cpu, n
         os.sched_setaffinity(0, {cpu})
     if nice:
         os.nice(nice)
-    count = np.frombuffer(trace_buf, dtype="<u8", count=1)
+    count = np.frombuffer(trace_buf, dtype="<u8", count=2)      # records traced, records past the buffer
     trace = np.frombuffer(trace_buf, dtype=TRACE, offset=64)
     store = store_factory(options.index) if store_factory else None
     worker = options.build(store)
@@ -448,11 +449,16 @@ class Pipeline:
 
     # --- what happened -----------------------------------------------------------------------
     def trace(self, worker: int | None = None) -> np.ndarray:
-        """Every record the workers (or one worker) ran so far, with its stamps."""
-        parts = []
+        """Every record the workers (or one worker) ran so far, with its stamps; says so on stderr
+        when records went past a worker's trace buffer (cfg.trace_records) untraced."""
+        parts, past = [], 0
         for buf in self.traces if worker is None else [self.traces[worker]]:
-            n = int(np.frombuffer(buf, dtype="<u8", count=1)[0])
+            n, untraced = (int(x) for x in np.frombuffer(buf, dtype="<u8", count=2))
             parts.append(np.frombuffer(buf, dtype=TRACE, offset=64, count=n).copy())
+            past += untraced
+        if past:
+            print(f"pipeline: {past} records ran past the trace buffers ({self.cfg.trace_records} a worker) "
+                  f"untraced: the stage figures leave them out", file=sys.stderr)
         return np.concatenate(parts) if parts else np.zeros(0, TRACE)
 
     def kv_resident_bytes(self) -> tuple[int, int]:
@@ -472,7 +478,7 @@ class Pipeline:
 
     def reset_trace(self):
         for buf in self.traces:
-            np.frombuffer(buf, dtype="<u8", count=1)[0] = 0
+            np.frombuffer(buf, dtype="<u8", count=2)[:] = 0
 
     def store_stats(self) -> dict | None:
         """The shared store's counters (puts, restores, ...), asked of its server; None without one."""

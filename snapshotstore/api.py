@@ -144,3 +144,9 @@ class WorkerStore:
 
     def delete(self, key: tuple[int, int]) -> None:
         self.store.delete(self.key(key))
+
+    def close(self) -> None:
+        """Close the store under it (a RemoteStore's socket, a LogStore's device)."""
+        close = getattr(self.store, "close", None)
+        if close is not None:
+            close()

@@ -77,3 +77,15 @@ def test_a_sigterm_while_the_pipeline_is_built_leaves_no_namespace():
     netns_dir = "/run/netns"
     left = [n for n in (os.listdir(netns_dir) if os.path.isdir(netns_dir) else []) if n.startswith(f"dp{proc.pid}t")]
     assert left == [], left
+
+
+@pytest.mark.root
+@pytest.mark.bpf
+def test_records_past_the_trace_buffer_are_counted_and_said(capsys):
+    """A worker stopped tracing once its buffer was full, and the stage figures silently left the
+    rest out."""
+    with Pipeline(_config(workers=1, trace_records=8)) as p:
+        r = p.offer(50, 20, sessions=20)
+        assert r["resp_ok"] == 20
+        assert len(p.trace()) == 8
+    assert "records ran past the trace buffers (8 a worker) untraced" in capsys.readouterr().err
