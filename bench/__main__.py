@@ -79,7 +79,7 @@ def main(argv=None) -> int:
         p.error("--json names one file: use it with a single suite")
     # SIGTERM unwinds like Ctrl-C: every with-block (namespaces, images, processes) cleans up;
     # what a SIGKILLed run left (its pid dead) goes first
-    from datapath.ingress import SigtermExit
+    from datapath.ingress import SigtermExit, Terminated
     signal.signal(signal.SIGTERM, SigtermExit())
     if os.geteuid() == 0:
         from datapath.topology import sweep_stale
@@ -91,10 +91,10 @@ def main(argv=None) -> int:
         report = Report(name, quick=args.quick)
         try:
             importlib.import_module(SUITES[name]).run(report, args)
-        except (KeyboardInterrupt, SystemExit) as e:
+        except (KeyboardInterrupt, Terminated) as e:
             report.note("interrupted: partial results")
             report.finish(args.json)
-            return e.code if isinstance(e, SystemExit) and isinstance(e.code, int) else 130
+            return e.code if isinstance(e, Terminated) else 130
         except Exception as e:  # one suite's failure is reported; the others still run
             report.note(f"FAILED: {type(e).__name__}: {e}")
             failed.append(name)

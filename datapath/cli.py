@@ -53,7 +53,8 @@ def positive(kind, zero_ok: bool = False, most=None):
     def parse(text):
         try:
             v = kind(text)
-        except ValueError:
+            math.isfinite(v)             # a 400-digit int overflows a float here: not a number to us
+        except (ValueError, OverflowError):
             raise argparse.ArgumentTypeError(f"{text!r} is not a{' whole' if kind is int else ''} number") from None
         if not math.isfinite(v) or v < 0 or (v == 0 and not zero_ok):
             raise argparse.ArgumentTypeError(f"{text} must be {'0 or more' if zero_ok else 'positive'}")

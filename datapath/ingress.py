@@ -220,8 +220,12 @@ class Ingress:
                         cuts_fd=self.table("cuts").map_fd)
 
 
+class Terminated(SystemExit):
+    """The SystemExit a SIGTERM becomes (SigtermExit): told apart from an exit the code asked for."""
+
+
 class SigtermExit:
-    """SIGTERM as SystemExit, so with-blocks unwind and the program is detached.
+    """SIGTERM as SystemExit (Terminated), so with-blocks unwind and the program is detached.
 
     Only in the process that installed it: a forked child (pyroute2's netns
     helpers are) must die as usual, not unwind the parent's with-blocks and
@@ -233,7 +237,7 @@ class SigtermExit:
     def __call__(self, signum, frame):
         if os.getpid() != self.pid:
             os._exit(128 + signum)
-        raise SystemExit(128 + signum)
+        raise Terminated(128 + signum)
 
 
 def output_ring(name: str, capacity: int = 1 << 14) -> Ring:

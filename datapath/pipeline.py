@@ -299,7 +299,7 @@ class Pipeline:
         import functools
         import shutil
         import tempfile
-        sockdir = tempfile.mkdtemp(prefix=f"{self.tag}-")
+        sockdir = tempfile.mkdtemp(prefix=f"zl-{self.tag}-")     # topology.sweep_stale knows the name
         self._stack.callback(shutil.rmtree, sockdir, ignore_errors=True)
         endpoint = f"ipc://{sockdir}/store"
         stop, ready = ctx.Event(), ctx.Event()

@@ -131,7 +131,7 @@ def ours() -> list[str]:
 # what a pipeline (datapath.pipeline, tag pl<pid>-<seq>) leaves if SIGKILLed: its rings and lanes
 # in /dev/shm, its store server's socket directory in the temp directory
 PIPELINE_LEFTOVERS = ((re.compile(r"^dp-pl(\d+)-\d+\."), "/dev/shm"),
-                      (re.compile(r"^pl(\d+)-\d+-"), tempfile.gettempdir()))
+                      (re.compile(r"^zl-pl(\d+)-\d+-"), tempfile.gettempdir()))
 
 
 def sweep_stale() -> list[str]:

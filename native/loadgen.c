@@ -68,7 +68,7 @@ static void wait_until(int fd, uint64_t t)
 
 /* The schedule, per packet seq (stamp_seq only: an answer names its request's first packet).
  * merge > 1: waits[seq * merge + j] is how long arrival j of packet seq waited for the packet. */
-enum { SEQ_NONE, SEQ_SENT, SEQ_ANSWERED };
+enum { SEQ_NONE, SEQ_SENT, SEQ_ANSWERED, SEQ_UNSENT };   /* UNSENT: its first packet's send failed */
 struct sched {
     uint32_t merge;
     uint64_t seq_base, count;
@@ -120,6 +120,10 @@ static void read_responses(int fd, struct dp_send_stats *st, uint64_t start, str
             st->duplicates++;           /* not a response more: counts, rates and samples see it once */
             continue;
         }
+        uint64_t seq = h.request_id - m->seq_base;
+        if (m->state && seq < m->count && m->state[seq] == SEQ_UNSENT)
+            continue;                   /* a request whose first packet never left (its later ones
+                                         * did, and the router refused the rest): in no count */
         st->responses++;
         st->last_resp_ns = now - start;
         int slot = h.status == DP_STATUS_OK ? 0 : h.status == DP_STATUS_BAD_REQUEST ? 1
@@ -241,8 +245,8 @@ int dp_send_poisson(int fd, const uint8_t *pkts, uint32_t stride, const uint16_t
                     uint16_t chunk;
                     memcpy(&chunk, bufs + (size_t)j * stride + offsetof(struct dp_req_hdr, chunk_index), 2);
                     st->requests -= chunk == 0;
-                    if (m.state)
-                        m.state[seq] = SEQ_NONE;
+                    if (m.state && chunk == 0)
+                        m.state[seq] = SEQ_UNSENT;
                     for (uint32_t q = 0; m.merge > 1 && q < m.merge; q++)
                         st->merge_wait_ns -= m.waits[seq * m.merge + q];
                 }

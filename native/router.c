@@ -1167,10 +1167,11 @@ static void complete_entry(struct dp_router *rt, int wk, const struct batch_meta
 
 static void set_up(struct dp_router *rt, uint32_t k, int up);
 
-/* A zmq worker whose batch has gone unanswered for zmq_timeout: ZeroMQ does not resend what a
- * broken connection held (a worker that died after taking the batch, a dropped link), and no
- * process of ours watches a remote worker, so nothing else would ever free it: it stayed busy,
- * and every request placed on it waited for ever. It is marked down, its requests replayed. */
+/* A zmq worker whose batch has gone unanswered (or unsent: no peer took it) for zmq_timeout:
+ * ZeroMQ does not resend what a broken connection held (a worker that died after taking the
+ * batch, a dropped link), and no process of ours watches a remote worker, so nothing else would
+ * ever free it: it stayed busy, and every request placed on it waited for ever. It is marked
+ * down, its requests replayed; set_up(k, 1) brings it back. */
 static uint32_t zmq_timeouts(struct dp_router *rt)
 {
     if (!rt->n_zmq || !rt->cfg.zmq_timeout_ns)
@@ -1178,7 +1179,7 @@ static uint32_t zmq_timeouts(struct dp_router *rt)
     uint32_t n = 0;
     for (uint32_t k = 0; k < rt->view.n; k++) {
         struct worker *w = &rt->w[k];
-        if (w->kind != DP_LANE_ZMQ || !w->busy || !rt->view.up[k] ||
+        if (w->kind != DP_LANE_ZMQ || !(w->busy || w->unsent) || !rt->view.up[k] ||
             pass_clock(rt) - w->t_busy < rt->cfg.zmq_timeout_ns)
             continue;
         rt->st.zmq_timeouts++;
@@ -1346,7 +1347,7 @@ static uint32_t send_batches(struct dp_router *rt)
         struct worker *w = &rt->w[k];
         if (w->unsent) {                 /* a zmq batch the socket refused: it goes first, unchanged */
             if (lane_commit(w, w->unsent))
-                w->busy = 1, w->st.busy = 1, w->t_busy = pass_clock(rt);
+                w->busy = 1, w->st.busy = 1;
             continue;
         }
         if (w->busy || !rt->view.up[k])
@@ -1376,8 +1377,9 @@ static uint32_t send_batches(struct dp_router *rt)
             c->t_lane = t_lane;
         }
         w->batch_len = b.n;
+        w->t_busy = t_lane;              /* a zmq batch's answer is due zmq_timeout from here, sent or not */
         if (lane_commit(w, b.n))
-            w->busy = 1, w->st.busy = 1, w->t_busy = t_lane;
+            w->busy = 1, w->st.busy = 1;
         w->st.batches++;
         w->st.records += b.n;
         w->st.tokens += b.tokens;
@@ -1794,8 +1796,8 @@ uint32_t dp_router_poll(struct dp_router *rt)
     pthread_mutex_lock(&rt->lock);
     rt->in_pass = 1;
     uint32_t work = flush_done(rt);
-    work += zmq_timeouts(rt);
     work += take_completions(rt);
+    work += zmq_timeouts(rt);            /* after: an answer that came in time is taken */
     work += drain_inputs(rt);
     work += send_batches(rt);
     price_admitted(rt);
@@ -1993,6 +1995,7 @@ static int add_worker(struct dp_router *rt, int kind, struct dp_ring *lane, stru
         if (kind == DP_LANE_ZMQ) {
             w->stage = malloc((size_t)DP_MAX_BATCH_CHUNKS * sizeof(struct dp_chunk));
             w->cbuf = malloc(sizeof(*w->cbuf));
+            rt->n_zmq++;
         }
         w->fifo_head = w->fifo_tail = NIL;
         w->decoding = calloc(rt->cfg.max_requests, sizeof(uint32_t));
@@ -2035,8 +2038,6 @@ int dp_router_add_zmq_worker(struct dp_router *rt, const char *endpoint, uint32_
     int k = add_worker(rt, DP_LANE_ZMQ, NULL, NULL, s, weight);
     if (k < 0)
         zmq_close(s);
-    else
-        rt->n_zmq++;
     return k;
 }
 

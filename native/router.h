@@ -109,7 +109,8 @@ struct dp_router_stats {
     uint64_t xdp_cut;           /* requests the XDP bucket cut (answered 429 there), dropped at the reassembly
                                  * timeout without a 400 (dp_router_watch_cuts) */
     uint64_t no_worker;         /* 503: no worker up in any pool, or the policy picked none */
-    uint64_t bad_picks;         /* of those, picks of a worker out of range or down (a policy's bug) */
+    uint64_t bad_picks;         /* a policy's picks of a worker out of range or down (its bug), at
+                                 * admission (counted in no_worker too) or at a failover's replay */
     uint64_t zmq_timeouts;      /* zmq workers marked down: a batch unanswered for zmq_timeout */
     uint32_t active_requests, pool_free;
 };

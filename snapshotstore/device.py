@@ -56,10 +56,10 @@ def create_image(path: str, size: int) -> None:
         raise DeviceError(f"cannot create {path}: {e.strerror}") from None
     try:
         os.ftruncate(fd, size)
-    except OSError as e:             # too large for the file system: leave no empty file behind
+    except (OSError, OverflowError) as e:   # too large (for the file system): leave no empty file behind
         os.close(fd)
         os.unlink(path)
-        raise DeviceError(f"cannot make {path} {size} bytes: {e.strerror}") from None
+        raise DeviceError(f"cannot make {path} {size} bytes: {getattr(e, 'strerror', None) or e}") from None
     os.close(fd)
 
 

@@ -56,7 +56,8 @@ from .format import (HEADER_SIZE, KIND_BASE, KIND_DELTA, KIND_PAD, KIND_TOMBSTON
 RESERVE_BLOCKS = 8               # at least, and 1/32 of the log: kept for tombstones (deletes on a full log)
 MAX_RECORD_BYTES = 16 << 20      # and at most 1/16 of the log
 SCAN_WINDOW_BYTES = 1 << 20      # recovery reads the log in windows this large
-FORMAT_CHECK_BLOCKS = 16         # format without force wants these first blocks zeroed (or a store)
+FORMAT_CHECK_BYTES = 1 << 20     # format without force wants this much zeroed (or a store): a btrfs
+                                 # superblock is at 64 KiB, ISO9660's at 32 KiB, and so on
 KEY_LOCKS = 256
 # The checkpoint follows the flushes at most this often: a superblock write per flush cost a
 # put 1.2x -> 1.7x of a raw O_DIRECT write + fdatasync here (one more device round trip).
@@ -99,8 +100,8 @@ class _Request:
 
 def format_device(path: str, force: bool = False) -> Superblock:
     """Write an empty store (both superblock copies) on path. Unless force, refuses to erase a store,
-    or any data in the first FORMAT_CHECK_BLOCKS blocks: a mistyped path to a disk that holds a
-    file system or a partition table is refused, not overwritten."""
+    or any data in the first FORMAT_CHECK_BYTES: a mistyped path to a disk that holds a file system
+    or a partition table is refused, not overwritten."""
     dev = open_device(path)
     try:
         dev.lock(shared=False)
@@ -110,8 +111,8 @@ def format_device(path: str, force: bool = False) -> Superblock:
             bs = dev.block_size
             if any(fmt.unpack_superblock(view[i * bs:(i + 1) * bs]) for i in range(fmt.SB_COPIES)):
                 raise FormatError(f"{path} already holds a snapshot store: pass --force to erase it")
-            n = min(dev.blocks, FORMAT_CHECK_BLOCKS)
-            if any(dev.read_into(aligned_buffer(n * bs), 0, n)):
+            n = min(dev.blocks, FORMAT_CHECK_BYTES // bs)
+            if dev.read_into(aligned_buffer(n * bs), 0, n).tobytes() != bytes(n * bs):
                 raise FormatError(f"{path} holds data that is not a snapshot store (a file system? a "
                                   f"partition table?): pass --force to erase it")
         log_blocks = dev.blocks - fmt.LOG_START

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from datapath import lanes, records, wire
+from datapath._dataplane import lib
 from datapath.ring import Ring, unlink
 from datapath.records import request_chunks as chunks_of
 from datapath.router import Router, policies, policy_params
@@ -519,7 +520,11 @@ def test_a_parameter_for_a_policy_that_reads_none_is_refused():
     assert policy_params()["affinity"].startswith("load bound") and policy_params()["round_robin"] is None
     with pytest.raises(ValueError, match="takes no parameter"):
         Router(policy="round_robin", policy_param=3)
-    Router(policy="affinity", policy_param=0.1).close()
+    with Router(policy="affinity", policy_param=0.1) as rt:
+        with pytest.raises(ValueError, match="takes no parameter"):
+            rt.set_policy("round_robin", 3)
+        assert lib.dp_router_set_policy(rt._rt, b"round_robin", 3.0) < 0, "C refuses it too"
+        rt.set_policy("affinity", 0.2)
 
 
 def test_a_zmq_worker_that_never_answers_is_marked_down_and_its_request_replayed(bench_factory):
@@ -548,6 +553,23 @@ def test_a_zmq_worker_that_never_answers_is_marked_down_and_its_request_replayed
     finally:
         b.router.close()
         silent.close()
+
+
+def test_a_zmq_worker_nobody_serves_is_marked_down_too(bench_factory):
+    """A batch no peer ever took (unsent, so never busy) escaped the deadline."""
+    b = bench_factory(n_workers=1, policy="round_robin", zmq_timeout_s=0.2)
+    assert b.router.add_zmq_worker(lanes.free_tcp_endpoint()) == 1     # nobody binds it
+    b.router.set_up(0, False)
+    b.send(chunks_of(1, [1, 2, 3], max_out=2))
+    b.router.poll()
+    b.router.set_up(0, True)
+    deadline = time.monotonic() + 10
+    while b.router.stats()["zmq_timeouts"] == 0 and time.monotonic() < deadline:
+        b.router.poll()
+        time.sleep(0.01)
+    b.run(0)
+    assert [(int(r["request_id"]), int(r["status"]), int(r["worker"])) for r in b.responses] == [(1, 200, 0)]
+    assert b.router.worker_stats(1)["up"] == 0
 
 
 def test_no_worker_left_answers_503(bench_factory):

@@ -41,6 +41,7 @@ def test_user_errors_are_one_sentence(capsys):
     (["worker", "--demo", "1", "--output-tokens", "300"], "--output-tokens: 300 must be at most 256"),
     (["ingress", "stats", "nan"], "interval: nan must be positive"),
     (["ingress", "stats", "1", "-p", "99999999999"], "must be at most 4294967295"),
+    (["model", "info", "--layers", "9" * 400], "is not a whole number"),        # OverflowError in isfinite
 ])
 def test_bad_numbers_are_usage_errors_naming_the_flag(capsys, args, says):
     with pytest.raises(SystemExit) as e:

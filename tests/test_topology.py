@@ -115,7 +115,7 @@ def test_sweep_removes_what_a_killed_run_left():
         # a killed pipeline's ring and store socket directory, and a live one's ring
         ring = f"/dev/shm/dp-pl{proc.pid}-1.out"
         open(ring, "w").close()
-        sockdir = tempfile.mkdtemp(prefix=f"pl{proc.pid}-1-")
+        sockdir = tempfile.mkdtemp(prefix=f"zl-pl{proc.pid}-1-")
         live_ring = f"/dev/shm/dp-pl{os.getpid()}-999.out"
         open(live_ring, "w").close()
         mine = Topology(clients=1).__enter__()  # a live run's namespaces must survive the sweep

@@ -178,7 +178,8 @@ def _demo(opts, args) -> int:
     from .worker import one_blas_thread
     tag = f"zl-demo-{os.getpid()}"
     names = [f"{tag}.in", f"{tag}.out"]
-    inp = Ring.create(names[0], records.CHUNK.itemsize, 1024, role="producer")
+    need = args.demo * -(-args.prompt_tokens // wire.MAX_CHUNK_TOKENS)   # every chunk, enqueued up front
+    inp = Ring.create(names[0], records.CHUNK.itemsize, max(1024, 1 << (need - 1).bit_length()), role="producer")
     egress = Ring.create(names[1], records.RESPONSE.itemsize, 256, role="consumer")
     router = Router()
     w = opts.build(None)
@@ -198,7 +199,8 @@ def _demo(opts, args) -> int:
                 recs[i]["chunk_index"], recs[i]["chunk_count"], recs[i]["n_tokens"] = i, len(parts), len(part)
                 recs[i]["max_output_tokens"], recs[i]["t_send"] = args.output_tokens, time.monotonic_ns()
                 recs[i]["tokens"][:len(part)] = part
-            inp.enqueue(recs.tobytes())
+            if inp.enqueue(recs.tobytes()) != len(recs):
+                raise RuntimeError("the demo's input ring is full")   # sized above: cannot happen
         router.start()
         got = []
         deadline = time.monotonic() + 600

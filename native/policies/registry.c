@@ -30,6 +30,8 @@ int dp_policy_init(struct dp_policy *p, const char *name, uint64_t seed, double 
     memset(p, 0, sizeof(*p));
     for (unsigned i = 0; i < sizeof(registry) / sizeof(registry[0]); i++) {
         if (strcmp(registry[i]->name, name) == 0) {
+            if (param != 0 && !registry[i]->param)
+                return -EINVAL;           /* a parameter pick never reads: refused, not ignored */
             p->ops = registry[i];
             p->rng = seed ? seed : 0x2545f4914f6cdd1dull;
             p->param = param;
