@@ -97,6 +97,16 @@ def bench_factory():
         b.close()
 
 
+def place_on(b, flags, up, *chunks):
+    """Send chunks with only worker `up` up and run it dry; flags[request id]: its MOVED flag."""
+    b.router.set_up(up, True)
+    b.router.set_up(1 - up, False)
+    b.send(*chunks)
+    for batch in b.run(up):
+        for r in batch[batch["kind"] == wire.KIND_CHUNK]:
+            flags[int(r["request_id"])] = bool(r["flags"] & records.CHUNK_F_MOVED)
+
+
 def prefill_seen(batches):
     """{request_id: tokens in the order the worker received them}."""
     out = {}
@@ -807,21 +817,13 @@ def test_a_failed_request_leaves_where_its_session_ran_unknown(bench_factory):
     R2's turn. A request of the session placed behind the failed one is flagged too."""
     b = bench_factory(n_workers=2, policy="round_robin")
     flags = {}
-
-    def place(rid, up, *chunks):
-        b.router.set_up(up, True)
-        b.router.set_up(1 - up, False)
-        b.send(*chunks)
-        for batch in b.run(up):
-            for r in batch[batch["kind"] == wire.KIND_CHUNK]:
-                flags[int(r["request_id"])] = bool(r["flags"] & records.CHUNK_F_MOVED)
-    place(1, 0, chunks_of(1, [1, 2], session=9, max_out=1))
-    place(2, 1, chunks_of(2, [3, 4], session=9, max_out=1))
+    place_on(b, flags, 0, chunks_of(1, [1, 2], session=9, max_out=1))
+    place_on(b, flags, 1, chunks_of(2, [3, 4], session=9, max_out=1))
     r3 = chunks_of(3, list(range(200)), session=9, max_out=1)
     bad = r3[[1]].copy()
     bad["n_tokens"] = 0
-    place(3, 0, r3[[0]], bad)
-    place(4, 0, chunks_of(4, [5, 6], session=9, max_out=1))
+    place_on(b, flags, 0, r3[[0]], bad)
+    place_on(b, flags, 0, chunks_of(4, [5, 6], session=9, max_out=1))
     assert flags[2] and flags[4], flags
     assert [(int(r["request_id"]), int(r["status"])) for r in b.responses] == [(1, 200), (2, 200), (3, 400), (4, 200)]
     # behind a request that fails: R6 placed on w0 while R5 (on w0) is unfinished, then R5 fails
@@ -845,23 +847,15 @@ def test_an_expired_request_leaves_where_its_session_ran_unknown(bench_factory):
     where the session last ran: w0 answered R4 from its copy, without R2's turn."""
     b = bench_factory(n_workers=2, policy="round_robin", reassembly_timeout_s=0.05)
     flags = {}
-
-    def place(up, *chunks):
-        b.router.set_up(up, True)
-        b.router.set_up(1 - up, False)
-        b.send(*chunks)
-        for batch in b.run(up):
-            for r in batch[batch["kind"] == wire.KIND_CHUNK]:
-                flags[int(r["request_id"])] = bool(r["flags"] & records.CHUNK_F_MOVED)
-    place(0, chunks_of(1, [1, 2], session=9, max_out=1))
-    place(1, chunks_of(2, [3, 4], session=9, max_out=1))
-    place(0, chunks_of(3, list(range(200)), session=9, max_out=1)[[1]])     # its first chunk never comes
+    place_on(b, flags, 0, chunks_of(1, [1, 2], session=9, max_out=1))
+    place_on(b, flags, 1, chunks_of(2, [3, 4], session=9, max_out=1))
+    place_on(b, flags, 0, chunks_of(3, list(range(200)), session=9, max_out=1)[[1]])   # its first chunk never comes
     deadline = time.monotonic() + 10
     while len(b.responses) < 3 and time.monotonic() < deadline:
         time.sleep(0.01)
         b.router.poll()
         b.collect()
-    place(0, chunks_of(4, [5, 6], session=9, max_out=1))
+    place_on(b, flags, 0, chunks_of(4, [5, 6], session=9, max_out=1))
     assert [(int(r["request_id"]), int(r["status"])) for r in b.responses] == [(1, 200), (2, 200), (3, 400), (4, 200)]
     assert flags[2] and flags[4], flags
 
