@@ -192,6 +192,7 @@ class Pipeline:
         self.workers: list = []
         self._store_endpoint = None      # the shared store server's, when shared_store is given
         self.traces: list = []
+        self._untraced_said = 0
 
     def __enter__(self):
         # SIGTERM unwinds the whole pipeline (namespaces, rings, processes) from here on, not only
@@ -456,7 +457,8 @@ class Pipeline:
             n, untraced = (int(x) for x in np.frombuffer(buf, dtype="<u8", count=2))
             parts.append(np.frombuffer(buf, dtype=TRACE, offset=64, count=n).copy())
             past += untraced
-        if past:
+        if past > self._untraced_said:           # said once per new overflow, not at every call
+            self._untraced_said = past
             print(f"pipeline: {past} records ran past the trace buffers ({self.cfg.trace_records} a worker) "
                   f"untraced: the stage figures leave them out", file=sys.stderr)
         return np.concatenate(parts) if parts else np.zeros(0, TRACE)
@@ -479,6 +481,7 @@ class Pipeline:
     def reset_trace(self):
         for buf in self.traces:
             np.frombuffer(buf, dtype="<u8", count=2)[:] = 0
+        self._untraced_said = 0
 
     def store_stats(self) -> dict | None:
         """The shared store's counters (puts, restores, ...), asked of its server; None without one."""
