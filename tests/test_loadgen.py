@@ -194,15 +194,15 @@ def test_an_unanswered_request_stays_in_the_tail_and_a_repeated_answer_counts_on
 
 
 def test_a_packet_that_cannot_be_sent_is_a_send_error_not_an_unanswered_request():
-    """A send to a closed port fails (ECONNREFUSED once the ICMP unreachable is back): before, each
-    such request was counted a send error and also unanswered, with the drain's wait as its latency."""
+    """A socket that cannot send (here shut down for writing: EPIPE on every send; a closed
+    port's ICMP error is rate-limited, so a run may never see one): before, each such request was
+    counted a send error and also unanswered, with the drain's wait as its latency."""
     sink, tx = pair()
-    sink.close()                              # nobody listens any more
+    tx.shutdown(socket.SHUT_WR)
     try:
         res = client.send(tx, client.request_packets(1, 1, 1, [1]), rate=2000, count=200, duration=5,
                           drain_ms=50, seed=1)
-        assert res["send_errors"] > 0, res
-        assert res["requests"] == res["sent"] and res["unanswered"] == res["sent"]
-        assert len(res["lat_ok_ns"]) == res["unanswered"], "a latency for each request that left, no more"
+        assert res["send_errors"] == 200 and res["sent"] == 0, res
+        assert res["requests"] == 0 and res["unanswered"] == 0 and len(res["lat_ok_ns"]) == 0
     finally:
-        tx.close()
+        sink.close(), tx.close()
