@@ -91,7 +91,7 @@ def test_no_server_is_a_clear_error_and_is_waited_for_once_per_timeout(tmp_path)
         t0 = time.monotonic()
         with pytest.raises(DeviceError, match="did not answer within 0.3 s: is its server running"):
             store.restore(session_key(SECRET, 1))
-        assert time.monotonic() - t0 >= 0.3
+        assert time.monotonic() - t0 >= 0.25        # it waited (zmq's poll may wake a little early)
         t0 = time.monotonic()
         for n in range(50):
             with pytest.raises(DeviceError, match="not asked again yet"):
