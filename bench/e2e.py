@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import os
 import pathlib
-import re
 import shutil
 import sys
 import tempfile
@@ -448,10 +447,7 @@ def fresh_store():
     from snapshotstore.device import create_image, state_dir
     from snapshotstore.log import format_device
     os.makedirs(state_dir(), exist_ok=True)
-    for name in os.listdir(state_dir()):      # a SIGKILLed run's (its pid dead): 256 MiB images
-        m = re.match(r"e2e-store-(\d+)-", name)
-        if m and int(m.group(1)) != os.getpid() and not os.path.exists(f"/proc/{m.group(1)}"):
-            shutil.rmtree(os.path.join(state_dir(), name), ignore_errors=True)
+    # the pid in the name: a SIGKILLed run's image is swept by datapath.topology.sweep_stale
     tmp = tempfile.mkdtemp(prefix=f"e2e-store-{os.getpid()}-", dir=state_dir())
     try:
         path = f"{tmp}/store.img"

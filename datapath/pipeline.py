@@ -116,9 +116,9 @@ class TracingLane:
         if self._batch is not None:
             stamps, t_pickup = self._batch
             self._batch = None
-            i, n = int(self.count[0]), len(stamps)
-            self.count[1] += n - max(0, min(n, len(self.trace) - i))   # past trace_records: counted
-            n = max(0, min(n, len(self.trace) - i))
+            i = int(self.count[0])
+            n = max(0, min(len(stamps), len(self.trace) - i))
+            self.count[1] += len(stamps) - n       # past trace_records: counted, not traced
             if n:
                 rows = self.trace[i:i + n]
                 for name in STAMPS:

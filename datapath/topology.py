@@ -128,15 +128,19 @@ def ours() -> list[str]:
     return [n for n in netns.listnetns() if NAME_RE.match(n)]
 
 
-# what a pipeline (datapath.pipeline, tag pl<pid>-<seq>) leaves if SIGKILLed: its rings and lanes
-# in /dev/shm, its store server's socket directory in the temp directory
-PIPELINE_LEFTOVERS = ((re.compile(r"^dp-pl(\d+)-\d+\."), "/dev/shm"),
-                      (re.compile(r"^zl-pl(\d+)-\d+-"), tempfile.gettempdir()))
+def _leftovers() -> list:
+    """What a run leaves if SIGKILLed, as (name pattern with its pid, directory): a pipeline's rings
+    and lanes (datapath.pipeline, tag pl<pid>-<seq>), its store server's socket directory, and
+    bench e2e's store images (bench.e2e.fresh_store)."""
+    from snapshotstore.device import state_dir
+    return [(re.compile(r"^dp-pl(\d+)-\d+\."), "/dev/shm"),
+            (re.compile(r"^zl-pl(\d+)-\d+-"), tempfile.gettempdir()),
+            (re.compile(r"^e2e-store-(\d+)-"), state_dir())]
 
 
 def sweep_stale() -> list[str]:
-    """Remove namespaces, and a pipeline's shared-memory rings and socket directories, whose
-    creating process is dead (a run killed with SIGKILL): nothing else cleans them up.
+    """Remove namespaces, and a run's rings, socket directories and store images (_leftovers),
+    whose creating process is dead (a run killed with SIGKILL): nothing else cleans them up.
 
     What belongs to live processes is left alone, whoever they are.
     """
@@ -150,7 +154,7 @@ def sweep_stale() -> list[str]:
                 removed.append(name)
             except OSError:
                 pass
-    for pattern, where in PIPELINE_LEFTOVERS:
+    for pattern, where in _leftovers():
         for name in os.listdir(where) if os.path.isdir(where) else []:
             m = pattern.match(name)
             if m and dead(int(m.group(1))):

@@ -12,6 +12,7 @@ import pytest
 
 from datapath import topology
 from datapath.topology import Topology, socket_in
+from snapshotstore.device import state_dir
 
 pytestmark = pytest.mark.root
 
@@ -116,6 +117,8 @@ def test_sweep_removes_what_a_killed_run_left():
         ring = f"/dev/shm/dp-pl{proc.pid}-1.out"
         open(ring, "w").close()
         sockdir = tempfile.mkdtemp(prefix=f"zl-pl{proc.pid}-1-")
+        os.makedirs(state_dir(), exist_ok=True)
+        image_dir = tempfile.mkdtemp(prefix=f"e2e-store-{proc.pid}-", dir=state_dir())   # bench e2e's
         live_ring = f"/dev/shm/dp-pl{os.getpid()}-999.out"
         open(live_ring, "w").close()
         mine = Topology(clients=1).__enter__()  # a live run's namespaces must survive the sweep
@@ -126,7 +129,8 @@ def test_sweep_removes_what_a_killed_run_left():
             assert set(names) <= set(removed)
             assert not set(mine.namespaces()) & set(removed)
             assert set(mine.namespaces()) <= set(topology.ours())
-            assert not os.path.exists(ring) and not os.path.exists(sockdir) and os.path.exists(live_ring)
+            assert not os.path.exists(ring) and not os.path.exists(sockdir) and not os.path.exists(image_dir)
+            assert os.path.exists(live_ring)
         finally:
             mine.close()
             os.unlink(live_ring)
