@@ -41,7 +41,7 @@ import numpy as np
 
 from bench.e2e import OUTPUT, PROMPT, _config, _offer, _pcts, _progress, _warm_up, drain_s, fresh_store
 from datapath.pipeline import Pipeline
-from datapath.router import policy_params
+from datapath.router import policy_params, refuse_unread_param
 from datapath.serving.devices import PROFILES
 
 # Sessions the offer cycles through: a prime, so that a session's next request does not land on
@@ -81,14 +81,14 @@ def parse_names(spec: str) -> list[tuple[str, str, float | None]]:
             raise ValueError(f"unknown policy or batching mode {name!r} (known: {', '.join(sorted(known))})")
         if param and name in ("dynamic", "static"):
             raise ValueError(f"{label!r}: a batching mode takes no parameter")
-        if param and params.get(name, "") is None:
-            raise ValueError(f"{label!r}: {name} takes no parameter (it would be ignored)")
         try:
             value = float(param) if param else None
         except ValueError:
             value = float("nan")
         if value is not None and not (math.isfinite(value) and value > 0):
             raise ValueError(f"{label!r}: the parameter after ':' must be a number > 0 (leave it off for the policy's default)")
+        if name in params and value is not None:
+            refuse_unread_param(name, value)
         out.append((label, name, value))
     if not out:
         raise ValueError("--policy names nothing")

@@ -31,7 +31,6 @@ import numpy as np
 from . import xdp
 from ._dataplane import ffi as _dp_ffi
 from ._ingress import ffi, lib
-from .metrics import log2_hist  # noqa: F401  (moved to metrics; still importable from here)
 from .records import CHUNK
 from .ring import Ring
 

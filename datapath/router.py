@@ -30,8 +30,9 @@ def policy_params() -> dict[str, str | None]:
     return out
 
 
-def _refuse_unread(policy: str, param: float):
-    """The C side refuses it too (EINVAL); this says why."""
+def refuse_unread_param(policy: str, param: float):
+    """ValueError if policy reads no parameter and one is given. The C side refuses it too
+    (EINVAL); this says why, and lets bench compare refuse before it builds anything."""
     if param and policy_params().get(policy, "") is None:
         raise ValueError(f"policy {policy!r} takes no parameter (it would be ignored), not {param:g}")
 
@@ -71,7 +72,7 @@ class Router:
             raise ValueError(f"split_slack must be 0..128 tokens, not {split_slack}")
         if max_requests < 8 or max_requests & (max_requests - 1):
             raise ValueError(f"max_requests must be a power of two >= 8, not {max_requests}")
-        _refuse_unread(policy, policy_param)
+        refuse_unread_param(policy, policy_param)
         cfg = ffi.new("struct dp_router_config *", dict(
             batching=BATCHING[batching], token_budget=token_budget, max_chunks=max_chunks,
             max_batch_size=max_batch_size, batch_timeout_ns=max(1, int(batch_timeout_s * 1e9)),
@@ -132,7 +133,7 @@ class Router:
         _check(lib.dp_router_set_egress(self._rt, ring.ptr), f"egress ring {ring.name!r}")
 
     def set_policy(self, policy: str, param: float = 0.0):
-        _refuse_unread(policy, param)
+        refuse_unread_param(policy, param)
         _check(lib.dp_router_set_policy(self._rt, policy.encode(), param), f"policy {policy!r}")
         self.policy = policy
 

@@ -137,7 +137,7 @@ def test_compare_runs_each_policy_under_the_same_load(tmp_path):
     assert (tmp_path / "compare" / "compare.png").stat().st_size > 5_000
     for args, says in ((["--policy", "nope"], "unknown policy"), (["--policy", "affinity:x"], "must be a number"), (["--policy", "affinity:-1"], "> 0"),
                        (["--policy", "static:1"], "takes no parameter"),
-                       (["--policy", "round_robin:3"], "round_robin takes no parameter"), (["--policy", "affinity", "--rate", "0"], "--rate"),
+                       (["--policy", "round_robin:3"], "'round_robin' takes no parameter"), (["--policy", "affinity", "--rate", "0"], "--rate"),
                        (["--policy", "affinity", "--device", "tpu"], "unknown device"), ([], "needs --policy")):
         json_path = tmp_path / "bad.json"
         bad = subprocess.run([sys.executable, "-m", "bench", "compare", "--json", str(json_path), *args],
