@@ -7,5 +7,6 @@ setup(
         "native/ffi_wire.py:ffibuilder",
         "native/ffi_dataplane.py:ffibuilder",
         "native/ffi_ingress.py:ffibuilder",
+        "native/ffi_snapindex.py:ffibuilder",
     ],
 )

@@ -16,7 +16,7 @@ import shutil
 import sys
 
 # cffi extensions the package builds (setup.py's cffi_modules); later stages add theirs here.
-EXTENSIONS = ["datapath._wire_layout", "datapath._dataplane", "datapath._ingress"]
+EXTENSIONS = ["datapath._wire_layout", "datapath._dataplane", "datapath._ingress", "snapshotstore._snapindex"]
 MIN_KERNEL = (5, 18)  # BPF ring buffers (5.8) and bpf_xdp_load_bytes (5.18)
 BPF_MAP_TYPE_ARRAY, BPF_MAP_TYPE_RINGBUF = 2, 27
 

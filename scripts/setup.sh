@@ -97,7 +97,7 @@ INPUTS=$(cd "$ROOT" && cat pyproject.toml setup.py $(find native bpf -type f \( 
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$INPUTS" ] || ! "$VENV/bin/python" -c 'import datapath._wire_layout' 2>/dev/null; then
     say "installing the package and building its cffi extensions"
     "$VENV/bin/pip" install -q --disable-pip-version-check "setuptools>=64" wheel "cffi>=1.15" 2>&1 | grep -v '^WARNING: Location' || true
-    rm -f "$ROOT"/datapath/_*.so     # a failed build must not leave the old extensions looking current
+    rm -f "$ROOT"/datapath/_*.so "$ROOT"/snapshotstore/_*.so     # a failed build must not leave the old extensions looking current
     set +e
     (cd "$ROOT" && "$VENV/bin/pip" install -q --disable-pip-version-check --no-build-isolation -e ".[test]") 2>&1 \
         | grep -v '^WARNING: Location'

@@ -123,9 +123,7 @@ def _inspect(args) -> int:
     with _open(args) as store:
         print(f"{'lpos':>10} {'kind':<9} {'key':<16} {'seq':>8} {'parent':>8} {'tokens':>15} {'layers':>7} "
               f"{'codec':<8} {'raw':>8} {'stored':>8} {'blocks':>6} state")
-        for n, e in enumerate(store.entries()):
-            if args.limit and n >= args.limit:
-                break
+        for e in store.entries(args.limit or None):
             key = "-" if e.kind == KIND_PAD else e.key.hex()[:16]
             print(f"{e.lpos:>10} {KIND_NAMES[e.kind]:<9} {key:<16} {e.seq:>8} {e.parent:>8} "
                   f"{f'{e.tokens[0]}-{e.tokens[1]}':>15} {f'{e.layers[0]}-{e.layers[1]}':>7} {e.codec:<8} "
@@ -147,7 +145,7 @@ def _fsck(args) -> int:
         if st["corrupt_blocks_skipped"]:
             problems.append(f"{st['corrupt_blocks_skipped']} corrupt blocks in the durable part of the log")
         print(f"{store.path}: {st['sessions']} sessions, {st['records']} live records, every CRC read: "
-              f"{len(store.entries())} records from head {st['head']} to tail {st['tail']}")
+              f"{st['log_records']} records from head {st['head']} to tail {st['tail']}")
         if st["torn_records_skipped"]:
             print(f"  a torn record at the end of the log (an unacknowledged write cut by a crash): ignored")
         for p in problems:

@@ -207,18 +207,10 @@ def record_crc_ok(buf, off: int, h: RecordHeader) -> bool:
     return crc == h.crc
 
 
-_F = {name: i for i, (name, _) in enumerate(RECORD.fields)}
-
-
-def read_payload(buf, lpos: int, seq: int, key: bytes):
-    """The stored payload and flags of the record at buf[0:] if it is the record the index
+def read_record(buf, lpos: int, seq: int, key: bytes) -> tuple[RecordHeader, bytes] | None:
+    """The header and stored payload of the record at buf[0:] if it is the record the index
     expects there (magic, position, sequence, key) and its CRC holds; else None (restore's path)."""
-    f = RECORD.struct.unpack_from(buf)
-    if (f[0] != RECORD_MAGIC or f[_F["lpos"]] != lpos or f[_F["seq"]] != seq or f[_F["key"]] != key):
+    h = unpack_header(buf)
+    if h is None or h.lpos != lpos or h.seq != seq or h.key != key or not record_crc_ok(buf, 0, h):
         return None
-    end = HEADER_SIZE + f[_F["stored_len"]]
-    view = memoryview(buf)
-    crc = crc32c(b"\0\0\0\0", crc32c(view[:_CRC_OFF]))
-    if crc32c(view[_CRC_OFF + 4:end], crc) != f[_F["crc"]]:
-        return None
-    return bytes(view[HEADER_SIZE:end]), f[_F["flags"]]
+    return h, bytes(memoryview(buf)[HEADER_SIZE:HEADER_SIZE + h.stored_len])

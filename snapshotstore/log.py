@@ -52,6 +52,7 @@ from .device import DEFAULT_IMAGE_SIZE, BlockDevice, aligned_buffer, create_imag
 from .errors import DeviceError, DeviceFull, FormatError, SessionChanged, SnapshotError, TooLarge
 from .format import (HEADER_SIZE, KIND_BASE, KIND_DELTA, KIND_PAD, KIND_TOMBSTONE, RecordHeader,
                      Superblock, record_blocks)
+from .index import Chain, Index, Rec
 
 RESERVE_BLOCKS = 8               # at least, and 1/32 of the log: kept for tombstones (deletes on a full log)
 MAX_RECORD_BYTES = 16 << 20      # and at most 1/16 of the log
@@ -64,25 +65,35 @@ KEY_LOCKS = 256
 CHECKPOINT_EVERY_S = 0.01
 
 
-class _Entry:
-    """One record of the log, as the index keeps it."""
+class LogRecord:
+    """One record of the log as entries() gives it (inspect, fsck): its header, and whether
+    the index links it into a chain."""
     __slots__ = ("lpos", "nblocks", "kind", "key", "seq", "parent", "tokens", "layers",
                  "raw_len", "stored_len", "flags", "codec", "live")
 
-    def __init__(self, h: RecordHeader):
+    def __init__(self, h: RecordHeader, live: bool):
         self.lpos, self.nblocks, self.kind, self.key = h.lpos, h.nblocks, h.kind, h.key
         self.seq, self.parent = h.seq, h.parent_seq
         self.tokens, self.layers = (h.token_start, h.token_end), (h.layer_start, h.layer_end)
         self.raw_len, self.stored_len, self.flags, self.codec = h.raw_len, h.stored_len, h.flags, h.codec
-        self.live = False
+        self.live = live
 
 
-class _Chain:
-    __slots__ = ("entries", "raw_len")
+class _Window:
+    """The log read a window at a time: a view of n blocks at a position, never across the
+    lap's end (recovery's scan, entries())."""
 
-    def __init__(self):
-        self.entries: list[_Entry] = []
-        self.raw_len = 0
+    def __init__(self, store: "LogStore", read):
+        self.store, self.read, self.pos, self.n, self.view = store, read, 0, 0, None
+        self.size = max(1, SCAN_WINDOW_BYTES // store.block_size)
+
+    def at(self, pos: int, n: int):
+        if not (self.pos <= pos and pos + n <= self.pos + self.n):
+            st, L = self.store, self.store.log_blocks
+            count = min(max(n, self.size), L - pos % L)
+            self.pos, self.n = pos, count
+            self.view = self.read(st._read_buf(count * st.block_size), st.log_start + pos % L, count)
+        return self.view, (pos - self.pos) * self.store.block_size
 
 
 class _Request:
@@ -176,16 +187,17 @@ class LogStore:
         self._queue: list[_Request] = []
         self._leading = False
         self._key_locks = [threading.Lock() for _ in range(KEY_LOCKS)]
-        self._chains: collections.OrderedDict[bytes, _Chain] = collections.OrderedDict()  # LRU first
-        self._log: collections.deque[_Entry] = collections.deque()
+        self._ix = Index()                       # the log's records and the sessions' chains, LRU first
         self._damaged: set[bytes] = set()       # recovery: chains with a hole, until restarted
         # sessions LRU eviction dropped from the index (not logged) whose records recovery would
-        # still replay, each with its chain's first record: a delete of one writes a tombstone, or
-        # the next open would bring it back. Forgotten once the log supersedes it, or once the
-        # superblock's head passes that first record (recovery starts there, and the chain's
-        # later records no longer link up). A first record copied past later ones would come
-        # back alone once the head passed those: the head writes the tombstone first (_bury).
-        self._evicted: dict[bytes, _Entry] = {}
+        # still replay, each with its chain's first record (seq, lpos): a delete of one writes a
+        # tombstone, or the next open would bring it back. Forgotten once the log supersedes it,
+        # or once the superblock's head passes that first record (recovery starts there, and the
+        # chain's later records no longer link up). A first record copied past later ones would
+        # come back alone once the head passed those: the head writes the tombstone first (_bury),
+        # when it reaches one of them (_halving: their rids, and their session's key).
+        self._evicted: dict[bytes, tuple[int, int]] = {}
+        self._halving: dict[int, bytes] = {}
         self._failed: BaseException | None = None
         self._closed = False
         self.counters = collections.Counter()
@@ -226,7 +238,6 @@ class LogStore:
         # blocks that copying did under a cache's churn (README, snapshot store).
         self._compaction_floor = 0 if self.eviction == "lru" else 2 * self.max_record_blocks - 1
         self._generation, self._last_seq = sb.generation, sb.last_seq
-        self._live_blocks = 0
         self._rbuf = aligned_buffer(SCAN_WINDOW_BYTES)
         started = time.perf_counter()
         self._recover(sb)
@@ -245,19 +256,10 @@ class LogStore:
         return self._rbuf
 
     def _recover(self, sb: Superblock):
-        L, bs, head, ckpt = self.log_blocks, self.block_size, sb.head, sb.tail
-        window = max(1, SCAN_WINDOW_BYTES // bs)
-        win = [0, 0, None]                        # lpos, blocks, view of the last read
-
-        def blocks_at(pos: int, n: int):
-            """A view of n blocks at pos (never across the lap end), read a window at a time."""
-            if not (win[0] <= pos and pos + n <= win[0] + win[1]):
-                phys, count = pos % L, min(max(n, window), L - pos % L)
-                win[:] = pos, count, self._read_salvaging(self._read_buf(count * bs), self.log_start + phys, count)
-            return win[2], (pos - win[0]) * bs
-
+        L, head, ckpt = self.log_blocks, sb.head, sb.tail
+        blocks_at = _Window(self, self._read_salvaging).at
         pos, last_epoch, newest = head, 0, 0
-        found: list[_Entry] = []
+        found: list[tuple[int, int, RecordHeader]] = []   # (seq, rid, header) of every record but pads
         holes = []                                # (key, seq, newest seq before it) of damaged records
         while pos - head < L:
             phys = pos % L
@@ -282,27 +284,28 @@ class LogStore:
                 break                             # past the checkpoint: the torn end of the log
             last_epoch = h.epoch
             self._last_seq, newest = max(self._last_seq, h.seq), max(newest, h.seq)
-            entry = _Entry(h)
-            self._log.append(entry)
+            rid = self._ix.append(h.lpos, h.seq, h.nblocks, h.kind)
             if h.kind != KIND_PAD:
-                found.append(entry)
+                found.append((h.seq, rid, h))
             pos += h.nblocks
-        self._head = self._log[0].lpos if self._log else pos
+        self._head = self._ix.rec(self._ix.head).lpos if len(self._ix) else pos
         self._tail = pos
         self._sb_head = sb.head
-        copies: dict[int, _Entry] = {}
-        for e in sorted(found, key=lambda e: (e.seq, e.lpos)):
-            first = copies.setdefault(e.seq, e)
-            if first is e:
-                self._link(e)
-            elif first.live and first.key == e.key:   # a copy (reclaim's): the later one stays
-                self._swap(first, e)
-                copies[e.seq] = e
+        copies: dict[int, tuple[int, bytes]] = {}  # seq -> (rid, key) of the record linked under it
+        found.sort(key=lambda f: f[:2])           # by sequence number, then by position in the log
+        for seq, rid, h in found:
+            first = copies.setdefault(seq, (rid, h.key))
+            if first[0] == rid:
+                self._link(rid, h)
+            elif self._ix.rec(first[0]).live and first[1] == h.key:   # a copy (reclaim's): the later one stays
+                self._ix.swap(first[0], rid)
+                copies[seq] = (rid, h.key)
+        del found
         for key, seq, before in holes:
-            chain = self._chains.get(key)
-            if chain is None or (seq in copies and copies[seq].key == key):
+            chain = self._ix.find(key)
+            if chain is None or (seq in copies and copies[seq][1] == key):
                 continue                          # nothing of it left, or another copy is whole
-            start = chain.entries[0].seq
+            start = chain.first_seq
             # The chain began before the damaged record (by its header's number, or because the
             # log held a newer record before it): that record was part of it, or ended it.
             if start < seq or start <= before:
@@ -329,12 +332,6 @@ class LogStore:
                     self.counters["unreadable_blocks"] += 1
             return view
 
-    def _swap(self, old: _Entry, new: _Entry):
-        """new, a copy of the live record old, takes its place in the chain."""
-        entries = self._chains[old.key].entries
-        entries[entries.index(old)] = new
-        old.live, new.live = False, True
-
     def _shape_ok(self, h: RecordHeader, phys: int) -> bool:
         if h.kind == KIND_PAD:
             return h.stored_len == 0 and phys + h.nblocks == self.log_blocks
@@ -343,61 +340,47 @@ class LogStore:
 
     def _damage(self, key: bytes):
         """Recovery found a hole in key's chain: drop it, and its records until a new start."""
-        if key in self._chains:
-            self._drop(key)
+        chain = self._ix.find(key)
+        if chain is not None:
+            self._ix.drop(chain)
             self.counters["damaged_chains_dropped"] += 1
         self._damaged.add(key)
 
-    def _link(self, e: _Entry):
-        """Apply a record to the index (on stage, and on recovery in log order)."""
-        if e.kind == KIND_PAD:
+    def _link(self, rid: int, h: RecordHeader):
+        """Apply the record rid, header h, to the index (on stage, and on recovery in sequence order)."""
+        if h.kind == KIND_PAD:
             return
-        if e.key in self._damaged:
-            if e.kind == KIND_DELTA and e.parent != 0:
+        if h.key in self._damaged:
+            if h.kind == KIND_DELTA and h.parent_seq != 0:
                 self.counters["unlinked_records_skipped"] += 1
                 return
-            self._damaged.discard(e.key)
-        if e.kind == KIND_TOMBSTONE or e.parent == 0:
-            self._evicted.pop(e.key, None)        # what the log held of it is superseded now
-        chain = self._chains.get(e.key)
-        if e.kind == KIND_BASE and chain is not None:
-            # The base replaces the chain in one assignment, in the same chain object: a put
-            # reading the chain without the lock sees the old end or the base, same tokens.
-            for old in chain.entries:
-                old.live = False
-                self._live_blocks -= old.nblocks
-            e.live = True
-            chain.entries, chain.raw_len = [e], e.raw_len
-            self._chains.move_to_end(e.key)
-            self._live_blocks += e.nblocks
+            self._damaged.discard(h.key)
+        if h.kind == KIND_TOMBSTONE or h.parent_seq == 0:
+            self._evicted.pop(h.key, None)        # what the log held of it is superseded now
+        chain = self._ix.find(h.key)
+        if h.kind == KIND_BASE and chain is not None:
+            # The base replaces the chain's records, the chain staying (a put that read it
+            # before sees the same chain, the same tokens).
+            self._ix.rebase(chain.sid, rid, h)
             return
-        if e.kind == KIND_TOMBSTONE or e.parent == 0:
+        if h.kind == KIND_TOMBSTONE or h.parent_seq == 0:
             if chain is not None:
-                self._drop(e.key)
-            if e.kind == KIND_TOMBSTONE:
+                self._ix.drop(chain)
+            if h.kind == KIND_TOMBSTONE:
                 return
-            chain = self._chains[e.key] = _Chain()
+            sid = self._ix.add(h.key)
         elif chain is None:
             # Only recovery meets this: a dead record whose chain start was reclaimed
             # (the chain was superseded or evicted, then the head passed its first record).
             self.counters["unlinked_records_skipped"] += 1
             return
-        elif chain.entries[-1].seq != e.parent:
-            self._damage(e.key)                   # its parent is missing: a hole in the chain
+        elif chain.last_seq != h.parent_seq:
+            self._damage(h.key)                   # its parent is missing: a hole in the chain
             self.counters["unlinked_records_skipped"] += 1
             return
         else:
-            self._chains.move_to_end(e.key)       # most recently used
-        e.live = True
-        chain.entries.append(e)
-        chain.raw_len += e.raw_len
-        self._live_blocks += e.nblocks
-
-    def _drop(self, key: bytes):
-        chain = self._chains.pop(key)
-        for e in chain.entries:
-            e.live = False
-            self._live_blocks -= e.nblocks
+            sid = chain.sid
+        self._ix.link(sid, rid, h)                # and most recently used
 
     # --- the public API -----------------------------------------------------------------
 
@@ -409,35 +392,33 @@ class LogStore:
             self._check_usable(write=True)
             # Without the store lock, so writers queue up while a flush is in progress. Only
             # this key's puts (serialized here) move the chain's end; a relocation keeps it; an
-            # eviction or a delete meanwhile is caught at staging (the chain object differs).
-            chain = self._chains.get(key)
-            last = chain.entries[-1] if chain is not None else None
-            if last is not None and last.codec != delta.codec:
-                raise ValueError(f"this session's deltas use codec {last.codec!r}, not {delta.codec!r}")
-            held = last.tokens[1] if last is not None else 0
+            # eviction or a delete meanwhile is caught at staging (the chain's number differs).
+            chain = self._ix.find(key)
+            if chain is not None and chain.codec != delta.codec:
+                raise ValueError(f"this session's deltas use codec {chain.codec!r}, not {delta.codec!r}")
+            held = chain.tokens[1] if chain is not None else 0
             if delta.tokens[0] != held:
                 raise SessionChanged(f"this delta starts at token {delta.tokens[0]} but the store holds "
                                      f"tokens [0, {held}) of the session (evicted or deleted?): put "
                                      f"its whole context again from token 0")
             # bytes of the base this chain compacts into: its deltas and a part table (a bound)
-            total = len(raw) + (chain.raw_len + 4 * (len(chain.entries) + 2) if chain is not None else 8)
+            total = len(raw) + (chain.raw_len + 4 * (chain.records + 2) if chain is not None else 8)
             if total > self.max_payload:
                 what = "this delta" if chain is None else "this session's chain with this delta"
                 raise TooLarge(f"{what} is {total} bytes, more than the {self.max_payload} bytes one "
                                f"record holds on {self.path}: use a larger device or smaller deltas")
             kind, tokens, layers = KIND_DELTA, delta.tokens, delta.layers
-            if chain is not None and len(chain.entries) >= self.compact_after:
+            if chain is not None and chain.records >= self.compact_after:
                 with self._lock:
-                    if self._chains.get(key) is not chain:    # evicted since we looked
+                    now = self._ix.find(key)
+                    if now is None or now.gen != chain.gen:    # evicted since we looked
                         raise SessionChanged("the session was evicted while this put was in flight: "
                                              "put its whole context again")
-                    first = chain.entries[0]
-                    raw = fmt.pack_parts(self._read_chain(chain) + [raw])
-                kind, tokens = KIND_BASE, (first.tokens[0], delta.tokens[1])
-                layers = (min([e.layers[0] for e in chain.entries] + [delta.layers[0]]),
-                          max([e.layers[1] for e in chain.entries] + [delta.layers[1]]))
+                    raw = fmt.pack_parts(self._read_chain(now) + [raw])
+                kind, tokens = KIND_BASE, (now.tokens[0], delta.tokens[1])
+                layers = (min(now.layers[0], delta.layers[0]), max(now.layers[1], delta.layers[1]))
                 self.counters["compactions"] += 1
-            req = self._request(kind, key, raw, tokens, layers, delta.codec, chain)
+            req = self._request(kind, key, raw, tokens, layers, delta.codec, chain.gen if chain else 0)
             self._commit(req)
         return req.seq
 
@@ -446,24 +427,21 @@ class LogStore:
         key = check_key(key)
         with self._lock:
             self._check_usable()
-            chain = self._chains.get(key)
+            chain = self._ix.find(key)
             if chain is None:
                 return None
-            self._chains.move_to_end(key)
+            self._ix.touch(chain)
             parts = self._read_chain(chain)
             self.counters["restores"] += 1
-            first, last = chain.entries[0], chain.entries[-1]
-            layers = (min(e.layers[0] for e in chain.entries), max(e.layers[1] for e in chain.entries))
-            return Snapshot(b"".join(parts), (first.tokens[0], last.tokens[1]), layers, last.codec,
-                            len(chain.entries), tuple(parts))
+            return Snapshot(b"".join(parts), chain.tokens, chain.layers, chain.codec, chain.records, tuple(parts))
 
     def held(self, key: bytes) -> int:
         """n: the store holds tokens [0, n) of the session (0: nothing), from the index alone."""
         key = check_key(key)
         with self._lock:
             self._check_usable()     # after a failed write the index may be ahead of the device
-            chain = self._chains.get(key)
-            return chain.entries[-1].tokens[1] if chain is not None else 0
+            chain = self._ix.find(key)
+            return chain.tokens[1] if chain is not None else 0
 
     def delete(self, key: bytes) -> bool:
         """Drop key's chain durably (a tombstone record); False if there was none."""
@@ -479,20 +457,21 @@ class LogStore:
 
     def _in_log(self, key: bytes) -> bool:
         """Has key records recovery would replay: a chain in the index, or one LRU eviction dropped."""
-        return key in self._chains or key in self._evicted
+        return key in self._ix or key in self._evicted
 
     def list(self) -> list[bytes]:
         with self._lock:
             self._check_usable()
-            return list(self._chains)
+            return self._ix.keys()
 
     def stats(self) -> dict:
         with self._lock:
             used = self._tail - self._head
             return {
                 "path": self.path, "block_size": self.block_size, "log_blocks": self.log_blocks,
-                "sessions": len(self._chains), "records": sum(len(c.entries) for c in self._chains.values()),
-                "live_blocks": self._live_blocks, "used_blocks": used, "free_blocks": self.log_blocks - used,
+                "sessions": self._ix.sessions, "records": self._ix.live_records, "log_records": len(self._ix),
+                "index_bytes": self._ix.nbytes, "live_blocks": self._ix.live_blocks,
+                "used_blocks": used, "free_blocks": self.log_blocks - used,
                 "head": self._head, "tail": self._tail, "generation": self._generation,
                 "last_seq": self._last_seq, "superblocks_valid": self.superblocks_valid,
                 "max_record_bytes": self.max_payload, "recovery_ms": round(self.recovery_s * 1e3, 3),
@@ -502,16 +481,31 @@ class LogStore:
                                                  "unlinked_records_skipped", "damaged_chains_dropped")},
             }
 
-    def entries(self) -> list[_Entry]:
-        """Every record from head to tail (dead ones too), for inspect and fsck."""
+    def entries(self, limit: int | None = None) -> list[LogRecord]:
+        """Every record from head to tail (dead ones and pads too), or the first limit, its
+        header read from the device (the index keeps little of it), for inspect and tests. A
+        header damaged since the store opened reads as what the index knows of it, with a zero
+        key and codec "?"."""
         with self._lock:
-            return list(self._log)
+            self._check_usable()
+            blocks_at = _Window(self, self.dev.read_into).at
+            out = []
+            end = self._ix.tail if limit is None else min(self._ix.tail, self._ix.head + limit)
+            for rid in range(self._ix.head, end):
+                r = self._ix.rec(rid)
+                view, off = blocks_at(r.lpos, 1)
+                h = fmt.unpack_header(view, off)
+                if h is None or h.lpos != r.lpos or h.seq != r.seq:
+                    h = RecordHeader(r.kind, 0, self.store_id, r.lpos, 0, r.seq, 0, bytes(fmt.KEY_LEN),
+                                     0, 0, 0, 0, r.nblocks, 0, 0, "?", 0)
+                out.append(LogRecord(h, r.live))
+            return out
 
     def verify(self) -> list[str]:
         """Re-read every live chain from the device; the problems found (fsck)."""
         problems = []
         with self._lock:
-            for key, chain in self._chains.items():
+            for key, chain in self._ix.chains():
                 try:
                     self._read_chain(chain)
                 except SnapshotError as e:
@@ -610,7 +604,7 @@ class LogStore:
             raise SnapshotError(f"{self.path} is open read-only")
 
     def _check_chain(self, req: _Request):
-        if req.kind != KIND_TOMBSTONE and self._chains.get(req.key) is not req.expect:
+        if req.kind != KIND_TOMBSTONE and self._ix.gen(req.key) != req.expect:
             raise SessionChanged("the session was evicted or deleted while this put was in flight: "
                                  "put its whole context again")
 
@@ -635,21 +629,23 @@ class LogStore:
         floor = self._floor(req)
         # the record, a pad before it, and the floor (which holds a relocation and its pad)
         worst = 2 * req.nblocks + floor
-        while self._live_blocks + worst > self.log_blocks:
+        while self._ix.live_blocks + worst > self.log_blocks:
             self._evict_or_refuse(protect)
-        sweep = 2 * len(self._log) + 1            # steps in one pass: a live record is moved, then popped
+        sweep = 2 * len(self._ix) + 1             # steps in one pass: a live record is moved, then popped
         while not self._fits(req.nblocks, floor):
             if sweep == 0:                        # a whole pass freed too little: too much is live
                 self._evict_or_refuse(protect)
-                sweep = 2 * len(self._log) + 1
+                sweep = 2 * len(self._ix) + 1
             sweep -= 1
-            e = self._log[0]
+            e = self._ix.rec(self._ix.head)
             if not e.live:
-                if self._halves_evicted(e):
-                    self._bury(e.key)
-                self._log.popleft()
+                halving = self._halving.pop(e.rid, None)
+                if halving is not None and self._halves_evicted(halving, e):
+                    self._bury(halving)
+                self._ix.pop()
                 self._head = e.lpos + e.nblocks
                 continue
+            key = self._ix.key_of(e)
             # The record's whole chain compacted into one base at the tail: it costs the chain and
             # frees one record now, the chain's others as the head reaches them, dead. It may
             # borrow the tombstones' reserve (kept out of it, a live chain at the head that a
@@ -659,31 +655,31 @@ class LogStore:
             # back at once: a run of chains spread over the log, compacted one after another,
             # had used up the free room and stopped the head (DeviceFull with a fifth of the log
             # live, or evictions).
-            base = self._base_of(e.key, self._chains[e.key])
+            base = self._base_of(key, self._ix.find(key))
             if self._fits(base.nblocks, self._compaction_floor):
                 self._stage(base)                 # durable before the head passes it
                 self._flush()
                 self.counters["relocations"] += 1
             elif self._fits(e.nblocks, 0):
-                self._copy(e)                     # durable before the head passes the original
+                self._copy(e, key)                # durable before the head passes the original
                 self.counters["copies"] += 1
             else:
-                self._evict_or_refuse(protect, e.key)     # the head is stuck on it
+                self._evict_or_refuse(protect, key)   # the head is stuck on it
 
-    def _halves_evicted(self, e: _Entry) -> bool:
-        """Would passing the dead record e leave recovery half of a session LRU eviction dropped?
-        Yes if e belongs to it and its first record lies further on (copied): recovery would
-        find that first record and link what follows it, without e."""
-        start = self._evicted.get(e.key)
-        return (start is not None and e.kind != KIND_PAD and e.seq > start.seq
-                and e.lpos < start.lpos)
+    def _halves_evicted(self, key: bytes, e: Rec) -> bool:
+        """Would passing the dead record e, once of key's chain, leave recovery half of a session
+        LRU eviction dropped? Yes if that chain is still the one evicted and its first record lies
+        further on (copied): recovery would find that first record and link what follows it,
+        without e."""
+        start = self._evicted.get(key)
+        return start is not None and e.seq > start[0] and e.lpos < start[1]
 
     def _bury(self, key: bytes):
         """A durable tombstone for an evicted session, before the head passes part of it."""
         req = _Request(KIND_TOMBSTONE, key, block_size=self.block_size)
         if not self._fits(req.nblocks, 0):
             raise DeviceFull(f"{self.path} has no room left for the tombstone of an evicted session "
-                             f"({self._live_blocks} of {self.log_blocks} blocks live): delete sessions")
+                             f"({self._ix.live_blocks} of {self.log_blocks} blocks live): delete sessions")
         self._stage(req)                          # its link forgets the eviction
         self._flush()
         self.counters["evicted_tombstones"] += 1
@@ -693,61 +689,61 @@ class LogStore:
         without a put in this batch if there is one (a put to an evicted session fails
         with SessionChanged); under "refuse", raise DeviceFull."""
         if key is None:
-            key = next((k for k in self._chains if k not in protect), next(iter(self._chains), None))
+            key = self._ix.least_recent(protect)
         if self.eviction != "lru" or key is None:
-            raise DeviceFull(f"{self.path} is full of live snapshots ({self._live_blocks} of {self.log_blocks} "
+            raise DeviceFull(f"{self.path} is full of live snapshots ({self._ix.live_blocks} of {self.log_blocks} "
                              f"blocks): delete sessions, use a larger device, or open the store with "
                              f"eviction='lru'")
-        self._evicted[key] = self._chains[key].entries[0]
-        self._drop(key)
+        chain = self._ix.find(key)
+        first, *later = self._ix.records(chain)
+        self._evicted[key] = (first.seq, first.lpos)
+        self._halving.update((r.rid, key) for r in later if r.lpos < first.lpos)
+        self._ix.drop(chain)
         self.counters["evictions"] += 1
 
-    def _base_of(self, key: bytes, chain: _Chain) -> _Request:
+    def _base_of(self, key: bytes, chain: Chain) -> _Request:
         """The chain compacted into one base record (relocation at the head)."""
-        first, last = chain.entries[0], chain.entries[-1]
-        layers = (min(e.layers[0] for e in chain.entries), max(e.layers[1] for e in chain.entries))
-        return self._request(KIND_BASE, key, fmt.pack_parts(self._read_chain(chain)),
-                             (first.tokens[0], last.tokens[1]), layers, last.codec, chain)
+        return self._request(KIND_BASE, key, fmt.pack_parts(self._read_chain(chain)), chain.tokens,
+                             chain.layers, chain.codec, chain.gen)
 
-    def _copy(self, e: _Entry):
-        """Copy the live record e to the tail as it is (key, sequence number and parent; a new
-        position and epoch), durably, into its place in its chain."""
-        body, flags = self._read_record(e)
-        h = RecordHeader(e.kind, flags, self.store_id, 0, self._epoch, e.seq, e.parent, e.key, e.tokens[0],
-                         e.tokens[1], e.layers[0], e.layers[1], e.nblocks, e.raw_len, len(body), e.codec, 0)
-        self._swap(e, self._append(h, body))
+    def _copy(self, e: Rec, key: bytes):
+        """Copy the live record e to the tail as it is (its header but for a new position and
+        epoch: key, sequence number and parent kept), durably, into its place in its chain."""
+        h, body = self._read_record(e, key)
+        rid, _ = self._append(h._replace(epoch=self._epoch), body)
+        self._ix.swap(e.rid, rid)
         self._flush()
 
     # --- staging and flushing ------------------------------------------------------------
 
     def _stage(self, req: _Request):
         """Lay req out at the tail in the write buffer and link it into the index."""
-        chain = self._chains.get(req.key)
-        parent = chain.entries[-1].seq if req.kind == KIND_DELTA and chain is not None else 0
+        chain = self._ix.find(req.key)
+        parent = chain.last_seq if req.kind == KIND_DELTA and chain is not None else 0
         self._last_seq += 1
         h = RecordHeader(req.kind, req.flags, self.store_id, 0, self._epoch, self._last_seq, parent,
                          req.key, req.tokens[0], req.tokens[1], req.layers[0], req.layers[1], req.nblocks,
                          req.raw_len, len(req.payload), req.codec, 0)
         req.seq = self._last_seq
-        self._link(self._append(h, req.payload))
+        self._link(*self._append(h, req.payload))
 
-    def _append(self, h: RecordHeader, payload) -> _Entry:
+    def _append(self, h: RecordHeader, payload) -> tuple[int, RecordHeader]:
         """Place the record h at the tail (after a pad to the lap's end if it would not fit
-        before it: records never wrap), in the write buffer; its entry in the log."""
+        before it: records never wrap), in the write buffer and the index's log; its rid,
+        and its header with its position."""
         L = self.log_blocks
         phys = self._tail % L
         if phys + h.nblocks > L:
             pad = RecordHeader(KIND_PAD, 0, self.store_id, self._tail, self._epoch, 0, 0, bytes(fmt.KEY_LEN),
                                0, 0, 0, 0, L - phys, 0, 0, "", 0)
             self._place(pad, b"")
-            self._log.append(_Entry(pad))
+            self._ix.append(pad.lpos, 0, pad.nblocks, KIND_PAD)
             self._tail += L - phys
         h = h._replace(lpos=self._tail)
         self._place(h, payload)
-        entry = _Entry(h)
-        self._log.append(entry)
+        rid = self._ix.append(h.lpos, h.seq, h.nblocks, h.kind)
         self._tail += h.nblocks
-        return entry
+        return rid, h
 
     def _place(self, h: RecordHeader, payload):
         """Copy the record's first block (a pad) or all its blocks into the write buffer."""
@@ -808,30 +804,31 @@ class LogStore:
     def _write_superblock(self):
         _write_superblocks(self.dev, self._sbuf, self._next_superblock(self._head))
         self._sb_head = self._head
-        self._evicted = {k: e for k, e in self._evicted.items() if e.lpos >= self._sb_head}
+        self._evicted = {k: start for k, start in self._evicted.items() if start[1] >= self._sb_head}
         self.superblocks_valid = fmt.SB_COPIES
 
-    def _read_record(self, e: _Entry):
-        """The record's stored payload and flags, its CRC and identity checked."""
+    def _read_record(self, e: Rec, key: bytes) -> tuple[RecordHeader, bytes]:
+        """The record's header and stored payload, its CRC and identity checked."""
         bs, L = self.block_size, self.log_blocks
         try:
             view = self.dev.read_into(self._read_buf(e.nblocks * bs), self.log_start + e.lpos % L, e.nblocks)
         except OSError as err:
             raise SnapshotError(f"the record at block {e.lpos % L} of {self.path} cannot be read ({err.strerror}): "
                                 f"run `snapshotstore fsck {self.path}`") from None
-        got = fmt.read_payload(view, e.lpos, e.seq, e.key)
+        got = fmt.read_record(view, e.lpos, e.seq, key)
         if got is None:
             raise SnapshotError(f"the record at block {e.lpos % L} of {self.path} is damaged "
                                 f"(run `snapshotstore fsck {self.path}`)")
         return got
 
-    def _read_chain(self, chain: _Chain) -> list[bytes]:
+    def _read_chain(self, chain: Chain) -> list[bytes]:
         """The chain's deltas, oldest first (a base gives back the ones it merged), each
         record's CRC and identity checked."""
-        parts = []
-        for e in chain.entries:
-            body, flags = self._read_record(e)
-            body = zlib.decompress(body) if flags & fmt.FLAG_ZLIB else body
+        parts, key = [], None
+        for e in self._ix.records(chain):
+            key = key or self._ix.key_of(e)
+            h, body = self._read_record(e, key)
+            body = zlib.decompress(body) if h.flags & fmt.FLAG_ZLIB else body
             if e.kind == KIND_BASE:
                 parts += fmt.unpack_parts(body)
             else:

@@ -1,0 +1,215 @@
+"""LogStore's index: the log's records and the sessions' chains, packed in native memory
+(native/snapindex.h says how), here with a lock and Python values.
+
+Every call holds the index's own lock: the C code runs without the GIL, and a put reads its
+chain without the store's lock (so writers queue up while a flush is in progress) while
+another thread's batch may be growing the tables under it.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Iterator, NamedTuple
+
+from ._snapindex import ffi, lib
+from .format import KEY_LEN, RecordHeader
+
+assert lib.SIX_KEY_LEN == KEY_LEN
+
+
+class Rec(NamedTuple):
+    """A record of the log as the index holds it."""
+    rid: int            # its place in the log: records appended before it since the store opened
+    lpos: int
+    seq: int
+    nblocks: int
+    kind: int
+    live: bool
+
+
+class Chain(NamedTuple):
+    """A session's chain as the index holds it: what a put or a restore must know without reading it."""
+    sid: int            # its session's slot
+    gen: int            # this chain's own number: another one under the same key has another
+    records: int
+    tokens: tuple[int, int]
+    layers: tuple[int, int]
+    raw_len: int        # its records' payload bytes before compression
+    codec: str
+    first_seq: int
+    last_seq: int
+
+
+class Index:
+    def __init__(self):
+        ix = lib.six_new()
+        if ix == ffi.NULL:
+            raise MemoryError("no memory for the snapshot store's index")
+        self._ix = ffi.gc(ix, lib.six_free)
+        self._lock = threading.Lock()
+        self._codecs: list[str] = []            # a chain's codec is kept as its number here
+        self._codec_no: dict[str, int] = {}
+
+    # --- counts (fields of the fixed struct: read without the lock) -------------------------
+
+    @property
+    def head(self) -> int:
+        return self._ix.head
+
+    @property
+    def tail(self) -> int:
+        return self._ix.tail
+
+    def __len__(self) -> int:
+        """Records in the log, dead ones and pads too."""
+        return self._ix.tail - self._ix.head
+
+    @property
+    def sessions(self) -> int:
+        return self._ix.sessions
+
+    @property
+    def live_records(self) -> int:
+        return self._ix.live_records
+
+    @property
+    def live_blocks(self) -> int:
+        return self._ix.live_blocks
+
+    @property
+    def nbytes(self) -> int:
+        """What the index has allocated: native memory, outside Python's heap."""
+        with self._lock:
+            return lib.six_bytes(self._ix) + sum(len(c) for c in self._codecs)
+
+    # --- the log ------------------------------------------------------------------------------
+
+    def append(self, lpos: int, seq: int, nblocks: int, kind: int) -> int:
+        """A record placed at the log's tail; its rid."""
+        with self._lock:
+            if lib.six_append(self._ix, lpos, seq, nblocks, kind):
+                raise MemoryError("no memory to grow the snapshot store's index")
+            return self._ix.tail - 1
+
+    def pop(self):
+        """The head record, dead, leaves the log."""
+        with self._lock:
+            lib.six_pop(self._ix)
+
+    def rec(self, rid: int) -> Rec:
+        with self._lock:
+            if not self._ix.head <= rid < self._ix.tail:
+                raise IndexError(f"record {rid} is not in the log [{self._ix.head}, {self._ix.tail})")
+            return self._rec(rid)
+
+    def _rec(self, rid: int) -> Rec:
+        r = lib.six_rec(self._ix, rid)
+        return Rec(rid, r.lpos, r.seq, r.nblocks, r.kind, bool(r.live))
+
+    # --- the sessions -----------------------------------------------------------------------
+
+    def find(self, key: bytes) -> Chain | None:
+        with self._lock:
+            s = lib.six_find(self._ix, key)
+            return None if s == lib.SIX_NONE else self._chain(s)
+
+    def __contains__(self, key: bytes) -> bool:
+        with self._lock:
+            return lib.six_find(self._ix, key) != lib.SIX_NONE
+
+    def gen(self, key: bytes) -> int:
+        """key's chain's number; 0: none."""
+        with self._lock:
+            s = lib.six_find(self._ix, key)
+            return 0 if s == lib.SIX_NONE else self._ix.sess[s].gen
+
+    def _chain(self, s: int) -> Chain:
+        e = self._ix.sess[s]
+        first, last = (lib.six_rec(self._ix, lib.six_rid(self._ix, low)).seq if e.nrec else 0
+                       for low in (e.first, e.last))
+        return Chain(s, e.gen, e.nrec, (e.token_start, e.token_end), (e.layer_start, e.layer_end),
+                     e.raw_len, self._codecs[e.codec], first, last)
+
+    def records(self, chain: Chain) -> list[Rec]:
+        """The chain's records, oldest first."""
+        with self._lock:
+            out, low = [], self._ix.sess[chain.sid].first
+            while low != lib.SIX_NONE:
+                rid = lib.six_rid(self._ix, low)
+                out.append(self._rec(rid))
+                low = lib.six_rec(self._ix, rid).next
+            return out
+
+    def key_of(self, rec: Rec) -> bytes:
+        """The session key of a live record."""
+        with self._lock:
+            return bytes(ffi.buffer(self._ix.sess[lib.six_rec(self._ix, rec.rid).sess].key))
+
+    def keys(self) -> list[bytes]:
+        """Every session's key, least recently used first."""
+        with self._lock:
+            out, s = [], self._ix.lru_first
+            while s != lib.SIX_NONE:
+                out.append(bytes(ffi.buffer(self._ix.sess[s].key)))
+                s = self._ix.sess[s].lru_next
+            return out
+
+    def least_recent(self, protect: set) -> bytes | None:
+        """The least recently used session's key, one not in protect if there is one."""
+        with self._lock:
+            s, first = self._ix.lru_first, None
+            while s != lib.SIX_NONE:
+                key = bytes(ffi.buffer(self._ix.sess[s].key))
+                if key not in protect:
+                    return key
+                first = first or key
+                s = self._ix.sess[s].lru_next
+            return first
+
+    def add(self, key: bytes) -> int:
+        """A new, empty chain for key (not in the index), most recently used; its sid."""
+        with self._lock:
+            s = lib.six_add(self._ix, key)
+            if s == lib.SIX_NONE:
+                raise MemoryError("no memory to grow the snapshot store's index")
+            return s
+
+    def drop(self, chain: Chain):
+        with self._lock:
+            lib.six_drop(self._ix, chain.sid)
+
+    def touch(self, chain: Chain):
+        with self._lock:
+            lib.six_touch(self._ix, chain.sid)
+
+    def link(self, sid: int, rid: int, h: RecordHeader):
+        """The record rid (header h) joins the chain's end."""
+        self._join(lib.six_link, sid, rid, h)
+
+    def rebase(self, sid: int, rid: int, h: RecordHeader):
+        """The base record rid (header h) becomes the whole chain."""
+        self._join(lib.six_rebase, sid, rid, h)
+
+    def _join(self, fn, sid: int, rid: int, h: RecordHeader):
+        with self._lock:
+            fn(self._ix, sid, rid, h.token_start, h.token_end, h.raw_len, h.layer_start, h.layer_end)
+            self._ix.sess[sid].codec = self._number(h.codec)
+
+    def _number(self, codec: str) -> int:
+        n = self._codec_no.get(codec)
+        if n is None:
+            if len(self._codecs) > 0xffff:
+                raise ValueError("a snapshot store holds at most 65536 codec names")
+            n = self._codec_no[codec] = len(self._codecs)
+            self._codecs.append(codec)
+        return n
+
+    def swap(self, old: int, new: int):
+        """The live record old is replaced in its chain by its copy new."""
+        with self._lock:
+            lib.six_swap(self._ix, old, new)
+
+    def chains(self) -> Iterator[tuple[bytes, Chain]]:
+        for key in self.keys():
+            chain = self.find(key)
+            if chain is not None:
+                yield key, chain

@@ -1,0 +1,167 @@
+"""The snapshot store's packed index (native/snapindex.c through snapshotstore/index.py),
+checked op by op against a model made of Python dicts and lists."""
+import collections
+import os
+import random
+
+import pytest
+
+from snapshotstore import Delta, LogStore, format_device
+from snapshotstore.device import create_image
+from snapshotstore.format import HEADER_SIZE, KIND_BASE, KIND_DELTA, KIND_PAD, RecordHeader
+from snapshotstore._snapindex import ffi
+from snapshotstore.index import Index
+
+
+def header(kind, key, tokens, raw_len, layers=(0, 4), codec="f16"):
+    return RecordHeader(kind, 0, 0, 0, 0, 0, 0, key, tokens[0], tokens[1], layers[0], layers[1], 1,
+                        raw_len, 0, codec, 0)
+
+
+class Model:
+    """What the index must say, kept the plain way."""
+
+    def __init__(self):
+        self.recs = {}                            # rid -> [lpos, seq, nblocks, kind, live]
+        self.head = self.tail = self.lpos = self.seq = 0
+        self.chains = collections.OrderedDict()   # key -> {rids, tokens, raw_len, layers, codec}, LRU first
+
+    def append(self, kind, nblocks):
+        self.seq += 1
+        self.recs[self.tail] = [self.lpos, self.seq if kind != KIND_PAD else 0, nblocks, kind, False]
+        self.lpos += nblocks
+        self.tail += 1
+        return self.tail - 1
+
+
+def check(ix: Index, m: Model):
+    assert (ix.head, ix.tail) == (m.head, m.tail)
+    for rid in range(m.head, m.tail):
+        r = ix.rec(rid)
+        assert [r.lpos, r.seq, r.nblocks, r.kind, r.live] == m.recs[rid], rid
+    assert ix.keys() == list(m.chains)
+    assert ix.sessions == len(m.chains)
+    assert ix.live_records == sum(len(c["rids"]) for c in m.chains.values())
+    assert ix.live_blocks == sum(m.recs[r][2] for c in m.chains.values() for r in c["rids"])
+    for key, c in m.chains.items():
+        chain = ix.find(key)
+        assert [r.rid for r in ix.records(chain)] == c["rids"]
+        assert (chain.records, chain.tokens, chain.raw_len, chain.layers, chain.codec) == \
+               (len(c["rids"]), c["tokens"], c["raw_len"], c["layers"], c["codec"])
+        assert (chain.first_seq, chain.last_seq) == (m.recs[c["rids"][0]][1], m.recs[c["rids"][-1]][1])
+        assert all(ix.key_of(r) == key for r in ix.records(chain))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_index_agrees_with_a_plain_model_op_by_op(seed):
+    rng = random.Random(seed)
+    ix, m = Index(), Model()
+    # keys that differ in one byte, mostly zeros, as well as random ones: the hash mixes all 32 bytes
+    keys = [bytes(31) + bytes([i]) for i in range(200)] + [os.urandom(32) for _ in range(600)]
+    gens = {}
+    for step in range(6000):
+        op = rng.random()
+        live = list(m.chains)
+        if op < 0.35 or not live:                 # a new session, its first record
+            key = rng.choice(keys)
+            if key in m.chains:
+                continue
+            rid = m.append(KIND_DELTA, rng.randint(1, 3))
+            ix.append(*m.recs[rid][:4])
+            ix.link(ix.add(key), rid, header(KIND_DELTA, key, (0, 10), 100, codec=rng.choice(["f16", "zstd"])))
+            assert ix.find(key).gen not in gens.values()    # a chain's number is its own
+            gens[key] = ix.find(key).gen
+            m.recs[rid][4] = True
+            m.chains[key] = dict(rids=[rid], tokens=(0, 10), raw_len=100, layers=(0, 4),
+                                 codec=ix.find(key).codec)
+        elif op < 0.55:                           # a delta joins a chain
+            key = rng.choice(live)
+            c = m.chains[key]
+            rid = m.append(KIND_DELTA, 1)
+            ix.append(*m.recs[rid][:4])
+            lo, hi = rng.randint(0, 3), rng.randint(4, 8)
+            ix.link(ix.find(key).sid, rid, header(KIND_DELTA, key, (c["tokens"][1], c["tokens"][1] + 5), 50,
+                                                  (lo, hi), c["codec"]))
+            m.recs[rid][4] = True
+            c.update(rids=c["rids"] + [rid], tokens=(0, c["tokens"][1] + 5), raw_len=c["raw_len"] + 50,
+                     layers=(min(lo, c["layers"][0]), max(hi, c["layers"][1])))
+            m.chains.move_to_end(key)
+        elif op < 0.62:                           # compacted into a base
+            key = rng.choice(live)
+            c = m.chains[key]
+            rid = m.append(KIND_BASE, 2)
+            ix.append(*m.recs[rid][:4])
+            ix.rebase(ix.find(key).sid, rid, header(KIND_BASE, key, c["tokens"], 7, (1, 2), c["codec"]))
+            for r in c["rids"]:
+                m.recs[r][4] = False
+            m.recs[rid][4] = True
+            c.update(rids=[rid], raw_len=7, layers=(1, 2))
+            m.chains.move_to_end(key)
+        elif op < 0.72:                           # a live record copied to the tail
+            key = rng.choice(live)
+            c = m.chains[key]
+            old = rng.choice(c["rids"])
+            lpos, seq, nblocks, kind, _ = m.recs[old]
+            new = m.tail
+            m.recs[new] = [m.lpos, seq, nblocks, kind, True]
+            m.lpos += nblocks
+            m.tail += 1
+            ix.append(m.recs[new][0], seq, nblocks, kind)
+            ix.swap(old, new)
+            m.recs[old][4] = False
+            c["rids"][c["rids"].index(old)] = new
+        elif op < 0.85:                           # a chain dropped (deleted, evicted)
+            key = rng.choice(live)
+            ix.drop(ix.find(key))
+            for r in m.chains.pop(key)["rids"]:
+                m.recs[r][4] = False
+        elif op < 0.90:
+            key = rng.choice(live)
+            ix.touch(ix.find(key))
+            m.chains.move_to_end(key)
+        elif op < 0.93:
+            rid = m.append(KIND_PAD, 4)
+            ix.append(*m.recs[rid][:4])
+        else:                                     # the head passes dead records
+            while m.head < m.tail and not m.recs[m.head][4]:
+                ix.pop()
+                del m.recs[m.head]
+                m.head += 1
+        if step % 97 == 0:
+            check(ix, m)
+    check(ix, m)
+    for key in keys:
+        assert (ix.find(key) is not None) == (key in m.chains)
+    protect = set(list(m.chains)[:3])
+    assert ix.least_recent(protect) == next((k for k in m.chains if k not in protect), None)
+
+
+def test_the_index_costs_bytes_per_session_not_objects():
+    """One-record sessions, as the benchmark's: the tables grow by a quarter, the hash doubles
+    at 3/4 full, so a session costs its entry and its record (76 + 32 bytes), a quarter of that
+    again at most, and the hash's 4 bytes per slot."""
+    entry = ffi.sizeof("struct six_session") + ffi.sizeof("struct six_rec")
+    ix = Index()
+    for i in range(20000):
+        rid = ix.append(i, i + 1, 1, KIND_DELTA)
+        key = i.to_bytes(32, "little")
+        ix.link(ix.add(key), rid, header(KIND_DELTA, key, (0, 1), 3000))
+    assert ix.sessions == 20000
+    assert entry == 76 + 32 and ix.nbytes / 20000 <= entry * 1.25 + 4 / 0.375
+
+
+def test_inspect_reads_each_record_s_header_from_the_device(tmp_path):
+    """entries() gives what the headers say (the index keeps little of it), dead and live."""
+    path = str(tmp_path / "s.img")
+    create_image(path, 1 << 20)
+    format_device(path)
+    key = bytes(range(32))
+    with LogStore(path) as s:
+        s.put(key, Delta(b"a" * 100, tokens=(0, 7), layers=(1, 3), codec="zstd"))
+        s.put(key, Delta(b"b" * (4096 - HEADER_SIZE + 1), tokens=(7, 9), layers=(0, 2), codec="zstd"))
+        s.delete(key)
+        first, second, tomb = s.entries()
+        assert (first.kind, first.key, first.tokens, first.layers, first.codec, first.raw_len, first.live) == \
+               (KIND_DELTA, key, (0, 7), (1, 3), "zstd", 100, False)
+        assert (second.parent, second.seq, second.nblocks, second.tokens) == (first.seq, first.seq + 1, 2, (7, 9))
+        assert tomb.lpos == second.lpos + 2 and len(s.entries(1)) == 1
