@@ -77,8 +77,7 @@ int six_append(struct six *ix, uint64_t lpos, uint64_t seq, uint32_t nblocks, ui
     if (ix->tail - ix->head == ix->rec_cap && grow_log(ix))
         return -1;
     struct six_rec *r = six_rec(ix, ix->tail++);
-    *r = (struct six_rec){ .lpos = lpos, .seq = seq, .nblocks = nblocks, .next = SIX_NONE,
-                           .sess = SIX_NONE, .kind = kind };
+    *r = (struct six_rec){ .lpos = lpos, .seq = seq, .nblocks = nblocks, .sess = SIX_NONE, .kind = kind };
     return 0;
 }
 
@@ -199,6 +198,8 @@ uint32_t six_add(struct six *ix, const uint8_t *key)
         return SIX_NONE;
     if (ix->free_sess == SIX_NONE) {
         uint32_t cap = GROWN(ix->sess_cap, SESS_MIN);
+        if (cap <= ix->sess_cap || cap == SIX_NONE)       /* 2^32 sessions: none is SIX_NONE */
+            return SIX_NONE;
         struct six_session *sess = realloc(ix->sess, (size_t)cap * sizeof(*sess));
         if (!sess)
             return SIX_NONE;
@@ -214,7 +215,7 @@ uint32_t six_add(struct six *ix, const uint8_t *key)
     ix->free_sess = e->lru_next;
     if (++ix->next_gen == 0)            /* 0 is no chain's */
         ix->next_gen = 1;
-    *e = (struct six_session){ .first = SIX_NONE, .last = SIX_NONE, .gen = ix->next_gen };
+    *e = (struct six_session){ .gen = ix->next_gen };
     memcpy(e->key, key, SIX_KEY_LEN);
     ix->slot[probe(ix, key)] = s + 1;
     lru_append(ix, s);
@@ -226,14 +227,14 @@ uint32_t six_add(struct six *ix, const uint8_t *key)
 static void kill_chain(struct six *ix, uint32_t s)
 {
     struct six_session *e = &ix->sess[s];
-    for (uint32_t low = e->first; low != SIX_NONE;) {
+    uint32_t low = e->first;
+    for (uint32_t i = 0; i < e->nrec; i++) {
         struct six_rec *r = six_rec(ix, six_rid(ix, low));
         r->live = 0;
         ix->live_blocks -= r->nblocks;
         ix->live_records--;
         low = r->next;
     }
-    e->first = e->last = SIX_NONE;
     e->nrec = e->raw_len = 0;
 }
 
@@ -254,8 +255,7 @@ void six_link(struct six *ix, uint32_t s, uint64_t rid, uint32_t token_start, ui
     struct six_rec *r = six_rec(ix, rid);
     r->live = 1;
     r->sess = s;
-    r->next = SIX_NONE;
-    if (e->last == SIX_NONE) {
+    if (e->nrec == 0) {
         e->first = (uint32_t)rid;
         e->token_start = token_start;
         e->layer_start = layer_start;
@@ -288,9 +288,9 @@ void six_swap(struct six *ix, uint64_t old_rid, uint64_t new_rid)
     struct six_session *e = &ix->sess[s];
     if (e->first == (uint32_t)old_rid) {
         e->first = (uint32_t)new_rid;
-    } else {
+    } else {                            /* old is live: one of the chain's nrec records */
         struct six_rec *p = six_rec(ix, six_rid(ix, e->first));
-        while (p->next != (uint32_t)old_rid)
+        for (uint32_t i = 1; i < e->nrec && p->next != (uint32_t)old_rid; i++)
             p = six_rec(ix, six_rid(ix, p->next));
         p->next = (uint32_t)new_rid;
     }

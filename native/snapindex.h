@@ -21,14 +21,14 @@
 #include <stdint.h>
 
 /* CDEF BEGIN: the API the cffi binding sees (native/ffi_snapindex.py reads it verbatim) */
-#define SIX_NONE 0xffffffff     /* no session, no record */
+#define SIX_NONE 0xffffffff     /* no session */
 #define SIX_KEY_LEN 32          /* snapshotstore.format.KEY_LEN */
 
 struct six_rec {
     uint64_t lpos;              /* logical block position (it grows across the log's laps) */
     uint64_t seq;               /* sequence number (0: a pad) */
     uint32_t nblocks;
-    uint32_t next;              /* the next record of its chain (a rid's low 32 bits); SIX_NONE: the last */
+    uint32_t next;              /* the next record of its chain (a rid's low 32 bits), unless the last */
     uint32_t sess;              /* its session, while live */
     uint8_t kind;               /* snapshotstore.format.KIND_* */
     uint8_t live;               /* a record of a chain in the index */
@@ -37,14 +37,14 @@ struct six_rec {
 
 struct six_session {
     uint8_t key[SIX_KEY_LEN];
-    uint32_t first, last;       /* the chain's records, oldest and newest (rids' low 32 bits) */
+    uint32_t first, last;       /* the chain's records, oldest and newest (rids' low 32 bits): no
+                                 * value of them means none (every one is some rid's), nrec does */
     uint32_t nrec;
     uint32_t token_start, token_end;
     uint32_t raw_len;           /* the chain's payload bytes before compression */
     uint32_t gen;               /* this chain's own number: a put checks its chain is still there */
     uint16_t layer_start, layer_end;
-    uint16_t codec;             /* the caller's number for the chain's codec name */
-    uint16_t reserved;
+    uint32_t codec;             /* the caller's number for the chain's codec name */
     uint32_t lru_prev, lru_next;    /* least recently used first; a free slot's lru_next: the next free */
 };
 

@@ -132,8 +132,9 @@ class Index:
     def records(self, chain: Chain) -> list[Rec]:
         """The chain's records, oldest first."""
         with self._lock:
-            out, low = [], self._ix.sess[chain.sid].first
-            while low != lib.SIX_NONE:
+            e = self._ix.sess[chain.sid]
+            out, low = [], e.first
+            for _ in range(e.nrec):
                 rid = lib.six_rid(self._ix, low)
                 out.append(self._rec(rid))
                 low = lib.six_rec(self._ix, rid).next
@@ -191,17 +192,12 @@ class Index:
 
     def _join(self, fn, sid: int, rid: int, h: RecordHeader):
         with self._lock:
+            codec = self._codec_no.get(h.codec)
+            if codec is None:
+                codec = self._codec_no[h.codec] = len(self._codecs)
+                self._codecs.append(h.codec)
             fn(self._ix, sid, rid, h.token_start, h.token_end, h.raw_len, h.layer_start, h.layer_end)
-            self._ix.sess[sid].codec = self._number(h.codec)
-
-    def _number(self, codec: str) -> int:
-        n = self._codec_no.get(codec)
-        if n is None:
-            if len(self._codecs) > 0xffff:
-                raise ValueError("a snapshot store holds at most 65536 codec names")
-            n = self._codec_no[codec] = len(self._codecs)
-            self._codecs.append(codec)
-        return n
+            self._ix.sess[sid].codec = codec
 
     def swap(self, old: int, new: int):
         """The live record old is replaced in its chain by its copy new."""

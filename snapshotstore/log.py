@@ -484,17 +484,20 @@ class LogStore:
     def entries(self, limit: int | None = None) -> list[LogRecord]:
         """Every record from head to tail (dead ones and pads too), or the first limit, its
         header read from the device (the index keeps little of it), for inspect and tests. A
-        header damaged since the store opened reads as what the index knows of it, with a zero
-        key and codec "?"."""
+        header damaged or unreadable since the store opened reads as what the index knows of it,
+        with a zero key and codec "?"."""
         with self._lock:
-            self._check_usable()
+            if self._closed:
+                raise SnapshotError("the snapshot store is closed")
             blocks_at = _Window(self, self.dev.read_into).at
             out = []
             end = self._ix.tail if limit is None else min(self._ix.tail, self._ix.head + limit)
             for rid in range(self._ix.head, end):
                 r = self._ix.rec(rid)
-                view, off = blocks_at(r.lpos, 1)
-                h = fmt.unpack_header(view, off)
+                try:
+                    h = fmt.unpack_header(*blocks_at(r.lpos, 1))
+                except OSError:                   # EIO: a bad sector in the window
+                    h = None
                 if h is None or h.lpos != r.lpos or h.seq != r.seq:
                     h = RecordHeader(r.kind, 0, self.store_id, r.lpos, 0, r.seq, 0, bytes(fmt.KEY_LEN),
                                      0, 0, 0, 0, r.nblocks, 0, 0, "?", 0)
@@ -639,9 +642,10 @@ class LogStore:
             sweep -= 1
             e = self._ix.rec(self._ix.head)
             if not e.live:
-                halving = self._halving.pop(e.rid, None)
+                halving = self._halving.get(e.rid)
                 if halving is not None and self._halves_evicted(halving, e):
-                    self._bury(halving)
+                    self._bury(halving)           # DeviceFull: still there for the next try
+                self._halving.pop(e.rid, None)
                 self._ix.pop()
                 self._head = e.lpos + e.nblocks
                 continue

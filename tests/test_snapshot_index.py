@@ -21,9 +21,10 @@ def header(kind, key, tokens, raw_len, layers=(0, 4), codec="f16"):
 class Model:
     """What the index must say, kept the plain way."""
 
-    def __init__(self):
+    def __init__(self, first_rid):
         self.recs = {}                            # rid -> [lpos, seq, nblocks, kind, live]
-        self.head = self.tail = self.lpos = self.seq = 0
+        self.head = self.tail = first_rid
+        self.lpos = self.seq = 0
         self.chains = collections.OrderedDict()   # key -> {rids, tokens, raw_len, layers, codec}, LRU first
 
     def append(self, kind, nblocks):
@@ -49,16 +50,21 @@ def check(ix: Index, m: Model):
         assert (chain.records, chain.tokens, chain.raw_len, chain.layers, chain.codec) == \
                (len(c["rids"]), c["tokens"], c["raw_len"], c["layers"], c["codec"])
         assert (chain.first_seq, chain.last_seq) == (m.recs[c["rids"][0]][1], m.recs[c["rids"][-1]][1])
+        assert chain.gen == c["gen"]              # a base, a copy, a touch keep the chain's number
         assert all(ix.key_of(r) == key for r in ix.records(chain))
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_the_index_agrees_with_a_plain_model_op_by_op(seed):
+@pytest.mark.parametrize("first_rid", [0, 2**32 - 500, 2**33 - 1], ids=["rid 0", "rids across 2^32", "past 2^33"])
+@pytest.mark.parametrize("seed", range(3))
+def test_the_index_agrees_with_a_plain_model_op_by_op(seed, first_rid):
+    """Links hold a rid's low 32 bits: every value of them is some record's (the 2^32-1th one's
+    was taken for "none" and cut chains), so the rids here also run across 2^32."""
     rng = random.Random(seed)
-    ix, m = Index(), Model()
+    ix, m = Index(), Model(first_rid)
+    ix._ix.head = ix._ix.tail = first_rid        # as if that many records had come and gone
     # keys that differ in one byte, mostly zeros, as well as random ones: the hash mixes all 32 bytes
     keys = [bytes(31) + bytes([i]) for i in range(200)] + [os.urandom(32) for _ in range(600)]
-    gens = {}
+    gens = set()
     for step in range(6000):
         op = rng.random()
         live = list(m.chains)
@@ -69,11 +75,12 @@ def test_the_index_agrees_with_a_plain_model_op_by_op(seed):
             rid = m.append(KIND_DELTA, rng.randint(1, 3))
             ix.append(*m.recs[rid][:4])
             ix.link(ix.add(key), rid, header(KIND_DELTA, key, (0, 10), 100, codec=rng.choice(["f16", "zstd"])))
-            assert ix.find(key).gen not in gens.values()    # a chain's number is its own
-            gens[key] = ix.find(key).gen
+            gen = ix.find(key).gen
+            assert gen not in gens                # a chain's number is its own, a new one's new
+            gens.add(gen)
             m.recs[rid][4] = True
             m.chains[key] = dict(rids=[rid], tokens=(0, 10), raw_len=100, layers=(0, 4),
-                                 codec=ix.find(key).codec)
+                                 codec=ix.find(key).codec, gen=gen)
         elif op < 0.55:                           # a delta joins a chain
             key = rng.choice(live)
             c = m.chains[key]

@@ -323,17 +323,35 @@ def test_refuse_never_stops_on_a_large_record_after_compactions(make_device):
         holds(s, model, exactly=True)
 
 
-def test_an_evicted_session_whose_first_record_moved_never_comes_back_half(make_device):
+@pytest.mark.parametrize("bury", ["at once", "after DeviceFulls"])
+def test_an_evicted_session_whose_first_record_moved_never_comes_back_half(make_device, bury):
     """Reclaim may copy a session's first record past its later ones. Evicted (not logged),
     such a session lost a later record first as the head passed it, and the next open found
     the first record and what still linked to it: a prefix of the session, served as if whole.
-    Now the head writes the session's tombstone before it passes part of it."""
+    Now the head writes the session's tombstone before it passes part of it; a tombstone that
+    found no room (DeviceFull for that put) is still owed when the head comes back to it."""
     path = make_device(1 << 20)
     with LogStore(path, eviction="lru") as s:
         spread_chains(s)
         churn(s, lambda s: moved_first(s))
         victim, (first, last_other) = next(iter(moved_first(s).items()))
         evict(s, victim)
+        if bury == "after DeviceFulls":
+            # as many failures as the session has records the head must not pass without its
+            # tombstone: a failure that forgot the record it was for let the head pass them all
+            owed = sum(k == victim for k in s._halving.values())
+            real, failed = s._bury, []
+
+            def bury_failing(k):
+                if len(failed) < owed:
+                    failed.append(k)
+                    raise DeviceFull("no room for the tombstone (the test's)")
+                real(k)
+            s._bury = bury_failing
+            for _ in range(owed):
+                with pytest.raises(DeviceFull, match="the test's"):
+                    churn(s, lambda s: s.stats()["head"] > last_other)
+            assert owed and failed == [victim] * owed and s.stats()["evicted_tombstones"] == 0
         churn(s, lambda s: s.stats()["head"] > last_other)
         assert s.stats()["head"] <= first.lpos    # the first record is still in the log
         assert s.stats()["evicted_tombstones"] == 1
