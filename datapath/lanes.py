@@ -129,11 +129,21 @@ class ZmqWorkerLane:
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.t_pickup = 0
         self.malformed = 0       # messages dropped: not 1..MAX_BATCH_CHUNKS whole chunk records
+        self.probes = 0          # the router's probes answered (it had marked this worker down)
 
     def recv_batch(self, timeout_s: float) -> np.ndarray | None:
         if not self.sock.poll(int(timeout_s * 1000) if timeout_s >= 0 else None):
             return None
         frame = self.sock.recv(copy=False)
+        if not len(frame.buffer):
+            # the router's probe of a worker it marked down (router.c, zmq_health): answered from
+            # here, the loop that takes batches, so a worker comes back only once it takes them
+            try:
+                self.sock.send(b"", self._zmq.NOBLOCK)
+            except self._zmq.Again:
+                pass                 # no router connected: its next probe
+            self.probes += 1
+            return None
         n, odd = divmod(len(frame.buffer), records.CHUNK.itemsize)
         if odd or not 1 <= n <= records.MAX_BATCH_CHUNKS:
             # a stray peer's message (the endpoint takes any): dropped, not the worker's death

@@ -81,6 +81,9 @@ struct worker {
     uint64_t t_busy;                    /* when its batch was placed (zmq: its answer's deadline counts
                                          * from here) */
     uint32_t unsent;                    /* zmq: records of a built batch the socket refused */
+    uint8_t timed_out;                  /* zmq: marked down by zmq_timeouts (not by the control plane):
+                                         * probed, and back up once it answers (zmq_health) */
+    uint64_t t_probe;                   /* zmq: when it was last probed */
     uint32_t fifo_head, fifo_tail;      /* requests with pending chunks (dynamic) / complete requests (static) */
     uint32_t *decoding;                 /* requests in decode on this worker */
     uint32_t n_decoding, decode_cursor;
@@ -1167,24 +1170,46 @@ static void complete_entry(struct dp_router *rt, int wk, const struct batch_meta
 
 static void set_up(struct dp_router *rt, uint32_t k, int up);
 
-/* A zmq worker whose batch has gone unanswered (or unsent: no peer took it) for zmq_timeout:
- * ZeroMQ does not resend what a broken connection held (a worker that died after taking the
- * batch, a dropped link), and no process of ours watches a remote worker, so nothing else would
- * ever free it: it stayed busy, and every request placed on it waited for ever. It is marked
- * down, its requests replayed; set_up(k, 1) brings it back. */
-static uint32_t zmq_timeouts(struct dp_router *rt)
+/* The health of zmq workers, which no process of ours watches. One whose batch has gone
+ * unanswered (or unsent: no peer took it) for zmq_timeout is marked down and its requests
+ * replayed: ZeroMQ does not resend what a broken connection held (a worker that died after
+ * taking the batch, a dropped link), so nothing else would ever free it (it stayed busy, and
+ * every request placed on it waited for ever). Then it is probed, an empty message at most
+ * every ZMQ_PROBE_NS, which its lane answers with an empty one from its receive loop (lanes.py):
+ * any message from it (that answer, a late completion) brings it back up. Before, it stayed
+ * down for good after a passing stall or a dropped link. */
+#define ZMQ_PROBE_NS 1000000000ull
+static uint32_t zmq_health(struct dp_router *rt)
 {
     if (!rt->n_zmq || !rt->cfg.zmq_timeout_ns)
         return 0;
     uint32_t n = 0;
     for (uint32_t k = 0; k < rt->view.n; k++) {
         struct worker *w = &rt->w[k];
-        if (w->kind != DP_LANE_ZMQ || !(w->busy || w->unsent) || !rt->view.up[k] ||
-            pass_clock(rt) - w->t_busy < rt->cfg.zmq_timeout_ns)
+        if (w->kind != DP_LANE_ZMQ)
             continue;
-        rt->st.zmq_timeouts++;
-        set_up(rt, k, 0);
-        n++;
+        if (rt->view.up[k]) {
+            if (!(w->busy || w->unsent) || pass_clock(rt) - w->t_busy < rt->cfg.zmq_timeout_ns)
+                continue;
+            rt->st.zmq_timeouts++;
+            set_up(rt, k, 0);
+            w->timed_out = 1;
+            w->t_probe = 0;
+            n++;
+        } else if (w->timed_out) {
+            int heard = 0;
+            while (zmq_recv(w->zsock, w->cbuf, sizeof(*w->cbuf), ZMQ_DONTWAIT) >= 0)
+                heard = 1;                     /* whatever it was (its batch was replayed): it lives */
+            if (heard) {
+                set_up(rt, k, 1);              /* clears timed_out */
+                rt->st.zmq_revived++;
+                n++;
+            } else if (pass_clock(rt) - w->t_probe >= (rt->cfg.zmq_timeout_ns < ZMQ_PROBE_NS ?
+                                                       rt->cfg.zmq_timeout_ns : ZMQ_PROBE_NS)) {
+                zmq_send(w->zsock, "", 0, ZMQ_DONTWAIT);    /* a full queue: the next probe */
+                w->t_probe = pass_clock(rt);
+            }
+        }
     }
     return n;
 }
@@ -1797,7 +1822,7 @@ uint32_t dp_router_poll(struct dp_router *rt)
     rt->in_pass = 1;
     uint32_t work = flush_done(rt);
     work += take_completions(rt);
-    work += zmq_timeouts(rt);            /* after: an answer that came in time is taken */
+    work += zmq_health(rt);              /* after: an answer that came in time is taken */
     work += drain_inputs(rt);
     work += send_batches(rt);
     price_admitted(rt);
@@ -2102,6 +2127,7 @@ static void set_up(struct dp_router *rt, uint32_t k, int up)
 {
     int was_up = rt->view.up[k];
     rt->view.up[k] = up ? 1 : 0;
+    rt->w[k].timed_out = 0;             /* the control plane's word, or zmq_health's, is the last */
     rt->w[k].st.up = rt->view.up[k];
     rt->view.generation++;
     rebuild_pools(rt);

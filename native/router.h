@@ -112,6 +112,7 @@ struct dp_router_stats {
     uint64_t bad_picks;         /* a policy's picks of a worker out of range or down (its bug), at
                                  * admission (counted in no_worker too) or at a failover's replay */
     uint64_t zmq_timeouts;      /* zmq workers marked down: a batch unanswered for zmq_timeout */
+    uint64_t zmq_revived;       /* zmq workers marked down so, back up: they answered a probe */
     uint32_t active_requests, pool_free;
 };
 

@@ -565,6 +565,56 @@ def test_a_zmq_worker_that_never_answers_is_marked_down_and_its_request_replayed
         silent.close()
 
 
+def test_a_zmq_worker_marked_down_comes_back_once_it_answers_the_router_s_probe(bench_factory):
+    """A passing stall (or a dropped link) took a zmq worker out for good: nothing brought it back
+    but the control plane. Now the router probes it; once its loop takes messages again, it
+    answers, and it is up and takes batches. One the control plane marks down is not probed."""
+    b = bench_factory(n_workers=1, policy="round_robin", zmq_timeout_s=0.2)
+    lane = lanes.ZmqWorkerLane("tcp://127.0.0.1:0")
+    deadline = time.monotonic() + 20
+
+    def batch_taken():
+        while time.monotonic() < deadline:
+            b.router.poll()
+            got = lane.recv_batch(0.01)
+            if got is not None:
+                return got
+        raise AssertionError("no batch reached the zmq worker")
+
+    def until(cond, worker_loop):
+        while not cond() and time.monotonic() < deadline:
+            b.router.poll()
+            lane.recv_batch(0.01) if worker_loop else time.sleep(0.01)
+        assert cond()
+
+    try:
+        assert b.router.add_zmq_worker(lane.endpoint) == 1
+        b.router.set_up(0, False)                # the requests go to the zmq worker
+        b.send(chunks_of(1, [1, 2, 3], max_out=2))
+        assert batch_taken()["request_id"].tolist() == [1]
+        b.router.set_up(0, True)
+        until(lambda: b.router.stats()["zmq_timeouts"] == 1, worker_loop=False)   # it stalls
+        assert b.router.worker_stats(1)["up"] == 0 and lane.probes == 0
+        until(lambda: b.router.stats()["zmq_revived"] == 1, worker_loop=True)     # back in its loop
+        assert b.router.worker_stats(1)["up"] == 1 and lane.probes >= 1
+        b.run(0)                                 # request 1, replayed there at the timeout
+        b.router.set_up(0, False)
+        b.send(chunks_of(2, [4, 5], max_out=1))
+        assert batch_taken()["request_id"].tolist() == [2]
+        b.router.set_up(0, True)
+        b.router.set_up(1, False)                # the control plane's word: no probes
+        probes, t_end = lane.probes, time.monotonic() + 0.8
+        while time.monotonic() < t_end:
+            b.router.poll()
+            assert lane.recv_batch(0.01) is None
+        assert lane.probes == probes and b.router.worker_stats(1)["up"] == 0
+        b.run(0)
+        assert sorted((int(r["request_id"]), int(r["status"])) for r in b.responses) == [(1, 200), (2, 200)]
+    finally:
+        b.router.close()
+        lane.close()
+
+
 def test_a_zmq_worker_nobody_serves_is_marked_down_too(bench_factory):
     """A batch no peer ever took (unsent, so never busy) escaped the deadline."""
     b = bench_factory(n_workers=1, policy="round_robin", zmq_timeout_s=0.2)
