@@ -35,7 +35,6 @@ class Chain(NamedTuple):
     layers: tuple[int, int]
     raw_len: int        # its records' payload bytes before compression
     codec: str
-    first_seq: int
     last_seq: int
 
 
@@ -124,10 +123,14 @@ class Index:
 
     def _chain(self, s: int) -> Chain:
         e = self._ix.sess[s]
-        first, last = (lib.six_rec(self._ix, lib.six_rid(self._ix, low)).seq if e.nrec else 0
-                       for low in (e.first, e.last))
+        last = lib.six_rec(self._ix, lib.six_rid(self._ix, e.last)).seq if e.nrec else 0
         return Chain(s, e.gen, e.nrec, (e.token_start, e.token_end), (e.layer_start, e.layer_end),
-                     e.raw_len, self._codecs[e.codec], first, last)
+                     e.raw_len, self._codecs[e.codec], last)
+
+    def first_seq(self, chain: Chain) -> int:
+        with self._lock:
+            e = self._ix.sess[chain.sid]
+            return lib.six_rec(self._ix, lib.six_rid(self._ix, e.first)).seq if e.nrec else 0
 
     def records(self, chain: Chain) -> list[Rec]:
         """The chain's records, oldest first."""

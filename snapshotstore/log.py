@@ -296,7 +296,7 @@ class LogStore:
         for seq, rid, h in found:
             first = copies.setdefault(seq, (rid, h.key))
             if first[0] == rid:
-                self._link(rid, h)
+                self._link(rid, h, self._ix.find(h.key))
             elif self._ix.rec(first[0]).live and first[1] == h.key:   # a copy (reclaim's): the later one stays
                 self._ix.swap(first[0], rid)
                 copies[seq] = (rid, h.key)
@@ -305,7 +305,7 @@ class LogStore:
             chain = self._ix.find(key)
             if chain is None or (seq in copies and copies[seq][1] == key):
                 continue                          # nothing of it left, or another copy is whole
-            start = chain.first_seq
+            start = self._ix.first_seq(chain)
             # The chain began before the damaged record (by its header's number, or because the
             # log held a newer record before it): that record was part of it, or ended it.
             if start < seq or start <= before:
@@ -346,8 +346,9 @@ class LogStore:
             self.counters["damaged_chains_dropped"] += 1
         self._damaged.add(key)
 
-    def _link(self, rid: int, h: RecordHeader):
-        """Apply the record rid, header h, to the index (on stage, and on recovery in sequence order)."""
+    def _link(self, rid: int, h: RecordHeader, chain: Chain | None):
+        """Apply the record rid, header h, to the index (on stage, and on recovery in sequence
+        order); chain: what the index holds under its key."""
         if h.kind == KIND_PAD:
             return
         if h.key in self._damaged:
@@ -357,7 +358,6 @@ class LogStore:
             self._damaged.discard(h.key)
         if h.kind == KIND_TOMBSTONE or h.parent_seq == 0:
             self._evicted.pop(h.key, None)        # what the log held of it is superseded now
-        chain = self._ix.find(h.key)
         if h.kind == KIND_BASE and chain is not None:
             # The base replaces the chain's records, the chain staying (a put that read it
             # before sees the same chain, the same tokens).
@@ -729,7 +729,7 @@ class LogStore:
                          req.key, req.tokens[0], req.tokens[1], req.layers[0], req.layers[1], req.nblocks,
                          req.raw_len, len(req.payload), req.codec, 0)
         req.seq = self._last_seq
-        self._link(*self._append(h, req.payload))
+        self._link(*self._append(h, req.payload), chain)
 
     def _append(self, h: RecordHeader, payload) -> tuple[int, RecordHeader]:
         """Place the record h at the tail (after a pad to the lap's end if it would not fit
