@@ -127,6 +127,7 @@ def test_constants_and_the_status_word():
     assert P.status_field(P.SC_LBA_OUT_OF_RANGE) == (0x80 << 1) | (1 << 15)
     assert P.status_field(P.SC_CONNECT_CONTROLLER_BUSY) == (0x81 << 1) | (1 << 9) | (1 << 15)
     assert P.status_code(P.status_field(P.SC_WRITE_FAULT)) == P.SC_WRITE_FAULT
+    assert P.status_field(P.SC_TRANSIENT_TRANSPORT) == 0x22 << 1     # may be retried: no DNR
     assert P.digest(b"123456789") == (0xE3069283).to_bytes(4, "little")    # the CRC32C check value
 
 
@@ -139,15 +140,19 @@ def test_url_form():
             parse_url(bad)
 
 
-def test_a_target_refuses_an_empty_namespace_and_a_zero_maxh2cdata(image, tmp_path):
-    """Both started serving before: a namespace of 0 blocks, and R2Ts that could never move a byte."""
+def test_a_target_refuses_an_empty_namespace_and_a_maxh2cdata_below_the_spec_s(image, tmp_path):
+    """Both started serving before: a namespace of 0 blocks, and R2Ts that could never move a
+    byte, or fewer than the 4096 bytes the spec sets as MAXH2CDATA's floor (Linux refuses that)."""
     empty = tmp_path / "empty.img"
     empty.write_bytes(b"")
-    for path, kw in ((str(empty), {}), (image(), {"maxh2cdata": 0})):
-        t = Target(path, port=0, **kw)
-        with pytest.raises(DeviceError, match="positive multiples of the block size"):
-            t.start()
-        assert t._listener is None
+    t = Target(str(empty), port=0)
+    with pytest.raises(DeviceError, match="positive multiples of the block size"):
+        t.start()
+    assert t._listener is None
+    path = image()
+    for small in (0, 512):
+        with pytest.raises(ValueError, match="at least 4096"):
+            Target(path, port=0, maxh2cdata=small)
 
 
 # --- the initiator, and LogStore on a remote namespace ----------------------------------------------
@@ -508,10 +513,10 @@ class RawHost:
         _, _, header, _ = self.ch.recv_header((P.ICRESP,), lambda t: 0)
         self.ch.hdgst = self.ch.ddgst = digests
 
-    def connect_admin(self, subnqn=DEFAULT_NQN, sqsize=31, qid=0, cntlid=0xFFFF) -> dict:
+    def connect_admin(self, subnqn=DEFAULT_NQN, sqsize=31, qid=0, cntlid=0xFFFF, kato=0) -> dict:
         data = P.pack(P.CONNECT_DATA, cntlid=cntlid, subnqn=subnqn.encode(), hostnqn=b"nqn.2014-08.org.test:raw")
         sqe = P.pack(P.FABRICS_SQE, opc=P.OPC_FABRICS, cid=1, fctype=P.FCTYPE_CONNECT, sgl_len=len(data),
-                     sgl_id=P.SGL_ICD, specific=P.pack(P.CONNECT_SPECIFIC, qid=qid, sqsize=sqsize))
+                     sgl_id=P.SGL_ICD, specific=P.pack(P.CONNECT_SPECIFIC, qid=qid, sqsize=sqsize, kato=kato))
         self.ch.send(P.CAPSULE_CMD, sqe, data)
         return self.response()
 
@@ -745,6 +750,53 @@ def test_bounded_and_clean_shutdown(image):
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", t.port), timeout=TIMEOUT_S)
     format_device(path)                                                         # released
+
+
+def test_hosts_gone_silent_do_not_hold_the_target(target, monkeypatch):
+    """Connections that never Connect are dropped after the handshake timeout (eight of them locked
+    every host out before: the limit), and an admin queue that asked for a keep-alive timeout and
+    goes silent loses its association (every later Connect was Controller Busy until a restart)."""
+    from snapshotstore.nvmetcp import target as target_module
+    monkeypatch.setattr(target_module, "HANDSHAKE_TIMEOUT_S", 0.5)
+    silent = [RawHost(target.port) for _ in range(MAX_CONNECTIONS)]   # ICReq, then nothing
+    for h in silent:
+        assert h.closed_by_peer()
+    NvmeTcpDevice(target.url).close()
+    h = RawHost(target.port)
+    t0 = time.monotonic()
+    assert h.connect_admin(kato=300)["status"] == 0        # a Keep Alive due every 300 ms: none comes
+    assert h.closed_by_peer() and 0.5 < time.monotonic() - t0 < TIMEOUT_S
+    NvmeTcpDevice(target.url).close()                      # the controller is free
+    h = RawHost(target.port)                               # probed, should its host vanish outright
+    with target._lock:
+        sock = next(c for c in target._conns).channel.sock
+    assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+    assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == 10
+    assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == 20_000
+
+
+def test_a_remote_media_error_is_eio_and_recovery_reads_around_it(target, monkeypatch):
+    """An unreadable block of a remote namespace (Unrecovered Read Error) is EIO to the store, as a
+    local bad sector is: recovery counts it and drops only that chain. Before, the NvmeError was
+    no OSError, and the store (and fsck) could not open."""
+    import errno
+    format_device(target.url)
+    with LogStore(target.url) as s:
+        for n in range(3):
+            s.put(key(n), Delta(bytes([n]) * 3000, tokens=(0, 1), codec="raw"))
+        victim = next(e for e in s.entries() if e.key == key(1))
+        bad = s.log_start + victim.lpos % s.log_blocks
+    real = target.dev.read_into
+
+    def read_into(buf, block, nblocks):
+        if block <= bad < block + nblocks:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real(buf, block, nblocks)
+    monkeypatch.setattr(target.dev, "read_into", read_into)
+    with LogStore(target.url, readonly=True) as s:
+        st = s.stats()
+        assert st["unreadable_blocks"] == 1 and st["corrupt_blocks_skipped"] >= 1
+        assert s.restore(key(1)) is None and s.restore(key(2)).payload == bytes([2]) * 3000
 
 
 def test_target_process_logs_each_queue_with_its_digests(image):

@@ -15,6 +15,7 @@ NvmeError; a lost connection or a TermReq raises DeviceError.
 """
 from __future__ import annotations
 
+import errno
 import socket
 import threading
 import time
@@ -36,6 +37,16 @@ class NvmeError(DeviceError):
     def __init__(self, text: str, sc: int):
         super().__init__(text)
         self.sc = sc
+
+
+class MediaError(NvmeError, OSError):
+    """A media and data integrity error (SCT 2: an unrecovered read, a write fault): EIO, as a
+    local device says it, so the store's recovery reads around a bad block of a remote namespace
+    as it does on a local one (a remote one's failed to open, and fsck with it)."""
+
+    def __init__(self, text: str, sc: int):
+        NvmeError.__init__(self, text, sc)
+        self.errno, self.strerror = errno.EIO, text
 
 
 def is_url(path) -> bool:
@@ -127,7 +138,7 @@ class _Queue:
         sqe = P.pack(layout, cid=self.cid, flags=P.PSDT_SGL, **sgl, **sqe_fields)
         self.channel.send(P.CAPSULE_CMD, sqe, data_out if icd else None)
         self._expect = n if data_in is not None else 0
-        received = 0
+        received = pulled = 0
         while True:
             t, flags, header, dlen = self.channel.recv_header(
                 (P.CAPSULE_RESP, P.C2H_DATA, P.R2T, P.C2H_TERM_REQ), self._max_data)
@@ -144,10 +155,15 @@ class _Queue:
                 if sc != P.SC_SUCCESS:
                     name = P.STATUS_NAMES.get(sc, "status")
                     op = _opname(self.qid, sqe_fields.get("opc", P.OPC_FABRICS))
-                    raise NvmeError(f"the NVMe/TCP target at {self.url} failed {op}: {name} "
-                                    f"(SCT {sc >> 8:#x} SC {sc & 0xFF:#04x})", sc)
+                    raise (MediaError if sc >> 8 == 2 else NvmeError)(
+                        f"the NVMe/TCP target at {self.url} failed {op}: {name} "
+                        f"(SCT {sc >> 8:#x} SC {sc & 0xFF:#04x})", sc)
                 if data_in is not None and received != n:
                     raise ProtocolError(f"{received} of {n} bytes before the completion",
+                                        P.FES_PDU_SEQUENCE_ERROR, 0, header)
+                if data_out is not None and not icd and pulled != n:
+                    # a success before the target asked for all the data: not believed
+                    raise ProtocolError(f"a completion after {pulled} of {n} bytes were asked for",
                                         P.FES_PDU_SEQUENCE_ERROR, 0, header)
                 return cqe
             if t == P.C2H_DATA:
@@ -163,6 +179,7 @@ class _Queue:
             if data_out is None or icd or h["cccid"] != self.cid or h["r2to"] + h["r2tl"] > n:
                 raise ProtocolError("an R2T outside the command's data", P.FES_DATA_OUT_OF_RANGE, 12, header)
             view = memoryview(data_out)
+            pulled += h["r2tl"]
             for off in range(h["r2to"], h["r2to"] + h["r2tl"], self.maxh2cdata):
                 k = min(self.maxh2cdata, h["r2to"] + h["r2tl"] - off)
                 last = P.FLAG_LAST_PDU if off + k == h["r2to"] + h["r2tl"] else 0
@@ -170,12 +187,16 @@ class _Queue:
                                                     datal=k), view[off:off + k], last)
 
     def _max_data(self, pdu_type) -> int:
-        return self._expect if pdu_type == P.C2H_DATA else P.TERM_MAX_ERROR_DATA
+        """A C2HData what is still expected, a TermReq its error header; a CapsuleResp or an R2T
+        carries none (its data was let through unread, and parsed as the next PDU's header)."""
+        if pdu_type == P.C2H_DATA:
+            return self._expect
+        return P.TERM_MAX_ERROR_DATA if pdu_type == P.C2H_TERM_REQ else 0
 
-    def connect(self, subnqn: str, hostnqn: str, hostid: bytes, cntlid: int) -> int:
+    def connect(self, subnqn: str, hostnqn: str, hostid: bytes, cntlid: int, entries: int = QUEUE_SIZE) -> int:
         data = P.pack(P.CONNECT_DATA, hostid=hostid, cntlid=cntlid, subnqn=P.nqn_field(subnqn),
                       hostnqn=P.nqn_field(hostnqn))
-        spec = P.pack(P.CONNECT_SPECIFIC, recfmt=0, qid=self.qid, sqsize=QUEUE_SIZE - 1, kato=0)
+        spec = P.pack(P.CONNECT_SPECIFIC, recfmt=0, qid=self.qid, sqsize=entries - 1, kato=0)
         cqe = self.command(dict(opc=P.OPC_FABRICS, fctype=P.FCTYPE_CONNECT, specific=spec), data_out=data,
                            layout=P.FABRICS_SQE)
         return cqe["dw0"] & 0xFFFF
@@ -222,13 +243,13 @@ class NvmeTcpDevice:
             self.max_blocks = min(self.max_blocks, 1 << 16)          # NLB is 16 bits
             self.io = _Queue(url, host, port, 1, digests, timeout_s)
             self.io.in_capsule = ctrl["ioccsz"] * 16 - 64
-            self.io.connect(self.subnqn, self.hostnqn, hostid.bytes, cntlid)
+            self.io.connect(self.subnqn, self.hostnqn, hostid.bytes, cntlid, min(QUEUE_SIZE, self.mqes))
         except BaseException:
             self.close()
             raise
 
     def _enable(self):
-        self.admin.get_property(P.PROP_CAP, size8=True)
+        self.mqes = (self.admin.get_property(P.PROP_CAP, size8=True) & 0xFFFF) + 1   # its I/O queues' most entries
         self.admin.set_property(P.PROP_CC, P.CC_EN | 6 << 16 | 4 << 20)     # IOSQES 64 B, IOCQES 16 B
         deadline = time.monotonic() + READY_TIMEOUT_S
         while not self.admin.get_property(P.PROP_CSTS) & P.CSTS_RDY:

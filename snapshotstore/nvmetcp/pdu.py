@@ -98,6 +98,7 @@ SC_INTERNAL = 0x006
 SC_INVALID_NAMESPACE = 0x00B
 SC_COMMAND_SEQUENCE = 0x00C
 SC_SGL_INVALID_DATA_LENGTH = 0x00F
+SC_SGL_INVALID_OFFSET = 0x016
 SC_TRANSIENT_TRANSPORT = 0x022
 SC_LBA_OUT_OF_RANGE = 0x080
 SC_CONNECT_INCOMPATIBLE_FORMAT = 0x180
@@ -110,7 +111,7 @@ STATUS_NAMES = {SC_SUCCESS: "Successful Completion", SC_INVALID_OPCODE: "Invalid
                 SC_INVALID_FIELD: "Invalid Field in Command", SC_DATA_TRANSFER_ERROR: "Data Transfer Error",
                 SC_INTERNAL: "Internal Error", SC_INVALID_NAMESPACE: "Invalid Namespace or Format",
                 SC_COMMAND_SEQUENCE: "Command Sequence Error",
-                SC_SGL_INVALID_DATA_LENGTH: "Data SGL Length Invalid",
+                SC_SGL_INVALID_DATA_LENGTH: "Data SGL Length Invalid", SC_SGL_INVALID_OFFSET: "SGL Offset Invalid",
                 SC_TRANSIENT_TRANSPORT: "Transient Transport Error", SC_LBA_OUT_OF_RANGE: "LBA Out of Range",
                 SC_CONNECT_INCOMPATIBLE_FORMAT: "Connect Incompatible Format",
                 SC_CONNECT_CONTROLLER_BUSY: "Connect Controller Busy",
@@ -120,9 +121,12 @@ STATUS_NAMES = {SC_SUCCESS: "Successful Completion", SC_INVALID_OPCODE: "Invalid
 STATUS_DNR = 1 << 15         # do not retry
 
 
-def status_field(sc: int, dnr: bool = True) -> int:
-    """The CQE status word: SC in bits 8:1, SCT in 11:9, DNR in 15 (phase tag 0: no queue memory)."""
-    return ((sc & 0xFF) << 1) | ((sc >> 8 & 7) << 9) | (STATUS_DNR if dnr and sc else 0)
+def status_field(sc: int) -> int:
+    """The CQE status word: SC in bits 8:1, SCT in 11:9, DNR in 15 (phase tag 0: no queue memory).
+    Every error is final but a transient transport error (a data digest mismatch), which the host
+    may retry: with DNR, Linux failed the I/O up to the file system instead."""
+    dnr = sc not in (SC_SUCCESS, SC_TRANSIENT_TRANSPORT)
+    return ((sc & 0xFF) << 1) | ((sc >> 8 & 7) << 9) | (STATUS_DNR if dnr else 0)
 
 
 def status_code(status: int) -> int:

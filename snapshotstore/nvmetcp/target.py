@@ -13,6 +13,15 @@ by a crash leaves whole chunks, as a power cut leaves whole LBAs on a drive
 (atomic write unit: one LBA). A Write with FUA, or a Flush, is fdatasync'd
 before its CapsuleResp is sent. Bounded: connections, queue depth, PDU sizes
 (a PDU over the limit gets a C2HTermReq and the connection is closed).
+
+A host that goes away without closing its connections (a power cut, a
+partition) does not hold the controller for good: a connection must Connect
+within HANDSHAKE_TIMEOUT_S of its accept, TCP keep-alive probes every idle
+connection (keepalive_s, then 3 probes keepalive_s / 3 apart) and a send left
+unacknowledged that long gives up (TCP_USER_TIMEOUT), and an admin queue that
+asked for a keep-alive timeout (KATO) and hears nothing for twice it ends its
+association. Before, every later Connect was answered Controller Busy until
+the target restarted.
 """
 from __future__ import annotations
 
@@ -32,14 +41,20 @@ DEFAULT_PORT = 4420
 CNTLID = 1
 NSID = 1
 MAX_CONNECTIONS = 8            # an association (2), and room for refused or reconnecting hosts
-HANDSHAKE_TIMEOUT_S = 10.0     # a connection that sends no ICReq is dropped
+HANDSHAKE_TIMEOUT_S = 10.0     # a connection that has not connected its queue by then is dropped
+MIN_MAXH2CDATA = 4096          # the spec's floor (Linux refuses a target that offers less)
 
 
 class Target:
     def __init__(self, path: str, nqn: str = DEFAULT_NQN, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *,
                  queue_depth: int = 32, maxh2cdata: int = 128 << 10, in_capsule: int = 8192,
-                 max_transfer: int = 1 << 20, log=None):
+                 max_transfer: int = 1 << 20, keepalive_s: float = 10.0, log=None):
         P.nqn_field(nqn)
+        if maxh2cdata < MIN_MAXH2CDATA:
+            raise ValueError(f"maxh2cdata is at least {MIN_MAXH2CDATA} bytes (NVMe/TCP), not {maxh2cdata}")
+        if not keepalive_s >= 1:
+            raise ValueError(f"keepalive_s is at least 1 second, not {keepalive_s}")
+        self.keepalive_s = keepalive_s
         self.log = log                   # log(line) for each queue connected (`snapshotstore target` prints them)
         self.path, self.nqn, self.host, self.port = path, nqn, host, port
         self.queue_depth, self.maxh2cdata, self.in_capsule = queue_depth, maxh2cdata, in_capsule
@@ -107,6 +122,10 @@ class Target:
         for t in self._threads:
             t.join(10)
         if self.dev is not None:
+            try:
+                self.dev.sync()          # what was written without FUA or a Flush, made durable too
+            except (DeviceError, OSError):
+                pass
             self.dev.close()
             self.dev = None
 
@@ -154,13 +173,14 @@ class Target:
     # --- identify data and properties -------------------------------------------------------
 
     def identify_controller(self) -> bytes:
-        return P.pack(P.ID_CTRL, vid=0x1AF4, ssvid=0x1AF4, sn=b"zerolayer-%08d" % (self.port % 10 ** 8),
+        return P.pack(P.ID_CTRL, vid=0x1AF4, ssvid=0x1AF4, sn=(b"zerolayer-%08d" % (self.port % 10 ** 8)).ljust(20),
                       mn=b"zerolayer snapshot target".ljust(40), fr=b"1.0".ljust(8), mdts=self.mdts,
                       cntlid=CNTLID, ver=P.NVME_VERSION, cntrltype=P.CNTRLTYPE_IO,
                       kas=P.KAS_UNITS,              # Linux refuses a fabrics controller without keep-alive
                       sqes=0x66, cqes=0x44, maxcmd=self.queue_depth,
                       nn=1, vwc=1, awun=0, awupf=0, sgls=(1 << 0) | (1 << 20),   # SGLs; offsets in capsules
-                      subnqn=P.nqn_field(self.nqn), ioccsz=(64 + self.in_capsule) // 16, iorcsz=1)
+                      subnqn=P.nqn_field(self.nqn), ioccsz=(64 + self.in_capsule) // 16, iorcsz=1,
+                      msdbd=1)                      # one SGL descriptor per command: all that is parsed
 
     def identify_namespace(self) -> bytes:
         lbads = self.dev.block_size.bit_length() - 1
@@ -211,6 +231,12 @@ class _Connection:
     def __init__(self, target: Target, sock: socket.socket):
         self.t, self.channel = target, Channel(sock)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        k = target.keepalive_s                     # a host gone without a close (the module's text)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, max(1, int(k)))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, max(1, int(k / 3)))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(k * 2 * 1000))
         self.qid, self.connected, self.sqsize, self.sqhd, self.ttag = None, False, 0, 0, 0
         self.association = -1                      # the target's, when this queue connected
         self.pending: collections.deque[_Command] = collections.deque()   # arrived during an R2T exchange
@@ -227,9 +253,8 @@ class _Connection:
 
     def run(self):
         try:
-            self.channel.sock.settimeout(HANDSHAKE_TIMEOUT_S)
-            self._handshake()
-            self.channel.sock.settimeout(None)
+            self.channel.sock.settimeout(HANDSHAKE_TIMEOUT_S)   # until its Connect (_connect): eight
+            self._handshake()                                   # silent sockets locked every host out
             while True:
                 cmd = self.pending.popleft() if self.pending else self._read_command()
                 self._execute(cmd)
@@ -405,6 +430,10 @@ class _Connection:
         if self.qid == 0:
             with t._write_lock:                        # a write of the ended association, still running
                 pass
+        # Connected: no handshake deadline now. An admin queue whose host asked for a keep-alive
+        # timeout must hear from it (Keep Alive or any command) within twice that, or its
+        # association ends; an I/O queue may idle (TCP keep-alive still finds a vanished host).
+        self.channel.sock.settimeout(2 * c["kato"] / 1000 if self.qid == 0 and c["kato"] else None)
         self._respond(cid, dw0=CNTLID)
         if t.log:
             on = lambda flag: "on" if flag else "off"
@@ -413,7 +442,7 @@ class _Connection:
 
     def _admin(self, cmd: _Command):
         sqe, cid, t = cmd.sqe, cmd.sqe["cid"], self.t
-        if sqe["opc"] == P.ADMIN_KEEP_ALIVE:          # nothing to do: KATO is not enforced
+        if sqe["opc"] == P.ADMIN_KEEP_ALIVE:          # its arrival restarted the KATO deadline (_connect)
             return self._respond(cid)
         if sqe["opc"] in (P.ADMIN_SET_FEATURES, P.ADMIN_GET_FEATURES):
             # Number of Queues only: Linux sets it before connecting I/O queues and, refused, connects
@@ -474,6 +503,8 @@ class _Connection:
         if sqe["sgl_len"] != n or sqe["sgl_id"] not in (P.SGL_ICD, P.SGL_TRANSPORT) or \
                 (sqe["sgl_id"] == P.SGL_ICD) != (opc == P.NVM_WRITE and cmd.data is not None):
             return self._respond(cid, P.SC_SGL_INVALID_DATA_LENGTH)
+        if sqe["sgl_id"] == P.SGL_ICD and sqe["sgl_addr"]:
+            return self._respond(cid, P.SC_SGL_INVALID_OFFSET)   # the data is read from the capsule's start
         if opc == P.NVM_READ:
             if not self._device(dev.read_into, self.buf, slba, nlb):
                 return self._respond(cid, P.SC_UNRECOVERED_READ)

@@ -100,6 +100,8 @@ class Channel:
             raise ProtocolError(f"{P.PDU_NAMES[pdu_type]} with hlen {hlen}, not {layout.size}",
                                 P.FES_INVALID_HEADER_FIELD, 2, ch)
         digests = pdu_type not in _NO_DIGESTS
+        if pdu_type in (P.H2C_TERM_REQ, P.C2H_TERM_REQ):
+            pdo = hlen               # its error data follows the header (SPDK and FreeBSD send pdo 0)
         hd = P.DIGEST_LEN if digests and self.hdgst else 0
         if digests and bool(flags & P.FLAG_HDGST) != self.hdgst:
             raise ProtocolError("the header digest flag differs from what was negotiated",
