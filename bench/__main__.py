@@ -93,10 +93,12 @@ def main(argv=None) -> int:
             importlib.import_module(SUITES[name]).run(report, args)
         except (KeyboardInterrupt, Terminated) as e:
             report.note("interrupted: partial results")
+            report.status = "interrupted"
             report.finish(args.json)
             return e.code if isinstance(e, Terminated) else 130
         except Exception as e:  # one suite's failure is reported; the others still run
             report.note(f"FAILED: {type(e).__name__}: {e}")
+            report.status = f"failed: {type(e).__name__}: {e}"
             failed.append(name)
         report.finish(args.json)
     if failed:

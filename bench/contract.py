@@ -5,11 +5,15 @@
 A suite fills a Report: references (figures measured in the same run to
 compare against), metrics (ours) and ratios (metric / reference, named
 <metric>_vs_<reference>). finish() prints a table and writes one JSON object:
-{suite, quick, machine, references, metrics, ratios, notes}.
+{suite, quick, status, machine, references, metrics, ratios, notes}; status is
+"ok", "failed: why" or "interrupted", and a figure that is not a finite number
+is written as null (JSON has no NaN), named in a note.
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
 import pathlib
 import platform
@@ -38,6 +42,7 @@ class Report:
         self.ratios: dict[str, float] = {}
         self.units: dict[str, str] = {}
         self.notes: list[str] = []
+        self.status = "ok"
         self.started = time.time()
 
     def reference(self, name: str, value: float, unit: str = ""):
@@ -57,10 +62,27 @@ class Report:
     def note(self, text: str):
         self.notes.append(text)
 
+    @contextlib.contextmanager
+    def gated(self):
+        """Figures written in the block are withdrawn if it raises: a measurement that failed
+        part-way leaves no plausible number behind (the exception goes on)."""
+        before = {kind: set(getattr(self, kind)) for kind in ("references", "metrics", "ratios")}
+        try:
+            yield
+        except BaseException:
+            for kind, names in before.items():
+                figures = getattr(self, kind)
+                for name in set(figures) - names:
+                    del figures[name]
+            raise
+
     def as_dict(self) -> dict:
-        return {"suite": self.suite, "quick": self.quick, "machine": self.machine,
-                "references": self.references, "metrics": self.metrics, "ratios": self.ratios,
-                "units": self.units, "notes": self.notes,
+        bad = [k for d in (self.references, self.metrics, self.ratios) for k, v in d.items() if not math.isfinite(v)]
+        notes = self.notes + ([f"not finite, written as null: {', '.join(bad)}"] if bad else [])
+        clean = lambda d: {k: (v if math.isfinite(v) else None) for k, v in d.items()}
+        return {"suite": self.suite, "quick": self.quick, "status": self.status, "machine": self.machine,
+                "references": clean(self.references), "metrics": clean(self.metrics),
+                "ratios": clean(self.ratios), "units": self.units, "notes": notes,
                 "duration_s": round(time.time() - self.started, 3)}
 
     def table(self) -> str:

@@ -5,11 +5,13 @@
 
 /* CDEF BEGIN */
 
+#define DP_SEQ_MAX_REC 4096        /* the largest record dp_seq_produce/consume and dp_copy_ns move */
 uint64_t dp_seq_produce(struct dp_ring *r, uint64_t first, uint64_t n, uint32_t burst, uint32_t rec_len,
                         uint64_t timeout_ns);
 uint64_t dp_seq_consume(struct dp_ring *r, uint64_t first, uint64_t n, uint32_t burst, uint32_t rec_len,
                         uint64_t timeout_ns, uint64_t *errors);
 double dp_ring_op_ns(struct dp_ring *r, uint32_t bulk, uint64_t items, uint32_t rec_len);
+double dp_copy_ns(uint32_t rec_len, uint32_t slot_size, uint32_t slots, uint64_t n);
 /* one-way ns of a cache-line ping-pong between two threads pinned to cpu_a and cpu_b (median block) */
 double dp_pingpong_oneway_ns(uint64_t rounds, int cpu_a, int cpu_b, uint64_t timeout_ns);
 uint64_t dp_latency_produce(struct dp_ring *r, uint64_t n, uint64_t gap_ns, uint64_t timeout_ns);
