@@ -17,6 +17,7 @@ import math
 import os
 import pathlib
 import platform
+import subprocess
 import time
 
 
@@ -30,7 +31,20 @@ def machine() -> dict:
     except OSError:
         pass
     return {"cores": os.cpu_count(), "kernel": platform.release(), "cpu_model": cpu,
-            "python": platform.python_version()}
+            "python": platform.python_version(), "commit": _commit()}
+
+
+def _commit() -> str:
+    """The checkout's commit (and "+changes" when its files differ from it), so a figure names its code."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (head + ("+changes" if dirty else "")) if head else "unknown"
 
 
 class Report:
@@ -64,16 +78,16 @@ class Report:
 
     @contextlib.contextmanager
     def gated(self):
-        """Figures written in the block are withdrawn if it raises: a measurement that failed
-        part-way leaves no plausible number behind (the exception goes on)."""
-        before = {kind: set(getattr(self, kind)) for kind in ("references", "metrics", "ratios")}
+        """Figures written (or overwritten) in the block are taken back if it raises: a measurement
+        that failed part-way leaves no plausible number behind (the exception goes on)."""
+        kinds = ("references", "metrics", "ratios", "units")
+        before = {kind: dict(getattr(self, kind)) for kind in kinds}
         try:
             yield
         except BaseException:
-            for kind, names in before.items():
-                figures = getattr(self, kind)
-                for name in set(figures) - names:
-                    del figures[name]
+            for kind in kinds:
+                getattr(self, kind).clear()
+                getattr(self, kind).update(before[kind])
             raise
 
     def as_dict(self) -> dict:

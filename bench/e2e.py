@@ -669,6 +669,8 @@ def run(report, args):
         report.note(f"scenario {name}: {sc['status']}" + (f" ({sc['reason']})" if sc["reason"] else ""))
     # this machine is a guest on a shared host: a run with much steal is a slow spell, not the code
     report.machine["host_steal_pct"] = round(_steal_pct(steal, _cpu_steal()), 2)
+    if failed:
+        report.status = f"failed: scenario(s) {', '.join(failed)}"     # results.json says so too
     outdir = pathlib.Path(args.json).with_suffix("") if args.json else pathlib.Path("bench-results/e2e")
     paths = write_report(outdir, report.as_dict(), stages, sweep_rows, memory, scenarios)
     print(f"  report: {paths['report.md']}")

@@ -91,8 +91,9 @@ class _Window:
         if not (self.pos <= pos and pos + n <= self.pos + self.n):
             st, L = self.store, self.store.log_blocks
             count = min(max(n, self.size), L - pos % L)
-            self.pos, self.n = pos, count
+            self.n = 0               # no window until a read succeeds: a failed one may have written part
             self.view = self.read(st._read_buf(count * st.block_size), st.log_start + pos % L, count)
+            self.pos, self.n = pos, count
         return self.view, (pos - self.pos) * self.store.block_size
 
 
@@ -102,7 +103,7 @@ class _Request:
                  "expect", "nblocks", "done", "error", "seq")
 
     def __init__(self, kind, key, payload=b"", flags=0, raw_len=0, tokens=(0, 0), layers=(0, 0),
-                 codec="", expect=None, block_size=4096):
+                 codec="", expect=0, block_size=4096):
         self.kind, self.key, self.payload, self.flags, self.raw_len = kind, key, payload, flags, raw_len
         self.tokens, self.layers, self.codec, self.expect = tokens, layers, codec, expect
         self.nblocks = record_blocks(len(payload), block_size)
@@ -490,14 +491,17 @@ class LogStore:
             if self._closed:
                 raise SnapshotError("the snapshot store is closed")
             blocks_at = _Window(self, self.dev.read_into).at
-            out = []
+            one, out = aligned_buffer(self.block_size), []
             end = self._ix.tail if limit is None else min(self._ix.tail, self._ix.head + limit)
             for rid in range(self._ix.head, end):
                 r = self._ix.rec(rid)
                 try:
                     h = fmt.unpack_header(*blocks_at(r.lpos, 1))
-                except OSError:                   # EIO: a bad sector in the window
-                    h = None
+                except OSError:                   # EIO somewhere in the window: this record's block alone
+                    try:
+                        h = fmt.unpack_header(self.dev.read_into(one, self.log_start + r.lpos % self.log_blocks, 1))
+                    except OSError:
+                        h = None
                 if h is None or h.lpos != r.lpos or h.seq != r.seq:
                     h = RecordHeader(r.kind, 0, self.store_id, r.lpos, 0, r.seq, 0, bytes(fmt.KEY_LEN),
                                      0, 0, 0, 0, r.nblocks, 0, 0, "?", 0)

@@ -162,3 +162,25 @@ def test_the_flatness_figure_needs_a_saturated_sweep():
     keeping_up = below + [row(160, 150, 2500)]      # answers keep up, but the p95 blew up: saturated
     assert _spread_to_80pct(keeping_up) == pytest.approx(1.5)
     assert _spread_to_80pct(below + [row(160, 158, 300, errors=20)]) == pytest.approx(1.5)
+
+
+def test_a_failed_measurement_leaves_no_figure_and_json_writes_no_nan(tmp_path):
+    """Report.gated takes back what a failing block wrote or overwrote; a NaN is written as null
+    (JSON has none) and named; status says how the suite ended."""
+    from bench.contract import Report
+    r = Report("unit")
+    r.reference("ref", 2.0, "ns")
+    r.metric("kept", 1.0, "ns")
+    with pytest.raises(RuntimeError):
+        with r.gated():
+            r.metric("kept", 99.0, "ns")          # overwritten, then the block fails
+            r.metric("partial", 4.0, "us")
+            r.ratio("partial", "ref")
+            raise RuntimeError("the measurement failed part-way")
+    assert r.metrics == {"kept": 1.0} and r.ratios == {} and "partial" not in r.units
+    r.metric("nan", float("nan"))
+    r.status = "failed: test"
+    data = r.finish(tmp_path / "unit.json")
+    written = json.loads((tmp_path / "unit.json").read_text())
+    assert written["metrics"]["nan"] is None and written["status"] == "failed: test"
+    assert any("nan" in n for n in written["notes"]) and data["machine"]["commit"]

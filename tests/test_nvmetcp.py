@@ -20,7 +20,7 @@ from snapshotstore.nvmetcp import NvmeError, NvmeTcpDevice, Target, parse_url
 from snapshotstore.nvmetcp import pdu as P
 from snapshotstore.nvmetcp.process import TargetProcess
 from snapshotstore.nvmetcp.target import DEFAULT_NQN, MAX_CONNECTIONS
-from snapshotstore.nvmetcp.transport import Channel
+from snapshotstore.nvmetcp.transport import Channel, ConnectionClosed
 
 SECRET = b"nvmetcp-tenant-secret-0123"
 TIMEOUT_S = 10          # no exchange here may hang: a missing answer fails the test after this
@@ -761,6 +761,13 @@ def test_hosts_gone_silent_do_not_hold_the_target(target, monkeypatch):
     silent = [RawHost(target.port) for _ in range(MAX_CONNECTIONS)]   # ICReq, then nothing
     for h in silent:
         assert h.closed_by_peer()
+    chatty, t0 = RawHost(target.port), time.monotonic()
+    with pytest.raises((ConnectionClosed, OSError)):       # closed while it keeps talking
+        while time.monotonic() - t0 < TIMEOUT_S:          # commands, but never a Connect
+            chatty.rw(P.NVM_READ, 1, 0, 1)
+            assert P.status_code(chatty.response()["status"]) == P.SC_COMMAND_SEQUENCE
+            time.sleep(0.1)
+    assert time.monotonic() - t0 < 2                       # a deadline from the accept, not an idle timeout
     NvmeTcpDevice(target.url).close()
     h = RawHost(target.port)
     t0 = time.monotonic()

@@ -594,7 +594,7 @@ def test_a_zmq_worker_marked_down_comes_back_once_it_answers_the_router_s_probe(
         assert batch_taken()["request_id"].tolist() == [1]
         b.router.set_up(0, True)
         until(lambda: b.router.stats()["zmq_timeouts"] == 1, worker_loop=False)   # it stalls
-        assert b.router.worker_stats(1)["up"] == 0 and lane.probes == 0
+        assert b.router.worker_stats(1)["up"] == 0
         until(lambda: b.router.stats()["zmq_revived"] == 1, worker_loop=True)     # back in its loop
         assert b.router.worker_stats(1)["up"] == 1 and lane.probes >= 1
         b.run(0)                                 # request 1, replayed there at the timeout

@@ -178,6 +178,8 @@ class _Queue:
             h = P.unpack(P.R2T_PDU, header)                 # R2T: send the requested range
             if data_out is None or icd or h["cccid"] != self.cid or h["r2to"] + h["r2tl"] > n:
                 raise ProtocolError("an R2T outside the command's data", P.FES_DATA_OUT_OF_RANGE, 12, header)
+            if h["r2to"] != pulled:          # in order, each range once: what was asked for is all of it
+                raise ProtocolError(f"an R2T for offset {h['r2to']}, not {pulled}", P.FES_DATA_OUT_OF_RANGE, 12, header)
             view = memoryview(data_out)
             pulled += h["r2tl"]
             for off in range(h["r2to"], h["r2to"] + h["r2tl"], self.maxh2cdata):

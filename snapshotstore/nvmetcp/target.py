@@ -29,6 +29,7 @@ import collections
 import socket
 import struct
 import threading
+import time
 import uuid
 
 from ..device import BlockDevice, aligned_buffer
@@ -253,9 +254,17 @@ class _Connection:
 
     def run(self):
         try:
-            self.channel.sock.settimeout(HANDSHAKE_TIMEOUT_S)   # until its Connect (_connect): eight
-            self._handshake()                                   # silent sockets locked every host out
+            # until its Connect (_connect), a deadline from the accept, not an idle timeout: eight
+            # silent sockets locked every host out, and a command every few seconds kept one in
+            deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
+            self.channel.sock.settimeout(HANDSHAKE_TIMEOUT_S)
+            self._handshake()
             while True:
+                if not self.connected:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise ConnectionClosed("no Connect before the handshake deadline")
+                    self.channel.sock.settimeout(left)
                 cmd = self.pending.popleft() if self.pending else self._read_command()
                 self._execute(cmd)
         except ProtocolError as e:
