@@ -50,29 +50,15 @@ class Index:
 
     # --- counts (fields of the fixed struct: read without the lock) -------------------------
 
-    @property
-    def head(self) -> int:
-        return self._ix.head
-
-    @property
-    def tail(self) -> int:
-        return self._ix.tail
+    head = property(lambda self: self._ix.head)                 # rids [head, tail) are the log's
+    tail = property(lambda self: self._ix.tail)
+    sessions = property(lambda self: self._ix.sessions)
+    live_records = property(lambda self: self._ix.live_records)
+    live_blocks = property(lambda self: self._ix.live_blocks)
 
     def __len__(self) -> int:
         """Records in the log, dead ones and pads too."""
         return self._ix.tail - self._ix.head
-
-    @property
-    def sessions(self) -> int:
-        return self._ix.sessions
-
-    @property
-    def live_records(self) -> int:
-        return self._ix.live_records
-
-    @property
-    def live_blocks(self) -> int:
-        return self._ix.live_blocks
 
     @property
     def nbytes(self) -> int:

@@ -415,7 +415,7 @@ class LogStore:
                     if now is None or now.gen != chain.gen:    # evicted since we looked
                         raise SessionChanged("the session was evicted while this put was in flight: "
                                              "put its whole context again")
-                    raw = fmt.pack_parts(self._read_chain(now) + [raw])
+                    raw = fmt.pack_parts(self._read_chain(now, key) + [raw])
                 kind, tokens = KIND_BASE, (now.tokens[0], delta.tokens[1])
                 layers = (min(now.layers[0], delta.layers[0]), max(now.layers[1], delta.layers[1]))
                 self.counters["compactions"] += 1
@@ -432,7 +432,7 @@ class LogStore:
             if chain is None:
                 return None
             self._ix.touch(chain)
-            parts = self._read_chain(chain)
+            parts = self._read_chain(chain, key)
             self.counters["restores"] += 1
             return Snapshot(b"".join(parts), chain.tokens, chain.layers, chain.codec, chain.records, tuple(parts))
 
@@ -514,7 +514,7 @@ class LogStore:
         with self._lock:
             for key, chain in self._ix.chains():
                 try:
-                    self._read_chain(chain)
+                    self._read_chain(chain, key)
                 except SnapshotError as e:
                     problems.append(f"session {key.hex()[:16]}: {e}")
         return problems
@@ -711,7 +711,7 @@ class LogStore:
 
     def _base_of(self, key: bytes, chain: Chain) -> _Request:
         """The chain compacted into one base record (relocation at the head)."""
-        return self._request(KIND_BASE, key, fmt.pack_parts(self._read_chain(chain)), chain.tokens,
+        return self._request(KIND_BASE, key, fmt.pack_parts(self._read_chain(chain, key)), chain.tokens,
                              chain.layers, chain.codec, chain.gen)
 
     def _copy(self, e: Rec, key: bytes):
@@ -829,12 +829,11 @@ class LogStore:
                                 f"(run `snapshotstore fsck {self.path}`)")
         return got
 
-    def _read_chain(self, chain: Chain) -> list[bytes]:
+    def _read_chain(self, chain: Chain, key: bytes) -> list[bytes]:
         """The chain's deltas, oldest first (a base gives back the ones it merged), each
         record's CRC and identity checked."""
-        parts, key = [], None
+        parts = []
         for e in self._ix.records(chain):
-            key = key or self._ix.key_of(e)
             h, body = self._read_record(e, key)
             body = zlib.decompress(body) if h.flags & fmt.FLAG_ZLIB else body
             if e.kind == KIND_BASE:
