@@ -54,7 +54,8 @@ def run(report, args):
     size = (64 if quick else 256) * MiB
     samples = 300 if quick else 3000
     try:
-        report.machine["device"] = f"image files in {workdir} on {_filesystem(workdir)}, target on 127.0.0.1"
+        report.machine["device"] = (f"image files in a temporary directory under {base} on {_filesystem(workdir)}, "
+                                    f"target on 127.0.0.1")
         local_path, remote_path = os.path.join(workdir, "local.img"), os.path.join(workdir, "remote.img")
         for p in (local_path, remote_path):
             _precondition(p, size)

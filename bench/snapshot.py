@@ -269,7 +269,7 @@ def run(report, args):
     workdir = tempfile.mkdtemp(prefix="zl-snapshot-bench-", dir=base)
     rng = random.Random(6)
     try:
-        report.machine["device"] = f"image files in {workdir} on {_filesystem(workdir)}"
+        report.machine["device"] = f"image files in a temporary directory under {base} on {_filesystem(workdir)}"
         raw_path, store_path = os.path.join(workdir, "raw.img"), os.path.join(workdir, "store.img")
         _precondition(raw_path, 16 * MiB)
         _precondition(store_path, (128 if quick else 512) * MiB)
