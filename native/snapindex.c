@@ -27,6 +27,7 @@ void six_free(struct six *ix)
 {
     if (!ix)
         return;
+    free(ix->codec);
     free(ix->rec);
     free(ix->sess);
     free(ix->slot);
@@ -36,7 +37,7 @@ void six_free(struct six *ix)
 size_t six_bytes(const struct six *ix)
 {
     return sizeof(*ix) + ix->rec_cap * sizeof(*ix->rec) + (size_t)ix->sess_cap * sizeof(*ix->sess)
-           + ((size_t)ix->slot_mask + 1) * sizeof(*ix->slot);
+           + ((size_t)ix->slot_mask + 1) * sizeof(*ix->slot) + (size_t)ix->codec_cap * SIX_CODEC_LEN;
 }
 
 /* --- the log ------------------------------------------------------------------------ */
@@ -301,4 +302,280 @@ void six_swap(struct six *ix, uint64_t old_rid, uint64_t new_rid)
     new->live = 1;
     old->live = 0;
     ix->live_blocks += (uint64_t)new->nblocks - old->nblocks;
+}
+
+/* Codec names are few (one per encoding a worker uses): a list searched in order. */
+uint32_t six_codec(struct six *ix, const uint8_t *name)
+{
+    for (uint32_t i = 0; i < ix->codecs; i++)
+        if (!memcmp(ix->codec[i], name, SIX_CODEC_LEN))
+            return i;
+    if (ix->codecs == ix->codec_cap) {
+        uint32_t cap = ix->codec_cap ? ix->codec_cap * 2 : 4;
+        void *codec = realloc(ix->codec, (size_t)cap * SIX_CODEC_LEN);
+        if (!codec)
+            return SIX_NONE;
+        ix->codec = codec;
+        ix->codec_cap = cap;
+    }
+    memcpy(ix->codec[ix->codecs], name, SIX_CODEC_LEN);
+    return ix->codecs++;
+}
+
+/* --- applying a record to the index ------------------------------------------------- */
+
+/* What of a record's header applying it needs (a found record waits in this form for the
+ * scan's end: the windows it was read from are gone by then). */
+struct six_found {
+    uint64_t seq, rid, parent;
+    uint8_t key[SIX_KEY_LEN];
+    uint32_t token_start, token_end, raw_len, codec;
+    uint16_t layer_start, layer_end;
+    uint8_t kind;
+};
+
+static void found_of(struct six_found *f, uint64_t rid, const struct six_hdr *h, uint32_t codec)
+{
+    *f = (struct six_found){ .seq = h->seq, .rid = rid, .parent = h->parent_seq,
+                             .token_start = h->token_start, .token_end = h->token_end,
+                             .raw_len = h->raw_len, .codec = codec, .layer_start = h->layer_start,
+                             .layer_end = h->layer_end, .kind = h->kind };
+    memcpy(f->key, h->key, SIX_KEY_LEN);
+}
+
+/* A tombstone drops its key's chain; a base replaces it (the chain staying, so a put that
+ * read it before sees the same chain and tokens) or, with none, begins one; a delta with
+ * no parent begins a new chain in place of any; any other delta must follow its chain's
+ * last record, else the chain has a hole: recovery drops it (the store never gives back a
+ * session with a turn missing), and the key's later deltas find no chain until a new start. */
+static int apply(struct six *ix, const struct six_found *f)
+{
+    uint32_t s = six_find(ix, f->key);
+    if (f->kind == SIX_KIND_BASE && s != SIX_NONE) {
+        six_rebase(ix, s, f->rid, f->token_start, f->token_end, f->raw_len, f->layer_start, f->layer_end);
+    } else if (f->kind == SIX_KIND_TOMBSTONE || f->parent == 0) {
+        if (s != SIX_NONE)
+            six_drop(ix, s);
+        if (f->kind == SIX_KIND_TOMBSTONE)
+            return SIX_LINKED;
+        if ((s = six_add(ix, f->key)) == SIX_NONE)
+            return SIX_NOMEM;
+        six_link(ix, s, f->rid, f->token_start, f->token_end, f->raw_len, f->layer_start, f->layer_end);
+    } else if (s == SIX_NONE) {
+        return SIX_UNLINKED;      /* recovery only: its chain's start was reclaimed, or dropped */
+    } else if (six_rec(ix, six_rid(ix, ix->sess[s].last))->seq != f->parent) {
+        six_drop(ix, s);
+        return SIX_DAMAGED;
+    } else {
+        six_link(ix, s, f->rid, f->token_start, f->token_end, f->raw_len, f->layer_start, f->layer_end);
+    }
+    ix->sess[s].codec = f->codec;
+    return SIX_LINKED;
+}
+
+int six_apply_header(struct six *ix, uint64_t rid, const struct six_hdr *hdr)
+{
+    struct six_hdr h;               /* the caller's buffer may be unaligned */
+    struct six_found f;
+    memcpy(&h, hdr, sizeof(h));
+    uint32_t codec = six_codec(ix, h.codec);
+    if (codec == SIX_NONE)
+        return SIX_NOMEM;
+    found_of(&f, rid, &h, codec);
+    return apply(ix, &f);
+}
+
+/* --- CRC32C -------------------------------------------------------------------------- */
+
+static uint32_t crc_table[256];
+
+static void crc_table_init(void)
+{
+    for (uint32_t i = 0; i < 256; i++) {
+        uint32_t c = i;
+        for (int k = 0; k < 8; k++)
+            c = c & 1 ? (c >> 1) ^ 0x82f63b78 : c >> 1;      /* Castagnoli, reflected */
+        crc_table[i] = c;
+    }
+}
+
+uint32_t six_crc32c_soft(uint32_t crc, const void *buf, size_t n)
+{
+    const uint8_t *p = buf;
+    if (!crc_table[1])
+        crc_table_init();           /* idempotent: a race writes the same values */
+    crc = ~crc;
+    while (n--)
+        crc = crc_table[(crc ^ *p++) & 0xff] ^ (crc >> 8);
+    return ~crc;
+}
+
+__attribute__((target("sse4.2")))
+static uint32_t crc32c_sse42(uint32_t crc, const void *buf, size_t n)
+{
+    const uint8_t *p = buf;
+    uint64_t c = ~crc;
+    for (; n >= 8; n -= 8, p += 8) {
+        uint64_t w;
+        memcpy(&w, p, 8);
+        c = __builtin_ia32_crc32di(c, w);
+    }
+    uint32_t c32 = (uint32_t)c;
+    while (n--)
+        c32 = __builtin_ia32_crc32qi(c32, *p++);
+    return ~c32;
+}
+
+uint32_t six_crc32c(uint32_t crc, const void *buf, size_t n)
+{
+#if defined(__x86_64__)
+    if (__builtin_cpu_supports("sse4.2"))
+        return crc32c_sse42(crc, buf, n);
+#endif
+    return six_crc32c_soft(crc, buf, n);
+}
+
+/* The record's CRC: its header with the crc field zero, then its stored payload. */
+static int crc_ok(const uint8_t *rec, const struct six_hdr *h)
+{
+    static const uint8_t zero[4];
+    size_t at = offsetof(struct six_hdr, crc);
+    uint32_t c = six_crc32c(0, rec, at);
+    c = six_crc32c(c, zero, sizeof(zero));
+    c = six_crc32c(c, rec + at + 4, SIX_HEADER_SIZE - at - 4 + (size_t)h->stored_len);
+    return c == h->crc;
+}
+
+/* --- recovery's scan ------------------------------------------------------------------- */
+
+_Static_assert(sizeof(struct six_hdr) == SIX_HEADER_SIZE, "the record header is 128 bytes");
+
+/* The checks of snapshotstore/log.py's docstring (Recovery): this store's, at its own position,
+ * an epoch no older than the record before it and no newer than the superblock, within the
+ * lap and the log, its size what its payload takes (a pad: to the lap's end, no payload). */
+static int valid(const struct six_scan *sc, const struct six_hdr *h)
+{
+    uint64_t L = sc->log_blocks, phys = sc->pos % L;
+    if (!(sc->last_epoch <= h->epoch && h->epoch <= sc->generation && h->nblocks >= 1
+          && h->nblocks <= L - phys && sc->pos + h->nblocks - sc->head <= L))
+        return 0;
+    if (h->kind == SIX_KIND_PAD)
+        return h->stored_len == 0 && phys + h->nblocks == L;
+    uint64_t blocks = ((uint64_t)SIX_HEADER_SIZE + h->stored_len + sc->block_size - 1) / sc->block_size;
+    return (h->kind == SIX_KIND_DELTA || h->kind == SIX_KIND_BASE || h->kind == SIX_KIND_TOMBSTONE)
+           && h->nblocks == blocks;
+}
+
+static int found_push(struct six_scan *sc, const struct six_found *f)
+{
+    if (sc->nfound == sc->found_cap) {
+        uint64_t cap = sc->found_cap ? sc->found_cap * 2 : 1024;
+        struct six_found *found = realloc(sc->found, cap * sizeof(*found));
+        if (!found)
+            return -1;
+        sc->found = found;
+        sc->found_cap = cap;
+    }
+    if (sc->nfound && (f->seq < sc->found[sc->nfound - 1].seq))
+        sc->unsorted = 1;           /* rids only grow: a lower seq is the only disorder */
+    sc->found[sc->nfound++] = *f;
+    return 0;
+}
+
+int six_scan(struct six *ix, struct six_scan *sc, const uint8_t *win, uint64_t win_pos, uint32_t win_blocks)
+{
+    uint64_t bs = sc->block_size, end = win_pos + win_blocks;
+    while (sc->pos - sc->head < sc->log_blocks) {
+        if (!(win_pos <= sc->pos && sc->pos < end)) {
+            sc->need = 1;
+            return SIX_SCAN_MORE;
+        }
+        const uint8_t *rec = win + (sc->pos - win_pos) * bs;
+        struct six_hdr h;
+        memcpy(&h, rec, sizeof(h));
+        int ok = h.magic == SIX_RECORD_MAGIC && h.store_id == sc->store_id && h.lpos == sc->pos;
+        sc->named = (uint8_t)ok;
+        ok = ok && valid(sc, &h);
+        if (ok && h.kind != SIX_KIND_PAD && sc->pos + h.nblocks > end) {
+            sc->need = h.nblocks;
+            return SIX_SCAN_MORE;
+        }
+        if (!ok || !crc_ok(rec, &h)) {
+            memcpy(sc->bad_key, h.key, SIX_KEY_LEN);
+            sc->bad_seq = h.seq;
+            return SIX_SCAN_BAD;
+        }
+        sc->last_epoch = h.epoch;
+        sc->last_seq = h.seq > sc->last_seq ? h.seq : sc->last_seq;
+        sc->newest = h.seq > sc->newest ? h.seq : sc->newest;
+        uint64_t rid = ix->tail;
+        if (six_append(ix, h.lpos, h.seq, h.nblocks, h.kind))
+            return SIX_NOMEM;
+        if (h.kind != SIX_KIND_PAD) {
+            struct six_found f;
+            uint32_t codec = six_codec(ix, h.codec);
+            if (codec == SIX_NONE)
+                return SIX_NOMEM;
+            found_of(&f, rid, &h, codec);
+            if (found_push(sc, &f))
+                return SIX_NOMEM;
+        }
+        sc->pos += h.nblocks;
+    }
+    return SIX_SCAN_END;
+}
+
+static int by_seq_then_rid(const void *a, const void *b)
+{
+    const struct six_found *x = a, *y = b;
+    if (x->seq != y->seq)
+        return x->seq < y->seq ? -1 : 1;
+    return x->rid < y->rid ? -1 : x->rid > y->rid;
+}
+
+int six_scan_link(struct six *ix, struct six_scan *sc)
+{
+    if (sc->unsorted)
+        qsort(sc->found, sc->nfound, sizeof(*sc->found), by_seq_then_rid);
+    const struct six_found *first = NULL;   /* the record linked under this seq, or its copy since */
+    uint64_t first_rid = 0;
+    for (uint64_t i = 0; i < sc->nfound; i++) {
+        const struct six_found *f = &sc->found[i];
+        if (first && first->seq == f->seq) {
+            /* a copy (reclaim's) of a record linked: the later one stays */
+            if (six_rec(ix, first_rid)->live && !memcmp(first->key, f->key, SIX_KEY_LEN)) {
+                six_swap(ix, first_rid, f->rid);
+                first_rid = f->rid;
+            }
+            continue;
+        }
+        first = f;
+        first_rid = f->rid;
+        int r = apply(ix, f);
+        if (r == SIX_NOMEM)
+            return SIX_NOMEM;
+        sc->unlinked += r != SIX_LINKED;
+        sc->damaged += r == SIX_DAMAGED;
+    }
+    return 0;
+}
+
+int six_scan_has(const struct six_scan *sc, uint64_t seq, const uint8_t *key)
+{
+    uint64_t lo = 0, hi = sc->nfound;        /* the first found with seq >= the one asked */
+    while (lo < hi) {
+        uint64_t mid = lo + (hi - lo) / 2;
+        if (sc->found[mid].seq < seq)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo < sc->nfound && sc->found[lo].seq == seq && !memcmp(sc->found[lo].key, key, SIX_KEY_LEN);
+}
+
+void six_scan_done(struct six_scan *sc)
+{
+    free(sc->found);
+    sc->found = NULL;
+    sc->nfound = sc->found_cap = 0;
 }

@@ -13,6 +13,11 @@
  * What else a record's header on the device says (its parent, token and layer ranges,
  * lengths, codec) is read from there when needed: relocation copies a record it reads
  * anyway, and `inspect` reads the headers. Not thread-safe: the caller locks.
+ *
+ * Recovery's scan runs here too (six_scan): header checks, CRC32C and the index's
+ * appends per record in C, the rare bad record handed back to the caller. The rule by
+ * which a record joins its chain (six_apply_header) is the one the scan's records and a
+ * put's record both go through.
  */
 #ifndef SIX_H
 #define SIX_H
@@ -23,6 +28,29 @@
 /* CDEF BEGIN: the API the cffi binding sees (native/ffi_snapindex.py reads it verbatim) */
 #define SIX_NONE 0xffffffff     /* no session */
 #define SIX_KEY_LEN 32          /* snapshotstore.format.KEY_LEN */
+#define SIX_CODEC_LEN 16        /* snapshotstore.format.CODEC_LEN */
+
+/* A record's header on the device: snapshotstore.format.RECORD, which defines the format
+ * (tests/test_snapshot_format.py pins the two together). Little-endian, as the host. */
+#define SIX_HEADER_SIZE 128
+#define SIX_RECORD_MAGIC 0x31524c5a     /* "ZLR1" */
+#define SIX_KIND_DELTA 1
+#define SIX_KIND_BASE 2
+#define SIX_KIND_TOMBSTONE 3
+#define SIX_KIND_PAD 4
+
+struct six_hdr {
+    uint32_t magic;
+    uint8_t kind, flags;
+    uint16_t reserved0;
+    uint64_t store_id, lpos, epoch, seq, parent_seq;
+    uint8_t key[SIX_KEY_LEN];
+    uint32_t token_start, token_end;
+    uint16_t layer_start, layer_end;
+    uint32_t nblocks, raw_len, stored_len;
+    uint8_t codec[SIX_CODEC_LEN];
+    uint32_t crc, reserved1;
+};
 
 struct six_rec {
     uint64_t lpos;              /* logical block position (it grows across the log's laps) */
@@ -44,7 +72,7 @@ struct six_session {
     uint32_t raw_len;           /* the chain's payload bytes before compression */
     uint32_t gen;               /* this chain's own number: a put checks its chain is still there */
     uint16_t layer_start, layer_end;
-    uint32_t codec;             /* the caller's number for the chain's codec name */
+    uint32_t codec;             /* the chain's codec: its name's number in six.codec */
     uint32_t lru_prev, lru_next;    /* least recently used first; a free slot's lru_next: the next free */
 };
 
@@ -59,6 +87,8 @@ struct six {
     uint32_t slot_mask;
     uint32_t next_gen;
     uint64_t live_blocks, live_records;
+    uint8_t (*codec)[SIX_CODEC_LEN];    /* the codec names met, each once (a session holds its number) */
+    uint32_t codecs, codec_cap;
 };
 
 struct six *six_new(void);      /* NULL: no memory */
@@ -84,6 +114,53 @@ void six_rebase(struct six *ix, uint32_t s, uint64_t rid, uint32_t token_start, 
                 uint32_t raw_len, uint16_t layer_start, uint16_t layer_end);
 /* the live record old is replaced in its chain by its copy new */
 void six_swap(struct six *ix, uint64_t old_rid, uint64_t new_rid);
+/* a codec name's number (its 16 bytes as on the device); SIX_NONE: no memory */
+uint32_t six_codec(struct six *ix, const uint8_t *name);
+
+/* What applying a record to the index did (six_apply_header, six_scan_link). */
+#define SIX_LINKED 0            /* joined its chain, began one, rebased it or (a tombstone) dropped it */
+#define SIX_UNLINKED 1          /* a delta whose chain is not in the index: skipped */
+#define SIX_DAMAGED 2           /* a delta whose parent is not its chain's end: the chain dropped, skipped */
+#define SIX_NOMEM -1
+/* The record rid, whose header is hdr, applied to the index: the one rule a staged record
+ * and a recovered one follow. */
+int six_apply_header(struct six *ix, uint64_t rid, const struct six_hdr *hdr);
+
+/* CRC32C (Castagnoli) of n bytes continuing from crc (0 to start), as the crc32c package */
+uint32_t six_crc32c(uint32_t crc, const void *buf, size_t n);
+uint32_t six_crc32c_soft(uint32_t crc, const void *buf, size_t n);    /* without SSE 4.2 */
+
+/* Recovery's scan of the log from the superblock's head (snapshotstore/log.py _recover). */
+struct six_found;               /* a record the scan found, until six_scan_link applied it */
+struct six_scan {
+    /* the caller's: the store, and the log from the superblock */
+    uint64_t store_id, generation, log_blocks, head;
+    uint32_t block_size;
+    /* where the scan is: the record at pos comes next */
+    uint64_t pos, last_epoch;
+    uint64_t newest, last_seq;  /* the highest sequence number found; the same, from the superblock's */
+    uint32_t need;              /* SIX_SCAN_MORE: the blocks at pos the next window must hold */
+    uint8_t named;              /* SIX_SCAN_BAD: the record at pos names this store and position */
+    uint8_t bad_key[SIX_KEY_LEN];   /* and then its key and sequence number */
+    uint64_t bad_seq;
+    /* the records found (not pads), applied by six_scan_link */
+    struct six_found *found;
+    uint64_t nfound, found_cap;
+    uint8_t unsorted;
+    uint64_t unlinked, damaged;     /* six_scan_link's SIX_UNLINKED and SIX_DAMAGED records */
+};
+#define SIX_SCAN_END 0          /* pos is a lap past head: the whole log was scanned */
+#define SIX_SCAN_MORE 1         /* the window ends before what pos needs: read `need` blocks at pos */
+#define SIX_SCAN_BAD 2          /* the record at pos is not a valid one */
+/* Scan the window (blocks [win_pos, win_pos + win_blocks) of the log, never across the lap's
+ * end) from sc->pos: each valid record appended to the index; SIX_NOMEM: no memory. */
+int six_scan(struct six *ix, struct six_scan *sc, const uint8_t *win, uint64_t win_pos, uint32_t win_blocks);
+/* Apply the records found, in sequence-number order (the order they were first written; a
+ * copy keeps its number): a later copy of a linked record takes its place. SIX_NOMEM or 0. */
+int six_scan_link(struct six *ix, struct six_scan *sc);
+/* Was the record linked under seq (its first copy) key's? After six_scan_link. */
+int six_scan_has(const struct six_scan *sc, uint64_t seq, const uint8_t *key);
+void six_scan_done(struct six_scan *sc);        /* frees what the scan found */
 /* CDEF END */
 
 #endif /* SIX_H */

@@ -4,6 +4,9 @@
 Every call holds the index's own lock: the C code runs without the GIL, and a put reads its
 chain without the store's lock (so writers queue up while a flush is in progress) while
 another thread's batch may be growing the tables under it.
+
+Records join the index by their headers as the device holds them (apply, and recovery's
+Scan): one rule, in C, for a record staged by a put and one found by recovery.
 """
 from __future__ import annotations
 
@@ -11,9 +14,9 @@ import threading
 from typing import Iterator, NamedTuple
 
 from ._snapindex import ffi, lib
-from .format import KEY_LEN, RecordHeader
+from .format import CODEC_LEN, HEADER_SIZE, KEY_LEN
 
-assert lib.SIX_KEY_LEN == KEY_LEN
+assert (lib.SIX_KEY_LEN, lib.SIX_CODEC_LEN, lib.SIX_HEADER_SIZE) == (KEY_LEN, CODEC_LEN, HEADER_SIZE)
 
 
 class Rec(NamedTuple):
@@ -45,8 +48,7 @@ class Index:
             raise MemoryError("no memory for the snapshot store's index")
         self._ix = ffi.gc(ix, lib.six_free)
         self._lock = threading.Lock()
-        self._codecs: list[str] = []            # a chain's codec is kept as its number here
-        self._codec_no: dict[str, int] = {}
+        self._codec_names: list[str] = []       # six.codec's names, decoded once
 
     # --- counts (fields of the fixed struct: read without the lock) -------------------------
 
@@ -64,7 +66,7 @@ class Index:
     def nbytes(self) -> int:
         """What the index has allocated: native memory, outside Python's heap."""
         with self._lock:
-            return lib.six_bytes(self._ix) + sum(len(c) for c in self._codecs)
+            return lib.six_bytes(self._ix)
 
     # --- the log ------------------------------------------------------------------------------
 
@@ -111,7 +113,13 @@ class Index:
         e = self._ix.sess[s]
         last = lib.six_rec(self._ix, lib.six_rid(self._ix, e.last)).seq if e.nrec else 0
         return Chain(s, e.gen, e.nrec, (e.token_start, e.token_end), (e.layer_start, e.layer_end),
-                     e.raw_len, self._codecs[e.codec], last)
+                     e.raw_len, self._codec_name(e.codec), last)
+
+    def _codec_name(self, n: int) -> str:
+        while len(self._codec_names) <= n:   # as format.unpack_header decodes it
+            raw = bytes(ffi.buffer(self._ix.codec[len(self._codec_names)], CODEC_LEN))
+            self._codec_names.append(raw.rstrip(b"\0").decode("ascii", "replace"))
+        return self._codec_names[n]
 
     def first_seq(self, chain: Chain) -> int:
         with self._lock:
@@ -171,22 +179,18 @@ class Index:
         with self._lock:
             lib.six_touch(self._ix, chain.sid)
 
-    def link(self, sid: int, rid: int, h: RecordHeader):
-        """The record rid (header h) joins the chain's end."""
-        self._join(lib.six_link, sid, rid, h)
-
-    def rebase(self, sid: int, rid: int, h: RecordHeader):
-        """The base record rid (header h) becomes the whole chain."""
-        self._join(lib.six_rebase, sid, rid, h)
-
-    def _join(self, fn, sid: int, rid: int, h: RecordHeader):
+    def apply(self, rid: int, header) -> int:
+        """The record rid, whose header (packed as on the device) is in the buffer header,
+        applied to its chain (six_apply_header): lib.SIX_LINKED, SIX_UNLINKED or SIX_DAMAGED."""
         with self._lock:
-            codec = self._codec_no.get(h.codec)
-            if codec is None:
-                codec = self._codec_no[h.codec] = len(self._codecs)
-                self._codecs.append(h.codec)
-            fn(self._ix, sid, rid, h.token_start, h.token_end, h.raw_len, h.layer_start, h.layer_end)
-            self._ix.sess[sid].codec = codec
+            r = lib.six_apply_header(self._ix, rid, ffi.from_buffer("struct six_hdr *", header))
+        if r == lib.SIX_NOMEM:
+            raise MemoryError("no memory to grow the snapshot store's index")
+        return r
+
+    def scan(self, *, store_id: int, generation: int, log_blocks: int, head: int, block_size: int,
+             last_seq: int) -> "Scan":
+        return Scan(self, store_id, generation, log_blocks, head, block_size, last_seq)
 
     def swap(self, old: int, new: int):
         """The live record old is replaced in its chain by its copy new."""
@@ -198,3 +202,47 @@ class Index:
             chain = self.find(key)
             if chain is not None:
                 yield key, chain
+
+
+SCAN_END, SCAN_MORE, SCAN_BAD = lib.SIX_SCAN_END, lib.SIX_SCAN_MORE, lib.SIX_SCAN_BAD
+
+
+class Scan:
+    """Recovery's scan of the log into the index (native/snapindex.h, six_scan): run() it over
+    windows of the log, act on the bad records it stops at, then link(). A context manager:
+    what it found is freed at the end."""
+
+    def __init__(self, index: Index, store_id, generation, log_blocks, head, block_size, last_seq):
+        self._index = index
+        self.state = st = ffi.new("struct six_scan *")
+        st.store_id, st.generation, st.log_blocks, st.head = store_id, generation, log_blocks, head
+        st.block_size, st.pos, st.last_seq = block_size, head, last_seq
+
+    def run(self, view, pos: int, nblocks: int) -> int:
+        """Scan the window view (nblocks from the log's block pos) on from state.pos:
+        SCAN_END, SCAN_MORE or SCAN_BAD (see state for which record)."""
+        buf = ffi.from_buffer("uint8_t[]", view) if view is not None else ffi.NULL
+        with self._index._lock:
+            r = lib.six_scan(self._index._ix, self.state, buf, pos, nblocks if view is not None else 0)
+        if r == lib.SIX_NOMEM:
+            raise MemoryError("no memory for the snapshot store's index")
+        return r
+
+    @property
+    def bad_key(self) -> bytes:
+        return bytes(ffi.buffer(self.state.bad_key))
+
+    def link(self):
+        with self._index._lock:
+            if lib.six_scan_link(self._index._ix, self.state) == lib.SIX_NOMEM:
+                raise MemoryError("no memory for the snapshot store's index")
+
+    def linked_under(self, seq: int, key: bytes) -> bool:
+        """Is key's the record linked under seq? (After link.)"""
+        return bool(lib.six_scan_has(self.state, seq, key))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        lib.six_scan_done(self.state)

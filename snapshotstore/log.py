@@ -52,7 +52,7 @@ from .device import DEFAULT_IMAGE_SIZE, BlockDevice, aligned_buffer, create_imag
 from .errors import DeviceError, DeviceFull, FormatError, SessionChanged, SnapshotError, TooLarge
 from .format import (HEADER_SIZE, KIND_BASE, KIND_DELTA, KIND_PAD, KIND_TOMBSTONE, RecordHeader,
                      Superblock, record_blocks)
-from .index import Chain, Index, Rec
+from .index import SCAN_END, SCAN_MORE, Chain, Index, Rec
 
 RESERVE_BLOCKS = 8               # at least, and 1/32 of the log: kept for tombstones (deletes on a full log)
 MAX_RECORD_BYTES = 16 << 20      # and at most 1/16 of the log
@@ -189,7 +189,6 @@ class LogStore:
         self._leading = False
         self._key_locks = [threading.Lock() for _ in range(KEY_LOCKS)]
         self._ix = Index()                       # the log's records and the sessions' chains, LRU first
-        self._damaged: set[bytes] = set()       # recovery: chains with a hole, until restarted
         # sessions LRU eviction dropped from the index (not logged) whose records recovery would
         # still replay, each with its chain's first record (seq, lpos): a delete of one writes a
         # tombstone, or the next open would bring it back. Forgotten once the log supersedes it,
@@ -257,60 +256,46 @@ class LogStore:
         return self._rbuf
 
     def _recover(self, sb: Superblock):
-        L, head, ckpt = self.log_blocks, sb.head, sb.tail
-        blocks_at = _Window(self, self._read_salvaging).at
-        pos, last_epoch, newest = head, 0, 0
-        found: list[tuple[int, int, RecordHeader]] = []   # (seq, rid, header) of every record but pads
+        """The scan and the linking run in C (Index.scan); the rare bad record is handled here."""
+        ckpt = sb.tail
+        window = _Window(self, self._read_salvaging)
         holes = []                                # (key, seq, newest seq before it) of damaged records
-        while pos - head < L:
-            phys = pos % L
-            view, off = blocks_at(pos, 1)
-            h = fmt.unpack_header(view, off)
-            ok = (h is not None and h.store_id == self.store_id and h.lpos == pos
-                  and last_epoch <= h.epoch <= sb.generation and 1 <= h.nblocks <= L - phys
-                  and pos + h.nblocks - head <= L and self._shape_ok(h, phys))
-            if ok:
-                if h.kind != KIND_PAD:
-                    view, off = blocks_at(pos, h.nblocks)
-                ok = fmt.record_crc_ok(view, off, h)
-            if not ok:
-                if pos < ckpt:                    # durable region: damage; resync on the next block
-                    self.counters["corrupt_blocks_skipped"] += 1
-                    if h is not None and h.store_id == self.store_id and h.lpos == pos:
-                        holes.append((h.key, h.seq, newest))    # its payload is bad: a hole
-                    pos += 1
+        with self._ix.scan(store_id=self.store_id, generation=sb.generation, log_blocks=self.log_blocks,
+                           head=sb.head, block_size=self.block_size, last_seq=self._last_seq) as scan:
+            st = scan.state
+            while True:
+                status = scan.run(window.view, window.pos, window.n)
+                if status == SCAN_MORE:
+                    window.at(st.pos, st.need)
                     continue
-                if h is not None and h.store_id == self.store_id and h.lpos == pos:
+                if status == SCAN_END:
+                    break
+                if st.pos < ckpt:                 # durable region: damage; resync on the next block
+                    self.counters["corrupt_blocks_skipped"] += 1
+                    if st.named:                  # its payload is bad: a hole
+                        holes.append((scan.bad_key, st.bad_seq, st.newest))
+                    st.pos += 1
+                    continue
+                if st.named:
                     self.counters["torn_records_skipped"] += 1
                 break                             # past the checkpoint: the torn end of the log
-            last_epoch = h.epoch
-            self._last_seq, newest = max(self._last_seq, h.seq), max(newest, h.seq)
-            rid = self._ix.append(h.lpos, h.seq, h.nblocks, h.kind)
-            if h.kind != KIND_PAD:
-                found.append((h.seq, rid, h))
-            pos += h.nblocks
-        self._head = self._ix.rec(self._ix.head).lpos if len(self._ix) else pos
-        self._tail = pos
-        self._sb_head = sb.head
-        copies: dict[int, tuple[int, bytes]] = {}  # seq -> (rid, key) of the record linked under it
-        found.sort(key=lambda f: f[:2])           # by sequence number, then by position in the log
-        for seq, rid, h in found:
-            first = copies.setdefault(seq, (rid, h.key))
-            if first[0] == rid:
-                self._link(rid, h, self._ix.find(h.key))
-            elif self._ix.rec(first[0]).live and first[1] == h.key:   # a copy (reclaim's): the later one stays
-                self._ix.swap(first[0], rid)
-                copies[seq] = (rid, h.key)
-        del found
-        for key, seq, before in holes:
-            chain = self._ix.find(key)
-            if chain is None or (seq in copies and copies[seq][1] == key):
-                continue                          # nothing of it left, or another copy is whole
-            start = self._ix.first_seq(chain)
-            # The chain began before the damaged record (by its header's number, or because the
-            # log held a newer record before it): that record was part of it, or ended it.
-            if start < seq or start <= before:
-                self._damage(key)
+            self._last_seq = st.last_seq
+            self._head = self._ix.rec(self._ix.head).lpos if len(self._ix) else st.pos
+            self._tail = st.pos
+            self._sb_head = sb.head
+            scan.link()
+            self.counters["unlinked_records_skipped"] += st.unlinked
+            self.counters["damaged_chains_dropped"] += st.damaged
+            for key, seq, before in holes:
+                chain = self._ix.find(key)
+                if chain is None or scan.linked_under(seq, key):
+                    continue                      # nothing of it left, or another copy is whole
+                start = self._ix.first_seq(chain)
+                # The chain began before the damaged record (by its header's number, or because
+                # the log held a newer record before it): that record was part of it, or ended it.
+                if start < seq or start <= before:
+                    self._ix.drop(chain)          # the store never gives back a session with a hole
+                    self.counters["damaged_chains_dropped"] += 1
 
     def _read_salvaging(self, buf, block: int, n: int) -> memoryview:
         """Recovery's read: a window that fails (EIO: a bad sector) is read again block by block, and
@@ -332,56 +317,6 @@ class LogStore:
                     view[i * bs:(i + 1) * bs] = bytes(bs)
                     self.counters["unreadable_blocks"] += 1
             return view
-
-    def _shape_ok(self, h: RecordHeader, phys: int) -> bool:
-        if h.kind == KIND_PAD:
-            return h.stored_len == 0 and phys + h.nblocks == self.log_blocks
-        return (h.kind in (KIND_DELTA, KIND_BASE, KIND_TOMBSTONE)
-                and h.nblocks == record_blocks(h.stored_len, self.block_size))
-
-    def _damage(self, key: bytes):
-        """Recovery found a hole in key's chain: drop it, and its records until a new start."""
-        chain = self._ix.find(key)
-        if chain is not None:
-            self._ix.drop(chain)
-            self.counters["damaged_chains_dropped"] += 1
-        self._damaged.add(key)
-
-    def _link(self, rid: int, h: RecordHeader, chain: Chain | None):
-        """Apply the record rid, header h, to the index (on stage, and on recovery in sequence
-        order); chain: what the index holds under its key."""
-        if h.kind == KIND_PAD:
-            return
-        if h.key in self._damaged:
-            if h.kind == KIND_DELTA and h.parent_seq != 0:
-                self.counters["unlinked_records_skipped"] += 1
-                return
-            self._damaged.discard(h.key)
-        if h.kind == KIND_TOMBSTONE or h.parent_seq == 0:
-            self._evicted.pop(h.key, None)        # what the log held of it is superseded now
-        if h.kind == KIND_BASE and chain is not None:
-            # The base replaces the chain's records, the chain staying (a put that read it
-            # before sees the same chain, the same tokens).
-            self._ix.rebase(chain.sid, rid, h)
-            return
-        if h.kind == KIND_TOMBSTONE or h.parent_seq == 0:
-            if chain is not None:
-                self._ix.drop(chain)
-            if h.kind == KIND_TOMBSTONE:
-                return
-            sid = self._ix.add(h.key)
-        elif chain is None:
-            # Only recovery meets this: a dead record whose chain start was reclaimed
-            # (the chain was superseded or evicted, then the head passed its first record).
-            self.counters["unlinked_records_skipped"] += 1
-            return
-        elif chain.last_seq != h.parent_seq:
-            self._damage(h.key)                   # its parent is missing: a hole in the chain
-            self.counters["unlinked_records_skipped"] += 1
-            return
-        else:
-            sid = chain.sid
-        self._ix.link(sid, rid, h)                # and most recently used
 
     # --- the public API -----------------------------------------------------------------
 
@@ -718,7 +653,7 @@ class LogStore:
         """Copy the live record e to the tail as it is (its header but for a new position and
         epoch: key, sequence number and parent kept), durably, into its place in its chain."""
         h, body = self._read_record(e, key)
-        rid, _ = self._append(h._replace(epoch=self._epoch), body)
+        rid, _, _ = self._append(h._replace(epoch=self._epoch), body)
         self._ix.swap(e.rid, rid)
         self._flush()
 
@@ -733,12 +668,15 @@ class LogStore:
                          req.key, req.tokens[0], req.tokens[1], req.layers[0], req.layers[1], req.nblocks,
                          req.raw_len, len(req.payload), req.codec, 0)
         req.seq = self._last_seq
-        self._link(*self._append(h, req.payload), chain)
+        rid, h, off = self._append(h, req.payload)
+        if h.kind == KIND_TOMBSTONE or h.parent_seq == 0:
+            self._evicted.pop(h.key, None)        # what the log held of it is superseded now
+        self._ix.apply(rid, memoryview(self._wbuf)[off:off + HEADER_SIZE])   # and most recently used
 
-    def _append(self, h: RecordHeader, payload) -> tuple[int, RecordHeader]:
+    def _append(self, h: RecordHeader, payload) -> tuple[int, RecordHeader, int]:
         """Place the record h at the tail (after a pad to the lap's end if it would not fit
         before it: records never wrap), in the write buffer and the index's log; its rid,
-        and its header with its position."""
+        its header with its position, and where it lies in the write buffer."""
         L = self.log_blocks
         phys = self._tail % L
         if phys + h.nblocks > L:
@@ -748,13 +686,13 @@ class LogStore:
             self._ix.append(pad.lpos, 0, pad.nblocks, KIND_PAD)
             self._tail += L - phys
         h = h._replace(lpos=self._tail)
-        self._place(h, payload)
+        off = self._place(h, payload)
         rid = self._ix.append(h.lpos, h.seq, h.nblocks, h.kind)
         self._tail += h.nblocks
-        return rid, h
+        return rid, h, off
 
-    def _place(self, h: RecordHeader, payload):
-        """Copy the record's first block (a pad) or all its blocks into the write buffer."""
+    def _place(self, h: RecordHeader, payload) -> int:
+        """Copy the record's first block (a pad) or all its blocks into the write buffer; where."""
         bs = self.block_size
         n = 1 if h.kind == KIND_PAD else h.nblocks
         if self._woff + n * bs > len(self._wbuf):
@@ -771,6 +709,7 @@ class LogStore:
         else:
             self._segments.append([h.lpos, off, n])
         self._woff += n * bs
+        return off
 
     def _count_puts(self, flushed: list[_Request]):
         # each flush's own: puts flushed before a batch made room were not counted before

@@ -5,7 +5,7 @@ import pytest
 from bench_support import run_suite
 
 REFERENCES = {"raw_write_sync_p50_us", "raw_write_sync_p99_us", "raw_read_p50_us", "raw_write_sync_per_s",
-              "raw_read_chain1_p50_us", "raw_read_chain8_p50_us", "raw_read_chain64_p50_us"}
+              "raw_read_chain1_p50_us", "raw_read_chain8_p50_us", "raw_read_chain64_p50_us", "raw_scan_ms_per_gib"}
 METRICS = {"put_4k_p50_us", "put_4k_p99_us", "put_records_per_s_w1", "put_records_per_s_w4",
            "put_records_per_s_w16", "restore_chain1_p50_us", "restore_chain8_p50_us", "restore_chain64_p50_us",
            "index_bytes_per_session", "recovery_ms_per_gib"}
@@ -16,7 +16,7 @@ def test_snapshot_suite_quick(tmp_path):
     data, _ = run_suite("snapshot", tmp_path, env=dict(os.environ, ZEROLAYER_BENCH_DIR=str(tmp_path)))
     assert REFERENCES <= set(data["references"]) and METRICS <= set(data["metrics"])
     for name in ("put_4k_p50_us_vs_raw_write_sync_p50_us", "restore_chain64_p50_us_vs_raw_read_chain64_p50_us",
-                 "put_records_per_s_w16_vs_raw_write_sync_per_s"):
+                 "put_records_per_s_w16_vs_raw_write_sync_per_s", "recovery_ms_per_gib_vs_raw_scan_ms_per_gib"):
         metric, ref = name.split("_vs_")
         assert data["ratios"][name] == pytest.approx(data["metrics"][metric] / data["references"][ref])
     assert all(v > 0 for v in {**data["references"], **data["metrics"]}.values())

@@ -8,14 +8,18 @@ import pytest
 
 from snapshotstore import Delta, LogStore, format_device
 from snapshotstore.device import create_image
-from snapshotstore.format import HEADER_SIZE, KIND_BASE, KIND_DELTA, KIND_PAD, RecordHeader
-from snapshotstore._snapindex import ffi
+from snapshotstore import format as fmt
+from snapshotstore.format import HEADER_SIZE, KIND_BASE, KIND_DELTA, KIND_PAD, KIND_TOMBSTONE, RecordHeader
+from snapshotstore._snapindex import ffi, lib
 from snapshotstore.index import Index
 
 
-def header(kind, key, tokens, raw_len, layers=(0, 4), codec="f16"):
-    return RecordHeader(kind, 0, 0, 0, 0, 0, 0, key, tokens[0], tokens[1], layers[0], layers[1], 1,
-                        raw_len, 0, codec, 0)
+def header(kind, key, tokens, raw_len, layers=(0, 4), codec="f16", seq=1, parent=0):
+    """A record's header packed as on the device: what Index.apply reads."""
+    buf = bytearray(HEADER_SIZE)
+    fmt.pack_record_into(buf, 0, RecordHeader(kind, 0, 0, 0, 0, seq, parent, key, tokens[0], tokens[1],
+                                              layers[0], layers[1], 1, raw_len, 0, codec, 0), b"")
+    return bytes(buf)
 
 
 class Model:
@@ -74,7 +78,8 @@ def test_the_index_agrees_with_a_plain_model_op_by_op(seed, first_rid):
                 continue
             rid = m.append(KIND_DELTA, rng.randint(1, 3))
             ix.append(*m.recs[rid][:4])
-            ix.link(ix.add(key), rid, header(KIND_DELTA, key, (0, 10), 100, codec=rng.choice(["f16", "zstd"])))
+            assert ix.apply(rid, header(KIND_DELTA, key, (0, 10), 100, codec=rng.choice(["f16", "zstd"]),
+                                        seq=m.recs[rid][1])) == lib.SIX_LINKED
             gen = ix.find(key).gen
             assert gen not in gens                # a chain's number is its own, a new one's new
             gens.add(gen)
@@ -87,8 +92,8 @@ def test_the_index_agrees_with_a_plain_model_op_by_op(seed, first_rid):
             rid = m.append(KIND_DELTA, 1)
             ix.append(*m.recs[rid][:4])
             lo, hi = rng.randint(0, 3), rng.randint(4, 8)
-            ix.link(ix.find(key).sid, rid, header(KIND_DELTA, key, (c["tokens"][1], c["tokens"][1] + 5), 50,
-                                                  (lo, hi), c["codec"]))
+            assert ix.apply(rid, header(KIND_DELTA, key, (c["tokens"][1], c["tokens"][1] + 5), 50, (lo, hi),
+                                        c["codec"], m.recs[rid][1], m.recs[c["rids"][-1]][1])) == lib.SIX_LINKED
             m.recs[rid][4] = True
             c.update(rids=c["rids"] + [rid], tokens=(0, c["tokens"][1] + 5), raw_len=c["raw_len"] + 50,
                      layers=(min(lo, c["layers"][0]), max(hi, c["layers"][1])))
@@ -98,7 +103,7 @@ def test_the_index_agrees_with_a_plain_model_op_by_op(seed, first_rid):
             c = m.chains[key]
             rid = m.append(KIND_BASE, 2)
             ix.append(*m.recs[rid][:4])
-            ix.rebase(ix.find(key).sid, rid, header(KIND_BASE, key, c["tokens"], 7, (1, 2), c["codec"]))
+            ix.apply(rid, header(KIND_BASE, key, c["tokens"], 7, (1, 2), c["codec"], m.recs[rid][1]))
             for r in c["rids"]:
                 m.recs[r][4] = False
             m.recs[rid][4] = True
@@ -143,6 +148,53 @@ def test_the_index_agrees_with_a_plain_model_op_by_op(seed, first_rid):
     assert ix.least_recent(protect) == next((k for k in m.chains if k not in protect), None)
 
 
+def test_a_record_joins_its_chain_by_its_parent():
+    """The rule a staged record and a recovered one both follow (six_apply_header)."""
+    ix, key, other = Index(), bytes(31) + b"\1", bytes(31) + b"\2"
+
+    def apply(kind, seq, parent, k=key, tokens=(0, 1)):
+        rid = ix.append(seq, seq, 1, kind)
+        return ix.apply(rid, header(kind, k, tokens, 10, seq=seq, parent=parent))
+
+    assert apply(KIND_DELTA, 1, 7) == lib.SIX_UNLINKED and key not in ix     # its chain's start is gone
+    assert apply(KIND_DELTA, 2, 0) == lib.SIX_LINKED and ix.find(key).records == 1
+    assert apply(KIND_DELTA, 3, 2, tokens=(1, 2)) == lib.SIX_LINKED and ix.find(key).tokens == (0, 2)
+    assert apply(KIND_DELTA, 4, 2) == lib.SIX_DAMAGED and key not in ix      # not after its chain's end
+    assert ix.rec(ix.tail - 2).live is False                                 # the dropped chain's records
+    assert apply(KIND_DELTA, 5, 3) == lib.SIX_UNLINKED                       # nothing to follow now
+    assert apply(KIND_BASE, 6, 0, tokens=(0, 9)) == lib.SIX_LINKED and ix.find(key).tokens == (0, 9)
+    gen = ix.find(key).gen
+    assert apply(KIND_BASE, 7, 0, tokens=(0, 12)) == lib.SIX_LINKED           # a base keeps its chain
+    assert ix.find(key).gen == gen and ix.find(key).records == 1
+    assert apply(KIND_DELTA, 8, 0, other) == lib.SIX_LINKED
+    assert apply(KIND_TOMBSTONE, 9, 0) == lib.SIX_LINKED and key not in ix and other in ix
+    assert ix.live_records == 1
+
+
+def test_the_native_crc32c_is_the_crc32c_package_s():
+    """Recovery checks CRCs in C: hardware and table versions, every length and alignment."""
+    rng = random.Random(3)
+    for n in list(range(0, 40)) + [127, 128, 4096, 4097, 65539]:
+        data = rng.randbytes(n + 7)
+        for start in (0, 1, 3, 7):
+            chunk = data[start:start + n]
+            want = fmt.crc32c(chunk)
+            assert lib.six_crc32c(0, chunk, n) == want == lib.six_crc32c_soft(0, chunk, n)
+            assert lib.six_crc32c(fmt.crc32c(b"abc"), chunk, n) == fmt.crc32c(chunk, fmt.crc32c(b"abc"))
+
+
+def test_the_native_record_header_is_the_format_s():
+    """native/snapindex.h's struct six_hdr and snapshotstore.format.RECORD, field by field."""
+    fields = [name for name, _ in ffi.typeof("struct six_hdr").fields]
+    assert fields == [name for name, _ in fmt.RECORD.fields]
+    for name in fields:
+        assert ffi.offsetof("struct six_hdr", name) == fmt.RECORD.offsets[name], name
+    assert ffi.sizeof("struct six_hdr") == fmt.HEADER_SIZE == lib.SIX_HEADER_SIZE
+    assert lib.SIX_RECORD_MAGIC.to_bytes(4, "little") == fmt.RECORD_MAGIC
+    assert (lib.SIX_KIND_DELTA, lib.SIX_KIND_BASE, lib.SIX_KIND_TOMBSTONE, lib.SIX_KIND_PAD) == \
+           (fmt.KIND_DELTA, fmt.KIND_BASE, fmt.KIND_TOMBSTONE, fmt.KIND_PAD)
+
+
 def test_the_index_costs_bytes_per_session_not_objects():
     """One-record sessions, as the benchmark's: the tables grow by a quarter, the hash doubles
     at 3/4 full, so a session costs its entry and its record (76 + 32 bytes), a quarter of that
@@ -152,7 +204,7 @@ def test_the_index_costs_bytes_per_session_not_objects():
     for i in range(20000):
         rid = ix.append(i, i + 1, 1, KIND_DELTA)
         key = i.to_bytes(32, "little")
-        ix.link(ix.add(key), rid, header(KIND_DELTA, key, (0, 1), 3000))
+        ix.apply(rid, header(KIND_DELTA, key, (0, 1), 3000, seq=i + 1))
     assert ix.sessions == 20000
     assert entry == 76 + 32 and ix.nbytes / 20000 <= entry * 1.25 + 4 / 0.375
 
