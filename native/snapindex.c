@@ -410,6 +410,7 @@ uint32_t six_crc32c_soft(uint32_t crc, const void *buf, size_t n)
     return ~crc;
 }
 
+#if defined(__x86_64__)
 __attribute__((target("sse4.2")))
 static uint32_t crc32c_sse42(uint32_t crc, const void *buf, size_t n)
 {
@@ -425,6 +426,7 @@ static uint32_t crc32c_sse42(uint32_t crc, const void *buf, size_t n)
         c32 = __builtin_ia32_crc32qi(c32, *p++);
     return ~c32;
 }
+#endif
 
 uint32_t six_crc32c(uint32_t crc, const void *buf, size_t n)
 {

@@ -69,8 +69,9 @@ def check_delta(delta) -> Delta:
     if not isinstance(delta.payload, (bytes, bytearray, memoryview)):
         raise TypeError(f"a delta's payload is bytes, not a {type(delta.payload).__name__}")
     codec = delta.codec.encode("ascii", "replace") if isinstance(delta.codec, str) else b""
-    if not codec or len(codec) > CODEC_LEN or not delta.codec.isascii():
-        raise ValueError(f"a codec name is 1 to {CODEC_LEN} ASCII characters, not {delta.codec!r}")
+    # no NUL: the device pads the name with them, so one at its end would not come back
+    if not codec or len(codec) > CODEC_LEN or not delta.codec.isascii() or "\0" in delta.codec:
+        raise ValueError(f"a codec name is 1 to {CODEC_LEN} ASCII characters (no NUL), not {delta.codec!r}")
     for name, rng, top in (("tokens", delta.tokens, 1 << 32), ("layers", delta.layers, 1 << 16)):
         # whole numbers only: a float passed every check here and failed the record's packing in
         # the middle of a group commit, which failed the store for every other writer

@@ -1,7 +1,7 @@
 """LogStore's index: the log's records and the sessions' chains, packed in native memory
 (native/snapindex.h says how), here with a lock and Python values.
 
-Every call holds the index's own lock: the C code runs without the GIL, and a put reads its
+Every call on the index holds its own lock: the C code runs without the GIL, and a put reads its
 chain without the store's lock (so writers queue up while a flush is in progress) while
 another thread's batch may be growing the tables under it.
 
@@ -163,14 +163,6 @@ class Index:
                 s = self._ix.sess[s].lru_next
             return first
 
-    def add(self, key: bytes) -> int:
-        """A new, empty chain for key (not in the index), most recently used; its sid."""
-        with self._lock:
-            s = lib.six_add(self._ix, key)
-            if s == lib.SIX_NONE:
-                raise MemoryError("no memory to grow the snapshot store's index")
-            return s
-
     def drop(self, chain: Chain):
         with self._lock:
             lib.six_drop(self._ix, chain.sid)
@@ -181,7 +173,9 @@ class Index:
 
     def apply(self, rid: int, header) -> int:
         """The record rid, whose header (packed as on the device) is in the buffer header,
-        applied to its chain (six_apply_header): lib.SIX_LINKED, SIX_UNLINKED or SIX_DAMAGED."""
+        applied to its chain (six_apply_header): LINKED, lib.SIX_UNLINKED or SIX_DAMAGED."""
+        if len(header) < HEADER_SIZE:
+            raise ValueError(f"a record header is {HEADER_SIZE} bytes, not {len(header)}")
         with self._lock:
             r = lib.six_apply_header(self._ix, rid, ffi.from_buffer("struct six_hdr *", header))
         if r == lib.SIX_NOMEM:
@@ -204,6 +198,7 @@ class Index:
                 yield key, chain
 
 
+LINKED = lib.SIX_LINKED
 SCAN_END, SCAN_MORE, SCAN_BAD = lib.SIX_SCAN_END, lib.SIX_SCAN_MORE, lib.SIX_SCAN_BAD
 
 

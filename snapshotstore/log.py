@@ -52,7 +52,7 @@ from .device import DEFAULT_IMAGE_SIZE, BlockDevice, aligned_buffer, create_imag
 from .errors import DeviceError, DeviceFull, FormatError, SessionChanged, SnapshotError, TooLarge
 from .format import (HEADER_SIZE, KIND_BASE, KIND_DELTA, KIND_PAD, KIND_TOMBSTONE, RecordHeader,
                      Superblock, record_blocks)
-from .index import SCAN_END, SCAN_MORE, Chain, Index, Rec
+from .index import LINKED, SCAN_END, SCAN_MORE, Chain, Index, Rec
 
 RESERVE_BLOCKS = 8               # at least, and 1/32 of the log: kept for tombstones (deletes on a full log)
 MAX_RECORD_BYTES = 16 << 20      # and at most 1/16 of the log
@@ -671,7 +671,8 @@ class LogStore:
         rid, h, off = self._append(h, req.payload)
         if h.kind == KIND_TOMBSTONE or h.parent_seq == 0:
             self._evicted.pop(h.key, None)        # what the log held of it is superseded now
-        self._ix.apply(rid, memoryview(self._wbuf)[off:off + HEADER_SIZE])   # and most recently used
+        if self._ix.apply(rid, memoryview(self._wbuf)[off:off + HEADER_SIZE]) != LINKED:   # and most recently used
+            raise SnapshotError(f"the index did not take the record staged for sequence number {h.seq}: a bug")
 
     def _append(self, h: RecordHeader, payload) -> tuple[int, RecordHeader, int]:
         """Place the record h at the tail (after a pad to the lap's end if it would not fit

@@ -731,6 +731,18 @@ def test_a_delta_with_fractional_bounds_is_refused_alone(make_device):
         assert s.held(key(1)) == 20 and s.restore(key(1)).payload == b"a" * 100 + b"b" * 100
 
 
+def test_bad_codec_names_are_refused(make_device):
+    """A codec name comes back from the device NUL-stripped: one with a NUL would not match
+    itself on the next put (after a reopen, before: the index now reads it from the header)."""
+    with LogStore(make_device()) as s:
+        for bad in ("", "x" * 17, "f16\0", "f\0\0", "fé", 16):
+            with pytest.raises(ValueError, match="codec name"):
+                s.put(key(1), Delta(b"a", tokens=(0, 1), codec=bad))
+        s.put(key(1), Delta(b"a", tokens=(0, 1), codec="x" * 16))
+        s.put(key(1), Delta(b"b", tokens=(1, 2), codec="x" * 16))
+        assert s.restore(key(1)).codec == "x" * 16
+
+
 def test_compaction_keeps_every_delta_s_layers(make_device):
     """The base a put compacts into covers the layers of all the chain's deltas, not only the
     first and the new one's (restore reported (0, 4) where the deltas spanned (0, 32))."""
