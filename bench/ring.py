@@ -11,7 +11,9 @@ Measured in one run (two pinned processes on cores 0 and 1 where there are two):
                                       to the other in 32-record bursts: each written whole into its slot by the
                                       producer and copied out whole by the consumer, checked
   references.copy_mchunks_per_s       the same two copies of each record on one core, without a ring
-  metrics.policy_ns_<policy>_<n>      one routing decision, n = 4, 16, 64, 256 workers
+  metrics.policy_ns_<policy>_<n>      one routing decision, n = 4, 16, 64, 256 workers, in a loop that also
+                                      draws the session and moves the lanes' depths
+  references.policy_random_ns_<n>     that loop with a random pick (the session's bits), reading no state
   metrics.lane_batch_us_shm|zmq_ipc|zmq_tcp  a 16-chunk batch delivered to a worker process and acknowledged (p50)
 """
 from __future__ import annotations
@@ -259,10 +261,16 @@ def run(report, args):
     report.note("ring_mchunks_per_s against copy_mchunks_per_s: the same two 608-byte copies per chunk, on two "
                 "cores at once through the ring, on one core without it (above 1: the ring's hand-off costs less "
                 "than the second core gives)")
-    for pol in policies():
-        for n in (4, 16, 64, 256):
-            report.metric(f"policy_ns_{pol}_{n}", _measured(lib.dp_policy_bench(pol.encode(), n, 1_000_000 if quick
-                                                                                else 10_000_000), pol), "ns")
+    decisions = 1_000_000 if quick else 10_000_000
+    for n in (4, 16, 64, 256):
+        loop = [_measured(lib.dp_policy_bench(b"", n, decisions), "random pick")]
+        for pol in policies():
+            report.metric(f"policy_ns_{pol}_{n}", _measured(lib.dp_policy_bench(pol.encode(), n, decisions), pol), "ns")
+        loop.append(_measured(lib.dp_policy_bench(b"", n, decisions), "random pick"))
+        report.reference(f"policy_random_ns_{n}", min(loop), "ns")
+    report.note("policy_ns_* against policy_random_ns_*: the same loop (an xorshift, the indirect call, a lane's "
+                "depth up and another's down) with a pick of a random worker from the session's bits, reading no "
+                "state, before and after the policies (the lower): what a policy adds to the least decision")
     rounds = 2_000 if quick else 20_000
     for kind in ("shm", "zmq_ipc", "zmq_tcp"):
         report.metric(f"lane_batch_us_{kind}", lane_batch_us(kind, rounds), "us")

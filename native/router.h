@@ -187,7 +187,9 @@ int dp_router_worker_stats(struct dp_router *rt, uint32_t worker, struct dp_work
 /* Decisions of a fresh policy for sessions[] against a fixed view (tests). */
 int dp_policy_map(const char *policy, double param, uint64_t seed, const struct dp_workers *w,
                   const uint64_t *sessions, int32_t *out, uint32_t n);
-/* Policy cost: ns per decision over `decisions` random sessions with n workers at random depths. */
+/* Policy cost: ns per decision over `decisions` random sessions with n workers at random depths
+ * (the loop's xorshift and lane bookkeeping included); policy "": the reference, a worker drawn
+ * from the session's bits (reading no state) in the same loop. */
 double dp_policy_bench(const char *policy, uint32_t n_workers, uint64_t decisions);
 /* CDEF END */
 

@@ -60,6 +60,7 @@ def test_ring_suite_reports_every_figure(tmp_path):
     assert "ring_oneway_p50_ns_vs_pingpong_oneway_ns" in data["ratios"]
     assert data["references"]["handoff_oneway_p50_ns"] > 0
     assert data["ratios"]["ring_oneway_p50_ns_vs_handoff_oneway_p50_ns"] > 0
+    assert all(data["references"][f"policy_random_ns_{n}"] > 0 for n in (4, 16, 64, 256))
 
 
 INGRESS_REFERENCES = ["xdp_count_ns", "pingpong_oneway_ns", "handoff_oneway_p50_ns", "udp_socket_p50_us", "udp_socket_p99_us",
