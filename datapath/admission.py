@@ -25,7 +25,7 @@ class TenantPolicy:
     max_request_tokens: int = 0      # context limit on chunk_count x 128 + max_output_tokens -> 400
     hi_entropy_factor: float = 0.0   # a request with this entropy factor or more (1.0..5.0) is high-entropy
     hi_per_second: float = 0.0       # high-entropy requests per second kept on the primary pool (0: none) ...
-    hi_burst: int = 0                # ... with this many of slack; the rest go to the secondary pool
+    hi_burst: int = 1                # ... in bursts of up to this many; the rest go to the secondary pool
     # (the tenant's `spilled` counts those decisions; the router's `to_secondary` those placed on a
     # secondary pool, which needs a second healthy pool: with one, they stay on it)
 
@@ -40,6 +40,9 @@ class TenantPolicy:
                              f"not {self.hi_entropy_factor}")
         if self.hi_per_second < 0:
             raise ValueError(f"hi_per_second must be >= 0, not {self.hi_per_second}")
+        if self.hi_per_second and not self.hi_burst:
+            # a burst of 0 keeps none on the primary whatever the rate: it sent them all to the secondary
+            raise ValueError("hi_burst must be at least 1 with a hi_per_second rate")
 
     def cdata(self):
         return ffi.new("struct dp_tenant_cfg *", asdict(self))

@@ -533,8 +533,8 @@ void dp_adm_commit(struct dp_admission *a, uint32_t tenant, struct dp_adm_decisi
     d->charged_day = t->day_start;
     if (cfg->tokens_per_minute) {
         uint64_t tat = t->tat_minute > now ? t->tat_minute : now;
-        t->tat_minute = tat + (uint64_t)((double)(d->p.input_tokens + d->p.max_output) * MINUTE_NS /
-                                         cfg->tokens_per_minute);
+        d->minute_ns = (uint64_t)((double)(d->p.input_tokens + d->p.max_output) * MINUTE_NS / cfg->tokens_per_minute);
+        t->tat_minute = tat + d->minute_ns;
     }
     if (d->spill)
         t->st.spilled++;
@@ -550,7 +550,6 @@ void dp_adm_settle(struct dp_admission *a, uint32_t tenant, const struct dp_adm_
     struct tenant *t = find(a, tenant, FIND, 0);
     if (!t)
         return;
-    const struct dp_tenant_cfg *cfg = cfg_of(a, t);
     const struct dp_adm_price *p = &admitted->p;
     uint64_t exact = ok ? (uint64_t)ceil(cost_of(p->price_per_1k, input, output, p->entropy_factor)) : 0;
     /* a charge of a day that has ended is not given back to the new one (the tenant could spend
@@ -560,9 +559,11 @@ void dp_adm_settle(struct dp_admission *a, uint32_t tenant, const struct dp_adm_
         t->spent = t->spent > back ? t->spent - back : 0;
         t->st.refunded += back;
     }
+    /* the unused share of what the bucket was charged, at the rate of then: the rate now (a limit
+     * lowered or switched on meanwhile) gave back up to 100x the charge, or what was never charged */
     uint32_t estimate = p->input_tokens + p->max_output, used = ok ? input + output : 0;
-    if (cfg->tokens_per_minute && estimate > used) {
-        uint64_t back = (uint64_t)((double)(estimate - used) * MINUTE_NS / cfg->tokens_per_minute);
+    if (admitted->minute_ns && estimate > used) {
+        uint64_t back = (uint64_t)((double)admitted->minute_ns * (estimate - used) / estimate);
         t->tat_minute = t->tat_minute > back ? t->tat_minute - back : 0;
     }
 }

@@ -47,7 +47,7 @@
  *   200  admitted: ceil(cost) is charged to the day's budget and the tokens to
  *        the minute's bucket. A high-entropy request (entropy_factor >=
  *        hi_entropy_factor) beyond the tenant's hi_per_second rate (GCRA,
- *        hi_burst requests of slack) is admitted with spill = 1: the router
+ *        bursts of up to hi_burst requests) is admitted with spill = 1: the router
  *        places it on the secondary pool.
  * At completion the router settles: the charge becomes the exact price of
  * what ran (the tokens received and generated, the same complexity); a
@@ -71,7 +71,7 @@ struct dp_tenant_cfg {
     uint32_t max_request_tokens;  /* context limit on input estimate + max_output (0: none) -> 400 */
     uint64_t budget_per_day;      /* micro-USD per day (0: unlimited) -> 422 */
     uint32_t tokens_per_minute;   /* request-level per-key limit (0: none) -> 429 */
-    uint32_t hi_burst;            /* high-entropy requests kept on the primary beyond the rate */
+    uint32_t hi_burst;            /* at the rate, bursts of up to this many on the primary (0: none) */
     double hi_entropy_factor;     /* entropy_factor from which a request is high-entropy (0: never) */
     double hi_per_second;         /* high-entropy requests per second kept on the primary (0: none is) */
 };
@@ -100,6 +100,7 @@ struct dp_adm_decision {
     uint64_t resets_in_ns;        /* until the budget's day ends */
     uint64_t retry_after_ns;      /* 429: until the minute's bucket has room */
     uint64_t charged_day;         /* set by dp_adm_commit: the start of the day charged */
+    uint64_t minute_ns;           /* set by dp_adm_commit: what the minute's bucket was charged */
 };
 
 struct dp_adm_tenant_stats {

@@ -1509,8 +1509,10 @@ static uint32_t expire_stalled(struct dp_router *rt)
  * first chunk (kept for that until the request ends); the new worker restores
  * the session from the snapshot store and runs the prompt again. With no
  * worker left, the request is answered 503, and so is one whose replay's worker
- * died too: a request that kills workers (a bug, a store that hangs them) must
- * not go round the pool killing every one. Nothing is dropped silently. */
+ * died too with some of it: a request that kills workers (a bug, a store that
+ * hangs them) must not go round the pool killing every one. One still queued,
+ * none of it sent, had no part in the death: it moves on however often (it was
+ * answered 503 at a second death before). Nothing is dropped silently. */
 static void failover(struct dp_router *rt, uint32_t k)
 {
     struct worker *w = &rt->w[k];
@@ -1532,10 +1534,11 @@ static void failover(struct dp_router *rt, uint32_t k)
             continue;                    /* else already answered, waiting for egress room */
         }
         r->inflight = r->in_fifo = r->in_set = 0;
-        int spilled;
-        int nk = r->replayed ? -1 : pick_worker(rt, r->session_id, r->tenant, r->spill, &r->pool, &spilled);
+        int spilled, ran = r->sent_head != NIL     /* the dead worker had some of it */
+                           || (r->pending_head != NIL && rt->pool[r->pending_head].sent);
+        int nk = r->replayed && ran ? -1 : pick_worker(rt, r->session_id, r->tenant, r->spill, &r->pool, &spilled);
         if (nk < 0) {
-            rt->st.replay_refused += r->replayed;
+            rt->st.replay_refused += r->replayed && ran;
             free_list(rt, r->pending_head);
             free_list(rt, r->ooo);
             r->pending_head = r->pending_tail = r->ooo = NIL;
@@ -1558,7 +1561,7 @@ static void failover(struct dp_router *rt, uint32_t k)
         r->worker = (int16_t)nk;
         note_run(rt, session_key(rt, r->tenant, r->session_id), nk);
         r->moved = 1;                    /* replayed elsewhere: its session moved for sure */
-        r->replayed = 1;
+        r->replayed |= (uint8_t)ran;     /* its turn may be in the store (DP_CHUNK_F_REPLAY) */
         r->state = REQ_PREFILL;
         r->n_out = 0;
         r->generated = 0;                /* what it ran on the dead worker is not what it returns */

@@ -314,6 +314,43 @@ def test_a_charge_settled_after_its_day_ended_is_not_given_back_to_the_new_day()
     assert lib.dp_adm_tenant_stats(adm, 1, st) == 0 and st.spent == 0 and st.refunded == nxt.charge
 
 
+def test_a_minute_refund_gives_back_what_was_charged_at_the_rate_of_then():
+    """The unused tokens' refund was computed at the limit in force at settlement: a limit lowered
+    100x meanwhile gave back 100x the charge (clearing other requests' debt), and one switched on
+    meanwhile gave back what was never charged."""
+    adm = ffi.gc(lib.dp_adm_create(), lib.dp_adm_destroy)
+    toks = ffi.new("uint32_t[]", [1] * 128)
+    body, now = ffi.new("char[]", 1024), 10**12
+
+    def admitted():
+        d = ffi.new("struct dp_adm_decision *")
+        assert lib.dp_adm_decide(adm, 1, toks, 128, 1, 72, 0, now, d, body, 1024) == 0 and d.status == 200
+        lib.dp_adm_commit(adm, 1, d, now)
+        return d
+
+    def room_ms():        # how far the bucket's next admission lies ahead of now (0: none owed)
+        d = ffi.new("struct dp_adm_decision *")
+        lib.dp_adm_decide(adm, 1, toks, 128, 93, 96, 0, now, d, body, 1024)   # a whole minute's worth
+        assert d.status == 429
+        return d.retry_after_ns / 1e6
+
+    lib.dp_adm_set_tenant(adm, 1, TenantPolicy(tokens_per_minute=12_000).cdata())   # 5 ms a token
+    d = admitted()                                     # 200 tokens: 1 s of the bucket
+    assert d.minute_ns == 200 * 5_000_000
+    lib.dp_adm_set_tenant(adm, 1, TenantPolicy(tokens_per_minute=120).cdata())      # 100x lower now
+    lib.dp_adm_set_tenant(adm, 1, TenantPolicy(tokens_per_minute=12_000).cdata())
+    assert room_ms() == pytest.approx(1000, abs=1)
+    lib.dp_adm_set_tenant(adm, 1, TenantPolicy(tokens_per_minute=120).cdata())
+    lib.dp_adm_settle(adm, 1, d, 128, 0, 1)            # ran 128 of its 200: 72 unused, 360 ms back
+    lib.dp_adm_set_tenant(adm, 1, TenantPolicy(tokens_per_minute=12_000).cdata())
+    assert room_ms() == pytest.approx(640, abs=1)       # not 0 (the 100x refund cleared it)
+    lib.dp_adm_set_tenant(adm, 2, TenantPolicy().cdata())
+    free = ffi.new("struct dp_adm_decision *")
+    assert lib.dp_adm_decide(adm, 2, toks, 128, 1, 72, 0, now, free, body, 1024) == 0
+    lib.dp_adm_commit(adm, 2, free, now)
+    assert free.minute_ns == 0                          # no limit then: nothing to give back later
+
+
 # --- 400 ---------------------------------------------------------------------------------------------------
 
 def test_an_oversized_request_is_refused_alone_and_never_truncated(bench_factory):
@@ -507,6 +544,24 @@ def test_bad_tenant_settings_are_refused():
         TenantPolicy(hi_entropy_factor=7)
     with pytest.raises(ValueError, match="price_per_1k"):
         TenantPolicy(price_per_1k=-1)
+    with pytest.raises(ValueError, match="hi_burst"):     # it kept none on the primary, whatever the rate
+        TenantPolicy(hi_entropy_factor=4, hi_per_second=10, hi_burst=0)
+    assert TenantPolicy(hi_entropy_factor=4, hi_per_second=10).hi_burst == 1
+
+
+def test_high_entropy_requests_at_the_rate_stay_on_the_primary():
+    """hi_per_second at its default burst (1): requests at the rate stay on the primary, one
+    faster spills. Before, the default burst of 0 spilled every one of them."""
+    adm = ffi.gc(lib.dp_adm_create(), lib.dp_adm_destroy)
+    lib.dp_adm_set_tenant(adm, 1, TenantPolicy(hi_entropy_factor=1.0, hi_per_second=10).cdata())
+    toks, body = ffi.new("uint32_t[]", list(range(128))), ffi.new("char[]", 1024)
+    spills = []
+    for now in (10**12, 10**12 + 100_000_000, 10**12 + 150_000_000, 10**12 + 300_000_000):
+        d = ffi.new("struct dp_adm_decision *")
+        assert lib.dp_adm_decide(adm, 1, toks, 128, 1, 4, 0, now, d, body, 1024) == 0 and d.high
+        lib.dp_adm_commit(adm, 1, d, now)
+        spills.append(d.spill)
+    assert spills == [0, 0, 1, 0], "every 100 ms is the rate; 50 ms after one is too soon"
 
 
 # --- pools ------------------------------------------------------------------------------------------------------

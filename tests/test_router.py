@@ -515,6 +515,26 @@ def test_a_request_whose_replay_kills_its_worker_too_is_answered_503_not_replaye
     assert st["replay_refused"] == 1 and st["replayed"] == 2 and st["active_requests"] == 0
 
 
+def test_a_request_a_dead_worker_never_had_moves_on_at_every_death(bench_factory):
+    """Only a request the dead worker had some of replays once: one that waited in its queue, none
+    of it sent, had no part in the death and moves on again at the next one (it was answered 503:
+    counted as replayed when it was only moved). Here workers 0 and 1 die holding batches; the
+    requests queued behind theirs (4 on worker 0, then 1 and 4 moved to 1 and 2) all end on 2."""
+    b = bench_factory(n_workers=3, policy="round_robin")
+    for rid in (1, 2, 3, 4):                     # 1, 2, 3 sent to workers 0, 1, 2; 4 queued on 0
+        b.send(chunks_of(rid, [rid, rid + 1], max_out=1))
+        b.router.poll()
+    assert [b.workers[k].recv_batch(0)["request_id"].tolist() for k in range(2)] == [[1], [2]]
+    b.router.set_up(0, False)                    # 1 replays, 4 moves: one queued on 1, one on 2
+    b.router.poll()
+    b.router.set_up(1, False)                    # 2 replays; whichever of 1 and 4 waited on 1 moves on
+    b.run(k=2)
+    got = {int(r["request_id"]): int(r["status"]) for r in b.responses}
+    assert got == {1: 200, 2: 200, 3: 200, 4: 200}, got
+    st = b.router.stats()
+    assert st["replay_refused"] == 0 and st["active_requests"] == 0
+
+
 def test_a_new_request_with_no_worker_up_is_counted_as_such_not_as_a_full_table(bench_factory):
     b = bench_factory(n_workers=1)
     b.router.set_up(0, False)

@@ -128,18 +128,22 @@ def test_a_superseded_request_is_cut_off_before_the_next_one_s_room_is_judged():
 
 
 def test_eviction_waits_for_a_durable_snapshot(model):
+    """Only what the store holds is evicted: a request whose put failed is answered 503 and its
+    session cut back to what the store holds (here nothing), which is all that may go; its retry
+    puts the turn and the session goes once it is durable."""
     store = MemoryStore()
     store.fail_puts = True
     w = Worker(model, store, kv_budget_bytes=0)
-    drive(w.step, [(1, 1, prompt(1, 50), 3)])
+    comp = w.step(as_batch([prefill_records(1, 1, prompt(1, 50), 1)]))
+    assert comp["e"][0]["status"][0] == wire.STATUS_UNAVAILABLE
     (done,) = finished(w)
-    assert done.snapshot_error and done.snapshot_bytes == 0
-    assert w.holds(1) and w.stats["over_budget_steps"] > 0, "not durable, so kept over budget"
+    assert done.snapshot_error and done.snapshot_bytes == 0 and store.held((0, 1)) == 0
+    assert not w.holds(1) and w.stats["over_budget_steps"] == 0, "cut back to nothing: nothing to keep"
     store.fail_puts = False
-    drive(w.step, [(1, 2, prompt(2, 10), 3)])
+    drive(w.step, [(1, 2, prompt(1, 50), 3)])
     assert finished(w)[0].snapshot_error is None and not w.holds(1)
     (meta,) = store.meta((0, 1))
-    assert (meta["token_start"], meta["token_end"]) == (0, 50 + 2 + 10 + 2), "one delta from the last durable point"
+    assert (meta["token_start"], meta["token_end"]) == (0, 50 + 2), "the retried turn alone"
 
 
 def test_lru_evicts_the_least_recently_used_idle_session(model):
@@ -239,6 +243,66 @@ def test_a_store_that_fails_costs_the_request_a_503_not_the_worker(model, exc):
     assert w.step(as_batch([close]))["e"][0]["status"][0] == wire.STATUS_UNAVAILABLE
     ok = w.step(as_batch([prefill_records(2, 3, prompt(2, 20), 1)]))   # the worker goes on
     assert ok["e"][0]["status"][0] == wire.STATUS_UNAVAILABLE and w.stats["store_errors"] == 3
+
+
+class PutFailsOnce(MemoryStore):
+    """A store whose next put raises: before it takes the delta, or after (a remote put whose
+    reply was lost: the delta is in)."""
+
+    def __init__(self, lands):
+        super().__init__()
+        self.lands, self.fail_next = lands, False
+
+    def put(self, key, delta, meta):
+        if self.fail_next:
+            self.fail_next = False
+            if self.lands:
+                super().put(key, delta, meta)
+            raise DeviceError("the store did not answer in 5 s")
+        super().put(key, delta, meta)
+
+
+@pytest.mark.parametrize("lands", [False, True], ids=["not taken", "taken, reply lost"])
+def test_a_turn_the_store_did_not_take_is_answered_503_and_cut_back(model, lands):
+    """The put at a request's end fails: the request is answered 503 (its turn is in no store)
+    and the session keeps only what the store holds, so the client's retry runs on the context
+    it had and the session stays evictable. Before, the request was answered 200 with its turn
+    nowhere durable, and the next put spanned both turns under the second one's id. A put whose
+    reply was lost but whose delta is in the store is the success it was."""
+    store, ref = PutFailsOnce(lands), Worker(model, MemoryStore())
+    w = Worker(model, store, kv_budget_bytes=BIG)
+    t1, t2 = (3, 1, prompt(1, 40), 2), (3, 2, prompt(2, 30), 1)
+    assert drive(w.step, [t1]) == drive(ref.step, [t1])
+    store.fail_next = True
+    comp = w.step(as_batch([prefill_records(*t2)]))
+    status = comp["e"][0]["status"][0]
+    if lands:
+        assert status == wire.STATUS_OK and store.held((0, 3)) == 41 + 30 and w.stats["store_errors"] == 0
+        assert finished(w)[-1].snapshot_error is None
+    else:
+        assert status == wire.STATUS_UNAVAILABLE and store.held((0, 3)) == 41
+        assert w.stats["store_errors"] == 1 and "did not answer" in w.last_store_error
+        assert w.holds(3) and w.sessions[(0, 3)].cache.length == 41
+        assert drive(w.step, [t2]) == drive(ref.step, [t2]), "the retry runs on the context before the turn"
+        assert [(m["token_start"], m["token_end"], m["request_id"]) for m in store.meta((0, 3))] == \
+               [(0, 41, 1), (41, 71, 2)]
+    assert w.sessions[(0, 3)].cache.snapshot_len == w.sessions[(0, 3)].cache.length == 71, "evictable"
+
+
+def test_a_turn_refused_because_another_worker_moved_the_session_on_drops_the_copy(model):
+    """The store holds another history of the session (another worker ran a turn of it, and this
+    request was not flagged moved): the put is refused, the whole re-put too; the request is
+    answered 503 and the stale copy goes, so the next request continues the store's history."""
+    store = MemoryStore()
+    a, b, ref = Worker(model, store), Worker(model, store), Worker(model, MemoryStore())
+    t1, t2b, t2a, t3 = (5, 1, prompt(1, 40), 2), (5, 2, prompt(2, 20), 2), (5, 3, prompt(3, 30), 2), \
+        (5, 4, prompt(4, 10), 2)
+    drive(a.step, [t1]), drive(ref.step, [t1])
+    drive(b.step, [t2b]), drive(ref.step, [t2b])
+    comp = a.step(as_batch([prefill_records(5, 3, t2a[2], 1)]))
+    assert comp["e"][0]["status"][0] == wire.STATUS_UNAVAILABLE and not a.holds(5)
+    assert store.held((0, 5)) == 41 + 21 and a.stats["store_errors"] == 1
+    assert drive(a.step, [t3]) == drive(ref.step, [t3]), "continued from the store's history"
 
 
 def replayed(step):

@@ -281,7 +281,10 @@ class Worker:
                 self.stats["context_full"] += 1
             elif len(req.tokens) < req.max_output_tokens:
                 continue
-            self.finished.append(self._finish(seg.key, s, t_step))
+            done = self._finish(seg.key, s, t_step)
+            if done.snapshot_error is not None:
+                entries["status"][seg.answer] = wire.STATUS_UNAVAILABLE    # its turn is in no store
+            self.finished.append(done)
 
     def _moved_on(self, key: SessionKey, s: _Session, rec) -> bool:
         """At a new request of a resident session: has another worker put more of it in the store
@@ -307,7 +310,7 @@ class Worker:
         the prompt twice, and other tokens."""
         chain = self.store.restore(key) if self.store is not None else []
         durable_end = 0
-        if chain and moved_request is not None:
+        if chain and moved_request:           # 0 names no request: a whole re-put's first delta has it
             last = kvdelta.header(chain[-1])
             if last["request_id"] == moved_request:
                 durable_end, chain = last["token_end"], chain[:-1]
@@ -330,26 +333,60 @@ class Worker:
             s.cache.snapshot_len = s.cache.length     # the store holds this very turn (_restore)
         elif self.store is not None and s.cache.length > s.cache.snapshot_len:
             try:
-                try:
-                    done.snapshot_bytes = self._put(key, s.cache, s.cache.snapshot_len, req.request_id)
-                except SessionChanged:
-                    # The store no longer holds what this copy put last (its LRU evicted the chain
-                    # while the session stayed resident here): this copy is the whole session, so
-                    # it goes in whole, from token 0. Without this every later put failed the same
-                    # way, and the session, never durable again, could never be evicted.
-                    # In two deltas, the turn its own: a replay of this request finds its turn
-                    # as the last delta and rolls back exactly that (_restore).
-                    done.snapshot_bytes = self._put(key, s.cache, 0, 0, req.start_len) if req.start_len else 0
-                    done.snapshot_bytes += self._put(key, s.cache, req.start_len, req.request_id)
-                    self.stats["whole_reputs"] += 1
-            except Exception as e:  # the session stays resident and unsnapshotted, so it is never evicted
+                done.snapshot_bytes = self._put_turn(key, s.cache, req)
+            except Exception as e:
                 self.stats["snapshot_failures"] += 1
-                done.snapshot_error = f"{type(e).__name__}: {e}"
-            else:
-                s.cache.snapshot_len = s.cache.length
-                self.stats["snapshots"] += 1
-                done.stamps["t_snapshot"] = time.monotonic_ns()
+                held, last = self._store_end(key)
+                if not (held == s.cache.length and last == req.request_id):   # else it landed (a lost reply)
+                    self._store_failed(e)
+                    done.snapshot_error = f"{type(e).__name__}: {e}"
+                    self._unwind(key, s, req, held)
+                    return done
+            s.cache.snapshot_len = s.cache.length
+            self.stats["snapshots"] += 1
+            done.stamps["t_snapshot"] = time.monotonic_ns()
         return done
+
+    def _put_turn(self, key: SessionKey, cache: KVCache, req: _Request) -> int:
+        """The request's turn (and anything before it the store lacks) into the store; its stored bytes."""
+        try:
+            return self._put(key, cache, cache.snapshot_len, req.request_id)
+        except SessionChanged:
+            # The store no longer holds what this copy put last (its LRU evicted the chain while
+            # the session stayed resident here): this copy is the whole session, so it goes in
+            # whole, from token 0 (refused too if the store holds another history of it). In two
+            # deltas, the turn its own: a replay of this request finds its turn as the last
+            # delta and rolls back exactly that (_restore).
+            n = self._put(key, cache, 0, 0, req.start_len) if req.start_len else 0
+            n += self._put(key, cache, req.start_len, req.request_id)
+            self.stats["whole_reputs"] += 1
+            return n
+
+    def _store_end(self, key: SessionKey) -> tuple[int | None, int]:
+        """Where the store's copy of the session ends, and the request its last delta names;
+        (None, 0) if the store cannot say. After a failed put only: it reads the chain."""
+        try:
+            chain = self.store.restore(key)
+            if not chain:
+                return 0, 0
+            last = kvdelta.header(chain[-1])
+            return last["token_end"], last["request_id"]
+        except Exception:
+            return None, 0
+
+    def _unwind(self, key: SessionKey, s: _Session, req: _Request, held: int | None):
+        """The request's turn did not become durable and the request is answered 503: the session
+        keeps resident only what the store holds, so the client's retry runs on the context it
+        had and a later restore anywhere agrees with it. Cut back to the turn's start when the
+        store holds exactly that (this copy put it, or restored it); else (another history of
+        the session there, or the store unreachable) the copy goes and the next request restores
+        the store's. Before, such a request was answered 200 with its turn in no store: a failover
+        or a spill lost it silently, later puts spanned several turns under one request's id, and
+        the session, never durable, could never be evicted."""
+        if held == req.start_len:
+            s.cache.length = s.cache.snapshot_len = req.start_len
+        else:
+            self._drop(key)
 
     def _put(self, key: SessionKey, cache: KVCache, start: int, request_id: int, end: int | None = None) -> int:
         """Put the session's entries [start, end or length) as one delta; its stored size once durable."""
