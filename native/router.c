@@ -1567,7 +1567,7 @@ static void failover(struct dp_router *rt, uint32_t k)
         r->generated = 0;                /* what it ran on the dead worker is not what it returns */
         r->decode_left = 0;
         make_ready(rt, ri);
-        rt->st.replayed++;
+        rt->st.replayed += (uint64_t)ran;   /* a move of one it never had is no replay */
     }
 }
 

@@ -92,7 +92,8 @@ struct dp_router_stats {
     uint64_t batches, records_out, tokens_out, decode_out, splits;
     uint64_t completions, responses, egress_stalls, input_stalls, loops, expired, late_duplicates;
     uint64_t refused_by_worker, replayed, pool_refused;
-    uint64_t replay_refused;            /* 503: its replay's worker died too (a request is replayed once) */
+    uint64_t replay_refused;            /* 503: its replay's worker died too with some of it (a request
+                                         * is replayed once; one a dead worker never had moves on) */
     uint64_t held;                      /* requests that waited for an earlier one of their session */
     uint64_t rehearsals;                /* idle dry runs of a new request's path (router.c, rehearse) */
     uint64_t shadow_answered;           /* rehearsal requests the shadow router ran whole and answered 200 */

@@ -289,6 +289,94 @@ def test_a_turn_the_store_did_not_take_is_answered_503_and_cut_back(model, lands
     assert w.sessions[(0, 3)].cache.snapshot_len == w.sessions[(0, 3)].cache.length == 71, "evictable"
 
 
+class UnreachableAfterPut(MemoryStore):
+    """A remote store that times out on a put (which may still land there) and then refuses
+    every call for a while, as RemoteStore does for its timeout after one."""
+
+    def __init__(self, lands):
+        super().__init__()
+        self.lands, self.fail_next, self.down = lands, False, False
+
+    def _up(self):
+        if self.down:
+            raise DeviceError("the store did not answer in 5 s a moment ago: not asked again yet")
+
+    def put(self, key, delta, meta):
+        self._up()
+        if self.fail_next:
+            self.fail_next, self.down = False, True
+            if self.lands:
+                super().put(key, delta, meta)
+            raise DeviceError("the store did not answer in 5 s")
+        super().put(key, delta, meta)
+
+    def restore(self, key):
+        self._up()
+        return super().restore(key)
+
+    def held(self, key):
+        self._up()
+        return super().held(key)
+
+    def delete(self, key):
+        self._up()
+        super().delete(key)
+
+
+@pytest.mark.parametrize("lands", [False, True], ids=["not taken", "taken late"])
+def test_a_turn_whose_put_timed_out_is_taken_back_out_if_it_landed(model, lands):
+    """The put times out and the store then cannot be asked: the request is answered 503 and
+    the session cut back and marked; while the store still cannot say, its next request is
+    refused 503 too; once it answers, a turn that landed after all is taken back out of it
+    (the client was told 503), so the retry runs on the context before the turn and the
+    store holds that turn once, the retry's. Before, the store kept the 503'd turn and the
+    retry ran on top of it (the prompt twice)."""
+    store, ref = UnreachableAfterPut(lands), Worker(model, MemoryStore())
+    w = Worker(model, store, kv_budget_bytes=0)
+    t1, t2 = (6, 1, prompt(1, 40), 2), (6, 2, prompt(2, 30), 1)
+    drive(w.step, [t1]), drive(ref.step, [t1])
+    store.fail_next = True
+    assert w.step(as_batch([prefill_records(*t2)]))["e"][0]["status"][0] == wire.STATUS_UNAVAILABLE
+    assert w.holds(6) and w.sessions[(0, 6)].cache.length == 41, "cut back, kept (not evicted) to settle"
+    retry = (6, 3, t2[2], 1)
+    assert w.step(as_batch([prefill_records(*retry)]))["e"][0]["status"][0] == wire.STATUS_UNAVAILABLE
+    store.down = False
+    assert drive(w.step, [retry]) == drive(ref.step, [retry])
+    assert [(m["token_start"], m["token_end"]) for m in store.meta((0, 6))] == \
+           ([(0, 41), (41, 71)] if lands else [(0, 41), (41, 71)])
+    assert store.meta((0, 6))[-1]["request_id"] == 3 and w.stats["unsure_rolled_back"] == lands
+
+
+def test_a_replay_refused_before_it_began_leaves_no_short_copy_behind(model):
+    """A replay whose own turn is in the store restores the session without it; refused at its
+    first record (too large), that short copy must not stay: the next request would inherit the
+    replay's state and run on a context without the stored turn."""
+    store = MemoryStore()
+    small = ModelConfig(max_context=160)
+    m = Model(small, seed=0)
+    first, other, ref = Worker(m, store), Worker(m, store), Worker(m, MemoryStore())
+    t1, t2, t3 = (8, 1, prompt(1, 40), 2), (8, 2, prompt(2, 30), 2), (8, 3, prompt(3, 20), 2)
+    for t in (t1, t2):
+        drive(first.step, [t]), drive(ref.step, [t])
+    big = prefill_records(8, 2, prompt(4, 250), 2)               # request 2 again, replayed: too large now
+    big["flags"] |= records.CHUNK_F_MOVED | records.CHUNK_F_REPLAY
+    assert other.step(as_batch([big[:1]]))["e"][0]["status"][0] == wire.STATUS_TOO_LARGE
+    assert not other.holds(8)
+    assert drive(other.step, [t3]) == drive(ref.step, [t3]), "restored whole, both turns"
+
+
+def test_a_request_replayed_back_to_the_worker_that_holds_it_half_done_starts_over(model):
+    """A zmq worker holding a request mid-prompt is marked down for a stall; the router replays
+    the request, which comes back to this worker: its records, flagged REPLAY, start it over
+    (before, they were appended to its first run's pieces: the prompt's start twice)."""
+    w, ref = Worker(model, MemoryStore()), Worker(model, MemoryStore())
+    t = (9, 1, prompt(5, 300), 3)
+    first_piece = prefill_records(*t)[:1]
+    assert w.step(as_batch([first_piece]))["e"][0]["status"][0] == wire.STATUS_OK
+    assert drive(replayed(w.step), [t]) == drive(ref.step, [t])
+    assert w.stats["superseded"] == 1 and finished(w)[-1].context_tokens == 300 + 2
+
+
 def test_a_turn_refused_because_another_worker_moved_the_session_on_drops_the_copy(model):
     """The store holds another history of the session (another worker ran a turn of it, and this
     request was not flagged moved): the put is refused, the whole re-put too; the request is

@@ -98,6 +98,7 @@ class _Request:
     durable_end: int = 0     # a replay whose own turn the store holds already: that turn's end (_restore)
     last_step: int = 0       # the last step that ran any of it (monotonic ns): _release_abandoned
     prefill_done: bool = False
+    replay: bool = False     # begun from a record flagged CHUNK_F_REPLAY
     tokens: list[int] = field(default_factory=list)
     logits: list[np.ndarray] = field(default_factory=list)
 
@@ -108,6 +109,7 @@ class _Session:
     request: _Request | None = None
     restored_tokens: int = 0  # handed to the session's next request, which reports them
     durable_end: int = 0      # handed to it too (_restore)
+    unsure: int | None = None  # a request answered 503 whose put the store could not confirm (_settle)
 
 
 @dataclass
@@ -133,7 +135,8 @@ class Worker:
         self.finished: list[RequestDone] = []  # appended as requests finish; the caller drains it
         self.stats = dict(steps=0, records=0, refused=0, snapshots=0, snapshot_failures=0, restores=0,
                           evictions=0, over_budget_steps=0, stale_dropped=0, closed=0, whole_reputs=0, superseded=0,
-                          context_full=0, store_errors=0, replays_durable=0, abandoned=0, simulated_s=0.0)
+                          context_full=0, store_errors=0, replays_durable=0, abandoned=0, unsure_rolled_back=0,
+                          simulated_s=0.0)
         self.last_store_error: str | None = None
         self._abandoned: dict[SessionKey, int] = {}   # the request released as abandoned, per session
 
@@ -201,6 +204,8 @@ class Worker:
         # The store is another component (a remote one times out): its failure is this request's
         # 503, never the worker's death, which would replay the request onto the next worker.
         try:
+            if s is not None and s.unsure is not None and s.request is None:
+                s = self._settle(key, s)
             if s is not None and (s.request is None or s.request.request_id != rid) and self._moved_on(key, s, rec):
                 self._drop(key)                  # another worker continued it: the store's copy is newer
                 self.stats["stale_dropped"] += 1
@@ -210,10 +215,13 @@ class Worker:
         except Exception as e:               # kvdelta.DeltaError (a corrupt delta) among them
             self._store_failed(e)
             return wire.STATUS_UNAVAILABLE
-        if s.request is not None and s.request.request_id != rid:
+        replay = bool(rec["flags"] & records.CHUNK_F_REPLAY)
+        if s.request is not None and (s.request.request_id != rid or (replay and not s.request.replay)):
             # A new request on the session: one the router gave up on (refused, expired: its client
             # got an error) is superseded, and the KV its pieces added is cut off (not the
-            # session's) before this one's room is judged.
+            # session's) before this one's room is judged. So is this very request when the router
+            # replays it from its first chunk (it gave up on this worker, a zmq one, for a stall,
+            # then the request came back to it): its pieces so far would have been run twice.
             self.stats["superseded"] += 1
             s = self._cut_back(key, s)
             if s is None:
@@ -224,12 +232,14 @@ class Worker:
                     return wire.STATUS_UNAVAILABLE
         queued = sum(len(x) for x in segments[key].tokens) if key in segments else 0
         if s.cache.length + queued + len(tokens) > self.model.config.max_context:
+            if s.request is None and s.durable_end:
+                self._drop(key)              # restored short of its own turn for this replay: behind the store
             return wire.STATUS_TOO_LARGE
         if s.request is None:
             stamps = {name: int(rec[name]) for name in ("t_send", "t_xdp", "t_router", "t_lane") if rec[name]}
             stamps["t_worker"] = t_start
             s.request = _Request(rid, int(rec["max_output_tokens"]), s.restored_tokens, stamps, s.cache.length,
-                                 durable_end=s.durable_end, last_step=t_start)
+                                 durable_end=s.durable_end, last_step=t_start, replay=replay)
             s.restored_tokens = s.durable_end = 0
         seg = segments.get(key)
         if s.request.prefill_done or (seg is not None and (seg.decode or seg.answer is not None)):
@@ -385,8 +395,35 @@ class Worker:
         the session, never durable, could never be evicted."""
         if held == req.start_len:
             s.cache.length = s.cache.snapshot_len = req.start_len
+        elif held is None and s.cache.snapshot_len == req.start_len:
+            # The store cannot say (a remote one that timed out: the put may still land there):
+            # cut back too, and settle with the store before the session's next request (_settle).
+            s.cache.length = req.start_len
+            s.unsure = req.request_id
         else:
             self._drop(key)
+
+    def _settle(self, key: SessionKey, s: _Session) -> _Session | None:
+        """The session's last request was answered 503 while the store could not say whether its
+        turn had landed. If it has since, it is taken back out (the chain deleted, then the
+        session put again whole without it), so the store agrees with what the client was told
+        and its retry does not run on top of that turn. None: the store holds another history
+        of the session, whose copy then goes. Raises (this record's 503) while the store still
+        cannot say."""
+        chain = self.store.restore(key)
+        last = kvdelta.header(chain[-1]) if chain else None
+        if last is not None and last["request_id"] == s.unsure and last["token_start"] == s.cache.length:
+            s.cache.snapshot_len = 0             # not durable until it is back in whole
+            self.store.delete(key)
+            if s.cache.length:
+                self._put(key, s.cache, 0, 0)
+            s.cache.snapshot_len = s.cache.length
+            self.stats["unsure_rolled_back"] += 1
+        elif (last["token_end"] if last else 0) != s.cache.length:
+            self._drop(key)
+            return None
+        s.unsure = None
+        return s
 
     def _put(self, key: SessionKey, cache: KVCache, start: int, request_id: int, end: int | None = None) -> int:
         """Put the session's entries [start, end or length) as one delta; its stored size once durable."""
@@ -430,7 +467,8 @@ class Worker:
             self._release_abandoned()
         while self.kv_bytes_resident > self.kv_budget_bytes:
             victim = next((key for key, s in self.sessions.items()
-                           if s.request is None and s.cache.snapshot_len == s.cache.length), None)
+                           if s.request is None and s.unsure is None and s.cache.snapshot_len == s.cache.length),
+                          None)
             if victim is None:
                 self.stats["over_budget_steps"] += 1
                 return
