@@ -347,6 +347,21 @@ def test_a_turn_whose_put_timed_out_is_taken_back_out_if_it_landed(model, lands)
     assert store.meta((0, 6))[-1]["request_id"] == 3 and w.stats["unsure_rolled_back"] == lands
 
 
+def test_what_the_store_lacks_before_a_turn_goes_in_as_a_delta_of_its_own(model):
+    """A put that must also carry earlier entries the store lacks (here: a settle deleted the
+    chain and its re-put failed) puts them as their own delta, naming no request, then the turn
+    under its request's id: a replay of that request rolls back its turn only. Before, one delta
+    spanned both under the later id, and a replay rolled both back."""
+    store = MemoryStore()
+    w = Worker(model, store, kv_budget_bytes=BIG)
+    drive(w.step, [(2, 1, prompt(1, 40), 2)])
+    store.delete((0, 2))
+    w.sessions[(0, 2)].cache.snapshot_len = 0
+    drive(w.step, [(2, 2, prompt(2, 30), 2)])
+    assert [(m["token_start"], m["token_end"], m["request_id"]) for m in store.meta((0, 2))] == \
+           [(0, 41, 0), (41, 72, 2)]
+
+
 def test_a_replay_refused_before_it_began_leaves_no_short_copy_behind(model):
     """A replay whose own turn is in the store restores the session without it; refused at its
     first record (too large), that short copy must not stay: the next request would inherit the

@@ -360,17 +360,21 @@ class Worker:
     def _put_turn(self, key: SessionKey, cache: KVCache, req: _Request) -> int:
         """The request's turn (and anything before it the store lacks) into the store; its stored bytes."""
         try:
-            return self._put(key, cache, cache.snapshot_len, req.request_id)
+            return self._put_from(key, cache, cache.snapshot_len, req)
         except SessionChanged:
             # The store no longer holds what this copy put last (its LRU evicted the chain while
             # the session stayed resident here): this copy is the whole session, so it goes in
-            # whole, from token 0 (refused too if the store holds another history of it). In two
-            # deltas, the turn its own: a replay of this request finds its turn as the last
-            # delta and rolls back exactly that (_restore).
-            n = self._put(key, cache, 0, 0, req.start_len) if req.start_len else 0
-            n += self._put(key, cache, req.start_len, req.request_id)
+            # whole, from token 0 (refused too if the store holds another history of it).
+            n = self._put_from(key, cache, 0, req)
             self.stats["whole_reputs"] += 1
             return n
+
+    def _put_from(self, key: SessionKey, cache: KVCache, start: int, req: _Request) -> int:
+        """Entries [start, length): what precedes the request's turn as a delta of its own, naming no
+        request, then the turn, so a replay of the request finds its turn as the last delta and rolls
+        back exactly that (_restore)."""
+        n = self._put(key, cache, start, 0, req.start_len) if start < req.start_len else 0
+        return n + self._put(key, cache, max(start, req.start_len), req.request_id)
 
     def _store_end(self, key: SessionKey) -> tuple[int | None, int]:
         """Where the store's copy of the session ends, and the request its last delta names;
@@ -413,12 +417,14 @@ class Worker:
         chain = self.store.restore(key)
         last = kvdelta.header(chain[-1]) if chain else None
         if last is not None and last["request_id"] == s.unsure and last["token_start"] == s.cache.length:
-            s.cache.snapshot_len = 0             # not durable until it is back in whole
             self.store.delete(key)
+            # settled: this copy is the session now, not durable until it is back in whole (if that
+            # put fails, the next request's puts it from token 0)
+            s.unsure, s.cache.snapshot_len = None, 0
+            self.stats["unsure_rolled_back"] += 1
             if s.cache.length:
                 self._put(key, s.cache, 0, 0)
             s.cache.snapshot_len = s.cache.length
-            self.stats["unsure_rolled_back"] += 1
         elif (last["token_end"] if last else 0) != s.cache.length:
             self._drop(key)
             return None
