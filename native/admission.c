@@ -396,7 +396,7 @@ static const char *reason(const struct dp_admission *a, const struct dp_tenant_c
     case DP_STATUS_BAD_REQUEST:
         switch (oversize(a, cfg, &d->p)) {
         case OVER_OUTPUT: return "max_output_tokens is more than one answer carries";
-        case OVER_CHUNKS: return "more chunks than the router holds";
+        case OVER_CHUNKS: return "more chunks than the router holds for one tenant";
         case OVER_MINUTE: return "the request is larger than the tenant's tokens per minute";
         default: return "the request is larger than the tenant's context limit";
         }

@@ -60,6 +60,8 @@ struct req {
     uint8_t spill;                               /* admission throttled it to the secondary pool */
     uint8_t moved;                               /* its session last ran elsewhere: DP_CHUNK_F_MOVED */
     uint8_t replayed;                            /* failover replayed it once already (see failover) */
+    uint32_t arr;                                /* its tenant's entry in `arr` while it misses chunks (NIL:
+                                                    none missing) */
     uint32_t tokens_in, generated;               /* what ran: settled against the admission's charge */
     struct dp_adm_decision adm;
     uint32_t out[DP_MAX_OUTPUT_TOKENS];
@@ -98,6 +100,14 @@ struct worker {
 struct index {
     struct { uint64_t key; uint32_t slot; } *e;   /* 2 x max_requests entries */
     uint32_t mask;
+};
+
+/* A tenant's requests still missing chunks (see TENANT_SHARE). */
+struct arriving {
+    uint32_t tenant;
+    uint32_t requests;                  /* its requests still missing chunks */
+    uint32_t missing;                   /* the chunks they miss: pool room reserved for them */
+    uint32_t next_free;                 /* a free entry's next */
 };
 
 /* A pool of workers: its own view and policy instance, so the policy picks among its members only. */
@@ -140,6 +150,9 @@ struct dp_router {
     uint8_t recent_next[1u << RECENT_SET_BITS];                             /* each set's oldest way */
     struct last_run last_run[1u << LAST_RUN_BITS];   /* direct-mapped, by session key */
     uint32_t reserved;                  /* pool slots promised to chunks of admitted requests not here yet */
+    struct arriving *arr;               /* max_requests entries: the tenants with requests still arriving */
+    uint32_t *arr_hash;                 /* tenant -> entry + 1 (0: empty), 2 x max_requests, linear probing */
+    uint32_t arr_mask, arr_free;
     uint64_t next_expiry_scan;
     uint64_t now;                       /* the clock as read in this poll pass (0: not yet): pass_clock */
     int in_pass;                        /* dp_router_poll is running (else a control call: no pass clock) */
@@ -594,6 +607,85 @@ static void session_leave(struct dp_router *rt, uint32_t ri)
     }
 }
 
+/* --- a tenant's share of the router --------------------------------------------------------
+ * An admitted request reserves pool room for every chunk it announces until they come, and a
+ * request slot; one whose chunks never come is refunded whole when it expires. So that one
+ * tenant cannot hold the router with requests it never completes (one OPEN announcing the whole
+ * pool, a table of OPENs: at no cost, and again every second), its requests still missing chunks
+ * may hold at most 1/TENANT_SHARE of the pool's room and of the request table; beyond, a new one
+ * is answered 503 (tenant_share_refused), and a request of more chunks than a share is refused 400
+ * by admission (dp_adm_set_max_chunks). Tenant ids are the client's word: a client that makes
+ * them up still fills the router, but one tenant's failure no longer takes the others down. */
+#define TENANT_SHARE 4
+
+static uint32_t arr_home(const struct dp_router *rt, uint32_t tenant)
+{
+    return (uint32_t)dp_hash64(tenant ^ rt->key_secret) & rt->arr_mask;
+}
+
+/* The tenant's slot in arr_hash, or the empty one where it would go. */
+static uint32_t arr_probe(const struct dp_router *rt, uint32_t tenant)
+{
+    uint32_t i = arr_home(rt, tenant);
+    while (rt->arr_hash[i] && rt->arr[rt->arr_hash[i] - 1].tenant != tenant)
+        i = (i + 1) & rt->arr_mask;
+    return i;
+}
+
+static int over_share(const struct dp_router *rt, uint32_t tenant, uint32_t chunk_count, const struct arriving **e)
+{
+    uint32_t v = rt->arr_hash[arr_probe(rt, tenant)];
+    *e = v ? &rt->arr[v - 1] : NULL;
+    return *e && ((*e)->missing + chunk_count > rt->cfg.pool_chunks / TENANT_SHARE ||
+                  (*e)->requests >= rt->cfg.max_requests / TENANT_SHARE);
+}
+
+/* Request r, just admitted, misses all its chunks: its tenant's entry counts them (an entry is
+ * free: fewer tenants have requests arriving than there are request slots). */
+static void arriving_add(struct dp_router *rt, struct req *r)
+{
+    uint32_t i = arr_probe(rt, r->tenant);
+    if (!rt->arr_hash[i]) {
+        uint32_t a = rt->arr_free;
+        rt->arr_free = rt->arr[a].next_free;
+        rt->arr[a] = (struct arriving){ .tenant = r->tenant };
+        rt->arr_hash[i] = a + 1;
+    }
+    r->arr = rt->arr_hash[i] - 1;
+    rt->arr[r->arr].requests++;
+    rt->arr[r->arr].missing += r->chunk_count;
+}
+
+/* n of r's missing chunks are awaited no more (come, or given up on); `whole`: none is left. */
+static void arriving_less(struct dp_router *rt, struct req *r, uint32_t n, int whole)
+{
+    if (r->arr == NIL)
+        return;
+    struct arriving *e = &rt->arr[r->arr];
+    e->missing -= n;
+    if (!whole)
+        return;
+    r->arr = NIL;
+    if (--e->requests)
+        return;
+    /* the tenant has nothing arriving: its entry goes (backward-shift deletion, as the index's) */
+    uint32_t a = (uint32_t)(e - rt->arr), i = arr_probe(rt, e->tenant), j = i;
+    rt->arr_hash[i] = 0;
+    for (;;) {
+        j = (j + 1) & rt->arr_mask;
+        if (!rt->arr_hash[j])
+            break;
+        uint32_t h = arr_home(rt, rt->arr[rt->arr_hash[j] - 1].tenant);
+        if (i <= j ? (i < h && h <= j) : (i < h || h <= j))
+            continue;
+        rt->arr_hash[i] = rt->arr_hash[j];
+        rt->arr_hash[j] = 0;
+        i = j;
+    }
+    e->next_free = rt->arr_free;
+    rt->arr_free = a;
+}
+
 /* A decision the chunk's placement did not depend on (admission.h, DP_ADM_LAZY) is priced and
  * committed after the pass placed the chunk: the entropy pass (~80 ns of a ~170 ns decision in the
  * path) off its way to the lane. It runs before anything else reads or writes the admission's state
@@ -632,6 +724,7 @@ static void finish(struct dp_router *rt, uint32_t ri)
     remember_done(rt, r->key);
     dp_adm_settle(rt->adm, r->tenant, &r->adm, r->tokens_in, r->generated, r->status == 0);
     rt->reserved -= r->chunk_count - r->received;   /* a failed request's missing chunks need no room now */
+    arriving_less(rt, r, (uint32_t)(r->chunk_count - r->received), 1);
     r->received = r->chunk_count;
     free_list(rt, r->sent_head);        /* no replay needed any more */
     r->sent_head = r->sent_tail = NIL;
@@ -755,6 +848,7 @@ static struct req *req_init(struct dp_router *rt, uint32_t ri, const struct dp_c
     r->pool = pool;
     r->moved = note_run(rt, session_key(rt, c->tenant, c->session_id), wk);
     r->state = REQ_PREFILL;
+    r->arr = NIL;
     r->pending_head = r->pending_tail = r->ooo = r->fifo_next = NIL;
     r->sent_head = r->sent_tail = NIL;
     r->t_send = c->t_send;
@@ -792,6 +886,18 @@ static int admit(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, uin
             rt->st.adm_no_slot++;
         return 1;
     }
+    const struct arriving *e;
+    if (over_share(rt, c->tenant, c->chunk_count, &e)) {
+        int n = snprintf(body, sizeof(body), "{\"status\":503,\"error\":\"the tenant's requests still arriving hold "
+                         "its share of the router\",\"requests_arriving\":%u,\"chunks_missing\":%u,"
+                         "\"share\":\"1/%d of %u chunks and %u requests\"}", e->requests, e->missing, TENANT_SHARE,
+                         rt->cfg.pool_chunks, rt->cfg.max_requests);
+        if (!answer(rt, c, DP_STATUS_UNAVAILABLE, body, (uint32_t)n))
+            return 0;
+        remember_done(rt, key);
+        rt->st.tenant_share_refused++;
+        return 1;
+    }
     /* the chunk pool must hold this request's chunks besides those promised to requests still
      * arriving, or it is refused now (a full pool would stall the chunks that finish them) */
     int room = rt->st.pool_free >= (uint32_t)c->chunk_count + rt->reserved, spilled = 0;
@@ -816,6 +922,7 @@ static int admit(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, uin
     rt->st.to_secondary += (uint64_t)spilled;
     rt->reserved += c->chunk_count;     /* each chunk takes one back as it comes */
     struct req *r = req_init(rt, ri, c, key, t, wk, pool);
+    arriving_add(rt, r);
     r->spill = d.spill;
     r->adm = d;
     session_join(rt, ri, c);
@@ -960,6 +1067,7 @@ static int ingest(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, in
         rt->unpriced_chunk = p;
     }
     rt->reserved--;                      /* a promised chunk has come */
+    arriving_less(rt, r, 1, r->received + 1 == r->chunk_count);
     r->received++;
     r->tokens_in += n;
     r->t_last = t;
@@ -1490,6 +1598,7 @@ static uint32_t expire_stalled(struct dp_router *rt)
         not_run(rt, r);
         session_leave(rt, ri);
         rt->reserved -= r->chunk_count - r->received;
+        arriving_less(rt, r, (uint32_t)(r->chunk_count - r->received), 1);
         if (cut) {
             rt->st.xdp_cut++;
         } else {
@@ -1583,8 +1692,9 @@ static void failover(struct dp_router *rt, uint32_t k)
 #define WARM_LINES 8
 
 /* Region i of the working set: the indexes, the view, the workers, the done cache, the sessions'
- * last workers, each pool's view and policy state, then each shm lane's header and next slots. */
-#define WARM_FIXED (6 + 2 * DP_MAX_POOLS)
+ * last workers, the tenants' share table, each pool's view and policy state, then each shm lane's
+ * header and next slots. */
+#define WARM_FIXED (7 + 2 * DP_MAX_POOLS)
 
 static size_t warm_region(const struct dp_router *rt, uint32_t i, const uint8_t **base)
 {
@@ -1605,11 +1715,15 @@ static size_t warm_region(const struct dp_router *rt, uint32_t i, const uint8_t 
         *base = i == 4 ? (const uint8_t *)rt->recent : (const uint8_t *)rt->last_run;
         return i == 4 ? sizeof(rt->recent) : sizeof(rt->last_run);
     }
+    if (i == 6) {
+        *base = (const uint8_t *)rt->arr_hash;
+        return (rt->arr_mask + 1) * sizeof(*rt->arr_hash);
+    }
     if (i < WARM_FIXED) {
-        const struct pool *pl = &rt->pools[(i - 6) / 2];
+        const struct pool *pl = &rt->pools[(i - 7) / 2];
         if (pl->view.n == 0)
             return 0;
-        if ((i - 6) % 2 == 0) {
+        if ((i - 7) % 2 == 0) {
             *base = (const uint8_t *)&pl->view;
             return sizeof(pl->view);
         }
@@ -1908,8 +2022,10 @@ static struct dp_router *router_new(const struct dp_router_config *cfg, const ch
     rt->by_id.e = hot_alloc(2 * (size_t)c.max_requests * sizeof(*rt->by_id.e));
     rt->by_session.e = hot_alloc(2 * (size_t)c.max_requests * sizeof(*rt->by_session.e));
     rt->pool = hot_alloc((size_t)c.pool_chunks * sizeof(struct pooled));
-    rt->by_id.mask = rt->by_session.mask = 2 * c.max_requests - 1;
-    if (!rt->reqs || !rt->pool || !rt->by_id.e || !rt->by_session.e) {
+    rt->arr = hot_alloc(c.max_requests * sizeof(*rt->arr));
+    rt->arr_hash = hot_alloc(2 * (size_t)c.max_requests * sizeof(*rt->arr_hash));
+    rt->by_id.mask = rt->by_session.mask = rt->arr_mask = 2 * c.max_requests - 1;
+    if (!rt->reqs || !rt->pool || !rt->by_id.e || !rt->by_session.e || !rt->arr || !rt->arr_hash) {
         dp_router_destroy(rt);
         *err = -ENOMEM;
         return NULL;
@@ -1926,6 +2042,8 @@ static struct dp_router *router_new(const struct dp_router_config *cfg, const ch
     }
     rt->done_head = rt->done_tail = NIL;
     rt->rehearsal_from = rt->unpriced = NIL;
+    for (uint32_t i = 0; i < c.max_requests; i++)
+        rt->arr[i].next_free = i + 1 < c.max_requests ? i + 1 : NIL;
     for (uint32_t p = 0; p < DP_MAX_POOLS; p++) {
         rt->order[p] = (uint8_t)p;
         int rc = dp_policy_init(&rt->pools[p].policy, policy, c.seed, param);
@@ -1940,7 +2058,8 @@ static struct dp_router *router_new(const struct dp_router_config *cfg, const ch
         *err = -ENOMEM;
         return NULL;
     }
-    dp_adm_set_max_chunks(rt->adm, c.pool_chunks);   /* more could never be held whole (a 503 at every try) */
+    /* more than a tenant's share could never be held whole (a 503 at every try) */
+    dp_adm_set_max_chunks(rt->adm, c.pool_chunks / TENANT_SHARE);
     return rt;
 }
 
@@ -1966,6 +2085,8 @@ void dp_router_destroy(struct dp_router *rt)
     hot_free(rt->by_id.e, 2 * (size_t)rt->cfg.max_requests * sizeof(*rt->by_id.e));
     hot_free(rt->by_session.e, 2 * (size_t)rt->cfg.max_requests * sizeof(*rt->by_session.e));
     hot_free(rt->pool, (size_t)rt->cfg.pool_chunks * sizeof(struct pooled));
+    hot_free(rt->arr, rt->cfg.max_requests * sizeof(*rt->arr));
+    hot_free(rt->arr_hash, 2 * (size_t)rt->cfg.max_requests * sizeof(*rt->arr_hash));
     if (rt->cuts_fd >= 0)
         close(rt->cuts_fd);
     pthread_mutex_destroy(&rt->lock);
@@ -2291,7 +2412,7 @@ static int random_pick(struct dp_policy *p, const struct dp_workers *w, uint64_t
     return (int)(((uint64_t)(uint32_t)session * w->n) >> 32);
 }
 
-static const struct dp_policy_ops random_policy = { "", 0, random_pick, 0 };
+static const struct dp_policy_ops random_policy = { .name = "", .pick = random_pick };
 
 double dp_policy_bench(const char *policy, uint32_t n_workers, uint64_t decisions)
 {

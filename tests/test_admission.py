@@ -387,9 +387,9 @@ def test_more_output_tokens_than_an_answer_carries_is_refused_not_cut(bench_fact
 
 
 def test_a_request_of_more_chunks_than_the_router_holds_is_refused_400_not_503_forever(bench_factory):
-    """chunk_count over the router's chunk pool can never be held whole: it was answered 503
-    (pool full) at every try, as if waiting would help."""
-    b = bench_factory(pool_chunks=16)
+    """chunk_count over a tenant's share of the router's chunk pool (a quarter) can never be held
+    whole: it was answered 503 (pool full) at every try, as if waiting would help."""
+    b = bench_factory(pool_chunks=64)
     b.router.set_tenant(4, TenantPolicy())
     big = chunks_of(1, list(range(20 * 128)), max_out=2, tenant=4)      # 20 chunks > 16
     b.send(big[:3], chunks_of(2, list(range(300)), max_out=2, tenant=4))
@@ -399,12 +399,39 @@ def test_a_request_of_more_chunks_than_the_router_holds_is_refused_400_not_503_f
     assert got[1]["status"] == 400 and got[2]["status"] == 200
     doc = wire.decode_admission_body(body_of(got[1]))
     assert doc.cost_breakdown["chunk_count"] == 20 and doc.fields["limit_chunks"] == 16
-    assert doc.error == "more chunks than the router holds"
+    assert doc.error == "more chunks than the router holds for one tenant"
     assert doc.suggestions == ["split into requests of at most 16 chunks"]
     assert wire.decode_admission_body(body_of(got[3])).fields["would_be"] == 400
     assert {int(r["request_id"]) for x in batches for r in x} == {2}
     assert b.router.stats()["adm_oversized"] == 1 and b.router.stats()["pool_refused"] == 0
     assert b.router.tenant_stats(4)["oversized"] == 1
+
+
+def test_one_tenant_s_requests_that_never_arrive_whole_cannot_hold_the_router(bench_factory):
+    """A request reserves pool room for every chunk it announces, and one that never sends them
+    is refunded whole when it expires: one tenant's OPENs announcing the whole pool, or a table
+    of them, shut every other tenant out (503), at no cost. Its requests still arriving now hold
+    at most a quarter of the pool's room and of the request table; the others still get in."""
+    b = bench_factory(pool_chunks=64, max_requests=16, reassembly_timeout_s=60)
+    hog = [open_record(100 + i, 8, 1, tenant=5) for i in range(6)]   # 8 chunks each, none sent
+    b.send(*hog)
+    b.router.poll()
+    b.collect()
+    refused = [r for r in b.responses if int(r["status"]) == 503]
+    assert [int(r["request_id"]) for r in refused] == [102, 103, 104, 105], "2 x 8 = 16 chunks: its quarter"
+    doc = json.loads(body_of(refused[0]))
+    assert (doc["requests_arriving"], doc["chunks_missing"]) == (2, 16)
+    few = [open_record(200 + i, 1, 1, tenant=6) for i in range(4)]   # a table's quarter: 4 requests
+    b.send(*few, open_record(204, 1, 1, tenant=6))
+    b.send(*[chunks_of(300 + t, [t, t + 1], max_out=1, tenant=t) for t in (1, 2, 3)])
+    b.router.poll()
+    b.collect()
+    got = {int(r["request_id"]): int(r["status"]) for r in b.responses}
+    assert got[204] == 503 and all(rid not in got for rid in range(200, 204))
+    b.run()
+    got = {int(r["request_id"]): int(r["status"]) for r in b.responses}
+    assert [got[300 + t] for t in (1, 2, 3)] == [200, 200, 200], "other tenants are served"
+    assert b.router.stats()["tenant_share_refused"] == 5
 
 
 def test_a_tenant_with_limits_that_no_slot_can_hold_is_refused_503_not_run_unlimited():

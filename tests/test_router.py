@@ -665,7 +665,8 @@ def test_no_worker_left_answers_503(bench_factory):
 
 def test_a_pool_full_of_half_arrived_requests_refuses_new_ones_instead_of_stalling(bench_factory):
     b = bench_factory(pool_chunks=8)
-    two = {rid: chunks_of(rid, list(range(200)), max_out=1) for rid in range(1, 9)}   # 2 chunks each
+    # 2 chunks each, a tenant each (a tenant's requests still arriving hold a quarter of the pool at most)
+    two = {rid: chunks_of(rid, list(range(200)), max_out=1, tenant=rid) for rid in range(1, 9)}
     b.send(*[two[rid][[0]] for rid in range(1, 9)])          # every first chunk, interleaved
     b.send(*[two[rid][[1]] for rid in range(1, 9)])          # then every second one
     batches = b.run()
