@@ -36,7 +36,8 @@ struct count_table {
 
 struct dp_admission {
     struct dp_tenant_cfg dflt;
-    uint32_t max_chunks;                  /* chunks a request may have (the router's pool; 0: any) */
+    uint32_t max_chunks;                  /* chunks a request may have (a tenant's share of the router's
+                                           * pool; 0: any) */
     uint32_t used;                        /* slots in use (never freed) */
     struct count_table counts;            /* entropy's scratch (the router calls under its lock) */
     struct tenant t[DP_ADM_MAX_TENANTS];
@@ -249,7 +250,7 @@ void dp_adm_price(const struct dp_tenant_cfg *cfg, const uint32_t *tokens, uint3
 }
 
 /* Why a request is refused 400, the first that applies (FITS: it is not): more output than an
- * answer carries, more chunks than the router holds, over the tenant's context limit, more tokens
+ * answer carries, more chunks than the router holds for a tenant, over its context limit, more tokens
  * than the tenant's whole minute (a 429 would name a retry that never succeeds). */
 enum oversize { FITS, OVER_OUTPUT, OVER_CHUNKS, OVER_CONTEXT, OVER_MINUTE };
 

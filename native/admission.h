@@ -31,8 +31,8 @@
  *
  * Decision, in this order (the first that applies):
  *   400  max_output_tokens > DP_MAX_OUTPUT_TOKENS (256: what one answer
- *        carries, chunk.h), or chunk_count > the router's chunk pool
- *        (dp_adm_set_max_chunks), or input_tokens + max_output_tokens >
+ *        carries, chunk.h), or chunk_count > what the router holds for
+ *        one tenant (dp_adm_set_max_chunks: a quarter of its pool), or input_tokens + max_output_tokens >
  *        max_request_tokens (the context limit), or > tokens_per_minute (no
  *        retry would ever fit the minute): the body names the first that
  *        applies; refused whole and alone, never truncated;

@@ -106,7 +106,7 @@ struct index {
 struct arriving {
     uint32_t tenant;
     uint32_t requests;                  /* its requests still missing chunks */
-    uint32_t missing;                   /* the chunks they miss: pool room reserved for them */
+    uint32_t chunks;                    /* theirs, come (held in the pool) or promised (room reserved) */
     uint32_t next_free;                 /* a free entry's next */
 };
 
@@ -611,12 +611,18 @@ static void session_leave(struct dp_router *rt, uint32_t ri)
  * An admitted request reserves pool room for every chunk it announces until they come, and a
  * request slot; one whose chunks never come is refunded whole when it expires. So that one
  * tenant cannot hold the router with requests it never completes (one OPEN announcing the whole
- * pool, a table of OPENs: at no cost, and again every second), its requests still missing chunks
- * may hold at most 1/TENANT_SHARE of the pool's room and of the request table; beyond, a new one
- * is answered 503 (tenant_share_refused), and a request of more chunks than a share is refused 400
- * by admission (dp_adm_set_max_chunks). Tenant ids are the client's word: a client that makes
- * them up still fills the router, but one tenant's failure no longer takes the others down. */
+ * pool, a table of OPENs, requests sent but for their last chunk: at no cost, and again every
+ * second), its requests still missing chunks may hold at most 1/TENANT_SHARE of the pool (their
+ * chunks, come or promised) and of the request table; beyond, a new one is answered 503
+ * (tenant_share_refused), and a request of more chunks than a share is refused 400 by admission
+ * (dp_adm_set_max_chunks). Tenant ids are the client's word: a client that makes them up still
+ * fills the router, but one tenant's failure no longer takes the others down. */
 #define TENANT_SHARE 4
+
+static uint32_t share_chunks(const struct dp_router_config *c)
+{
+    return c->pool_chunks >= TENANT_SHARE ? c->pool_chunks / TENANT_SHARE : 1;
+}
 
 static uint32_t arr_home(const struct dp_router *rt, uint32_t tenant)
 {
@@ -636,12 +642,12 @@ static int over_share(const struct dp_router *rt, uint32_t tenant, uint32_t chun
 {
     uint32_t v = rt->arr_hash[arr_probe(rt, tenant)];
     *e = v ? &rt->arr[v - 1] : NULL;
-    return *e && ((*e)->missing + chunk_count > rt->cfg.pool_chunks / TENANT_SHARE ||
+    return *e && ((*e)->chunks + chunk_count > share_chunks(&rt->cfg) ||
                   (*e)->requests >= rt->cfg.max_requests / TENANT_SHARE);
 }
 
-/* Request r, just admitted, misses all its chunks: its tenant's entry counts them (an entry is
- * free: fewer tenants have requests arriving than there are request slots). */
+/* Request r, just admitted, misses its chunks: its tenant's entry counts it (an entry is free:
+ * fewer tenants have requests arriving than there are request slots, r's taken already). */
 static void arriving_add(struct dp_router *rt, struct req *r)
 {
     uint32_t i = arr_probe(rt, r->tenant);
@@ -653,18 +659,16 @@ static void arriving_add(struct dp_router *rt, struct req *r)
     }
     r->arr = rt->arr_hash[i] - 1;
     rt->arr[r->arr].requests++;
-    rt->arr[r->arr].missing += r->chunk_count;
+    rt->arr[r->arr].chunks += r->chunk_count;
 }
 
-/* n of r's missing chunks are awaited no more (come, or given up on); `whole`: none is left. */
-static void arriving_less(struct dp_router *rt, struct req *r, uint32_t n, int whole)
+/* r misses no chunk any more (its last came, or it ended): its tenant's entry lets it go. */
+static void arriving_done(struct dp_router *rt, struct req *r)
 {
     if (r->arr == NIL)
         return;
     struct arriving *e = &rt->arr[r->arr];
-    e->missing -= n;
-    if (!whole)
-        return;
+    e->chunks -= r->chunk_count;
     r->arr = NIL;
     if (--e->requests)
         return;
@@ -724,7 +728,7 @@ static void finish(struct dp_router *rt, uint32_t ri)
     remember_done(rt, r->key);
     dp_adm_settle(rt->adm, r->tenant, &r->adm, r->tokens_in, r->generated, r->status == 0);
     rt->reserved -= r->chunk_count - r->received;   /* a failed request's missing chunks need no room now */
-    arriving_less(rt, r, (uint32_t)(r->chunk_count - r->received), 1);
+    arriving_done(rt, r);
     r->received = r->chunk_count;
     free_list(rt, r->sent_head);        /* no replay needed any more */
     r->sent_head = r->sent_tail = NIL;
@@ -889,9 +893,9 @@ static int admit(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, uin
     const struct arriving *e;
     if (over_share(rt, c->tenant, c->chunk_count, &e)) {
         int n = snprintf(body, sizeof(body), "{\"status\":503,\"error\":\"the tenant's requests still arriving hold "
-                         "its share of the router\",\"requests_arriving\":%u,\"chunks_missing\":%u,"
-                         "\"share\":\"1/%d of %u chunks and %u requests\"}", e->requests, e->missing, TENANT_SHARE,
-                         rt->cfg.pool_chunks, rt->cfg.max_requests);
+                         "its share of the router\",\"requests_arriving\":%u,\"their_chunks\":%u,"
+                         "\"share_chunks\":%u,\"share_requests\":%u}", e->requests, e->chunks, share_chunks(&rt->cfg),
+                         rt->cfg.max_requests / TENANT_SHARE);
         if (!answer(rt, c, DP_STATUS_UNAVAILABLE, body, (uint32_t)n))
             return 0;
         remember_done(rt, key);
@@ -1067,7 +1071,8 @@ static int ingest(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, in
         rt->unpriced_chunk = p;
     }
     rt->reserved--;                      /* a promised chunk has come */
-    arriving_less(rt, r, 1, r->received + 1 == r->chunk_count);
+    if (r->received + 1 == r->chunk_count)
+        arriving_done(rt, r);
     r->received++;
     r->tokens_in += n;
     r->t_last = t;
@@ -1598,7 +1603,7 @@ static uint32_t expire_stalled(struct dp_router *rt)
         not_run(rt, r);
         session_leave(rt, ri);
         rt->reserved -= r->chunk_count - r->received;
-        arriving_less(rt, r, (uint32_t)(r->chunk_count - r->received), 1);
+        arriving_done(rt, r);
         if (cut) {
             rt->st.xdp_cut++;
         } else {
@@ -2059,7 +2064,7 @@ static struct dp_router *router_new(const struct dp_router_config *cfg, const ch
         return NULL;
     }
     /* more than a tenant's share could never be held whole (a 503 at every try) */
-    dp_adm_set_max_chunks(rt->adm, c.pool_chunks / TENANT_SHARE);
+    dp_adm_set_max_chunks(rt->adm, share_chunks(&c));
     return rt;
 }
 

@@ -6,6 +6,7 @@ ring, bodies included. Prices are checked against the Python reference below,
 which restates the formula of native/admission.h.
 """
 import json
+import time
 import math
 from collections import Counter
 
@@ -408,30 +409,44 @@ def test_a_request_of_more_chunks_than_the_router_holds_is_refused_400_not_503_f
 
 
 def test_one_tenant_s_requests_that_never_arrive_whole_cannot_hold_the_router(bench_factory):
-    """A request reserves pool room for every chunk it announces, and one that never sends them
-    is refunded whole when it expires: one tenant's OPENs announcing the whole pool, or a table
-    of them, shut every other tenant out (503), at no cost. Its requests still arriving now hold
-    at most a quarter of the pool's room and of the request table; the others still get in."""
-    b = bench_factory(pool_chunks=64, max_requests=16, reassembly_timeout_s=60)
-    hog = [open_record(100 + i, 8, 1, tenant=5) for i in range(6)]   # 8 chunks each, none sent
-    b.send(*hog)
+    """A request reserves pool room for every chunk it announces and holds those that came, and
+    one that never sends them all is refunded whole when it expires: one tenant's OPENs announcing
+    the whole pool, or a table of them, shut every other tenant out (503), at no cost. Its
+    requests still arriving now hold at most a quarter of the pool (their chunks, come or
+    promised) and of the request table; the others still get in, and the share comes back as its
+    requests complete or expire."""
+    b = bench_factory(pool_chunks=64, max_requests=16, reassembly_timeout_s=0.3)
+    held = chunks_of(99, list(range(15 * 128)), max_out=1, tenant=5)[:14]      # 15 chunks, all but one sent
+    hog = [open_record(100 + i, 8, 1, tenant=5) for i in range(6)]             # 8 chunks each, none sent
+    b.send(held, *hog)
     b.router.poll()
     b.collect()
-    refused = [r for r in b.responses if int(r["status"]) == 503]
-    assert [int(r["request_id"]) for r in refused] == [102, 103, 104, 105], "2 x 8 = 16 chunks: its quarter"
-    doc = json.loads(body_of(refused[0]))
-    assert (doc["requests_arriving"], doc["chunks_missing"]) == (2, 16)
-    few = [open_record(200 + i, 1, 1, tenant=6) for i in range(4)]   # a table's quarter: 4 requests
-    b.send(*few, open_record(204, 1, 1, tenant=6))
-    b.send(*[chunks_of(300 + t, [t, t + 1], max_out=1, tenant=t) for t in (1, 2, 3)])
+    refused = [int(r["request_id"]) for r in b.responses if int(r["status"]) == 503]
+    assert refused == list(range(100, 106)), "15 + 8 > 16: the chunks it holds count, not only the missing one"
+    doc = json.loads(body_of(b.responses[0]))
+    assert (doc["requests_arriving"], doc["their_chunks"], doc["share_chunks"]) == (1, 15, 16)
+    b.send(open_record(106, 1, 1, tenant=5))                                   # 15 + 1 fits
+    b.router.poll()
+    b.collect()
+    assert all(int(r["request_id"]) != 106 for r in b.responses)
+    few = [open_record(200 + i, 1, 1, tenant=6) for i in range(5)]            # a table's quarter: 4 requests
+    b.send(*few, *[chunks_of(300 + t, [t, t + 1], max_out=1, tenant=t) for t in (1, 2, 3)])
     b.router.poll()
     b.collect()
     got = {int(r["request_id"]): int(r["status"]) for r in b.responses}
     assert got[204] == 503 and all(rid not in got for rid in range(200, 204))
-    b.run()
+    b.run()                                             # the others' requests, and 99's chunks sent so far
+    time.sleep(0.5)                                     # then what never came whole expires: shares back
+    b.router.poll()
+    b.collect()
+    got = {int(r["request_id"]): int(r["status"]) for r in b.responses}
+    assert [got[rid] for rid in (99, 106, 200, 201, 202, 203)] == [400] * 6
+    b.send(*[chunks_of(400 + i, list(range(3 * 128)), max_out=1, tenant=5) for i in range(8)])
+    b.run()                                             # 8 x 3 chunks > 16, each complete before the next
     got = {int(r["request_id"]): int(r["status"]) for r in b.responses}
     assert [got[300 + t] for t in (1, 2, 3)] == [200, 200, 200], "other tenants are served"
-    assert b.router.stats()["tenant_share_refused"] == 5
+    assert [got[400 + i] for i in range(8)] == [200] * 8
+    assert b.router.stats()["tenant_share_refused"] == 7 and b.router.stats()["active_requests"] == 0
 
 
 def test_a_tenant_with_limits_that_no_slot_can_hold_is_refused_503_not_run_unlimited():
