@@ -890,8 +890,11 @@ static int admit(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, uin
             rt->st.adm_no_slot++;
         return 1;
     }
+    /* a one-chunk request is whole as it is admitted: it holds nothing while arriving, so the
+     * share is neither asked nor kept for it (nothing added to the path of most requests) */
+    int whole = c->kind == DP_KIND_CHUNK && c->chunk_count == 1;
     const struct arriving *e;
-    if (over_share(rt, c->tenant, c->chunk_count, &e)) {
+    if (!whole && over_share(rt, c->tenant, c->chunk_count, &e)) {
         int n = snprintf(body, sizeof(body), "{\"status\":503,\"error\":\"the tenant's requests still arriving hold "
                          "its share of the router\",\"requests_arriving\":%u,\"their_chunks\":%u,"
                          "\"share_chunks\":%u,\"share_requests\":%u}", e->requests, e->chunks, share_chunks(&rt->cfg),
@@ -926,7 +929,8 @@ static int admit(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, uin
     rt->st.to_secondary += (uint64_t)spilled;
     rt->reserved += c->chunk_count;     /* each chunk takes one back as it comes */
     struct req *r = req_init(rt, ri, c, key, t, wk, pool);
-    arriving_add(rt, r);
+    if (!whole)
+        arriving_add(rt, r);
     r->spill = d.spill;
     r->adm = d;
     session_join(rt, ri, c);
