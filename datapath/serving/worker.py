@@ -392,9 +392,10 @@ class Worker:
         """The request's turn did not become durable and the request is answered 503: the session
         keeps resident only what the store holds, so the client's retry runs on the context it
         had and a later restore anywhere agrees with it. Cut back to the turn's start when the
-        store holds exactly that (this copy put it, or restored it); else (another history of
-        the session there, or the store unreachable) the copy goes and the next request restores
-        the store's. Before, such a request was answered 200 with its turn in no store: a failover
+        store holds exactly that (this copy put it, or restored it), or when the store cannot say
+        (then settled at the next request); else (another history of the session there) the copy
+        goes and the next request restores the store's. Before, such a request was answered 200
+        with its turn in no store: a failover
         or a spill lost it silently, later puts spanned several turns under one request's id, and
         the session, never durable, could never be evicted."""
         if held == req.start_len:
