@@ -151,8 +151,8 @@ struct dp_router {
     struct last_run last_run[1u << LAST_RUN_BITS];   /* direct-mapped, by session key */
     uint32_t reserved;                  /* pool slots promised to chunks of admitted requests not here yet */
     struct arriving *arr;               /* max_requests entries: the tenants with requests still arriving */
-    uint32_t *arr_hash;                 /* tenant -> entry + 1 (0: empty), 2 x max_requests, linear probing */
-    uint32_t arr_mask, arr_free;
+    struct index by_tenant;             /* tenant key -> its entry in arr */
+    uint32_t arr_free;
     uint64_t next_expiry_scan;
     uint64_t now;                       /* the clock as read in this poll pass (0: not yet): pass_clock */
     int in_pass;                        /* dp_router_poll is running (else a control call: no pass clock) */
@@ -624,24 +624,25 @@ static uint32_t share_chunks(const struct dp_router_config *c)
     return c->pool_chunks >= TENANT_SHARE ? c->pool_chunks / TENANT_SHARE : 1;
 }
 
-static uint32_t arr_home(const struct dp_router *rt, uint32_t tenant)
+static uint64_t tenant_key(const struct dp_router *rt, uint32_t tenant)
 {
-    return (uint32_t)dp_hash64(tenant ^ rt->key_secret) & rt->arr_mask;
+    return dp_hash64(tenant ^ rt->key_secret);
 }
 
-/* The tenant's slot in arr_hash, or the empty one where it would go. */
-static uint32_t arr_probe(const struct dp_router *rt, uint32_t tenant)
+/* The tenant's entry in arr (NIL: nothing of it arriving). */
+static uint32_t arriving_find(const struct dp_router *rt, uint32_t tenant, uint64_t key)
 {
-    uint32_t i = arr_home(rt, tenant);
-    while (rt->arr_hash[i] && rt->arr[rt->arr_hash[i] - 1].tenant != tenant)
-        i = (i + 1) & rt->arr_mask;
-    return i;
+    for (uint32_t i = (uint32_t)key & rt->by_tenant.mask;; i = (i + 1) & rt->by_tenant.mask) {
+        uint32_t a = rt->by_tenant.e[i].slot;
+        if (a == NIL || (rt->by_tenant.e[i].key == key && rt->arr[a].tenant == tenant))
+            return a;
+    }
 }
 
 static int over_share(const struct dp_router *rt, uint32_t tenant, uint32_t chunk_count, const struct arriving **e)
 {
-    uint32_t v = rt->arr_hash[arr_probe(rt, tenant)];
-    *e = v ? &rt->arr[v - 1] : NULL;
+    uint32_t a = arriving_find(rt, tenant, tenant_key(rt, tenant));
+    *e = a != NIL ? &rt->arr[a] : NULL;
     return *e && ((*e)->chunks + chunk_count > share_chunks(&rt->cfg) ||
                   (*e)->requests >= rt->cfg.max_requests / TENANT_SHARE);
 }
@@ -650,16 +651,17 @@ static int over_share(const struct dp_router *rt, uint32_t tenant, uint32_t chun
  * fewer tenants have requests arriving than there are request slots, r's taken already). */
 static void arriving_add(struct dp_router *rt, struct req *r)
 {
-    uint32_t i = arr_probe(rt, r->tenant);
-    if (!rt->arr_hash[i]) {
-        uint32_t a = rt->arr_free;
+    uint64_t key = tenant_key(rt, r->tenant);
+    uint32_t a = arriving_find(rt, r->tenant, key);
+    if (a == NIL) {
+        a = rt->arr_free;
         rt->arr_free = rt->arr[a].next_free;
         rt->arr[a] = (struct arriving){ .tenant = r->tenant };
-        rt->arr_hash[i] = a + 1;
+        index_add(&rt->by_tenant, key, a);
     }
-    r->arr = rt->arr_hash[i] - 1;
-    rt->arr[r->arr].requests++;
-    rt->arr[r->arr].chunks += r->chunk_count;
+    r->arr = a;
+    rt->arr[a].requests++;
+    rt->arr[a].chunks += r->chunk_count;
 }
 
 /* r misses no chunk any more (its last came, or it ended): its tenant's entry lets it go. */
@@ -667,25 +669,13 @@ static void arriving_done(struct dp_router *rt, struct req *r)
 {
     if (r->arr == NIL)
         return;
-    struct arriving *e = &rt->arr[r->arr];
+    uint32_t a = r->arr;
+    struct arriving *e = &rt->arr[a];
     e->chunks -= r->chunk_count;
     r->arr = NIL;
     if (--e->requests)
         return;
-    /* the tenant has nothing arriving: its entry goes (backward-shift deletion, as the index's) */
-    uint32_t a = (uint32_t)(e - rt->arr), i = arr_probe(rt, e->tenant), j = i;
-    rt->arr_hash[i] = 0;
-    for (;;) {
-        j = (j + 1) & rt->arr_mask;
-        if (!rt->arr_hash[j])
-            break;
-        uint32_t h = arr_home(rt, rt->arr[rt->arr_hash[j] - 1].tenant);
-        if (i <= j ? (i < h && h <= j) : (i < h || h <= j))
-            continue;
-        rt->arr_hash[i] = rt->arr_hash[j];
-        rt->arr_hash[j] = 0;
-        i = j;
-    }
+    index_move(&rt->by_tenant, tenant_key(rt, e->tenant), a, NIL);   /* nothing arriving: it goes */
     e->next_free = rt->arr_free;
     rt->arr_free = a;
 }
@@ -1701,7 +1691,7 @@ static void failover(struct dp_router *rt, uint32_t k)
 #define WARM_LINES 8
 
 /* Region i of the working set: the indexes, the view, the workers, the done cache, the sessions'
- * last workers, the tenants' share table, each pool's view and policy state, then each shm lane's
+ * last workers, the tenants' share index, each pool's view and policy state, then each shm lane's
  * header and next slots. */
 #define WARM_FIXED (7 + 2 * DP_MAX_POOLS)
 
@@ -1725,8 +1715,8 @@ static size_t warm_region(const struct dp_router *rt, uint32_t i, const uint8_t 
         return i == 4 ? sizeof(rt->recent) : sizeof(rt->last_run);
     }
     if (i == 6) {
-        *base = (const uint8_t *)rt->arr_hash;
-        return (rt->arr_mask + 1) * sizeof(*rt->arr_hash);
+        *base = (const uint8_t *)rt->by_tenant.e;
+        return idx_bytes;
     }
     if (i < WARM_FIXED) {
         const struct pool *pl = &rt->pools[(i - 7) / 2];
@@ -2032,9 +2022,9 @@ static struct dp_router *router_new(const struct dp_router_config *cfg, const ch
     rt->by_session.e = hot_alloc(2 * (size_t)c.max_requests * sizeof(*rt->by_session.e));
     rt->pool = hot_alloc((size_t)c.pool_chunks * sizeof(struct pooled));
     rt->arr = hot_alloc(c.max_requests * sizeof(*rt->arr));
-    rt->arr_hash = hot_alloc(2 * (size_t)c.max_requests * sizeof(*rt->arr_hash));
-    rt->by_id.mask = rt->by_session.mask = rt->arr_mask = 2 * c.max_requests - 1;
-    if (!rt->reqs || !rt->pool || !rt->by_id.e || !rt->by_session.e || !rt->arr || !rt->arr_hash) {
+    rt->by_tenant.e = hot_alloc(2 * (size_t)c.max_requests * sizeof(*rt->by_tenant.e));
+    rt->by_id.mask = rt->by_session.mask = rt->by_tenant.mask = 2 * c.max_requests - 1;
+    if (!rt->reqs || !rt->pool || !rt->by_id.e || !rt->by_session.e || !rt->arr || !rt->by_tenant.e) {
         dp_router_destroy(rt);
         *err = -ENOMEM;
         return NULL;
@@ -2043,7 +2033,7 @@ static struct dp_router *router_new(const struct dp_router_config *cfg, const ch
     for (uint32_t i = c.pool_chunks; i-- > 0;)
         pool_put(rt, i);
     for (uint32_t i = 0; i <= rt->by_id.mask; i++)
-        rt->by_id.e[i].slot = rt->by_session.e[i].slot = NIL;
+        rt->by_id.e[i].slot = rt->by_session.e[i].slot = rt->by_tenant.e[i].slot = NIL;
     rt->req_free = NIL;
     for (uint32_t i = c.max_requests; i-- > 0;) {
         rt->reqs[i].fifo_next = rt->req_free;
@@ -2095,7 +2085,7 @@ void dp_router_destroy(struct dp_router *rt)
     hot_free(rt->by_session.e, 2 * (size_t)rt->cfg.max_requests * sizeof(*rt->by_session.e));
     hot_free(rt->pool, (size_t)rt->cfg.pool_chunks * sizeof(struct pooled));
     hot_free(rt->arr, rt->cfg.max_requests * sizeof(*rt->arr));
-    hot_free(rt->arr_hash, 2 * (size_t)rt->cfg.max_requests * sizeof(*rt->arr_hash));
+    hot_free(rt->by_tenant.e, 2 * (size_t)rt->cfg.max_requests * sizeof(*rt->by_tenant.e));
     if (rt->cuts_fd >= 0)
         close(rt->cuts_fd);
     pthread_mutex_destroy(&rt->lock);

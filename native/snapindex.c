@@ -508,7 +508,6 @@ int six_scan(struct six *ix, struct six_scan *sc, const uint8_t *win, uint64_t w
             return SIX_SCAN_BAD;
         }
         sc->last_epoch = h.epoch;
-        sc->last_seq = h.seq > sc->last_seq ? h.seq : sc->last_seq;
         sc->newest = h.seq > sc->newest ? h.seq : sc->newest;
         uint64_t rid = ix->tail;
         if (six_append(ix, h.lpos, h.seq, h.nblocks, h.kind))

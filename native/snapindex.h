@@ -138,7 +138,7 @@ struct six_scan {
     uint32_t block_size;
     /* where the scan is: the record at pos comes next */
     uint64_t pos, last_epoch;
-    uint64_t newest, last_seq;  /* the highest sequence number found; the same, from the superblock's */
+    uint64_t newest;            /* the highest sequence number found */
     uint32_t need;              /* SIX_SCAN_MORE: the blocks at pos the next window must hold */
     uint8_t named;              /* SIX_SCAN_BAD: the record at pos names this store and position */
     uint8_t bad_key[SIX_KEY_LEN];   /* and then its key and sequence number */

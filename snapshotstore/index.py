@@ -182,9 +182,8 @@ class Index:
             raise MemoryError("no memory to grow the snapshot store's index")
         return r
 
-    def scan(self, *, store_id: int, generation: int, log_blocks: int, head: int, block_size: int,
-             last_seq: int) -> "Scan":
-        return Scan(self, store_id, generation, log_blocks, head, block_size, last_seq)
+    def scan(self, *, store_id: int, generation: int, log_blocks: int, head: int, block_size: int) -> "Scan":
+        return Scan(self, store_id, generation, log_blocks, head, block_size)
 
     def swap(self, old: int, new: int):
         """The live record old is replaced in its chain by its copy new."""
@@ -207,11 +206,11 @@ class Scan:
     windows of the log, act on the bad records it stops at, then link(). A context manager:
     what it found is freed at the end."""
 
-    def __init__(self, index: Index, store_id, generation, log_blocks, head, block_size, last_seq):
+    def __init__(self, index: Index, store_id, generation, log_blocks, head, block_size):
         self._index = index
         self.state = st = ffi.new("struct six_scan *")
         st.store_id, st.generation, st.log_blocks, st.head = store_id, generation, log_blocks, head
-        st.block_size, st.pos, st.last_seq = block_size, head, last_seq
+        st.block_size, st.pos = block_size, head
 
     def run(self, view, pos: int, nblocks: int) -> int:
         """Scan the window view (nblocks from the log's block pos) on from state.pos:

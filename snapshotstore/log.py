@@ -261,7 +261,7 @@ class LogStore:
         window = _Window(self, self._read_salvaging)
         holes = []                                # (key, seq, newest seq before it) of damaged records
         with self._ix.scan(store_id=self.store_id, generation=sb.generation, log_blocks=self.log_blocks,
-                           head=sb.head, block_size=self.block_size, last_seq=self._last_seq) as scan:
+                           head=sb.head, block_size=self.block_size) as scan:
             st = scan.state
             while True:
                 status = scan.run(window.view, window.pos, window.n)
@@ -279,7 +279,7 @@ class LogStore:
                 if st.named:
                     self.counters["torn_records_skipped"] += 1
                 break                             # past the checkpoint: the torn end of the log
-            self._last_seq = st.last_seq
+            self._last_seq = max(self._last_seq, st.newest)   # never back, even with the log empty
             self._head = self._ix.rec(self._ix.head).lpos if len(self._ix) else st.pos
             self._tail = st.pos
             self._sb_head = sb.head

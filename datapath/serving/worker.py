@@ -376,17 +376,20 @@ class Worker:
         n = self._put(key, cache, start, 0, req.start_len) if start < req.start_len else 0
         return n + self._put(key, cache, max(start, req.start_len), req.request_id)
 
+    def _last_delta(self, key: SessionKey) -> dict | None:
+        """The header of the store's last delta of the session (None: it holds none). It reads
+        the chain: after a failed put only."""
+        chain = self.store.restore(key)
+        return kvdelta.header(chain[-1]) if chain else None
+
     def _store_end(self, key: SessionKey) -> tuple[int | None, int]:
         """Where the store's copy of the session ends, and the request its last delta names;
-        (None, 0) if the store cannot say. After a failed put only: it reads the chain."""
+        (None, 0) if the store cannot say."""
         try:
-            chain = self.store.restore(key)
-            if not chain:
-                return 0, 0
-            last = kvdelta.header(chain[-1])
-            return last["token_end"], last["request_id"]
+            last = self._last_delta(key)
         except Exception:
             return None, 0
+        return (last["token_end"], last["request_id"]) if last else (0, 0)
 
     def _unwind(self, key: SessionKey, s: _Session, req: _Request, held: int | None):
         """The request's turn did not become durable and the request is answered 503: the session
@@ -415,8 +418,7 @@ class Worker:
         and its retry does not run on top of that turn. None: the store holds another history
         of the session, whose copy then goes. Raises (this record's 503) while the store still
         cannot say."""
-        chain = self.store.restore(key)
-        last = kvdelta.header(chain[-1]) if chain else None
+        last = self._last_delta(key)
         if last is not None and last["request_id"] == s.unsure and last["token_start"] == s.cache.length:
             self.store.delete(key)
             # settled: this copy is the session now, not durable until it is back in whole (if that
