@@ -4,9 +4,10 @@
  * The ingress cffi extension (native/ffi_ingress.py) takes the text between
  * the LAYOUT markers verbatim as its cdef, so Python reads the reason names
  * and the struct layouts from here; there is no second list to drift.
- * The ring-buffer record is struct dp_chunk (native/chunk.h) itself: XDP fills
- * the header fields it knows and the tokens, the consumer stamps t_consumer
- * and copies it downstream as is.
+ * The ring-buffer record is struct dp_chunk (native/chunk.h) cut after its
+ * tokens, rounded up to 16, 32, 64 or 128: XDP fills the header fields it
+ * knows and the tokens, the consumer stamps t_consumer and copies the header
+ * and the n_tokens tokens downstream.
  */
 #ifndef DP_STEER_H
 #define DP_STEER_H
@@ -54,6 +55,8 @@ enum dp_policy_mode {
 struct dp_policy {
     __u32 mode;                  /* enum dp_policy_mode */
     __u32 rate_limits;           /* tenants with a bucket; 0 skips the bucket lookup (~40 ns) */
+    __u32 stamp_validated;       /* stamp t_xdp_in, the request validated (tracing: a clock read, ~30 ns) */
+    __u32 reserved;
 };
 
 /* Per-tenant token bucket as GCRA (a virtual clock), so XDP never divides:

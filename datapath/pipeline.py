@@ -227,6 +227,7 @@ class Pipeline:
         self.topo = es.enter_context(Topology(clients=1))
         topo = self.topo
         self.ingress = es.enter_context(Ingress(queues=cfg.queues))
+        self.ingress.stamp_validated()   # the trace's t_xdp_in (bench e2e's "xdp steer + ring write")
         self.xdp_mode = self.ingress.attach(topo.host_if[0], topo.host_ns, cfg.xdp_mode,
                                             veth_peer=(topo.client_if[0], topo.client_ns[0]))
         out_name, out_ring = self._ring("out", records.RESPONSE.itemsize, 1 << 12, "producer")

@@ -155,11 +155,11 @@ static void lat_flush(struct dp_consumer *c)
  * router had no room): it stays in its ring buffer for the next pass. */
 static int on_record(struct dp_consumer *c, const void *data, size_t size)
 {
-    const struct dp_chunk *rec = data;   /* XDP wrote a whole struct dp_chunk */
+    const struct dp_chunk *rec = data;   /* XDP wrote the header and n_tokens tokens (steer.h) */
     uint64_t now = dp_now_ns();
 
-    if (size < sizeof(*rec))
-        return 1;
+    if (size < DP_CHUNK_HDR_LEN || size < DP_CHUNK_HDR_LEN + (size_t)rec->n_tokens * sizeof(uint32_t))
+        return 1;                        /* not one of steer.bpf.c's: never happens */
     if (c->take) {
         if (!c->take(c->take_arg, rec, now))
             return 0;

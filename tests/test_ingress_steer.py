@@ -14,7 +14,7 @@ import pytest
 
 from datapath import packet, wire
 from datapath import ring
-from datapath.ingress import Ingress, output_ring, session_queue, take
+from datapath.ingress import Ingress, lib, output_ring, session_queue, take
 from datapath.xdp import XDP_DROP, XDP_PASS, XDP_TX, prog_test_run
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf]
@@ -166,6 +166,7 @@ def ingress():
 def ig(ingress):
     ig, consumer = ingress
     ig.set_policy("hash")
+    ig.stamp_validated(False)
     for name in ("pins", "tenant_queue", "buckets", "cuts"):
         ig.table(name).clear()
     ig.clear_rate(7)
@@ -269,12 +270,42 @@ def test_a_cut_request_s_later_chunks_are_dropped_for_a_while_then_its_ids_are_n
     settle(ig, consumer)
 
 
-def test_full_ring_is_counted():
-    with Ingress(queues=1, ring_pages=1) as ig:  # one page holds 6 records of 608 + 8 bytes
-        verdicts = [prog_test_run(ig.fn.fd, VALID)[0] for _ in range(10)]
+# a record is the chunk's header and its tokens rounded up to 16, 32, 64 or 128 (steer.h)
+SIZES = (1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128)
+
+
+def record_bytes(n):
+    return lib.DP_CHUNK_HDR_LEN + 4 * next(c for c in (16, 32, 64, 128) if n <= c)
+
+
+def test_every_record_size_carries_its_tokens_and_the_validated_stamp_only_when_asked(ig):
+    ig, consumer = ig
+    for stamp in (False, True):
+        ig.stamp_validated(stamp)
+        for n in SIZES:
+            toks = tuple(range(3000 + n, 3000 + 2 * n))
+            assert prog_test_run(ig.fn.fd, frame(req(toks)))[0] == XDP_DROP
+            (rec,) = wait_records(consumer, 1)
+            assert rec["n_tokens"] == n and tuple(rec["tokens"][:n]) == toks, n
+            if stamp:
+                assert 0 < rec["t_xdp_in"] <= rec["t_xdp"]
+            else:
+                assert rec["t_xdp_in"] == 0
+    ig.set_rate(7, tokens_per_minute=60_000)   # the bucket reads the clock: the stamp comes with it
+    ig.stamp_validated(False)
+    assert prog_test_run(ig.fn.fd, VALID)[0] == XDP_DROP
+    (rec,) = wait_records(consumer, 1)
+    assert 0 < rec["t_xdp_in"] <= rec["t_xdp"]
+
+
+@pytest.mark.parametrize("n", (1, 16, 17, 33, 64, 65, 128))
+def test_full_ring_is_counted(n):
+    fits = 4096 // (record_bytes(n) + 8)         # one page; each record behind an 8-byte header
+    with Ingress(queues=1, ring_pages=1) as ig:
+        verdicts = [prog_test_run(ig.fn.fd, frame(req(tuple(range(n)))))[0] for _ in range(fits + 4)]
         c = ig.counters()
-    assert verdicts == [XDP_DROP] * 10
-    assert c["queued"] == 6 and c["drop_ring_full"] == 4
+    assert verdicts == [XDP_DROP] * (fits + 4)
+    assert c["queued"] == fits and c["drop_ring_full"] == 4
 
 
 def test_bad_tunables_are_refused():
