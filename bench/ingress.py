@@ -120,8 +120,9 @@ def test_run_figures(report, quick):
             report.reference(f"xdp_count{sfx}_ns", min(prog_test_run(fn.fd, frame, repeat)[1] for _ in range(runs)), "ns")
     finally:
         b.cleanup()
-    # The ring holds a whole run (4096 pages: 10k records of 128 tokens, 616 bytes each) and the
-    # consumer drains it between runs: every run takes the full path, never ring-full.
+    # The ring holds a whole run (4096 pages: 27k records of 128 tokens, 616 bytes with the ring's
+    # header; a run writes 10k) and the consumer drains it between runs: every run takes the full
+    # path, never ring-full.
     with Ingress(queues=1, ring_pages=4096) as ig, _router_input() as (out, reader), \
             ig.consumer(out, cpu=RECEIVER_CPU) as c:
         for sfx, frame in frames.items():

@@ -85,47 +85,67 @@ static __always_inline struct dp_chunk *reserve_record(__u32 q, const __u32 size
 
 /* n (1..max) tokens from the packet into the record, eight bytes at a time: bpf_xdp_load_bytes
  * cost ~120 ns for 64 tokens against ~20 for this loop (test runs, the ring drained on the same
- * core). The packet's length was checked against n; the bounds here are the verifier's. */
-static __always_inline void copy_tokens(__u32 *dst, const __u32 *src, __u32 n, const __u32 max, void *data_end)
+ * core). -1 if the packet ends first, which the length checks before rule out: the bounds here
+ * are the verifier's. */
+static __always_inline int copy_tokens(__u32 *dst, const __u32 *src, __u32 n, const __u32 max, void *data_end)
 {
     const __u64 *s = (const void *)src;
     __u64 *d = (void *)dst;
-    __u32 last = (n - 1) & (max - 1);
+    __u32 last = n - 1;
 
     for (__u32 i = 0; i < max / 2; i++) {
-        if (i >= n / 2 || (void *)(s + i + 1) > data_end)
+        if (i >= n / 2)
             break;
+        if ((void *)(s + i + 1) > data_end)
+            return -1;
         d[i] = s[i];
     }
-    if ((n & 1) && (void *)(src + last + 1) <= data_end)
+    if (n & 1) {
+        /* n <= max already, but clang would fold the mask away if it saw that: the verifier
+         * needs it on the index it checks */
+        asm volatile("" : "+r"(last));
+        last &= max - 1;
+        if ((void *)(src + last + 1) > data_end)
+            return -1;
         dst[last] = src[last];
+    }
+    return 0;
 }
 
 /* The record for n tokens: its header and the tokens, in the smallest of four sizes that holds
- * them. With every record 608 bytes a ring held 3.6x fewer 16-token chunks, spread over more
- * lines and pages; writing one cost ~50 ns more when the ring was drained on the same core
- * (within noise when the other core drains it, as in bench ingress). */
+ * them (ringbuf_reserve takes a constant size: one inlined reserve per size). With every
+ * record 608 bytes a ring held 3.6x fewer 16-token chunks, spread over more lines and pages;
+ * writing one cost ~50 ns more when the ring was drained on the same core (within noise when
+ * the other core drains it, as in bench ingress). NULL: the ring is full, or (*truncated) the packet
+ * ended before its tokens did. */
 #define DP_REC_SIZE(tokens) (DP_CHUNK_HDR_LEN + (tokens) * 4)
-static __always_inline struct dp_chunk *record_with_tokens(__u32 q, const __u32 *src, __u32 n, void *data_end)
+static __always_inline struct dp_chunk *record_with_tokens(__u32 q, const __u32 *src, __u32 n, void *data_end,
+                                                           int *truncated)
 {
     struct dp_chunk *rec;
+    int err = 0;
 
     if (n <= 16) {
         rec = reserve_record(q, DP_REC_SIZE(16));
         if (rec && n)
-            copy_tokens(rec->tokens, src, n, 16, data_end);
+            err = copy_tokens(rec->tokens, src, n, 16, data_end);
     } else if (n <= 32) {
         rec = reserve_record(q, DP_REC_SIZE(32));
         if (rec)
-            copy_tokens(rec->tokens, src, n, 32, data_end);
+            err = copy_tokens(rec->tokens, src, n, 32, data_end);
     } else if (n <= 64) {
         rec = reserve_record(q, DP_REC_SIZE(64));
         if (rec)
-            copy_tokens(rec->tokens, src, n, 64, data_end);
+            err = copy_tokens(rec->tokens, src, n, 64, data_end);
     } else {
         rec = reserve_record(q, DP_REC_SIZE(DP_MAX_CHUNK_TOKENS));
         if (rec)
-            copy_tokens(rec->tokens, src, n, DP_MAX_CHUNK_TOKENS, data_end);
+            err = copy_tokens(rec->tokens, src, n, DP_MAX_CHUNK_TOKENS, data_end);
+    }
+    if (rec && err) {
+        ring0.ringbuf_discard(rec, 0);   /* (any ring's discard: the record knows its ring) */
+        *truncated = 1;
+        return NULL;
     }
     return rec;
 }
@@ -252,7 +272,8 @@ int xdp_steer(struct xdp_md *ctx)
     struct dp_req_hdr *req;
     struct dp_chunk *rec;
     int proto, frag = 0, v6 = 0, udp_len;
-    __u32 n, kind, q, len, zero = 0;
+    __u32 n, kind, q, len, limits, zero = 0;
+    int truncated = 0;
     struct dp_policy *pol;
     __u64 now, *cnt;
 
@@ -324,9 +345,10 @@ int xdp_steer(struct xdp_md *ctx)
     pol = policy.lookup(&zero);
     if (!pol)
         return XDP_ABORTED;   /* an array always has index 0: unreachable */
+    limits = pol->rate_limits;   /* read once: user space may change it meanwhile */
     /* a clock read here only when needed: it cost ~30 ns a chunk (steer_ns) */
-    now = pol->rate_limits || pol->stamp_validated ? bpf_ktime_get_ns() : 0;
-    if (pol->rate_limits && kind == DP_KIND_CHUNK) {
+    now = limits || pol->stamp_validated ? bpf_ktime_get_ns() : 0;
+    if (limits && kind == DP_KIND_CHUNK) {
         __u32 tenant = req->tenant;
         struct dp_bucket *b = buckets.lookup(&tenant);
         /* a request of several chunks is cut once: one 429, and its later chunks neither
@@ -348,9 +370,9 @@ int xdp_steer(struct xdp_md *ctx)
     }
 
     q = pick_queue(req, pol->mode);
-    rec = record_with_tokens(q, (void *)req + DP_REQ_HDR_LEN, n, data_end);
+    rec = record_with_tokens(q, (void *)req + DP_REQ_HDR_LEN, n, data_end, &truncated);
     if (!rec)
-        return drop(DP_DROP_RING_FULL);
+        return drop(truncated ? DP_DROP_TRUNCATED : DP_DROP_RING_FULL);
     rec->session_id = req->session_id;
     rec->request_id = req->request_id;
     rec->tenant = req->tenant;

@@ -17,7 +17,7 @@ import sys
 
 # cffi extensions the package builds (setup.py's cffi_modules); later stages add theirs here.
 EXTENSIONS = ["datapath._wire_layout", "datapath._dataplane", "datapath._ingress", "snapshotstore._snapindex"]
-MIN_KERNEL = (5, 10)  # BPF ring buffers (5.8) and BPF_PROG_BIND_MAP (5.10); tested on 6.x
+MIN_KERNEL = (5, 12)  # BPF ring buffers (5.8), BPF_PROG_BIND_MAP (5.10), BPF atomics (cmpxchg, 5.12); tested on 6.x
 BPF_MAP_TYPE_ARRAY, BPF_MAP_TYPE_RINGBUF = 2, 27
 
 
@@ -54,7 +54,7 @@ def check_kernel(c):
         return c.fail(f"cannot parse kernel release {rel!r}")
     if ver < MIN_KERNEL:
         return c.fail(f"{rel} is older than {MIN_KERNEL[0]}.{MIN_KERNEL[1]}",
-                      "boot a kernel >= 5.10 (BPF ring buffers, BPF_PROG_BIND_MAP)")
+                      "boot a kernel >= 5.12 (BPF ring buffers, BPF_PROG_BIND_MAP, BPF atomics)")
     return c.ok(rel)
 
 
@@ -122,7 +122,19 @@ def check_compile(c, state):
         state.prog = load_xdp("count.bpf.c", "xdp_count")
     except BpfUnavailable as e:
         return c.fail(str(e), "sudo make setup (installs python3-bpfcc and kernel headers)")
-    return c.ok(f"bpf/count.bpf.c compiled and loaded (fd {state.prog[1].fd})")
+    # the steering program too: the verifier of an older kernel may refuse what count.bpf.c does not use
+    try:
+        from .ingress import Ingress
+    except ImportError as e:
+        return c.fail(f"the ingress extension does not import: {e}", "make setup (builds the cffi extensions)")
+    ig = Ingress(queues=1)
+    try:
+        ig.load()
+    except BpfUnavailable as e:
+        return c.fail(str(e), f"boot a kernel >= {MIN_KERNEL[0]}.{MIN_KERNEL[1]} whose verifier takes bpf/steer.bpf.c")
+    finally:
+        ig.close()
+    return c.ok(f"bpf/count.bpf.c and bpf/steer.bpf.c compiled and loaded (fd {state.prog[1].fd})")
 
 
 def check_xdp_attach(c, state):

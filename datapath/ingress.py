@@ -9,8 +9,8 @@
         ig.counters()                                          # {"queued": ..., "drop_bad_magic": ...}
     router.add_feed(ig.consumer(None))                         # or: no thread, no input ring (the pipeline)
 
-The ring-buffer record is struct dp_chunk itself (native/chunk.h): XDP writes
-it, the C consumer stamps t_consumer and copies header + tokens into a slot of
+The ring-buffer record is struct dp_chunk (native/chunk.h) cut after its tokens
+(rounded up to 16, 32, 64 or 128: steer.h): XDP writes it, the C consumer stamps t_consumer and copies header + tokens into a slot of
 the router's input ring (native/ring.h), publishing once per burst; or, as a
 router's feed, the router's own pass runs the consumer, which hands each record
 from where XDP wrote it into the router's chunk pool. UdpIngress feeds the same
@@ -35,7 +35,8 @@ from .records import CHUNK
 from .ring import Ring
 
 DEFAULT_QUEUES = 4
-DEFAULT_RING_PAGES = 256        # 1 MiB per queue: ~1700 records of 616 bytes
+DEFAULT_RING_PAGES = 256        # 1 MiB per queue: ~1,700 records of 65-128 tokens (616 bytes with the
+                                # ring's header), ~6,200 of up to 16
 POLICIES = {"hash": lib.DP_POLICY_SESSION_HASH, "session": lib.DP_POLICY_SESSION_PIN,
             "tenant": lib.DP_POLICY_TENANT}
 # names from the enums in bpf/steer.h: drop reasons "truncated", "bad_magic", ...; events "pass", "reply_429"
@@ -181,6 +182,8 @@ class Ingress:
     def _set_policy_field(self, name: str, value: int):
         t = self.table("policy")
         leaf = t[t.Key(0)]
+        if name not in dict(leaf._fields_):   # setattr would add a Python attribute, unseen by the map
+            raise AttributeError(f"struct dp_policy has no field {name!r}")
         setattr(leaf, name, value)
         t[t.Key(0)] = leaf
 

@@ -107,7 +107,9 @@ uint32_t dp_consumer_poll(struct dp_consumer *c);
 /* One pass handing each record, stamped, to take(arg, record, t_consumer) instead of the output ring:
  * a router's feed (router.h, dp_router_add_feed) calls it in its drain, so a record goes from the BPF
  * ring buffer into the router's pool with no copy or publish between. A record take refuses (0: no
- * room) stays in its ring buffer for the next pass. Never while the consumer's thread runs. */
+ * room) stays in its ring buffer for the next pass. Never while the consumer's thread runs. The
+ * record handed is valid for DP_CHUNK_HDR_LEN + 4 * n_tokens bytes only (steer.bpf.c sizes it to its
+ * tokens): never copy sizeof(struct dp_chunk) from it, the rest is the next record's. */
 uint32_t dp_consumer_feed(struct dp_consumer *c, int (*take)(void *, const struct dp_chunk *, uint64_t), void *arg);
 void dp_consumer_stop(struct dp_consumer *c);
 void dp_consumer_free(struct dp_consumer *c);

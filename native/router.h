@@ -138,7 +138,8 @@ int dp_router_add_input(struct dp_router *rt, struct dp_ring *in);
  * (ingress.h, dp_consumer_feed) hands them straight from its BPF ring buffers, stamped once for
  * both stages, with no input ring's copy, publish and hop between. feed is a
  * uint32_t (*)(void *, int (*)(void *, const struct dp_chunk *, uint64_t), void *), as an address. One per
- * router; the source must outlive it. */
+ * router; the source must outlive it. A record handed is valid for its header and n_tokens tokens
+ * only (ingress.h). */
 int dp_router_add_feed(struct dp_router *rt, uintptr_t feed, uintptr_t src);
 /* The XDP program's `cuts` map (chunk.h, dp_cut_key), as an fd (duplicated, kept): a request
  * still missing chunks at the reassembly timeout whose key is there was cut by the bucket and

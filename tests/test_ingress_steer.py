@@ -275,7 +275,7 @@ SIZES = (1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128)
 
 
 def record_bytes(n):
-    return lib.DP_CHUNK_HDR_LEN + 4 * next(c for c in (16, 32, 64, 128) if n <= c)
+    return lib.DP_CHUNK_HDR_LEN + 4 * next(c for c in (16, 32, 64, 128) if n <= c)   # (0: 16)
 
 
 def test_every_record_size_carries_its_tokens_and_the_validated_stamp_only_when_asked(ig):
@@ -298,11 +298,13 @@ def test_every_record_size_carries_its_tokens_and_the_validated_stamp_only_when_
     assert 0 < rec["t_xdp_in"] <= rec["t_xdp"]
 
 
-@pytest.mark.parametrize("n", (1, 16, 17, 33, 64, 65, 128))
+@pytest.mark.parametrize("n", (0, 1, 16, 17, 32, 33, 64, 65, 128))
 def test_full_ring_is_counted(n):
+    """n 0: an OPEN, which takes the smallest record."""
     fits = 4096 // (record_bytes(n) + 8)         # one page; each record behind an 8-byte header
+    pkt = frame(req((), kind=wire.KIND_OPEN, chunk_count=1) if n == 0 else req(tuple(range(n))))
     with Ingress(queues=1, ring_pages=1) as ig:
-        verdicts = [prog_test_run(ig.fn.fd, frame(req(tuple(range(n)))))[0] for _ in range(fits + 4)]
+        verdicts = [prog_test_run(ig.fn.fd, pkt)[0] for _ in range(fits + 4)]
         c = ig.counters()
     assert verdicts == [XDP_DROP] * (fits + 4)
     assert c["queued"] == fits and c["drop_ring_full"] == 4
