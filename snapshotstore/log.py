@@ -553,14 +553,17 @@ class LogStore:
     # --- space --------------------------------------------------------------------------
 
     def _floor(self, req: _Request) -> int:
-        """Free blocks that must remain after req. A tombstone may use all but one (a delete is
-        how room is made; the last block is for the tombstone reclaim may have to write first,
-        _bury: deletes that used it stopped every later write, for good). A put leaves the
-        reserve and room to relocate the largest record (a chain's base is one) with the pad it
-        may need before the lap's end (records never wrap)."""
+        """Free blocks that must remain after req. A put leaves the reserve and room to relocate
+        the largest record (a chain's base is one) with the pad it may need before the lap's end
+        (records never wrap). A tombstone may use the reserve (a delete is how room is made) but
+        not that room, and leaves one block more for the tombstone reclaim may have to write
+        first (_bury). Deletes that used that room (a floor of 1) left a live record at the head
+        that could be neither compacted nor copied: every later put and delete DeviceFull, for
+        good, reopened or not; with one block left, the same for _bury's tombstone."""
+        relocation = 2 * self.max_record_blocks - 1
         if req.kind == KIND_TOMBSTONE:
-            return 1
-        return self._reserve + 2 * self.max_record_blocks - 1
+            return relocation + 1
+        return self._reserve + relocation
 
     def _fits(self, nblocks: int, floor: int) -> bool:
         phys = self._tail % self.log_blocks

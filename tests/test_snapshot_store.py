@@ -223,6 +223,30 @@ def test_full_device_refuses_clearly_and_stays_consistent(make_device):
         holds(s, model, exactly=True)
 
 
+def test_deletes_on_a_full_log_never_leave_the_head_stuck(make_device):
+    """A full log of two-block sessions (the head on a live one), then deletes of sessions away
+    from the head: tombstones could use the room a put keeps for relocating the head's record,
+    after which that record could be neither compacted nor copied and every later put and delete
+    was DeviceFull, reopened or not (found by review)."""
+    path = make_device(1 << 20)
+    model = {}
+    with LogStore(path, eviction="refuse") as s:
+        with pytest.raises(DeviceFull):
+            for n in range(1000):
+                model[key(n)] = put_all(s, key(n), deltas(1, 5000, seed=n))
+        assert s.stats()["head"] == 0
+        for k in list(model)[-60:]:             # far from the head: no dead record reaches it
+            s.delete(k)
+            del model[k]
+        for k in list(model)[:5]:               # the head's own session, and the next ones
+            s.delete(k)
+            del model[k]
+        model[key(5000)] = put_all(s, key(5000), deltas(1, 5000))
+        holds(s, model, exactly=True)
+    with LogStore(path) as s:
+        holds(s, model, exactly=True)
+
+
 @pytest.mark.parametrize("eviction", ["refuse", "lru"])
 @pytest.mark.parametrize("short,small", [(100, 5000), (5000, 3000), (300, 12000)])
 def test_churn_never_stops_the_head_at_a_live_chain(make_device, eviction, short, small):
