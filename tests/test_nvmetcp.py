@@ -650,7 +650,14 @@ def test_connect_errors(target):
     with pytest.raises(NvmeError, match="Connect Invalid Parameters"):
         NvmeTcpDevice(f"nvme-tcp://127.0.0.1:{target.port}/nqn.2026-12.io.zerolayer:nobody")
     h = RawHost(target.port)
-    assert P.status_code(h.connect_admin(sqsize=4096)["status"]) == P.SC_CONNECT_INVALID_PARAMETERS
+    r = h.connect_admin(sqsize=4096)
+    # DW0: IATTR (bit 16) 0, the field is in the SQE; IPO (bits 15:0) its offset there, as Linux's
+    # IPO_IATTR_CONNECT_SQE(sqsize): 44 (the two were swapped, found by review)
+    assert P.status_code(r["status"]) == P.SC_CONNECT_INVALID_PARAMETERS and r["dw0"] == 44
+    h.sock.close()
+    h = RawHost(target.port)
+    r = h.connect_admin(subnqn="nqn.2026-12.io.zerolayer:nobody")
+    assert r["dw0"] == 1 << 16 | P.CONNECT_DATA.offsets["subnqn"] == 1 << 16 | 256   # in the data
     h.sock.close()
     dev = NvmeTcpDevice(target.url)
     try:
@@ -659,6 +666,21 @@ def test_connect_errors(target):
     finally:
         dev.close()
     NvmeTcpDevice(target.url).close()                                         # free again
+
+
+def test_a_live_host_with_a_kato_keeps_the_controller_when_another_connects(target):
+    """Host A asked for a KATO (a Linux host always does), so its admin queue's socket waits with
+    a timeout. Another host's Connect asks whether A has closed: that question once waited out
+    A's timeout and read it as closed, ending A's live association and giving B the namespace."""
+    a = RawHost(target.port)
+    assert P.status_code(a.connect_admin(kato=1000)["status"]) == 0
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(NvmeError, match="Controller Busy"):
+            NvmeTcpDevice(target.url)
+        assert time.monotonic() - t0 < 1.0, "the question must not wait"
+    finally:
+        a.sock.close()
 
 
 def test_a_host_reconnecting_at_once_finds_the_controller_free(target, monkeypatch):
@@ -768,6 +790,13 @@ def test_hosts_gone_silent_do_not_hold_the_target(target, monkeypatch):
             assert P.status_code(chatty.response()["status"]) == P.SC_COMMAND_SEQUENCE
             time.sleep(0.1)
     assert time.monotonic() - t0 < 2                       # a deadline from the accept, not an idle timeout
+    dribbler, t0 = RawHost(target.port), time.monotonic()  # a capsule's data a byte at a time
+    dribbler.sock.send(P.CH.struct.pack(P.CAPSULE_CMD, 0, 72, 72, 72 + 4096) + bytes(64))
+    with pytest.raises((ConnectionClosed, OSError)):
+        while time.monotonic() - t0 < TIMEOUT_S:
+            dribbler.sock.send(b"\0")
+            time.sleep(0.1)
+    assert time.monotonic() - t0 < 2
     NvmeTcpDevice(target.url).close()
     h = RawHost(target.port)
     t0 = time.monotonic()

@@ -26,6 +26,7 @@ the target restarted.
 from __future__ import annotations
 
 import collections
+import select
 import socket
 import struct
 import threading
@@ -145,12 +146,19 @@ class Target:
             try:
                 sock, _ = self._listener.accept()
             except OSError:
-                return
+                if self._stopping.is_set():
+                    return
+                time.sleep(0.01)                  # ECONNABORTED, EMFILE, ...: not the end of serving
+                continue
             with self._lock:
                 if len(self._conns) >= MAX_CONNECTIONS or self._stopping.is_set():
                     sock.close()
                     continue
-                conn = _Connection(self, sock)
+                try:
+                    conn = _Connection(self, sock)
+                except OSError:
+                    sock.close()
+                    continue
                 self._conns.add(conn)
             t = threading.Thread(target=conn.run, name="nvmet-queue", daemon=True)
             self._threads = [x for x in self._threads if x.is_alive()] + [t]
@@ -244,18 +252,33 @@ class _Connection:
         self.buf = aligned_buffer(target.max_transfer)
 
     def peer_closed(self) -> bool:
-        """The host has closed this connection (EOF waiting, or the socket already closed here)."""
-        try:
-            return self.channel.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-        except BlockingIOError:
-            return False
-        except OSError:
+        """The host has closed this connection (its FIN arrived, or the socket is closed here).
+        Asked with poll(0), never a read: a peek on a queue with a KATO (a socket in timeout
+        mode) waited out the timeout and read TimeoutError as closed, so a second host's Connect
+        could end a live host's association (found by review)."""
+        fd = self.channel.sock.fileno()
+        if fd < 0:
             return True
+        p = select.poll()
+        p.register(fd, select.POLLIN | select.POLLRDHUP)
+        return any(ev & (select.POLLRDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL) for _, ev in p.poll(0))
+
+    def _handshake_expired(self):
+        if not self.connected:                    # shut down, not closed: this thread's socket
+            try:
+                self.channel.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def run(self):
+        # until its Connect (_connect), a deadline from the accept, not an idle timeout: eight
+        # silent sockets locked every host out, and a command every few seconds kept one in. A
+        # timer, since the socket's timeout counts per recv: a PDU sent a byte every few seconds
+        # held the connection for hours (found by review)
+        expiry = threading.Timer(HANDSHAKE_TIMEOUT_S, self._handshake_expired)
+        expiry.daemon = True
+        expiry.start()
         try:
-            # until its Connect (_connect), a deadline from the accept, not an idle timeout: eight
-            # silent sockets locked every host out, and a command every few seconds kept one in
             deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
             self.channel.sock.settimeout(HANDSHAKE_TIMEOUT_S)
             self._handshake()
@@ -275,6 +298,7 @@ class _Connection:
         except (ConnectionClosed, OSError):
             pass
         finally:
+            expiry.cancel()
             self.channel.close()
             self.t._closed(self)
 
@@ -403,8 +427,8 @@ class _Connection:
         data = P.unpack(P.CONNECT_DATA, cmd.data)
         subnqn, hostnqn = P.nqn_of(data["subnqn"]), P.nqn_of(data["hostnqn"])
 
-        def invalid(attr_data: bool, offset: int):     # DW0: IATTR (bit 16: in the data), IPO (bits 31:16)
-            return self._respond(cid, P.SC_CONNECT_INVALID_PARAMETERS, dw0=int(attr_data) | offset << 16)
+        def invalid(attr_data: bool, offset: int):     # DW0: IATTR (bit 16: in the data), IPO (bits 15:0)
+            return self._respond(cid, P.SC_CONNECT_INVALID_PARAMETERS, dw0=int(attr_data) << 16 | offset)
 
         if c["recfmt"] != 0:
             return self._respond(cid, P.SC_CONNECT_INCOMPATIBLE_FORMAT)
