@@ -10,6 +10,8 @@
  * consumer has everything.
  * A chunk over its tenant's token bucket never reaches user space: the
  * packet is rewritten in place into a 429 response and sent back (XDP_TX);
+ * a valid request over IPv6 is answered 400 the same way (responses go to
+ * the IPv4 address a chunk carries);
  * the rest of its request, if it has more chunks, is dropped (the `cuts` map).
  * Tunables (-D): DP_QUEUES, DP_RING_PAGES, DP_PORT (see steer_maps.h).
  */
@@ -198,9 +200,9 @@ static __always_inline __u16 dp_csum_fold(__u32 sum)
     return ~sum;
 }
 
-/* Turn the request in place into a 429 response to its sender. */
-static __always_inline int reply_429(struct xdp_md *ctx, struct ethhdr *eth, struct iphdr *iph,
-                                     struct ipv6hdr *ip6h, int v6, struct udphdr *udph, struct dp_req_hdr *req)
+/* Turn the request in place into a response to its sender with this status and no body. */
+static __always_inline int reply(struct xdp_md *ctx, struct ethhdr *eth, struct iphdr *iph, struct ipv6hdr *ip6h,
+                                 int v6, struct udphdr *udph, struct dp_req_hdr *req, __u16 status)
 {
     struct dp_resp_hdr *resp = (void *)req;   /* 40 bytes over the 48 already bounds-checked */
     __u32 tenant = req->tenant;
@@ -223,7 +225,7 @@ static __always_inline int reply_429(struct xdp_md *ctx, struct ethhdr *eth, str
     resp->kind = DP_KIND_RESPONSE;
     resp->flags = 0;                          /* no room for a trace here: DP_FLAG_TRACE is not echoed */
     resp->tenant = tenant;
-    resp->status = DP_STATUS_RATE_LIMITED;
+    resp->status = status;
     resp->body_len = 0;
     resp->session_id = sid;
     resp->request_id = rid;
@@ -255,8 +257,9 @@ static __always_inline int reply_429(struct xdp_md *ctx, struct ethhdr *eth, str
 
     tail = (void *)(long)ctx->data_end - ((void *)resp + DP_RESP_HDR_LEN);
     if (tail > 0 && bpf_xdp_adjust_tail(ctx, -tail))
-        return XDP_DROP;   /* counted as rate_limited already; no reply */
-    event(DP_EV_REPLY_429);
+        return XDP_DROP;   /* counted under its drop reason already; no reply */
+    if (status == DP_STATUS_RATE_LIMITED)
+        event(DP_EV_REPLY_429);
     return XDP_TX;
 }
 
@@ -342,6 +345,14 @@ int xdp_steer(struct xdp_md *ctx)
     if ((void *)req + DP_REQ_HDR_LEN + len > data_end)
         return drop(DP_DROP_TRUNCATED);
 
+    if (v6) {
+        /* it would be run and charged, then its answer sent to no one (a chunk carries the
+         * client's IPv4 address): refused at once, before its tokens are charged (found by review) */
+        drop(DP_DROP_IPV6);
+        if (eth->h_dest[0] & 1)
+            return XDP_DROP;
+        return reply(ctx, eth, iph, ip6h, v6, udph, req, DP_STATUS_BAD_REQUEST);
+    }
     pol = policy.lookup(&zero);
     if (!pol)
         return XDP_ABORTED;   /* an array always has index 0: unreachable */
@@ -365,7 +376,7 @@ int xdp_steer(struct xdp_md *ctx)
             drop(DP_DROP_RATE_LIMITED);
             if (eth->h_dest[0] & 1)
                 return XDP_DROP;   /* sent to a group address: a reply from it would be a martian */
-            return reply_429(ctx, eth, iph, ip6h, v6, udph, req);
+            return reply(ctx, eth, iph, ip6h, v6, udph, req, DP_STATUS_RATE_LIMITED);
         }
     }
 
@@ -391,7 +402,7 @@ int xdp_steer(struct xdp_md *ctx)
     rec->t_lane = 0;
     rec->t_xdp_in = now;   /* t_xdp - t_xdp_in: the live cost of steering and writing the record (0: not stamped) */
     rec->flags = req->flags;
-    rec->client_ip = v6 ? 0 : iph->saddr;   /* where the response goes; IPv6 clients get the default */
+    rec->client_ip = iph->saddr;   /* where the response goes (an IPv6 request was refused above) */
     rec->client_port = udph->source;
     /* stamped at the hand-off, not at entry: XDP-to-consumer then measures the queue,
      * and the program's own cost is steer_ns in the benchmark */

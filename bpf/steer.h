@@ -34,7 +34,9 @@ enum dp_drop {
     DP_DROP_RATE_LIMITED = 9,    /* over the tenant's token bucket (answered 429 by XDP_TX) */
     DP_DROP_RING_FULL = 10,      /* the queue's ring buffer had no room */
     DP_DROP_CUT_REQUEST = 11,    /* a later chunk of a request the bucket already cut (answered 429 once) */
-    DP_DROP_MAX = 12
+    DP_DROP_IPV6 = 12,           /* a valid request over IPv6: answered 400 by XDP_TX, since a response goes
+                                  * to the IPv4 address its chunks carry (chunk.h client_ip) */
+    DP_DROP_MAX = 13
 };
 
 /* Other events (index of the `events` per-CPU array). Records queued are

@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import socket
 import threading
 
 import numpy as np
@@ -347,6 +348,8 @@ class UdpIngress(_Thread):
 
     def __init__(self, sock, out: Ring, queues: int = DEFAULT_QUEUES, samples: int = 1 << 20, cpu: int = -1,
                  reply_status: int = 0, rt_priority: int = 0):
+        if sock.family != socket.AF_INET:   # a chunk carries an IPv4 address: where its answer goes
+            raise ValueError("the UDP ingress answers IPv4 senders only: give it an AF_INET socket")
         self.sock, self.out = sock, out   # kept open as long as the thread may use them
         ptr = lib.dp_udp_rx_new(sock.fileno(), queues, _ring_ptr(out), samples)
         if ptr == ffi.NULL:

@@ -507,7 +507,7 @@ static void udp_record(struct dp_udp_rx *r, const uint8_t *buf, uint32_t len, ui
     c.t_consumer = 0;              /* out_put stamps it */
     c.t_router = c.t_lane = c.t_xdp_in = 0;
     c.flags = h->flags;
-    c.client_ip = 0;               /* where the response goes (IPv4 senders; others get the default) */
+    c.client_ip = 0;               /* where the response goes (an AF_INET socket: UdpIngress checks) */
     c.client_port = 0;
     if (((const struct sockaddr *)from->msg_name)->sa_family == AF_INET) {
         const struct sockaddr_in *sin = from->msg_name;

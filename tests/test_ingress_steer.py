@@ -100,8 +100,6 @@ CASES = [
     case("ipv4 options", frame(ip_options=b"\x01\x01\x01\x00"), XDP_DROP, "queued", HASHED),
     case("ipv4 40 bytes of options", frame(ip_options=b"\x01" * 40), XDP_DROP, "queued", HASHED),
     case("vlan", frame(vlan=10), XDP_DROP, "queued", HASHED),
-    case("ipv6", frame(v6=True), XDP_DROP, "queued", HASHED),
-    case("vlan ipv6", frame(v6=True, vlan=10), XDP_DROP, "queued", HASHED),
     case("ethernet padding after the datagram", VALID + b"\0" * 8, XDP_DROP, "queued", HASHED),
     # malformed requests
     case("bad magic", frame(req(magic=0x31575045)), XDP_DROP, "drop_bad_magic"),
@@ -142,7 +140,10 @@ CASES = [
     case("ethernet header only", VALID[:14], XDP_PASS, "pass"),
     # over the tenant's budget: answered from XDP
     case("over the token bucket, ipv4", VALID, XDP_TX, "drop_rate_limited", setup=limited),
-    case("over the token bucket, ipv6 vlan", frame(v6=True, vlan=5), XDP_TX, "drop_rate_limited", setup=limited),
+    # over IPv6: answered 400 from XDP, before any bucket (its answer would go to an IPv4 address)
+    case("ipv6", frame(v6=True), XDP_TX, "drop_ipv6"),
+    case("vlan ipv6", frame(v6=True, vlan=10), XDP_TX, "drop_ipv6"),
+    case("ipv6 vlan, over the token bucket", frame(v6=True, vlan=5), XDP_TX, "drop_ipv6", setup=limited),
 ] + truncated(VALID, 34) + truncated(frame(vlan=3), 38, "vlan ", vlan=True) + truncated(frame(v6=True), 54, "ipv6 ")
 
 
@@ -211,7 +212,11 @@ def test_steer_table(ig, frm, verdict, counter, queue, setup):
             assert rec["request_id"] == 42 and rec["max_output_tokens"] == 64
     elif counter == "drop_rate_limited":
         assert diff == {"drop_rate_limited": 1, "reply_429": 1}
-        check_429(frm, out)
+        check_reply(frm, out, wire.STATUS_RATE_LIMITED)
+    elif counter == "drop_ipv6":
+        assert diff == {"drop_ipv6": 1}
+        check_reply(frm, out, wire.STATUS_BAD_REQUEST)
+        assert not wait_records(consumer, 1, timeout=0.05)
     else:
         assert diff == {counter: 1}
         assert not wait_records(consumer, 1, timeout=0.05)
@@ -219,8 +224,8 @@ def test_steer_table(ig, frm, verdict, counter, queue, setup):
         assert out == frm, "a passed packet must be untouched"
 
 
-def check_429(frm, out):
-    """The reply: addresses and ports swapped, a valid 429 response echoing the request's ids."""
+def check_reply(frm, out, status):
+    """The reply: addresses and ports swapped, a valid response of this status echoing the request's ids."""
     vlan = 4 if frm[12:14] == b"\x81\x00" else 0
     assert out[0:6] == frm[6:12] and out[6:12] == frm[0:6]
     v6 = out[12 + vlan:14 + vlan] == b"\x86\xdd"
@@ -239,7 +244,7 @@ def check_429(frm, out):
     assert (sport, dport, ulen) == (PORT, 40000, 48)
     assert len(out) == l4 + 48
     resp = wire.decode_response(out[l4 + 8:])
-    assert resp.status == wire.STATUS_RATE_LIMITED and resp.session_id == SID and resp.request_id == 42
+    assert resp.status == status and resp.session_id == SID and resp.request_id == 42
     assert resp.tenant == 7
 
 
