@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import math
 import os
 import select
 import socket
@@ -89,8 +90,8 @@ def send(sock: socket.socket, packets: list[bytes], rate: float, count: int, dur
     request still unanswered when the drain ended (`unanswered`) the time it had waited then:
     the open-loop latency, with a late sender's lag (`late_mean_ns`, `max_late_ns`) and the
     unanswered tail kept in it."""
-    if not packets or rate <= 0 or count < 1 or duration <= 0:
-        raise ValueError("send needs packets, rate > 0, count >= 1 and duration > 0")
+    if not packets or not 0 < rate < math.inf or count < 1 or not 0 < duration < math.inf:
+        raise ValueError("send needs packets, a finite rate > 0, count >= 1 and a finite duration > 0")
     if stamp_seq:
         _check_whole_requests(packets)
     stride = max(map(len, packets))
@@ -206,7 +207,10 @@ def spawn_in_netns(netns: str, dst: str, packets: list[bytes], timeout: float, p
 def _send_to(dst: str, port: int, packets, **kw) -> dict:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 22)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 22)
+        try:                                  # past rmem_max (root): SO_RCVBUF alone is cut to it
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUFFORCE, 1 << 22)
+        except (OSError, AttributeError):
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 22)
         s.connect((dst, port))
         return send(s, packets, **kw)
 

@@ -51,7 +51,8 @@ static uint64_t seed_state(uint64_t seed)
 static uint64_t next_gap(uint64_t *rng, double rate)
 {
     double u = ((xorshift(rng) >> 11) + 1) * (1.0 / 9007199254740993.0);   /* (0, 1] */
-    return (uint64_t)(-log(u) / rate * 1e9);
+    double gap = -log(u) / rate * 1e9;
+    return gap < 1e18 ? (uint64_t)gap : (uint64_t)1e18;   /* a cast past uint64_t is undefined */
 }
 
 /* Sleep until t, or until a response arrives (so its round trip is stamped when it lands,
@@ -132,6 +133,8 @@ static void read_responses(int fd, struct dp_send_stats *st, uint64_t start, str
         st->by_status[slot]++;
         if (h.status != DP_STATUS_OK && !st->sample_status) {
             uint32_t len = h.body_len <= (size_t)n - sizeof(h) ? h.body_len : (uint32_t)((size_t)n - sizeof(h));
+            if ((h.flags & DP_FLAG_TRACE) && len >= DP_RESP_TRACE_LEN)
+                len -= DP_RESP_TRACE_LEN;   /* the body, not the stamps that end it */
             st->sample_status = h.status;
             st->sample_len = (uint16_t)(len < DP_MAX_RESP_BODY ? len : DP_MAX_RESP_BODY);
             memcpy(st->sample_body, buf + sizeof(h), st->sample_len);
@@ -160,7 +163,7 @@ int dp_send_poisson(int fd, const uint8_t *pkts, uint32_t stride, const uint16_t
     struct sched m = { cfg->merge > 1 ? cfg->merge : 1, cfg->seq_base, cfg->count, NULL, NULL, NULL };
     uint64_t arrival[DP_MAX_BATCH_CHUNKS];   /* merge > 1: arrival times of the next packet's requests */
 
-    if (!n_pkts || cfg->rate_pps <= 0 || stride < DP_REQ_HDR_LEN || m.merge > DP_MAX_BATCH_CHUNKS ||
+    if (!n_pkts || !(cfg->rate_pps > 0) || !isfinite(cfg->rate_pps) || stride < DP_REQ_HDR_LEN || m.merge > DP_MAX_BATCH_CHUNKS ||
         (m.merge > 1 && !cfg->stamp_seq) || (cfg->stamp_seq && cfg->count > (1u << 24)))
         return -EINVAL;
     if (m.merge > 1)
@@ -187,8 +190,8 @@ int dp_send_poisson(int fd, const uint8_t *pkts, uint32_t stride, const uint16_t
             break;
         if (now < due) {
             read_responses(fd, st, start, &m);
-            if (due - now > cfg->spin_ns)
-                wait_until(fd, due - cfg->spin_ns);   /* give the core back; spin only the last stretch */
+            if (due - now > cfg->spin_ns)      /* give the core back; spin only the last stretch */
+                wait_until(fd, due - cfg->spin_ns < deadline ? due - cfg->spin_ns : deadline);
             continue;
         }
         if (now - due > st->max_late_ns)
@@ -259,6 +262,9 @@ int dp_send_poisson(int fd, const uint8_t *pkts, uint32_t stride, const uint16_t
             off += n;
         }
         i += k;
+        /* and what came back meanwhile: a sender behind its schedule never reached the read
+         * above, the socket's buffer filled and the kernel dropped answers, counted unanswered */
+        read_responses(fd, st, start, &m);
     }
     st->elapsed_ns = dp_now_ns() - start;
     for (uint64_t end = dp_now_ns() + (uint64_t)cfg->drain_ms * 1000000; dp_now_ns() < end;) {

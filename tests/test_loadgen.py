@@ -206,3 +206,24 @@ def test_a_packet_that_cannot_be_sent_is_a_send_error_not_an_unanswered_request(
         assert res["requests"] == 0 and res["unanswered"] == 0 and len(res["lat_ok_ns"]) == 0
     finally:
         sink.close(), tx.close()
+
+
+def test_the_duration_bounds_a_slow_rate_and_a_rate_that_is_no_number_is_refused():
+    """At 0.2 packets/s the first gap is ~5 s (exponential): the run still ends at its duration
+    (it waited out the next due time before, past the deadline), and NaN or infinity are refused
+    (NaN passed `rate <= 0`, and the C cast of its gap waited ~2^63 ns)."""
+    import math
+    import time
+    import pytest
+    sink, tx = pair()
+    try:
+        pkts = client.request_packets(1, 1, 1, [1])
+        t0 = time.monotonic()
+        res = client.send(tx, pkts, rate=0.2, count=10, duration=0.5, drain_ms=0, seed=3)
+        assert time.monotonic() - t0 < 1.5 and res["elapsed_s"] < 1.0, res
+        for bad in (math.nan, math.inf, -1.0):
+            with pytest.raises(ValueError, match="rate"):
+                client.send(tx, pkts, rate=bad, count=1, duration=1)
+    finally:
+        sink.close(), tx.close()
+
