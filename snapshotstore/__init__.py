@@ -11,10 +11,10 @@ the log, recovery and space management in log.py, the devices in device.py,
 remote NVMe/TCP targets and their initiator in nvmetcp/.
 """
 from .api import Delta, Snapshot, SnapshotStore, WorkerStore, session_key
-from .errors import (BadKey, DeviceError, DeviceFull, FormatError, SessionChanged, SnapshotError,
-                     TooLarge)
+from .errors import (BadKey, DamagedRecord, DeviceError, DeviceFull, FormatError, SessionChanged,
+                     SnapshotError, TooLarge)
 from .log import LogStore, format_device
 
 __all__ = ["Delta", "Snapshot", "SnapshotStore", "WorkerStore", "session_key", "LogStore", "format_device",
            "SnapshotError", "DeviceError", "FormatError", "DeviceFull", "TooLarge", "BadKey",
-           "SessionChanged"]
+           "SessionChanged", "DamagedRecord"]

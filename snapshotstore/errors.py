@@ -25,5 +25,9 @@ class BadKey(SnapshotError, TypeError):
     """A key that is not the 32 bytes session_key() makes."""
 
 
+class DamagedRecord(SnapshotError):
+    """A record the index holds is damaged on the device or cannot be read (fsck says more)."""
+
+
 class SessionChanged(SnapshotError):
     """The session was evicted or deleted while a put to it was in flight."""

@@ -49,7 +49,7 @@ import zlib
 from . import format as fmt
 from .api import Delta, Snapshot, check_delta, check_key
 from .device import DEFAULT_IMAGE_SIZE, BlockDevice, aligned_buffer, create_image, default_image_path, open_device
-from .errors import DeviceError, DeviceFull, FormatError, SessionChanged, SnapshotError, TooLarge
+from .errors import DamagedRecord, DeviceError, DeviceFull, FormatError, SessionChanged, SnapshotError, TooLarge
 from .format import (HEADER_SIZE, KIND_BASE, KIND_DELTA, KIND_PAD, KIND_TOMBSTONE, RecordHeader,
                      Superblock, record_blocks)
 from .index import LINKED, SCAN_END, SCAN_MORE, Chain, Index, Rec
@@ -601,7 +601,11 @@ class LogStore:
             # back at once: a run of chains spread over the log, compacted one after another,
             # had used up the free room and stopped the head (DeviceFull with a fifth of the log
             # live, or evictions).
-            base = self._base_of(key, self._ix.find(key))
+            try:
+                base = self._base_of(key, self._ix.find(key))
+            except DamagedRecord:
+                self._drop_damaged(key)
+                continue
             if self._fits(base.nblocks, self._compaction_floor):
                 self._stage(base)                 # durable before the head passes it
                 self._flush()
@@ -611,6 +615,18 @@ class LogStore:
                 self.counters["copies"] += 1
             else:
                 self._evict_or_refuse(protect, key)   # the head is stuck on it
+
+    def _drop_damaged(self, key: bytes):
+        """The chain at the head has a record that is damaged or cannot be read: it cannot be
+        moved, so it is dropped, durably (its tombstone), as recovery would drop it, and the
+        head goes on. Before, the error failed the store: every put and restore of every
+        session refused until a reopen (found by review)."""
+        req = _Request(KIND_TOMBSTONE, key, block_size=self.block_size)
+        if not self._fits(req.nblocks, 0):
+            raise DeviceFull(f"{self.path} has no room left for the tombstone of a damaged session")
+        self._stage(req)                          # the tombstone unlinks the chain
+        self._flush()
+        self.counters["damaged_chains_dropped"] += 1
 
     def _halves_evicted(self, key: bytes, e: Rec) -> bool:
         """Would passing the dead record e, once of key's chain, leave recovery half of a session
@@ -764,11 +780,11 @@ class LogStore:
         try:
             view = self.dev.read_into(self._read_buf(e.nblocks * bs), self.log_start + e.lpos % L, e.nblocks)
         except OSError as err:
-            raise SnapshotError(f"the record at block {e.lpos % L} of {self.path} cannot be read ({err.strerror}): "
+            raise DamagedRecord(f"the record at block {e.lpos % L} of {self.path} cannot be read ({err.strerror}): "
                                 f"run `snapshotstore fsck {self.path}`") from None
         got = fmt.read_record(view, e.lpos, e.seq, key)
         if got is None:
-            raise SnapshotError(f"the record at block {e.lpos % L} of {self.path} is damaged "
+            raise DamagedRecord(f"the record at block {e.lpos % L} of {self.path} is damaged "
                                 f"(run `snapshotstore fsck {self.path}`)")
         return got
 

@@ -508,6 +508,26 @@ def test_corruption_inside_the_log_drops_only_the_damaged_chain(make_device):
         assert s.restore(key(2)).payload == b
 
 
+def test_a_damaged_record_the_head_reaches_drops_its_chain_not_the_store(make_device):
+    """A record of a live chain goes bad while the store is open; when the head reaches the
+    chain, it cannot be moved. It is dropped durably, as recovery would drop it, and the store
+    goes on; before, the read error failed the store: every session refused until a reopen."""
+    path = make_device(1 << 20)
+    with LogStore(path, eviction="refuse") as s:
+        put_all(s, key(0), deltas(2, 3000, seed=0))     # the first chain: at the head
+        e = next(e for e in s.entries() if e.key == key(0))
+        rewrite_blocks(path, phys_block(s.stats(), e.lpos), lambda blk: blk[:300] + bytes([blk[300] ^ 1]) + blk[301:])
+        kept = put_all(s, key(1), deltas(1, 3000, seed=1))
+        for n in range(2, 400):                         # churn: the head laps past key 0's chain
+            put_all(s, key(n), deltas(1, 3000, seed=n))
+            s.delete(key(n))
+        st = s.stats()
+        assert st["damaged_chains_dropped"] == 1 and st["head"] > e.lpos
+        assert s.restore(key(0)) is None and s.restore(key(1)).payload == kept
+    with LogStore(path) as s:                           # and stays dropped: its tombstone
+        assert s.restore(key(0)) is None and s.restore(key(1)).payload == kept
+
+
 def test_a_corrupt_acknowledged_record_after_a_crash_cuts_off_only_its_chain(make_device):
     """The checkpoint follows the flushes (a superblock copy in a flush, at most every
     CHECKPOINT_EVERY_S), so after a crash only the records of the flushes since lie past it. A
