@@ -249,8 +249,8 @@ void six_drop(struct six *ix, uint32_t s)
     ix->sessions--;
 }
 
-void six_link(struct six *ix, uint32_t s, uint64_t rid, uint32_t token_start, uint32_t token_end,
-              uint32_t raw_len, uint16_t layer_start, uint16_t layer_end)
+static void link_record(struct six *ix, uint32_t s, uint64_t rid, uint32_t token_start, uint32_t token_end,
+                        uint32_t raw_len, uint16_t layer_start, uint16_t layer_end, int touch)
 {
     struct six_session *e = &ix->sess[s];
     struct six_rec *r = six_rec(ix, rid);
@@ -272,14 +272,24 @@ void six_link(struct six *ix, uint32_t s, uint64_t rid, uint32_t token_start, ui
     e->nrec++;
     ix->live_blocks += r->nblocks;
     ix->live_records++;
-    six_touch(ix, s);
+    if (touch)
+        six_touch(ix, s);
 }
 
+void six_link(struct six *ix, uint32_t s, uint64_t rid, uint32_t token_start, uint32_t token_end,
+              uint32_t raw_len, uint16_t layer_start, uint16_t layer_end)
+{
+    link_record(ix, s, rid, token_start, token_end, raw_len, layer_start, layer_end, 1);
+}
+
+/* The chain keeps its place in LRU order: relocation's base rewrites a chain, nobody used it
+ * (it moved cold sessions to the most recent end, so eviction took ones used since; found by
+ * review). A put that compacts touches its chain itself. */
 void six_rebase(struct six *ix, uint32_t s, uint64_t rid, uint32_t token_start, uint32_t token_end,
                 uint32_t raw_len, uint16_t layer_start, uint16_t layer_end)
 {
     kill_chain(ix, s);
-    six_link(ix, s, rid, token_start, token_end, raw_len, layer_start, layer_end);
+    link_record(ix, s, rid, token_start, token_end, raw_len, layer_start, layer_end, 0);
 }
 
 void six_swap(struct six *ix, uint64_t old_rid, uint64_t new_rid)

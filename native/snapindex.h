@@ -109,7 +109,7 @@ void six_touch(struct six *ix, uint32_t s);     /* most recently used */
 /* rid, a record of the log, joins s's chain at its end (most recently used) */
 void six_link(struct six *ix, uint32_t s, uint64_t rid, uint32_t token_start, uint32_t token_end,
               uint32_t raw_len, uint16_t layer_start, uint16_t layer_end);
-/* rid, a base record, becomes s's whole chain: its records before are dead */
+/* rid, a base record, becomes s's whole chain: its records before are dead; its LRU place kept */
 void six_rebase(struct six *ix, uint32_t s, uint64_t rid, uint32_t token_start, uint32_t token_end,
                 uint32_t raw_len, uint16_t layer_start, uint16_t layer_end);
 /* the live record old is replaced in its chain by its copy new */

@@ -521,6 +521,8 @@ class LogStore:
                             self._make_room(req, protect)
                             self._check_chain(req)    # make_room may have evicted it
                         self._stage(req)
+                        if req.kind == KIND_BASE:     # a put that compacted: a use (a rebase keeps the
+                            self._ix.touch(self._ix.find(req.key))   # LRU place, for relocation's)
                         staged.append(req)
                     except (DeviceFull, SessionChanged) as e:
                         req.error = e             # this record only; the batch goes on

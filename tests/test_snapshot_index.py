@@ -107,8 +107,7 @@ def test_the_index_agrees_with_a_plain_model_op_by_op(seed, first_rid):
             for r in c["rids"]:
                 m.recs[r][4] = False
             m.recs[rid][4] = True
-            c.update(rids=[rid], raw_len=7, layers=(1, 2))
-            m.chains.move_to_end(key)
+            c.update(rids=[rid], raw_len=7, layers=(1, 2))   # its LRU place kept (relocation's base)
         elif op < 0.72:                           # a live record copied to the tail
             key = rng.choice(live)
             c = m.chains[key]

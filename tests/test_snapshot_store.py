@@ -364,6 +364,31 @@ def test_lru_eviction_drops_the_least_recently_used(make_device):
             assert s.restore(k).payload == deltas(1, 3000, seed=n)[0].payload
 
 
+def test_relocation_leaves_a_cold_session_the_least_recently_used(make_device):
+    """The head compacts a cold chain into a base at the tail: that is no use of the session,
+    which must stay first to evict. Before, the rebase made it the most recently used, and
+    eviction took sessions used since (found by review). A put that compacts is a use."""
+    path = make_device(1 << 20)
+    with LogStore(path, eviction="lru") as s:
+        put_all(s, key(0), deltas(2, 3000, seed=0))     # cold, two records: compacted at the head
+        n = 2
+        while n < 30 or s.stats()["relocations"] < 1:   # key 1 far from the head when it moves key 0
+            if n == 30:
+                put_all(s, key(1), deltas(1, 3000, seed=1))
+            put_all(s, key(n), deltas(1, 3000, seed=n))
+            s.delete(key(n))
+            n += 1
+        assert s.stats()["relocations"] == 1
+        assert s.stats()["evictions"] == 0
+        assert s._ix.least_recent(set()) == key(0)
+    format_device(path, force=True)
+    with LogStore(path, eviction="lru", compact_after=2) as s:
+        put_all(s, key(0), deltas(2, 300, seed=0))
+        put_all(s, key(1), deltas(1, 300, seed=1))
+        s.put(key(0), deltas(1, 300, start=600, seed=2)[0])   # compacts on put: a use
+        assert s.stats()["compactions"] == 1 and s._ix.least_recent(set()) == key(1)
+
+
 def test_refuse_never_stops_on_a_large_record_after_compactions(make_device):
     """Compactions taken while they fit at all used up the free room, then the largest record
     came to the head and fit neither as a base nor as a copy: DeviceFull with 70 of 254 blocks
