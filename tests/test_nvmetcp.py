@@ -125,7 +125,7 @@ def test_constants_and_the_status_word():
         assert got == want
     # CQE status: phase 0, SC 8:1, SCT 11:9, DNR 15 -- LBA out of range is SCT 0 SC 80h
     assert P.status_field(P.SC_LBA_OUT_OF_RANGE) == (0x80 << 1) | (1 << 15)
-    assert P.status_field(P.SC_CONNECT_CONTROLLER_BUSY) == (0x81 << 1) | (1 << 9) | (1 << 15)
+    assert P.status_field(P.SC_CONNECT_CONTROLLER_BUSY) == (0x81 << 1) | (1 << 9)   # no DNR: it ends with its holder
     assert P.status_code(P.status_field(P.SC_WRITE_FAULT)) == P.SC_WRITE_FAULT
     assert P.status_field(P.SC_TRANSIENT_TRANSPORT) == 0x22 << 1     # may be retried: no DNR
     assert P.digest(b"123456789") == (0xE3069283).to_bytes(4, "little")    # the CRC32C check value
@@ -915,3 +915,34 @@ def test_tshark_decodes_the_session(target, tmp_path, digests):
     assert P.FCTYPE_CONNECT in fctypes and P.FCTYPE_PROPERTY_GET in fctypes
     assert {P.ADMIN_IDENTIFY, P.NVM_WRITE, P.NVM_READ, P.NVM_FLUSH} <= opcodes
     assert not any(m for *_, m in rows), "tshark found malformed PDUs"
+
+
+@pytest.mark.parametrize("answer", ["C2HTermReq", "digests not granted"])
+def test_an_icreq_the_target_refuses_or_answers_short_is_a_device_error(answer):
+    """A target may refuse the ICReq with a C2HTermReq (SPDK does): its 24-byte header was read
+    as a 128-byte ICResp, and struct.error escaped. A target that grants no digests when they
+    were asked for was run without them, silently (found by review)."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+
+    def serve():
+        c, _ = srv.accept()
+        ch = Channel(c)
+        ch.recv_header((P.ICREQ,), lambda t: 0)
+        if answer == "C2HTermReq":
+            ch.send_term(P.C2H_TERM_REQ, P.FES_UNSUPPORTED_PARAMETER, 8, b"")
+        else:
+            ch.send(P.ICRESP, P.psh(P.ICRESP_PDU, pfv=0, cpda=0, dgst=0, maxh2cdata=1 << 17))
+        time.sleep(0.5)
+        c.close()
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        url = f"nvme-tcp://127.0.0.1:{srv.getsockname()[1]}/{DEFAULT_NQN}" + ("?digests" if answer != "C2HTermReq" else "")
+        with pytest.raises(DeviceError, match="refused the connection" if answer == "C2HTermReq" else "negotiated digests 0x0"):
+            NvmeTcpDevice(url)
+    finally:
+        t.join(2)
+        srv.close()

@@ -116,8 +116,14 @@ class _Queue:
     def _icreq(self, digests: bool):
         dgst = (P.DGST_HEADER | P.DGST_DATA) if digests else 0
         self.channel.send(P.ICREQ, P.psh(P.ICREQ_PDU, pfv=0, hpda=0, dgst=dgst, maxr2t=0))
-        _, _, header, _ = self.channel.recv_header((P.ICRESP, P.C2H_TERM_REQ), lambda t: P.TERM_MAX_ERROR_DATA)
+        t, _, header, _ = self.channel.recv_header((P.ICRESP, P.C2H_TERM_REQ), lambda t: P.TERM_MAX_ERROR_DATA)
+        if t == P.C2H_TERM_REQ:      # the target refused the ICReq (SPDK does so); its header is 24 bytes
+            raise ConnectionClosed(f"the target refused the connection (C2HTermReq {P.unpack(P.HEADERS[t], header)})")
         resp = P.unpack(P.ICRESP_PDU, header)
+        want = (P.DGST_HEADER | P.DGST_DATA) if digests else 0
+        if resp["dgst"] != want:     # digests asked and not granted, or granted unasked: not silently
+            raise ProtocolError(f"the target negotiated digests {resp['dgst']:#x}, not {want:#x}",
+                                P.FES_UNSUPPORTED_PARAMETER)
         if resp["pdu_type"] != P.ICRESP or resp["pfv"] != 0 or resp["cpda"] != 0 or resp["maxh2cdata"] < 4096:
             raise ProtocolError(f"an ICResp this host cannot use ({resp})", P.FES_UNSUPPORTED_PARAMETER)
         self.maxh2cdata = resp["maxh2cdata"]

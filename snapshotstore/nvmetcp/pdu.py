@@ -124,8 +124,10 @@ STATUS_DNR = 1 << 15         # do not retry
 def status_field(sc: int) -> int:
     """The CQE status word: SC in bits 8:1, SCT in 11:9, DNR in 15 (phase tag 0: no queue memory).
     Every error is final but a transient transport error (a data digest mismatch), which the host
-    may retry: with DNR, Linux failed the I/O up to the file system instead."""
-    dnr = sc not in (SC_SUCCESS, SC_TRANSIENT_TRANSPORT)
+    may retry: with DNR, Linux failed the I/O up to the file system instead; and Controller Busy,
+    which ends when the association holding the controller does: with DNR, newer Linux hosts
+    reconnecting after a partition gave the controller up instead of retrying."""
+    dnr = sc not in (SC_SUCCESS, SC_TRANSIENT_TRANSPORT, SC_CONNECT_CONTROLLER_BUSY)
     return ((sc & 0xFF) << 1) | ((sc >> 8 & 7) << 9) | (STATUS_DNR if dnr else 0)
 
 

@@ -470,8 +470,12 @@ class _Connection:
         self._respond(cid, dw0=CNTLID)
         if t.log:
             on = lambda flag: "on" if flag else "off"
-            t.log(f"queue {self.qid} connected: host {hostnqn}, sqsize {c['sqsize'] + 1}, kato {c['kato']} ms, "
-                  f"header digest {on(self.channel.hdgst)}, data digest {on(self.channel.ddgst)}")
+            try:                 # the host's NQN as a literal (a newline in it made a line of its own),
+                # and a log that fails (stdout gone) is no reason to drop the queue just connected
+                t.log(f"queue {self.qid} connected: host {hostnqn!r}, sqsize {c['sqsize'] + 1}, kato {c['kato']} "
+                      f"ms, header digest {on(self.channel.hdgst)}, data digest {on(self.channel.ddgst)}")
+            except Exception:
+                pass
 
     def _admin(self, cmd: _Command):
         sqe, cid, t = cmd.sqe, cmd.sqe["cid"], self.t
