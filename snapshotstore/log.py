@@ -584,6 +584,9 @@ class LogStore:
                 self._evict_or_refuse(protect)
                 sweep = 2 * len(self._ix) + 1
             sweep -= 1
+            if not len(self._ix):                 # every record passed: what is left is a gap of
+                self._head = self._tail           # damaged blocks recovery skipped (an IndexError
+                continue                          # here failed the store; found by review)
             e = self._ix.rec(self._ix.head)
             if not e.live:
                 halving = self._halving.get(e.rid)
