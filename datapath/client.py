@@ -80,6 +80,12 @@ def send(sock: socket.socket, packets: list[bytes], rate: float, count: int, dur
          seq_base: int = 0, merge: int = 1) -> dict:
     """Send `count` packets (cycling through `packets`) on a connected UDP socket. Returns the C stats.
 
+    `rate` is packets/s, each packet its own Poisson arrival: a request of several chunks is
+    several packets, spread by the gaps between them, and its latency (from its first chunk)
+    includes that spread. `seq_base` numbers the requests (stamp_seq): a router remembers
+    finished requests' keys, so a second run against the same router with the same packets and
+    base has its requests dropped as late duplicates (unanswered): give each run its own base.
+
     merge > 1 is client-side batching: requests arrive at `rate`, every `merge` of them leave
     as one packet (each packet must carry that many requests' prompts) once the last has
     arrived, and each answer counts `merge` latencies, from each request's own arrival.

@@ -426,7 +426,8 @@ class Pipeline:
         Returns the client's stats (rtt_ns per response) and the offer's seq_base.
         """
         if not rate > 0 or count < 1:
-            raise ValueError(f"an offer needs a rate > 0 requests/s and a count >= 1, not {rate} and {count}")
+            raise ValueError(f"an offer needs a rate > 0 packets/s (requests/s when each is one chunk) and a "
+                             f"count >= 1, not {rate} and {count}")
         if prompts is None:
             if not 1 <= prompt_tokens * merge <= wire.MAX_CHUNK_TOKENS:
                 raise ValueError(f"a request here is one chunk: prompt_tokens x merge must be 1..{wire.MAX_CHUNK_TOKENS}")
