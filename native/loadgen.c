@@ -48,6 +48,13 @@ static uint64_t seed_state(uint64_t seed)
 }
 
 /* exponential gap with mean 1/rate, in ns */
+static uint16_t chunk_of(const uint8_t *pkts, uint32_t stride, uint32_t n_pkts, uint64_t seq)
+{
+    uint16_t chunk;
+    memcpy(&chunk, pkts + (size_t)(seq % n_pkts) * stride + offsetof(struct dp_req_hdr, chunk_index), 2);
+    return chunk;
+}
+
 static uint64_t next_gap(uint64_t *rng, double rate)
 {
     double u = ((xorshift(rng) >> 11) + 1) * (1.0 / 9007199254740993.0);   /* (0, 1] */
@@ -186,12 +193,17 @@ int dp_send_poisson(int fd, const uint8_t *pkts, uint32_t stride, const uint16_t
     while (i < cfg->count) {
         uint64_t now = dp_now_ns();
         uint32_t k = 0;
-        if (now >= deadline)
+        /* the duration ends the run between requests: one begun is sent whole (its first chunks
+         * alone were a 400 at the router's expiry, counted against the server) */
+        int between = !cfg->stamp_seq || chunk_of(pkts, stride, n_pkts, i) == 0;   /* (whole requests then) */
+        if (now >= deadline && between)
             break;
         if (now < due) {
             read_responses(fd, st, start, &m);
-            if (due - now > cfg->spin_ns)      /* give the core back; spin only the last stretch */
-                wait_until(fd, due - cfg->spin_ns < deadline ? due - cfg->spin_ns : deadline);
+            if (due - now > cfg->spin_ns) {    /* give the core back; spin only the last stretch */
+                uint64_t until = due - cfg->spin_ns;
+                wait_until(fd, between && until > deadline ? deadline : until);
+            }
             continue;
         }
         if (now - due > st->max_late_ns)
@@ -247,9 +259,13 @@ int dp_send_poisson(int fd, const uint8_t *pkts, uint32_t stride, const uint16_t
                     uint64_t seq = i + j;
                     uint16_t chunk;
                     memcpy(&chunk, bufs + (size_t)j * stride + offsetof(struct dp_req_hdr, chunk_index), 2);
-                    st->requests -= chunk == 0;
-                    if (m.state && chunk == 0)
-                        m.state[seq] = SEQ_UNSENT;
+                    /* a request with a chunk unsent is no request either (its first went, the
+                     * router answers 400 at expiry): taken back once, by its first chunk's seq */
+                    if (chunk == 0 || (m.state && seq >= chunk && m.state[seq - chunk] == SEQ_SENT)) {
+                        st->requests--;
+                        if (m.state)
+                            m.state[seq - chunk] = SEQ_UNSENT;
+                    }
                     for (uint32_t q = 0; m.merge > 1 && q < m.merge; q++)
                         st->merge_wait_ns -= m.waits[seq * m.merge + q];
                 }

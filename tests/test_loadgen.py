@@ -227,3 +227,19 @@ def test_the_duration_bounds_a_slow_rate_and_a_rate_that_is_no_number_is_refused
     finally:
         sink.close(), tx.close()
 
+
+
+def test_a_run_ends_between_requests_and_a_count_inside_one_is_rounded_up_to_it():
+    """Requests of three chunks: a count of 4 packets sends two whole requests (6), and a
+    duration that ends inside a request sends its other chunks too; before, the run stopped
+    mid-request and the first chunks alone were a 400 at the router's expiry (found by review)."""
+    sink, tx = pair()
+    try:
+        pkts = client.request_packets(1, 1, 1, range(300))          # 3 chunks
+        res = client.send(tx, pkts, rate=20000, count=4, duration=5, drain_ms=0)
+        assert res["sent"] == 6 and res["requests"] == 2
+        for seed in range(1, 6):                                   # the deadline falls mid-request
+            res = client.send(tx, pkts, rate=40, count=300, duration=0.2, drain_ms=0, seed=seed)
+            assert res["sent"] % 3 == 0 and res["sent"] == 3 * res["requests"], res
+    finally:
+        sink.close(), tx.close()
