@@ -100,14 +100,14 @@ class _Window:
 class _Request:
     """A record on its way through the group commit."""
     __slots__ = ("kind", "key", "payload", "flags", "raw_len", "tokens", "layers", "codec",
-                 "expect", "nblocks", "done", "error", "seq")
+                 "expect", "nblocks", "done", "error", "seq", "durable")
 
     def __init__(self, kind, key, payload=b"", flags=0, raw_len=0, tokens=(0, 0), layers=(0, 0),
                  codec="", expect=0, block_size=4096):
         self.kind, self.key, self.payload, self.flags, self.raw_len = kind, key, payload, flags, raw_len
         self.tokens, self.layers, self.codec, self.expect = tokens, layers, codec, expect
         self.nblocks = record_blocks(len(payload), block_size)
-        self.done, self.error, self.seq = False, None, 0
+        self.done, self.error, self.seq, self.durable = False, None, 0, False
 
 
 def format_device(path: str, force: bool = False) -> Superblock:
@@ -531,8 +531,8 @@ class LogStore:
             except BaseException as e:
                 if not self._closed and self._failed is None and not self.readonly:
                     self._failed = e              # the index may be ahead of the device now
-                for req in batch:
-                    if req.error is None:
+                for req in batch:     # a put flushed before the failure is acknowledged: it is on disk
+                    if req.error is None and not req.durable:
                         req.error = e if isinstance(e, SnapshotError) else SnapshotError(
                             f"writing to {self.path} failed ({e}): reopen the store")
             finally:
@@ -739,6 +739,8 @@ class LogStore:
     def _count_puts(self, flushed: list[_Request]):
         # each flush's own: puts flushed before a batch made room were not counted before
         self.counters["puts"] += sum(r.kind != KIND_TOMBSTONE for r in flushed)
+        for r in flushed:
+            r.durable = True      # an error later in the batch is not theirs
 
     def _flush(self):
         """Write what is staged (one pwritev per contiguous run), then one fdatasync."""

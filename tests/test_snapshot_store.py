@@ -12,7 +12,7 @@ import time
 import pytest
 
 from snapshotstore import (BadKey, Delta, DeviceError, DeviceFull, FormatError, LogStore, SessionChanged,
-                           SnapshotStore, TooLarge, WorkerStore, format_device, session_key)
+                           SnapshotError, SnapshotStore, TooLarge, WorkerStore, format_device, session_key)
 from snapshotstore import format as fmt
 from snapshotstore.device import BlockDevice, aligned_buffer, create_image
 from snapshotstore.loop import loop_device
@@ -947,3 +947,28 @@ def test_worker_interface_chain_of_blobs(make_device):
         assert s.restore(ws.key((0, 77))).codec == "int8_zstd"
         ws.delete((0, 77))
         assert ws.restore((0, 77)) == []
+
+
+def test_a_put_flushed_before_a_later_failure_in_its_batch_is_acknowledged(make_device, monkeypatch):
+    """A batch flushes its staged puts before it makes room for the next one; if making room then
+    fails, the puts already on disk succeed (before, every put of the batch got the error, and a
+    worker retrying from its old token start got SessionChanged; found by review)."""
+    path = make_device()
+    with LogStore(path) as s:
+        r1 = s._request(fmt.KIND_DELTA, key(1), b"a" * 100, (0, 100), (0, 2), "f16", 0)
+        r2 = s._request(fmt.KIND_DELTA, key(2), b"b" * 100, (0, 100), (0, 2), "f16", 0)
+        real_fits, calls = s._fits, []
+
+        def fits(n, floor):                      # the second finds no room: the first is flushed
+            calls.append(n)
+            return len(calls) < 2 and real_fits(n, floor)
+
+        def make_room(req, protect):
+            raise OSError(5, "Input/output error")
+
+        monkeypatch.setattr(s, "_fits", fits)
+        monkeypatch.setattr(s, "_make_room", make_room)
+        s._write_batch([r1, r2])
+        assert r1.error is None and r1.durable and isinstance(r2.error, SnapshotError)
+    with LogStore(path) as s:
+        assert s.restore(key(1)).payload == b"a" * 100 and s.restore(key(2)) is None
