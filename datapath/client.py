@@ -75,6 +75,9 @@ def count_tokens_packet(tenant: int, session_id: int, request_id: int, tokens, m
     return first[0]
 
 
+MAX_COUNT = 1 << 24          # loadgen.c keeps a schedule slot per packet (stamp_seq)
+
+
 def send(sock: socket.socket, packets: list[bytes], rate: float, count: int, duration: float,
          batch: int = 32, stamp_seq: bool = True, drain_ms: int = 50, seed: int = 1, spin_us: int = 50,
          seq_base: int = 0, merge: int = 1) -> dict:
@@ -98,6 +101,13 @@ def send(sock: socket.socket, packets: list[bytes], rate: float, count: int, dur
     unanswered tail kept in it."""
     if not packets or not 0 < rate < math.inf or count < 1 or not 0 < duration < math.inf:
         raise ValueError("send needs packets, a finite rate > 0, count >= 1 and a finite duration > 0")
+    # what loadgen.c refuses with EINVAL, said here (it surfaced as "[Errno 22] Invalid argument")
+    if not 1 <= merge <= lib.DP_MAX_BATCH_CHUNKS:
+        raise ValueError(f"merge must be 1..{lib.DP_MAX_BATCH_CHUNKS} (requests a packet carries), not {merge}")
+    if merge > 1 and not stamp_seq:
+        raise ValueError("merge > 1 needs stamp_seq: an answer is matched to its requests by their ids")
+    if max(map(len, packets)) < wire.REQ_HDR_LEN:
+        raise ValueError(f"every packet is shorter than a request header ({wire.REQ_HDR_LEN} bytes)")
     if stamp_seq:
         _check_whole_requests(packets)
         # whole requests only: a count that ended inside one left its first chunks sent and the
@@ -106,6 +116,8 @@ def send(sock: socket.socket, packets: list[bytes], rate: float, count: int, dur
         starts = [len(p) < wire.REQ_HDR_LEN or p[idx_at:idx_at + 2] == b"\0\0" for p in packets]
         while not starts[count % len(packets)]:
             count += 1
+    if count > MAX_COUNT:
+        raise ValueError(f"count is at most {MAX_COUNT} packets a run (each one's schedule is kept), not {count}")
     stride = max(map(len, packets))
     if stride > MAX_PACKET:
         raise ValueError(f"a packet is {stride} bytes, more than a request can be ({MAX_PACKET})")
@@ -116,8 +128,12 @@ def send(sock: socket.socket, packets: list[bytes], rate: float, count: int, dur
                                                 spin_ns=spin_us * 1000, seq_base=seq_base, merge=merge))
     st = ffi.new("struct dp_send_stats *")
     lats = (st.rtt, st.rtt_ok, st.lat_ok)
-    # room for every sample: the unanswered come last, so a cap would drop exactly the tail
-    cap = max(1 << 16, count * max(merge, 1))
+    # room for every sample: the unanswered come last, so a cap would drop exactly the tail. No
+    # more can be sent than the count, or than the duration holds (Poisson: 10 sd over the mean,
+    # and a request finished past the deadline): a large count with a short run took gigabytes
+    expected = rate * duration
+    sendable = min(count, int(expected + 10 * math.sqrt(expected)) + 1024 + len(packets))
+    cap = max(1 << 16, sendable * merge)
     if any(lib.dp_lat_init(ffi.addressof(lat), cap) for lat in lats):
         for lat in lats:
             lib.dp_lat_free(ffi.addressof(lat))

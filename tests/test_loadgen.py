@@ -243,3 +243,22 @@ def test_a_run_ends_between_requests_and_a_count_inside_one_is_rounded_up_to_it(
             assert res["sent"] % 3 == 0 and res["sent"] == 3 * res["requests"], res
     finally:
         sink.close(), tx.close()
+
+
+def test_what_the_load_generator_cannot_do_is_said_in_words_and_costs_no_memory():
+    """Each of these was EINVAL from C ("[Errno 22] Invalid argument"), some after allocating
+    samples for `count` packets: 10**9 with a 5 s run asked for gigabytes (found by review)."""
+    import pytest
+    sink, tx = pair()
+    try:
+        one = client.request_packets(1, 1, 1, [1])
+        for kw, match in ((dict(count=(1 << 24) + 1), "count is at most"), (dict(merge=65), "merge must be"),
+                          (dict(merge=2, stamp_seq=False), "merge > 1 needs stamp_seq")):
+            with pytest.raises(ValueError, match=match):
+                client.send(tx, one, **{**dict(rate=1000, count=10, duration=1), **kw})
+        with pytest.raises(ValueError, match="shorter than a request header"):
+            client.send(tx, [b"\0" * 20], rate=1000, count=10, duration=1, stamp_seq=False)
+        res = client.send(tx, one, rate=1000, count=1 << 24, duration=0.05, drain_ms=0)   # samples for ~50
+        assert 0 < res["sent"] < 1000
+    finally:
+        sink.close(), tx.close()
