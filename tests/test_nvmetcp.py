@@ -946,3 +946,29 @@ def test_an_icreq_the_target_refuses_or_answers_short_is_a_device_error(answer):
     finally:
         t.join(2)
         srv.close()
+
+
+def test_a_data_digest_error_is_retried_by_the_initiator_not_the_end_of_the_store(target):
+    """The target answers a write whose data digest it found wrong with a Transient Transport
+    Error, without DNR: the initiator sends it again. Before, one corrupted PDU raised, and the
+    store failed until reopened (found by review)."""
+    dev = NvmeTcpDevice(target.url + "?digests")
+    try:
+        (io_conn,) = [c for c in list(target._conns) if c.qid == 1]
+        real, spoiled = io_conn.channel.recv_data, []
+
+        def recv_once_spoiled(view):
+            good = real(view)
+            if not spoiled:
+                spoiled.append(1)
+                return False                      # as if the data had been corrupted on the way
+            return good
+
+        io_conn.channel.recv_data = recv_once_spoiled
+        buf = aligned_buffer(4096)
+        buf[:] = b"r" * 4096
+        dev.write_from(buf, 0, 3, 1)
+        assert dev.io.transient_retries == 1 and spoiled
+        assert bytes(dev.read_into(buf, 3, 1)) == b"r" * 4096
+    finally:
+        dev.close()

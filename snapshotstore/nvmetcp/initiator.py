@@ -29,14 +29,16 @@ SCHEME = "nvme-tcp://"
 DEFAULT_PORT = 4420
 QUEUE_SIZE = 32              # entries; the Connect sends it 0's based
 READY_TIMEOUT_S = 5.0
+TRANSIENT_RETRIES = 3
 
 
 class NvmeError(DeviceError):
-    """The target completed a command with a non-zero status (sc: (SCT << 8) | SC)."""
+    """The target completed a command with a non-zero status (sc: (SCT << 8) | SC; dnr: Do Not
+    Retry was set)."""
 
-    def __init__(self, text: str, sc: int):
+    def __init__(self, text: str, sc: int, dnr: bool = True):
         super().__init__(text)
-        self.sc = sc
+        self.sc, self.dnr = sc, dnr
 
 
 class MediaError(NvmeError, OSError):
@@ -44,8 +46,8 @@ class MediaError(NvmeError, OSError):
     local device says it, so the store's recovery reads around a bad block of a remote namespace
     as it does on a local one (a remote one's failed to open, and fsck with it)."""
 
-    def __init__(self, text: str, sc: int):
-        NvmeError.__init__(self, text, sc)
+    def __init__(self, text: str, sc: int, dnr: bool = True):
+        NvmeError.__init__(self, text, sc, dnr)
         self.errno, self.strerror = errno.EIO, text
 
 
@@ -89,6 +91,7 @@ class _Queue:
         self.maxh2cdata = 0
         self.in_capsule = P.ADMIN_ICD                # the I/O queue's comes from Identify (IOCCSZ)
         self._expect = 0                             # data bytes the current command may still receive
+        self.transient_retries = 0
         self._call(self._icreq, digests)
 
     def _call(self, fn, *args):
@@ -131,8 +134,16 @@ class _Queue:
 
     def command(self, sqe_fields: dict, data_out=None, data_in=None, layout=P.SQE) -> dict:
         """Submit one command and wait for its completion: data_out is sent (in the capsule if it
-        fits, else by R2T), data_in (a writable view) receives the C2HData. Returns the CQE."""
-        return self._call(self._command, sqe_fields, data_out, data_in, layout)
+        fits, else by R2T), data_in (a writable view) receives the C2HData. Returns the CQE.
+        A Transient Transport Error without DNR (a data digest the target found wrong) is sent
+        again, up to TRANSIENT_RETRIES times: one corrupted PDU failed the whole store before."""
+        for attempt in range(TRANSIENT_RETRIES + 1):
+            try:
+                return self._call(self._command, sqe_fields, data_out, data_in, layout)
+            except NvmeError as e:
+                if e.sc != P.SC_TRANSIENT_TRANSPORT or e.dnr or attempt == TRANSIENT_RETRIES:
+                    raise
+                self.transient_retries += 1
 
     def _command(self, sqe_fields, data_out, data_in, layout) -> dict:
         self.cid = (self.cid + 1) & 0xFFFF
@@ -163,7 +174,7 @@ class _Queue:
                     op = _opname(self.qid, sqe_fields.get("opc", P.OPC_FABRICS))
                     raise (MediaError if sc >> 8 == 2 else NvmeError)(
                         f"the NVMe/TCP target at {self.url} failed {op}: {name} "
-                        f"(SCT {sc >> 8:#x} SC {sc & 0xFF:#04x})", sc)
+                        f"(SCT {sc >> 8:#x} SC {sc & 0xFF:#04x})", sc, bool(cqe["status"] & P.STATUS_DNR))
                 if data_in is not None and received != n:
                     raise ProtocolError(f"{received} of {n} bytes before the completion",
                                         P.FES_PDU_SEQUENCE_ERROR, 0, header)
