@@ -49,12 +49,14 @@ def interleave(sessions: list[list[bytes]]) -> list[bytes]:
     return out
 
 
-def _check_whole_requests(packets: list[bytes]):
+def _check_whole_requests(packets: list[bytes]) -> list[bool]:
     """With sequence ids, a request's chunks must be consecutive packets, chunk 0 first (loadgen.c
-    numbers a request by its first chunk). Read raw: packets may be malformed on purpose."""
+    numbers a request by its first chunk). Read raw: packets may be malformed on purpose.
+    Returns, per packet, whether a request starts there."""
     idx_at, count_at = wire.REQ_OFFSETS["chunk_index"][0], wire.REQ_OFFSETS["chunk_count"][0]
-    want = 0
+    want, starts = 0, []
     for p in packets:
+        starts.append(want == 0)      # (a short packet, malformed on purpose, stands alone)
         if len(p) < wire.REQ_HDR_LEN:
             want = 0
             continue
@@ -66,6 +68,7 @@ def _check_whole_requests(packets: list[bytes]):
         want = index + 1 if index + 1 < count else 0
     if want:
         raise ValueError("stamp_seq: the packet list ends in the middle of a request")
+    return starts
 
 
 def count_tokens_packet(tenant: int, session_id: int, request_id: int, tokens, max_output_tokens: int = 0) -> bytes:
@@ -109,11 +112,9 @@ def send(sock: socket.socket, packets: list[bytes], rate: float, count: int, dur
     if max(map(len, packets)) < wire.REQ_HDR_LEN:
         raise ValueError(f"every packet is shorter than a request header ({wire.REQ_HDR_LEN} bytes)")
     if stamp_seq:
-        _check_whole_requests(packets)
+        starts = _check_whole_requests(packets)
         # whole requests only: a count that ended inside one left its first chunks sent and the
         # rest not, a 400 at the router's expiry counted against the server (found by review)
-        idx_at = wire.REQ_OFFSETS["chunk_index"][0]
-        starts = [len(p) < wire.REQ_HDR_LEN or p[idx_at:idx_at + 2] == b"\0\0" for p in packets]
         while not starts[count % len(packets)]:
             count += 1
     if count > MAX_COUNT:

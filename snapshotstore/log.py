@@ -626,11 +626,7 @@ class LogStore:
         moved, so it is dropped, durably (its tombstone), as recovery would drop it, and the
         head goes on. Before, the error failed the store: every put and restore of every
         session refused until a reopen (found by review)."""
-        req = _Request(KIND_TOMBSTONE, key, block_size=self.block_size)
-        if not self._fits(req.nblocks, 0):
-            raise DeviceFull(f"{self.path} has no room left for the tombstone of a damaged session")
-        self._stage(req)                          # the tombstone unlinks the chain
-        self._flush()
+        self._write_tombstone(key, "a damaged session")   # the tombstone unlinks the chain
         self.counters["damaged_chains_dropped"] += 1
 
     def _halves_evicted(self, key: bytes, e: Rec) -> bool:
@@ -643,13 +639,17 @@ class LogStore:
 
     def _bury(self, key: bytes):
         """A durable tombstone for an evicted session, before the head passes part of it."""
+        self._write_tombstone(key, "an evicted session")   # its link forgets the eviction
+        self.counters["evicted_tombstones"] += 1
+
+    def _write_tombstone(self, key: bytes, whose: str):
+        """key's tombstone, durable, in what room reclaim has (the floor a put keeps is for this)."""
         req = _Request(KIND_TOMBSTONE, key, block_size=self.block_size)
         if not self._fits(req.nblocks, 0):
-            raise DeviceFull(f"{self.path} has no room left for the tombstone of an evicted session "
+            raise DeviceFull(f"{self.path} has no room left for the tombstone of {whose} "
                              f"({self._ix.live_blocks} of {self.log_blocks} blocks live): delete sessions")
-        self._stage(req)                          # its link forgets the eviction
+        self._stage(req)
         self._flush()
-        self.counters["evicted_tombstones"] += 1
 
     def _evict_or_refuse(self, protect: set, key: bytes | None = None):
         """Under eviction="lru", drop key, by default the least recently used session, one
