@@ -619,6 +619,23 @@ def _associate(target, digests=False) -> tuple[RawHost, RawHost]:
     return admin, io
 
 
+def test_sqhd_counts_the_connect_and_wraps_at_the_queue_size(target):
+    """SQHD is the submission queue's head after the command: the Connect is entry 0, so it answers 1
+    (as Linux's nvmet), and a 4-entry queue (sqsize 3) wraps to 0 at its fourth. Fails on the old
+    target, which answered the Connect 0."""
+    h = RawHost(target.port)
+    heads = [h.connect_admin(sqsize=3)["sqhd"]]
+    for cid in range(2, 7):
+        sqe = P.pack(P.FABRICS_SQE, opc=P.OPC_FABRICS, cid=cid, fctype=P.FCTYPE_PROPERTY_GET,
+                     specific=P.pack(P.PROPERTY_SPECIFIC, ofst=P.PROP_CC))
+        h.ch.send(P.CAPSULE_CMD, sqe)
+        r = h.response()
+        assert (r["status"], r["cid"]) == (0, cid)
+        heads.append(r["sqhd"])
+    assert heads == [1, 2, 3, 0, 1, 2]
+    h.sock.close()
+
+
 def test_a_command_arriving_during_an_r2t_exchange_waits_its_turn(target):
     admin, io = _associate(target)
     data = os.urandom(3 * 4096)
@@ -970,5 +987,41 @@ def test_a_data_digest_error_is_retried_by_the_initiator_not_the_end_of_the_stor
         dev.write_from(buf, 0, 3, 1)
         assert dev.io.transient_retries == 1 and spoiled
         assert bytes(dev.read_into(buf, 3, 1)) == b"r" * 4096
+    finally:
+        dev.close()
+
+
+@pytest.mark.parametrize("last", [True, False])
+def test_a_c2h_data_with_success_completes_the_read_as_spdk_s_target_sends_it(target, last):
+    """SPDK's target ends a read by a C2HData flagged SUCCESS (and LAST_PDU), with no CapsuleResp
+    after it. The initiator waited for one until its timeout (found by review). SUCCESS without
+    LAST_PDU breaks the protocol (NVMe/TCP 7.4.5.2): the queue is torn down, not hung."""
+    dev = NvmeTcpDevice(target.url)
+    try:
+        (io_conn,) = [c for c in list(target._conns) if c.qid == 1]
+        real_respond, completed = io_conn._respond, set()
+
+        def send_data_successfully(cid, data):
+            flags = P.FLAG_SUCCESS | (P.FLAG_LAST_PDU if last else 0)
+            io_conn.channel.send(P.C2H_DATA, P.psh(P.C2H_DATA_PDU, cccid=cid, datao=0, datal=len(data)), data, flags)
+            completed.add(cid)
+
+        def respond(cid, sc=P.SC_SUCCESS, dw0=0, dw1=0):
+            if cid in completed and sc == P.SC_SUCCESS:
+                completed.discard(cid)            # the C2HData said it: no response capsule
+                return
+            real_respond(cid, sc, dw0, dw1)
+
+        io_conn._send_data, io_conn._respond = send_data_successfully, respond
+        buf = aligned_buffer(2 * 4096)
+        buf[:] = b"s" * 8192
+        dev.write_from(buf, 0, 2, 2)
+        buf[:] = bytes(8192)
+        if last:
+            assert bytes(dev.read_into(buf, 2, 2)) == b"s" * 8192
+            assert bytes(dev.read_into(buf, 2, 1)) == b"s" * 4096       # the queue goes on in step
+        else:
+            with pytest.raises(DeviceError, match="broke the protocol.*SUCCESS before the last"):
+                dev.read_into(buf, 2, 2)
     finally:
         dev.close()

@@ -191,6 +191,13 @@ class _Queue:
                     raise ConnectionClosed("C2HData digest mismatch")
                 received += dlen
                 self._expect = n - received
+                if flags & P.FLAG_SUCCESS:
+                    # the command succeeded and no CapsuleResp follows: SPDK's target does this by
+                    # default, and a read waited for the response until its timeout (found by review)
+                    if not flags & P.FLAG_LAST_PDU or received != n:
+                        raise ProtocolError("C2HData with SUCCESS before the last of the command's data",
+                                            P.FES_INVALID_HEADER_FIELD, 1, header)
+                    return dict(dw0=0, dw1=0, sqhd=0, sqid=self.qid, cid=self.cid, status=0)
                 continue
             h = P.unpack(P.R2T_PDU, header)                 # R2T: send the requested range
             if data_out is None or icd or h["cccid"] != self.cid or h["r2to"] + h["r2tl"] > n:

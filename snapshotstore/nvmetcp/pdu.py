@@ -23,7 +23,7 @@ PDU_NAMES = {ICREQ: "ICReq", ICRESP: "ICResp", H2C_TERM_REQ: "H2CTermReq", C2H_T
 FLAG_HDGST = 0x01        # a header digest follows the header
 FLAG_DDGST = 0x02        # a data digest follows the data
 FLAG_LAST_PDU = 0x04     # H2CData / C2HData: the last data PDU of the transfer
-FLAG_SUCCESS = 0x08      # C2HData: the command succeeded, no CapsuleResp follows (we always send one)
+FLAG_SUCCESS = 0x08      # C2HData: the command succeeded, no CapsuleResp follows (ours always sends one; SPDK's does not)
 
 DGST_HEADER, DGST_DATA = 0x01, 0x02      # ICReq / ICResp DGST byte
 DIGEST_LEN = 4

@@ -340,6 +340,10 @@ class _Connection:
         return _Command(sqe, header, data)
 
     def _respond(self, cid: int, sc: int = P.SC_SUCCESS, dw0: int = 0, dw1: int = 0):
+        # SQHD: the entries consumed, this command's included, as Linux's nvmet at completion: a
+        # Connect answers 1 (it answered 0, every later command one short: found by review), and
+        # it wraps at the size the Connect gave
+        self.sqhd = (self.sqhd + 1) % (self.sqsize + 1) if self.connected else 0
         cqe = P.pack(P.CQE, dw0=dw0, dw1=dw1, sqhd=self.sqhd, sqid=self.qid or 0, cid=cid,
                      status=P.status_field(sc))
         self.channel.send(P.CAPSULE_RESP, cqe)
@@ -388,7 +392,6 @@ class _Connection:
 
     def _execute(self, cmd: _Command):
         sqe, cid = cmd.sqe, cmd.sqe["cid"]
-        self.sqhd = (self.sqhd + 1) % (self.sqsize + 1) if self.connected else 0
         if cmd.data is False:
             return self._respond(cid, P.SC_TRANSIENT_TRANSPORT)
         if sqe["opc"] == P.OPC_FABRICS:
