@@ -193,6 +193,36 @@ def crash_check(dev: str, iterations: int) -> dict:
                 seconds=round(res.seconds, 1))
 
 
+def store_on_512e(timeout: float = 30) -> dict:
+    """The store on scsi_debug's 512e disk (512-byte LBAs, 4 KiB physical sectors): it must take
+    4 KiB blocks, so none of its writes shares a physical sector with an acknowledged record or
+    the other superblock copy; then the KV round trip and fsck on it."""
+    from snapshotstore.device import BlockDevice
+    deadline, disk = time.monotonic() + timeout, None
+    while disk is None:
+        for model in glob.glob("/sys/block/sd*/device/model"):
+            if read(model).strip() == "scsi_debug":
+                disk = model.split("/")[3]
+        if disk is None:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no scsi_debug disk after {timeout:g} s")
+            time.sleep(0.2)
+    dev, q = f"/dev/{disk}", f"/sys/block/{disk}/queue"
+    bd = BlockDevice(dev)
+    res = dict(device=dev, logical_block_size=int(read(f"{q}/logical_block_size")),
+               physical_block_size=int(read(f"{q}/physical_block_size")), store_block_size=bd.block_size)
+    bd.close()
+    problems = res["problems"] = []
+    if (res["logical_block_size"], res["physical_block_size"]) != (512, 4096):
+        problems.append(f"scsi_debug gave {res['logical_block_size']}/{res['physical_block_size']}-byte "
+                        f"logical/physical blocks, not 512/4096")
+    res.update(store_checks(dev, problems))
+    if res["kv"] and res["kv"]["store_block_size"] != 4096:
+        problems.append(f"the store took {res['kv']['store_block_size']}-byte blocks on a 512e disk, not 4096")
+    res["ok"] = not problems
+    return res
+
+
 # --- interoperability of the project's NVMe/TCP with Linux ---------------------------
 
 def store_checks(dev: str, problems: list) -> dict:
@@ -350,7 +380,7 @@ def main(argv=None) -> int:
         if result["transport"] != "tcp":
             problems.append(f"the namespace's transport is {result['transport']}, not tcp")
         if result["logical_block_size"] != result["sysfs_logical_block_size"]:
-            problems.append("BLKSSZGET and sysfs disagree on the logical block size")
+            problems.append("the store's block size is not the namespace's logical block size (sysfs)")
         for step in ("format_rc", "fsck_rc", "crash_fsck_rc"):
             if result[step]:
                 problems.append(f"{step.removesuffix('_rc')} exited {result[step]}")
@@ -364,6 +394,14 @@ def main(argv=None) -> int:
         if result["user_fsck_rc"]:
             problems.append(f"fsck through the project's initiator exited {result['user_fsck_rc']}")
         interop(result)
+        log("512e: the store on scsi_debug's 512-byte LBAs over 4 KiB sectors")
+        try:
+            result["store_512e"] = store_on_512e()
+        except Exception as e:
+            result["store_512e"] = dict(ok=False, problems=[f"{type(e).__name__}: {e}"])
+            log(traceback.format_exc())
+        problems += [f"512e: {p}" for p in result["store_512e"]["problems"]]
+        log(f"512e: {'ok' if result['store_512e']['ok'] else result['store_512e']['problems']}")
         result["ok"] = not problems
     except Exception as e:
         problems.append(f"{type(e).__name__}: {e}")

@@ -54,6 +54,8 @@ MODULES = [
     # memory-backed, 4 KiB logical blocks: the namespace reports 4096 and keeps what is written
     ("null_blk", "nr_devices=2 gb=1 bs=4096 memory_backed=1"),     # nullb1: the project's target
     ("nvmet", ""), ("nvmet-tcp", ""), ("nvme-fabrics", ""), ("nvme-tcp", ""),
+    # a 512e disk: 512-byte LBAs on 4 KiB physical sectors, which the store must write whole
+    ("sd_mod", ""), ("scsi_debug", "dev_size_mb=32 sector_size=512 physblk_exp=3"),
 ]
 
 GUEST_MEMORY_MB = 3072     # two 1 GiB null_blk devices at most, plus python and numpy

@@ -2,8 +2,9 @@
 namespace of a remote NVMe/TCP target ("nvme-tcp://HOST:PORT/SUBNQN", snapshotstore/nvmetcp).
 
 All I/O is O_DIRECT from page-aligned (mmap-allocated) buffers, in whole
-logical blocks: BLKSSZGET gives a block device's logical block size, a
-regular file uses 4 KiB. Durability is fdatasync after the writes.
+blocks: a block device's are the larger of its logical and physical block
+sizes (BLKSSZGET, BLKPBSZGET), a regular file's 4 KiB. Durability is
+fdatasync after the writes.
 
 With no device named, the store uses a sparse image file in a state
 directory ($ZEROLAYER_STATE_DIR, else /var/lib/zerolayer as root, else
@@ -21,6 +22,7 @@ from .errors import DeviceError
 from .format import FILE_BLOCK_SIZE
 
 BLKSSZGET = 0x1268          # logical block size, int
+BLKPBSZGET = 0x127B         # physical block size, unsigned int
 BLKGETSIZE64 = 0x80081272   # device size in bytes, u64
 
 DEFAULT_IMAGE_NAME = "snapshots.img"
@@ -86,7 +88,12 @@ class BlockDevice:
                               + (" (run as root)" if e.errno == 13 else "")) from None
         try:
             if self.is_block:
-                self.block_size = struct.unpack("i", fcntl.ioctl(self.fd, BLKSSZGET, b"\0" * 4))[0]
+                logical = struct.unpack("i", fcntl.ioctl(self.fd, BLKSSZGET, b"\0" * 4))[0]
+                physical = struct.unpack("I", fcntl.ioctl(self.fd, BLKPBSZGET, b"\0" * 4))[0]
+                # A 512e disk (512-byte LBAs on 4 KiB sectors) rewrites a whole sector for a
+                # 512-byte write: a torn one could take the acknowledged record sharing it, and
+                # both superblock copies sat in one sector (found by review). Its own blocks then.
+                self.block_size = max(logical, physical)
                 self.size = struct.unpack("Q", fcntl.ioctl(self.fd, BLKGETSIZE64, b"\0" * 8))[0]
             else:
                 self.block_size, self.size = FILE_BLOCK_SIZE, st.st_size

@@ -30,6 +30,9 @@ RECORD_MAGIC = b"ZLR1"
 VERSION = 1
 SB_COPIES = 2
 LOG_START = SB_COPIES          # first log block
+# the index links a chain's records by their numbers' low 32 bits (native/snapindex.h), unique
+# while the log holds fewer than 2^32 records: each takes a block at least
+MAX_LOG_BLOCKS = (1 << 32) - 1
 KEY_LEN = 32                   # HMAC-SHA256 of the session id
 CODEC_LEN = 16                 # codec name, ASCII, NUL-padded
 FILE_BLOCK_SIZE = 4096         # block size of a regular-file device

@@ -127,7 +127,7 @@ def format_device(path: str, force: bool = False) -> Superblock:
             if dev.read_into(aligned_buffer(n * bs), 0, n).tobytes() != bytes(n * bs):
                 raise FormatError(f"{path} holds data that is not a snapshot store (a file system? a "
                                   f"partition table?): pass --force to erase it")
-        log_blocks = dev.blocks - fmt.LOG_START
+        log_blocks = min(dev.blocks - fmt.LOG_START, fmt.MAX_LOG_BLOCKS)   # past it, unused
         if log_blocks < 64:
             raise DeviceError(f"{path} is too small: a store needs at least {64 + fmt.LOG_START} "
                               f"blocks of {dev.block_size} bytes")
@@ -224,6 +224,9 @@ class LogStore:
         if sb.block_size != bs:
             raise FormatError(f"{self.path} was formatted with {sb.block_size}-byte blocks but has "
                               f"{bs}-byte blocks now: reformat it")
+        if sb.log_blocks > fmt.MAX_LOG_BLOCKS:
+            raise FormatError(f"{self.path} has a log of {sb.log_blocks} blocks, more than the "
+                              f"{fmt.MAX_LOG_BLOCKS} a store may have: not written by this version; reformat it")
         if sb.log_start + sb.log_blocks > self.dev.blocks:
             raise FormatError(f"{self.path} is smaller than when it was formatted: reformat it")
         self.block_size, self.store_id, self.capacity_blocks = bs, sb.store_id, sb.capacity_blocks
@@ -490,14 +493,22 @@ class LogStore:
             if lead:
                 self._leading = True
         if lead:
+            taken = False
             try:
                 if self.group_commit_us:
                     time.sleep(self.group_commit_us / 1e6)   # let more writers join this flush
                 with self._cv:
-                    batch, self._queue = self._queue, []
+                    batch, self._queue, taken = self._queue, [], True
                 self._write_batch(batch)
             finally:
                 with self._cv:
+                    if not taken:
+                        # interrupted before taking the batch (a signal in the wait): its own record
+                        # leaves the queue: the next flush wrote the put its caller saw fail, and
+                        # refused the caller's retry of it (found by review); the others' stay, for
+                        # the next leader
+                        self._queue.remove(req)
+                        req.done = True
                     self._leading = False
                     self._cv.notify_all()
         if req.error is not None:

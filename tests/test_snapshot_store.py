@@ -15,6 +15,7 @@ from snapshotstore import (BadKey, Delta, DeviceError, DeviceFull, FormatError, 
                            SnapshotError, SnapshotStore, TooLarge, WorkerStore, format_device, session_key)
 from snapshotstore import format as fmt
 from snapshotstore.device import BlockDevice, aligned_buffer, create_image
+from snapshotstore.log import _write_superblocks
 from snapshotstore.loop import loop_device
 
 SECRET = b"tenant-secret-0123456789"
@@ -753,6 +754,39 @@ def put_from_threads(store, threads: int, puts: int, size: int, stride: int):
         th.join()
 
 
+def test_a_device_of_more_than_2_32_blocks_gets_a_log_of_2_32_minus_1():
+    """The index links a chain's records by their numbers' low 32 bits: a log of 2^32 blocks or
+    more could hold two records with the same link. Format leaves the rest of a larger device
+    unused, and open refuses a superblock that claims more (it was unchecked: found by review).
+    A sparse 16 TiB image needs tmpfs (ext4 files stop at 16 TiB - 4 KiB)."""
+    path = f"/dev/shm/zl-test-big-{os.getpid()}.img"
+    try:
+        with open(path, "wb") as f:
+            f.truncate((fmt.MAX_LOG_BLOCKS + fmt.LOG_START + 1000) * 4096)
+        try:
+            os.close(os.open(path, os.O_RDWR | os.O_DIRECT))
+        except OSError:
+            pytest.skip("/dev/shm takes no O_DIRECT (tmpfs has it since Linux 6.6): no sparse 16 TiB image")
+        sb = format_device(path)
+        assert sb.log_blocks == fmt.MAX_LOG_BLOCKS == (1 << 32) - 1
+        with LogStore(path) as s:
+            s.put(key(1), Delta(b"x" * 5000, tokens=(0, 8), codec="raw"))
+            assert s.stats()["log_blocks"] == fmt.MAX_LOG_BLOCKS
+        with LogStore(path) as s:
+            assert s.restore(key(1)).payload == b"x" * 5000
+        dev = BlockDevice(path)
+        try:
+            forged = sb._replace(log_blocks=fmt.MAX_LOG_BLOCKS + 1, generation=sb.generation + 10)
+            _write_superblocks(dev, aligned_buffer(4096), forged)
+        finally:
+            dev.close()
+        with pytest.raises(FormatError, match="more than the 4294967295 a store may have"):
+            LogStore(path)
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+
+
 def test_group_commit_shares_flushes(make_device):
     path = make_device(8 << 20)
     with LogStore(path, group_commit_us=2000) as s:
@@ -762,6 +796,28 @@ def test_group_commit_shares_flushes(make_device):
     with LogStore(path) as s:
         assert len(s.list()) == 80
         assert all(s.restore(key(t * 100 + 9)).payload == bytes([t]) * 500 for t in range(8))
+
+
+def test_a_leader_interrupted_before_its_batch_leaves_no_record_behind(make_device, monkeypatch):
+    """A signal (KeyboardInterrupt) in the group-commit wait: the put raises, and its record must
+    not stay queued. It did: the next put's flush wrote the put its caller saw fail, and the
+    caller's retry of it was refused as SessionChanged (found by review)."""
+    real_sleep, hit = time.sleep, []
+
+    def interrupted_once(s):
+        if not hit:
+            hit.append(s)
+            raise KeyboardInterrupt
+        real_sleep(s)
+
+    with LogStore(make_device(), group_commit_us=500) as s:
+        monkeypatch.setattr(time, "sleep", interrupted_once)
+        with pytest.raises(KeyboardInterrupt):
+            s.put(key(1), Delta(b"a" * 100, tokens=(0, 10), codec="raw"))
+        s.put(key(1), Delta(b"a" * 100, tokens=(0, 10), codec="raw"))       # the caller's retry
+        monkeypatch.undo()
+        assert hit and s.stats()["puts"] == 1
+        assert s.held(key(1)) == 10 and s.restore(key(1)).payload == b"a" * 100
 
 
 def test_every_put_is_counted_when_a_batch_makes_room_midway(make_device):

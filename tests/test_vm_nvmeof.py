@@ -77,3 +77,12 @@ def test_snapshot_store_on_nvme_tcp_namespace(tmp_path):
         assert u["format_rc"] == 0 and u["fsck_rc"] == 0 and u["fsck_output"].endswith("clean")
         assert u["kv"]["records_written"] == u["kv"]["records_restored"] == 15 and u["kv"]["kv_bit_exact"]
         assert u["kv"]["recovery"]["records"] == 15
+
+    # a 512e disk (scsi_debug: 512-byte LBAs on 4 KiB physical sectors): the store writes whole
+    # physical sectors, so a torn write cannot take an acknowledged neighbour or both superblocks
+    e = r["store_512e"]
+    assert e["ok"] and e["problems"] == [], e
+    assert (e["logical_block_size"], e["physical_block_size"], e["store_block_size"]) == (512, 4096, 4096)
+    assert e["format_rc"] == 0 and e["fsck_rc"] == 0 and e["fsck_output"].endswith("clean")
+    assert e["kv"]["store_block_size"] == 4096
+    assert e["kv"]["records_written"] == e["kv"]["records_restored"] == 15 and e["kv"]["kv_bit_exact"]
