@@ -40,6 +40,7 @@ import pathlib
 import numpy as np
 
 from bench.e2e import OUTPUT, PROMPT, _config, _offer, _pcts, _progress, _warm_up, drain_s, fresh_store
+from bench.report import report_dir
 from datapath.pipeline import Pipeline
 from datapath.router import policy_params, refuse_unread_param
 from datapath.serving.devices import PROFILES
@@ -131,6 +132,7 @@ def _one(label: str, name: str, param: float | None, device: str | None, rate: f
 def run(report, args):
     check_args(args)
     names = parse_names(args.policy)
+    out = report_dir(args.json, "bench-results/compare", ("compare.md", "rows.json"))
     device = args.device
     seconds = 3.0 if args.quick else 10.0
     # Rounds, the order reversed every other one (A B, B A, ...): on this shared machine a slow
@@ -183,7 +185,6 @@ def run(report, args):
     report.note("send->response from each request's scheduled send; percentiles over the rounds pooled "
                 "(200 answers, and the unanswered at the time they had waited); p95_ms_per_round in rows.json, "
                 "beside the table, shows how much one round moved")
-    out = pathlib.Path(args.json).with_suffix("") if args.json else pathlib.Path("bench-results/compare")
     out.mkdir(parents=True, exist_ok=True)
     lines = ["| policy | offered req/s | achieved | p50 ms | p95 ms (each round) | p99 ms | not answered 200 "
              "| records per batch | requests moved | sessions restored |",

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import pathlib
 import shutil
 import statistics
 import sys
@@ -21,7 +20,7 @@ import time
 
 import numpy as np
 
-from bench.report import write_report
+from bench.report import report_dir, write_report
 from datapath.pipeline import Pipeline, PipelineConfig
 from datapath.records import KIND_DECODE
 from datapath.serving.devices import profile
@@ -93,9 +92,12 @@ def _offer(p: Pipeline, rate: float, seconds: float, count: int | None = None, *
 
 
 def _together(p: Pipeline, *offers: dict) -> list[dict]:
-    """Several offers at once, each from its own thread (and client process); results in order."""
+    """Several offers at once, each from its own thread (and client process); results in order.
+    Each its own Poisson schedule (seed 1, 2, ... unless given): with one seed the second stream
+    was the first's gaps scaled, so the two burst together (found by review)."""
     import threading
     out: list = [None] * len(offers)
+    offers = tuple({"seed": i + 1, **kw} for i, kw in enumerate(offers))
 
     def run(i, kw):
         try:
@@ -148,11 +150,14 @@ def sweep(report, quick: bool, stages: dict, out: dict) -> dict:
     # dynamic p95 at every rate from 10 to 160 req/s 1.1-2.4x higher with two on the one core)
     workers = max(1, len(os.sched_getaffinity(0)) - 1)
     report.machine["sweep_workers"] = workers
-    report.note(f"load sweep, twice: on the tiny model's own step cost (numpy on one core: a 64-token "
-                f"prefill ~3 ms, linear in tokens), then with the workers simulating an {SIM_DEVICE.upper()} "
+    sim = profile(SIM_DEVICE)
+    report.note(f"load sweep, twice: on the tiny model's own step cost (numpy on one core, linear in tokens: "
+                f"its step p50 is in each sweep row), then with the workers simulating an {SIM_DEVICE.upper()} "
                 f"running Llama-3-8B (serving.devices: each step sleeps out the profile's roofline time, "
-                f"~67 ms flat to its knee of {profile(SIM_DEVICE).knee_tokens} tokens, dynamic's budget there; "
-                f"the tiny model still runs, so KV and answers are real)")
+                f"{sim.step_s(prefill=[(1, 0)], decode_contexts=[]) * 1e3:.0f} ms for one token, "
+                f"{sim.step_s(prefill=[(sim.knee_tokens, 0)], decode_contexts=[]) * 1e3:.0f} ms at its knee of "
+                f"{sim.knee_tokens} tokens, dynamic's budget there; the tiny model still runs, so KV and answers "
+                f"are real)")
     figures = {}
     for device, rates, suffix in (
             (None, [10, 40, 160] if quick else [10, 20, 40, 80, 160, 320, 640], ""),
@@ -469,9 +474,10 @@ def fresh_store():
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def snapshot_evict(report, quick: bool, memory: dict) -> dict:
+def snapshot_evict(report, quick: bool, memory: dict, stages: dict) -> dict:
     """Scenario 3: snapshot each finished request and evict (LRU, small KV budget) vs keep every KV
-    resident, at equal load with returning sessions (affinity routing brings them back to their worker)."""
+    resident, at equal load with returning sessions (affinity routing brings them back to their worker).
+    With the store, the trace's last stage: a request's last token to its turn's durable ack."""
     sessions, rounds, rate = (32, 3, 20) if quick else (128, 5, 40)
     figures = {}
     for mode in ("resident", "snapshot+evict"):
@@ -486,8 +492,21 @@ def snapshot_evict(report, quick: bool, memory: dict) -> dict:
             res = _offer(p, rate, sessions * rounds / rate, prompt_tokens=PROMPT, max_output_tokens=OUTPUT,
                          sessions=sessions, drain_s=15)
             kv, kv_end = p.kv_resident_bytes()
+            trace = p.trace()
+        if res["errors"]:
+            raise RuntimeError(f"{mode}: {res['errors']} of {res['requests']} requests unanswered")
         pc = _pcts(res["rtt_ns"], 1e6)
         key = mode.replace("+", "_")
+        if mode == "snapshot+evict":
+            acked = trace[trace["t_snapshot"] > 0]
+            if not len(acked):
+                raise RuntimeError("snapshot+evict: no request's turn was traced to a durable ack")
+            durable = (acked["t_snapshot"] - acked["t_last_token"]).astype(np.int64)
+            stages["last token->snapshot durable ack (scenario 3)"] = durable
+            dp = _pcts(durable, 1e3)
+            report.metric("e2e_snapshot_durable_p50_us", dp["p50"], "us")
+            report.metric("e2e_snapshot_durable_p99_us", dp["p99"], "us")
+            figures[f"{mode} last token->durable ack p50 / p99 us"] = f"{dp['p50']:.0f} / {dp['p99']:.0f}"
         memory[mode] = kv
         report.metric(f"kv_resident_bytes_{key}", kv, "B")
         report.metric(f"returning_p50_ms_{key}", pc["p50"], "ms")
@@ -496,8 +515,6 @@ def snapshot_evict(report, quick: bool, memory: dict) -> dict:
         figures.update({f"{mode} KV resident bytes (mean over steps)": kv, f"{mode} KV resident bytes at the end": kv_end,
                         f"{mode} p50 ms": pc["p50"], f"{mode} p95 ms": pc["p95"],
                         f"{mode} unanswered": res["errors"]})
-        if res["errors"]:
-            raise RuntimeError(f"{mode}: {res['errors']} of {res['requests']} requests unanswered")
     if memory["resident"]:
         report.ratios["kv_resident_snapshot_evict_vs_resident"] = memory["snapshot+evict"] / memory["resident"]
     return figures
@@ -624,6 +641,7 @@ def entropy_burst(report, quick: bool) -> dict:
 def run(report, args):
     from bench.ring import pingpong_oneway_ns
     quick = args.quick
+    outdir = report_dir(args.json, "bench-results/e2e", ("report.md", "results.json"))
     steal = _cpu_steal()
     # the ping-pong before the sweep (which measures the stages it is compared with), after it and
     # at the end, the median the reference: the vCPUs move (45-240 ns seen), one sample may not
@@ -635,30 +653,32 @@ def run(report, args):
                 "router's feed takes as the router's too; the lane's; the worker's pickup, in C once the batch is "
                 "copied out of its lane, before any of the worker's Python (then 'worker pickup->step start'). "
                 "'xdp steer + ring write' is the program's live part between its two stamps; steer_ns (bench "
-                "ingress) is the same code warm, without the first stamp (its clock read, ~20-40 ns there, is "
+                "ingress) is the same code warm, without the first stamp (its clock read is "
                 "taken only when asked: the pipeline asks)")
-    stages, scenarios = {}, {}
+    stages, sweep_rows, memory, scenarios = {}, {}, {}, {}
     failed = []
 
     def scenario(name, fn, *a):
         t = time.monotonic()
+        had = [(d, set(d)) for d in (stages, sweep_rows, memory)]
         try:
             with report.gated():                  # a scenario that fails leaves no figures
                 figures = fn(*a)
             scenarios[name] = {"status": "ran", "reason": "", "figures": figures, "seconds": time.monotonic() - t}
             return figures
         except Exception as e:  # reported, and the run exits non-zero
+            for d, keys in had:                   # nor histograms, sweep rows or memory plots (they stayed)
+                for k in set(d) - keys:
+                    del d[k]
             scenarios[name] = {"status": "failed", "reason": f"{type(e).__name__}: {e}", "figures": {}}
             failed.append(name)
             _progress(f"{name} FAILED: {e}")
             return None
 
-    sweep_rows: dict = {}
     scenario("1 load sweep, dynamic vs static", sweep, report, quick, stages, sweep_rows)
     pp.append(pingpong_oneway_ns(200_000 if quick else 1_000_000))
     scenario("2 client-side batching", client_batching, report, quick)
-    memory: dict = {}
-    scenario("3 snapshot+evict vs resident", snapshot_evict, report, quick, memory)
+    scenario("3 snapshot+evict vs resident", snapshot_evict, report, quick, memory, stages)
     scenario("4 oversized requests (isolation)", oversized, report, quick)
     scenario("5 high-entropy burst to the secondary pool", entropy_burst, report, quick)
     scenario("6 worker killed mid-run (failover)", failover, report, quick)
@@ -673,7 +693,6 @@ def run(report, args):
     report.machine["host_steal_pct"] = round(_steal_pct(steal, _cpu_steal()), 2)
     if failed:
         report.status = f"failed: scenario(s) {', '.join(failed)}"     # results.json says so too
-    outdir = pathlib.Path(args.json).with_suffix("") if args.json else pathlib.Path("bench-results/e2e")
     paths = write_report(outdir, report.as_dict(), stages, sweep_rows, memory, scenarios)
     print(f"  report: {paths['report.md']}")
     if failed:

@@ -299,12 +299,14 @@ def xdp_figures(report, topo, pkts, segments, quick):
 
 
 def run(report, args):
+    # a suite's failure (RuntimeError): `bench all` reports it and goes on to the suites that need
+    # neither root nor BPF (SystemExit here ended the whole run, and they were never reported)
     if os.geteuid() != 0:
-        raise SystemExit("bench ingress: needs root (namespaces, XDP, SCHED_FIFO): run it with sudo")
+        raise RuntimeError("bench ingress: needs root (namespaces, XDP, SCHED_FIFO): run it with sudo")
     try:
         _run(report, args.quick)
     except BpfUnavailable as e:
-        raise SystemExit(f"bench ingress: {e}") from None
+        raise RuntimeError(f"bench ingress: {e}") from None
 
 
 def _run(report, quick):

@@ -30,6 +30,7 @@ import numpy as np
 
 from datapath import lanes, records
 from datapath._dataplane import ffi, lib
+from datapath.metrics import percentile
 from datapath.ring import Ring, unlink
 from datapath.router import policies
 
@@ -230,7 +231,7 @@ def lane_batch_us(kind: str, rounds: int) -> float:
             p.kill()
             p.join(5)
             shutil.rmtree(tmp, ignore_errors=True)
-    return float(np.percentile(times[rounds // 10:], 50)) / 1000   # the first 10% warm up
+    return percentile(np.asarray(times[rounds // 10:], np.int64), 50) / 1000   # the first 10% warm up
 
 
 def run(report, args):
@@ -252,9 +253,9 @@ def run(report, args):
     report.reference("pingpong_oneway_ns", float(np.median(pp)), "ns")
     report.note(f"ping-pong one-way, the three runs: {', '.join(f'{x:.1f}' for x in pp)} ns")
     for q, name in ((50, "p50"), (99, "p99"), (99.9, "p999")):
-        report.metric(f"ring_oneway_{name}_ns", float(np.percentile(lat, q)), "ns")
-    report.reference("handoff_oneway_p50_ns", float(np.percentile(bare, 50)), "ns")
-    report.metric("handoff_oneway_p99_ns", float(np.percentile(bare, 99)), "ns")
+        report.metric(f"ring_oneway_{name}_ns", percentile(lat, q), "ns")
+    report.reference("handoff_oneway_p50_ns", percentile(bare, 50), "ns")
+    report.metric("handoff_oneway_p99_ns", percentile(bare, 99), "ns")
     report.metric("ring_mchunks_per_s", ring_mchunks_per_s(2_000_000 if quick else 20_000_000), "M/s")
     report.reference("copy_mchunks_per_s", copy_mchunks_per_s(2_000_000 if quick else 20_000_000), "M/s")
     report.ratio("ring_mchunks_per_s", "copy_mchunks_per_s")

@@ -291,6 +291,9 @@ def _soak(report, workdir, iterations):
     report.metric("crash_records_verified", res.records_verified, "")
     report.note(f"soak: {res.iterations} SIGKILLed writers in {res.seconds:.0f} s, "
                 f"{res.writer_finished} finished before the kill; failures: {res.failures[:3] or 'none'}")
+    if res.failures or res.iterations < iterations:     # the soak returns them: the suite fails on them
+        raise RuntimeError(f"crash soak: {len(res.failures)} failures in {res.iterations} of {iterations} "
+                           f"iterations: {res.failures[:3]}")
 
 
 def run(report, args):

@@ -20,6 +20,7 @@ import math
 import os
 import select
 import socket
+import threading
 import time
 
 from . import topology, wire
@@ -221,16 +222,44 @@ def spawn_in_netns(netns: str, dst: str, packets: list[bytes], timeout: float, p
         raise FileNotFoundError(f"no network namespace {netns!r}")
     # `ip netns exec` enters the namespace in the child, so the parent forks nothing of its own
     # (no preexec_fn: that would run Python between fork and exec in a process with native threads)
-    code = ("import json, os, pickle, sys; from datapath.client import _send_to; "
+    # PR_SET_PDEATHSIG: a SIGKILLed parent takes the sender with it (`ip netns exec` execs, so the
+    # parent is this process); one that unwinds kills it by stop_spawned
+    code = ("import ctypes, json, os, pickle, sys; ctypes.CDLL(None).prctl(1, 9); "
+            "from datapath.client import _send_to; "
             "a, k, cpu, rt = pickle.load(sys.stdin.buffer); cpu is None or os.sched_setaffinity(0, {cpu}); "
             "rt and os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(rt)); "
             "print(json.dumps(_send_to(*a, **k)))")
-    r = subprocess.run(["ip", "netns", "exec", netns, sys.executable, "-c", code],
-                       input=pickle.dumps(((dst, port, packets), kw, cpu, rt_priority)), capture_output=True,
-                       timeout=timeout)
-    if r.returncode:
-        raise RuntimeError(f"client in {netns}: {r.stderr.decode(errors='replace').strip()[-500:]}")
-    return json.loads(r.stdout)
+    proc = subprocess.Popen(["ip", "netns", "exec", netns, sys.executable, "-c", code], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    with _spawned_lock:
+        _spawned.add(proc)
+    try:
+        out, err = proc.communicate(pickle.dumps(((dst, port, packets), kw, cpu, rt_priority)), timeout=timeout)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    finally:
+        with _spawned_lock:
+            _spawned.discard(proc)
+    if proc.returncode:
+        raise RuntimeError(f"client in {netns}: exit {proc.returncode}: {err.decode(errors='replace').strip()[-500:]}")
+    return json.loads(out)
+
+
+_spawned: set = set()               # spawn_in_netns's senders still running, from any thread
+_spawned_lock = threading.Lock()
+
+
+def stop_spawned() -> int:
+    """Kill the senders spawn_in_netns still runs (a teardown's: an offer from another thread
+    kept its sender, and the process, alive for the offer's duration and drain after a SIGTERM
+    unwound the pipeline; found by review). How many it killed."""
+    with _spawned_lock:
+        procs = list(_spawned)
+    for proc in procs:
+        proc.kill()
+    return len(procs)
 
 
 def _send_to(dst: str, port: int, packets, **kw) -> dict:

@@ -43,10 +43,12 @@ from .topology import Topology, socket_in
 _seq = itertools.count()
 ctx = multiprocessing.get_context("fork")
 
-# per record, what the worker saw: the chunk's stamps plus its own
+# per record, what the worker saw: the chunk's stamps plus its own; on the record that finished a
+# request whose turn went into the snapshot store, its last token's step and the store's durable ack
 TRACE = np.dtype([("request_id", "<u8"), ("kind", "u1"), ("n_tokens", "<u2"), ("t_send", "<u8"), ("t_xdp_in", "<u8"),
                   ("t_xdp", "<u8"), ("t_consumer", "<u8"), ("t_router", "<u8"), ("t_lane", "<u8"), ("t_pickup", "<u8"),
-                  ("t_start", "<u8"), ("t_end", "<u8"), ("kv_bytes", "<u8")])
+                  ("t_start", "<u8"), ("t_end", "<u8"), ("kv_bytes", "<u8"), ("t_last_token", "<u8"),
+                  ("t_snapshot", "<u8")])
 STAMPS = ("request_id", "kind", "n_tokens", "t_send", "t_xdp_in", "t_xdp", "t_consumer", "t_router", "t_lane")
 
 
@@ -100,10 +102,11 @@ class PipelineConfig:
 
 class TracingLane:
     """A worker's lane (datapath.lanes: one that stamps t_pickup) that also writes each record's
-    stamps into a shared trace buffer."""
+    stamps into a shared trace buffer; with the worker, the snapshot's durable ack of each request
+    its step finished (worker.finished, read before serve clears it)."""
 
-    def __init__(self, lane, trace: np.ndarray, count: np.ndarray):
-        self.lane, self.trace, self.count = lane, trace, count
+    def __init__(self, lane, trace: np.ndarray, count: np.ndarray, worker=None):
+        self.lane, self.trace, self.count, self.worker = lane, trace, count, worker
         self._batch = None
 
     def recv_batch(self, timeout_s: float):
@@ -125,6 +128,13 @@ class TracingLane:
                     rows[name] = stamps[name][:n]
                 rows["t_pickup"] = t_pickup
                 rows["t_start"], rows["t_end"], rows["kv_bytes"] = comp["t_start"][0], comp["t_end"][0], comp["kv_bytes"][0]
+                rows["t_last_token"] = rows["t_snapshot"] = 0      # a reset trace's rows are reused
+                for done in self.worker.finished if self.worker is not None else ():
+                    if done.stamps.get("t_snapshot"):
+                        hit = np.flatnonzero(rows["request_id"] == done.request_id)
+                        if len(hit):                 # its last record in this batch answers it
+                            rows["t_last_token"][hit[-1]] = done.stamps["t_last_token"]
+                            rows["t_snapshot"][hit[-1]] = done.stamps["t_snapshot"]
                 self.count[0] = i + n
         return self.lane.send_completion(comp)
 
@@ -153,7 +163,7 @@ def _worker_main(lane_name: str, options, store_factory, trace_buf, stop, cpu, n
     trace = np.frombuffer(trace_buf, dtype=TRACE, offset=64)
     store = store_factory(options.index) if store_factory else None
     worker = options.build(store)
-    lane = TracingLane(lanes.ShmWorkerLane(lane_name), trace, count)
+    lane = TracingLane(lanes.ShmWorkerLane(lane_name), trace, count, worker)
     try:
         with one_blas_thread():
             serve(worker, lane, lambda: stop[0] != 0)
@@ -225,6 +235,7 @@ class Pipeline:
         if cfg.lane_wait not in WAIT_MODES:
             raise ValueError(f"lane_wait must be one of {', '.join(WAIT_MODES)}, not {cfg.lane_wait!r}")
         self.topo = es.enter_context(Topology(clients=1))
+        es.callback(client.stop_spawned)     # before the namespaces go: an offer another thread runs
         topo = self.topo
         self.ingress = es.enter_context(Ingress(queues=cfg.queues))
         self.ingress.stamp_validated()   # the trace's t_xdp_in (bench e2e's "xdp steer + ring write")

@@ -89,3 +89,42 @@ def test_records_past_the_trace_buffer_are_counted_and_said(capsys):
         assert r["resp_ok"] == 20
         assert len(p.trace()) == 8
     assert "records ran past the trace buffers (8 a worker) untraced" in capsys.readouterr().err
+
+
+@pytest.mark.root
+@pytest.mark.bpf
+def test_each_stored_turn_is_traced_to_its_durable_ack():
+    """The trace's last stage: the record that finished a request carries its last token's step
+    and the store's durable ack of its turn, in that order and inside the step. It was stamped by
+    the worker and read by nobody: the snapshot stage was missing from the report (found by review)."""
+    with fresh_store() as store, Pipeline(_config(workers=1, shared_store=store)) as p:
+        r = p.offer(20, 20, max_output_tokens=2, sessions=20)
+        assert r["resp_ok"] == 20
+        trace = p.trace()
+    acked = trace[trace["t_snapshot"] > 0]
+    assert len(acked) == 20 and len(set(acked["request_id"].tolist())) == 20
+    assert (acked["t_last_token"] > acked["t_start"]).all()
+    assert (acked["t_snapshot"] > acked["t_last_token"]).all() and (acked["t_snapshot"] <= acked["t_end"]).all()
+
+
+@pytest.mark.root
+@pytest.mark.bpf
+def test_a_teardown_kills_the_sender_of_an_offer_running_in_another_thread():
+    """An offer in another thread kept its sender process, and this one, alive for the offer's
+    whole duration and drain after the pipeline was torn down (on a SIGTERM: found by review)."""
+    out = {}
+    with Pipeline(_config(workers=1)) as p:
+        load = threading.Thread(target=lambda: out.update(r=_catch(lambda: p.offer(5, 300, drain_s=10))))
+        load.start()
+        time.sleep(2.0)
+        t0 = time.monotonic()
+    load.join(30)
+    assert not load.is_alive() and time.monotonic() - t0 < 10
+    assert isinstance(out["r"], RuntimeError) and "exit -9" in str(out["r"])
+
+
+def _catch(fn):
+    try:
+        return fn()
+    except Exception as e:
+        return e

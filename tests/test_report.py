@@ -120,3 +120,19 @@ def test_a_stage_without_samples_is_shown_as_such(tmp_path, inputs):
     empty = json.loads(paths["results.json"].read_text())["stages"]["router->lane"]
     assert empty["count"] == 0 and empty["p50"] is None and empty["p999"] is None
     assert "stages.png" in paths
+
+
+def test_report_dir_sits_beside_the_json_and_clears_what_an_older_run_left(tmp_path):
+    """A run interrupted before its report left the previous run's report.md, results.json and
+    plots in place, to pass for its own; and --json PATH with no suffix put the directory at the
+    JSON's own path, so writing the JSON failed (both found by review). Only the report's files
+    go: the directory may hold the user's."""
+    from bench.report import report_dir
+    old = tmp_path / "run"
+    old.mkdir()
+    for name in ("report.md", "results.json", "stages.png", "notes.txt"):
+        (old / name).write_text("older run")
+    assert report_dir(str(tmp_path / "run.json"), "unused", ("report.md", "results.json")) == old
+    assert sorted(p.name for p in old.iterdir()) == ["notes.txt"]
+    assert report_dir(str(tmp_path / "out"), "unused", ()) == tmp_path / "out_report"
+    assert report_dir(None, str(tmp_path / "default"), ()) == tmp_path / "default"

@@ -501,11 +501,12 @@ def serve(worker: Worker, lane: Lane, stop: Callable[[], bool] = lambda: False, 
         if batch is None:
             continue
         comp = worker.step(batch)
-        worker.finished.clear()  # the router builds responses from the completions
         while not lane.send_completion(comp):  # completion ring full: the router is behind
             if stop():
                 return
             time.sleep(1e-4)
+        worker.finished.clear()  # the router builds responses from the completions (a tracing lane
+                                 # has read the requests' stamps)
 
 
 @dataclass
