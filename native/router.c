@@ -1593,7 +1593,12 @@ static uint32_t expire_stalled(struct dp_router *rt)
         drop_pending(rt, r);
         free_list(rt, r->sent_head);
         r->sent_head = r->sent_tail = NIL;
-        remember_done(rt, r->key);   /* its late chunks are stragglers, not a new request */
+        /* its late chunks are stragglers, not a new request; but a cut request's ids are free again
+         * once XDP forgets the cut (DP_CUT_TTL_NS): remembered here too, a client's retry of them
+         * passed XDP and was dropped as a late duplicate, unanswered (found by review). A straggler
+         * that passed XDP before the cut begins a request whose own expiry finds the cut again. */
+        if (!cut)
+            remember_done(rt, r->key);
         not_run(rt, r);
         session_leave(rt, ri);
         rt->reserved -= r->chunk_count - r->received;

@@ -86,8 +86,9 @@ def check_delta(delta) -> Delta:
 
 @runtime_checkable
 class SnapshotStore(Protocol):
-    def put(self, key: bytes, delta: Delta) -> int:
-        """Append delta to key's chain; return its sequence number once it is durable."""
+    def put(self, key: bytes, delta: Delta, replace: bool = False) -> int:
+        """Append delta to key's chain; return its sequence number once it is durable. replace:
+        the delta (from token 0) becomes the whole chain, in one durable step."""
 
     def restore(self, key: bytes) -> Snapshot | None:
         """The key's chain concatenated, or None if the store has nothing for key."""
@@ -134,7 +135,8 @@ class WorkerStore:
 
     def put(self, key: tuple[int, int], delta: bytes, meta: dict) -> None:
         self.store.put(self.key(key),
-                       Delta(delta, tokens=(meta["token_start"], meta["token_end"]), codec=meta.get("codec", "raw")))
+                       Delta(delta, tokens=(meta["token_start"], meta["token_end"]), codec=meta.get("codec", "raw")),
+                       replace=bool(meta.get("replace", False)))
 
     def restore(self, key: tuple[int, int]) -> list[bytes]:
         snap = self.store.restore(self.key(key))

@@ -100,7 +100,7 @@ class _Window:
 class _Request:
     """A record on its way through the group commit."""
     __slots__ = ("kind", "key", "payload", "flags", "raw_len", "tokens", "layers", "codec",
-                 "expect", "nblocks", "done", "error", "seq", "durable")
+                 "expect", "nblocks", "done", "error", "seq", "durable", "fresh")
 
     def __init__(self, kind, key, payload=b"", flags=0, raw_len=0, tokens=(0, 0), layers=(0, 0),
                  codec="", expect=0, block_size=4096):
@@ -108,6 +108,7 @@ class _Request:
         self.tokens, self.layers, self.codec, self.expect = tokens, layers, codec, expect
         self.nblocks = record_blocks(len(payload), block_size)
         self.done, self.error, self.seq, self.durable = False, None, 0, False
+        self.fresh = False                # a delta that begins the chain anew (put's replace)
 
 
 def format_device(path: str, force: bool = False) -> Superblock:
@@ -323,8 +324,11 @@ class LogStore:
 
     # --- the public API -----------------------------------------------------------------
 
-    def put(self, key: bytes, delta: Delta) -> int:
-        """Append delta to key's chain; returns its sequence number once it is durable."""
+    def put(self, key: bytes, delta: Delta, replace: bool = False) -> int:
+        """Append delta to key's chain; returns its sequence number once it is durable. replace:
+        the delta (from token 0) becomes key's whole chain instead, in one record (a delta with
+        no parent, which drops the chain before it, on recovery as here): a session rolled back
+        is never absent from the store, as it was between a delete and a put."""
         key, delta = check_key(key), check_delta(delta)
         raw = bytes(delta.payload)
         with self._key_locks[key[0]]:
@@ -333,6 +337,11 @@ class LogStore:
             # this key's puts (serialized here) move the chain's end; a relocation keeps it; an
             # eviction or a delete meanwhile is caught at staging (the chain's number differs).
             chain = self._ix.find(key)
+            expect = chain.gen if chain is not None else 0
+            if replace:
+                if delta.tokens[0] != 0:
+                    raise ValueError(f"a delta that replaces the chain starts at token 0, not {delta.tokens[0]}")
+                chain = None                  # the chain this record begins: the delta alone
             if chain is not None and chain.codec != delta.codec:
                 raise ValueError(f"this session's deltas use codec {chain.codec!r}, not {delta.codec!r}")
             held = chain.tokens[1] if chain is not None else 0
@@ -357,7 +366,8 @@ class LogStore:
                 kind, tokens = KIND_BASE, (now.tokens[0], delta.tokens[1])
                 layers = (min(now.layers[0], delta.layers[0]), max(now.layers[1], delta.layers[1]))
                 self.counters["compactions"] += 1
-            req = self._request(kind, key, raw, tokens, layers, delta.codec, chain.gen if chain else 0)
+            req = self._request(kind, key, raw, tokens, layers, delta.codec, expect)
+            req.fresh = replace
             self._commit(req)
         return req.seq
 
@@ -697,7 +707,7 @@ class LogStore:
     def _stage(self, req: _Request):
         """Lay req out at the tail in the write buffer and link it into the index."""
         chain = self._ix.find(req.key)
-        parent = chain.last_seq if req.kind == KIND_DELTA and chain is not None else 0
+        parent = chain.last_seq if req.kind == KIND_DELTA and chain is not None and not req.fresh else 0
         self._last_seq += 1
         h = RecordHeader(req.kind, req.flags, self.store_id, 0, self._epoch, self._last_seq, parent,
                          req.key, req.tokens[0], req.tokens[1], req.layers[0], req.layers[1], req.nblocks,

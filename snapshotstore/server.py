@@ -34,7 +34,8 @@ def handle(store, frames: list[bytes]) -> list[bytes]:
         if op == b"put":
             meta = json.loads(frames[3])
             seq = store.put(check_key(frames[1]), Delta(frames[2], tokens=tuple(meta["tokens"]),
-                                                          layers=tuple(meta["layers"]), codec=meta["codec"]))
+                                                          layers=tuple(meta["layers"]), codec=meta["codec"]),
+                            replace=bool(meta.get("replace", False)))
             return [b"ok", json.dumps(seq).encode()]
         if op == b"restore":
             snap = store.restore(check_key(frames[1]))
@@ -119,8 +120,8 @@ class RemoteStore:
             raise cls(reply[2].decode())
         return reply
 
-    def put(self, key: bytes, delta: Delta) -> int:
-        meta = {"tokens": list(delta.tokens), "layers": list(delta.layers), "codec": delta.codec}
+    def put(self, key: bytes, delta: Delta, replace: bool = False) -> int:
+        meta = {"tokens": list(delta.tokens), "layers": list(delta.layers), "codec": delta.codec, "replace": replace}
         return json.loads(self._call(b"put", check_key(key), bytes(delta.payload), json.dumps(meta).encode())[1])
 
     def restore(self, key: bytes) -> Snapshot | None:

@@ -26,6 +26,9 @@ class MemoryStore:
     def put(self, key: tuple[int, int], delta: bytes, meta: dict) -> None:
         if self.fail_puts:
             raise OSError("stand-in store told to fail")
+        if meta.get("replace"):            # as the real store: the delta, from token 0, is the chain now
+            assert meta["token_start"] == 0
+            self.delete(key)
         end = self.metas[key][-1]["token_end"] if key in self.metas else 0
         if meta["token_start"] != end:     # as the real store: a chain continues where it ends
             raise SessionChanged(f"the store holds tokens [0, {end}), not up to {meta['token_start']}")

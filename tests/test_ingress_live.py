@@ -364,3 +364,22 @@ def test_a_request_the_bucket_cuts_gets_one_answer_the_429():
         assert [(int(r["session_id"]), int(r["status"])) for r in got] == [(501, 400)], "the cut request answered twice"
         st = router.stats()
         assert st["xdp_cut"] == 1 and st["expired"] == 1 and st["active_requests"] == 0
+        # Once XDP has forgotten the cut (DP_CUT_TTL_NS, 2 s), the same ids are a new request: a
+        # retry of it, now within the bucket, is run and answered 200. The router remembered the
+        # cut request as done, and dropped the retry's chunks as late duplicates, unanswered.
+        ig.set_rate(7, tokens_per_minute=1_000_000, burst_tokens=100_000)
+        time.sleep(2.2)
+        res = client.send_from(topo.client_ns[0], topo.host_ip[0], cut, rate=1_000, count=3, duration=5,
+                               stamp_seq=False, drain_ms=100)
+        assert res["sent"] == 3 and res["resp_429"] == 0, res
+        got, deadline = [], time.monotonic() + 5
+        while not got:
+            assert time.monotonic() < deadline, router.stats()
+            router.poll()
+            batch = worker.recv_batch(0)
+            if batch is not None:
+                assert worker.send_completion(lanes.completion_for(batch, [5] * len(batch)))
+            got += list(np.frombuffer(answers.dequeue(8), dtype=records.RESPONSE))
+            time.sleep(0.005)
+        assert [(int(r["session_id"]), int(r["status"])) for r in got] == [(500, 200)]
+        assert router.stats()["late_duplicates"] == 0

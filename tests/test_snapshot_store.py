@@ -787,6 +787,27 @@ def test_a_device_of_more_than_2_32_blocks_gets_a_log_of_2_32_minus_1():
             os.unlink(path)
 
 
+def test_a_replacing_put_is_the_whole_chain_at_once_and_after_recovery(make_device):
+    """put(replace=True): the delta, from token 0, becomes the session's whole chain in one durable
+    record (a delta with no parent), so a session rolled back is never absent, as it was between a
+    delete and a put; recovery drops the chain before it the same way. Its codec may differ."""
+    path = make_device()
+    with LogStore(path, compact_after=1000) as s:
+        put_all(s, key(1), deltas(3, 300))
+        with pytest.raises(ValueError, match="starts at token 0"):
+            s.put(key(1), Delta(b"n" * 10, tokens=(5, 9), codec="raw"), replace=True)
+        s.put(key(1), Delta(b"r" * 700, tokens=(0, 12), codec="zstd"), replace=True)
+        s.put(key(1), Delta(b"t" * 50, tokens=(12, 14), codec="zstd"))
+        s.put(key(2), Delta(b"q" * 70, tokens=(0, 4), codec="raw"), replace=True)     # none before: begun
+        snap = s.restore(key(1))
+        assert snap.parts == (b"r" * 700, b"t" * 50) and snap.tokens == (0, 14) and snap.codec == "zstd"
+    with LogStore(path) as s:
+        snap = s.restore(key(1))
+        assert snap.parts == (b"r" * 700, b"t" * 50) and snap.tokens == (0, 14)
+        assert s.restore(key(2)).parts == (b"q" * 70,)
+        assert s.verify() == []
+
+
 def test_group_commit_shares_flushes(make_device):
     path = make_device(8 << 20)
     with LogStore(path, group_commit_us=2000) as s:

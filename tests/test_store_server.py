@@ -65,6 +65,8 @@ def test_store_errors_cross_the_socket(server):
             store.put(key, Delta(b"y", tokens=(9, 10), codec="raw"))
         with pytest.raises(TooLarge):
             store.put(key, Delta(b"z" * (32 << 20), tokens=(5, 6), codec="raw"))
+        store.put(key, Delta(b"w" * 50, tokens=(0, 3), codec="raw"), replace=True)     # the whole chain now
+        assert store.restore(key).parts == (b"w" * 50,) and store.held(key) == 3
         assert store.stats()
 
 

@@ -347,6 +347,29 @@ def test_a_turn_whose_put_timed_out_is_taken_back_out_if_it_landed(model, lands)
     assert store.meta((0, 6))[-1]["request_id"] == 3 and w.stats["unsure_rolled_back"] == lands
 
 
+def test_a_rollback_whose_put_fails_leaves_the_store_holding_the_session(model):
+    """The turn that timed out landed after all, and the retry takes it back out. That was a delete
+    and then a put of the session whole: when that put failed too (or the worker died between the
+    two), the store held nothing of the session, and the next worker to run it restored an empty
+    context (found by review). The session now replaces its chain in one put: failing, the store
+    keeps the chain (with the turn) and the session stays unsure, settled at the next request."""
+    store, ref = UnreachableAfterPut(lands=True), Worker(model, MemoryStore())
+    w = Worker(model, store, kv_budget_bytes=0)
+    t1, t2 = (6, 1, prompt(1, 40), 2), (6, 2, prompt(2, 30), 1)
+    drive(w.step, [t1]), drive(ref.step, [t1])
+    store.fail_next = True
+    assert w.step(as_batch([prefill_records(*t2)]))["e"][0]["status"][0] == wire.STATUS_UNAVAILABLE
+    store.down = False
+    store.fail_puts = True                   # the store answers again, but its puts fail
+    retry = (6, 3, t2[2], 1)
+    assert w.step(as_batch([prefill_records(*retry)]))["e"][0]["status"][0] == wire.STATUS_UNAVAILABLE
+    assert store.held((0, 6)) == 71, "the chain is still there, with the turn taken late"
+    store.fail_puts = False
+    assert drive(w.step, [retry]) == drive(ref.step, [retry])
+    assert [(m["token_start"], m["token_end"]) for m in store.meta((0, 6))] == [(0, 41), (41, 71)]
+    assert store.meta((0, 6))[-1]["request_id"] == 3 and w.stats["unsure_rolled_back"] == 1
+
+
 def test_what_the_store_lacks_before_a_turn_goes_in_as_a_delta_of_its_own(model):
     """A put that must also carry earlier entries the store lacks (here: a settle deleted the
     chain and its re-put failed) puts them as their own delta, naming no request, then the turn
@@ -445,6 +468,24 @@ def test_a_replay_whose_turn_is_already_durable_runs_from_before_it_and_is_not_p
     ref = Worker(model, MemoryStore())
     drive(ref.step, [turn1]), drive(ref.step, [turn2])
     assert drive(replay.step, [turn3]) == drive(ref.step, [turn3])
+
+
+def test_a_replay_back_on_the_worker_that_finished_it_runs_from_before_its_turn(model):
+    """The worker finished the request and put its turn, but the answer was lost (a zmq worker
+    given up on for a stall); the replay went elsewhere, that worker went down before running
+    it, and the replay comes back here, where the session is held idle with the turn at its end.
+    The store then agreed with this copy, so the copy was kept and the request ran on top of its
+    own turn: other tokens, and the turn stored twice (found by review). A replay on a held,
+    idle session now restores from the store, without the turn."""
+    store = MemoryStore()
+    turn1, turn2 = (7, 1, prompt(1, 40), 2), (7, 2, prompt(2, 64), 3)
+    w = Worker(model, store)
+    drive(w.step, [turn1])
+    want = drive(w.step, [turn2])[2]
+    held = store.held((0, 7))
+    assert drive(replayed(w.step), [turn2])[2] == want
+    assert store.held((0, 7)) == held and len(store.restore((0, 7))) == 2, "the turn is in the store once"
+    assert w.stats["replay_restored"] == 1 and w.stats["replays_durable"] == 1
 
 
 def test_a_moved_request_with_a_reused_id_is_no_replay(model):

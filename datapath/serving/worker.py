@@ -62,7 +62,8 @@ ABANDONED_NS = 60_000_000_000
 
 
 class SnapshotStore(Protocol):
-    def put(self, key: SessionKey, delta: bytes, meta: dict) -> None: ...   # SessionChanged: see above
+    def put(self, key: SessionKey, delta: bytes, meta: dict) -> None: ...   # SessionChanged: see above;
+    # meta: token_start, token_end, codec, request_id, and replace (the delta, from 0, is the whole chain)
     def restore(self, key: SessionKey) -> list[bytes]: ...
     def held(self, key: SessionKey) -> int: ...      # the store holds tokens [0, n) of the session
     def delete(self, key: SessionKey) -> None: ...
@@ -134,7 +135,7 @@ class Worker:
         self._kv_bytes = 0   # the sessions' cache bytes, kept as they change (not summed over all each step)
         self.finished: list[RequestDone] = []  # appended as requests finish; the caller drains it
         self.stats = dict(steps=0, records=0, refused=0, snapshots=0, snapshot_failures=0, restores=0,
-                          evictions=0, over_budget_steps=0, stale_dropped=0, closed=0, whole_reputs=0, superseded=0,
+                          evictions=0, over_budget_steps=0, stale_dropped=0, replay_restored=0, closed=0, whole_reputs=0, superseded=0,
                           context_full=0, store_errors=0, replays_durable=0, abandoned=0, unsure_rolled_back=0,
                           simulated_s=0.0)
         self.last_store_error: str | None = None
@@ -209,6 +210,14 @@ class Worker:
             if s is not None and (s.request is None or s.request.request_id != rid) and self._moved_on(key, s, rec):
                 self._drop(key)                  # another worker continued it: the store's copy is newer
                 self.stats["stale_dropped"] += 1
+                s = None
+            elif s is not None and s.request is None and self.store is not None and rec["flags"] & records.CHUNK_F_REPLAY:
+                # A replay back on a worker holding the session idle: this copy may end with the
+                # request's own turn (it finished here and its answer was lost on the way), and it
+                # ran again on top of it: the prompt twice, other tokens, the turn put twice (found
+                # by review). The store's chain, without that turn if it is its last, is the context.
+                self._drop(key)
+                self.stats["replay_restored"] += 1
                 s = None
             if s is None:
                 s = self._restore(key, rid if rec["flags"] & records.CHUNK_F_REPLAY else None)
@@ -413,32 +422,36 @@ class Worker:
 
     def _settle(self, key: SessionKey, s: _Session) -> _Session | None:
         """The session's last request was answered 503 while the store could not say whether its
-        turn had landed. If it has since, it is taken back out (the chain deleted, then the
+        turn had landed. If it has since, it is taken back out (the chain replaced by the
         session put again whole without it), so the store agrees with what the client was told
         and its retry does not run on top of that turn. None: the store holds another history
         of the session, whose copy then goes. Raises (this record's 503) while the store still
         cannot say."""
         last = self._last_delta(key)
         if last is not None and last["request_id"] == s.unsure and last["token_start"] == s.cache.length:
-            self.store.delete(key)
-            # settled: this copy is the session now, not durable until it is back in whole (if that
-            # put fails, the next request's puts it from token 0)
-            s.unsure, s.cache.snapshot_len = None, 0
-            self.stats["unsure_rolled_back"] += 1
+            # It landed: this copy, without that turn, replaces the chain in one record. A delete then
+            # a put left the store empty between them, and a failed put or a kill there lost the
+            # session for every other worker (found by review). If the put fails, still unsure.
             if s.cache.length:
-                self._put(key, s.cache, 0, 0)
+                self._put(key, s.cache, 0, 0, replace=True)
+            else:
+                self.store.delete(key)
             s.cache.snapshot_len = s.cache.length
+            self.stats["unsure_rolled_back"] += 1
         elif (last["token_end"] if last else 0) != s.cache.length:
             self._drop(key)
             return None
         s.unsure = None
         return s
 
-    def _put(self, key: SessionKey, cache: KVCache, start: int, request_id: int, end: int | None = None) -> int:
-        """Put the session's entries [start, end or length) as one delta; its stored size once durable."""
+    def _put(self, key: SessionKey, cache: KVCache, start: int, request_id: int, end: int | None = None,
+             replace: bool = False) -> int:
+        """Put the session's entries [start, end or length) as one delta (replace: as the whole chain);
+        its stored size once durable."""
         end = cache.length if end is None else end
         blob = kvdelta.encode(kvdelta.export_delta(cache, start, end), self.model.config, self.codec, request_id)
-        self.store.put(key, blob, dict(token_start=start, token_end=end, codec=self.codec, request_id=request_id))
+        meta = dict(token_start=start, token_end=end, codec=self.codec, request_id=request_id)
+        self.store.put(key, blob, {**meta, "replace": True} if replace else meta)
         return len(blob)
 
     def close(self, session_id: int, tenant: int = 0):
