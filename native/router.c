@@ -78,6 +78,7 @@ struct worker {
     uint16_t pool, local;               /* its pool, and its index in the pool's view */
     struct dp_ring *lane, *done;        /* shm */
     void *zsock;                        /* zmq: a DEALER connected to the worker's */
+    char *endpoint;                     /* zmq: the worker's, for a fresh socket when it goes down */
     uint8_t *stage;                     /* zmq: the batch being built, sent as one message */
     struct dp_completion *cbuf;         /* zmq: the last completion received */
     uint64_t t_busy;                    /* when its batch was placed (zmq: its answer's deadline counts
@@ -1121,18 +1122,16 @@ static void *lane_slot(struct worker *w, uint32_t i)
     return w->kind == DP_LANE_SHM ? dp_ring_prod_slot(w->lane, i) : w->stage + (size_t)i * sizeof(struct dp_chunk);
 }
 
-/* Room for a full batch? (shm: free slots; zmq: the socket takes a message now) */
+/* Room for a full batch? (shm: free slots; zmq: always, one batch at a time: a send the socket
+ * refuses, with no connection up (ZMQ_IMMEDIATE), leaves the batch unsent, due like a sent one) */
 static int lane_ready(struct dp_router *rt, struct worker *w)
 {
-    if (w->kind == DP_LANE_SHM) {
-        uint32_t room = dp_ring_prod_reserve(w->lane, rt->cfg.max_chunks);
-        if (room < rt->cfg.max_chunks)   /* the worker has not taken its last batch yet */
-            dp_ring_note_full(w->lane, rt->cfg.max_chunks, room);
-        return room == rt->cfg.max_chunks;
-    }
-    int ev = 0;
-    size_t len = sizeof(ev);
-    return zmq_getsockopt(w->zsock, ZMQ_EVENTS, &ev, &len) == 0 && (ev & ZMQ_POLLOUT);
+    if (w->kind != DP_LANE_SHM)
+        return 1;
+    uint32_t room = dp_ring_prod_reserve(w->lane, rt->cfg.max_chunks);
+    if (room < rt->cfg.max_chunks)       /* the worker has not taken its last batch yet */
+        dp_ring_note_full(w->lane, rt->cfg.max_chunks, room);
+    return room == rt->cfg.max_chunks;
 }
 
 uint32_t dp_lane_recv(struct dp_ring *lane, struct dp_chunk *out, uint32_t max, int64_t timeout_ns,
@@ -1279,9 +1278,9 @@ static void set_up(struct dp_router *rt, uint32_t k, int up);
 
 /* The health of zmq workers, which no process of ours watches. One whose batch has gone
  * unanswered (or unsent: no peer took it) for zmq_timeout is marked down and its requests
- * replayed: ZeroMQ does not resend what a broken connection held (a worker that died after
- * taking the batch, a dropped link), so nothing else would ever free it (it stayed busy, and
- * every request placed on it waited for ever). Then it is probed, an empty message at most
+ * replayed: nothing else would ever free it (a worker that died after taking the batch, a
+ * dropped link: it stayed busy, and every request placed on it waited for ever), and its
+ * socket is replaced (set_up), so the batch is not delivered when the worker is back. Then it is probed, an empty message at most
  * every ZMQ_PROBE_NS, which its lane answers with an empty one from its receive loop (lanes.py):
  * any message from it (that answer, a late completion) brings it back up. Before, it stayed
  * down for good after a passing stall or a dropped link. */
@@ -2080,6 +2079,7 @@ void dp_router_destroy(struct dp_router *rt)
         free(rt->w[k].decoding);
         free(rt->w[k].stage);
         free(rt->w[k].cbuf);
+        free(rt->w[k].endpoint);
         if (rt->w[k].zsock)
             zmq_close(rt->w[k].zsock);
     }
@@ -2133,7 +2133,7 @@ int dp_router_add_input(struct dp_router *rt, struct dp_ring *in)
 }
 
 static int add_worker(struct dp_router *rt, int kind, struct dp_ring *lane, struct dp_ring *done, void *zsock,
-                      uint32_t weight)
+                      char *endpoint, uint32_t weight)
 {
     pthread_mutex_lock(&rt->lock);
     int k = -ENOSPC;
@@ -2145,6 +2145,7 @@ static int add_worker(struct dp_router *rt, int kind, struct dp_ring *lane, stru
         w->lane = lane;
         w->done = done;
         w->zsock = zsock;
+        w->endpoint = endpoint;
         if (kind == DP_LANE_ZMQ) {
             w->stage = malloc((size_t)DP_MAX_BATCH_CHUNKS * sizeof(struct dp_chunk));
             w->cbuf = malloc(sizeof(*w->cbuf));
@@ -2170,27 +2171,49 @@ int dp_router_add_worker(struct dp_router *rt, struct dp_ring *lane, struct dp_r
     if (lane->h->slot_size < sizeof(struct dp_chunk) || lane->h->capacity < rt->cfg.max_chunks ||
         done->h->slot_size < sizeof(struct dp_completion))
         return -EINVAL;
-    return add_worker(rt, DP_LANE_SHM, lane, done, NULL, weight);
+    return add_worker(rt, DP_LANE_SHM, lane, done, NULL, NULL, weight);
+}
+
+/* A DEALER connected to endpoint, dropping what it holds when closed (linger 0), and queueing
+ * only to a connection that is up (ZMQ_IMMEDIATE: with none, a send is refused, the batch stays
+ * unsent here and times out, never waits in the socket for a worker that comes back). NULL and
+ * errno on failure. */
+static void *zmq_dealer(void *zctx, const char *endpoint)
+{
+    void *s = zmq_socket(zctx, ZMQ_DEALER);
+    if (!s)
+        return NULL;
+    int linger = 0, hwm = 4, immediate = 1;
+    zmq_setsockopt(s, ZMQ_LINGER, &linger, sizeof(linger));
+    zmq_setsockopt(s, ZMQ_SNDHWM, &hwm, sizeof(hwm));
+    zmq_setsockopt(s, ZMQ_IMMEDIATE, &immediate, sizeof(immediate));
+    if (zmq_connect(s, endpoint) < 0) {
+        int e = errno;
+        zmq_close(s);
+        errno = e;
+        return NULL;
+    }
+    return s;
 }
 
 int dp_router_add_zmq_worker(struct dp_router *rt, const char *endpoint, uint32_t weight)
 {
     if (!rt->zctx && !(rt->zctx = zmq_ctx_new()))
         return -errno;
-    void *s = zmq_socket(rt->zctx, ZMQ_DEALER);
-    if (!s)
-        return -errno;
-    int linger = 0, hwm = 4;
-    zmq_setsockopt(s, ZMQ_LINGER, &linger, sizeof(linger));
-    zmq_setsockopt(s, ZMQ_SNDHWM, &hwm, sizeof(hwm));
-    if (zmq_connect(s, endpoint) < 0) {
+    char *ep = strdup(endpoint);
+    if (!ep)
+        return -ENOMEM;
+    void *s = zmq_dealer(rt->zctx, endpoint);
+    if (!s) {
         int e = errno;
-        zmq_close(s);
+        free(ep);
         return -e;
     }
-    int k = add_worker(rt, DP_LANE_ZMQ, NULL, NULL, s, weight);
-    if (k < 0)
+    int k = add_worker(rt, DP_LANE_ZMQ, NULL, NULL, s, ep, weight);
+    if (k < 0) {
         zmq_close(s);
+        free(ep);
+    }
     return k;
 }
 
@@ -2251,16 +2274,32 @@ int dp_router_set_key_secret(struct dp_router *rt, uint64_t secret)
     return fresh ? 0 : -EBUSY;
 }
 
+static void *zmq_dealer(void *zctx, const char *endpoint);
+
 static void set_up(struct dp_router *rt, uint32_t k, int up)
 {
+    struct worker *w = &rt->w[k];
     int was_up = rt->view.up[k];
     rt->view.up[k] = up ? 1 : 0;
-    rt->w[k].timed_out = 0;             /* the control plane's word, or zmq_health's, is the last */
-    rt->w[k].st.up = rt->view.up[k];
+    w->timed_out = 0;                   /* the control plane's word, or zmq_health's, is the last */
+    w->st.up = rt->view.up[k];
     rt->view.generation++;
     rebuild_pools(rt);
-    if (was_up && !up)
+    if (was_up && !up) {
         failover(rt, k);
+        /* A zmq worker's socket is replaced (linger 0 drops what it held): a connecting socket
+         * keeps its queue, so the batch just replayed elsewhere reached the worker once it was
+         * back (restarted, or its link healed), which ran it on the store's newer copy of the
+         * sessions (found by review). A batch already in the worker's own buffers is not
+         * reached: a stalled worker that wakes still runs it (README, left open). */
+        void *fresh = w->kind == DP_LANE_ZMQ ? zmq_dealer(rt->zctx, w->endpoint) : NULL;
+        if (fresh) {
+            zmq_close(w->zsock);
+            w->zsock = fresh;
+            w->unsent = 0;
+            rt->st.zmq_sockets_replaced++;
+        }
+    }
 }
 
 int dp_router_set_up(struct dp_router *rt, uint32_t worker, int up)
