@@ -698,6 +698,10 @@ static void price_admitted(struct dp_router *rt)
     dp_adm_commit(rt->adm, r->tenant, &r->adm, c->t_router);
 }
 
+static int xdp_cut(const struct dp_router *rt, uint64_t session_id, uint64_t request_id, uint32_t tenant,
+                   uint64_t t_xdp);
+static void cut_at_xdp(const struct dp_router *rt, uint64_t session_id, uint64_t request_id, uint32_t tenant);
+
 /* Request r ends without having run whole (failed, expired): its worker's copy of the session may
  * lack turns run elsewhere, and the session's later requests were flagged as if r had run there.
  * Before session_leave (its later requests are still linked). */
@@ -715,6 +719,8 @@ static void finish(struct dp_router *rt, uint32_t ri)
     struct worker *w = &rt->w[r->worker];
     if (r->status)
         not_run(rt, r);
+    if (r->status && r->received < r->chunk_count)   /* failed before its last chunk came */
+        cut_at_xdp(rt, r->session_id, r->request_id, r->tenant);
     session_leave(rt, ri);
     remember_done(rt, r->key);
     dp_adm_settle(rt->adm, r->tenant, &r->adm, r->tokens_in, r->generated, r->status == 0);
@@ -816,12 +822,22 @@ static int bad_chunk(const struct dp_chunk *c)
 
 static void fail_request(struct dp_router *rt, int wk, uint32_t ri, uint16_t status);
 
-/* Answered without a request slot: a refusal at first sight (with admission's body), or a price. */
+/* Answered without a request slot: a refusal at first sight (with admission's body), or a price.
+ * A refused request of several chunks is answered once: not at all if the XDP bucket has cut it
+ * already (its 429 was the answer), and cut there once answered, so a bucket that runs dry on
+ * one of its later chunks does not answer it a second time (found by review). */
 static int answer(struct dp_router *rt, const struct dp_chunk *c, uint16_t status, const char *body, uint32_t len)
 {
+    int several = status != DP_STATUS_OK && c->chunk_count > 1;
+    if (several && xdp_cut(rt, c->session_id, c->request_id, c->tenant, c->t_xdp)) {
+        rt->st.xdp_cut++;
+        return 1;
+    }
     if (!emit(rt, NULL, status, c->request_id, c->session_id, c->tenant, c, body, len))
         return 0;
     rt->st.responses++;
+    if (several)
+        cut_at_xdp(rt, c->session_id, c->request_id, c->tenant);
     return 1;
 }
 
@@ -1543,19 +1559,39 @@ static void fifo_remove(struct dp_router *rt, struct worker *w, uint32_t ri)
 /* Did the XDP program's bucket cut this request (chunk.h, dp_cut_key)? Then its client has
  * had the 429, and what passed of it is dropped without a second answer. The cut must be this
  * request's, not one of the same ids long before: no earlier than DP_CUT_TTL_NS before its first
- * record reached XDP. A syscall, on the expiry path only. */
-static int cut_by_xdp(const struct dp_router *rt, const struct req *r)
+ * record reached XDP (t_xdp). A syscall, on the refusal and expiry paths only. */
+static int xdp_cut(const struct dp_router *rt, uint64_t session_id, uint64_t request_id, uint32_t tenant,
+                   uint64_t t_xdp)
 {
-    if (rt->cuts_fd < 0 || !r->t_xdp)
+    if (rt->cuts_fd < 0 || !t_xdp)
         return 0;
-    struct dp_cut_key key = { .session_id = r->session_id, .request_id = r->request_id, .tenant = r->tenant };
+    struct dp_cut_key key = { .session_id = session_id, .request_id = request_id, .tenant = tenant };
     uint64_t when;
     union bpf_attr a;
     memset(&a, 0, sizeof(a));            /* the kernel refuses any byte set past the command's fields */
     a.map_fd = (uint32_t)rt->cuts_fd;
     a.key = (uint64_t)(uintptr_t)&key;
     a.value = (uint64_t)(uintptr_t)&when;
-    return syscall(__NR_bpf, BPF_MAP_LOOKUP_ELEM, &a, sizeof(a)) == 0 && when + DP_CUT_TTL_NS >= r->t_xdp;
+    return syscall(__NR_bpf, BPF_MAP_LOOKUP_ELEM, &a, sizeof(a)) == 0 && when + DP_CUT_TTL_NS >= t_xdp;
+}
+
+/* A request the router answered before all its chunks came (a refusal, an expiry, a failure):
+ * the rest is cut at XDP as its bucket would (dropped, uncharged, unanswered, for DP_CUT_TTL_NS;
+ * only for tenants with a bucket, whose chunks XDP checks), so the bucket running dry on one of
+ * them does not answer the request again with a 429. Both sides stamp CLOCK_MONOTONIC. */
+static void cut_at_xdp(const struct dp_router *rt, uint64_t session_id, uint64_t request_id, uint32_t tenant)
+{
+    if (rt->cuts_fd < 0)
+        return;
+    struct dp_cut_key key = { .session_id = session_id, .request_id = request_id, .tenant = tenant };
+    uint64_t now = now_ns();
+    union bpf_attr a;
+    memset(&a, 0, sizeof(a));
+    a.map_fd = (uint32_t)rt->cuts_fd;
+    a.key = (uint64_t)(uintptr_t)&key;
+    a.value = (uint64_t)(uintptr_t)&now;
+    a.flags = BPF_ANY;
+    syscall(__NR_bpf, BPF_MAP_UPDATE_ELEM, &a, sizeof(a));
 }
 
 /* Requests still missing chunks, with nothing in flight, idle past the timeout:
@@ -1577,7 +1613,7 @@ static uint32_t expire_stalled(struct dp_router *rt)
         if (r->state != REQ_PREFILL || r->received == r->chunk_count || r->inflight ||
             now - r->t_last < rt->cfg.reassembly_timeout_ns)
             continue;
-        int cut = cut_by_xdp(rt, r);
+        int cut = xdp_cut(rt, r->session_id, r->request_id, r->tenant, r->t_xdp);
         char body[128];
         int len = snprintf(body, sizeof(body), "{\"status\":400,\"error\":\"chunks missing after the reassembly "
                            "timeout\",\"received\":%u,\"chunk_count\":%u}", r->received, r->chunk_count);
@@ -1586,6 +1622,8 @@ static uint32_t expire_stalled(struct dp_router *rt)
                                               .client_port = r->client_port, .flags = r->flags },
                           body, (uint32_t)len))
             break;                       /* egress full: try again at the next scan */
+        if (!cut)
+            cut_at_xdp(rt, r->session_id, r->request_id, r->tenant);
         dp_adm_settle(rt->adm, r->tenant, &r->adm, r->tokens_in, 0, 0);
         if (r->in_fifo)
             fifo_remove(rt, &rt->w[r->worker], ri);

@@ -108,7 +108,8 @@ struct dp_router_stats {
     uint64_t adm_no_slot;               /* 503: a limited tenant the admission's table had no slot for */
     uint64_t to_secondary;      /* admitted requests placed on the secondary pool (a tenant's high-entropy burst) */
     uint64_t xdp_cut;           /* requests the XDP bucket cut (answered 429 there), dropped at the reassembly
-                                 * timeout without a 400 (dp_router_watch_cuts) */
+                                 * timeout without a 400, or refused at first sight without an answer
+                                 * (dp_router_watch_cuts) */
     uint64_t no_worker;         /* 503: no worker up in any pool, or the policy picked none */
     uint64_t bad_picks;         /* a policy's picks of a worker out of range or down (its bug), at
                                  * admission (counted in no_worker too) or at a failover's replay */
@@ -144,8 +145,10 @@ int dp_router_add_input(struct dp_router *rt, struct dp_ring *in);
 int dp_router_add_feed(struct dp_router *rt, uintptr_t feed, uintptr_t src);
 /* The XDP program's `cuts` map (chunk.h, dp_cut_key), as an fd (duplicated, kept): a request
  * still missing chunks at the reassembly timeout whose key is there was cut by the bucket and
- * answered 429 in the kernel, so it is dropped without the 400 (counted xdp_cut). One per router,
- * set before it runs (add_feed does). */
+ * answered 429 in the kernel, so it is dropped without the 400 (counted xdp_cut), and one refused
+ * at first sight is not answered again. The router writes it too, for a request of several
+ * chunks it answered before the last came, so XDP drops the rest unanswered and uncharged. One
+ * per router, set before it runs (add_feed does). */
 int dp_router_watch_cuts(struct dp_router *rt, int map_fd);
 /* A worker: its lane (router produces) and completion ring (router consumes),
  * Returns the worker index. */

@@ -383,3 +383,59 @@ def test_a_request_the_bucket_cuts_gets_one_answer_the_429():
             time.sleep(0.005)
         assert [(int(r["session_id"]), int(r["status"])) for r in got] == [(500, 200)]
         assert router.stats()["late_duplicates"] == 0
+
+
+@pytest.mark.root
+@pytest.mark.bpf
+def test_a_request_the_router_refused_is_not_answered_again_by_the_bucket():
+    """A request of three full chunks from a tenant whose bucket holds one, refused by the router
+    (over its context limit: 400) at its first chunk. Router first: it answered 400, then the
+    bucket ran dry on the second chunk and XDP answered 429 too. The router now cuts the rest at
+    XDP as it answers, so the later chunks are dropped unanswered. XDP first (every chunk sent
+    before the router polls): the bucket's 429 was the answer, and the router's refusal is left
+    out. Two answers either way before (found by review)."""
+    from datapath import records
+    from datapath.admission import TenantPolicy
+    from datapath.router import Router
+    import numpy as np
+    tag = f"test-refused-{os.getpid()}-{next(_names)}"
+    with contextlib.ExitStack() as es:
+        topo = es.enter_context(Topology(clients=1))
+        ig = es.enter_context(Ingress(queues=2))
+        ig.attach(topo.host_if[0], topo.host_ns, veth_peer=(topo.client_if[0], topo.client_ns[0]))
+        es.callback(ring.unlink, f"{tag}.out")
+        egress = es.enter_context(ring.Ring.create(f"{tag}.out", records.RESPONSE.itemsize, 64, role="producer"))
+        answers = es.enter_context(ring.Ring.attach(f"{tag}.out", "consumer"))
+        router = es.enter_context(Router(reassembly_timeout_s=5))
+        router.set_egress(egress)
+        router.add_feed(ig.consumer(None))
+        for tenant in (7, 8):
+            ig.set_rate(tenant, tokens_per_minute=60, burst_tokens=128)    # one full chunk
+            router.set_tenant(tenant, TenantPolicy(max_request_tokens=200))  # 3 x 128 + 1 is over it
+
+        def router_answers(wait_s):
+            got, deadline = [], time.monotonic() + wait_s
+            while time.monotonic() < deadline:
+                router.poll()
+                got += [(int(r["session_id"]), int(r["status"]))
+                        for r in np.frombuffer(answers.dequeue(8), dtype=records.RESPONSE)]
+                time.sleep(0.005)
+            return got
+
+        first = client.request_packets(7, 600, 1, range(3 * 128), max_output_tokens=1)
+        res = client.send_from(topo.client_ns[0], topo.host_ip[0], first[:1], rate=1_000, count=1, duration=5,
+                               stamp_seq=False, drain_ms=50)
+        assert res["sent"] == 1
+        assert router_answers(0.5) == [(600, 400)]
+        res = client.send_from(topo.client_ns[0], topo.host_ip[0], first[1:], rate=1_000, count=2, duration=5,
+                               stamp_seq=False, drain_ms=200)
+        assert res["sent"] == 2 and res["responses"] == 0, "the bucket answered a refused request again"
+        c = ig.counters()
+        assert c["drop_cut_request"] == 2 and c["drop_rate_limited"] == 0
+
+        second = client.request_packets(8, 601, 1, range(3 * 128), max_output_tokens=1)
+        res = client.send_from(topo.client_ns[0], topo.host_ip[0], second, rate=1_000, count=3, duration=5,
+                               stamp_seq=False, drain_ms=200)
+        assert res["sent"] == 3 and res["responses"] == 1 and res["resp_429"] == 1, res
+        assert router_answers(0.5) == [], "the router refused a request the bucket had answered"
+        assert router.stats()["xdp_cut"] == 1
