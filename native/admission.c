@@ -47,6 +47,15 @@ struct dp_admission {
  * token's occurrence adds step[c], so a token seen k times has added clog2c[k] exactly (the
  * steps telescope), and entropy is one pass of integer adds (no FP chain, never log2). */
 #define CLOG_SCALE 1125899906842624.0      /* 2^50: 128 x 7 x 2^50 < 2^60 fits the sum */
+
+/* ns between high-entropy requests kept on the primary (hi_per_second > 0), at most a year: the
+ * cast of 1e9 / a tiny rate past 2^64 was undefined (found by review) */
+static uint64_t hi_interval_ns(const struct dp_tenant_cfg *cfg)
+{
+    double ns = 1e9 / cfg->hi_per_second;
+    return ns < 3.2e16 ? (uint64_t)ns : 32000000000000000ull;
+}
+
 static uint64_t clog2c[DP_MAX_CHUNK_TOKENS + 1], step[DP_MAX_CHUNK_TOKENS];
 
 __attribute__((constructor)) static void clog2c_init(void)   /* at load */
@@ -495,7 +504,7 @@ uint32_t dp_adm_decide(struct dp_admission *a, uint32_t tenant, const uint32_t *
         if (cfg->hi_per_second <= 0)
             d->spill = 1;
         else {
-            double inc = 1e9 / cfg->hi_per_second;
+            double inc = (double)hi_interval_ns(cfg);
             uint64_t tat = t && t->tat_high > now ? t->tat_high : now;
             d->spill = (double)(tat - now) + inc > inc * cfg->hi_burst;
         }
@@ -541,7 +550,7 @@ void dp_adm_commit(struct dp_admission *a, uint32_t tenant, struct dp_adm_decisi
         t->st.spilled++;
     else if (d->high && cfg->hi_per_second > 0) {
         uint64_t tat = t->tat_high > now ? t->tat_high : now;
-        t->tat_high = tat + (uint64_t)(1e9 / cfg->hi_per_second);
+        t->tat_high = tat + hi_interval_ns(cfg);
     }
 }
 

@@ -606,6 +606,21 @@ def test_high_entropy_requests_at_the_rate_stay_on_the_primary():
     assert spills == [0, 0, 1, 0], "every 100 ms is the rate; 50 ms after one is too soon"
 
 
+def test_a_tiny_high_entropy_rate_keeps_one_on_the_primary_then_spills():
+    """At 1e-15 a second the interval, 1e24 ns, was cast to 64 bits unchecked (undefined: found by
+    review); it is capped at about a year, so after the first the requests spill."""
+    adm = ffi.gc(lib.dp_adm_create(), lib.dp_adm_destroy)
+    lib.dp_adm_set_tenant(adm, 1, TenantPolicy(hi_entropy_factor=1.0, hi_per_second=1e-15).cdata())
+    toks, body = ffi.new("uint32_t[]", list(range(128))), ffi.new("char[]", 1024)
+    spills = []
+    for now in (10**12, 10**12 + 10**9, 10**12 + 86_400 * 10**9):
+        d = ffi.new("struct dp_adm_decision *")
+        assert lib.dp_adm_decide(adm, 1, toks, 128, 1, 4, 0, now, d, body, 1024) == 0 and d.high
+        lib.dp_adm_commit(adm, 1, d, now)
+        spills.append(d.spill)
+    assert spills == [0, 1, 1]
+
+
 # --- pools ------------------------------------------------------------------------------------------------------
 
 def placed(batches_by_worker):

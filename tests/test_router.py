@@ -805,11 +805,13 @@ def test_the_trace_flag_of_a_requests_first_chunk_reaches_its_response(bench_fac
     assert all(r["t_first_lane"] > 0 for r in b.responses)
 
 
-@pytest.mark.parametrize("policy", ["round_robin", "power_of_two", "weighted", "affinity"])
+@pytest.mark.parametrize("policy", policies())
 def test_idle_rehearsals_leave_no_trace(bench_factory, policy):
     """The idle router runs a new request's path dry (router.c, rehearse) to keep it warm:
     the same requests with and without long idle stretches between them are placed on the
-    same workers, admitted or refused alike, and each worker receives exactly its records."""
+    same workers, admitted or refused alike, and each worker receives exactly its records.
+    Every registered policy (it named four: a new one that kept per-pick state would have
+    routed by how long the router sat idle, unseen; found by review)."""
     from datapath.admission import TenantPolicy
     outcomes = []
     for idle in (0, 1100):            # 4 rehearsals and a shadow run a gap (3 would hide a round-robin step)
