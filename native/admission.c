@@ -570,8 +570,11 @@ void dp_adm_settle(struct dp_admission *a, uint32_t tenant, const struct dp_adm_
         t->st.refunded += back;
     }
     /* the unused share of what the bucket was charged, at the rate of then: the rate now (a limit
-     * lowered or switched on meanwhile) gave back up to 100x the charge, or what was never charged */
-    uint32_t estimate = p->input_tokens + p->max_output, used = ok ? input + output : 0;
+     * lowered or switched on meanwhile) gave back up to 100x the charge, or what was never charged.
+     * Used: the tokens that came and ran, answered 200 or not (money is given back for a failure,
+     * the limit's room is not: a tenant that never sent its last chunk had every prefill run and
+     * the whole minute back, round after round; found by review). */
+    uint32_t estimate = p->input_tokens + p->max_output, used = input + output;
     if (admitted->minute_ns && estimate > used) {
         uint64_t back = (uint64_t)((double)admitted->minute_ns * (estimate - used) / estimate);
         t->tat_minute = t->tat_minute > back ? t->tat_minute - back : 0;

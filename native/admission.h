@@ -142,7 +142,8 @@ void dp_adm_finish(struct dp_admission *a, struct dp_adm_decision *d, const uint
 void dp_adm_commit(struct dp_admission *a, uint32_t tenant, struct dp_adm_decision *d, uint64_t now);
 /* Completion of an admitted request: the charge becomes the exact price of what ran (input tokens
  * received, output tokens generated, at the admission's price and entropy factor; never more than
- * charged), or nothing if it failed (ok = 0); the minute's bucket gets the unused tokens back. */
+ * charged), or nothing if it failed (ok = 0); the minute's bucket gets back the estimate's tokens
+ * that never came or ran, failed or not (input + output are what did). */
 void dp_adm_settle(struct dp_admission *a, uint32_t tenant, const struct dp_adm_decision *admitted, uint32_t input,
                    uint32_t output, int ok);
 /* CDEF END */

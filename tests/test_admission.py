@@ -276,6 +276,28 @@ def test_429_after_the_per_minute_limit_for_that_tenant_only(bench_factory):
     assert b.router.tenant_stats(4)["rate_limited"] == 2 and b.router.tenant_stats(8)["rate_limited"] == 0
 
 
+def test_requests_left_unfinished_still_spend_the_minute_s_tokens_that_came(bench_factory):
+    """A request of 4 chunks whose last never comes: its 3 prompt chunks run (dynamic batching
+    prefills them), then it expires with a 400. Its charge is given back, but the minute's bucket
+    keeps the tokens that came: the third such round is over 1,000 tokens a minute. Before, the
+    whole estimate went back, and a tenant sending requests without their last chunk had every
+    prefill run and was never limited (found by review)."""
+    b = bench_factory(reassembly_timeout_s=0.05)
+    b.router.set_tenant(4, TenantPolicy(tokens_per_minute=1000))   # estimate 4 x 128 + 4 = 516
+    statuses = []
+    for rid in range(1, 4):
+        b.send(chunks_of(rid, list(range(4 * 128)), max_out=4, tenant=4)[[0, 1, 2]])
+        deadline = time.monotonic() + 5
+        while len(b.responses) < rid and time.monotonic() < deadline:
+            b.router.poll()
+            b.step(0)
+            b.collect()
+            time.sleep(0.01)
+        statuses.append(int(b.responses[-1]["status"]))
+    assert statuses == [400, 400, 429], "384 + 384 + 516 tokens are over the minute's 1000"
+    assert b.router.stats()["adm_rate_limited"] == 1
+
+
 def test_a_request_larger_than_the_whole_minute_is_refused_400_not_told_to_retry(bench_factory):
     """More tokens than the tenant's tokens_per_minute never fit its bucket: a 429's retry_after
     would never come true. It is a 400 naming the limit, with a split that fits."""
