@@ -103,10 +103,10 @@ struct index {
     uint32_t mask;
 };
 
-/* A tenant's requests still missing chunks (see TENANT_SHARE). */
+/* A tenant's requests still missing chunks or held behind their session's (see TENANT_SHARE). */
 struct arriving {
     uint32_t tenant;
-    uint32_t requests;                  /* its requests still missing chunks */
+    uint32_t requests;                  /* its requests still missing chunks, or held */
     uint32_t chunks;                    /* theirs, come (held in the pool) or promised (room reserved) */
     uint32_t next_free;                 /* a free entry's next */
 };
@@ -570,11 +570,17 @@ static void make_ready(struct dp_router *rt, uint32_t ri)
  * durable in the store (workers snapshot before they complete). Without this an
  * open-loop client outrunning the workers would have two requests of a session
  * interleave on one cache. */
-static void session_join(struct dp_router *rt, uint32_t ri, const struct dp_chunk *c)
+/* The session's latest request, unfinished (NIL: none): the one a new request of it is held behind. */
+static uint32_t session_latest(const struct dp_router *rt, const struct dp_chunk *c)
+{
+    return index_find(rt, &rt->by_session, session_key(rt, c->tenant, c->session_id), c, 0);
+}
+
+/* last: session_latest, asked before ri was taken */
+static void session_join(struct dp_router *rt, uint32_t ri, const struct dp_chunk *c, uint32_t last)
 {
     struct req *r = &rt->reqs[ri];
     uint64_t sk = session_key(rt, c->tenant, c->session_id);
-    uint32_t last = index_find(rt, &rt->by_session, sk, c, 0);
     r->session_prev = last;
     r->session_next = NIL;
     r->in_session = 1;
@@ -587,6 +593,8 @@ static void session_join(struct dp_router *rt, uint32_t ri, const struct dp_chun
     r->held = 1;
     rt->st.held++;
 }
+
+static void arriving_done(struct dp_router *rt, struct req *r);
 
 /* Request ri has ended (answered, refused or expired): unlink it; the next one of its session may run. */
 static void session_leave(struct dp_router *rt, uint32_t ri)
@@ -603,7 +611,10 @@ static void session_leave(struct dp_router *rt, uint32_t ri)
     if (prev != NIL) {
         rt->reqs[prev].session_next = next;
     } else if (next != NIL) {
-        rt->reqs[next].held = 0;
+        struct req *n = &rt->reqs[next];
+        n->held = 0;
+        if (n->received == n->chunk_count)
+            arriving_done(rt, n);        /* neither missing chunks nor held: its tenant's share lets it go */
         make_ready(rt, next);
     }
 }
@@ -614,7 +625,10 @@ static void session_leave(struct dp_router *rt, uint32_t ri)
  * tenant cannot hold the router with requests it never completes (one OPEN announcing the whole
  * pool, a table of OPENs, requests sent but for their last chunk: at no cost, and again every
  * second), its requests still missing chunks may hold at most 1/TENANT_SHARE of the pool (their
- * chunks, come or promised) and of the request table; beyond, a new one is answered 503
+ * chunks, come or promised) and of the request table; so may those held behind an earlier
+ * request of their session (one-chunk requests and CLOSEs too: a session's requests sent faster
+ * than they ran held every slot, and the others were refused 503 table_full; found by review);
+ * beyond, a new one is answered 503
  * (tenant_share_refused), and a request of more chunks than a share is refused 400 by admission
  * (dp_adm_set_max_chunks). Tenant ids are the client's word: a client that makes them up still
  * fills the router, but one tenant's failure no longer takes the others down. */
@@ -897,11 +911,14 @@ static int admit(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, uin
             rt->st.adm_no_slot++;
         return 1;
     }
-    /* a one-chunk request is whole as it is admitted: it holds nothing while arriving, so the
-     * share is neither asked nor kept for it (nothing added to the path of most requests) */
+    /* a one-chunk request is whole as it is admitted: unless it is held behind an earlier request
+     * of its session it holds nothing, so the share is neither asked nor kept for it (nothing
+     * added to the path of most requests: the session lookup is session_join's, done earlier) */
     int whole = c->kind == DP_KIND_CHUNK && c->chunk_count == 1;
+    uint32_t before = session_latest(rt, c);
+    int shared = !whole || before != NIL;
     const struct arriving *e;
-    if (!whole && over_share(rt, c->tenant, c->chunk_count, &e)) {
+    if (shared && over_share(rt, c->tenant, c->chunk_count, &e)) {
         int n = snprintf(body, sizeof(body), "{\"status\":503,\"error\":\"the tenant's requests still arriving hold "
                          "its share of the router\",\"requests_arriving\":%u,\"their_chunks\":%u,"
                          "\"share_chunks\":%u,\"share_requests\":%u}", e->requests, e->chunks, share_chunks(&rt->cfg),
@@ -936,11 +953,11 @@ static int admit(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, uin
     rt->st.to_secondary += (uint64_t)spilled;
     rt->reserved += c->chunk_count;     /* each chunk takes one back as it comes */
     struct req *r = req_init(rt, ri, c, key, t, wk, pool);
-    if (!whole)
+    if (shared)
         arriving_add(rt, r);
     r->spill = d.spill;
     r->adm = d;
-    session_join(rt, ri, c);
+    session_join(rt, ri, c, before);
     rt->st.requests_in++;
     *out = ri;
     return 1;
@@ -975,19 +992,25 @@ static int close_session(struct dp_router *rt, const struct dp_chunk *c, uint64_
     }
     int spilled;
     uint16_t pool = 0;
-    int wk = rt->st.pool_free > rt->reserved && rt->req_free != NIL
+    uint32_t before = session_latest(rt, c);
+    const struct arriving *e;
+    int over = before != NIL && over_share(rt, c->tenant, 1, &e);     /* held: in the tenant's share */
+    int wk = !over && rt->st.pool_free > rt->reserved && rt->req_free != NIL
              ? pick_worker(rt, c->session_id, c->tenant, 0, &pool, &spilled) : -1;
     if (wk < 0) {
         if (!answer(rt, c, DP_STATUS_UNAVAILABLE, NULL, 0))
             return 0;
         remember_done(rt, key);
+        rt->st.tenant_share_refused += (uint64_t)over;
         return 1;
     }
     ri = req_insert(rt, key);
     struct req *r = req_init(rt, ri, c, key, t, wk, pool);
     r->chunk_count = 1;                  /* one record, nothing to generate */
     r->max_output = 0;
-    session_join(rt, ri, c);
+    if (before != NIL)
+        arriving_add(rt, r);
+    session_join(rt, ri, c, before);
     uint32_t p = pool_get(rt);
     struct dp_chunk *pc = &rt->pool[p].c;
     memcpy(pc, c, DP_CHUNK_HDR_LEN);
@@ -1082,8 +1105,8 @@ static int ingest(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, in
         rt->unpriced_chunk = p;
     }
     rt->reserved--;                      /* a promised chunk has come */
-    if (r->received + 1 == r->chunk_count)
-        arriving_done(rt, r);
+    if (r->received + 1 == r->chunk_count && !r->held)
+        arriving_done(rt, r);            /* (a held one stays in its tenant's share until it runs) */
     r->received++;
     r->tokens_in += n;
     r->t_last = t;

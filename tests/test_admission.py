@@ -471,6 +471,42 @@ def test_one_tenant_s_requests_that_never_arrive_whole_cannot_hold_the_router(be
     assert b.router.stats()["tenant_share_refused"] == 7 and b.router.stats()["active_requests"] == 0
 
 
+def test_requests_held_behind_their_session_count_in_the_tenant_s_share(bench_factory):
+    """A tenant's one-chunk requests on one session, sent faster than they run, each held behind
+    the one before: they held every slot of the request table, and every other tenant was
+    refused 503 (table_full). Held requests count in the tenant's share now: past a quarter of
+    the table the tenant's next is refused, the others are served, and the held ones still run,
+    in order, once the worker answers (found by review). CLOSEs held so count too."""
+    b = bench_factory(max_requests=64)
+
+    def polled():
+        for _ in range(4):                # a pass takes 32 records
+            b.router.poll()
+        b.collect()
+        return {int(r["request_id"]): int(r["status"]) for r in b.responses}
+
+    b.send(*[chunks_of(i, [i, i + 1], session=7, max_out=1, tenant=1) for i in range(1, 65)])
+    b.send(chunks_of(500, [5, 6], max_out=1, tenant=2))
+    got = polled()
+    assert 500 not in got, "another tenant's request is admitted"
+    assert sorted(rid for rid, st in got.items() if st == 503) == list(range(18, 65)), \
+        "the first runs, 16 (a quarter of 64) wait behind it, the rest are refused"
+    b.run()
+    got = polled()
+    assert [got[rid] for rid in range(1, 18)] == [200] * 17 and got[500] == 200
+    closes = np.zeros(30, dtype=records.CHUNK)
+    closes["kind"], closes["session_id"], closes["tenant"] = wire.KIND_CLOSE, 8, 3
+    closes["request_id"], closes["chunk_count"] = np.arange(900, 930), 1
+    b.send(chunks_of(800, [1, 2], session=8, max_out=1, tenant=3), closes)
+    got = polled()
+    assert sorted(rid for rid, st in got.items() if st == 503 and rid >= 900) == list(range(916, 930))
+    b.run()
+    got = polled()
+    assert got[800] == 200 and [got[rid] for rid in range(900, 916)] == [200] * 16
+    st = b.router.stats()
+    assert st["tenant_share_refused"] == 47 + 14 and st["table_full"] == 0 and st["active_requests"] == 0
+
+
 def test_a_tenant_with_limits_that_no_slot_can_hold_is_refused_503_not_run_unlimited():
     """The table full of tenants that spent today (1,024 cheap admitted requests under a priced
     default with a budget): a new tenant found no slot and ran with no budget or bucket kept.
