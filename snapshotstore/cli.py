@@ -5,6 +5,7 @@
     snapshotstore fsck [DEVICE]
     snapshotstore stats [DEVICE] [--json]
     snapshotstore target [--listen HOST:PORT] [--nqn NQN] DEVICE
+    snapshotstore serve [DEVICE] --listen ENDPOINT
 
 DEVICE is a regular file, a loop device, an NVMe / NVMe-oF namespace
 (/dev/nvmeXnY, attached with nvme-cli), or a namespace of an NVMe/TCP target
@@ -33,6 +34,7 @@ EPILOG = """examples:
     snapshotstore fsck store.img                      # every CRC and every chain; exit 1 if damaged
     snapshotstore stats --json                        # the default store's counters
     snapshotstore target store.img --listen 127.0.0.1:4420    # serve store.img over NVMe/TCP
+    snapshotstore serve store.img --listen tcp://127.0.0.1:5600   # to workers: datapath worker --store
     snapshotstore fsck nvme-tcp://127.0.0.1:4420/nqn.2026-12.io.zerolayer:snapshots
 """
 
@@ -89,7 +91,36 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--maxh2cdata", type=parse_size, default=128 << 10, metavar="SIZE",
                    help="largest H2CData PDU, and R2T chunk, the target accepts: a multiple of the block "
                         "size, in bytes or with a K/M suffix (default 128K)")
+    v = sub.add_parser("serve", help="serve the store to worker processes over ZeroMQ until SIGTERM or Ctrl-C")
+    v.add_argument("device", **device)
+    v.add_argument("--listen", required=True, metavar="ENDPOINT",
+                   help="ZeroMQ endpoint to bind: tcp://HOST:PORT or ipc://PATH (datapath worker --store ENDPOINT)")
+    v.add_argument("--eviction", choices=["lru", "refuse"], default="lru",
+                   help="when the log is full: evict the least recently used sessions (default), or refuse puts")
     return p
+
+
+def _serve(args) -> int:
+    """One process holds the device; workers restore each other's sessions through it
+    (snapshotstore/server.py): what the pipeline starts for its workers, by hand."""
+    import signal
+    import threading
+
+    import zmq
+    from .server import serve
+    path = args.device or default_image_path()
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+
+    class Said:                          # serve's `ready`: set once the store is open and bound
+        def set(self):
+            print(f"serving {path} at {args.listen}", flush=True)
+    try:
+        serve(path, args.listen, stop, eviction=args.eviction, ready=Said())
+    except zmq.ZMQError as e:
+        raise SnapshotError(f"cannot serve at {args.listen}: {e}") from None
+    return 0
 
 
 def _format(args) -> int:
@@ -194,7 +225,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return {"format": _format, "inspect": _inspect, "fsck": _fsck, "stats": _stats,
-                "target": _target}[args.command](args)
+                "target": _target, "serve": _serve}[args.command](args)
     except SnapshotError as e:
         print(f"snapshotstore: {e}", file=sys.stderr)
         return 1

@@ -1,4 +1,5 @@
 """`datapath model info` and `datapath worker`: sizes printed, user errors in one sentence."""
+import numpy as np
 import pytest
 
 from datapath.cli import main
@@ -54,3 +55,73 @@ def test_model_info_of_a_model_too_large_to_build_prints_its_sizes(capsys):
     assert main(["model", "info", *big]) == 0
     out = capsys.readouterr().out
     assert "= 131,072 bytes" in out and "stored delta: not measured (the model would take 5.6 GiB" in out
+
+
+def test_a_zmq_worker_from_the_command_line_puts_and_restores_through_a_served_store(tmp_path):
+    """`snapshotstore serve` and `datapath worker --zmq --store`, as processes: a session's turn
+    is put in the store, and the same session's next request, run by a second worker process
+    after the first is gone, continues from it. A zmq worker from the command line had no store
+    at all: a session moved to it ran on an empty context, silently (found by review)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from datapath import lanes, records
+    from datapath.records import request_chunks
+    from datapath.ring import Ring, unlink
+    from datapath.router import Router
+    from snapshotstore import format_device
+    from snapshotstore.device import create_image
+    image, secret = str(tmp_path / "store.img"), tmp_path / "secret"
+    create_image(image, 32 << 20)
+    format_device(image)
+    secret.write_bytes(b"a master secret of the test's own")
+    store_ep, worker_ep = f"ipc://{tmp_path}/store", lanes.free_tcp_endpoint()
+    procs = []
+
+    def start(*argv):
+        p = subprocess.Popen([sys.executable, "-m", *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        procs.append(p)
+        assert p.stdout.readline().startswith(("serving", "worker")), "no start line"
+        return p
+
+    tag = f"test-cli-store-{os.getpid()}"
+    try:
+        start("snapshotstore", "serve", image, "--listen", store_ep)
+        out = Ring.create(f"{tag}.out", records.RESPONSE.itemsize, 64, role="producer")
+        answers = Ring.attach(f"{tag}.out", "consumer")
+        with Router() as router:
+            router.set_egress(out)
+            inp = Ring.create(f"{tag}.in", records.CHUNK.itemsize, 64, role="producer")
+            router.add_input(Ring.attach(f"{tag}.in", "consumer"))
+            got = []
+            for turn, rid in enumerate((1, 2)):
+                w = start("datapath", "worker", "--zmq", worker_ep, "--store", store_ep,
+                          "--store-secret-file", str(secret))
+                k = router.add_zmq_worker(worker_ep)
+                assert inp.enqueue(request_chunks(rid, list(range(10 + turn)), session=5, max_out=2).tobytes()) == 1
+                deadline = time.monotonic() + 60
+                while len(got) <= turn and time.monotonic() < deadline:
+                    router.poll()
+                    got += list(np.frombuffer(answers.dequeue(8), dtype=records.RESPONSE))
+                    time.sleep(0.002)
+                assert int(got[turn]["status"]) == 200
+                router.set_up(k, False)
+                w.send_signal(signal.SIGINT)
+                assert w.wait(10) == 0
+        from snapshotstore.server import RemoteStore
+        with RemoteStore(store_ep) as store:
+            assert len(store.list()) == 1
+            (key,) = store.list()
+            # each turn's prompt and its first output fed back: (10 + 1) + (11 + 1); a second worker
+            # that had not restored the first turn could not have put its own (SessionChanged)
+            assert store.held(key) == 11 + 12, "the second turn continued the first, from the store"
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                p.wait(10)
+        for suffix in ("out", "in"):
+            unlink(f"{tag}.{suffix}")

@@ -19,6 +19,7 @@ MODEL_INFO_MAX_BYTES = 1 << 30   # model info measures deltas on a model it buil
 WORKER_EPILOG = """examples:
     datapath worker --lane zl-w0                 # attach the shared-memory lane the router created
     datapath worker --zmq tcp://198.18.0.1:5555 --device l4 --sim busy   # the router connects to it
+    datapath worker --zmq tcp://198.18.0.1:5555 --store tcp://198.18.0.9:5600 --store-secret-file key
     datapath worker --demo 4 --prompt-tokens 300 --output-tokens 16
 
 --lane NAME attaches /dev/shm/dp-NAME.lane and .done (made by the router's
@@ -26,9 +27,14 @@ control plane). --zmq ENDPOINT binds a ZeroMQ lane there (datapath.lanes) for
 the router to connect to: one message per micro-batch of dp_chunk records,
 one dp_completion back. Ctrl-C stops the worker. --demo runs the native
 router in this process with one shared-memory lane and this worker, feeds it
-N requests and prints the responses. No snapshot store is attached from the
-command line, so sessions stay resident and are never evicted (the pipeline,
-datapath.pipeline, attaches one).
+N requests and prints the responses. --store ENDPOINT attaches the snapshot
+store that `snapshotstore serve DEVICE --listen ENDPOINT` serves, with the
+master secret in --store-secret-file (every worker sharing the store uses the
+same; a tenant's keys are HMACs of it): finished turns are put there, and a
+session that comes back after running elsewhere (a failover, a spill) is
+restored from it. Without one, sessions stay resident and are never evicted,
+and a session moved here runs on what this worker holds of it (counted
+moved_without_store).
 """
 
 MODEL_EPILOG = """examples:
@@ -71,6 +77,11 @@ def add_parsers(sub):
     w.add_argument("--lane", metavar="NAME", help="shared-memory lane to attach (created by the router)")
     w.add_argument("--index", type=positive(int, zero_ok=True, most=0xfffe), default=0, help="this worker's index in completions (default 0)")
     w.add_argument("--zmq", metavar="ENDPOINT", help="bind a ZeroMQ lane at tcp://HOST:PORT or ipc://PATH")
+    w.add_argument("--store", metavar="ENDPOINT",
+                   help="the snapshot store served at ENDPOINT (snapshotstore serve): needs --store-secret-file")
+    w.add_argument("--store-secret-file", metavar="PATH",
+                   help="file holding the master secret of the store's keys (at least 16 bytes), "
+                        "the same for every worker sharing the store")
     w.add_argument("--codec", choices=list(CODECS), default="zstd", help="KV delta codec (default zstd)")
     w.add_argument("--device", choices=list(PROFILES), help="simulate this device's step times")
     w.add_argument("--sim", choices=["sleep", "busy"], default="sleep",
@@ -147,6 +158,21 @@ def worker(args) -> int:
     if (args.demo is not None) + bool(args.lane) + bool(args.zmq) != 1:
         print("datapath worker: give one of --lane NAME, --zmq ENDPOINT or --demo N", file=sys.stderr)
         return 2
+    if bool(args.store) != bool(args.store_secret_file):
+        print("datapath worker: --store and --store-secret-file go together", file=sys.stderr)
+        return 2
+    secret = None
+    if args.store_secret_file:
+        try:
+            with open(args.store_secret_file, "rb") as f:
+                secret = f.read().strip()
+        except OSError as e:
+            print(f"datapath worker: --store-secret-file: {e.strerror}: {args.store_secret_file}", file=sys.stderr)
+            return 2
+        if len(secret) < 16:
+            print(f"datapath worker: the secret in {args.store_secret_file} is {len(secret)} bytes: "
+                  f"at least 16", file=sys.stderr)
+            return 2
     # without a store nothing is evicted: the budget is only what the worker counts against
     budget = profile(args.device).kv_budget_bytes(ModelConfig(**_config(args))) if args.device else 256 << 20
     opts = WorkerOptions(config=_config(args), seed=args.seed, index=args.index, kv_budget_bytes=budget,
@@ -154,11 +180,18 @@ def worker(args) -> int:
     if args.demo is not None:
         return _demo(opts, args)
     spec = ("shm", args.lane) if args.lane else ("zmq", args.zmq)
+    store = None
+    if args.store:
+        from snapshotstore.api import WorkerStore
+        from snapshotstore.server import RemoteStore
+        store = WorkerStore(RemoteStore(args.store), secret)
     print(f"worker {args.index}: {spec[0]} lane {spec[1]}, codec {args.codec}"
           + (f", simulating {args.device} ({args.sim})" if args.device else "")
-          + "; no snapshot store attached: sessions stay resident")
+          + (f"; snapshot store at {args.store}" if store else
+             "; no snapshot store attached: sessions stay resident, and one moved here from another worker "
+             "runs on what this one holds of it"), flush=True)
     try:
-        worker_process(spec, None, opts)
+        worker_process(spec, store, opts)
     except (OSError, RingError) as e:  # no such ring, or an endpoint that cannot be bound
         print(f"datapath worker: {e}", file=sys.stderr)
         return 1

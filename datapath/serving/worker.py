@@ -135,7 +135,7 @@ class Worker:
         self._kv_bytes = 0   # the sessions' cache bytes, kept as they change (not summed over all each step)
         self.finished: list[RequestDone] = []  # appended as requests finish; the caller drains it
         self.stats = dict(steps=0, records=0, refused=0, snapshots=0, snapshot_failures=0, restores=0,
-                          evictions=0, over_budget_steps=0, stale_dropped=0, replay_restored=0, closed=0, whole_reputs=0, superseded=0,
+                          evictions=0, over_budget_steps=0, stale_dropped=0, replay_restored=0, moved_without_store=0, closed=0, whole_reputs=0, superseded=0,
                           context_full=0, store_errors=0, replays_durable=0, abandoned=0, unsure_rolled_back=0,
                           simulated_s=0.0)
         self.last_store_error: str | None = None
@@ -245,6 +245,8 @@ class Worker:
                 self._drop(key)              # restored short of its own turn for this replay: behind the store
             return wire.STATUS_TOO_LARGE
         if s.request is None:
+            if self.store is None and rec["flags"] & records.CHUNK_F_MOVED:
+                self.stats["moved_without_store"] += 1   # its turns elsewhere are in no store: not here
             stamps = {name: int(rec[name]) for name in ("t_send", "t_xdp", "t_router", "t_lane") if rec[name]}
             stamps["t_worker"] = t_start
             s.request = _Request(rid, int(rec["max_output_tokens"]), s.restored_tokens, stamps, s.cache.length,
