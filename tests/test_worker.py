@@ -539,6 +539,25 @@ def test_a_request_the_router_gave_up_on_is_released_and_its_session_evicted(mod
     assert late["e"][0]["status"][0] == wire.STATUS_UNAVAILABLE, "never run on a cut-back context"
 
 
+def test_a_late_decode_step_of_a_released_request_is_503_and_few_are_remembered(model, monkeypatch):
+    """A request released as abandoned while generating: a late decode step of it got 422, its
+    pieces 503. And what is remembered of released requests grew by one per session that never
+    came back; now the oldest are forgotten past ABANDONED_KEPT (both found by review)."""
+    from datapath.serving import worker as worker_mod
+    w = Worker(model, MemoryStore(), kv_budget_bytes=1)
+    w.step(as_batch([prefill_records(1, 1, prompt(1, 20), 3)]))          # prefilled; decoding, then nothing
+    monkeypatch.setattr(worker_mod, "ABANDONED_NS", 0)
+    monkeypatch.setattr(worker_mod, "ABANDONED_KEPT", 2)
+    drive(w.step, [(2, 2, prompt(2, 10), 1)])
+    assert w.stats["abandoned"] == 1
+    late = w.step(as_batch([decode_record(1, 1, 3)]))
+    assert late["e"][0]["status"][0] == wire.STATUS_UNAVAILABLE
+    for sid in (3, 4, 5):
+        w.step(as_batch([prefill_records(sid, sid, prompt(sid, 20), 3)]))
+        drive(w.step, [(10 + sid, 10 + sid, prompt(sid, 5), 1)])
+    assert w.stats["abandoned"] == 4 and list(w._abandoned) == [(0, 4), (0, 5)]
+
+
 def test_close_frees_the_session_here_and_in_the_store(model):
     store = MemoryStore()
     w = Worker(model, store)

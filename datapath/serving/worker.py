@@ -59,6 +59,7 @@ SessionKey = tuple[int, int]   # (tenant, session_id): sessions of different ten
 # behind its worker's queue (seconds, at saturation): one untouched this long is taken as given
 # up on (_release_abandoned), and its later records, if any come, are refused.
 ABANDONED_NS = 60_000_000_000
+ABANDONED_KEPT = 4096      # released requests remembered (per session); the oldest forgotten first
 
 
 class SnapshotStore(Protocol):
@@ -176,6 +177,8 @@ class Worker:
         """Place record i in its session's segment; the status its entry gets."""
         key, rid, kind = (int(rec["tenant"]), int(rec["session_id"])), int(rec["request_id"]), int(rec["kind"])
         if kind == records.KIND_DECODE:
+            if self._abandoned.get(key) == rid:
+                return wire.STATUS_UNAVAILABLE   # released as abandoned, as its pieces are (it was 422)
             s = self.sessions.get(key)
             req = s.request if s is not None else None
             if req is None or req.request_id != rid or not req.prefill_done or key in segments:
@@ -481,7 +484,10 @@ class Worker:
         now = time.monotonic_ns()
         for key, s in list(self.sessions.items()):
             if s.request is not None and now - s.request.last_step > ABANDONED_NS:
+                self._abandoned.pop(key, None)   # (re-inserted: the oldest go first, below)
                 self._abandoned[key] = s.request.request_id
+                if len(self._abandoned) > ABANDONED_KEPT:    # sessions that never came back (review)
+                    del self._abandoned[next(iter(self._abandoned))]
                 self._cut_back(key, s)
                 self.stats["abandoned"] += 1
 
