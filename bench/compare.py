@@ -39,7 +39,8 @@ import pathlib
 
 import numpy as np
 
-from bench.e2e import OUTPUT, PROMPT, _config, _offer, _pcts, _progress, _warm_up, drain_s, fresh_store
+from bench.e2e import (OUTPUT, PROMPT, _config, _offer, _pcts, _progress, _warm_up, drain_s, fresh_store,
+                       require_root_and_bcc)
 from bench.report import report_dir
 from datapath.pipeline import Pipeline
 from datapath.router import policy_params, refuse_unread_param
@@ -133,6 +134,7 @@ def run(report, args):
     check_args(args)
     names = parse_names(args.policy)
     out = report_dir(args.json, "bench-results/compare", ("compare.md", "rows.json"))
+    require_root_and_bcc("bench compare")
     device = args.device
     seconds = 3.0 if args.quick else 10.0
     # Rounds, the order reversed every other one (A B, B A, ...): on this shared machine a slow

@@ -38,6 +38,15 @@ def _config(**kw) -> PipelineConfig:
     return PipelineConfig(**{"workers": 2, "policy": "affinity", **pins, **kw})
 
 
+def require_root_and_bcc(what: str):
+    """Every scenario builds the pipeline (namespaces, XDP): without root or bcc, one sentence, not
+    six scenarios failed after as many pipelines tried (found by review)."""
+    from datapath.xdp import import_bcc
+    if os.geteuid() != 0:
+        raise RuntimeError(f"{what}: needs root (namespaces, XDP): run it with sudo")
+    import_bcc()                      # BpfUnavailable (a RuntimeError) says what to install
+
+
 def _progress(msg: str):
     print(f"  e2e: {msg}", file=sys.stderr, flush=True)
 
@@ -642,6 +651,7 @@ def run(report, args):
     from bench.ring import pingpong_oneway_ns
     quick = args.quick
     outdir = report_dir(args.json, "bench-results/e2e", ("report.md", "results.json"))
+    require_root_and_bcc("bench e2e")
     steal = _cpu_steal()
     # the ping-pong before the sweep (which measures the stages it is compared with), after it and
     # at the end, the median the reference: the vCPUs move (45-240 ns seen), one sample may not

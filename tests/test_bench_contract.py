@@ -186,3 +186,17 @@ def test_a_failed_measurement_leaves_no_figure_and_json_writes_no_nan(tmp_path):
     written = json.loads((tmp_path / "unit.json").read_text())
     assert written["metrics"]["nan"] is None and written["status"] == "failed: test"
     assert any("nan" in n for n in written["notes"]) and data["machine"]["commit"]
+
+
+@pytest.mark.parametrize("suite", ["e2e", "ingress"])
+def test_a_suite_that_needs_root_says_so_in_one_sentence_and_the_others_still_run(monkeypatch, tmp_path, suite):
+    """Without root, e2e failed each of its six scenarios after trying to build their pipelines,
+    and ingress raised SystemExit, which ended `bench all` before the suites that need neither
+    (found by review). Each now fails at once with a RuntimeError, which `bench all` reports
+    before going on."""
+    import argparse
+    import importlib
+    import os
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(RuntimeError, match=f"bench {suite}: needs root"):
+        importlib.import_module(f"bench.{suite}").run(None, argparse.Namespace(quick=True, json=str(tmp_path / "x.json")))
