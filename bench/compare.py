@@ -133,7 +133,7 @@ def _one(label: str, name: str, param: float | None, device: str | None, rate: f
 def run(report, args):
     check_args(args)
     names = parse_names(args.policy)
-    out = report_dir(args.json, "bench-results/compare", ("compare.md", "rows.json"))
+    out = report_dir(args.json, "bench-results/compare", ("compare.md", "rows.json", "compare.png"))
     require_root_and_bcc("bench compare")
     device = args.device
     seconds = 3.0 if args.quick else 10.0

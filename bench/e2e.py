@@ -650,7 +650,8 @@ def entropy_burst(report, quick: bool) -> dict:
 def run(report, args):
     from bench.ring import pingpong_oneway_ns
     quick = args.quick
-    outdir = report_dir(args.json, "bench-results/e2e", ("report.md", "results.json"))
+    outdir = report_dir(args.json, "bench-results/e2e", ("report.md", "results.json", "latency_vs_load.png",
+                                                         "stages.png", "memory.png"))
     require_root_and_bcc("bench e2e")
     steal = _cpu_steal()
     # the ping-pong before the sweep (which measures the stages it is compared with), after it and

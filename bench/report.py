@@ -45,17 +45,17 @@ DPI = 110
 def report_dir(json_path, default: str, files: tuple) -> pathlib.Path:
     """A suite's report directory: beside --json PATH (PATH without its suffix; PATH_report when
     it has none, since the JSON is written at PATH itself), else default. What a run before left
-    there of these files and its PNGs is removed first, so a run interrupted or failed before
-    its report leaves no older one behind to pass for its own (only these files: the directory
-    may be the user's)."""
+    there of these files is removed first, so a run interrupted or failed before its report
+    leaves no older one behind to pass for its own (only these files: the directory may be the
+    user's)."""
     if json_path:
         p = pathlib.Path(json_path)
         out = p.with_suffix("") if p.suffix else p.with_name(p.name + "_report")
     else:
         out = pathlib.Path(default)
-    for f in [out / name for name in files] + (sorted(out.glob("*.png")) if out.is_dir() else []):
-        if f.is_file():
-            f.unlink()
+    for name in files:
+        if (out / name).is_file():
+            (out / name).unlink()
     return out
 
 

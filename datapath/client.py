@@ -229,34 +229,34 @@ def spawn_in_netns(netns: str, dst: str, packets: list[bytes], timeout: float, p
             "a, k, cpu, rt = pickle.load(sys.stdin.buffer); cpu is None or os.sched_setaffinity(0, {cpu}); "
             "rt and os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(rt)); "
             "print(json.dumps(_send_to(*a, **k)))")
-    proc = subprocess.Popen(["ip", "netns", "exec", netns, sys.executable, "-c", code], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    with _spawned_lock:
-        _spawned.add(proc)
+    with _spawned_lock:                  # registered as it starts: stop_spawned misses none
+        proc = subprocess.Popen(["ip", "netns", "exec", netns, sys.executable, "-c", code], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        _spawned[proc] = netns
     try:
         out, err = proc.communicate(pickle.dumps(((dst, port, packets), kw, cpu, rt_priority)), timeout=timeout)
     except BaseException:
         proc.kill()
-        proc.wait()
+        proc.communicate()               # reaped, its pipes closed
         raise
     finally:
         with _spawned_lock:
-            _spawned.discard(proc)
+            _spawned.pop(proc, None)
     if proc.returncode:
         raise RuntimeError(f"client in {netns}: exit {proc.returncode}: {err.decode(errors='replace').strip()[-500:]}")
     return json.loads(out)
 
 
-_spawned: set = set()               # spawn_in_netns's senders still running, from any thread
+_spawned: dict = {}                 # spawn_in_netns's senders still running, from any thread: their netns
 _spawned_lock = threading.Lock()
 
 
-def stop_spawned() -> int:
-    """Kill the senders spawn_in_netns still runs (a teardown's: an offer from another thread
-    kept its sender, and the process, alive for the offer's duration and drain after a SIGTERM
-    unwound the pipeline; found by review). How many it killed."""
+def stop_spawned(netns: str) -> int:
+    """Kill the senders spawn_in_netns still runs in netns (a teardown's: an offer from another
+    thread kept its sender, and the process, alive for the offer's duration and drain after a
+    SIGTERM unwound the pipeline; found by review). How many it killed."""
     with _spawned_lock:
-        procs = list(_spawned)
+        procs = [p for p, ns in _spawned.items() if ns == netns]
     for proc in procs:
         proc.kill()
     return len(procs)

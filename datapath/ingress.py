@@ -229,7 +229,7 @@ class Ingress:
         """The C consumer of this program's ring buffers, writing into `out` (see output_ring), or,
         with out None, only feeding a router (Router.add_feed)."""
         return Consumer(self.ring_fds(), out, samples, cpu, rt_priority, hist_fd=self.table("lat_hist").map_fd,
-                        cuts_fd=self.table("cuts").map_fd)
+                        cuts_fd=self.table("cuts").map_fd, buckets_fd=self.table("buckets").map_fd)
 
 
 class Terminated(SystemExit):
@@ -304,9 +304,10 @@ class Consumer(_Thread):
     _start, _stop = lib.dp_consumer_start, lib.dp_consumer_stop
 
     def __init__(self, ring_fds, out: Ring | None, samples: int = 1 << 20, cpu: int = -1, rt_priority: int = 0,
-                 hist_fd: int = -1, cuts_fd: int = -1):
+                 hist_fd: int = -1, cuts_fd: int = -1, buckets_fd: int = -1):
         self.out = out   # kept open as long as the thread may write it
         self.cuts_fd = cuts_fd   # the program's cut requests (bpf/steer.h, dp_cut_key): Router.watch_cuts
+        self.buckets_fd = buckets_fd   # and its tenants' buckets: the router cuts only theirs
         fds = ffi.new("int[]", list(ring_fds))
         ptr = lib.dp_consumer_new(fds, len(ring_fds), hist_fd, _ring_ptr(out) if out else ffi.NULL, samples)
         if ptr == ffi.NULL:

@@ -45,11 +45,11 @@ ctx = multiprocessing.get_context("fork")
 
 # per record, what the worker saw: the chunk's stamps plus its own; on the record that finished a
 # request whose turn went into the snapshot store, its last token's step and the store's durable ack
-TRACE = np.dtype([("request_id", "<u8"), ("kind", "u1"), ("n_tokens", "<u2"), ("t_send", "<u8"), ("t_xdp_in", "<u8"),
+TRACE = np.dtype([("request_id", "<u8"), ("session_id", "<u8"), ("kind", "u1"), ("n_tokens", "<u2"), ("t_send", "<u8"), ("t_xdp_in", "<u8"),
                   ("t_xdp", "<u8"), ("t_consumer", "<u8"), ("t_router", "<u8"), ("t_lane", "<u8"), ("t_pickup", "<u8"),
                   ("t_start", "<u8"), ("t_end", "<u8"), ("kv_bytes", "<u8"), ("t_last_token", "<u8"),
                   ("t_snapshot", "<u8")])
-STAMPS = ("request_id", "kind", "n_tokens", "t_send", "t_xdp_in", "t_xdp", "t_consumer", "t_router", "t_lane")
+STAMPS = ("request_id", "session_id", "kind", "n_tokens", "t_send", "t_xdp_in", "t_xdp", "t_consumer", "t_router", "t_lane")
 
 
 @dataclass
@@ -131,7 +131,8 @@ class TracingLane:
                 rows["t_last_token"] = rows["t_snapshot"] = 0      # a reset trace's rows are reused
                 for done in self.worker.finished if self.worker is not None else ():
                     if done.stamps.get("t_snapshot"):
-                        hit = np.flatnonzero(rows["request_id"] == done.request_id)
+                        hit = np.flatnonzero((rows["request_id"] == done.request_id)
+                                             & (rows["session_id"] == done.session_id))
                         if len(hit):                 # its last record in this batch answers it
                             rows["t_last_token"][hit[-1]] = done.stamps["t_last_token"]
                             rows["t_snapshot"][hit[-1]] = done.stamps["t_snapshot"]
@@ -235,7 +236,8 @@ class Pipeline:
         if cfg.lane_wait not in WAIT_MODES:
             raise ValueError(f"lane_wait must be one of {', '.join(WAIT_MODES)}, not {cfg.lane_wait!r}")
         self.topo = es.enter_context(Topology(clients=1))
-        es.callback(client.stop_spawned)     # before the namespaces go: an offer another thread runs
+        es.callback(client.stop_spawned, self.topo.client_ns[0])   # before the namespaces go: an offer
+                                                                   # another thread runs
         topo = self.topo
         self.ingress = es.enter_context(Ingress(queues=cfg.queues))
         self.ingress.stamp_validated()   # the trace's t_xdp_in (bench e2e's "xdp steer + ring write")

@@ -219,6 +219,19 @@ def store_on_512e(timeout: float = 30) -> dict:
     res.update(store_checks(dev, problems))
     if res["kv"] and res["kv"]["store_block_size"] != 4096:
         problems.append(f"the store took {res['kv']['store_block_size']}-byte blocks on a 512e disk, not 4096")
+    # a store formatted in 512-byte blocks there (as before session 16) still opens, in its own blocks
+    from snapshotstore import Delta, LogStore, session_key
+    from snapshotstore.log import format_device
+    format_device(dev, force=True, block_size=512)
+    with LogStore(dev) as store:
+        res["old_store_block_size"] = store.block_size
+        store.put(session_key(SECRET, 1), Delta(b"o" * 3000, tokens=(0, 3), codec="raw"))
+    with LogStore(dev) as store:
+        snap = store.restore(session_key(SECRET, 1))
+        res["old_store_restored"] = snap is not None and snap.payload == b"o" * 3000
+    if res["old_store_block_size"] != 512 or not res["old_store_restored"]:
+        problems.append(f"a 512-byte-block store on the 512e disk: blocks {res['old_store_block_size']}, "
+                        f"restored {res['old_store_restored']}")
     res["ok"] = not problems
     return res
 

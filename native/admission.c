@@ -550,7 +550,8 @@ void dp_adm_commit(struct dp_admission *a, uint32_t tenant, struct dp_adm_decisi
         t->st.spilled++;
     else if (d->high && cfg->hi_per_second > 0) {
         uint64_t tat = t->tat_high > now ? t->tat_high : now;
-        t->tat_high = tat + hi_interval_ns(cfg);
+        uint64_t inc = hi_interval_ns(cfg);
+        t->tat_high = tat < UINT64_MAX - inc ? tat + inc : UINT64_MAX;     /* a huge burst saturates */
     }
 }
 

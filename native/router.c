@@ -137,6 +137,7 @@ struct dp_router {
     uint32_t n_in, in_cursor;
     uintptr_t feed, feed_src;           /* dp_router_add_feed (0: none) */
     int cuts_fd;                        /* the XDP program's `cuts` map (dp_router_watch_cuts; -1: none) */
+    int buckets_fd;                     /* and its `buckets` (-1: every tenant taken as having one) */
     struct dp_ring *egress;
     void *zctx;                         /* created with the first zmq lane */
     uint32_t n_zmq;                     /* zmq workers (their answers have a deadline) */
@@ -715,6 +716,7 @@ static void price_admitted(struct dp_router *rt)
 static int xdp_cut(const struct dp_router *rt, uint64_t session_id, uint64_t request_id, uint32_t tenant,
                    uint64_t t_xdp);
 static void cut_at_xdp(const struct dp_router *rt, uint64_t session_id, uint64_t request_id, uint32_t tenant);
+static int bucketed(const struct dp_router *rt, uint32_t tenant);
 
 /* Request r ends without having run whole (failed, expired): its worker's copy of the session may
  * lack turns run elsewhere, and the session's later requests were flagged as if r had run there.
@@ -733,11 +735,20 @@ static void finish(struct dp_router *rt, uint32_t ri)
     struct worker *w = &rt->w[r->worker];
     if (r->status)
         not_run(rt, r);
-    if (r->status && r->received < r->chunk_count)   /* failed before its last chunk came */
-        cut_at_xdp(rt, r->session_id, r->request_id, r->tenant);
+    /* failed before its last chunk came: cut at XDP as it is answered, or, cut there already (the
+     * bucket's 429 was its answer), not answered again (found by review) */
+    int silent = 0;
+    if (r->status && r->received < r->chunk_count && bucketed(rt, r->tenant)) {
+        silent = xdp_cut(rt, r->session_id, r->request_id, r->tenant, r->t_xdp);
+        if (!silent)
+            cut_at_xdp(rt, r->session_id, r->request_id, r->tenant);
+    }
     session_leave(rt, ri);
     remember_done(rt, r->key);
-    dp_adm_settle(rt->adm, r->tenant, &r->adm, r->tokens_in, r->generated, r->status == 0);
+    /* the minute's bucket keeps what came and ran, unless the failure is the system's (503: no
+     * worker, a store that failed), which must not rate-limit the tenant */
+    int theirs = r->status != DP_STATUS_UNAVAILABLE;
+    dp_adm_settle(rt->adm, r->tenant, &r->adm, theirs ? r->tokens_in : 0, theirs ? r->generated : 0, r->status == 0);
     rt->reserved -= r->chunk_count - r->received;   /* a failed request's missing chunks need no room now */
     arriving_done(rt, r);
     r->received = r->chunk_count;
@@ -753,6 +764,11 @@ static void finish(struct dp_router *rt, uint32_t ri)
     }
     r->state = REQ_DONE;
     r->fifo_next = NIL;
+    if (silent) {
+        rt->st.xdp_cut++;
+        req_free(rt, ri);
+        return;
+    }
     if (rt->done_head == NIL && emit(rt, r, r->status ? r->status : DP_STATUS_OK, r->request_id, r->session_id,
                                      r->tenant, NULL, NULL, 0)) {
         rt->st.responses++;
@@ -842,7 +858,7 @@ static void fail_request(struct dp_router *rt, int wk, uint32_t ri, uint16_t sta
  * one of its later chunks does not answer it a second time (found by review). */
 static int answer(struct dp_router *rt, const struct dp_chunk *c, uint16_t status, const char *body, uint32_t len)
 {
-    int several = status != DP_STATUS_OK && c->chunk_count > 1;
+    int several = status != DP_STATUS_OK && c->chunk_count > 1 && bucketed(rt, c->tenant);
     if (several && xdp_cut(rt, c->session_id, c->request_id, c->tenant, c->t_xdp)) {
         rt->st.xdp_cut++;
         return 1;
@@ -1617,6 +1633,25 @@ static void cut_at_xdp(const struct dp_router *rt, uint64_t session_id, uint64_t
     syscall(__NR_bpf, BPF_MAP_UPDATE_ELEM, &a, sizeof(a));
 }
 
+/* Has the tenant an XDP bucket? Only then does XDP cut its requests or read a cut of them, so only
+ * then are the two calls above worth making: for the others they cost a refusal ~2 us each, and
+ * their writes pushed live cuts out of the LRU map (found by review). One lookup, on the refusal,
+ * expiry and failure paths of requests of several chunks only. */
+static int bucketed(const struct dp_router *rt, uint32_t tenant)
+{
+    if (rt->cuts_fd < 0)
+        return 0;
+    if (rt->buckets_fd < 0)
+        return 1;
+    uint64_t value[8];                   /* a struct dp_bucket (bpf/steer.h), 24 bytes */
+    union bpf_attr a;
+    memset(&a, 0, sizeof(a));
+    a.map_fd = (uint32_t)rt->buckets_fd;
+    a.key = (uint64_t)(uintptr_t)&tenant;
+    a.value = (uint64_t)(uintptr_t)value;
+    return syscall(__NR_bpf, BPF_MAP_LOOKUP_ELEM, &a, sizeof(a)) == 0;
+}
+
 /* Requests still missing chunks, with nothing in flight, idle past the timeout:
  * answer 400 (unless the XDP bucket cut them: their 429 was the answer) and free what they hold. */
 static uint32_t expire_stalled(struct dp_router *rt)
@@ -1645,7 +1680,7 @@ static uint32_t expire_stalled(struct dp_router *rt)
                                               .client_port = r->client_port, .flags = r->flags },
                           body, (uint32_t)len))
             break;                       /* egress full: try again at the next scan */
-        if (!cut)
+        if (!cut && bucketed(rt, r->tenant))
             cut_at_xdp(rt, r->session_id, r->request_id, r->tenant);
         dp_adm_settle(rt->adm, r->tenant, &r->adm, r->tokens_in, 0, 0);
         if (r->in_fifo)
@@ -2078,7 +2113,7 @@ static struct dp_router *router_new(const struct dp_router_config *cfg, const ch
         return NULL;
     }
     rt->cfg = c;
-    rt->cuts_fd = -1;
+    rt->cuts_fd = rt->buckets_fd = -1;
     if (getrandom(&rt->key_secret, sizeof(rt->key_secret), 0) != sizeof(rt->key_secret))
         rt->key_secret = dp_hash64((uint64_t)(uintptr_t)rt ^ now_ns());
     pthread_mutex_init(&rt->lock, NULL);
@@ -2154,18 +2189,27 @@ void dp_router_destroy(struct dp_router *rt)
     hot_free(rt->by_tenant.e, 2 * (size_t)rt->cfg.max_requests * sizeof(*rt->by_tenant.e));
     if (rt->cuts_fd >= 0)
         close(rt->cuts_fd);
+    if (rt->buckets_fd >= 0)
+        close(rt->buckets_fd);
     pthread_mutex_destroy(&rt->lock);
     hot_free(rt, sizeof(*rt));
 }
 
-int dp_router_watch_cuts(struct dp_router *rt, int map_fd)
+int dp_router_watch_cuts(struct dp_router *rt, int map_fd, int buckets_fd)
 {
     if (rt->cuts_fd >= 0)
         return -EBUSY;                             /* one map, set before the router runs */
     int fd = fcntl(map_fd, F_DUPFD_CLOEXEC, 0);   /* its own: the ingress may close first */
     if (fd < 0)
         return -errno;
+    int bfd = buckets_fd >= 0 ? fcntl(buckets_fd, F_DUPFD_CLOEXEC, 0) : -1;
+    if (buckets_fd >= 0 && bfd < 0) {
+        int e = errno;
+        close(fd);
+        return -e;
+    }
     rt->cuts_fd = fd;
+    rt->buckets_fd = bfd;
     return 0;
 }
 

@@ -94,13 +94,22 @@ class BlockDevice:
                 # 512-byte write: a torn one could take the acknowledged record sharing it, and
                 # both superblock copies sat in one sector (found by review). Its own blocks then.
                 self.block_size = max(logical, physical)
+                self.logical_block_size = logical
                 self.size = struct.unpack("Q", fcntl.ioctl(self.fd, BLKGETSIZE64, b"\0" * 8))[0]
             else:
                 self.block_size, self.size = FILE_BLOCK_SIZE, st.st_size
+                self.logical_block_size = FILE_BLOCK_SIZE
         except OSError as e:
             os.close(self.fd)
             raise DeviceError(f"cannot read the geometry of {path}: {e.strerror}") from None
         self.blocks = self.size // self.block_size
+
+    def set_block_size(self, n: int) -> None:
+        """I/O in n-byte blocks (a multiple of the logical block size): a store formatted in other
+        blocks than this device's own (LogStore._open)."""
+        if n % self.logical_block_size:
+            raise DeviceError(f"{n}-byte blocks on {self.path}, whose logical blocks are {self.logical_block_size}")
+        self.block_size, self.blocks = n, self.size // n
 
     def read_into(self, buf, block: int, nblocks: int) -> memoryview:
         """Read nblocks at block into the aligned buf; returns the filled view."""

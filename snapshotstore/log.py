@@ -111,13 +111,16 @@ class _Request:
         self.fresh = False                # a delta that begins the chain anew (put's replace)
 
 
-def format_device(path: str, force: bool = False) -> Superblock:
+def format_device(path: str, force: bool = False, block_size: int | None = None) -> Superblock:
     """Write an empty store (both superblock copies) on path. Unless force, refuses to erase a store,
     or any data in the first FORMAT_CHECK_BYTES: a mistyped path to a disk that holds a file system
-    or a partition table is refused, not overwritten."""
+    or a partition table is refused, not overwritten. block_size: other blocks than the device's
+    own, a multiple of its logical block size (tests: a store as formatted before session 16)."""
     dev = open_device(path)
     try:
         dev.lock(shared=False)
+        if block_size is not None:
+            dev.set_block_size(block_size)
         buf = aligned_buffer(fmt.SB_COPIES * dev.block_size)
         if dev.blocks >= fmt.SB_COPIES and not force:
             view = dev.read_into(buf, 0, fmt.SB_COPIES)
@@ -222,6 +225,14 @@ class LogStore:
             raise FormatError(f"{self.path} holds no snapshot store (both superblock copies are missing "
                               f"or corrupt): `snapshotstore format {self.path} --force` makes a new, empty one")
         sb = max((c for c in copies if c), key=lambda c: c.generation)
+        if sb.block_size != bs and sb.block_size == getattr(self.dev, "logical_block_size", None):
+            # formatted (before session 16) in the logical blocks of a disk whose sectors are larger,
+            # a 512e disk: opened as it was written, said once, not refused
+            print(f"snapshotstore: {self.path} was formatted with {sb.block_size}-byte blocks on a disk with "
+                  f"{bs}-byte sectors: a torn write there can damage the record beside it; reformat it to "
+                  f"use {bs}-byte blocks", file=sys.stderr)
+            self.dev.set_block_size(sb.block_size)
+            return self._open()
         if sb.block_size != bs:
             raise FormatError(f"{self.path} was formatted with {sb.block_size}-byte blocks but has "
                               f"{bs}-byte blocks now: reformat it")
@@ -497,8 +508,16 @@ class LogStore:
     def _commit(self, req: _Request):
         with self._cv:
             self._queue.append(req)
-            while not req.done and self._leading:
-                self._cv.wait()
+            try:
+                while not req.done and self._leading:
+                    self._cv.wait()
+            except BaseException:
+                # interrupted while waiting its turn: not taken by a leader yet, it leaves with its
+                # caller (the next leader wrote it, as the interrupted leader's below; review)
+                if req in self._queue:
+                    self._queue.remove(req)
+                    req.done = True
+                raise
             lead = not req.done
             if lead:
                 self._leading = True
@@ -569,7 +588,8 @@ class LogStore:
             raise SnapshotError(f"{self.path} is open read-only")
 
     def _check_chain(self, req: _Request):
-        if req.kind != KIND_TOMBSTONE and self._ix.gen(req.key) != req.expect:
+        # (a replacing put depends on no chain: one evicted meanwhile is no reason to refuse it)
+        if req.kind != KIND_TOMBSTONE and not req.fresh and self._ix.gen(req.key) != req.expect:
             raise SessionChanged("the session was evicted or deleted while this put was in flight: "
                                  "put its whole context again")
 

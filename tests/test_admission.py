@@ -13,7 +13,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from datapath import records, wire
+from datapath import lanes, records, wire
 from datapath._dataplane import ffi, lib
 from datapath.admission import TenantPolicy, pool_price_per_1k
 from datapath.records import request_chunks as chunks_of
@@ -296,6 +296,30 @@ def test_requests_left_unfinished_still_spend_the_minute_s_tokens_that_came(benc
         statuses.append(int(b.responses[-1]["status"]))
     assert statuses == [400, 400, 429], "384 + 384 + 516 tokens are over the minute's 1000"
     assert b.router.stats()["adm_rate_limited"] == 1
+
+
+def test_a_request_failed_503_by_the_system_spends_none_of_the_minute(bench_factory):
+    """A worker answering 503 (its store failed) is the system's failure: the tokens that came stay
+    out of the tenant's minute, or an outage would rate-limit its tenants (found by review)."""
+    b = bench_factory()
+    b.router.set_tenant(4, TenantPolicy(tokens_per_minute=656))   # estimate 128 + 200 = 328
+    b.send(chunks_of(1, list(range(100)), max_out=200, tenant=4))
+    batch = None
+    for _ in range(50):
+        b.router.poll()
+        batch = b.workers[0].recv_batch(0.01)
+        if batch is not None:
+            break
+    comp = lanes.completion_for(batch, [7] * len(batch))
+    comp["e"][0]["status"][:len(batch)] = 503
+    assert b.workers[0].send_completion(comp)
+    b.router.poll()
+    b.collect()
+    assert [int(r["status"]) for r in b.responses] == [503]
+    b.send(chunks_of(2, [1] * 10, max_out=200, tenant=4), chunks_of(3, [1] * 10, max_out=200, tenant=4))
+    b.router.poll()
+    b.collect()
+    assert b.router.stats()["adm_rate_limited"] == 0, "328 + 328 fit the minute after the 503"
 
 
 def test_a_request_larger_than_the_whole_minute_is_refused_400_not_told_to_retry(bench_factory):

@@ -439,3 +439,53 @@ def test_a_request_the_router_refused_is_not_answered_again_by_the_bucket():
         assert res["sent"] == 3 and res["responses"] == 1 and res["resp_429"] == 1, res
         assert router_answers(0.5) == [], "the router refused a request the bucket had answered"
         assert router.stats()["xdp_cut"] == 1
+
+        # a tenant without a bucket: XDP never reads its cuts, so the router writes none for it
+        router.set_tenant(9, TenantPolicy(max_request_tokens=200))
+        third = client.request_packets(9, 602, 1, range(3 * 128), max_output_tokens=1)
+        res = client.send_from(topo.client_ns[0], topo.host_ip[0], third[:1], rate=1_000, count=1, duration=5,
+                               stamp_seq=False, drain_ms=50)
+        assert router_answers(0.5) == [(602, 400)]
+        cuts = ig.table("cuts")
+        assert len(list(cuts.items())) == 2, "cuts only for the tenants with a bucket (600 and 601)"
+
+
+@pytest.mark.root
+@pytest.mark.bpf
+def test_a_cut_request_that_then_fails_is_not_answered_again():
+    """The bucket cuts a request's second chunk (429); its first ran on the worker, which then goes
+    down with no other to replay on: the request fails 503 at the router, which found the cut and
+    left it unanswered (the 429 was the answer). It answered 503 too (found by review)."""
+    from datapath import lanes, records
+    from datapath.router import Router
+    import numpy as np
+    tag = f"test-cutfail-{os.getpid()}-{next(_names)}"
+    with contextlib.ExitStack() as es:
+        topo = es.enter_context(Topology(clients=1))
+        ig = es.enter_context(Ingress(queues=2))
+        ig.attach(topo.host_if[0], topo.host_ns, veth_peer=(topo.client_if[0], topo.client_ns[0]))
+        ig.set_rate(7, tokens_per_minute=60, burst_tokens=128)
+        es.callback(ring.unlink, f"{tag}.out")
+        egress = es.enter_context(ring.Ring.create(f"{tag}.out", records.RESPONSE.itemsize, 64, role="producer"))
+        answers = es.enter_context(ring.Ring.attach(f"{tag}.out", "consumer"))
+        es.callback(lanes.unlink_shm_lane, f"{tag}.w0")
+        router = es.enter_context(Router(reassembly_timeout_s=30))
+        router.add_worker(*lanes.create_shm_lane(f"{tag}.w0"))
+        router.set_egress(egress)
+        router.add_feed(ig.consumer(None))
+        cut = client.request_packets(7, 700, 1, range(3 * 128), max_output_tokens=1)
+        res = client.send_from(topo.client_ns[0], topo.host_ip[0], cut, rate=1_000, count=3, duration=5,
+                               stamp_seq=False, drain_ms=200)
+        assert res["resp_429"] == 1
+        for _ in range(20):
+            router.poll()
+            time.sleep(0.005)
+        router.set_up(0, False)                      # the request fails: no worker left
+        got = []
+        for _ in range(20):
+            router.poll()
+            got += list(np.frombuffer(answers.dequeue(8), dtype=records.RESPONSE))
+            time.sleep(0.005)
+        assert got == [], "a cut request answered again"
+        st = router.stats()
+        assert st["xdp_cut"] == 1 and st["active_requests"] == 0

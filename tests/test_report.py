@@ -130,9 +130,9 @@ def test_report_dir_sits_beside_the_json_and_clears_what_an_older_run_left(tmp_p
     from bench.report import report_dir
     old = tmp_path / "run"
     old.mkdir()
-    for name in ("report.md", "results.json", "stages.png", "notes.txt"):
+    for name in ("report.md", "results.json", "stages.png", "notes.txt", "mine.png"):
         (old / name).write_text("older run")
-    assert report_dir(str(tmp_path / "run.json"), "unused", ("report.md", "results.json")) == old
-    assert sorted(p.name for p in old.iterdir()) == ["notes.txt"]
+    assert report_dir(str(tmp_path / "run.json"), "unused", ("report.md", "results.json", "stages.png")) == old
+    assert sorted(p.name for p in old.iterdir()) == ["mine.png", "notes.txt"]
     assert report_dir(str(tmp_path / "out"), "unused", ()) == tmp_path / "out_report"
     assert report_dir(None, str(tmp_path / "default"), ()) == tmp_path / "default"

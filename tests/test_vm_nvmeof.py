@@ -86,3 +86,4 @@ def test_snapshot_store_on_nvme_tcp_namespace(tmp_path):
     assert e["format_rc"] == 0 and e["fsck_rc"] == 0 and e["fsck_output"].endswith("clean")
     assert e["kv"]["store_block_size"] == 4096
     assert e["kv"]["records_written"] == e["kv"]["records_restored"] == 15 and e["kv"]["kv_bit_exact"]
+    assert e["old_store_block_size"] == 512 and e["old_store_restored"]     # formatted before: still opens

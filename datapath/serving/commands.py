@@ -161,11 +161,14 @@ def worker(args) -> int:
     if bool(args.store) != bool(args.store_secret_file):
         print("datapath worker: --store and --store-secret-file go together", file=sys.stderr)
         return 2
+    if args.store and args.demo is not None:
+        print("datapath worker: --demo runs without a store (--store is for --lane or --zmq)", file=sys.stderr)
+        return 2
     secret = None
     if args.store_secret_file:
         try:
             with open(args.store_secret_file, "rb") as f:
-                secret = f.read().strip()
+                secret = f.read().rstrip(b"\r\n")      # a line's end, not a binary secret's bytes
         except OSError as e:
             print(f"datapath worker: --store-secret-file: {e.strerror}: {args.store_secret_file}", file=sys.stderr)
             return 2
