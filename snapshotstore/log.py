@@ -138,9 +138,11 @@ def format_device(path: str, force: bool = False, block_size: int | None = None)
         sb = Superblock(dev.block_size, random.getrandbits(64), dev.blocks, fmt.LOG_START, log_blocks,
                         head=0, tail=0, generation=1, last_seq=0)
         # Both old copies go first: a crash between the new copies' writes left the old store's
-        # copy 1 (a higher generation) to win, and the erased store came back whole.
-        buf[:] = bytes(len(buf))
-        dev.write_from(buf, 0, 0, fmt.SB_COPIES)
+        # copy 1 (a higher generation) to win, and the erased store came back whole. In any
+        # block size up to 64 KiB: a store formatted in other blocks keeps its copy 1 elsewhere.
+        erase = min(dev.blocks, max(fmt.SB_COPIES, (fmt.SB_COPIES << 16) // dev.block_size))
+        zeros = aligned_buffer(erase * dev.block_size)
+        dev.write_from(zeros, 0, 0, erase)
         dev.sync()
         _write_superblocks(dev, buf, sb)
         return sb
@@ -220,6 +222,9 @@ class LogStore:
         if self.dev.blocks >= fmt.SB_COPIES:
             view = self.dev.read_into(self._sbuf, 0, fmt.SB_COPIES)
             copies = [fmt.unpack_superblock(view[i * bs:(i + 1) * bs]) for i in range(fmt.SB_COPIES)]
+            # a copy past the first is where it says only in its own block size: one of a store
+            # formatted in other blocks is not this store's (a reformat left it; the 512e vm check)
+            copies = [c if c is None or i == 0 or c.block_size == bs else None for i, c in enumerate(copies)]
         self.superblocks_valid = sum(c is not None for c in copies)
         if not self.superblocks_valid:
             raise FormatError(f"{self.path} holds no snapshot store (both superblock copies are missing "
