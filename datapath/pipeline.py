@@ -45,11 +45,12 @@ ctx = multiprocessing.get_context("fork")
 
 # per record, what the worker saw: the chunk's stamps plus its own; on the record that finished a
 # request whose turn went into the snapshot store, its last token's step and the store's durable ack
-TRACE = np.dtype([("request_id", "<u8"), ("session_id", "<u8"), ("kind", "u1"), ("n_tokens", "<u2"), ("t_send", "<u8"), ("t_xdp_in", "<u8"),
-                  ("t_xdp", "<u8"), ("t_consumer", "<u8"), ("t_router", "<u8"), ("t_lane", "<u8"), ("t_pickup", "<u8"),
-                  ("t_start", "<u8"), ("t_end", "<u8"), ("kv_bytes", "<u8"), ("t_last_token", "<u8"),
-                  ("t_snapshot", "<u8")])
-STAMPS = ("request_id", "session_id", "kind", "n_tokens", "t_send", "t_xdp_in", "t_xdp", "t_consumer", "t_router", "t_lane")
+TRACE = np.dtype([("request_id", "<u8"), ("session_id", "<u8"), ("kind", "u1"), ("n_tokens", "<u2"), ("t_send", "<u8"),
+                  ("t_xdp_in", "<u8"), ("t_xdp", "<u8"), ("t_consumer", "<u8"), ("t_router", "<u8"), ("t_lane", "<u8"),
+                  ("t_pickup", "<u8"), ("t_start", "<u8"), ("t_end", "<u8"), ("kv_bytes", "<u8"),
+                  ("t_last_token", "<u8"), ("t_snapshot", "<u8")])
+STAMPS = ("request_id", "session_id", "kind", "n_tokens", "t_send", "t_xdp_in", "t_xdp", "t_consumer", "t_router",
+          "t_lane")
 
 
 @dataclass

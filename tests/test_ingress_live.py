@@ -19,6 +19,35 @@ QUEUES = 4
 _names = itertools.count()
 
 
+class FedRouter:
+    """What the router-on-the-feed tests share, in es: the topology with the steering program on
+    its veth, an egress ring (answers: its reader), a router fed by the program's consumer, and
+    with a worker, one shared-memory lane (worker: its end)."""
+
+    def __init__(self, es, name: str, egress_slots: int = 64, worker: bool = True, **router_kw):
+        from datapath import lanes, records
+        from datapath.router import Router
+        tag = f"test-{name}-{os.getpid()}-{next(_names)}"
+        self.topo = es.enter_context(Topology(clients=1))
+        self.ig = es.enter_context(Ingress(queues=2))
+        self.ig.attach(self.topo.host_if[0], self.topo.host_ns,
+                       veth_peer=(self.topo.client_if[0], self.topo.client_ns[0]))
+        es.callback(ring.unlink, f"{tag}.out")
+        egress = es.enter_context(ring.Ring.create(f"{tag}.out", records.RESPONSE.itemsize, egress_slots,
+                                                   role="producer"))
+        self.answers = es.enter_context(ring.Ring.attach(f"{tag}.out", "consumer"))
+        self.router = es.enter_context(Router(**router_kw))
+        self.worker = None
+        if worker:
+            es.callback(lanes.unlink_shm_lane, f"{tag}.w0")
+            self.router.add_worker(*lanes.create_shm_lane(f"{tag}.w0"))
+            self.worker = lanes.ShmWorkerLane(f"{tag}.w0")
+            es.callback(self.worker.close)
+        self.router.set_egress(egress)
+        self.consumer = self.ig.consumer(None)
+        self.router.add_feed(self.consumer)
+
+
 @contextlib.contextmanager
 def rings(capacity=1 << 16):
     """A router input ring: (producer handle for the consumer, consumer handle for the test)."""
@@ -254,24 +283,10 @@ def test_a_router_fed_by_the_consumer_takes_each_record_once_and_leaves_what_it_
     more and the records wait in the BPF ring buffers; as it is read, every one is answered once.
     Then chunks: in the lane, each carries t_consumer == t_router after its XDP stamp."""
     import numpy as np
-    from datapath import lanes, records
-    from datapath.router import Router
-    tag = f"test-feed-{os.getpid()}-{next(_names)}"
+    from datapath import records
     with contextlib.ExitStack() as es:
-        topo = es.enter_context(Topology(clients=1))
-        ig = es.enter_context(Ingress(queues=2))
-        ig.attach(topo.host_if[0], topo.host_ns, veth_peer=(topo.client_if[0], topo.client_ns[0]))
-        es.callback(ring.unlink, f"{tag}.out")
-        egress = es.enter_context(ring.Ring.create(f"{tag}.out", records.RESPONSE.itemsize, 8, role="producer"))
-        answers = es.enter_context(ring.Ring.attach(f"{tag}.out", "consumer"))
-        es.callback(lanes.unlink_shm_lane, f"{tag}.w0")
-        router = es.enter_context(Router())
-        router.add_worker(*lanes.create_shm_lane(f"{tag}.w0"))
-        worker = lanes.ShmWorkerLane(f"{tag}.w0")
-        es.callback(worker.close)
-        router.set_egress(egress)
-        consumer = ig.consumer(None)
-        router.add_feed(consumer)
+        f = FedRouter(es, "feed", egress_slots=8)
+        topo, ig, router, answers, worker, consumer = f.topo, f.ig, f.router, f.answers, f.worker, f.consumer
         with pytest.raises(OSError):
             consumer.start()                       # its records are the router's to take
         pkts = [client.count_tokens_packet(1, 100 + i, 1, range(i, i + 20)) for i in range(40)]
@@ -322,24 +337,11 @@ def test_a_request_the_bucket_cuts_gets_one_answer_the_429():
     the reassembly timeout drops it without the 400 the client would have had as a second answer.
     A request that is only half sent, never cut, still gets its 400."""
     from datapath import lanes, records
-    from datapath.router import Router
     import numpy as np
-    tag = f"test-cut-{os.getpid()}-{next(_names)}"
     with contextlib.ExitStack() as es:
-        topo = es.enter_context(Topology(clients=1))
-        ig = es.enter_context(Ingress(queues=2))
-        ig.attach(topo.host_if[0], topo.host_ns, veth_peer=(topo.client_if[0], topo.client_ns[0]))
+        f = FedRouter(es, "cut", reassembly_timeout_s=0.05)
+        topo, ig, router, answers, worker = f.topo, f.ig, f.router, f.answers, f.worker
         ig.set_rate(7, tokens_per_minute=60, burst_tokens=128)   # one full chunk, then a token a second
-        es.callback(ring.unlink, f"{tag}.out")
-        egress = es.enter_context(ring.Ring.create(f"{tag}.out", records.RESPONSE.itemsize, 64, role="producer"))
-        answers = es.enter_context(ring.Ring.attach(f"{tag}.out", "consumer"))
-        es.callback(lanes.unlink_shm_lane, f"{tag}.w0")
-        router = es.enter_context(Router(reassembly_timeout_s=0.05))
-        router.add_worker(*lanes.create_shm_lane(f"{tag}.w0"))
-        worker = lanes.ShmWorkerLane(f"{tag}.w0")
-        es.callback(worker.close)
-        router.set_egress(egress)
-        router.add_feed(ig.consumer(None))
         cut = client.request_packets(7, 500, 1, range(3 * 128), max_output_tokens=1)
         half = client.request_packets(8, 501, 1, range(2 * 128), max_output_tokens=1)[:1]
         res = client.send_from(topo.client_ns[0], topo.host_ip[0], cut + half, rate=1_000, count=4, duration=5,
@@ -396,19 +398,10 @@ def test_a_request_the_router_refused_is_not_answered_again_by_the_bucket():
     out. Two answers either way before (found by review)."""
     from datapath import records
     from datapath.admission import TenantPolicy
-    from datapath.router import Router
     import numpy as np
-    tag = f"test-refused-{os.getpid()}-{next(_names)}"
     with contextlib.ExitStack() as es:
-        topo = es.enter_context(Topology(clients=1))
-        ig = es.enter_context(Ingress(queues=2))
-        ig.attach(topo.host_if[0], topo.host_ns, veth_peer=(topo.client_if[0], topo.client_ns[0]))
-        es.callback(ring.unlink, f"{tag}.out")
-        egress = es.enter_context(ring.Ring.create(f"{tag}.out", records.RESPONSE.itemsize, 64, role="producer"))
-        answers = es.enter_context(ring.Ring.attach(f"{tag}.out", "consumer"))
-        router = es.enter_context(Router(reassembly_timeout_s=5))
-        router.set_egress(egress)
-        router.add_feed(ig.consumer(None))
+        f = FedRouter(es, "refused", worker=False, reassembly_timeout_s=5)
+        topo, ig, router, answers = f.topo, f.ig, f.router, f.answers
         for tenant in (7, 8):
             ig.set_rate(tenant, tokens_per_minute=60, burst_tokens=128)    # one full chunk
             router.set_tenant(tenant, TenantPolicy(max_request_tokens=200))  # 3 x 128 + 1 is over it
@@ -456,23 +449,12 @@ def test_a_cut_request_that_then_fails_is_not_answered_again():
     """The bucket cuts a request's second chunk (429); its first ran on the worker, which then goes
     down with no other to replay on: the request fails 503 at the router, which found the cut and
     left it unanswered (the 429 was the answer). It answered 503 too (found by review)."""
-    from datapath import lanes, records
-    from datapath.router import Router
+    from datapath import records
     import numpy as np
-    tag = f"test-cutfail-{os.getpid()}-{next(_names)}"
     with contextlib.ExitStack() as es:
-        topo = es.enter_context(Topology(clients=1))
-        ig = es.enter_context(Ingress(queues=2))
-        ig.attach(topo.host_if[0], topo.host_ns, veth_peer=(topo.client_if[0], topo.client_ns[0]))
+        f = FedRouter(es, "cutfail", reassembly_timeout_s=30)
+        topo, ig, router, answers = f.topo, f.ig, f.router, f.answers
         ig.set_rate(7, tokens_per_minute=60, burst_tokens=128)
-        es.callback(ring.unlink, f"{tag}.out")
-        egress = es.enter_context(ring.Ring.create(f"{tag}.out", records.RESPONSE.itemsize, 64, role="producer"))
-        answers = es.enter_context(ring.Ring.attach(f"{tag}.out", "consumer"))
-        es.callback(lanes.unlink_shm_lane, f"{tag}.w0")
-        router = es.enter_context(Router(reassembly_timeout_s=30))
-        router.add_worker(*lanes.create_shm_lane(f"{tag}.w0"))
-        router.set_egress(egress)
-        router.add_feed(ig.consumer(None))
         cut = client.request_packets(7, 700, 1, range(3 * 128), max_output_tokens=1)
         res = client.send_from(topo.client_ns[0], topo.host_ip[0], cut, rate=1_000, count=3, duration=5,
                                stamp_seq=False, drain_ms=200)

@@ -635,28 +635,13 @@ def test_a_zmq_worker_marked_down_comes_back_once_it_answers_the_router_s_probe(
         lane.close()
 
 
-def test_a_zmq_worker_nobody_serves_is_marked_down_too(bench_factory):
-    """A batch no peer ever took (unsent, so never busy) escaped the deadline."""
-    b = bench_factory(n_workers=1, policy="round_robin", zmq_timeout_s=0.2)
-    assert b.router.add_zmq_worker(lanes.free_tcp_endpoint()) == 1     # nobody binds it
-    b.router.set_up(0, False)
-    b.send(chunks_of(1, [1, 2, 3], max_out=2))
-    b.router.poll()
-    b.router.set_up(0, True)
-    deadline = time.monotonic() + 10
-    while b.router.stats()["zmq_timeouts"] == 0 and time.monotonic() < deadline:
-        b.router.poll()
-        time.sleep(0.01)
-    b.run(0)
-    assert [(int(r["request_id"]), int(r["status"]), int(r["worker"])) for r in b.responses] == [(1, 200, 0)]
-    assert b.router.worker_stats(1)["up"] == 0
-
-
-def test_a_batch_replayed_elsewhere_never_reaches_the_zmq_worker_when_it_comes_back(bench_factory):
-    """The batch a zmq worker timed out on waited in the router's connecting socket; once the
-    worker was up (restarted, or its link healed) it took it and ran requests already answered
-    elsewhere, on the store's newer copy of their sessions (found by review). The socket is now
-    replaced as the worker goes down: the worker that binds the endpoint later gets probes only."""
+def test_a_zmq_worker_nobody_serves_is_marked_down_and_gets_no_stale_batch_when_it_comes_back(bench_factory):
+    """A batch no peer ever took (unsent, so never busy) escaped the deadline. Then the batch a
+    zmq worker timed out on waited in the router's connecting socket; once the worker was up
+    (restarted, or its link healed) it took it and ran requests already answered elsewhere, on
+    the store's newer copy of their sessions (found by review). The socket is now replaced as
+    the worker goes down (and queues to live connections only): the worker that binds the
+    endpoint later gets probes only."""
     b = bench_factory(n_workers=1, policy="round_robin", zmq_timeout_s=0.2)
     endpoint = lanes.free_tcp_endpoint()
     assert b.router.add_zmq_worker(endpoint) == 1      # nobody binds it yet
@@ -669,7 +654,8 @@ def test_a_batch_replayed_elsewhere_never_reaches_the_zmq_worker_when_it_comes_b
         b.router.poll()
         time.sleep(0.01)
     b.run(0)                                           # replayed on the shm worker, answered
-    assert [(int(r["request_id"]), int(r["status"])) for r in b.responses] == [(1, 200)]
+    assert [(int(r["request_id"]), int(r["status"]), int(r["worker"])) for r in b.responses] == [(1, 200, 0)]
+    assert b.router.worker_stats(1)["up"] == 0
     back = lanes.ZmqWorkerLane(endpoint)               # the worker comes up at last
     try:
         got, t_end = [], time.monotonic() + 2.5
