@@ -1211,7 +1211,7 @@ static int lane_commit(struct worker *w, uint32_t n)
         dp_ring_prod_commit(w->lane, n);   /* the whole batch becomes visible at once */
         return 1;
     }
-    if (zmq_send(w->zsock, w->stage, (size_t)n * sizeof(struct dp_chunk), ZMQ_DONTWAIT) < 0) {
+    if (!w->zsock || zmq_send(w->zsock, w->stage, (size_t)n * sizeof(struct dp_chunk), ZMQ_DONTWAIT) < 0) {
         w->unsent = n;
         return 0;
     }
@@ -1329,7 +1329,7 @@ static void complete_entry(struct dp_router *rt, int wk, const struct batch_meta
         finish(rt, m->req);
 }
 
-static void set_up(struct dp_router *rt, uint32_t k, int up);
+static void set_up(struct dp_router *rt, uint32_t k, int up, int probe);
 
 /* The health of zmq workers, which no process of ours watches. One whose batch has gone
  * unanswered (or unsent: no peer took it) for zmq_timeout is marked down and its requests
@@ -1353,20 +1353,20 @@ static uint32_t zmq_health(struct dp_router *rt)
             if (!(w->busy || w->unsent) || pass_clock(rt) - w->t_busy < rt->cfg.zmq_timeout_ns)
                 continue;
             rt->st.zmq_timeouts++;
-            set_up(rt, k, 0);
+            set_up(rt, k, 0, 1);
             w->timed_out = 1;
             w->t_probe = 0;
             n++;
         } else if (w->timed_out) {
             int heard = 0;
-            while (zmq_recv(w->zsock, w->cbuf, sizeof(*w->cbuf), ZMQ_DONTWAIT) >= 0)
+            while (w->zsock && zmq_recv(w->zsock, w->cbuf, sizeof(*w->cbuf), ZMQ_DONTWAIT) >= 0)
                 heard = 1;                     /* whatever it was (its batch was replayed): it lives */
             if (heard) {
-                set_up(rt, k, 1);              /* clears timed_out */
+                set_up(rt, k, 1, 0);           /* clears timed_out */
                 rt->st.zmq_revived++;
                 n++;
-            } else if (pass_clock(rt) - w->t_probe >= (rt->cfg.zmq_timeout_ns < ZMQ_PROBE_NS ?
-                                                       rt->cfg.zmq_timeout_ns : ZMQ_PROBE_NS)) {
+            } else if (w->zsock && pass_clock(rt) - w->t_probe >= (rt->cfg.zmq_timeout_ns < ZMQ_PROBE_NS ?
+                                                                    rt->cfg.zmq_timeout_ns : ZMQ_PROBE_NS)) {
                 zmq_send(w->zsock, "", 0, ZMQ_DONTWAIT);    /* a full queue: the next probe */
                 w->t_probe = pass_clock(rt);
             }
@@ -2381,7 +2381,11 @@ int dp_router_set_key_secret(struct dp_router *rt, uint64_t secret)
 
 static void *zmq_dealer(void *zctx, const char *endpoint);
 
-static void set_up(struct dp_router *rt, uint32_t k, int up)
+/* probe: a zmq worker going down keeps a socket, fresh, for zmq_health's probes; without (the
+ * control plane's word) it keeps none until it is up again: a socket left connected to the
+ * endpoint took the completions of the worker bound there next, which a DEALER sends to its
+ * peers in turn (found by the CLI test, a second worker on the first one's endpoint) */
+static void set_up(struct dp_router *rt, uint32_t k, int up, int probe)
 {
     struct worker *w = &rt->w[k];
     int was_up = rt->view.up[k];
@@ -2397,13 +2401,15 @@ static void set_up(struct dp_router *rt, uint32_t k, int up)
          * back (restarted, or its link healed), which ran it on the store's newer copy of the
          * sessions (found by review). A batch already in the worker's own buffers is not
          * reached: a stalled worker that wakes still runs it (README, left open). */
-        void *fresh = w->kind == DP_LANE_ZMQ ? zmq_dealer(rt->zctx, w->endpoint) : NULL;
-        if (fresh) {
-            zmq_close(w->zsock);
-            w->zsock = fresh;
+        if (w->kind == DP_LANE_ZMQ) {
+            if (w->zsock)
+                zmq_close(w->zsock);
+            w->zsock = probe ? zmq_dealer(rt->zctx, w->endpoint) : NULL;
             w->unsent = 0;
             rt->st.zmq_sockets_replaced++;
         }
+    } else if (!was_up && up && w->kind == DP_LANE_ZMQ && !w->zsock) {
+        w->zsock = zmq_dealer(rt->zctx, w->endpoint);   /* NULL: its batches stay unsent, time out */
     }
 }
 
@@ -2412,7 +2418,7 @@ int dp_router_set_up(struct dp_router *rt, uint32_t worker, int up)
     if (worker >= rt->view.n)
         return -EINVAL;
     pthread_mutex_lock(&rt->lock);
-    set_up(rt, worker, up);
+    set_up(rt, worker, up, 0);
     pthread_mutex_unlock(&rt->lock);
     return 0;
 }

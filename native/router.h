@@ -115,7 +115,9 @@ struct dp_router_stats {
                                  * admission (counted in no_worker too) or at a failover's replay */
     uint64_t zmq_timeouts;      /* zmq workers marked down: a batch unanswered for zmq_timeout */
     uint64_t zmq_revived;       /* zmq workers marked down so, back up: they answered a probe */
-    uint64_t zmq_sockets_replaced;  /* zmq workers' sockets replaced as they went down (what they held dropped) */
+    uint64_t zmq_sockets_replaced;  /* zmq workers' sockets closed as they went down (what they held dropped):
+                                     * a fresh one for the probes after a timeout, none on the
+                                     * control plane's word until it says up */
     uint64_t tenant_share_refused;  /* 503: the tenant's requests still arriving hold its share of the
                                      * chunk pool's room or of the request table (router.c, TENANT_SHARE) */
     uint32_t active_requests, pool_free;
