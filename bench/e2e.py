@@ -420,7 +420,7 @@ def client_batching(report, quick: bool) -> dict:
 
 def failover(report, quick: bool) -> dict:
     """Scenario 6: a worker SIGKILLed mid-run; the router replays its requests on the other one,
-    which restores their sessions from the shared store."""
+    which restores their sessions from the shared store, and a fresh process takes its place."""
     rate, seconds = 40, (3.0 if quick else 10.0)
     with fresh_store() as store:
         return _failover(report, rate, seconds, store)
@@ -450,6 +450,9 @@ def _failover(report, rate: float, seconds: float, store: str) -> dict:
         p.kill_worker(1)
         t.join()
         st = p.router.stats()
+        replaced = p.worker_replacements[0] if p.worker_replacements else None
+        up_again = p.router.worker_stats(1)["up"]
+        replacement_ran = p.router.worker_stats(1)["completions"] - replaced["completions_before"] if replaced else 0
     if "error" in out:
         raise out["error"]
     res = out["r"]
@@ -457,12 +460,18 @@ def _failover(report, rate: float, seconds: float, store: str) -> dict:
     if answered < 1 or not st["replayed"]:
         raise RuntimeError(f"failover: {res['errors']} of {res['requests']} requests not answered 200 "
                            f"({res['by_status']}), {st['replayed']} replayed: the kill lost work, or found none")
+    if replaced is None or not up_again:
+        raise RuntimeError("failover: the killed worker was not replaced by a fresh process (or not up again)")
     pc = _pcts(res["rtt_ns"], 1e6)
+    replaced_ms = (replaced["t_up"] - replaced["t_exit"]) * 1e3
     report.metric("failover_answered_fraction", answered)
     report.metric("failover_replayed_requests", st["replayed"])
     report.metric("failover_p99_ms", pc["p99"], "ms")
+    report.metric("failover_replaced_after_ms", replaced_ms, "ms")     # its exit seen -> the new one up
+    report.metric("failover_replacement_batches", replacement_ran)
     return {"requests": res["requests"], "answered": res["responses"], "errors": res["errors"],
-            "replayed": st["replayed"], "p50_ms": pc["p50"], "p99_ms": pc["p99"]}
+            "replayed": st["replayed"], "p50_ms": pc["p50"], "p99_ms": pc["p99"],
+            "replaced after (ms)": replaced_ms, "batches the replacement ran": replacement_ran}
 
 
 @contextlib.contextmanager

@@ -83,6 +83,9 @@ class PipelineConfig:
                                        # and failed over (0: never; a step is ms, a simulated L4's ~70 ms;
                                        # a shared store that stopped answering costs a step one
                                        # RemoteStore timeout, 5 s, well inside it)
+    worker_respawns: int = 3           # a worker process that exits is replaced by a fresh one on a fresh
+                                       # lane, up to this many times per worker (0: never): a crash loop
+                                       # stops there, and the worker stays down
     codec: str = "zstd"
     store_factory: object = None       # callable(worker index) -> SnapshotStore, called in the worker
     shared_store: str | None = None    # an image path: one store process serves it to every worker
@@ -175,6 +178,109 @@ def _worker_main(lane_name: str, options, store_factory, trace_buf, stop, cpu, n
             store.close()
 
 
+def _spawner_main(conn, specs, store_factory, traces, stop):
+    """The process that forks the workers (WorkerSpawner), itself forked while the pipeline had one
+    thread: a worker forked later from the pipeline (a replacement) would copy a process whose poll
+    loop, watcher and client threads may hold locks (stdio's, the allocator's) that no thread of
+    the child ever releases. Requests: (k, lane name); answers ("spawned", k, pid) and, as each
+    worker exits, ("exit", pid, exit code as multiprocessing gives it)."""
+    import traceback
+    from multiprocessing.connection import wait
+    child_of_this_process()
+    children: dict[int, int] = {}                    # pidfd -> pid
+    while True:
+        for ready in wait([conn, *children]):
+            if ready is not conn:
+                pid = children.pop(ready)
+                os.close(ready)
+                _, status = os.waitpid(pid, 0)
+                conn.send(("exit", pid, os.waitstatus_to_exitcode(status)))
+                continue
+            try:
+                k, lane_name = conn.recv()
+            except EOFError:                         # the pipeline is done (or gone)
+                os._exit(0)
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    conn.close()
+                    for fd in children:
+                        os.close(fd)
+                    opts, cpu, nice = specs[k]
+                    _worker_main(lane_name, opts, store_factory, traces[k], stop, cpu, nice)
+                    code = 0
+                except BaseException:
+                    traceback.print_exc()
+                finally:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                    os._exit(code)
+            children[os.pidfd_open(pid)] = pid
+            conn.send(("spawned", k, pid))
+
+
+class WorkerProcess:
+    """A worker the spawner forked, by its pidfd: the pipeline's grandchild, signalled and waited
+    for without the pid reuse a bare pid would risk once the spawner has reaped it."""
+
+    def __init__(self, pid: int):
+        self.pid, self.pidfd = pid, os.pidfd_open(pid)
+        self.exitcode: int | None = None             # set by the spawner's ("exit", ...) message
+
+    def kill(self):
+        with contextlib.suppress(ProcessLookupError):
+            signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+
+    def join(self, timeout: float | None = None) -> bool:
+        """True once the process has exited (its pidfd reads ready)."""
+        import select
+        return bool(select.select([self.pidfd], [], [], timeout)[0])
+
+    def is_alive(self) -> bool:
+        return not self.join(0)
+
+    def close(self):
+        os.close(self.pidfd)
+
+
+class WorkerSpawner:
+    """The pipeline's end of _spawner_main: spawn(k, lane) forks worker k (its spec, trace buffer
+    and the stop byte inherited) on that lane; exits() are the exit codes reported since."""
+
+    def __init__(self, specs, store_factory, traces, stop):
+        self.conn, child_conn = ctx.Pipe()
+        self.proc = ctx.Process(target=_spawner_main, args=(child_conn, specs, store_factory, traces, stop),
+                                name="worker-spawner", daemon=True)
+        self.proc.start()
+        child_conn.close()
+        self._exits: list[tuple[int, int]] = []       # (pid, code) read while waiting for a spawn
+
+    def spawn(self, k: int, lane_name: str, timeout_s: float = 30.0) -> WorkerProcess:
+        self.conn.send((k, lane_name))
+        while self.conn.poll(timeout_s):
+            msg = self.conn.recv()
+            if msg[0] == "spawned":
+                return WorkerProcess(msg[2])
+            self._exits.append(msg[1:])
+        raise RuntimeError(f"the worker spawner did not fork worker {k} in {timeout_s:g} s")
+
+    def exits(self) -> list[tuple[int, int]]:
+        """(pid, exit code) of each worker that exited since the last call; EOFError if the
+        spawner itself is gone (its workers die with it)."""
+        out, self._exits = self._exits, []
+        while self.conn.poll(0):
+            out.append(self.conn.recv()[1:])
+        return out
+
+    def close(self):
+        self.conn.close()                 # the spawner exits on EOF
+        self.proc.join(5)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+
+
 MASTER_SECRET = b"pipeline-master-secret-0123456789"   # tenants get HMAC(master, tenant) (WorkerStore)
 
 
@@ -201,7 +307,8 @@ class Pipeline:
         self.tag = f"pl{os.getpid()}-{next(_seq)}"
         self._stack = contextlib.ExitStack()
         self._ids = itertools.count(1)   # request ids never repeat within a pipeline
-        self.workers: list = []
+        self.workers: list[WorkerProcess] = []   # worker k's current process
+        self._spawner: WorkerSpawner | None = None
         self._store_endpoint = None      # the shared store server's, when shared_store is given
         self.traces: list = []
         self._untraced_said = 0
@@ -264,21 +371,21 @@ class Pipeline:
         # store server's halt, so it runs first: the workers stop while their store still answers
         es.callback(self._reap_workers)
         self._admission(cfg)
+        self._lane_names: dict[int, str] = {}       # worker -> its current lane's name
+        es.callback(lambda: [lanes.unlink_shm_lane(n) for n in self._lane_names.values()])
+        specs = []
         for k, (pool, device, nice) in enumerate(self.placement):
-            name = f"{self.tag}.w{k}"
-            es.callback(lanes.unlink_shm_lane, name)
+            self._lane_names[k] = name = f"{self.tag}.w{k}"   # first: an interrupt in the create leaks nothing
             self.router.add_worker(*lanes.create_shm_lane(name, wait=cfg.lane_wait), pool=pool)
             if device and cfg.budget_at_knee:
                 self.router.set_worker_budget(k, profile(device).knee_tokens)
-            buf = mmap.mmap(-1, 64 + cfg.trace_records * TRACE.itemsize)
-            self.traces.append(buf)
+            self.traces.append(mmap.mmap(-1, 64 + cfg.trace_records * TRACE.itemsize))
             opts = WorkerOptions(index=k, kv_budget_bytes=cfg.kv_budget_bytes, codec=cfg.codec, device=device,
                                  sim_mode=cfg.sim_mode)
-            cpu = cfg.worker_cpus[k % len(cfg.worker_cpus)] if cfg.worker_cpus else None
-            p = ctx.Process(target=_worker_main, args=(name, opts, store_factory, buf, self._stop_workers, cpu, nice),
-                            name=f"worker{k}", daemon=True)
-            p.start()
-            self.workers.append(p)
+            specs.append((opts, cfg.worker_cpus[k % len(cfg.worker_cpus)] if cfg.worker_cpus else None, nice))
+        self._spawner = WorkerSpawner(specs, store_factory, self.traces, self._stop_workers)
+        for k in range(len(specs)):
+            self.workers.append(self._spawner.spawn(k, self._lane_names[k]))
         self._watch_workers()
         # the response socket is made after the workers are forked, so none of them holds it
         sock = socket_in(topo.host_ns)
@@ -341,24 +448,29 @@ class Pipeline:
     def _reap_workers(self):
         self._stop_workers[0] = 1
         for p in self.workers:
-            p.join(5)
-            if p.is_alive():
+            if not p.join(5):
                 p.kill()
                 p.join(5)
+            p.close()
+        if self._spawner is not None:
+            self._spawner.close()
 
     def _watch_workers(self):
         """A worker process that exits while the pipeline runs (a crash, the OOM killer, a SIGKILL)
         is marked down at once, so the router replays its unfinished requests on the others:
-        failover waits for no one to announce the death. A worker that holds a batch without
-        completing anything for cfg.worker_hang_s (a hang, a SIGSTOP) is killed, and so goes the
-        same way."""
+        failover waits for no one to announce the death. Then a fresh process on a fresh lane takes
+        its place (cfg.worker_respawns times at most) and is set up again. A worker that holds a
+        batch without completing anything for cfg.worker_hang_s (a hang, a SIGSTOP) is killed, and
+        so goes the same way."""
         import threading
         from multiprocessing.connection import wait
         wake_r, wake_w = os.pipe()
         stopping = threading.Event()
         self.worker_exits: list[tuple[int, int | None]] = []   # (worker, exit code) as the watcher saw them
         self.worker_hangs: list[int] = []                      # workers killed for holding a batch too long
+        self.worker_replacements: list[dict] = []              # each replacement: worker, pid, when, ...
         hang_s = self.cfg.worker_hang_s
+        hung_pids: set[int] = set()                            # killed for a hang, not yet seen exit
 
         def hung(k: int, seen: dict) -> bool:
             st = self.router.worker_stats(k)
@@ -368,35 +480,69 @@ class Pipeline:
                 return False
             return now - seen[k][1] > hang_s
 
-        def one_pass(alive: dict, seen: dict) -> bool:
+        def replace(k: int, t_exit: float, seen: dict):
+            """Worker k's fresh process on a fresh lane (the old lane may hold a batch the router
+            has replayed elsewhere, which the new process must not run)."""
+            n = sum(r["worker"] == k for r in self.worker_replacements) + 1
+            if n > self.cfg.worker_respawns:
+                print(f"pipeline: worker {k} exited {n} times: not replaced again, it stays down",
+                      file=sys.stderr, flush=True)
+                return
+            old_name, name = self._lane_names[k], f"{self.tag}.w{k}.{n}"
+            self._lane_names[k] = name
+            lanes.unlink_shm_lane(old_name)
+            for ring in self.router.replace_lane(k, *lanes.create_shm_lane(name, wait=self.cfg.lane_wait)):
+                ring.close()
+            completions = self.router.worker_stats(k)["completions"]
+            self.workers[k].close()
+            self.workers[k] = self._spawner.spawn(k, name)
+            seen.pop(k, None)
+            self.router.set_up(k, True)
+            self.worker_replacements.append({"worker": k, "pid": self.workers[k].pid, "t_exit": t_exit,
+                                             "t_up": time.monotonic(), "completions_before": completions})
+            print(f"pipeline: worker {k} replaced by a fresh process (pid {self.workers[k].pid}) on a "
+                  f"fresh lane, up again", file=sys.stderr, flush=True)
+
+        def one_pass(seen: dict) -> bool:
             """False once the pipeline is being torn down."""
-            ready = wait([*alive, wake_r], timeout=min(1.0, hang_s / 4) if hang_s > 0 else None)
+            ready = wait([self._spawner.conn, wake_r], timeout=min(1.0, hang_s / 4) if hang_s > 0 else None)
             if wake_r in ready or stopping.is_set():
                 return False                       # teardown: the workers are being stopped
-            for r in ready:
-                k = alive.pop(r)
-                self.workers[k].join(5)            # its files close before it can be reaped
-                self.worker_exits.append((k, self.workers[k].exitcode))
-                if stopping.is_set():
-                    return False
-                self.router.set_up(k, False)
-                print(f"pipeline: worker {k} exited (code {self.worker_exits[-1][1]}): marked down, its "
-                      f"unfinished requests replayed on the others", file=sys.stderr, flush=True)
-            for k in list(alive.values()) if hang_s > 0 else []:
-                if k not in self.worker_hangs and not stopping.is_set() and hung(k, seen):
+            # (a spawn in replace() may read exits meant for here: they are taken on the next round)
+            while exits := self._spawner.exits():
+                for pid, code in exits:
+                    k = next((k for k, w in enumerate(self.workers) if w.pid == pid), None)
+                    if k is None or stopping.is_set():
+                        continue                   # not a current worker's; or the teardown's
+                    t_exit = time.monotonic()
+                    self.router.set_up(k, False)
+                    self.workers[k].exitcode = code     # after: kill_worker waits for it
+                    self.worker_exits.append((k, code))
+                    hung_pids.discard(pid)
+                    print(f"pipeline: worker {k} exited (code {code}): marked down, its unfinished requests "
+                          f"replayed on the others", file=sys.stderr, flush=True)
+                    replace(k, t_exit, seen)
+            for k, w in enumerate(self.workers) if hang_s > 0 else ():
+                if (w.pid not in hung_pids and self.router.worker_stats(k)["up"] and not stopping.is_set()
+                        and hung(k, seen)):
+                    hung_pids.add(w.pid)
                     self.worker_hangs.append(k)
-                    self.workers[k].kill()         # its exit is seen above on the next pass
+                    w.kill()                       # its exit is seen above on a later pass
                     print(f"pipeline: worker {k} held a batch {hang_s:g} s without completing anything: "
                           f"killed", file=sys.stderr, flush=True)
             return True
 
         def watch():
-            alive = {p.sentinel: k for k, p in enumerate(self.workers)}
             seen: dict = {}
-            while alive:
+            while True:
                 try:
-                    if not one_pass(alive, seen):
+                    if not one_pass(seen):
                         return
+                except EOFError:                   # the spawner died, and its workers with it
+                    for k in range(len(self.workers)):
+                        self.router.set_up(k, False)
+                    print("pipeline: the worker spawner died: every worker marked down", file=sys.stderr, flush=True)
+                    return
                 except Exception as e:             # the watcher must outlive one bad pass
                     print(f"pipeline: worker watcher: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
                     time.sleep(0.1)
@@ -414,12 +560,14 @@ class Pipeline:
 
     def kill_worker(self, k: int, timeout_s: float = 5.0):
         """SIGKILL worker k, as a crash would (the failover scenario): nobody tells the router; the
-        pipeline's watcher sees the process exit and marks it down. Returns once it is down."""
-        self.workers[k].kill()
+        pipeline's watcher sees the process exit and marks it down (then replaces it). Returns once
+        it was marked down."""
+        victim = self.workers[k]
+        victim.kill()
         deadline = time.monotonic() + timeout_s
-        while self.router.worker_stats(k)["up"]:
+        while victim.exitcode is None:
             if time.monotonic() > deadline:
-                raise RuntimeError(f"worker {k} was killed but the router still had it up after {timeout_s:g} s")
+                raise RuntimeError(f"worker {k} was killed but the watcher had not seen it exit after {timeout_s:g} s")
             time.sleep(0.01)
 
     # --- load -------------------------------------------------------------------------------

@@ -2271,10 +2271,15 @@ static int add_worker(struct dp_router *rt, int kind, struct dp_ring *lane, stru
     return k;
 }
 
+static int lane_fits(const struct dp_router *rt, const struct dp_ring *lane, const struct dp_ring *done)
+{
+    return lane->h->slot_size >= sizeof(struct dp_chunk) && lane->h->capacity >= rt->cfg.max_chunks &&
+           done->h->slot_size >= sizeof(struct dp_completion);
+}
+
 int dp_router_add_worker(struct dp_router *rt, struct dp_ring *lane, struct dp_ring *done, uint32_t weight)
 {
-    if (lane->h->slot_size < sizeof(struct dp_chunk) || lane->h->capacity < rt->cfg.max_chunks ||
-        done->h->slot_size < sizeof(struct dp_completion))
+    if (!lane_fits(rt, lane, done))
         return -EINVAL;
     return add_worker(rt, DP_LANE_SHM, lane, done, NULL, NULL, weight);
 }
@@ -2421,6 +2426,21 @@ int dp_router_set_up(struct dp_router *rt, uint32_t worker, int up)
     set_up(rt, worker, up, 0);
     pthread_mutex_unlock(&rt->lock);
     return 0;
+}
+
+int dp_router_replace_lane(struct dp_router *rt, uint32_t worker, struct dp_ring *lane, struct dp_ring *done)
+{
+    if (worker >= rt->view.n || !lane_fits(rt, lane, done))
+        return -EINVAL;
+    pthread_mutex_lock(&rt->lock);
+    struct worker *w = &rt->w[worker];
+    int rc = w->kind != DP_LANE_SHM ? -EINVAL : rt->view.up[worker] ? -EBUSY : 0;
+    if (!rc) {                          /* down: failover() left it nothing in flight */
+        w->lane = lane;
+        w->done = done;
+    }
+    pthread_mutex_unlock(&rt->lock);
+    return rc;
 }
 
 int dp_router_set_worker_budget(struct dp_router *rt, uint32_t worker, uint32_t token_budget)

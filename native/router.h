@@ -173,6 +173,10 @@ int dp_router_set_weight(struct dp_router *rt, uint32_t worker, uint32_t weight)
 int dp_router_set_key_secret(struct dp_router *rt, uint64_t secret);
 /* up = 0: the worker is gone; its unfinished requests are replayed on others (see failover). */
 int dp_router_set_up(struct dp_router *rt, uint32_t worker, int up);
+/* A fresh lane and completion ring for shm worker `worker`, while it is down (-EBUSY if up, -EINVAL
+ * if a zmq worker or the rings are too small): its replacement process serves them, and nothing
+ * the dead one was sent or wrote is read again. The old rings are the caller's to close. */
+int dp_router_replace_lane(struct dp_router *rt, uint32_t worker, struct dp_ring *lane, struct dp_ring *done);
 /* Dynamic batching's token budget per step on one worker (0: the router's token_budget again),
  * e.g. where its device's step stops being flat in tokens (serving.devices knee_tokens). */
 int dp_router_set_worker_budget(struct dp_router *rt, uint32_t worker, uint32_t token_budget);

@@ -26,7 +26,7 @@ def test_a_worker_that_dies_unannounced_is_failed_over_and_nothing_is_lost():
         os.kill(p.workers[1].pid, signal.SIGKILL)     # a crash: nobody tells the router
         load.join(120)
         assert p.worker_exits == [(1, -signal.SIGKILL)]
-        assert p.router.worker_stats(1)["up"] == 0
+        assert [r["worker"] for r in p.worker_replacements] == [1] and p.router.worker_stats(1)["up"] == 1
     r = out["r"]
     assert r["requests"] == 60 and r["resp_ok"] == 60 and r["unanswered"] == 0, r["by_status"]
 
@@ -47,9 +47,40 @@ def test_a_worker_that_hangs_holding_a_batch_is_killed_and_failed_over():
         os.kill(p.workers[1].pid, signal.SIGSTOP)
         load.join(120)
         assert p.worker_hangs == [1] and p.worker_exits == [(1, -signal.SIGKILL)]
-        assert p.router.worker_stats(1)["up"] == 0
+        assert [r["worker"] for r in p.worker_replacements] == [1]
     r = out["r"]
     assert r["requests"] == 60 and r["resp_ok"] == 60 and r["unanswered"] == 0, r["by_status"]
+
+
+@pytest.mark.root
+@pytest.mark.bpf
+def test_killed_workers_are_replaced_by_fresh_processes_until_their_limit():
+    """A killed worker was failed over but never replaced: once every worker had died, every
+    request was answered 503 for the rest of the run. Now a fresh process on a fresh lane takes
+    each one's place, worker_respawns times per worker."""
+    def served(k):
+        return p.router.worker_stats(k)["completions"]
+
+    with fresh_store() as store, Pipeline(_config(workers=2, shared_store=store, worker_respawns=1)) as p:
+        p.offer(20, 10, sessions=10)
+        first = [w.pid for w in p.workers]
+        for k in (0, 1):
+            p.kill_worker(k)
+        deadline = time.monotonic() + 30
+        while len(p.worker_replacements) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sorted(r["worker"] for r in p.worker_replacements) == [0, 1]
+        assert all(w.pid not in first and w.is_alive() for w in p.workers)
+        before = [served(0), served(1)]
+        r = p.offer(20, 20, sessions=20)
+        assert r["resp_ok"] == 20 and r["unanswered"] == 0, r["by_status"]
+        assert served(0) + served(1) > sum(before)        # run by the replacements
+        p.kill_worker(1)                                  # past its limit: it stays down
+        time.sleep(0.5)
+        assert len(p.worker_replacements) == 2 and p.router.worker_stats(1)["up"] == 0
+        r = p.offer(20, 20, sessions=20)
+        assert r["resp_ok"] == 20 and r["unanswered"] == 0, r["by_status"]
+        assert p.worker_exits == [(0, -signal.SIGKILL), (1, -signal.SIGKILL), (1, -signal.SIGKILL)]
 
 
 @pytest.mark.root

@@ -493,6 +493,33 @@ def test_a_dead_workers_requests_are_replayed_whole_on_another(bench_factory):
     assert st["replayed"] == 1 and st["active_requests"] == 0 and st["pool_free"] == 8192
 
 
+def test_a_dead_worker_comes_back_on_a_fresh_lane_without_its_old_batch(bench_factory):
+    """A worker set up again on its old lane first ran the batch the router had replayed
+    elsewhere (its KV and snapshots written twice): its replacement gets a fresh lane."""
+    b = bench_factory(n_workers=2, policy="round_robin")
+    b.send(chunks_of(1, [5] * 10, max_out=1))
+    b.router.poll()
+    assert b.workers[0].lane.stats()["depth"] == 1            # request 1's batch, on worker 0
+    with pytest.raises(RuntimeError, match="must be an shm worker, and down"):
+        b.router.replace_lane(0, *lanes.create_shm_lane(b.lanes[0] + ".x"))
+    b.lanes.append(b.lanes[0] + ".x")
+    b.router.set_up(0, False)                                 # dies: 1 is replayed on worker 1
+    name = b.lanes[0] + ".new"
+    b.lanes.append(name)
+    for ring in b.router.replace_lane(0, *lanes.create_shm_lane(name)):
+        ring.close()
+    b.router.set_up(0, True)
+    assert b.workers[0].lane.stats()["depth"] == 1            # (the old lane still holds it)
+    b.workers[0].close()
+    b.workers[0] = lanes.ShmWorkerLane(name)
+    b.run(k=1)
+    b.send(chunks_of(2, [6] * 10, max_out=1))                 # round robin: the new worker 0's turn
+    seen = b.run(k=0)
+    assert [r["request_id"].tolist() for r in seen] == [[2]]
+    got = {int(r["request_id"]): (int(r["status"]), int(r["worker"])) for r in b.responses}
+    assert got == {1: (200, 1), 2: (200, 0)}
+
+
 def test_a_request_whose_replay_kills_its_worker_too_is_answered_503_not_replayed_again(bench_factory):
     """A request that kills workers (a bug, a store that hangs them) goes round the pool no
     further than one replay: when the worker it was replayed on dies too, it is answered 503
