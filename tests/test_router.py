@@ -269,6 +269,39 @@ def test_out_of_order_and_duplicate_chunks(bench_factory):
     assert len(b.responses) == 1
 
 
+def test_early_chunks_are_found_by_index_and_freed_when_their_request_ends(bench_factory):
+    """Early chunks were searched for along an unsorted list (a successor at every in-order
+    step, a duplicate at every arrival): a 2,048-chunk request in reverse cost ~n^2/2 steps. They
+    are indexed by (request slot, chunk index) now; here the same indices are parked by three
+    requests at once, in reverse, shuffled and with repeats, and one expires with its parked."""
+    b = bench_factory(reassembly_timeout_s=0.2)
+    rng = np.random.default_rng(5)
+    toks = {rid: [rid * 100_000 + i for i in range(300 * 128)] for rid in (1, 2)}
+    arr = {rid: chunks_of(rid, t, max_out=1) for rid, t in toks.items()}
+    b.send(arr[1][:0:-1])                                  # 299 .. 1: all early
+    order = rng.permutation(np.arange(1, 300))
+    b.send(arr[2][order[:150]], arr[2][order[:20]])       # half of them, and 20 again
+    b.send(arr[2][order[150:]])
+    late = chunks_of(3, list(range(4 * 128)), max_out=1)
+    b.send(late[[3, 2, 2]])                                # 3 never gets its chunks 0 and 1
+    while b.router.poll():
+        pass
+    assert b.router.stats()["duplicate_chunks"] == 21
+    b.send(arr[1][:1], arr[2][:1])                         # the first chunks: everything in order
+    batches = b.run()
+    seen = prefill_seen(batches)
+    assert seen[1] == toks[1] and seen[2] == toks[2]
+    deadline = time.monotonic() + 5
+    while len(b.responses) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+        b.router.poll()
+        b.collect()
+    got = {int(r["request_id"]): int(r["status"]) for r in b.responses}
+    assert got == {1: 200, 2: 200, 3: 400}
+    st = b.router.stats()
+    assert st["active_requests"] == 0 and st["pool_free"] == 8192
+
+
 def test_eos_ends_a_request_early(bench_factory):
     b = bench_factory()
     b.send(chunks_of(9, [1], max_out=50))
