@@ -460,7 +460,7 @@ def _failover(report, rate: float, seconds: float, store: str) -> dict:
     if answered < 1 or not st["replayed"]:
         raise RuntimeError(f"failover: {res['errors']} of {res['requests']} requests not answered 200 "
                            f"({res['by_status']}), {st['replayed']} replayed: the kill lost work, or found none")
-    if replaced is None or not up_again:
+    if replaced is None or not replaced["t_up"] or not up_again:
         raise RuntimeError("failover: the killed worker was not replaced by a fresh process (or not up again)")
     pc = _pcts(res["rtt_ns"], 1e6)
     replaced_ms = (replaced["t_up"] - replaced["t_exit"]) * 1e3

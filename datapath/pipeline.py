@@ -157,7 +157,8 @@ def child_of_this_process():
         os._exit(1)          # the parent died before prctl took effect
 
 
-def _worker_main(lane_name: str, options, store_factory, trace_buf, stop, cpu, nice=0):
+def _worker_main(lane_name: str, options, store_factory, trace_buf, stop, cpu, nice=0, ready=None):
+    """Worker process: build the worker, attach its lane, say ready(), serve until stop[0]."""
     from .serving.worker import one_blas_thread, serve
     child_of_this_process()
     if cpu is not None:
@@ -170,6 +171,8 @@ def _worker_main(lane_name: str, options, store_factory, trace_buf, stop, cpu, n
     worker = options.build(store)
     lane = TracingLane(lanes.ShmWorkerLane(lane_name), trace, count, worker)
     try:
+        if ready is not None:
+            ready()
         with one_blas_thread():
             serve(worker, lane, lambda: stop[0] != 0)
     finally:
@@ -178,55 +181,82 @@ def _worker_main(lane_name: str, options, store_factory, trace_buf, stop, cpu, n
             store.close()
 
 
-def _spawner_main(conn, specs, store_factory, traces, stop):
+def _spawner_main(conn, parent_end, specs, store_factory, traces, stop):
     """The process that forks the workers (WorkerSpawner), itself forked while the pipeline had one
     thread: a worker forked later from the pipeline (a replacement) would copy a process whose poll
     loop, watcher and client threads may hold locks (stdio's, the allocator's) that no thread of
-    the child ever releases. Requests: (k, lane name); answers ("spawned", k, pid) and, as each
-    worker exits, ("exit", pid, exit code as multiprocessing gives it)."""
+    the child ever releases. Requests: (sid, k, lane name). Messages back: ("spawned", sid, pid)
+    followed by the worker's pidfd (SCM_RIGHTS: opened here, before this process can reap it, so
+    it names that process and no later one with its pid); ("ready", sid) once it serves its lane;
+    ("exit", sid, exit code as multiprocessing gives it); ("failed", sid, why) if it could not fork."""
     import traceback
     from multiprocessing.connection import wait
+    from multiprocessing.reduction import send_handle
+    parent_end.close()                               # else the pipeline's close() is no EOF here
     child_of_this_process()
-    children: dict[int, int] = {}                    # pidfd -> pid
-    while True:
-        for ready in wait([conn, *children]):
-            if ready is not conn:
-                pid = children.pop(ready)
-                os.close(ready)
-                _, status = os.waitpid(pid, 0)
-                conn.send(("exit", pid, os.waitstatus_to_exitcode(status)))
-                continue
-            try:
-                k, lane_name = conn.recv()
-            except EOFError:                         # the pipeline is done (or gone)
-                os._exit(0)
-            pid = os.fork()
-            if pid == 0:
-                code = 1
-                try:
-                    conn.close()
-                    for fd in children:
-                        os.close(fd)
-                    opts, cpu, nice = specs[k]
-                    _worker_main(lane_name, opts, store_factory, traces[k], stop, cpu, nice)
-                    code = 0
-                except BaseException:
-                    traceback.print_exc()
-                finally:
-                    sys.stdout.flush()
-                    sys.stderr.flush()
-                    os._exit(code)
-            children[os.pidfd_open(pid)] = pid
-            conn.send(("spawned", k, pid))
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)    # not the pipeline's unwinding handler
+    children: dict[int, tuple[int, int]] = {}        # pidfd -> (sid, pid)
+    waiting: dict[int, int] = {}                     # a child's ready pipe -> sid
+    try:
+        while True:
+            for fd in wait([conn, *children, *waiting]):
+                if fd in waiting:
+                    sid = waiting.pop(fd)
+                    if os.read(fd, 1):               # (EOF: it died first; its exit says so)
+                        conn.send(("ready", sid))
+                    os.close(fd)
+                elif fd in children:
+                    sid, pid = children.pop(fd)
+                    os.close(fd)
+                    _, status = os.waitpid(pid, 0)
+                    conn.send(("exit", sid, os.waitstatus_to_exitcode(status)))
+                else:
+                    sid, k, lane_name = conn.recv()
+                    try:
+                        ready_r, ready_w = os.pipe()
+                        pid = os.fork()
+                    except OSError as e:                 # (out of memory, of processes): this one
+                        conn.send(("failed", sid, f"{type(e).__name__}: {e}"))
+                        continue
+                    if pid == 0:
+                        code = 1
+                        try:
+                            conn.close()
+                            for fd in (ready_r, *children, *waiting):
+                                os.close(fd)
+
+                            def ready():
+                                os.write(ready_w, b"r")
+                                os.close(ready_w)
+                            opts, cpu, nice = specs[k]
+                            _worker_main(lane_name, opts, store_factory, traces[k], stop, cpu, nice, ready)
+                            code = 0
+                        except BaseException:
+                            traceback.print_exc()
+                        finally:
+                            sys.stdout.flush()
+                            sys.stderr.flush()
+                            os._exit(code)
+                    os.close(ready_w)
+                    pidfd = os.pidfd_open(pid)
+                    children[pidfd] = (sid, pid)
+                    waiting[ready_r] = sid
+                    conn.send(("spawned", sid, pid))
+                    send_handle(conn, pidfd, os.getppid())
+    except (EOFError, OSError):                      # the pipeline is done (or gone): its workers
+        os._exit(0)                                  # die with this process (PDEATHSIG)
 
 
 class WorkerProcess:
-    """A worker the spawner forked, by its pidfd: the pipeline's grandchild, signalled and waited
-    for without the pid reuse a bare pid would risk once the spawner has reaped it."""
+    """A worker the spawner forked, by the pidfd the spawner opened: signalled and waited for
+    without the pid reuse a bare pid risks once the spawner has reaped it."""
 
-    def __init__(self, pid: int):
-        self.pid, self.pidfd = pid, os.pidfd_open(pid)
-        self.exitcode: int | None = None             # set by the spawner's ("exit", ...) message
+    def __init__(self, k: int, sid: int, pid: int, pidfd: int):
+        self.k, self.sid, self.pid, self.pidfd = k, sid, pid, pidfd
+        self.ready = False                           # it said it serves its lane
+        self.killed = False                          # by the watcher, for a hang
+        self.replacing: dict | None = None           # its entry in Pipeline.worker_replacements
+        self.exitcode: int | None = None             # set by the watcher once it has exited
 
     def kill(self):
         with contextlib.suppress(ProcessLookupError):
@@ -235,7 +265,9 @@ class WorkerProcess:
     def join(self, timeout: float | None = None) -> bool:
         """True once the process has exited (its pidfd reads ready)."""
         import select
-        return bool(select.select([self.pidfd], [], [], timeout)[0])
+        poll = select.poll()
+        poll.register(self.pidfd, select.POLLIN)
+        return bool(poll.poll(None if timeout is None else int(timeout * 1000)))
 
     def is_alive(self) -> bool:
         return not self.join(0)
@@ -245,32 +277,55 @@ class WorkerProcess:
 
 
 class WorkerSpawner:
-    """The pipeline's end of _spawner_main: spawn(k, lane) forks worker k (its spec, trace buffer
-    and the stop byte inherited) on that lane; exits() are the exit codes reported since."""
+    """The pipeline's end of _spawner_main. spawn() forks worker k (its spec, trace buffer and
+    the stop byte inherited) on a lane; events() are the ("ready", sid) and ("exit", sid, code)
+    messages since the last call. One thread at a time uses it: the build's, then the watcher's."""
 
     def __init__(self, specs, store_factory, traces, stop):
-        self.conn, child_conn = ctx.Pipe()
-        self.proc = ctx.Process(target=_spawner_main, args=(child_conn, specs, store_factory, traces, stop),
+        self.conn, child_conn = ctx.Pipe()           # a socketpair: it carries the pidfds too
+        self.proc = ctx.Process(target=_spawner_main,
+                                args=(child_conn, self.conn, specs, store_factory, traces, stop),
                                 name="worker-spawner", daemon=True)
-        self.proc.start()
-        child_conn.close()
-        self._exits: list[tuple[int, int]] = []       # (pid, code) read while waiting for a spawn
+        try:
+            self.proc.start()
+        finally:
+            child_conn.close()
+        self._sids = itertools.count(1)
+        self._events: list[tuple] = []               # read while waiting for a spawn
 
     def spawn(self, k: int, lane_name: str, timeout_s: float = 30.0) -> WorkerProcess:
-        self.conn.send((k, lane_name))
-        while self.conn.poll(timeout_s):
-            msg = self.conn.recv()
-            if msg[0] == "spawned":
-                return WorkerProcess(msg[2])
-            self._exits.append(msg[1:])
+        sid = next(self._sids)
+        self.conn.send((sid, k, lane_name))
+        deadline = time.monotonic() + timeout_s
+        while self.conn.poll(max(0.0, deadline - time.monotonic())):
+            got = self._read()
+            if got is not None and got.sid == sid:
+                got.k = k
+                return got
         raise RuntimeError(f"the worker spawner did not fork worker {k} in {timeout_s:g} s")
 
-    def exits(self) -> list[tuple[int, int]]:
-        """(pid, exit code) of each worker that exited since the last call; EOFError if the
-        spawner itself is gone (its workers die with it)."""
-        out, self._exits = self._exits, []
+    def _read(self) -> WorkerProcess | None:
+        """One message: a "spawned" one is returned as its handle; others are kept for events()."""
+        from multiprocessing.reduction import recv_handle
+        msg = self.conn.recv()
+        if msg[0] == "failed":
+            raise RuntimeError(f"the worker spawner could not fork: {msg[2]}")
+        if msg[0] != "spawned":
+            self._events.append(msg)
+            return None
+        return WorkerProcess(-1, msg[1], msg[2], recv_handle(self.conn))
+
+    def pending(self) -> bool:
+        return bool(self._events) or self.conn.poll(0)
+
+    def events(self) -> list[tuple]:
+        """Messages since the last call; EOFError if the spawner itself is gone (its workers with it)."""
         while self.conn.poll(0):
-            out.append(self.conn.recv()[1:])
+            late = self._read()
+            if late is not None:                     # a spawn that timed out came after all: not ours
+                late.kill()
+                late.close()
+        out, self._events = self._events, []
         return out
 
     def close(self):
@@ -309,6 +364,9 @@ class Pipeline:
         self._ids = itertools.count(1)   # request ids never repeat within a pipeline
         self.workers: list[WorkerProcess] = []   # worker k's current process
         self._spawner: WorkerSpawner | None = None
+        self._retired: list[WorkerProcess] = []  # replaced ones: their pidfds closed at teardown (a
+                                                 # kill_worker racing the replacement must not find
+                                                 # the number reused)
         self._store_endpoint = None      # the shared store server's, when shared_store is given
         self.traces: list = []
         self._untraced_said = 0
@@ -386,6 +444,7 @@ class Pipeline:
         self._spawner = WorkerSpawner(specs, store_factory, self.traces, self._stop_workers)
         for k in range(len(specs)):
             self.workers.append(self._spawner.spawn(k, self._lane_names[k]))
+        self._await_ready()
         self._watch_workers()
         # the response socket is made after the workers are forked, so none of them holds it
         sock = socket_in(topo.host_ns)
@@ -445,12 +504,28 @@ class Pipeline:
                 raise RuntimeError(f"the snapshot store server on {path} did not start (see its message above)")
         return functools.partial(_remote_store, endpoint)
 
+    def _await_ready(self, timeout_s: float = 120.0):
+        """Until every worker serves its lane: one that exits first fails the build, in one sentence."""
+        deadline = time.monotonic() + timeout_s
+        by_sid = {w.sid: w for w in self.workers}
+        while not all(w.ready for w in self.workers):
+            if not self._spawner.pending() and not self._spawner.conn.poll(max(0.0, deadline - time.monotonic())):
+                slow = [w.k for w in self.workers if not w.ready]
+                raise RuntimeError(f"workers {slow} did not start in {timeout_s:g} s")
+            for kind, sid, *rest in self._spawner.events():
+                if kind == "ready":
+                    by_sid[sid].ready = True
+                else:
+                    raise RuntimeError(f"worker {by_sid[sid].k} exited while starting (code {rest[0]}; its "
+                                       f"message, if any, is above)")
+
     def _reap_workers(self):
         self._stop_workers[0] = 1
         for p in self.workers:
             if not p.join(5):
                 p.kill()
                 p.join(5)
+        for p in self.workers + self._retired:
             p.close()
         if self._spawner is not None:
             self._spawner.close()
@@ -459,9 +534,9 @@ class Pipeline:
         """A worker process that exits while the pipeline runs (a crash, the OOM killer, a SIGKILL)
         is marked down at once, so the router replays its unfinished requests on the others:
         failover waits for no one to announce the death. Then a fresh process on a fresh lane takes
-        its place (cfg.worker_respawns times at most) and is set up again. A worker that holds a
-        batch without completing anything for cfg.worker_hang_s (a hang, a SIGSTOP) is killed, and
-        so goes the same way."""
+        its place (cfg.worker_respawns times at most), set up again once it serves. A worker that
+        holds a batch without completing anything for cfg.worker_hang_s (a hang, a SIGSTOP) is
+        killed, and so goes the same way."""
         import threading
         from multiprocessing.connection import wait
         wake_r, wake_w = os.pipe()
@@ -470,7 +545,6 @@ class Pipeline:
         self.worker_hangs: list[int] = []                      # workers killed for holding a batch too long
         self.worker_replacements: list[dict] = []              # each replacement: worker, pid, when, ...
         hang_s = self.cfg.worker_hang_s
-        hung_pids: set[int] = set()                            # killed for a hang, not yet seen exit
 
         def hung(k: int, seen: dict) -> bool:
             st = self.router.worker_stats(k)
@@ -482,50 +556,74 @@ class Pipeline:
 
         def replace(k: int, t_exit: float, seen: dict):
             """Worker k's fresh process on a fresh lane (the old lane may hold a batch the router
-            has replayed elsewhere, which the new process must not run)."""
+            has replayed elsewhere, which the new process must not run); up once it is ready."""
             n = sum(r["worker"] == k for r in self.worker_replacements) + 1
             if n > self.cfg.worker_respawns:
                 print(f"pipeline: worker {k} exited {n} times: not replaced again, it stays down",
                       file=sys.stderr, flush=True)
                 return
-            old_name, name = self._lane_names[k], f"{self.tag}.w{k}.{n}"
-            self._lane_names[k] = name
-            lanes.unlink_shm_lane(old_name)
-            for ring in self.router.replace_lane(k, *lanes.create_shm_lane(name, wait=self.cfg.lane_wait)):
+            name = f"{self.tag}.w{k}.{n}"
+            lanes.unlink_shm_lane(self._lane_names[k])
+            self._lane_names[k] = name                 # first: the teardown unlinks it, made or not
+            fresh = lanes.create_shm_lane(name, wait=self.cfg.lane_wait)
+            try:
+                old = self.router.replace_lane(k, *fresh)
+            except BaseException:
+                for ring in fresh:
+                    ring.close()
+                raise
+            for ring in old:
                 ring.close()
             completions = self.router.worker_stats(k)["completions"]
-            self.workers[k].close()
-            self.workers[k] = self._spawner.spawn(k, name)
+            w = self._spawner.spawn(k, name)
+            self._retired.append(self.workers[k])
+            self.workers[k] = w
             seen.pop(k, None)
-            self.router.set_up(k, True)
-            self.worker_replacements.append({"worker": k, "pid": self.workers[k].pid, "t_exit": t_exit,
-                                             "t_up": time.monotonic(), "completions_before": completions})
-            print(f"pipeline: worker {k} replaced by a fresh process (pid {self.workers[k].pid}) on a "
-                  f"fresh lane, up again", file=sys.stderr, flush=True)
+            w.replacing = {"worker": k, "pid": w.pid, "t_exit": t_exit, "t_up": None,   # t_up: once ready
+                           "completions_before": completions}
+            self.worker_replacements.append(w.replacing)
+
+        def on_event(kind: str, sid: int, *rest) -> int | None:
+            """The worker that exited, if one did."""
+            k = next((k for k, w in enumerate(self.workers) if w.sid == sid), None)
+            if k is None:
+                return None                        # a replaced process's
+            w = self.workers[k]
+            if kind == "ready":                    # (the first workers' were the build's)
+                w.ready = True
+                self.router.set_up(k, True)
+                w.replacing["t_up"] = time.monotonic()
+                print(f"pipeline: worker {k} replaced by a fresh process (pid {w.pid}) on a fresh lane, "
+                      f"up again", file=sys.stderr, flush=True)
+                return None
+            self.router.set_up(k, False)
+            w.exitcode = rest[0]                   # after: kill_worker waits for it
+            self.worker_exits.append((k, w.exitcode))
+            print(f"pipeline: worker {k} exited (code {w.exitcode}): marked down, its unfinished requests "
+                  f"replayed on the others", file=sys.stderr, flush=True)
+            return k
 
         def one_pass(seen: dict) -> bool:
             """False once the pipeline is being torn down."""
-            ready = wait([self._spawner.conn, wake_r], timeout=min(1.0, hang_s / 4) if hang_s > 0 else None)
-            if wake_r in ready or stopping.is_set():
-                return False                       # teardown: the workers are being stopped
-            # (a spawn in replace() may read exits meant for here: they are taken on the next round)
-            while exits := self._spawner.exits():
-                for pid, code in exits:
-                    k = next((k for k, w in enumerate(self.workers) if w.pid == pid), None)
-                    if k is None or stopping.is_set():
-                        continue                   # not a current worker's; or the teardown's
-                    t_exit = time.monotonic()
-                    self.router.set_up(k, False)
-                    self.workers[k].exitcode = code     # after: kill_worker waits for it
-                    self.worker_exits.append((k, code))
-                    hung_pids.discard(pid)
-                    print(f"pipeline: worker {k} exited (code {code}): marked down, its unfinished requests "
-                          f"replayed on the others", file=sys.stderr, flush=True)
-                    replace(k, t_exit, seen)
+            if not self._spawner.pending():
+                ready = wait([self._spawner.conn, wake_r], timeout=min(1.0, hang_s / 4) if hang_s > 0 else None)
+                if wake_r in ready:
+                    return False                   # teardown: the workers are being stopped
+            events = self._spawner.events()
+            if stopping.is_set():
+                return False
+            t = time.monotonic()
+            dead = [k for event in events if (k := on_event(*event)) is not None]   # every death marked
+            for k in dead:                                                          # down first
+                try:                               # each on its own: one that fails leaves k down
+                    replace(k, t, seen)
+                except Exception as e:
+                    print(f"pipeline: worker {k} could not be replaced ({type(e).__name__}: {e}): it "
+                          f"stays down", file=sys.stderr, flush=True)
             for k, w in enumerate(self.workers) if hang_s > 0 else ():
-                if (w.pid not in hung_pids and self.router.worker_stats(k)["up"] and not stopping.is_set()
-                        and hung(k, seen)):
-                    hung_pids.add(w.pid)
+                if (w.ready and w.exitcode is None and not w.killed and not stopping.is_set()
+                        and self.router.worker_stats(k)["up"] and hung(k, seen)):
+                    w.killed = True
                     self.worker_hangs.append(k)
                     w.kill()                       # its exit is seen above on a later pass
                     print(f"pipeline: worker {k} held a batch {hang_s:g} s without completing anything: "

@@ -115,9 +115,9 @@ class Router:
         _check(lib.dp_router_watch_cuts(self._rt, map_fd, buckets_fd), f"cuts map fd {map_fd}")
 
     def add_worker(self, lane: Ring, done: Ring, weight: int = 1, pool: int = 0) -> int:
+        self._rings += [lane, done]
         k = _check(lib.dp_router_add_worker(self._rt, lane.ptr, done.ptr, weight),
                    f"worker lane {lane.name!r}/{done.name!r} (slot sizes or capacity too small?)")
-        self._rings += [lane, done]
         self._lanes[k] = (lane, done)
         self.n_workers += 1
         if pool:

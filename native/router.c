@@ -100,7 +100,7 @@ struct worker {
 };
 
 struct index {
-    struct { uint64_t key; uint32_t slot; } *e;   /* 2 x max_requests entries */
+    struct { uint64_t key; uint32_t slot; } *e;   /* never full: 2 x max_requests entries (early: >= 2 x pool_chunks) */
     uint32_t mask;
 };
 

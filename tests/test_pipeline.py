@@ -67,7 +67,8 @@ def test_killed_workers_are_replaced_by_fresh_processes_until_their_limit():
         for k in (0, 1):
             p.kill_worker(k)
         deadline = time.monotonic() + 30
-        while len(p.worker_replacements) < 2 and time.monotonic() < deadline:
+        while not (len(p.worker_replacements) == 2 and all(r["t_up"] for r in p.worker_replacements)):
+            assert time.monotonic() < deadline, p.worker_replacements
             time.sleep(0.01)
         assert sorted(r["worker"] for r in p.worker_replacements) == [0, 1]
         assert all(w.pid not in first and w.is_alive() for w in p.workers)
@@ -81,6 +82,16 @@ def test_killed_workers_are_replaced_by_fresh_processes_until_their_limit():
         r = p.offer(20, 20, sessions=20)
         assert r["resp_ok"] == 20 and r["unanswered"] == 0, r["by_status"]
         assert p.worker_exits == [(0, -signal.SIGKILL), (1, -signal.SIGKILL), (1, -signal.SIGKILL)]
+    assert p._spawner.proc.exitcode == 0         # it saw the pipeline close its end: not killed
+
+
+@pytest.mark.root
+@pytest.mark.bpf
+def test_a_worker_that_cannot_start_fails_the_build_in_one_sentence():
+    """The build returned with a worker that had died starting up still up in the router."""
+    with pytest.raises(RuntimeError, match=r"worker 0 exited while starting \(code 1"):
+        with Pipeline(_config(workers=1, worker_cpus=[4096])):    # no such CPU: its affinity fails
+            pass
 
 
 @pytest.mark.root
