@@ -450,7 +450,7 @@ def _failover(report, rate: float, seconds: float, store: str) -> dict:
         p.kill_worker(1)
         t.join()
         st = p.router.stats()
-        replaced = p.worker_replacements[0] if p.worker_replacements else None
+        replaced = next((r for r in reversed(p.worker_replacements) if r["worker"] == 1), None)
         up_again = p.router.worker_stats(1)["up"]
         replacement_ran = p.router.worker_stats(1)["completions"] - replaced["completions_before"] if replaced else 0
     if "error" in out:

@@ -199,52 +199,65 @@ def _spawner_main(conn, parent_end, specs, store_factory, traces, stop):
     waiting: dict[int, int] = {}                     # a child's ready pipe -> sid
     try:
         while True:
-            for fd in wait([conn, *children, *waiting]):
-                if fd in waiting:
-                    sid = waiting.pop(fd)
-                    if os.read(fd, 1):               # (EOF: it died first; its exit says so)
-                        conn.send(("ready", sid))
-                    os.close(fd)
-                elif fd in children:
-                    sid, pid = children.pop(fd)
-                    os.close(fd)
-                    _, status = os.waitpid(pid, 0)
-                    conn.send(("exit", sid, os.waitstatus_to_exitcode(status)))
-                else:
-                    sid, k, lane_name = conn.recv()
-                    try:
-                        ready_r, ready_w = os.pipe()
-                        pid = os.fork()
-                    except OSError as e:                 # (out of memory, of processes): this one
-                        conn.send(("failed", sid, f"{type(e).__name__}: {e}"))
-                        continue
-                    if pid == 0:
-                        code = 1
-                        try:
-                            conn.close()
-                            for fd in (ready_r, *children, *waiting):
-                                os.close(fd)
-
-                            def ready():
-                                os.write(ready_w, b"r")
-                                os.close(ready_w)
-                            opts, cpu, nice = specs[k]
-                            _worker_main(lane_name, opts, store_factory, traces[k], stop, cpu, nice, ready)
-                            code = 0
-                        except BaseException:
-                            traceback.print_exc()
-                        finally:
-                            sys.stdout.flush()
-                            sys.stderr.flush()
-                            os._exit(code)
+            # one ready fd per wait: handling one closes fds whose numbers the next fork reuses
+            fd = wait([conn, *children, *waiting])[0]
+            if fd in waiting:
+                sid = waiting.pop(fd)
+                if os.read(fd, 1):           # (EOF: it died first; its exit says so)
+                    conn.send(("ready", sid))
+                os.close(fd)
+            elif fd in children:
+                sid, pid = children.pop(fd)
+                os.close(fd)
+                for r in [r for r, of in waiting.items() if of == sid]:
+                    del waiting[r]           # dead: its "ready", if it wrote one, is void
+                    os.close(r)
+                _, status = os.waitpid(pid, 0)
+                conn.send(("exit", sid, os.waitstatus_to_exitcode(status)))
+            elif fd is conn:
+                sid, k, lane_name = conn.recv()
+                ready_r, ready_w = os.pipe()
+                try:
+                    pid = os.fork()
+                except OSError as e:         # (out of memory, of processes): this one
+                    os.close(ready_r)
                     os.close(ready_w)
-                    pidfd = os.pidfd_open(pid)
-                    children[pidfd] = (sid, pid)
-                    waiting[ready_r] = sid
-                    conn.send(("spawned", sid, pid))
-                    send_handle(conn, pidfd, os.getppid())
-    except (EOFError, OSError):                      # the pipeline is done (or gone): its workers
-        os._exit(0)                                  # die with this process (PDEATHSIG)
+                    conn.send(("failed", sid, f"{type(e).__name__}: {e}"))
+                    continue
+                if pid == 0:
+                    code = 1
+                    try:
+                        conn.close()
+                        for fd in (ready_r, *children, *waiting):
+                            os.close(fd)
+
+                        def ready():
+                            os.write(ready_w, b"r")
+                            os.close(ready_w)
+                        opts, cpu, nice = specs[k]
+                        _worker_main(lane_name, opts, store_factory, traces[k], stop, cpu, nice, ready)
+                        code = 0
+                    except BaseException:
+                        traceback.print_exc()
+                    finally:
+                        sys.stdout.flush()
+                        sys.stderr.flush()
+                        os._exit(code)
+                os.close(ready_w)
+                try:
+                    pidfd = os.pidfd_open(pid)   # our unreaped child: its pid is still its own
+                except OSError as e:
+                    os.close(ready_r)
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                    conn.send(("failed", sid, f"pidfd_open: {e}"))
+                    continue
+                children[pidfd] = (sid, pid)
+                waiting[ready_r] = sid
+                conn.send(("spawned", sid, pid))
+                send_handle(conn, pidfd, os.getppid())
+    except (EOFError, BrokenPipeError, ConnectionResetError):   # the pipeline is done (or gone):
+        os._exit(0)                                              # its workers die with this process
 
 
 class WorkerProcess:
@@ -298,22 +311,29 @@ class WorkerSpawner:
         self.conn.send((sid, k, lane_name))
         deadline = time.monotonic() + timeout_s
         while self.conn.poll(max(0.0, deadline - time.monotonic())):
-            got = self._read()
-            if got is not None and got.sid == sid:
+            got = self._read(sid)
+            if got is not None:
                 got.k = k
                 return got
         raise RuntimeError(f"the worker spawner did not fork worker {k} in {timeout_s:g} s")
 
-    def _read(self) -> WorkerProcess | None:
-        """One message: a "spawned" one is returned as its handle; others are kept for events()."""
+    def _read(self, sid: int | None = None) -> WorkerProcess | None:
+        """One message: spawn sid's handle, or its failure raised; another spawn's (late: its own
+        spawn() gave up) killed; "ready" and "exit" kept for events()."""
         from multiprocessing.reduction import recv_handle
         msg = self.conn.recv()
-        if msg[0] == "failed":
-            raise RuntimeError(f"the worker spawner could not fork: {msg[2]}")
-        if msg[0] != "spawned":
+        if msg[0] == "spawned":
+            w = WorkerProcess(-1, msg[1], msg[2], recv_handle(self.conn))
+            if msg[1] == sid:
+                return w
+            w.kill()
+            w.close()
+        elif msg[0] == "failed":
+            if msg[1] == sid:
+                raise RuntimeError(f"the worker spawner could not fork: {msg[2]}")
+        else:
             self._events.append(msg)
-            return None
-        return WorkerProcess(-1, msg[1], msg[2], recv_handle(self.conn))
+        return None
 
     def pending(self) -> bool:
         return bool(self._events) or self.conn.poll(0)
@@ -321,10 +341,7 @@ class WorkerSpawner:
     def events(self) -> list[tuple]:
         """Messages since the last call; EOFError if the spawner itself is gone (its workers with it)."""
         while self.conn.poll(0):
-            late = self._read()
-            if late is not None:                     # a spawn that timed out came after all: not ours
-                late.kill()
-                late.close()
+            self._read()
         out, self._events = self._events, []
         return out
 
@@ -335,6 +352,8 @@ class WorkerSpawner:
             self.proc.kill()
             self.proc.join(5)
 
+
+START_TIMEOUT_S = 120.0   # a worker process builds its model and attaches its lane in this, or is given up
 
 MASTER_SECRET = b"pipeline-master-secret-0123456789"   # tenants get HMAC(master, tenant) (WorkerStore)
 
@@ -504,7 +523,7 @@ class Pipeline:
                 raise RuntimeError(f"the snapshot store server on {path} did not start (see its message above)")
         return functools.partial(_remote_store, endpoint)
 
-    def _await_ready(self, timeout_s: float = 120.0):
+    def _await_ready(self, timeout_s: float = START_TIMEOUT_S):
         """Until every worker serves its lane: one that exits first fails the build, in one sentence."""
         deadline = time.monotonic() + timeout_s
         by_sid = {w.sid: w for w in self.workers}
@@ -590,6 +609,8 @@ class Pipeline:
                 return None                        # a replaced process's
             w = self.workers[k]
             if kind == "ready":                    # (the first workers' were the build's)
+                if w.exitcode is not None:
+                    return None                    # (the spawner drops it; belt and braces)
                 w.ready = True
                 self.router.set_up(k, True)
                 w.replacing["t_up"] = time.monotonic()
@@ -620,6 +641,13 @@ class Pipeline:
                 except Exception as e:
                     print(f"pipeline: worker {k} could not be replaced ({type(e).__name__}: {e}): it "
                           f"stays down", file=sys.stderr, flush=True)
+            for k, w in enumerate(self.workers):
+                if (not w.ready and w.exitcode is None and not w.killed and w.replacing is not None
+                        and time.monotonic() - w.replacing["t_exit"] > START_TIMEOUT_S):
+                    w.killed = True                # (its exit is replaced in turn, to the limit)
+                    w.kill()
+                    print(f"pipeline: worker {k}'s replacement did not start in {START_TIMEOUT_S:g} s: killed",
+                          file=sys.stderr, flush=True)
             for k, w in enumerate(self.workers) if hang_s > 0 else ():
                 if (w.ready and w.exitcode is None and not w.killed and not stopping.is_set()
                         and self.router.worker_stats(k)["up"] and hung(k, seen)):
@@ -632,7 +660,7 @@ class Pipeline:
 
         def watch():
             seen: dict = {}
-            while True:
+            while not stopping.is_set():
                 try:
                     if not one_pass(seen):
                         return
@@ -642,6 +670,8 @@ class Pipeline:
                     print("pipeline: the worker spawner died: every worker marked down", file=sys.stderr, flush=True)
                     return
                 except Exception as e:             # the watcher must outlive one bad pass
+                    if stopping.is_set():
+                        return
                     print(f"pipeline: worker watcher: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
                     time.sleep(0.1)
         watcher = threading.Thread(target=watch, name="worker-watch", daemon=True)
@@ -660,9 +690,13 @@ class Pipeline:
         """SIGKILL worker k, as a crash would (the failover scenario): nobody tells the router; the
         pipeline's watcher sees the process exit and marks it down (then replaces it). Returns once
         it was marked down."""
+        deadline = time.monotonic() + timeout_s
+        while self.workers[k].exitcode is not None:     # killed before, its replacement not there yet
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"worker {k} is down and was not replaced in {timeout_s:g} s")
+            time.sleep(0.01)
         victim = self.workers[k]
         victim.kill()
-        deadline = time.monotonic() + timeout_s
         while victim.exitcode is None:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"worker {k} was killed but the watcher had not seen it exit after {timeout_s:g} s")

@@ -87,6 +87,33 @@ def test_killed_workers_are_replaced_by_fresh_processes_until_their_limit():
 
 @pytest.mark.root
 @pytest.mark.bpf
+def test_a_replacement_that_dies_starting_is_replaced_again_to_the_limit(tmp_path):
+    """A replacement that dies before it serves its lane (here its store cannot open) is never set
+    up; it is replaced in turn until worker_respawns, and the slot then stays down."""
+    broken = tmp_path / "store-broken"
+
+    def store_factory(index):
+        if broken.exists():
+            raise OSError("the store is gone")
+        return None
+
+    with Pipeline(_config(workers=2, store_factory=store_factory, worker_respawns=2)) as p:
+        broken.touch()
+        p.kill_worker(1)
+        deadline = time.monotonic() + 30
+        while len(p.worker_exits) < 3:
+            assert time.monotonic() < deadline, p.worker_exits
+            time.sleep(0.01)
+        time.sleep(0.3)
+        assert p.worker_exits == [(1, -signal.SIGKILL), (1, 1), (1, 1)]
+        assert len(p.worker_replacements) == 2 and not any(r["t_up"] for r in p.worker_replacements)
+        assert p.router.worker_stats(1)["up"] == 0
+        r = p.offer(20, 20, sessions=20)
+        assert r["resp_ok"] == 20 and r["unanswered"] == 0, r["by_status"]
+
+
+@pytest.mark.root
+@pytest.mark.bpf
 def test_a_worker_that_cannot_start_fails_the_build_in_one_sentence():
     """The build returned with a worker that had died starting up still up in the router."""
     with pytest.raises(RuntimeError, match=r"worker 0 exited while starting \(code 1"):
