@@ -34,7 +34,7 @@ EPILOG = """examples:
     snapshotstore fsck store.img                      # every CRC and every chain; exit 1 if damaged
     snapshotstore stats --json                        # the default store's counters
     snapshotstore target store.img --listen 127.0.0.1:4420    # serve store.img over NVMe/TCP
-    snapshotstore serve store.img --listen tcp://127.0.0.1:5600   # to workers: datapath worker --store
+    snapshotstore serve store.img --listen tcp://198.18.0.9:5600 --secret-file key   # to workers: datapath worker --store
     snapshotstore fsck nvme-tcp://127.0.0.1:4420/nqn.2026-12.io.zerolayer:snapshots
 """
 
@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ZeroMQ endpoint to bind: tcp://HOST:PORT or ipc://PATH (datapath worker --store ENDPOINT)")
     v.add_argument("--eviction", choices=["lru", "refuse"], default="lru",
                    help="when the log is full: evict the least recently used sessions (default), or refuse puts")
+    v.add_argument("--secret-file", metavar="PATH",
+                   help="the secret the workers hold (their --store-secret-file): only they connect, encrypted "
+                        "(ZeroMQ CURVE, keys derived from it); needed for a tcp:// endpoint off loopback")
     return p
 
 
@@ -113,11 +116,15 @@ def _serve(args) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
 
+    from .server import read_secret
+    secret = read_secret(args.secret_file) if args.secret_file else None
+
     class Said:                          # serve's `ready`: set once the store is open and bound
         def set(self):
-            print(f"serving {path} at {args.listen}", flush=True)
+            print(f"serving {path} at {args.listen}" + (", to clients holding its secret" if secret else ""),
+                  flush=True)
     try:
-        serve(path, args.listen, stop, eviction=args.eviction, ready=Said())
+        serve(path, args.listen, stop, eviction=args.eviction, ready=Said(), secret=secret)
     except zmq.ZMQError as e:
         raise SnapshotError(f"cannot serve at {args.listen}: {e}") from None
     return 0

@@ -8,12 +8,22 @@ this server:
     store = RemoteStore("ipc:///run/zl-store")         # in each worker: the SnapshotStore interface
     worker = Worker(model, store=WorkerStore(store, master_secret))
 
-Requests are served in arrival order; a put is answered only once the store
-has made it durable, so RemoteStore.put keeps the SnapshotStore promise. Store
-errors cross the socket by name and are raised again on the client's side.
+Requests are served one at a time, each client's in the order it sent them (one
+connection each: a call after one that timed out runs after it, so a restore
+sees whether that put landed); a put is answered only once the store has made
+it durable, so RemoteStore.put keeps the SnapshotStore promise. Store errors
+cross the socket by name and are raised again on the client's side.
+
+With a secret (both ends hold the same one: datapath worker --store-secret-file,
+snapshotstore serve --secret-file) the connection is ZeroMQ CURVE, its keys
+derived from the secret: only a peer holding it connects, and what crosses is
+encrypted. A tcp:// endpoint off loopback is refused without one: it would give
+any peer that reaches it every tenant's sessions (list, restore, delete).
 """
 from __future__ import annotations
 
+import hashlib
+import ipaddress
 import json
 import time
 
@@ -21,6 +31,43 @@ from . import errors
 from .api import Delta, Snapshot, check_key
 
 POLL_MS = 100
+RCVHWM = 64                 # requests queued per client connection (they are served one at a time)
+
+
+def read_secret(path: str) -> bytes:
+    """The secret a store's clients and its server share, from a file (its line end not part of it)."""
+    try:
+        with open(path, "rb") as f:
+            secret = f.read().rstrip(b"\r\n")
+    except OSError as e:
+        raise errors.SnapshotError(f"secret file {path}: {e.strerror}") from None
+    if len(secret) < 16:
+        raise errors.SnapshotError(f"the secret in {path} is {len(secret)} bytes: at least 16")
+    return secret
+
+
+def curve_keys(secret: bytes) -> dict[str, tuple[bytes, bytes]]:
+    """The server's and the client's CURVE key pairs (public, secret; Z85), derived from the secret."""
+    import zmq
+    from zmq.utils import z85
+    out = {}
+    for role in ("server", "client"):
+        sk = z85.encode(hashlib.sha256(b"zerolayer snapshot store curve " + role.encode() + b"\0" + secret).digest())
+        out[role] = (zmq.curve_public(sk), sk)
+    return out
+
+
+def _open_network(endpoint: str) -> bool:
+    """A tcp:// endpoint bound on something other than loopback."""
+    if not endpoint.startswith("tcp://"):
+        return False
+    host = endpoint[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return False
+    try:
+        return not ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return True          # a name or an interface (tcp://eth0:5600, tcp://*:5600)
 
 
 def _err(e: BaseException) -> list[bytes]:
@@ -56,15 +103,37 @@ def handle(store, frames: list[bytes]) -> list[bytes]:
         return _err(e)
 
 
-def serve(path: str, endpoint: str, stop, eviction: str = "lru", ready=None):
-    """Open the store at `path` and answer requests on `endpoint` until stop.is_set()."""
+def serve(path: str, endpoint: str, stop, eviction: str = "lru", ready=None, secret: bytes | None = None):
+    """Open the store at `path` and answer requests on `endpoint` until stop.is_set(); with a
+    secret, only to clients holding it (CURVE)."""
     import zmq
     from .log import LogStore
+    if secret is None and _open_network(endpoint):
+        raise errors.SnapshotError(f"{endpoint} is on the network: serving it needs a secret both ends hold "
+                                   f"(--secret-file), or any peer could read and delete every tenant's sessions")
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.linger = 0
+    auth = None
     try:
+        if secret is not None:
+            from zmq.auth.thread import ThreadAuthenticator
+            keys = curve_keys(secret)
+
+            class OnlyTheClientKey:
+                def callback(self, domain, key):
+                    return key == keys["client"][0]
+            auth = ThreadAuthenticator(ctx)
+            auth.start()
+            auth.configure_curve_callback(domain="*", credentials_provider=OnlyTheClientKey())
+            sock.curve_server = True
+            sock.curve_publickey, sock.curve_secretkey = keys["server"]
         with LogStore(path, eviction=eviction) as store:
+            # a frame far past the largest record drops its connection before it is buffered whole
+            # here (one of many GB ran the store out of memory); one a little past it is refused,
+            # TooLarge, as a local store refuses it
+            sock.maxmsgsize = max(2 * store.max_payload, 64 << 20)
+            sock.rcvhwm = RCVHWM
             sock.bind(endpoint)
             if ready is not None:
                 ready.set()
@@ -72,48 +141,81 @@ def serve(path: str, endpoint: str, stop, eviction: str = "lru", ready=None):
                 if not sock.poll(POLL_MS):
                     continue
                 msg = sock.recv_multipart()
-                if len(msg) < 3 or msg[1] != b"":      # not a REQ client's [identity, b"", op, ...]:
-                    continue                            # dropped, the server keeps serving the others
-                ident, empty, *frames = msg
-                sock.send_multipart([ident, empty, *handle(store, frames)])
+                if len(msg) < 4 or msg[1] != b"" or len(msg[2]) != 8:   # not [identity, b"", call id, op, ...]:
+                    continue                                            # dropped, the others still served
+                ident, empty, call, *frames = msg
+                sock.send_multipart([ident, empty, call, *handle(store, frames)])
     finally:
         sock.close(0)
+        if auth is not None:
+            auth.stop()
         ctx.term()
 
 
 class RemoteStore:
-    """The SnapshotStore interface on a store that another process serves (see serve).
+    """The SnapshotStore interface on a store that another process serves (see serve). Not
+    thread-safe: one per thread.
 
     A call the server does not answer within timeout_s raises DeviceError, and so does every call
     for the next timeout_s without asking (then one asks again): a worker's step makes up to two
     calls for each of its records, and waiting out each (30 s before) took a step past the
     pipeline's hang timeout (worker_hang_s, 30 s), whose kill then went round every worker. A dead
-    store costs each request its 503, at most one wait per timeout_s."""
+    store costs each request its 503, at most one wait per timeout_s.
 
-    def __init__(self, endpoint: str, timeout_s: float = 5.0):
+    One connection for every call, each call numbered: the answer to one that timed out is
+    dropped when it comes, and a later call is served after it. (A fresh socket per timed-out
+    call, as before, could overtake it: a restore sent to learn whether a put had landed ran
+    first and said no, then the put landed, found by review.)"""
+
+    def __init__(self, endpoint: str, timeout_s: float = 5.0, secret: bytes | None = None):
         import zmq
         self._zmq, self.endpoint, self.timeout_ms = zmq, endpoint, int(timeout_s * 1000)
         self._silent_until = 0.0             # monotonic: calls fail at once until then
+        self._calls = 0
         self.ctx = zmq.Context()
-        self._connect()
+        try:
+            self.sock = self.ctx.socket(zmq.DEALER)
+            self.sock.linger = 0
+            self.sock.immediate = True           # queued only to a live connection, never to wait for one
+            if secret is not None:
+                keys = curve_keys(secret)
+                self.sock.curve_serverkey = keys["server"][0]
+                self.sock.curve_publickey, self.sock.curve_secretkey = keys["client"]
+            self.sock.connect(endpoint)
+        except BaseException:
+            self.ctx.destroy(0)
+            raise
 
-    def _connect(self):
-        self.sock = self.ctx.socket(self._zmq.REQ)
-        self.sock.linger = 0
-        self.sock.connect(self.endpoint)
+    def _silent(self, why: str) -> errors.DeviceError:
+        self._silent_until = time.monotonic() + self.timeout_ms / 1000
+        return errors.DeviceError(f"the snapshot store at {self.endpoint} {why}")
 
     def _call(self, *frames: bytes) -> list[bytes]:
+        zmq = self._zmq
         if time.monotonic() < self._silent_until:
-            raise errors.DeviceError(f"the snapshot store at {self.endpoint} did not answer within "
-                                     f"{self.timeout_ms / 1000:g} s a moment ago: not asked again yet")
-        self.sock.send_multipart(list(frames))
-        if not self.sock.poll(self.timeout_ms):
-            self.sock.close(0)       # a REQ socket that missed its reply cannot be used again
-            self._connect()
-            self._silent_until = time.monotonic() + self.timeout_ms / 1000
-            raise errors.DeviceError(f"the snapshot store at {self.endpoint} did not answer within "
-                                     f"{self.timeout_ms / 1000:g} s: is its server running?")
-        reply = self.sock.recv_multipart()
+            raise errors.DeviceError(f"the snapshot store at {self.endpoint} did not answer (or could not be "
+                                     f"reached) within {self.timeout_ms / 1000:g} s a moment ago: not asked "
+                                     f"again yet")
+        self._calls += 1
+        call = self._calls.to_bytes(8, "little")
+        deadline = time.monotonic() + self.timeout_ms / 1000
+        # no connection (yet: connecting takes a moment; or no server, or a key it refuses) waits
+        # out the timeout for one, as a reply does
+        if not self.sock.poll(self.timeout_ms, zmq.POLLOUT):
+            raise self._silent(f"could not be reached within {self.timeout_ms / 1000:g} s: is its server "
+                               f"running (and its secret this one's)?")
+        try:
+            self.sock.send_multipart([b"", call, *frames], zmq.NOBLOCK)
+        except zmq.Again:
+            raise self._silent("has not taken the calls sent before: not sent") from None
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.sock.poll(max(1, int(left * 1000))):
+                raise self._silent(f"did not answer within {self.timeout_ms / 1000:g} s: is its server running?")
+            msg = self.sock.recv_multipart()
+            if len(msg) >= 3 and msg[0] == b"" and msg[1] == call:
+                reply = msg[2:]
+                break                        # (else the late answer of a call that timed out)
         if reply[0] == b"err":
             cls = getattr(errors, reply[1].decode(), None)
             cls = cls if isinstance(cls, type) and issubclass(cls, Exception) else errors.SnapshotError

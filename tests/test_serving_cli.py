@@ -89,7 +89,7 @@ def test_a_zmq_worker_from_the_command_line_puts_and_restores_through_a_served_s
 
     tag = f"test-cli-store-{os.getpid()}"
     try:
-        start("snapshotstore", "serve", image, "--listen", store_ep)
+        start("snapshotstore", "serve", image, "--listen", store_ep, "--secret-file", str(secret))
         out = Ring.create(f"{tag}.out", records.RESPONSE.itemsize, 64, role="producer")
         answers = Ring.attach(f"{tag}.out", "consumer")
         with Router() as router:
@@ -112,7 +112,7 @@ def test_a_zmq_worker_from_the_command_line_puts_and_restores_through_a_served_s
                 w.send_signal(signal.SIGINT)
                 assert w.wait(10) == 0
         from snapshotstore.server import RemoteStore
-        with RemoteStore(store_ep) as store:
+        with RemoteStore(store_ep, secret=secret.read_bytes()) as store:
             assert len(store.list()) == 1
             (key,) = store.list()
             # each turn's prompt and its first output fed back: (10 + 1) + (11 + 1); a second worker

@@ -13,22 +13,31 @@ ctx = multiprocessing.get_context("fork")
 SECRET = b"test-tenant-secret-0123456789ab"
 
 
-@pytest.fixture
-def server(tmp_path):
+def _server(tmp_path, endpoint, **kw):
     path = str(tmp_path / "shared.img")   # tmp_path is on the real disk: O_DIRECT works there
     create_image(path, 64 << 20)
     format_device(path)
-    endpoint = f"ipc://{tmp_path}/store.sock"
     stop, ready = ctx.Event(), ctx.Event()
-    p = ctx.Process(target=serve, args=(path, endpoint, stop), kwargs={"ready": ready})
+    p = ctx.Process(target=serve, args=(path, endpoint, stop), kwargs={"ready": ready, **kw})
     p.start()
     assert ready.wait(30), "the store server did not start"
-    yield endpoint
+    return stop, p
+
+
+def _stop(stop, p):
     stop.set()
     p.join(10)
     if p.is_alive():
         p.kill()
         p.join(5)
+
+
+@pytest.fixture
+def server(tmp_path):
+    endpoint = f"ipc://{tmp_path}/store.sock"
+    running = _server(tmp_path, endpoint)
+    yield endpoint
+    _stop(*running)
 
 
 def writer(endpoint, q):
@@ -91,7 +100,7 @@ def test_no_server_is_a_clear_error_and_is_waited_for_once_per_timeout(tmp_path)
     at once, and one waits again once the timeout has passed."""
     with RemoteStore(f"ipc://{tmp_path}/nobody.sock", timeout_s=0.3) as store:
         t0 = time.monotonic()
-        with pytest.raises(DeviceError, match="did not answer within 0.3 s: is its server running"):
+        with pytest.raises(DeviceError, match="could not be reached within 0.3 s: is its server running"):
             store.restore(session_key(SECRET, 1))
         assert time.monotonic() - t0 >= 0.25        # it waited (zmq's poll may wake a little early)
         t0 = time.monotonic()
@@ -100,5 +109,59 @@ def test_no_server_is_a_clear_error_and_is_waited_for_once_per_timeout(tmp_path)
                 store.held(session_key(SECRET, n))
         assert time.monotonic() - t0 < 0.2
         time.sleep(0.3)
-        with pytest.raises(DeviceError, match="is its server running"):
+        with pytest.raises(DeviceError, match="could not be reached"):
             store.held(session_key(SECRET, 1))
+
+
+def test_a_late_answer_is_dropped_and_a_call_after_a_timeout_runs_after_it(tmp_path):
+    """A timed-out call's socket was replaced by a fresh one, whose next call (the worker's
+    restore, asking whether the timed-out put had landed) could be served first and say no, then
+    the put landed. One connection now: the server sees the calls in order, and the late answer
+    is not taken for the next call's."""
+    import threading
+
+    import zmq
+    endpoint = f"ipc://{tmp_path}/slow.sock"
+    seen = []
+    with zmq.Context() as zctx, zctx.socket(zmq.ROUTER) as slow:
+        slow.linger = 0
+        slow.bind(endpoint)
+
+        def answer_late():                   # holds the first call until the second has come
+            first = slow.recv_multipart()
+            second = slow.recv_multipart()
+            seen.extend([first[3], second[3]])
+            slow.send_multipart([*first[:3], b"ok", b"1"])     # the first's answer, late
+            slow.send_multipart([*second[:3], b"ok", b"2"])
+        t = threading.Thread(target=answer_late)
+        t.start()
+        with RemoteStore(endpoint, timeout_s=0.3) as store:
+            key = session_key(SECRET, 3)
+            with pytest.raises(DeviceError, match="did not answer within 0.3 s"):
+                store.held(key)
+            time.sleep(0.35)                 # past its quiet spell
+            assert store.delete(key) == 2    # its own answer, not the late 1
+        t.join(5)
+    assert seen == [b"held", b"delete"]
+
+
+def test_a_store_with_a_secret_answers_only_clients_holding_it(tmp_path):
+    """Anyone who reached the server's socket could list, restore and delete every tenant's
+    sessions. With a secret the connection is CURVE, keyed by it; a tcp:// endpoint off loopback
+    without one is refused."""
+    from snapshotstore import SnapshotError
+    with pytest.raises(SnapshotError, match="needs a secret"):
+        serve(str(tmp_path / "unused.img"), "tcp://198.18.0.1:5600", ctx.Event())
+    endpoint = f"ipc://{tmp_path}/secret.sock"
+    running = _server(tmp_path, endpoint, secret=b"store-transport-secret-0123456789")
+    try:
+        key = session_key(SECRET, 4)
+        with RemoteStore(endpoint, secret=b"store-transport-secret-0123456789") as store:
+            store.put(key, Delta(b"x" * 10, tokens=(0, 1), codec="raw"))
+            assert store.held(key) == 1
+        for secret in (None, b"another-secret-0123456789abcdef"):
+            with RemoteStore(endpoint, timeout_s=0.5, secret=secret) as store:
+                with pytest.raises(DeviceError, match="could not be reached"):
+                    store.list()
+    finally:
+        _stop(*running)

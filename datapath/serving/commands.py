@@ -28,9 +28,10 @@ the router to connect to: one message per micro-batch of dp_chunk records,
 one dp_completion back. Ctrl-C stops the worker. --demo runs the native
 router in this process with one shared-memory lane and this worker, feeds it
 N requests and prints the responses. --store ENDPOINT attaches the snapshot
-store that `snapshotstore serve DEVICE --listen ENDPOINT` serves, with the
-master secret in --store-secret-file (every worker sharing the store uses the
-same; a tenant's keys are HMACs of it): finished turns are put there, and a
+store that `snapshotstore serve DEVICE --listen ENDPOINT --secret-file F`
+serves, with the master secret in --store-secret-file (every worker sharing
+the store and the server hold the same: a tenant's keys are HMACs of it, and
+the connection is ZeroMQ CURVE keyed by it): finished turns are put there, and a
 session that comes back after running elsewhere (a failover, a spill) is
 restored from it. Without one, sessions stay resident and are never evicted,
 and a session moved here runs on what this worker holds of it (counted
@@ -81,7 +82,7 @@ def add_parsers(sub):
                    help="the snapshot store served at ENDPOINT (snapshotstore serve): needs --store-secret-file")
     w.add_argument("--store-secret-file", metavar="PATH",
                    help="file holding the master secret of the store's keys (at least 16 bytes), "
-                        "the same for every worker sharing the store")
+                        "the same for every worker sharing the store and for its server (--secret-file)")
     w.add_argument("--codec", choices=list(CODECS), default="zstd", help="KV delta codec (default zstd)")
     w.add_argument("--device", choices=list(PROFILES), help="simulate this device's step times")
     w.add_argument("--sim", choices=["sleep", "busy"], default="sleep",
@@ -166,15 +167,12 @@ def worker(args) -> int:
         return 2
     secret = None
     if args.store_secret_file:
+        from snapshotstore.errors import SnapshotError
+        from snapshotstore.server import read_secret
         try:
-            with open(args.store_secret_file, "rb") as f:
-                secret = f.read().rstrip(b"\r\n")      # a line's end, not a binary secret's bytes
-        except OSError as e:
-            print(f"datapath worker: --store-secret-file: {e.strerror}: {args.store_secret_file}", file=sys.stderr)
-            return 2
-        if len(secret) < 16:
-            print(f"datapath worker: the secret in {args.store_secret_file} is {len(secret)} bytes: "
-                  f"at least 16", file=sys.stderr)
+            secret = read_secret(args.store_secret_file)
+        except SnapshotError as e:
+            print(f"datapath worker: --store-secret-file: {e}", file=sys.stderr)
             return 2
     # without a store nothing is evicted: the budget is only what the worker counts against
     budget = profile(args.device).kv_budget_bytes(ModelConfig(**_config(args))) if args.device else 256 << 20
@@ -187,7 +185,7 @@ def worker(args) -> int:
     if args.store:
         from snapshotstore.api import WorkerStore
         from snapshotstore.server import RemoteStore
-        store = WorkerStore(RemoteStore(args.store), secret)
+        store = WorkerStore(RemoteStore(args.store, secret=secret), secret)   # (the connection keyed by it too)
     print(f"worker {args.index}: {spec[0]} lane {spec[1]}, codec {args.codec}"
           + (f", simulating {args.device} ({args.sim})" if args.device else "")
           + (f"; snapshot store at {args.store}" if store else
