@@ -114,6 +114,9 @@ def send(sock: socket.socket, packets: list[bytes], rate: float, count: int, dur
         raise ValueError(f"every packet is shorter than a request header ({wire.REQ_HDR_LEN} bytes)")
     if stamp_seq:
         starts = _check_whole_requests(packets)
+        if merge > 1 and not all(starts):
+            raise ValueError("merge > 1 needs one-chunk requests: each packet is the merge of `merge` "
+                             "requests' arrivals, so a request of several chunks would draw that many per chunk")
         # whole requests only: a count that ended inside one left its first chunks sent and the
         # rest not, a 400 at the router's expiry counted against the server (found by review)
         while not starts[count % len(packets)]:
@@ -151,7 +154,7 @@ def send(sock: socket.socket, packets: list[bytes], rate: float, count: int, dur
                     resp_ok=st.resp_ok, resp_other=st.resp_other, last_resp_s=st.last_resp_ns / 1e9,
                     first_ok_s=st.first_ok_ns / 1e9, last_ok_s=st.last_ok_ns / 1e9,
                     requests=st.requests, rtt_ns=rtt, rtt_ok_ns=rtt_ok, lat_ok_ns=lat_ok,
-                    unanswered=st.unanswered, duplicates=st.duplicates,
+                    unanswered=st.unanswered, duplicates=st.duplicates, strays=st.strays,
                     late_mean_ns=st.late_ns_sum / st.sent if st.sent and merge == 1 else 0.0,
                     merge_wait_ns_mean=st.merge_wait_ns / (st.sent * merge) if merge > 1 and st.sent else 0.0,
                     by_status={s: st.by_status[i] for i, s in enumerate(wire.STATUSES) if st.by_status[i]},

@@ -8,7 +8,7 @@ import socket
 import numpy as np
 
 from ._dataplane import ffi, lib
-from .records import dtype_of
+from .records import RESPONSE, dtype_of
 from .ring import Ring
 
 TRACE = dtype_of("struct dp_trace")
@@ -26,6 +26,9 @@ class Responder:
     def __init__(self, egress: Ring, sock: socket.socket, dst_ip: str, dst_port: int, trace_cap: int = 1 << 20):
         if not 1 <= dst_port <= 65535:
             raise ValueError(f"dst_port must be 1..65535, not {dst_port}")
+        if egress.slot_size < RESPONSE.itemsize:        # each slot is read as a whole record
+            raise ValueError(f"egress ring {egress.name!r} has {egress.slot_size}-byte slots: a response "
+                             f"record needs {RESPONSE.itemsize}")
         self.egress, self.sock = egress, sock
         self._trace = np.zeros(trace_cap, dtype=TRACE)
         self._r = ffi.new("struct dp_responder *")
@@ -48,7 +51,7 @@ class Responder:
 
     def stats(self) -> dict:
         r = self._r
-        return {"sent": r.sent, "send_errors": r.send_errors, "traced": r.traced,
+        return {"sent": r.sent, "send_errors": r.send_errors, "send_blocked": r.send_blocked, "traced": r.traced,
                 "by_status": {s: r.by_status[i] for i, s in enumerate(STATUS_SLOTS) if r.by_status[i]}}
 
     def trace(self) -> np.ndarray:

@@ -24,6 +24,7 @@ import mmap
 import multiprocessing
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -468,6 +469,9 @@ class Pipeline:
         # the response socket is made after the workers are forked, so none of them holds it
         sock = socket_in(topo.host_ns)
         es.callback(sock.close)
+        # the responder never blocks on it (what a full buffer holds back waits in the egress ring):
+        # room for a burst of answers while softirq drains them
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
         sock.bind((topo.host_ip[0], wire.DEFAULT_PORT))   # answers come from where the requests went
         self.responder = Responder(Ring.attach(out_name, "consumer"), sock, topo.client_ip[0], wire.DEFAULT_PORT)
         self.loop = PollLoop(cpu=cfg.datapath_cpu, yield_after=cfg.loop_yield_after)

@@ -69,30 +69,39 @@ uint32_t dp_responder_poll(struct dp_responder *r)
                                                  .msg_iov = &iov[i], .msg_iovlen = 1 } };
     }
     uint32_t done = 0, sent = 0;
+    uint8_t refused[DP_EGRESS_BURST] = { 0 };
     while (done < n) {
-        int k = sendmmsg(r->fd, msgs + done, n - done, 0);
+        /* never blocking: this pass shares its thread with the router and the ingress consumer,
+         * which a full send buffer stopped until the kernel drained it */
+        int k = sendmmsg(r->fd, msgs + done, n - done, MSG_DONTWAIT);
         if (k < 0) {
             if (errno == EINTR)
                 continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK || errno == ENOBUFS) {
+                r->send_blocked++;   /* the rest stay in the ring for the next pass */
+                break;
+            }
             /* the message at `done` was refused (its client's address is one this socket cannot
              * send to): it alone is counted and dropped, the burst's others still go (all of
              * them were dropped with it before) */
             r->send_errors++;
-            done++;
+            refused[done++] = 1;
             continue;
         }
         done += (uint32_t)k;
         sent += (uint32_t)k;
     }
     uint64_t t = now_ns();
-    for (uint32_t i = 0; i < n; i++) {
+    for (uint32_t i = 0; i < done; i++) {
         const struct dp_response_rec *rec = dp_ring_cons_slot(r->egress, i);
+        if (refused[i])
+            continue;                /* in no count of what went out */
         r->by_status[status_slot(rec->status)]++;
         if (r->traced < r->trace_cap)
             r->trace[r->traced++] = (struct dp_trace){ rec->request_id, rec->t_send, rec->t_xdp, rec->t_first_lane,
                                                        rec->t_done, t, rec->status, rec->n_out };
     }
     r->sent += sent;
-    dp_ring_cons_release(r->egress, n);
-    return n;
+    dp_ring_cons_release(r->egress, done);
+    return done;
 }

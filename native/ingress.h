@@ -161,6 +161,8 @@ struct dp_send_stats {
     uint8_t sample_body[DP_MAX_RESP_BODY];   /* ... and its body (an admission answer's JSON) */
     uint64_t late_ns_sum;      /* each packet's lag behind its scheduled send, summed (merge 1) */
     uint64_t duplicates;       /* answers to a request already answered (stamp_seq): in no other count */
+    uint64_t strays;           /* answers to no request this run sent (stamp_seq: another run's late
+                                  answer to a client that had the same port): in no other count */
     uint64_t unanswered;       /* requests without an answer when the drain ended */
     struct dp_lat rtt;         /* now - echoed send_ns, per response: the path's round trip (merge > 1:
                                   per request it answered, plus that request's wait for the packet) */

@@ -129,7 +129,11 @@ static void read_responses(int fd, struct dp_send_stats *st, uint64_t start, str
             continue;
         }
         uint64_t seq = h.request_id - m->seq_base;
-        if (m->state && seq < m->count && m->state[seq] == SEQ_UNSENT)
+        if (m->state && (seq >= m->count || m->state[seq] == SEQ_NONE)) {
+            st->strays++;               /* no request of this run: its send_ns is another run's */
+            continue;
+        }
+        if (m->state && m->state[seq] == SEQ_UNSENT)
             continue;                   /* a request whose first packet never left (its later ones
                                          * did, and the router refused the rest): in no count */
         st->responses++;

@@ -105,6 +105,7 @@ def test_a_response_the_socket_refuses_costs_only_itself(link):
     assert got == [1, 3]
     st = resp.stats()
     assert st["sent"] == 2 and st["send_errors"] == 1
+    assert st["by_status"] == {200: 2} and resp.trace()["request_id"].tolist() == [1, 3]   # what went out
 
 
 def test_an_admission_body_reaches_the_client_whole(link):

@@ -245,6 +245,37 @@ def test_a_run_ends_between_requests_and_a_count_inside_one_is_rounded_up_to_it(
         sink.close(), tx.close()
 
 
+def test_an_answer_to_no_request_of_this_run_is_a_stray_in_no_other_count():
+    """An earlier run's late answer (its client had the same port) was counted as one of this
+    run's, with a latency from that run's send: it could end the drain early and hide an
+    unanswered request. Here every answer comes twice, once as itself and once 10**6 ids on."""
+    import threading
+    sink, tx = pair()
+    sink.settimeout(2)
+
+    def run():
+        try:
+            for _ in range(20):
+                data, addr = sink.recvfrom(2048)
+                req = wire.decode_request(data)
+                for rid in (req.request_id + 10 ** 6, req.request_id):
+                    sink.sendto(wire.encode_response(wire.Response(tenant=req.tenant, session_id=req.session_id,
+                                                                   request_id=rid, status=200,
+                                                                   send_ns=req.send_ns - 10 ** 9)), addr)
+        except socket.timeout:
+            pass
+    t = threading.Thread(target=run)
+    t.start()
+    try:
+        res = client.send(tx, client.request_packets(1, 1, 1, [1, 2, 3]), rate=2000, count=20, duration=5,
+                          drain_ms=300)
+        t.join()
+        assert res["strays"] == 20 and res["responses"] == res["resp_ok"] == 20 and res["unanswered"] == 0
+        assert len(res["rtt_ns"]) == 20
+    finally:
+        sink.close(), tx.close()
+
+
 def test_what_the_load_generator_cannot_do_is_said_in_words_and_costs_no_memory():
     """Each of these was EINVAL from C ("[Errno 22] Invalid argument"), some after allocating
     samples for `count` packets: 10**9 with a 5 s run asked for gigabytes (found by review)."""
@@ -256,6 +287,9 @@ def test_what_the_load_generator_cannot_do_is_said_in_words_and_costs_no_memory(
                           (dict(merge=2, stamp_seq=False), "merge > 1 needs stamp_seq")):
             with pytest.raises(ValueError, match=match):
                 client.send(tx, one, **{**dict(rate=1000, count=10, duration=1), **kw})
+        with pytest.raises(ValueError, match="merge > 1 needs one-chunk requests"):
+            client.send(tx, client.request_packets(1, 1, 1, list(range(200))), rate=1000, count=10, duration=1,
+                        merge=2)
         with pytest.raises(ValueError, match="shorter than a request header"):
             client.send(tx, [b"\0" * 20], rate=1000, count=10, duration=1, stamp_seq=False)
         res = client.send(tx, one, rate=1000, count=1 << 24, duration=0.05, drain_ms=0)   # samples for ~50
