@@ -363,9 +363,10 @@ def _store_main(path, endpoint, stop, ready):
     from snapshotstore.errors import SnapshotError
     from snapshotstore.server import serve
     child_of_this_process()
+    import zmq
     try:
         serve(path, endpoint, stop, ready=ready)
-    except SnapshotError as e:   # one sentence, not a traceback
+    except (SnapshotError, zmq.ZMQError) as e:   # one sentence, not a traceback
         print(f"snapshot store server: {e}", file=sys.stderr)
         os._exit(1)
 

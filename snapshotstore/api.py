@@ -123,12 +123,14 @@ class WorkerStore:
     def __init__(self, store: SnapshotStore, master_secret: bytes):
         self.store, self.secret = store, bytes(master_secret)
         session_key(self.secret, 0)                      # a bad secret fails here, not at the first put
-        self._tenants: dict[int, bytes] = {}
+        self._tenants: dict[int, bytes] = {}             # bounded: a tenant id is any u32 a client sends
 
     def key(self, key: tuple[int, int]) -> bytes:
         tenant, session = key
         secret = self._tenants.get(tenant)
         if secret is None:
+            if len(self._tenants) >= 4096:
+                self._tenants.clear()
             secret = self._tenants[tenant] = hmac.new(self.secret, b"zerolayer-tenant\0" +
                                                       int(tenant).to_bytes(4, "little"), hashlib.sha256).digest()
         return session_key(secret, session)

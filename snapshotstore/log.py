@@ -584,6 +584,11 @@ class LogStore:
                 for req in batch:
                     req.done = True
 
+    @property
+    def failed(self) -> BaseException | None:
+        """The write error that left this open store unusable (every call refused until reopened)."""
+        return self._failed
+
     def _check_usable(self, write: bool = False):
         if self._closed:
             raise SnapshotError("the snapshot store is closed")

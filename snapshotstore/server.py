@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import json
+import sys
 import time
 
 from . import errors
@@ -114,7 +115,7 @@ def serve(path: str, endpoint: str, stop, eviction: str = "lru", ready=None, sec
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.linger = 0
-    auth = None
+    auth = store = None
     try:
         if secret is not None:
             from zmq.auth.thread import ThreadAuthenticator
@@ -128,24 +129,46 @@ def serve(path: str, endpoint: str, stop, eviction: str = "lru", ready=None, sec
             auth.configure_curve_callback(domain="*", credentials_provider=OnlyTheClientKey())
             sock.curve_server = True
             sock.curve_publickey, sock.curve_secretkey = keys["server"]
-        with LogStore(path, eviction=eviction) as store:
-            # a frame far past the largest record drops its connection before it is buffered whole
-            # here (one of many GB ran the store out of memory); one a little past it is refused,
-            # TooLarge, as a local store refuses it
-            sock.maxmsgsize = max(2 * store.max_payload, 64 << 20)
-            sock.rcvhwm = RCVHWM
-            sock.bind(endpoint)
-            if ready is not None:
-                ready.set()
-            while not stop.is_set():
-                if not sock.poll(POLL_MS):
+        store = LogStore(path, eviction=eviction)
+        # a frame far past the largest record drops its connection before it is buffered whole
+        # here (one of many GB ran the store out of memory); one a little past it is refused,
+        # TooLarge, as a local store refuses it
+        sock.maxmsgsize = max(2 * store.max_payload, 64 << 20)
+        sock.rcvhwm = RCVHWM
+        sock.bind(endpoint)
+        if ready is not None:
+            ready.set()
+        while not stop.is_set():
+            if not sock.poll(POLL_MS):
+                continue
+            msg = sock.recv_multipart()
+            if len(msg) < 4 or msg[1] != b"" or len(msg[2]) != 8:   # not [identity, b"", call id, op, ...]:
+                continue                                            # dropped, the others still served
+            ident, empty, call, *frames = msg
+            if store is None:
+                # a write error left the index ahead of the device, and every later call was
+                # refused ("reopen it") for good, the workers' turns with them: reopened, recovery
+                # reads back what is durable. While it cannot be (the fault lasts), each call is
+                # answered that, and the next one tries again.
+                try:
+                    store = LogStore(path, eviction=eviction)
+                except (errors.SnapshotError, OSError) as e:
+                    sock.send_multipart([ident, empty, call, *_err(errors.DeviceError(
+                        f"the store failed ({failed}) and could not be reopened yet: {e}"))])
                     continue
-                msg = sock.recv_multipart()
-                if len(msg) < 4 or msg[1] != b"" or len(msg[2]) != 8:   # not [identity, b"", call id, op, ...]:
-                    continue                                            # dropped, the others still served
-                ident, empty, call, *frames = msg
-                sock.send_multipart([ident, empty, call, *handle(store, frames)])
+                print(f"snapshot store server: {path} reopened after a write error ({failed})",
+                      file=sys.stderr, flush=True)
+            sock.send_multipart([ident, empty, call, *handle(store, frames)])
+            if store.failed is not None:
+                failed = store.failed
+                try:
+                    store.close()        # (its hold on the device too, so it can be opened again)
+                except OSError:
+                    pass                 # (the fault, again: the device is closed all the same)
+                store = None
     finally:
+        if store is not None:
+            store.close()
         sock.close(0)
         if auth is not None:
             auth.stop()
@@ -217,7 +240,8 @@ class RemoteStore:
                 reply = msg[2:]
                 break                        # (else the late answer of a call that timed out)
         if reply[0] == b"err":
-            cls = getattr(errors, reply[1].decode(), None)
+            name = reply[1].decode()
+            cls = getattr(errors, name, None) or {"ValueError": ValueError, "TypeError": TypeError}.get(name)
             cls = cls if isinstance(cls, type) and issubclass(cls, Exception) else errors.SnapshotError
             raise cls(reply[2].decode())
         return reply

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from snapshotstore import Delta, DeviceError, SessionChanged, TooLarge, WorkerStore, session_key
+from snapshotstore import Delta, DeviceError, SessionChanged, SnapshotError, TooLarge, WorkerStore, session_key
 from snapshotstore.device import create_image
 from snapshotstore.log import format_device
 from snapshotstore.server import RemoteStore, serve
@@ -165,3 +165,39 @@ def test_a_store_with_a_secret_answers_only_clients_holding_it(tmp_path):
                     store.list()
     finally:
         _stop(*running)
+
+
+@pytest.mark.root
+def test_a_store_that_failed_a_write_is_reopened_once_its_device_writes_again(tmp_path):
+    """A write error left the server's store refusing every call ("reopen it") until someone
+    restarted the server: every later turn was a 503. Its device is made read-only under it here
+    (blockdev --setro on a loop device), then writable again."""
+    import subprocess
+
+    from snapshotstore.loop import loop_device
+    image = str(tmp_path / "faulty.img")
+    create_image(image, 64 << 20)
+    with loop_device(image, sector_size=4096) as dev:
+        format_device(dev)
+        endpoint = f"ipc://{tmp_path}/faulty.sock"
+        stop, ready = ctx.Event(), ctx.Event()
+        p = ctx.Process(target=serve, args=(dev, endpoint, stop), kwargs={"ready": ready})
+        p.start()
+        try:
+            assert ready.wait(30)
+            a, b = session_key(SECRET, 1), session_key(SECRET, 2)
+            with RemoteStore(endpoint) as store:
+                store.put(a, Delta(b"a" * 100, tokens=(0, 5), codec="raw"))
+                subprocess.run(["blockdev", "--setro", dev], check=True)
+                try:
+                    with pytest.raises(SnapshotError):
+                        store.put(b, Delta(b"b" * 100, tokens=(0, 5), codec="raw"))
+                    with pytest.raises(DeviceError, match="could not be reopened yet"):
+                        store.held(a)
+                finally:
+                    subprocess.run(["blockdev", "--setrw", dev], check=True)
+                assert store.held(a) == 5                   # reopened: what was durable is there
+                store.put(b, Delta(b"b" * 100, tokens=(0, 5), codec="raw"))
+                assert store.restore(b).payload == b"b" * 100
+        finally:
+            _stop(stop, p)

@@ -183,9 +183,14 @@ def worker(args) -> int:
     spec = ("shm", args.lane) if args.lane else ("zmq", args.zmq)
     store = None
     if args.store:
+        import zmq
         from snapshotstore.api import WorkerStore
         from snapshotstore.server import RemoteStore
-        store = WorkerStore(RemoteStore(args.store, secret=secret), secret)   # (the connection keyed by it too)
+        try:
+            store = WorkerStore(RemoteStore(args.store, secret=secret), secret)   # (the connection keyed by it too)
+        except zmq.ZMQError as e:
+            print(f"datapath worker: --store {args.store}: {e} (tcp://HOST:PORT or ipc://PATH)", file=sys.stderr)
+            return 2
     print(f"worker {args.index}: {spec[0]} lane {spec[1]}, codec {args.codec}"
           + (f", simulating {args.device} ({args.sim})" if args.device else "")
           + (f"; snapshot store at {args.store}" if store else
