@@ -700,6 +700,29 @@ def test_a_live_host_with_a_kato_keeps_the_controller_when_another_connects(targ
         a.sock.close()
 
 
+def test_a_controller_reset_deletes_the_io_queue_and_the_host_connects_a_new_one(target):
+    """CC.EN 1 -> 0 left the I/O queue open and its slot taken, so the reset host's new I/O
+    queue was refused (Command Sequence Error)."""
+    dev = NvmeTcpDevice(target.url)
+    try:
+        buf = aligned_buffer(4096)
+        buf[:] = b"r" * 4096
+        dev.write_from(buf, 0, 0, 1)
+        old = dev.io
+        dev.admin.set_property(P.PROP_CC, 0)
+        assert not dev.admin.get_property(P.PROP_CSTS) & P.CSTS_RDY
+        with pytest.raises((DeviceError, ConnectionClosed, OSError)):      # the target deleted it
+            old.command(dict(opc=P.NVM_READ, nsid=1, cdw10=0, cdw11=0, cdw12=0), data_in=memoryview(bytearray(4096)))
+        dev.reset()
+        assert bytes(dev.read_into(buf, 0, 1)) == b"r" * 4096
+        dev.reset()                          # and again, from an enabled controller
+        buf[:] = b"s" * 4096
+        dev.write_from(buf, 0, 1, 1)
+        assert bytes(dev.read_into(buf, 1, 1)) == b"s" * 4096
+    finally:
+        dev.close()
+
+
 def test_a_host_reconnecting_at_once_finds_the_controller_free(target, monkeypatch):
     # The host's close and its next Connect can beat the old queues' threads to their EOF (seen
     # under load in `make test`; Linux reconnects the same way after a reset): the controller is

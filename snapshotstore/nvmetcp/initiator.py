@@ -252,10 +252,11 @@ class NvmeTcpDevice:
         hostid = uuid.uuid4()
         self.hostnqn = hostnqn or f"nqn.2014-08.org.nvmexpress:uuid:{hostid}"
         self._lock = threading.Lock()
+        self._where, self._hostid = (url, host, port, digests, timeout_s), hostid.bytes
         self.admin = _Queue(url, host, port, 0, digests, timeout_s)
         self.io = None
         try:
-            cntlid = self.admin.connect(self.subnqn, self.hostnqn, hostid.bytes, 0xFFFF)
+            self._cntlid = self.admin.connect(self.subnqn, self.hostnqn, hostid.bytes, 0xFFFF)
             self._enable()
             ctrl = self._identify(P.CNS_CONTROLLER, 0, P.ID_CTRL)
             ns = self._identify(P.CNS_NAMESPACE, 1, P.ID_NS)
@@ -267,12 +268,38 @@ class NvmeTcpDevice:
             # MDTS in units of CAP.MPSMIN (4 KiB); 0 means no limit, and a capsule's plen must still fit a u32
             self.max_blocks = ((4096 << ctrl["mdts"]) if ctrl["mdts"] else 1 << 30) // self.block_size
             self.max_blocks = min(self.max_blocks, 1 << 16)          # NLB is 16 bits
-            self.io = _Queue(url, host, port, 1, digests, timeout_s)
-            self.io.in_capsule = ctrl["ioccsz"] * 16 - 64
-            self.io.connect(self.subnqn, self.hostnqn, hostid.bytes, cntlid, min(QUEUE_SIZE, self.mqes))
+            self._in_capsule = ctrl["ioccsz"] * 16 - 64
+            self.io = self._io_queue()
         except BaseException:
             self.close()
             raise
+
+    def _io_queue(self) -> "_Queue":
+        url, host, port, digests, timeout_s = self._where
+        io = _Queue(url, host, port, 1, digests, timeout_s)
+        io.in_capsule = self._in_capsule
+        try:
+            io.connect(self.subnqn, self.hostnqn, self._hostid, self._cntlid, min(QUEUE_SIZE, self.mqes))
+        except BaseException:
+            io.close()
+            raise
+        return io
+
+    def reset(self) -> None:
+        """A controller reset: CC.EN 1 -> 0 (the target deletes the I/O queue, and what was in it),
+        enabled again, and a new I/O queue connected; the association, and the admin queue, stay."""
+        with self._lock:
+            io, self.io = self.io, None
+            self.admin.set_property(P.PROP_CC, 0)
+            if io is not None:
+                io.close()
+            deadline = time.monotonic() + READY_TIMEOUT_S
+            while self.admin.get_property(P.PROP_CSTS) & P.CSTS_RDY:
+                if time.monotonic() > deadline:
+                    raise DeviceError(f"the controller at {self.path} did not stop (CSTS.RDY) after CC.EN = 0")
+                time.sleep(0.01)
+            self._enable()
+            self.io = self._io_queue()
 
     def _enable(self):
         self.mqes = (self.admin.get_property(P.PROP_CAP, size8=True) & 0xFFFF) + 1   # its I/O queues' most entries

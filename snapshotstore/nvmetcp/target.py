@@ -218,12 +218,21 @@ class Target:
     def set_property(self, ofst: int, value: int) -> bool:
         if ofst != P.PROP_CC:
             return False
+        reset = []
         with self._lock:
+            if self.cc & P.CC_EN and not value & P.CC_EN:
+                # a controller reset (CC.EN 1 -> 0): its I/O queues are deleted, the host connects
+                # them again once it has enabled it (NVMe-oF 1.1, 3.5); the admin queue stays. One
+                # left open kept the I/O slot taken: the reconnect was refused (Command Sequence)
+                reset = [c for c in self._conns if c.connected and c.qid != 0]
+                self.io_queue = None
             self.cc = value & 0xFFFFFFFF
             if value & P.CC_SHN_MASK:
                 self.dev.sync()                       # a shutdown notification: make everything durable
                 self.csts = (self.csts & ~(3 << 2)) | P.CSTS_SHST_COMPLETE
             self.csts = (self.csts | P.CSTS_RDY) if value & P.CC_EN else (self.csts & ~P.CSTS_RDY)
+        for c in reset:
+            c.channel.close()
         return True
 
 
