@@ -472,7 +472,8 @@ class Pipeline:
         es.callback(sock.close)
         # the responder never blocks on it (what a full buffer holds back waits in the egress ring):
         # room for a burst of answers while softirq drains them
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+        # (SO_SNDBUFFORCE, 32: past net.core.wmem_max, ~416 KiB here; root, as the pipeline is)
+        sock.setsockopt(socket.SOL_SOCKET, getattr(socket, "SO_SNDBUFFORCE", 32), 4 << 20)
         sock.bind((topo.host_ip[0], wire.DEFAULT_PORT))   # answers come from where the requests went
         self.responder = Responder(Ring.attach(out_name, "consumer"), sock, topo.client_ip[0], wire.DEFAULT_PORT)
         self.loop = PollLoop(cpu=cfg.datapath_cpu, yield_after=cfg.loop_yield_after)

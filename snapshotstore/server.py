@@ -167,12 +167,14 @@ def serve(path: str, endpoint: str, stop, eviction: str = "lru", ready=None, sec
                     pass                 # (the fault, again: the device is closed all the same)
                 store = None
     finally:
-        if store is not None:
-            store.close()
-        sock.close(0)
-        if auth is not None:
-            auth.stop()
-        ctx.term()
+        try:
+            if store is not None:
+                store.close()
+        finally:
+            sock.close(0)
+            if auth is not None:
+                auth.stop()
+            ctx.term()
 
 
 class RemoteStore:
@@ -188,7 +190,8 @@ class RemoteStore:
     One connection for every call, each call numbered: the answer to one that timed out is
     dropped when it comes, and a later call is served after it. (A fresh socket per timed-out
     call, as before, could overtake it: a restore sent to learn whether a put had landed ran
-    first and said no, then the put landed, found by review.)"""
+    first and said no, then the put landed, found by review.) That holds on one connection: one
+    that drops (TCP) and reconnects may let a later call pass one still queued at the server."""
 
     def __init__(self, endpoint: str, timeout_s: float = 5.0, secret: bytes | None = None):
         import zmq
@@ -225,12 +228,12 @@ class RemoteStore:
         # no connection (yet: connecting takes a moment; or no server, or a key it refuses) waits
         # out the timeout for one, as a reply does
         if not self.sock.poll(self.timeout_ms, zmq.POLLOUT):
-            raise self._silent(f"could not be reached within {self.timeout_ms / 1000:g} s: is its server "
-                               f"running (and its secret this one's)?")
+            raise self._silent(f"could not be reached (or took no more calls) within {self.timeout_ms / 1000:g} "
+                               f"s: is its server running (and its secret this one's)?")
         try:
             self.sock.send_multipart([b"", call, *frames], zmq.NOBLOCK)
         except zmq.Again:
-            raise self._silent("has not taken the calls sent before: not sent") from None
+            raise self._silent("dropped the connection as the call was sent: not sent") from None
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not self.sock.poll(max(1, int(left * 1000))):

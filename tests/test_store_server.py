@@ -100,7 +100,7 @@ def test_no_server_is_a_clear_error_and_is_waited_for_once_per_timeout(tmp_path)
     at once, and one waits again once the timeout has passed."""
     with RemoteStore(f"ipc://{tmp_path}/nobody.sock", timeout_s=0.3) as store:
         t0 = time.monotonic()
-        with pytest.raises(DeviceError, match="could not be reached within 0.3 s: is its server running"):
+        with pytest.raises(DeviceError, match=r"could not be reached .*within 0.3 s: is its server running"):
             store.restore(session_key(SECRET, 1))
         assert time.monotonic() - t0 >= 0.25        # it waited (zmq's poll may wake a little early)
         t0 = time.monotonic()

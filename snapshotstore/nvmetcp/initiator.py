@@ -290,9 +290,11 @@ class NvmeTcpDevice:
         enabled again, and a new I/O queue connected; the association, and the admin queue, stay."""
         with self._lock:
             io, self.io = self.io, None
-            self.admin.set_property(P.PROP_CC, 0)
-            if io is not None:
-                io.close()
+            try:
+                self.admin.set_property(P.PROP_CC, 0)
+            finally:
+                if io is not None:
+                    io.close()
             deadline = time.monotonic() + READY_TIMEOUT_S
             while self.admin.get_property(P.PROP_CSTS) & P.CSTS_RDY:
                 if time.monotonic() > deadline:

@@ -226,6 +226,7 @@ class Target:
                 # left open kept the I/O slot taken: the reconnect was refused (Command Sequence)
                 reset = [c for c in self._conns if c.connected and c.qid != 0]
                 self.io_queue = None
+                self.association += 1             # their writes still running are refused (_write)
             self.cc = value & 0xFFFFFFFF
             if value & P.CC_SHN_MASK:
                 self.dev.sync()                       # a shutdown notification: make everything durable
@@ -233,6 +234,9 @@ class Target:
             self.csts = (self.csts | P.CSTS_RDY) if value & P.CC_EN else (self.csts & ~P.CSTS_RDY)
         for c in reset:
             c.channel.close()
+        if reset:
+            with self._write_lock:                # one of theirs already writing lands before the
+                pass                              # reset is done, never over the next queue's writes
         return True
 
 
