@@ -368,7 +368,8 @@ int xdp_steer(struct xdp_md *ctx)
         struct dp_cut_key ck = { .session_id = req->session_id, .request_id = req->request_id, .tenant = tenant };
         int several = req->chunk_count > 1;
         __u64 *cut = b && several ? cuts.lookup(&ck) : NULL;
-        if (cut && now - *cut < DP_CUT_TTL_NS)
+        /* signed: a cut another CPU stamped after this one read its clock is live, not 2^64 ns old */
+        if (cut && (__s64)(now - *cut) < (__s64)DP_CUT_TTL_NS)
             return drop(DP_DROP_CUT_REQUEST);
         if (b && over_limit(b, n, now)) {
             if (several)

@@ -108,7 +108,7 @@ class Ingress:
         self.attachments.append(att)
         try:
             att.__enter__()
-        except BpfUnavailable:
+        except xdp.BpfUnavailable:
             self.attachments.remove(att)          # nothing attached: the next try starts clean
             raise
         if veth_peer and att.mode == "native":
@@ -203,18 +203,18 @@ class Ingress:
 
     def set_rate(self, tenant: int, tokens_per_minute: int, burst_tokens: int | None = None):
         """A token bucket for tenant: tokens_per_minute, holding at most burst_tokens (default: 1 s worth,
-        at least one full chunk). The bucket starts full."""
+        at least one full chunk). The bucket starts full, also when a tenant's rate is set again."""
         if tokens_per_minute < 1 or tokens_per_minute > NS_PER_MINUTE:
             raise ValueError(f"tokens_per_minute must be 1..{NS_PER_MINUTE}, not {tokens_per_minute}")
         burst = burst_tokens if burst_tokens is not None else max(tokens_per_minute // 60, lib.DP_MAX_CHUNK_TOKENS)
         if burst < lib.DP_MAX_CHUNK_TOKENS:
             raise ValueError(f"burst_tokens must be at least one full chunk ({lib.DP_MAX_CHUNK_TOKENS}), not {burst}")
-        ns_per_token = NS_PER_MINUTE // tokens_per_minute
+        ns_per_token = -(-NS_PER_MINUTE // tokens_per_minute)   # up: never more than the rate
         if burst * ns_per_token >= 1 << 62:    # the program adds it to the clock: it must not wrap
             raise ValueError(f"burst_tokens {burst} at {tokens_per_minute}/minute is more than the bucket can hold "
                              f"({((1 << 62) - 1) // ns_per_token} tokens): clear_rate() to lift the limit")
         t = self.table("buckets")
-        t[t.Key(tenant)] = t.Leaf(ns_per_token, burst * ns_per_token, 0)
+        t[t.Key(tenant)] = t.Leaf(ns_per_token, burst * ns_per_token, 0)   # (full: a set_rate refills it)
         self._count_rate_limits()
 
     def clear_rate(self, tenant: int):
