@@ -337,12 +337,25 @@ static void breakdown(struct jw *w, const struct dp_tenant_cfg *cfg, const struc
         put(w, ",\"budget_per_day_micro_usd\":null,\"remaining_micro_usd\":null}");
 }
 
-/* "split into K requests of <= M prompt tokens", M a whole number of chunks under `limit` with max_output. */
-static void split_hint(struct jw *w, int *first, uint32_t limit, const struct dp_adm_price *p)
+/* The fewest tokens (prompt estimate and output) a request of this tenant may have: its request
+ * and minute limits, the smaller (0: neither set). A hint checked against one limit alone was
+ * refused by the other at the retry (found by review). */
+static uint32_t token_limit(const struct dp_tenant_cfg *cfg)
+{
+    uint32_t a = cfg->max_request_tokens, b = cfg->tokens_per_minute;
+    return !a ? b : !b ? a : a < b ? a : b;
+}
+
+/* "split into K requests of <= M prompt tokens", M a whole number of chunks under `limit` with
+ * max_output, and no more chunks than the router holds for one tenant. */
+static void split_hint(struct jw *w, int *first, uint32_t limit, const struct dp_admission *a,
+                       const struct dp_adm_price *p)
 {
     if (limit <= p->max_output || limit - p->max_output < DP_MAX_CHUNK_TOKENS)
         return;
     uint32_t m = (limit - p->max_output) / DP_MAX_CHUNK_TOKENS * DP_MAX_CHUNK_TOKENS;
+    if (a->max_chunks && m / DP_MAX_CHUNK_TOKENS > a->max_chunks)
+        m = a->max_chunks * DP_MAX_CHUNK_TOKENS;
     uint32_t k = (p->input_tokens + m - 1) / m;
     if (k > 1) {
         put(w, "%s\"split into %" PRIu32 " requests of <= %" PRIu32 " prompt tokens\"", *first ? "" : ",", k, m);
@@ -358,22 +371,31 @@ static void suggestions(struct jw *w, const struct dp_admission *a, const struct
 #define HINT(...) (put(w, first ? "\"" : ",\""), put(w, __VA_ARGS__), put(w, "\""), first = 0)
     put(w, ",\"suggestions\":[");
     enum oversize why = st == DP_STATUS_BAD_REQUEST ? oversize(a, cfg, p) : FITS;
+    uint32_t limit = token_limit(cfg);          /* every 400 hint fits all of them, not only the one hit */
     if (why == OVER_OUTPUT) {
-        HINT("lower max_output_tokens to %d and ask for the rest in a further request on the session",
-             DP_MAX_OUTPUT_TOKENS);
+        uint32_t out = DP_MAX_OUTPUT_TOKENS;
+        if (limit && p->input_tokens < limit && limit - p->input_tokens < out)
+            out = limit - p->input_tokens;
+        if (!limit || p->input_tokens < limit)
+            HINT("lower max_output_tokens to %" PRIu32 " and ask for the rest in a further request on the session",
+                 out);
+        else
+            split_hint(w, &first, limit, a, &(struct dp_adm_price){ .input_tokens = p->input_tokens,
+                                                                    .max_output = 1 });
     } else if (why == OVER_CHUNKS) {
-        HINT("split into requests of at most %" PRIu32 " chunks", a->max_chunks);
-    } else if (why == OVER_MINUTE) {
-        split_hint(w, &first, cfg->tokens_per_minute, p);
-        if (first)
-            HINT("the tenant's limit is %" PRIu32 " tokens per minute: ask for a higher one",
-                 cfg->tokens_per_minute);
-    } else if (why == OVER_CONTEXT) {
-        uint32_t limit = cfg->max_request_tokens;
-        split_hint(w, &first, limit, p);
+        uint32_t chunks = a->max_chunks;
+        if (limit && limit > p->max_output && (limit - p->max_output) / DP_MAX_CHUNK_TOKENS < chunks)
+            chunks = (limit - p->max_output) / DP_MAX_CHUNK_TOKENS;
+        if (chunks)
+            HINT("split into requests of at most %" PRIu32 " chunks", chunks);
+    } else if (why == OVER_MINUTE || why == OVER_CONTEXT) {
+        split_hint(w, &first, limit, a, p);
         if (p->input_tokens < limit && p->max_output > limit - p->input_tokens)
             HINT("lower max_output_tokens to %" PRIu32, limit - p->input_tokens);
-        if (first)
+        if (first && why == OVER_MINUTE)
+            HINT("the tenant's limit is %" PRIu32 " tokens per minute: ask for a higher one",
+                 cfg->tokens_per_minute);
+        else if (first)
             HINT("the limit is %" PRIu32 " tokens: send at most %" PRIu32 " prompt tokens with fewer output tokens",
                  limit, limit > DP_MAX_CHUNK_TOKENS ? limit - 1 : limit);
     } else if (st == DP_STATUS_UNPROCESSABLE) {
@@ -391,7 +413,11 @@ static void suggestions(struct jw *w, const struct dp_admission *a, const struct
         }
         if (p->entropy_factor > 1.5)
             HINT("a less varied prompt costs less: entropy factor %.2f of 1.00..5.00", p->entropy_factor);
-        HINT("wait %" PRIu64 " s for the daily budget to reset, or raise it", d->resets_in_ns / 1000000000ull);
+        if (d->charge > cfg->budget_per_day)    /* a whole day's budget would not cover it either */
+            HINT("it costs more than a whole day's budget (%" PRIu64 " micro-USD): only a smaller request, or a "
+                 "larger budget, fits", cfg->budget_per_day);
+        else
+            HINT("wait %" PRIu64 " s for the daily budget to reset, or raise it", d->resets_in_ns / 1000000000ull);
     } else if (st == DP_STATUS_RATE_LIMITED) {
         HINT("retry after %" PRIu64 " ms", (d->retry_after_ns + 999999) / 1000000);
     }

@@ -322,6 +322,28 @@ def test_a_request_failed_503_by_the_system_spends_none_of_the_minute(bench_fact
     assert b.router.stats()["adm_rate_limited"] == 0, "328 + 328 fit the minute after the 503"
 
 
+def test_a_request_whose_replay_kills_a_second_worker_spends_its_minute(bench_factory):
+    """A 503 spends none of the minute (the system's failure), and a request that killed two
+    workers was answered 503: it went free at every try. It keeps the tokens that came now."""
+    b = bench_factory(n_workers=2, policy="round_robin")
+    b.router.set_tenant(4, TenantPolicy(tokens_per_minute=656))   # estimate 128 + 200 = 328
+    b.send(chunks_of(1, list(range(100)), max_out=200, tenant=4))
+    b.router.poll()
+    assert b.workers[0].recv_batch(0) is not None       # worker 0 has it ...
+    b.router.set_up(0, False)                           # ... and dies: replayed on worker 1
+    b.router.poll()
+    assert b.workers[1].recv_batch(0) is not None
+    b.router.set_up(1, False)                           # which dies too: 503, not replayed again
+    b.router.set_up(0, True)
+    b.router.poll()
+    b.collect()
+    assert [int(r["status"]) for r in b.responses] == [503] and b.router.stats()["replay_refused"] == 1
+    b.send(chunks_of(2, [1] * 10, max_out=200, tenant=4), chunks_of(3, [1] * 10, max_out=200, tenant=4))
+    b.router.poll()
+    b.collect()
+    assert b.router.stats()["adm_rate_limited"] == 1, "its 100 tokens, 328 and 328 are over the minute's 656"
+
+
 def test_a_request_larger_than_the_whole_minute_is_refused_400_not_told_to_retry(bench_factory):
     """More tokens than the tenant's tokens_per_minute never fit its bucket: a 429's retry_after
     would never come true. It is a 400 naming the limit, with a split that fits."""
@@ -431,6 +453,28 @@ def test_more_output_tokens_than_an_answer_carries_is_refused_not_cut(bench_fact
     assert doc.fields["max_output_tokens_limit"] == cap and "more than one answer carries" in doc.error
     assert doc.suggestions[0].startswith(f"lower max_output_tokens to {cap}")
     assert {int(r["request_id"]) for x in batches for r in x} == {2}
+
+
+def test_every_400_hint_fits_every_limit_and_a_whole_day_s_budget_is_not_waited_for(bench_factory):
+    """Each 400 hint was worked out against the one limit hit, and its retry was refused by
+    another; a 422 for more than a whole day's budget said to wait for the day to end."""
+    b = bench_factory()
+    b.router.set_tenant(1, TenantPolicy(max_request_tokens=300))
+    b.router.set_tenant(2, TenantPolicy(max_request_tokens=8192, tokens_per_minute=2000))
+    b.router.set_tenant(3, TenantPolicy(price_per_1k=2000, budget_per_day=4000))
+    b.send(chunks_of(1, [1] * 10, max_out=300, tenant=1))              # 128 + 300 > 300, and > 256 out
+    b.send(chunks_of(2, [1] * (80 * 128), max_out=100, tenant=2))      # over the context and the minute
+    b.send(chunks_of(3, list(range(128)) + [7] * 100, max_out=200, tenant=3))   # > the whole budget
+    while b.router.poll():                                             # (80 chunks to drain first)
+        pass
+    b.collect()
+    got = {rid: wire.decode_admission_body(body_of(r)) for rid, r in by_id(b.responses).items()}
+    assert got[1].suggestions == ["lower max_output_tokens to 172 and ask for the rest in a further "
+                                  "request on the session"], got[1].suggestions
+    assert got[2].suggestions == ["split into 6 requests of <= 1792 prompt tokens"], got[2].suggestions
+    assert 1792 + 100 <= 2000 and 6 * 1792 >= 80 * 128
+    assert not any(s.startswith("wait ") for s in got[3].suggestions)
+    assert any("more than a whole day's budget (4000 micro-USD)" in s for s in got[3].suggestions)
 
 
 def test_a_request_of_more_chunks_than_the_router_holds_is_refused_400_not_503_forever(bench_factory):
