@@ -158,7 +158,10 @@ def child_of_this_process():
         os._exit(1)          # the parent died before prctl took effect
 
 
-def _worker_main(lane_name: str, options, store_factory, trace_buf, stop, cpu, nice=0, ready=None):
+START_TIMEOUT_S = 120.0   # a worker process builds its model and attaches its lane in this, or is given up
+
+
+def _worker_main(lane_name: str, options, store_factory, trace_buf, stop, cpu, nice, ready):
     """Worker process: build the worker, attach its lane, say ready(), serve until stop[0]."""
     from .serving.worker import one_blas_thread, serve
     child_of_this_process()
@@ -172,8 +175,7 @@ def _worker_main(lane_name: str, options, store_factory, trace_buf, stop, cpu, n
     worker = options.build(store)
     lane = TracingLane(lanes.ShmWorkerLane(lane_name), trace, count, worker)
     try:
-        if ready is not None:
-            ready()
+        ready()
         with one_blas_thread():
             serve(worker, lane, lambda: stop[0] != 0)
     finally:
@@ -189,7 +191,8 @@ def _spawner_main(conn, parent_end, specs, store_factory, traces, stop):
     the child ever releases. Requests: (sid, k, lane name). Messages back: ("spawned", sid, pid)
     followed by the worker's pidfd (SCM_RIGHTS: opened here, before this process can reap it, so
     it names that process and no later one with its pid); ("ready", sid) once it serves its lane;
-    ("exit", sid, exit code as multiprocessing gives it); ("failed", sid, why) if it could not fork."""
+    ("exit", sid, exit code as multiprocessing gives it); ("failed", sid, why) if it could not fork
+    it (or open its pidfd)."""
     import traceback
     from multiprocessing.connection import wait
     from multiprocessing.reduction import send_handle
@@ -238,6 +241,8 @@ def _spawner_main(conn, parent_end, specs, store_factory, traces, stop):
                         opts, cpu, nice = specs[k]
                         _worker_main(lane_name, opts, store_factory, traces[k], stop, cpu, nice, ready)
                         code = 0
+                    except Exception as e:           # one sentence (the pipeline says which worker)
+                        print(f"pipeline: worker {k} ({lane_name}): {type(e).__name__}: {e}", file=sys.stderr)
                     except BaseException:
                         traceback.print_exc()
                     finally:
@@ -265,10 +270,10 @@ class WorkerProcess:
     """A worker the spawner forked, by the pidfd the spawner opened: signalled and waited for
     without the pid reuse a bare pid risks once the spawner has reaped it."""
 
-    def __init__(self, k: int, sid: int, pid: int, pidfd: int):
+    def __init__(self, k: int | None, sid: int, pid: int, pidfd: int):
         self.k, self.sid, self.pid, self.pidfd = k, sid, pid, pidfd
         self.ready = False                           # it said it serves its lane
-        self.killed = False                          # by the watcher, for a hang
+        self.killed = False                          # by the watcher: a hang, or no start in time
         self.replacing: dict | None = None           # its entry in Pipeline.worker_replacements
         self.exitcode: int | None = None             # set by the watcher once it has exited
 
@@ -312,19 +317,18 @@ class WorkerSpawner:
         self.conn.send((sid, k, lane_name))
         deadline = time.monotonic() + timeout_s
         while self.conn.poll(max(0.0, deadline - time.monotonic())):
-            got = self._read(sid)
+            got = self._read(sid, k)
             if got is not None:
-                got.k = k
                 return got
         raise RuntimeError(f"the worker spawner did not fork worker {k} in {timeout_s:g} s")
 
-    def _read(self, sid: int | None = None) -> WorkerProcess | None:
+    def _read(self, sid: int | None = None, k: int | None = None) -> WorkerProcess | None:
         """One message: spawn sid's handle, or its failure raised; another spawn's (late: its own
         spawn() gave up) killed; "ready" and "exit" kept for events()."""
         from multiprocessing.reduction import recv_handle
         msg = self.conn.recv()
         if msg[0] == "spawned":
-            w = WorkerProcess(-1, msg[1], msg[2], recv_handle(self.conn))
+            w = WorkerProcess(k if msg[1] == sid else None, msg[1], msg[2], recv_handle(self.conn))
             if msg[1] == sid:
                 return w
             w.kill()
@@ -353,8 +357,6 @@ class WorkerSpawner:
             self.proc.kill()
             self.proc.join(5)
 
-
-START_TIMEOUT_S = 120.0   # a worker process builds its model and attaches its lane in this, or is given up
 
 MASTER_SECRET = b"pipeline-master-secret-0123456789"   # tenants get HMAC(master, tenant) (WorkerStore)
 
@@ -454,7 +456,7 @@ class Pipeline:
         es.callback(lambda: [lanes.unlink_shm_lane(n) for n in self._lane_names.values()])
         specs = []
         for k, (pool, device, nice) in enumerate(self.placement):
-            self._lane_names[k] = name = f"{self.tag}.w{k}"   # first: an interrupt in the create leaks nothing
+            self._lane_names[k] = name = self._lane_name(k, 0)   # first: an interrupt in the create leaks nothing
             self.router.add_worker(*lanes.create_shm_lane(name, wait=cfg.lane_wait), pool=pool)
             if device and cfg.budget_at_knee:
                 self.router.set_worker_budget(k, profile(device).knee_tokens)
@@ -472,7 +474,7 @@ class Pipeline:
         es.callback(sock.close)
         # the responder never blocks on it (what a full buffer holds back waits in the egress ring):
         # room for a burst of answers while softirq drains them
-        # (SO_SNDBUFFORCE, 32: past net.core.wmem_max, ~416 KiB here; root, as the pipeline is)
+        # (SO_SNDBUFFORCE, 32: past net.core.wmem_max, which caps SO_SNDBUF; root, as the pipeline is)
         sock.setsockopt(socket.SOL_SOCKET, getattr(socket, "SO_SNDBUFFORCE", 32), 4 << 20)
         sock.bind((topo.host_ip[0], wire.DEFAULT_PORT))   # answers come from where the requests went
         self.responder = Responder(Ring.attach(out_name, "consumer"), sock, topo.client_ip[0], wire.DEFAULT_PORT)
@@ -481,6 +483,10 @@ class Pipeline:
         self.loop.add(_dataplane, "dp_responder_poll", self.responder.handle, owner=self.responder)
         es.callback(self.loop.stop)       # first: the thread must never outlive what it polls
         self.loop.start()
+
+    def _lane_name(self, k: int, replacement: int) -> str:
+        """Worker k's shm lane; a replacement's is a fresh one (the old may hold a replayed batch)."""
+        return f"{self.tag}.w{k}" + (f".{replacement}" if replacement else "")
 
     def _admission(self, cfg: PipelineConfig):
         """Pools (placement[k] = (pool, device, nice) of worker k) and the tenants' admission settings."""
@@ -535,14 +541,14 @@ class Pipeline:
         by_sid = {w.sid: w for w in self.workers}
         while not all(w.ready for w in self.workers):
             if not self._spawner.pending() and not self._spawner.conn.poll(max(0.0, deadline - time.monotonic())):
-                slow = [w.k for w in self.workers if not w.ready]
-                raise RuntimeError(f"workers {slow} did not start in {timeout_s:g} s")
+                slow = ", ".join(str(w.k) for w in self.workers if not w.ready)
+                raise RuntimeError(f"worker(s) {slow} did not start in {timeout_s:g} s")
             for kind, sid, *rest in self._spawner.events():
                 if kind == "ready":
                     by_sid[sid].ready = True
                 else:
                     raise RuntimeError(f"worker {by_sid[sid].k} exited while starting (code {rest[0]}; its "
-                                       f"message, if any, is above)")
+                                       f"reason, if it gave one, is above)")
 
     def _reap_workers(self):
         self._stop_workers[0] = 1
@@ -587,7 +593,7 @@ class Pipeline:
                 print(f"pipeline: worker {k} exited {n} times: not replaced again, it stays down",
                       file=sys.stderr, flush=True)
                 return
-            name = f"{self.tag}.w{k}.{n}"
+            name = self._lane_name(k, n)
             lanes.unlink_shm_lane(self._lane_names[k])
             self._lane_names[k] = name                 # first: the teardown unlinks it, made or not
             fresh = lanes.create_shm_lane(name, wait=self.cfg.lane_wait)

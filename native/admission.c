@@ -337,8 +337,8 @@ static void breakdown(struct jw *w, const struct dp_tenant_cfg *cfg, const struc
         put(w, ",\"budget_per_day_micro_usd\":null,\"remaining_micro_usd\":null}");
 }
 
-/* The fewest tokens (prompt estimate and output) a request of this tenant may have: its request
- * and minute limits, the smaller (0: neither set). A hint checked against one limit alone was
+/* The most tokens (prompt estimate and output) a request of this tenant may have: the smaller of
+ * its request and minute limits (0: neither set). A hint checked against one limit alone was
  * refused by the other at the retry (found by review). */
 static uint32_t token_limit(const struct dp_tenant_cfg *cfg)
 {

@@ -50,10 +50,10 @@
  *        bursts of up to hi_burst requests) is admitted with spill = 1: the router
  *        places it on the secondary pool.
  * At completion the router settles: the charge becomes the exact price of
- * what ran (the tokens received and generated; the same entropy factor, the output factor
- * of the tokens generated); a
- * request that did not complete with 200 is not charged (a charge to a day
- * that has ended since stays in that day).
+ * what ran (the tokens received and generated; the same entropy factor, the
+ * output factor of the tokens generated); a request that did not complete
+ * with 200 is not charged (a charge to a day that has ended since stays in
+ * that day).
  * COUNT_TOKENS records are priced and answered 200 with the same breakdown
  * (and the status the request would get); nothing is charged or run.
  */

@@ -42,7 +42,8 @@ struct dp_responder {
     uint64_t trace_cap, traced;
 };
 
-/* One pass: responses sent. It runs as a stage of a native poll loop (loop.h). */
+/* One pass: the records taken off the egress ring (sent, or refused by the socket and dropped);
+ * a full send buffer leaves the rest there. It runs as a stage of a native poll loop (loop.h). */
 uint32_t dp_responder_poll(struct dp_responder *r);
 /* CDEF END */
 

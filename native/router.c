@@ -61,7 +61,7 @@ struct req {
     uint8_t spill;                               /* admission throttled it to the secondary pool */
     uint8_t moved;                               /* its session last ran elsewhere: DP_CHUNK_F_MOVED */
     uint8_t replayed;                            /* failover replayed it once already (see failover) */
-    uint8_t killed_twice;                        /* its replay's worker died too: answered 503, its own doing */
+    uint8_t replay_refused;                      /* its replay's worker died too: answered 503, its own doing */
     uint32_t arr;                                /* its tenant's entry in `arr` while it misses chunks (NIL:
                                                     none missing) */
     uint32_t tokens_in, generated;               /* what ran: settled against the admission's charge */
@@ -809,7 +809,7 @@ static void finish(struct dp_router *rt, uint32_t ri)
     /* the minute's bucket keeps what came and ran, unless the failure is the system's (503: no
      * worker, a store that failed), which must not rate-limit the tenant; a request whose replay
      * killed a second worker is counted its own (it went free, again and again: found by review) */
-    int theirs = r->status != DP_STATUS_UNAVAILABLE || r->killed_twice;
+    int theirs = r->status != DP_STATUS_UNAVAILABLE || r->replay_refused;
     dp_adm_settle(rt->adm, r->tenant, &r->adm, theirs ? r->tokens_in : 0, theirs ? r->generated : 0, r->status == 0);
     rt->reserved -= r->chunk_count - r->received;   /* a failed request's missing chunks need no room now */
     arriving_done(rt, r);
@@ -1798,7 +1798,7 @@ static void failover(struct dp_router *rt, uint32_t k)
         int nk = r->replayed && ran ? -1 : pick_worker(rt, r->session_id, r->tenant, r->spill, &r->pool, &spilled);
         if (nk < 0) {
             rt->st.replay_refused += r->replayed && ran;
-            r->killed_twice = r->replayed && ran;
+            r->replay_refused = r->replayed && ran;
             free_list(rt, r->pending_head);
             early_drop(rt, ri);
             r->pending_head = r->pending_tail = NIL;

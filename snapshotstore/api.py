@@ -43,9 +43,13 @@ class Snapshot:
     parts: tuple[bytes, ...] = ()        # the deltas one by one, oldest first (payload = their join)
 
 
+MIN_SECRET_BYTES = 16           # a master or tenant secret, and the store connection's (server.read_secret)
+TENANT_SECRETS_KEPT = 4096      # WorkerStore's cache of derived tenant secrets (a tenant id is any u32)
+
+
 def session_key(tenant_secret: bytes, session_id: int | bytes | str) -> bytes:
-    if not isinstance(tenant_secret, (bytes, bytearray)) or len(tenant_secret) < 16:
-        raise BadKey("the tenant secret must be at least 16 bytes")
+    if not isinstance(tenant_secret, (bytes, bytearray)) or len(tenant_secret) < MIN_SECRET_BYTES:
+        raise BadKey(f"the tenant secret must be at least {MIN_SECRET_BYTES} bytes")
     if isinstance(session_id, int):
         sid = session_id.to_bytes(8, "little", signed=False)
     elif isinstance(session_id, str):
@@ -123,13 +127,13 @@ class WorkerStore:
     def __init__(self, store: SnapshotStore, master_secret: bytes):
         self.store, self.secret = store, bytes(master_secret)
         session_key(self.secret, 0)                      # a bad secret fails here, not at the first put
-        self._tenants: dict[int, bytes] = {}             # bounded: a tenant id is any u32 a client sends
+        self._tenants: dict[int, bytes] = {}             # at most TENANT_SECRETS_KEPT
 
     def key(self, key: tuple[int, int]) -> bytes:
         tenant, session = key
         secret = self._tenants.get(tenant)
         if secret is None:
-            if len(self._tenants) >= 4096:
+            if len(self._tenants) >= TENANT_SECRETS_KEPT:
                 self._tenants.clear()
             secret = self._tenants[tenant] = hmac.new(self.secret, b"zerolayer-tenant\0" +
                                                       int(tenant).to_bytes(4, "little"), hashlib.sha256).digest()

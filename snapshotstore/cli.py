@@ -99,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="when the log is full: evict the least recently used sessions (default), or refuse puts")
     v.add_argument("--secret-file", metavar="PATH",
                    help="the secret the workers hold (their --store-secret-file): only they connect, encrypted "
-                        "(ZeroMQ CURVE, keys derived from it); needed for a tcp:// endpoint off loopback")
+                        "(ZeroMQ CURVE, keys derived from it); needed for command-line workers (datapath "
+                        "worker --store always keys its connection) and for any tcp:// endpoint off loopback")
     return p
 
 

@@ -29,7 +29,7 @@ import sys
 import time
 
 from . import errors
-from .api import Delta, Snapshot, check_key
+from .api import MIN_SECRET_BYTES, Delta, Snapshot, check_key
 
 POLL_MS = 100
 RCVHWM = 64                 # requests queued per client connection (they are served one at a time)
@@ -42,8 +42,8 @@ def read_secret(path: str) -> bytes:
             secret = f.read().rstrip(b"\r\n")
     except OSError as e:
         raise errors.SnapshotError(f"secret file {path}: {e.strerror}") from None
-    if len(secret) < 16:
-        raise errors.SnapshotError(f"the secret in {path} is {len(secret)} bytes: at least 16")
+    if len(secret) < MIN_SECRET_BYTES:
+        raise errors.SnapshotError(f"the secret in {path} is {len(secret)} bytes: at least {MIN_SECRET_BYTES}")
     return secret
 
 
@@ -58,7 +58,7 @@ def curve_keys(secret: bytes) -> dict[str, tuple[bytes, bytes]]:
     return out
 
 
-def _open_network(endpoint: str) -> bool:
+def _off_loopback(endpoint: str) -> bool:
     """A tcp:// endpoint bound on something other than loopback."""
     if not endpoint.startswith("tcp://"):
         return False
@@ -109,7 +109,7 @@ def serve(path: str, endpoint: str, stop, eviction: str = "lru", ready=None, sec
     secret, only to clients holding it (CURVE)."""
     import zmq
     from .log import LogStore
-    if secret is None and _open_network(endpoint):
+    if secret is None and _off_loopback(endpoint):
         raise errors.SnapshotError(f"{endpoint} is on the network: serving it needs a secret both ends hold "
                                    f"(--secret-file), or any peer could read and delete every tenant's sessions")
     ctx = zmq.Context()
@@ -179,7 +179,7 @@ def serve(path: str, endpoint: str, stop, eviction: str = "lru", ready=None, sec
 
 class RemoteStore:
     """The SnapshotStore interface on a store that another process serves (see serve). Not
-    thread-safe: one per thread.
+    thread-safe: one per thread. With a secret (the server's), the connection is CURVE keyed by it.
 
     A call the server does not answer within timeout_s raises DeviceError, and so does every call
     for the next timeout_s without asking (then one asks again): a worker's step makes up to two

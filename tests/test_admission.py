@@ -472,7 +472,6 @@ def test_every_400_hint_fits_every_limit_and_a_whole_day_s_budget_is_not_waited_
     assert got[1].suggestions == ["lower max_output_tokens to 172 and ask for the rest in a further "
                                   "request on the session"], got[1].suggestions
     assert got[2].suggestions == ["split into 6 requests of <= 1792 prompt tokens"], got[2].suggestions
-    assert 1792 + 100 <= 2000 and 6 * 1792 >= 80 * 128
     assert not any(s.startswith("wait ") for s in got[3].suggestions)
     assert any("more than a whole day's budget (4000 micro-USD)" in s for s in got[3].suggestions)
 

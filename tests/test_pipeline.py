@@ -26,7 +26,12 @@ def test_a_worker_that_dies_unannounced_is_failed_over_and_nothing_is_lost():
         os.kill(p.workers[1].pid, signal.SIGKILL)     # a crash: nobody tells the router
         load.join(120)
         assert p.worker_exits == [(1, -signal.SIGKILL)]
-        assert [r["worker"] for r in p.worker_replacements] == [1] and p.router.worker_stats(1)["up"] == 1
+        assert [r["worker"] for r in p.worker_replacements] == [1]
+        deadline = time.monotonic() + 30                   # (its replacement may still be starting)
+        while not p.worker_replacements[0]["t_up"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert p.router.worker_stats(1)["up"] == 1
     r = out["r"]
     assert r["requests"] == 60 and r["resp_ok"] == 60 and r["unanswered"] == 0, r["by_status"]
 

@@ -149,7 +149,6 @@ def test_a_store_with_a_secret_answers_only_clients_holding_it(tmp_path):
     """Anyone who reached the server's socket could list, restore and delete every tenant's
     sessions. With a secret the connection is CURVE, keyed by it; a tcp:// endpoint off loopback
     without one is refused."""
-    from snapshotstore import SnapshotError
     with pytest.raises(SnapshotError, match="needs a secret"):
         serve(str(tmp_path / "unused.img"), "tcp://198.18.0.1:5600", ctx.Event())
     endpoint = f"ipc://{tmp_path}/secret.sock"

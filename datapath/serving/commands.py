@@ -172,7 +172,7 @@ def worker(args) -> int:
         try:
             secret = read_secret(args.store_secret_file)
         except SnapshotError as e:
-            print(f"datapath worker: --store-secret-file: {e}", file=sys.stderr)
+            print(f"datapath worker: {e}", file=sys.stderr)
             return 2
     # without a store nothing is evicted: the budget is only what the worker counts against
     budget = profile(args.device).kv_budget_bytes(ModelConfig(**_config(args))) if args.device else 256 << 20

@@ -252,7 +252,7 @@ class NvmeTcpDevice:
         hostid = uuid.uuid4()
         self.hostnqn = hostnqn or f"nqn.2014-08.org.nvmexpress:uuid:{hostid}"
         self._lock = threading.Lock()
-        self._where, self._hostid = (url, host, port, digests, timeout_s), hostid.bytes
+        self._queue_args, self._hostid = (url, host, port, digests, timeout_s), hostid.bytes
         self.admin = _Queue(url, host, port, 0, digests, timeout_s)
         self.io = None
         try:
@@ -275,7 +275,7 @@ class NvmeTcpDevice:
             raise
 
     def _io_queue(self) -> "_Queue":
-        url, host, port, digests, timeout_s = self._where
+        url, host, port, digests, timeout_s = self._queue_args
         io = _Queue(url, host, port, 1, digests, timeout_s)
         io.in_capsule = self._in_capsule
         try:
@@ -286,8 +286,9 @@ class NvmeTcpDevice:
         return io
 
     def reset(self) -> None:
-        """A controller reset: CC.EN 1 -> 0 (the target deletes the I/O queue, and what was in it),
-        enabled again, and a new I/O queue connected; the association, and the admin queue, stay."""
+        """A controller reset: CC.EN 1 -> 0 (the target deletes the I/O queue; a write of it still
+        running lands before the reset is done, or not at all), enabled again, and a new I/O queue
+        connected; the admin queue stays."""
         with self._lock:
             io, self.io = self.io, None
             try:

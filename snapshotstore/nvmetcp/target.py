@@ -71,7 +71,8 @@ class Target:
         self._stopping = threading.Event()
         self.cc = self.csts = 0
         self.host_nqn: str | None = None              # the associated host, None when free
-        # An association's number, bumped when it ends; every write checks it under the write lock,
+        # An association's number, bumped when it ends or its controller is reset (CC.EN 1 -> 0, which
+        # ends its I/O queues); every write checks it under the write lock,
         # and a new association's Connect waits for that lock (outside the target's lock): a write
         # of an ended association lands before the next host is let in, or not at all (a dead
         # host's last in-flight write landed over the new host's before).
