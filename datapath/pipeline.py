@@ -85,8 +85,10 @@ class PipelineConfig:
                                        # a shared store that stopped answering costs a step one
                                        # RemoteStore timeout, 5 s, well inside it)
     worker_respawns: int = 3           # a worker process that exits is replaced by a fresh one on a fresh
-                                       # lane, up to this many times per worker (0: never): a crash loop
-                                       # stops there, and the worker stays down
+                                       # lane, up to this many times in a row per worker (0: never): a crash
+                                       # loop stops there, and the worker stays down; one that served
+                                       # CRASH_LOOP_S first starts the count again (a long run is not
+                                       # left short of a worker by crashes hours apart)
     codec: str = "zstd"
     store_factory: object = None       # callable(worker index) -> SnapshotStore, called in the worker
     shared_store: str | None = None    # an image path: one store process serves it to every worker
@@ -159,6 +161,7 @@ def child_of_this_process():
 
 
 START_TIMEOUT_S = 120.0   # a worker process builds its model and attaches its lane in this, or is given up
+CRASH_LOOP_S = 60.0       # a worker that dies sooner after it began serving is a crash loop's (worker_respawns)
 
 
 def _worker_main(lane_name: str, options, store_factory, trace_buf, stop, cpu, nice, ready):
@@ -272,7 +275,8 @@ class WorkerProcess:
 
     def __init__(self, k: int | None, sid: int, pid: int, pidfd: int):
         self.k, self.sid, self.pid, self.pidfd = k, sid, pid, pidfd
-        self.ready = False                           # it said it serves its lane
+        self.ready = False                           # it said it serves its lane ...
+        self.t_ready: float | None = None            # ... then (monotonic)
         self.killed = False                          # by the watcher: a hang, or no start in time
         self.replacing: dict | None = None           # its entry in Pipeline.worker_replacements
         self.exitcode: int | None = None             # set by the watcher once it has exited
@@ -545,7 +549,7 @@ class Pipeline:
                 raise RuntimeError(f"worker(s) {slow} did not start in {timeout_s:g} s")
             for kind, sid, *rest in self._spawner.events():
                 if kind == "ready":
-                    by_sid[sid].ready = True
+                    by_sid[sid].ready, by_sid[sid].t_ready = True, time.monotonic()
                 else:
                     raise RuntimeError(f"worker {by_sid[sid].k} exited while starting (code {rest[0]}; its "
                                        f"reason, if it gave one, is above)")
@@ -565,7 +569,7 @@ class Pipeline:
         """A worker process that exits while the pipeline runs (a crash, the OOM killer, a SIGKILL)
         is marked down at once, so the router replays its unfinished requests on the others:
         failover waits for no one to announce the death. Then a fresh process on a fresh lane takes
-        its place (cfg.worker_respawns times at most), set up again once it serves. A worker that
+        its place (cfg.worker_respawns times in a row at most), set up again once it serves. A worker that
         holds a batch without completing anything for cfg.worker_hang_s (a hang, a SIGSTOP) is
         killed, and so goes the same way."""
         import threading
@@ -576,6 +580,7 @@ class Pipeline:
         self.worker_hangs: list[int] = []                      # workers killed for holding a batch too long
         self.worker_replacements: list[dict] = []              # each replacement: worker, pid, when, ...
         hang_s = self.cfg.worker_hang_s
+        quick: dict[int, int] = {}                             # worker -> its exits in a row soon after serving
 
         def hung(k: int, seen: dict) -> bool:
             st = self.router.worker_stats(k)
@@ -588,11 +593,14 @@ class Pipeline:
         def replace(k: int, t_exit: float, seen: dict):
             """Worker k's fresh process on a fresh lane (the old lane may hold a batch the router
             has replayed elsewhere, which the new process must not run); up once it is ready."""
-            n = sum(r["worker"] == k for r in self.worker_replacements) + 1
-            if n > self.cfg.worker_respawns:
-                print(f"pipeline: worker {k} exited {n} times: not replaced again, it stays down",
-                      file=sys.stderr, flush=True)
+            dead = self.workers[k]
+            served = t_exit - dead.t_ready if dead.t_ready is not None else 0.0
+            quick[k] = 0 if served >= CRASH_LOOP_S else quick.get(k, 0) + 1
+            if quick[k] > self.cfg.worker_respawns:
+                print(f"pipeline: worker {k} exited {quick[k]} times in a row within {CRASH_LOOP_S:g} s of "
+                      f"serving: not replaced again, it stays down", file=sys.stderr, flush=True)
                 return
+            n = sum(r["worker"] == k for r in self.worker_replacements) + 1     # (its lane's number)
             name = self._lane_name(k, n)
             lanes.unlink_shm_lane(self._lane_names[k])
             self._lane_names[k] = name                 # first: the teardown unlinks it, made or not
@@ -623,7 +631,7 @@ class Pipeline:
             if kind == "ready":                    # (the first workers' were the build's)
                 if w.exitcode is not None:
                     return None                    # (the spawner drops it; belt and braces)
-                w.ready = True
+                w.ready, w.t_ready = True, time.monotonic()
                 self.router.set_up(k, True)
                 w.replacing["t_up"] = time.monotonic()
                 print(f"pipeline: worker {k} replaced by a fresh process (pid {w.pid}) on a fresh lane, "

@@ -92,6 +92,34 @@ def test_killed_workers_are_replaced_by_fresh_processes_until_their_limit():
 
 @pytest.mark.root
 @pytest.mark.bpf
+def test_the_respawn_limit_counts_deaths_in_a_row_a_worker_that_served_a_while_starts_it_again(monkeypatch):
+    """worker_respawns counted every replacement of a worker's life: crashes hours apart left a
+    long run short of it for good. One that served CRASH_LOOP_S (here 1 s) starts the count again."""
+    from datapath import pipeline
+    monkeypatch.setattr(pipeline, "CRASH_LOOP_S", 1.0)
+
+    def serving(n):
+        deadline = time.monotonic() + 30
+        while not (len(p.worker_replacements) == n and p.worker_replacements[-1]["t_up"]):
+            assert time.monotonic() < deadline, p.worker_replacements
+            time.sleep(0.01)
+
+    with Pipeline(_config(workers=2, worker_respawns=1)) as p:
+        p.kill_worker(1)                     # 1 in a row: replaced
+        serving(1)
+        time.sleep(1.2)
+        p.kill_worker(1)                     # it had served 1 s: the count starts again, replaced
+        serving(2)
+        p.kill_worker(1)                     # 1 in a row: replaced
+        serving(3)
+        p.kill_worker(1)                     # 2 in a row: it stays down
+        time.sleep(0.5)
+        assert len(p.worker_replacements) == 3 and p.router.worker_stats(1)["up"] == 0
+        assert len(p.worker_exits) == 4
+
+
+@pytest.mark.root
+@pytest.mark.bpf
 def test_a_replacement_that_dies_starting_is_replaced_again_to_the_limit(tmp_path):
     """A replacement that dies before it serves its lane (here its store cannot open) is never set
     up; it is replaced in turn until worker_respawns, and the slot then stays down."""
