@@ -275,11 +275,14 @@ class WorkerProcess:
 
     def __init__(self, k: int | None, sid: int, pid: int, pidfd: int):
         self.k, self.sid, self.pid, self.pidfd = k, sid, pid, pidfd
-        self.ready = False                           # it said it serves its lane ...
-        self.t_ready: float | None = None            # ... then (monotonic)
+        self.t_ready: float | None = None            # when it said it serves its lane (monotonic)
         self.killed = False                          # by the watcher: a hang, or no start in time
         self.replacing: dict | None = None           # its entry in Pipeline.worker_replacements
         self.exitcode: int | None = None             # set by the watcher once it has exited
+
+    @property
+    def ready(self) -> bool:
+        return self.t_ready is not None
 
     def kill(self):
         with contextlib.suppress(ProcessLookupError):
@@ -549,7 +552,7 @@ class Pipeline:
                 raise RuntimeError(f"worker(s) {slow} did not start in {timeout_s:g} s")
             for kind, sid, *rest in self._spawner.events():
                 if kind == "ready":
-                    by_sid[sid].ready, by_sid[sid].t_ready = True, time.monotonic()
+                    by_sid[sid].t_ready = time.monotonic()
                 else:
                     raise RuntimeError(f"worker {by_sid[sid].k} exited while starting (code {rest[0]}; its "
                                        f"reason, if it gave one, is above)")
@@ -631,9 +634,9 @@ class Pipeline:
             if kind == "ready":                    # (the first workers' were the build's)
                 if w.exitcode is not None:
                     return None                    # (the spawner drops it; belt and braces)
-                w.ready, w.t_ready = True, time.monotonic()
+                t_ready = time.monotonic()
                 self.router.set_up(k, True)
-                w.replacing["t_up"] = time.monotonic()
+                w.t_ready = w.replacing["t_up"] = t_ready      # after: a caller seeing t_up finds it up
                 print(f"pipeline: worker {k} replaced by a fresh process (pid {w.pid}) on a fresh lane, "
                       f"up again", file=sys.stderr, flush=True)
                 return None

@@ -85,7 +85,7 @@ class Router:
             self._rt = None
             _check(err[0], f"router with policy {policy!r}")
         self._rings: list[Ring] = []   # keep the rings alive as long as the router uses them
-        self._lanes: dict[int, tuple[Ring, Ring]] = {}   # shm worker -> its (lane, done)
+        self._lanes: dict[int, tuple[Ring, Ring]] = {}   # shm worker -> its (lane, done), kept alive too
         self.policy, self.batching = policy, batching
         self.n_workers = 0
 
@@ -115,7 +115,6 @@ class Router:
         _check(lib.dp_router_watch_cuts(self._rt, map_fd, buckets_fd), f"cuts map fd {map_fd}")
 
     def add_worker(self, lane: Ring, done: Ring, weight: int = 1, pool: int = 0) -> int:
-        self._rings += [lane, done]
         k = _check(lib.dp_router_add_worker(self._rt, lane.ptr, done.ptr, weight),
                    f"worker lane {lane.name!r}/{done.name!r} (slot sizes or capacity too small?)")
         self._lanes[k] = (lane, done)
@@ -163,9 +162,7 @@ class Router:
         (set it up after). Returns the old pair, which the router no longer touches."""
         _check(lib.dp_router_replace_lane(self._rt, worker, lane.ptr, done.ptr),
                f"lane of worker {worker} (it must be an shm worker, and down)")
-        i = self._rings.index(self._lanes[worker][0])
         old, self._lanes[worker] = self._lanes[worker], (lane, done)
-        self._rings[i:i + 2] = [lane, done]
         return old
 
     def set_worker_budget(self, worker: int, token_budget: int | None):

@@ -23,6 +23,7 @@ any peer that reaches it every tenant's sessions (list, restore, delete).
 from __future__ import annotations
 
 import hashlib
+import hmac
 import ipaddress
 import json
 import sys
@@ -53,7 +54,8 @@ def curve_keys(secret: bytes) -> dict[str, tuple[bytes, bytes]]:
     from zmq.utils import z85
     out = {}
     for role in ("server", "client"):
-        sk = z85.encode(hashlib.sha256(b"zerolayer snapshot store curve " + role.encode() + b"\0" + secret).digest())
+        # HMAC(secret, label), as the tenant and session keys are derived (api.py)
+        sk = z85.encode(hmac.new(secret, b"zerolayer-store-curve\0" + role.encode(), hashlib.sha256).digest())
         out[role] = (zmq.curve_public(sk), sk)
     return out
 
@@ -225,15 +227,20 @@ class RemoteStore:
         self._calls += 1
         call = self._calls.to_bytes(8, "little")
         deadline = time.monotonic() + self.timeout_ms / 1000
-        # no connection (yet: connecting takes a moment; or no server, or a key it refuses) waits
-        # out the timeout for one, as a reply does
-        if not self.sock.poll(self.timeout_ms, zmq.POLLOUT):
-            raise self._silent(f"could not be reached (or took no more calls) within {self.timeout_ms / 1000:g} "
-                               f"s: is its server running (and its secret this one's)?")
         try:
             self.sock.send_multipart([b"", call, *frames], zmq.NOBLOCK)
         except zmq.Again:
-            raise self._silent("dropped the connection as the call was sent: not sent") from None
+            # no connection (yet: connecting takes a moment; or no server, or a key it refuses):
+            # the timeout is waited out for one, as for a reply (polled only then: a call on a live
+            # connection pays no extra poll)
+            if not self.sock.poll(self.timeout_ms, zmq.POLLOUT):
+                raise self._silent(f"could not be reached (or took no more calls) within "
+                                   f"{self.timeout_ms / 1000:g} s: is its server running (and its secret "
+                                   f"this one's)?") from None
+            try:
+                self.sock.send_multipart([b"", call, *frames], zmq.NOBLOCK)
+            except zmq.Again:
+                raise self._silent("dropped the connection as the call was sent: not sent") from None
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not self.sock.poll(max(1, int(left * 1000))):
