@@ -8,8 +8,9 @@
  * as a struct dp_chunk (native/chunk.h), cut after its tokens, into its
  * queue's ring buffer with an XDP stamp, then the packet is dropped: the
  * consumer has everything.
- * A chunk over its tenant's token bucket never reaches user space: the
- * packet is rewritten in place into a 429 response and sent back (XDP_TX);
+ * A record over its tenant's token bucket (a chunk, or a control record: each
+ * costs its tokens, one at least) never reaches user space: the packet is
+ * rewritten in place into a 429 response and sent back (XDP_TX);
  * a valid request over IPv6 is answered 400 the same way (responses go to
  * the IPv4 address a chunk carries);
  * the rest of its request, if it has more chunks, is dropped (the `cuts` map).
@@ -173,6 +174,13 @@ static __always_inline __u32 pick_queue(struct dp_req_hdr *req, __u32 mode)
     return (__u32)((sid * DP_SESSION_HASH_MUL) >> 32) % DP_QUEUES;
 }
 
+/* GCRA, looked at: would n tokens fit now? (Refused here, a record is never reserved for them.) */
+static __always_inline int has_room(struct dp_bucket *b, __u32 n, __u64 now)
+{
+    __u64 old = b->tat;
+    return (old > now ? old : now) + n * b->ns_per_token <= now + b->burst_ns;
+}
+
 /* GCRA: admit n tokens if the bucket has room, and charge them. */
 static __always_inline int over_limit(struct dp_bucket *b, __u32 n, __u64 now)
 {
@@ -275,9 +283,11 @@ int xdp_steer(struct xdp_md *ctx)
     struct dp_req_hdr *req;
     struct dp_chunk *rec;
     int proto, frag = 0, v6 = 0, udp_len;
-    __u32 n, kind, q, len, limits, zero = 0;
-    int truncated = 0;
+    __u32 n, kind, q, len, limits, cost = 0, zero = 0;
+    int truncated = 0, more_to_come = 0;
     struct dp_policy *pol;
+    struct dp_bucket *b = NULL;
+    struct dp_cut_key ck;        /* (set, and read, only with limits) */
     __u64 now, *cnt;
 
     proto = parse_ethhdr(&c, data_end, &eth);
@@ -359,32 +369,38 @@ int xdp_steer(struct xdp_md *ctx)
     limits = pol->rate_limits;   /* read once: user space may change it meanwhile */
     /* a clock read here only when needed: it cost ~30 ns a chunk (steer_ns) */
     now = limits || pol->stamp_validated ? bpf_ktime_get_ns() : 0;
-    if (limits && kind == DP_KIND_CHUNK) {
+    if (limits) {
         __u32 tenant = req->tenant;
-        struct dp_bucket *b = buckets.lookup(&tenant);
+        b = buckets.lookup(&tenant);
         /* a request of several chunks is cut once: one 429, and its later chunks neither
          * charged nor answered again (the router drops what did pass: chunk.h, dp_cut_key).
-         * One-chunk requests stay out of the map: a flood of them would push the others out. */
-        struct dp_cut_key ck = { .session_id = req->session_id, .request_id = req->request_id, .tenant = tenant };
-        int several = req->chunk_count > 1;
-        __u64 *cut = b && several ? cuts.lookup(&ck) : NULL;
+         * One-chunk requests stay out of the map: a flood of them would push the others out.
+         * An OPEN refused cuts its request of several chunks too; CLOSE and COUNT_TOKENS never
+         * do (a priced count's ids may be its request's). */
+        ck = (struct dp_cut_key){ .session_id = req->session_id, .request_id = req->request_id,
+                                  .tenant = tenant };
+        more_to_come = req->chunk_count > 1 && (kind == DP_KIND_CHUNK || kind == DP_KIND_OPEN);
+        __u64 *cut = b && more_to_come ? cuts.lookup(&ck) : NULL;
         /* signed: a cut another CPU stamped after this one read its clock is live, not 2^64 ns old */
         if (cut && (__s64)(now - *cut) < (__s64)DP_CUT_TTL_NS)
             return drop(DP_DROP_CUT_REQUEST);
-        if (b && over_limit(b, n, now)) {
-            if (several)
-                cuts.update(&ck, &now);
-            drop(DP_DROP_RATE_LIMITED);
-            if (eth->h_dest[0] & 1)
-                return XDP_DROP;   /* sent to a group address: a reply from it would be a martian */
-            return reply(ctx, eth, iph, ip6h, v6, udph, req, DP_STATUS_RATE_LIMITED);
-        }
+        /* every record costs its tokens, one at least: an OPEN or COUNT_TOKENS draws an answer
+         * with a body, and free they let a sender past its rate (reflected, with a forged source) */
+        cost = n ? n : 1;
+        if (b && !has_room(b, cost, now))
+            goto over;
     }
 
     q = pick_queue(req, pol->mode);
     rec = record_with_tokens(q, (void *)req + DP_REQ_HDR_LEN, n, data_end, &truncated);
     if (!rec)
         return drop(truncated ? DP_DROP_TRUNCATED : DP_DROP_RING_FULL);
+    /* charged only once it has its record: a chunk the full ring drops costs the tenant nothing
+     * (it was charged and then dropped, its tokens spent on nothing) */
+    if (b && over_limit(b, cost, now)) {
+        ring0.ringbuf_discard(rec, BPF_RB_NO_WAKEUP);   /* (another CPU took the room meanwhile) */
+        goto over;
+    }
     rec->session_id = req->session_id;
     rec->request_id = req->request_id;
     rec->tenant = req->tenant;
@@ -415,4 +431,12 @@ int xdp_steer(struct xdp_md *ctx)
     if (cnt)
         *cnt += 1;
     return XDP_DROP;
+
+over:
+    if (more_to_come)
+        cuts.update(&ck, &now);
+    drop(DP_DROP_RATE_LIMITED);
+    if (eth->h_dest[0] & 1)
+        return XDP_DROP;   /* sent to a group address: a reply from it would be a martian */
+    return reply(ctx, eth, iph, ip6h, v6, udph, req, DP_STATUS_RATE_LIMITED);
 }

@@ -1,4 +1,5 @@
 """One store process, several worker processes: a session one writes, another restores."""
+import json
 import multiprocessing
 import time
 
@@ -92,6 +93,25 @@ def test_a_malformed_message_does_not_stop_the_server(server):
             key = session_key(SECRET, 8)
             store.put(key, Delta(b"x" * 10, tokens=(0, 1), codec="raw"))
             assert store.held(key) == 1
+
+
+def test_one_clients_calls_run_in_the_order_it_sent_them(server):
+    """A restore sent right behind a put (a worker's, after the put timed out) runs after it and
+    sees it: what a server running calls at once must keep too."""
+    import zmq
+    key = session_key(SECRET, 9)
+    meta = json.dumps({"tokens": [0, 1], "layers": [0, 0], "codec": "raw"}).encode()
+    with zmq.Context() as zctx, zctx.socket(zmq.DEALER) as client:
+        client.linger = 0
+        client.connect(server)
+        client.send_multipart([b"", (1).to_bytes(8, "little"), b"put", key, b"p" * (1 << 20), meta])
+        client.send_multipart([b"", (2).to_bytes(8, "little"), b"restore", key])
+        replies = []
+        for _ in range(2):
+            assert client.poll(30_000), "the store server did not answer"
+            replies.append(client.recv_multipart())
+    assert [r[1] for r in replies] == [(1).to_bytes(8, "little"), (2).to_bytes(8, "little")]
+    assert replies[0][2] == b"ok" and replies[1][2] == b"ok" and replies[1][4] == b"p" * (1 << 20)
 
 
 def test_no_server_is_a_clear_error_and_is_waited_for_once_per_timeout(tmp_path):
