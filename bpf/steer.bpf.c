@@ -8,9 +8,10 @@
  * as a struct dp_chunk (native/chunk.h), cut after its tokens, into its
  * queue's ring buffer with an XDP stamp, then the packet is dropped: the
  * consumer has everything.
- * A record over its tenant's token bucket (a chunk, or a control record: each
- * costs its tokens, one at least) never reaches user space: the packet is
- * rewritten in place into a 429 response and sent back (XDP_TX);
+ * A record over its tenant's token bucket (a chunk, an OPEN or a COUNT_TOKENS:
+ * each costs its tokens, one at least; a CLOSE is free) never reaches user
+ * space: the packet is rewritten in place into a 429 response and sent back
+ * (XDP_TX);
  * a valid request over IPv6 is answered 400 the same way (responses go to
  * the IPv4 address a chunk carries);
  * the rest of its request, if it has more chunks, is dropped (the `cuts` map).
@@ -371,12 +372,14 @@ int xdp_steer(struct xdp_md *ctx)
     now = limits || pol->stamp_validated ? bpf_ktime_get_ns() : 0;
     if (limits) {
         __u32 tenant = req->tenant;
-        b = buckets.lookup(&tenant);
+        /* a CLOSE is free: it frees what the session holds, and refused it would leave that
+         * held; it draws no body */
+        b = kind != DP_KIND_CLOSE ? buckets.lookup(&tenant) : NULL;
         /* a request of several chunks is cut once: one 429, and its later chunks neither
          * charged nor answered again (the router drops what did pass: chunk.h, dp_cut_key).
          * One-chunk requests stay out of the map: a flood of them would push the others out.
-         * An OPEN refused cuts its request of several chunks too; CLOSE and COUNT_TOKENS never
-         * do (a priced count's ids may be its request's). */
+         * An OPEN refused cuts its request of several chunks too; a COUNT_TOKENS never does
+         * (a priced count's ids may be its request's). */
         ck = (struct dp_cut_key){ .session_id = req->session_id, .request_id = req->request_id,
                                   .tenant = tenant };
         more_to_come = req->chunk_count > 1 && (kind == DP_KIND_CHUNK || kind == DP_KIND_OPEN);
@@ -384,8 +387,9 @@ int xdp_steer(struct xdp_md *ctx)
         /* signed: a cut another CPU stamped after this one read its clock is live, not 2^64 ns old */
         if (cut && (__s64)(now - *cut) < (__s64)DP_CUT_TTL_NS)
             return drop(DP_DROP_CUT_REQUEST);
-        /* every record costs its tokens, one at least: an OPEN or COUNT_TOKENS draws an answer
-         * with a body, and free they let a sender past its rate (reflected, with a forged source) */
+        /* every other record costs its tokens, one at least: an OPEN or COUNT_TOKENS draws an
+         * answer with a body, and free they let a sender past its rate (reflected, with a
+         * forged source) */
         cost = n ? n : 1;
         if (b && !has_room(b, cost, now))
             goto over;

@@ -95,8 +95,8 @@ struct dp_response_rec {
 };
 
 /* Key of the steering program's `cuts` LRU map (value: the cut's bpf_ktime_get_ns), written
- * by XDP, read by the router: a request of several chunks whose chunk the tenant's bucket
- * refused. That chunk is answered 429; the request's later chunks, for DP_CUT_TTL_NS, are
+ * by XDP, read by the router: a request of several chunks whose chunk, or OPEN, the tenant's
+ * bucket refused. That record is answered 429; the request's later chunks, for DP_CUT_TTL_NS, are
  * dropped uncharged and unanswered; and the router, finding the key when what did pass of it
  * expires, drops that without a 400 (router.c, expire_stalled). */
 struct dp_cut_key {

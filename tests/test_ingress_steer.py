@@ -140,11 +140,12 @@ CASES = [
     case("ethernet header only", VALID[:14], XDP_PASS, "pass"),
     # over the tenant's budget: answered from XDP
     case("over the token bucket, ipv4", VALID, XDP_TX, "drop_rate_limited", setup=limited),
-    # control records cost their tokens too, one at least: free, each drew an answer with a body
+    # OPEN and COUNT_TOKENS cost their tokens too, one at least: free, each drew an answer with a
+    # body; a CLOSE stays free (refused, the session would stay held)
     case("open, over the token bucket", frame(req(tokens=(), kind=wire.KIND_OPEN, chunk_count=3)), XDP_TX,
          "drop_rate_limited", setup=limited),
-    case("close, over the token bucket", frame(req(tokens=(), kind=wire.KIND_CLOSE)), XDP_TX,
-         "drop_rate_limited", setup=limited),
+    case("close, over the token bucket", frame(req(tokens=(), kind=wire.KIND_CLOSE)), XDP_DROP, "queued", HASHED,
+         limited),
     case("count_tokens, over the token bucket", frame(req(kind=wire.KIND_COUNT_TOKENS)), XDP_TX,
          "drop_rate_limited", setup=limited),
     # over IPv6: answered 400 from XDP, before any bucket (its answer would go to an IPv4 address)
@@ -290,14 +291,14 @@ def test_an_open_over_the_bucket_cuts_its_request_and_a_count_does_not(ig):
     ig, consumer = ig
     limited(ig)
     settle(ig, consumer)
-    count = frame(req(kind=wire.KIND_COUNT_TOKENS, request_id=79))
+    count = frame(req(kind=wire.KIND_COUNT_TOKENS, request_id=79, chunk_count=2))
     assert prog_test_run(ig.fn.fd, count)[0] == XDP_TX
     opened = frame(req((), kind=wire.KIND_OPEN, request_id=78, chunk_count=2))
     assert prog_test_run(ig.fn.fd, opened)[0] == XDP_TX
     ig.set_rate(7, tokens_per_minute=1, burst_tokens=128)          # a full bucket again
     before = ig.counters()
     assert prog_test_run(ig.fn.fd, frame(req(request_id=78, chunk_count=2)))[0] == XDP_DROP
-    assert prog_test_run(ig.fn.fd, frame(req(request_id=79)))[0] == XDP_DROP
+    assert prog_test_run(ig.fn.fd, frame(req(request_id=79, chunk_count=2)))[0] == XDP_DROP
     after = ig.counters()
     assert {k: after[k] - before[k] for k in after if after[k] != before[k]} == {
         "drop_cut_request": 1, "queued": 1, f"queue{HASHED}": 1}
