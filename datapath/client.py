@@ -52,14 +52,21 @@ def interleave(sessions: list[list[bytes]]) -> list[bytes]:
 
 def _check_whole_requests(packets: list[bytes]) -> list[bool]:
     """With sequence ids, a request's chunks must be consecutive packets, chunk 0 first (loadgen.c
-    numbers a request by its first chunk). Read raw: packets may be malformed on purpose.
-    Returns, per packet, whether a request starts there."""
+    numbers a request by its first chunk); a COUNT_TOKENS record is a request of its own, whatever
+    chunk count it prices. Read raw: packets may be malformed on purpose. Returns, per packet,
+    whether a request starts there."""
     idx_at, count_at = wire.REQ_OFFSETS["chunk_index"][0], wire.REQ_OFFSETS["chunk_count"][0]
+    kind_at = wire.REQ_OFFSETS["kind"][0]
     want, starts = 0, []
     for p in packets:
         starts.append(want == 0)      # (a short packet, malformed on purpose, stands alone)
         if len(p) < wire.REQ_HDR_LEN:
             want = 0
+            continue
+        if p[kind_at] in (wire.KIND_OPEN, wire.KIND_CLOSE):
+            raise ValueError("stamp_seq numbers each request by its own packets: an OPEN or CLOSE would get "
+                             "an id of its own, not its request's or session's; send them with stamp_seq=False")
+        if p[kind_at] == wire.KIND_COUNT_TOKENS and want == 0:
             continue
         index = int.from_bytes(p[idx_at:idx_at + 2], "little")
         count = int.from_bytes(p[count_at:count_at + 2], "little")
@@ -77,6 +84,22 @@ def count_tokens_packet(tenant: int, session_id: int, request_id: int, tokens, m
     the price needs (the estimate is chunk_count x 128); the answer is a 200 with the breakdown."""
     first = request_packets(tenant, session_id, request_id, tokens, max_output_tokens, kind=wire.KIND_COUNT_TOKENS)
     return first[0]
+
+
+def open_packet(tenant: int, session_id: int, request_id: int, tokens, max_output_tokens: int = 0) -> bytes:
+    """The OPEN record announcing a request of `tokens` (its chunk count; no tokens of its own): the
+    router admits it, and reserves room for its chunks, before they come. Send it first, then the
+    request's chunks (request_packets) with the same ids."""
+    chunks = max(1, math.ceil(len(tuple(tokens)) / wire.MAX_CHUNK_TOKENS))
+    return wire.encode_request(wire.Request(kind=wire.KIND_OPEN, tenant=tenant, session_id=session_id,
+                                            request_id=request_id, chunk_index=0, chunk_count=chunks,
+                                            tokens=(), max_output_tokens=max_output_tokens))
+
+
+def close_packet(tenant: int, session_id: int, request_id: int) -> bytes:
+    """The CLOSE record: the client is done with the session (its KV and snapshots are freed)."""
+    return wire.encode_request(wire.Request(kind=wire.KIND_CLOSE, tenant=tenant, session_id=session_id,
+                                            request_id=request_id, chunk_index=0, chunk_count=1, tokens=()))
 
 
 MAX_COUNT = 1 << 24          # loadgen.c keeps a schedule slot per packet (stamp_seq)

@@ -296,3 +296,30 @@ def test_what_the_load_generator_cannot_do_is_said_in_words_and_costs_no_memory(
         assert 0 < res["sent"] < 1000
     finally:
         sink.close(), tx.close()
+
+
+def test_open_close_and_a_count_that_stands_alone_with_sequence_ids():
+    """The client had no helper for an OPEN announcing a request of several chunks (an OPEN of the
+    request's tokens was refused for carrying tokens), and a COUNT_TOKENS pricing a request of
+    several chunks, one record, was refused under sequence ids as a request cut short."""
+    import pytest
+    opened = wire.decode_request(client.open_packet(1, 5, 9, range(300), max_output_tokens=7))
+    assert (opened.kind, opened.chunk_count, opened.tokens, opened.max_output_tokens) == (wire.KIND_OPEN, 3, (), 7)
+    closed = wire.decode_request(client.close_packet(1, 5, 10))
+    assert (closed.kind, closed.session_id, closed.chunk_count, closed.tokens) == (wire.KIND_CLOSE, 5, 1, ())
+    sink, tx = pair()
+    try:
+        count = client.count_tokens_packet(1, 5, 9, range(300))
+        assert wire.decode_request(count).chunk_count == 3
+        res = client.send(tx, [count], rate=20000, count=3, duration=5, drain_ms=0, seq_base=100)
+        assert res["sent"] == 3 and res["requests"] == 3
+        assert sorted(wire.decode_request(sink.recv(2048)).request_id for _ in range(3)) == [100, 101, 102]
+        for control in (client.open_packet(1, 5, 9, range(300)), client.close_packet(1, 5, 10)):
+            with pytest.raises(ValueError, match="OPEN or CLOSE"):     # its id would not be its request's
+                client.send(tx, [control] + client.request_packets(1, 5, 9, range(300)), rate=1000, count=4,
+                            duration=1)
+        res = client.send(tx, [client.open_packet(1, 5, 9, range(300))] + client.request_packets(1, 5, 9, range(300)),
+                          rate=20000, count=4, duration=5, drain_ms=0, stamp_seq=False)
+        assert res["sent"] == 4
+    finally:
+        sink.close(), tx.close()
