@@ -279,6 +279,8 @@ def test_a_turn_the_store_did_not_take_is_answered_503_and_cut_back(model, lands
     if lands:
         assert status == wire.STATUS_OK and store.held((0, 3)) == 41 + 30 and w.stats["store_errors"] == 0
         assert finished(w)[-1].snapshot_error is None
+        # counted as what it was (it was a failure and a snapshot both)
+        assert (w.stats["snapshots"], w.stats["snapshot_replies_lost"], w.stats["snapshot_failures"]) == (2, 1, 0)
     else:
         assert status == wire.STATUS_UNAVAILABLE and store.held((0, 3)) == 41
         assert w.stats["store_errors"] == 1 and "did not answer" in w.last_store_error

@@ -135,10 +135,10 @@ class Worker:
         self.sessions: OrderedDict[SessionKey, _Session] = OrderedDict()  # least recently used first
         self._kv_bytes = 0   # the sessions' cache bytes, kept as they change (not summed over all each step)
         self.finished: list[RequestDone] = []  # appended as requests finish; the caller drains it
-        self.stats = dict(steps=0, records=0, refused=0, snapshots=0, snapshot_failures=0, restores=0,
-                          evictions=0, over_budget_steps=0, stale_dropped=0, replay_restored=0, moved_without_store=0, closed=0, whole_reputs=0, superseded=0,
-                          context_full=0, store_errors=0, replays_durable=0, abandoned=0, unsure_rolled_back=0,
-                          simulated_s=0.0)
+        self.stats = dict(steps=0, records=0, refused=0, snapshots=0, snapshot_failures=0, snapshot_replies_lost=0,
+                          restores=0, evictions=0, over_budget_steps=0, stale_dropped=0, replay_restored=0,
+                          moved_without_store=0, closed=0, whole_reputs=0, superseded=0, context_full=0,
+                          store_errors=0, replays_durable=0, abandoned=0, unsure_rolled_back=0, simulated_s=0.0)
         self.last_store_error: str | None = None
         self._abandoned: dict[SessionKey, int] = {}   # the request released as abandoned, per session
 
@@ -359,9 +359,11 @@ class Worker:
             try:
                 done.snapshot_bytes = self._put_turn(key, s.cache, req)
             except Exception as e:
-                self.stats["snapshot_failures"] += 1
                 held, last = self._store_end(key)
-                if not (held == s.cache.length and last == req.request_id):   # else it landed (a lost reply)
+                if held == s.cache.length and last == req.request_id:
+                    self.stats["snapshot_replies_lost"] += 1   # it landed: a snapshot, its reply lost
+                else:
+                    self.stats["snapshot_failures"] += 1
                     self._store_failed(e)
                     done.snapshot_error = f"{type(e).__name__}: {e}"
                     self._unwind(key, s, req, held)
