@@ -387,22 +387,24 @@ def test_what_the_store_lacks_before_a_turn_goes_in_as_a_delta_of_its_own(model)
            [(0, 41, 0), (41, 72, 2)]
 
 
-def test_a_replay_refused_before_it_began_leaves_no_short_copy_behind(model):
-    """A replay whose own turn is in the store restores the session without it; refused at its
-    first record (too large), that short copy must not stay: the next request would inherit the
-    replay's state and run on a context without the stored turn."""
+def test_a_replay_refused_before_it_began_leaves_neither_its_turn_nor_a_short_copy(model):
+    """A replay whose own turn is in the store takes it back out and restores the session without
+    it; refused at its first record (too large: the client is told 413), the store and the copy
+    agree on the context before it, and the next request runs there. Before session 18 the store
+    kept the first run's turn of a request answered 413 and the copy had to go; the next request
+    ran on top of that turn."""
     store = MemoryStore()
     small = ModelConfig(max_context=160)
     m = Model(small, seed=0)
     first, other, ref = Worker(m, store), Worker(m, store), Worker(m, MemoryStore())
     t1, t2, t3 = (8, 1, prompt(1, 40), 2), (8, 2, prompt(2, 30), 2), (8, 3, prompt(3, 20), 2)
-    for t in (t1, t2):
-        drive(first.step, [t]), drive(ref.step, [t])
+    drive(first.step, [t1]), drive(ref.step, [t1])
+    drive(first.step, [t2])                                      # durable; its answer lost with the worker
     big = prefill_records(8, 2, prompt(4, 250), 2)               # request 2 again, replayed: too large now
     big["flags"] |= records.CHUNK_F_MOVED | records.CHUNK_F_REPLAY
     assert other.step(as_batch([big[:1]]))["e"][0]["status"][0] == wire.STATUS_TOO_LARGE
-    assert not other.holds(8)
-    assert drive(other.step, [t3]) == drive(ref.step, [t3]), "restored whole, both turns"
+    assert store.held((0, 8)) == 41 and other.sessions[(0, 8)].cache.length == 41
+    assert drive(other.step, [t3]) == drive(ref.step, [t3]), "on the context without turn 2"
 
 
 def test_a_request_replayed_back_to_the_worker_that_holds_it_half_done_starts_over(model):
@@ -443,11 +445,11 @@ def replayed(step):
 
 @pytest.mark.parametrize("max_out", [1, 3])
 @pytest.mark.parametrize("whole", [False, True], ids=["delta", "whole re-put"])
-def test_a_replay_whose_turn_is_already_durable_runs_from_before_it_and_is_not_put_twice(model, max_out, whole):
+def test_a_replay_whose_turn_is_already_durable_runs_from_before_it_and_is_stored_once(model, max_out, whole):
     """A worker finishes a request (its turn put, durable) and dies before the router has the
     answer: the router replays the request, flagged REPLAY, on another worker. The store's last
-    delta names the request, so the replay runs from the context before that turn: the same
-    tokens as the first run, and the store holds the turn once. Before, the replay ran on top of
+    delta names the request, so the replay takes that turn back out and runs from the context
+    before it: the same tokens as the first run, and the store holds the turn once (the replay's). Before, the replay ran on top of
     its own turn (the prompt twice in the context: other tokens, and the turn stored twice).
     Also when the turn went in with a whole re-put (the store had evicted the chain): its turn
     is a delta of its own, so the roll-back is exact there too."""
@@ -505,23 +507,29 @@ def test_a_moved_request_with_a_reused_id_is_no_replay(model):
     assert finished(b)[-1].restored_tokens == 41 and b.stats["replays_durable"] == 0
 
 
-def test_a_replay_given_up_on_leaves_the_session_to_the_store_s_copy(model):
-    """A replay that rolled back its durable turn and is then superseded (the router failed it)
-    drops the session: the next request restores the store's copy, turn included, and its put
-    continues the chain. Before the drop, the copy was behind the store's: every put failed."""
+@pytest.mark.parametrize("retried_on", ["the replay's worker", "another (the replay's died)"])
+def test_a_replay_given_up_on_leaves_no_turn_of_it_in_the_store(model, retried_on):
+    """A replay that found its first run's turn durable, and is then given up on (the router
+    failed it, or its worker died: the client is told 503), leaves the store without that turn,
+    so the client's retry (a new request) runs on the context it had. Before session 18 the
+    replay kept the first run's turn in the store and the next request restored it: the retry ran
+    on top of it, the prompt twice (found by review)."""
     store = MemoryStore()
     turn1, turn2 = (7, 1, prompt(1, 40), 2), (7, 2, prompt(2, 200), 2)
     w = Worker(model, store)
     drive(w.step, [turn1]), drive(w.step, [turn2])
-    held = store.held((0, 7))
     replay = Worker(model, store)
     piece = prefill_records(7, 2, prompt(2, 200), 2)[:1]
     piece["flags"] |= records.CHUNK_F_MOVED | records.CHUNK_F_REPLAY
     replay.step(as_batch([piece]))                   # its first piece only: then the router gives up
-    assert replay.stats["replays_durable"] == 1
-    drive(replay.step, [(7, 3, prompt(3, 10), 2)])
-    done = finished(replay)[-1]
-    assert done.restored_tokens == held and done.snapshot_error is None and store.held((0, 7)) == held + 10 + 1
+    assert replay.stats["replays_durable"] == 1 and store.held((0, 7)) == 41
+    retry, ref = (7, 3, prompt(2, 200), 2), Worker(model, MemoryStore())
+    drive(ref.step, [turn1])
+    worker = replay if retried_on == "the replay's worker" else Worker(model, store)
+    assert drive(worker.step, [retry]) == drive(ref.step, [retry]), "on the context before turn 2"
+    done = finished(worker)[-1]
+    assert done.context_tokens == 41 + 200 + 1 and done.snapshot_error is None
+    assert store.held((0, 7)) == 41 + 200 + 1
 
 
 def test_a_request_the_router_gave_up_on_is_released_and_its_session_evicted(model, monkeypatch):

@@ -97,7 +97,6 @@ class _Request:
     restored_tokens: int
     stamps: dict[str, int]
     start_len: int = 0       # the session's KV length before it: what it is cut back to if superseded
-    durable_end: int = 0     # a replay whose own turn the store holds already: that turn's end (_restore)
     last_step: int = 0       # the last step that ran any of it (monotonic ns): _release_abandoned
     prefill_done: bool = False
     replay: bool = False     # begun from a record flagged CHUNK_F_REPLAY
@@ -110,7 +109,6 @@ class _Session:
     cache: KVCache
     request: _Request | None = None
     restored_tokens: int = 0  # handed to the session's next request, which reports them
-    durable_end: int = 0      # handed to it too (_restore)
     unsure: int | None = None  # a request answered 503 whose put the store could not confirm (_settle)
 
 
@@ -236,16 +234,8 @@ class Worker:
             # then the request came back to it): its pieces so far would have been run twice.
             self.stats["superseded"] += 1
             s = self._cut_back(key, s)
-            if s is None:
-                try:
-                    s = self._restore(key)
-                except Exception as e:
-                    self._store_failed(e)
-                    return wire.STATUS_UNAVAILABLE
         queued = sum(len(x) for x in segments[key].tokens) if key in segments else 0
         if s.cache.length + queued + len(tokens) > self.model.config.max_context:
-            if s.request is None and s.durable_end:
-                self._drop(key)              # restored short of its own turn for this replay: behind the store
             return wire.STATUS_TOO_LARGE
         if s.request is None:
             if self.store is None and rec["flags"] & records.CHUNK_F_MOVED:
@@ -253,8 +243,8 @@ class Worker:
             stamps = {name: int(rec[name]) for name in ("t_send", "t_xdp", "t_router", "t_lane") if rec[name]}
             stamps["t_worker"] = t_start
             s.request = _Request(rid, int(rec["max_output_tokens"]), s.restored_tokens, stamps, s.cache.length,
-                                 durable_end=s.durable_end, last_step=t_start, replay=replay)
-            s.restored_tokens = s.durable_end = 0
+                                 last_step=t_start, replay=replay)
+            s.restored_tokens = 0
         seg = segments.get(key)
         if s.request.prefill_done or (seg is not None and (seg.decode or seg.answer is not None)):
             return wire.STATUS_UNPROCESSABLE  # prompt after the final piece
@@ -329,20 +319,30 @@ class Worker:
         """The session from the store. moved_request: the id of the request it is restored for, when
         that request last ran elsewhere (a failover's replay among them). If the store's last delta
         is that request's own, its worker put its turn and died before the router had the answer:
-        the request runs again from the context before that turn (the same tokens come out), and
-        the turn is not put twice. Before, the replay ran on top of its own turn: a context holding
-        the prompt twice, and other tokens."""
+        the turn is taken back out of the store first (the chain replaced by the context before
+        it, in one put), and the request runs again from there and puts its own turn when it ends.
+        So the store holds a turn only of a request answered 200: a replay the router then gives
+        up on (the client told 503) left the first run's turn behind, and the client's retry ran
+        on top of it (found by review in session 18). Before that, a replay ran on top of its own
+        turn: a context holding the prompt twice, and other tokens."""
         chain = self.store.restore(key) if self.store is not None else []
-        durable_end = 0
+        taken_back = False
         if chain and moved_request:           # 0 names no request: a whole re-put's first delta has it
             last = kvdelta.header(chain[-1])
-            if last["request_id"] == moved_request:
-                durable_end, chain = last["token_end"], chain[:-1]
-                self.stats["replays_durable"] += 1
+            taken_back = last["request_id"] == moved_request
+            if taken_back:
+                chain = chain[:-1]
         cache = kvdelta.restore(chain, self.model.config) if chain else KVCache(self.model.config)
+        if taken_back:
+            if cache.length:
+                self._put(key, cache, 0, 0, replace=True)
+            else:
+                self.store.delete(key)
+            cache.snapshot_len = cache.length
+            self.stats["replays_durable"] += 1
         if chain:
             self.stats["restores"] += 1
-        s = self.sessions[key] = _Session(cache, restored_tokens=cache.length, durable_end=durable_end)
+        s = self.sessions[key] = _Session(cache, restored_tokens=cache.length)
         self._kv_bytes += cache.nbytes
         return s
 
@@ -353,9 +353,7 @@ class Worker:
                            logits=np.array(req.logits, np.float32).reshape(len(req.tokens), vocab)
                            if self.return_logits else None)
         done.stamps["t_last_token"] = t_step
-        if req.durable_end and req.durable_end == s.cache.length:
-            s.cache.snapshot_len = s.cache.length     # the store holds this very turn (_restore)
-        elif self.store is not None and s.cache.length > s.cache.snapshot_len:
+        if self.store is not None and s.cache.length > s.cache.snapshot_len:
             try:
                 done.snapshot_bytes = self._put_turn(key, s.cache, req)
             except Exception as e:
@@ -468,13 +466,9 @@ class Worker:
         if self.store is not None:
             self.store.delete((tenant, session_id))
 
-    def _cut_back(self, key: SessionKey, s: _Session) -> _Session | None:
-        """The session without its unfinished request's KV; None if it had to go (a replay whose
-        turn is in the store: this copy is behind the store's, which the next request restores)."""
+    def _cut_back(self, key: SessionKey, s: _Session) -> _Session:
+        """The session without its unfinished request's KV (the store holds none of it)."""
         req, s.request = s.request, None
-        if req.durable_end:
-            self._drop(key)
-            return None
         s.cache.length = req.start_len
         return s
 
