@@ -97,7 +97,9 @@ def _offer(p: Pipeline, rate: float, seconds: float, count: int | None = None, *
             "wall_s": time.monotonic() - t, "rtt_ns": rtt, "by_status": r["by_status"],
             "sample_body": r["sample_body"], "seq_base": r["seq_base"], "packets": r["sent"],
             "merge_wait_ns_mean": r["merge_wait_ns_mean"], "steal_pct": _steal_pct(steal, _cpu_steal()),
-            "send_errors": r["send_errors"], "duplicates": r["duplicates"], "strays": r["strays"]}
+            "send_errors": r["send_errors"], "duplicates": r["duplicates"], "strays": r["strays"],
+            # packets the sender never came to: it fell 3x behind its schedule and its deadline ended it
+            "unsent": max(0, count - r["sent"] - r["send_errors"])}
 
 
 def _together(p: Pipeline, *offers: dict) -> list[dict]:
@@ -130,8 +132,9 @@ def _all_answered(what: str, *results: dict):
     would look fast), a second answer is in no count, and a packet not sent was never offered."""
     bad = [f"{r['errors']} of {r['requests']} requests not answered 200" + (
            f", {r['send_errors']} packets not sent" if r.get("send_errors") else "") + (
+           f", {r['unsent']} packets never sent (the sender fell behind)" if r.get("unsent") else "") + (
            f", {r['duplicates']} answered twice" if r.get("duplicates") else "")
-           for r in results if r["errors"] or r.get("send_errors") or r.get("duplicates")]
+           for r in results if r["errors"] or r.get("send_errors") or r.get("unsent") or r.get("duplicates")]
     if bad:
         raise RuntimeError(f"{what}: {'; '.join(bad)}: its figures would leave them out")
 
@@ -308,6 +311,7 @@ def _lightest_alternating(report, workers: int, device: str | None, rate: float,
                "unanswered": sum(r["unanswered"] for r in g["res"]),
                "send_errors": sum(r["send_errors"] for r in g["res"]),
                "duplicates": sum(r["duplicates"] for r in g["res"]),
+               "unsent": sum(r["unsent"] for r in g["res"]),
                "late_mean_us": float(np.mean([r["late_mean_us"] for r in g["res"]])),
                "late_max_ms": max(r["late_max_ms"] for r in g["res"]),
                "steal_pct": float(np.mean([r["steal_pct"] for r in g["res"]]))}

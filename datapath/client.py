@@ -217,12 +217,14 @@ def run_in_netns(netns: str, fn, *args, cpu: int | None = None, rt_priority: int
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not select.select([r], [], [], left)[0]:
-                os.kill(pid, 9)
                 raise TimeoutError(f"the client in {netns} did not finish in {timeout} s")
             data = os.read(r, 1 << 20)
             if not data:
                 break
             chunks.append(data)
+    except BaseException:
+        os.kill(pid, 9)       # a timeout, or Ctrl-C: the waitpid below waited out the whole send
+        raise
     finally:
         os.close(r)
         os.waitpid(pid, 0)
