@@ -3,7 +3,7 @@
   metrics.step_ms_b<batch>_ctx<len>      one decode step of <batch> sessions, each at context <len>
                                          (median of a few steps; numpy float32 on this machine)
   metrics.delta_bytes_decode_step_<codec> / delta_bytes_chunk128_<codec>
-                                         stored bytes (56-byte header included) of the delta one
+                                         stored bytes (64-byte header included) of the delta one
                                          decode step adds, and of a 128-token prompt chunk (means)
   metrics.codec_encode_ns_per_kib_<codec> / codec_decode_ns_per_kib_<codec>
                                          per KiB of fp16 KV, on 128-token chunk deltas, against

@@ -1,5 +1,6 @@
 """bench worker --quick follows the contract and reports the issue's metric and reference names."""
 from bench_support import run_suite
+from datapath.serving import kvdelta
 
 
 def test_worker_suite_names_and_ratios(tmp_path):
@@ -15,7 +16,8 @@ def test_worker_suite_names_and_ratios(tmp_path):
     for ctx in (512, 2048):
         assert f"restore_ms_ctx{ctx}_vs_recompute_ms_ctx{ctx}" in ratios and f"recompute_ms_ctx{ctx}" in refs
     assert any("8192 skipped" in n for n in data["notes"]), "quick mode says what it skipped"
-    assert m["delta_bytes_decode_step_raw"] == 56 + 1024 and m["delta_bytes_chunk128_raw"] == 56 + 128 * 1024
+    hdr = kvdelta.HEADER_LEN
+    assert m["delta_bytes_decode_step_raw"] == hdr + 1024 and m["delta_bytes_chunk128_raw"] == hdr + 128 * 1024
     assert 0 <= m["int8_greedy_mismatch_rate_per_step"] <= 1
     for name, value in ratios.items():
         metric, ref = name.split("_vs_")

@@ -75,7 +75,7 @@ def test_corruption_fails_with_a_clear_error(model, session, codec, where):
 
 @pytest.mark.parametrize("mangle,message", [
     (lambda b: b[:-1], "truncated"),
-    (lambda b: b[:20], "shorter than its 56-byte header"),
+    (lambda b: b[:20], "shorter than its 64-byte header"),
     (lambda b: b"XXXX" + b[4:], "not a KV delta"),
 ])
 def test_malformed_deltas(model, session, mangle, message):
@@ -84,21 +84,25 @@ def test_malformed_deltas(model, session, mangle, message):
         kvdelta.decode(mangle(blob), model.config)
 
 
-def test_the_request_id_travels_and_format_1_deltas_are_still_read(model, session):
+def test_the_request_id_and_send_stamp_travel_and_formats_1_and_2_are_still_read(model, session):
     import struct
     import zlib
-    blob = kvdelta.encode(kvdelta.export_delta(session, 0, 8), model.config, "zstd", request_id=2**63 + 5)
-    assert kvdelta.header(blob)["request_id"] == 2**63 + 5 and len(blob) == 56 + kvdelta.header(blob)["payload_len"]
+    blob = kvdelta.encode(kvdelta.export_delta(session, 0, 8), model.config, "zstd", request_id=2**63 + 5,
+                          sent_ns=2**62 + 7)
+    h = kvdelta.header(blob)
+    assert (h["request_id"], h["sent_ns"]) == (2**63 + 5, 2**62 + 7) and len(blob) == 64 + h["payload_len"]
     f = list(kvdelta.HEADER.unpack_from(blob))
-    old = kvdelta.HEADER_V1.pack(*f[:1], 1, *f[2:11], 0)     # format 1, the same fields, no request id
     payload = blob[kvdelta.HEADER_LEN:]
-    crc = zlib.crc32(payload, zlib.crc32(old))
-    v1 = old[:-4] + struct.pack("<I", crc) + payload
-    assert kvdelta.header(v1)["request_id"] == 0
-    back = kvdelta.decode(v1, model.config)
-    assert np.array_equal(back.k, session.k[:, :, :8]) and (back.token_start, back.token_end) == (0, 8)
-    with pytest.raises(DeltaError, match="format 3 is not supported"):
-        kvdelta.header(blob[:4] + struct.pack("<H", 3) + blob[6:])
+    for fmt, old in ((1, kvdelta.HEADER_V1.pack(*f[:1], 1, *f[2:11], 0)),     # no request id
+                     (2, kvdelta.HEADER_V2.pack(*f[:1], 2, *f[2:12], 0))):    # no send stamp
+        crc = zlib.crc32(payload, zlib.crc32(old))
+        before = old[:-4] + struct.pack("<I", crc) + payload
+        h = kvdelta.header(before)
+        assert (h["request_id"], h["sent_ns"]) == ((0 if fmt == 1 else 2**63 + 5), 0)
+        back = kvdelta.decode(before, model.config)
+        assert np.array_equal(back.k, session.k[:, :, :8]) and (back.token_start, back.token_end) == (0, 8)
+    with pytest.raises(DeltaError, match="format 4 is not supported"):
+        kvdelta.header(blob[:4] + struct.pack("<H", 4) + blob[6:])
 
 
 def test_delta_for_another_model_is_refused(model, session):

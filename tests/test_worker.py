@@ -492,6 +492,32 @@ def test_a_replay_back_on_the_worker_that_finished_it_runs_from_before_its_turn(
     assert w.stats["replay_restored"] == 1 and w.stats["replays_durable"] == 1
 
 
+def sent_at(step, t_send, replay=False):
+    """The records stamped with the client's send time (the router copies the request's first
+    chunk's onto every record of it), and flagged as a failover's replay if asked."""
+    def exchange(batch):
+        batch["t_send"] = t_send
+        if replay:
+            batch["flags"] |= records.CHUNK_F_MOVED | records.CHUNK_F_REPLAY
+        return step(batch)
+    return exchange
+
+
+def test_a_replay_does_not_take_back_an_earlier_request_s_turn_that_reused_its_id(model):
+    """The store's last turn is an answered request's; the client reuses its id for the session's
+    next request, whose worker dies before its put, and the router replays it. The take-back
+    matched by id alone removed the answered turn (the replay ran on a context without it, and
+    the store lost it); the turn's send stamp tells the two requests apart."""
+    store = MemoryStore()
+    first, second = (7, 5, prompt(1, 40), 2), (7, 5, prompt(2, 30), 2)
+    drive(sent_at(Worker(model, store).step, 1_000), [first])
+    replay, ref = Worker(model, store), Worker(model, MemoryStore())
+    got = drive(sent_at(replay.step, 2_000, replay=True), [second])
+    drive(ref.step, [first])
+    assert got == drive(ref.step, [second]), "on the context with the earlier turn"
+    assert replay.stats["replays_durable"] == 0 and store.held((0, 7)) == 41 + 30 + 1
+
+
 def test_a_moved_request_with_a_reused_id_is_no_replay(model):
     """Only the router's REPLAY flag means "maybe already durable": a request merely flagged
     MOVED whose id equals the store's last delta's (a client reusing ids) runs on the whole

@@ -1,23 +1,25 @@
 """KV deltas: the K/V entries a session gained since its last snapshot, and their codecs.
 
 A delta covers tokens [token_start, token_end) of one session, for every layer
-and KV head, and names the request that wrote it. Its stored form is a 56-byte
+and KV head, and names the request that wrote it. Its stored form is a 64-byte
 header and a codec payload:
 
   off  field            off  field
     0  magic "ZLKD"      24  n_layers u16, n_kv_heads u16
-    4  format u16 = 2    28  head_dim u16, reserved u16 = 0
+    4  format u16 = 3    28  head_dim u16, reserved u16 = 0
     6  codec_version u16 32  token_start u32
     8  codec name 16s    36  token_end u32
                          40  payload_len u32
                          44  request_id u64 (0: none)
-                         52  crc32 u32 (zlib CRC-32 of the header with this field 0, then the payload)
+                         52  sent_ns u64 (the request's client send stamp; 0: none)
+                         60  crc32 u32 (zlib CRC-32 of the header with this field 0, then the payload)
 
 Little-endian. The checksum lets a corrupted delta fail at import with a clear
 error; the snapshot store adds its own record checksum around it. The request id
-lets a worker that replays a request after a failover see that its turn is
-already in the store (worker.py, _restore). Format 1 (48 bytes, no request id)
-is still read.
+and its send stamp let a worker that replays a request after a failover see that
+its turn is already in the store (worker.py, _restore): the id alone matched an
+earlier request of the session that reused it. Formats 1 (48 bytes, no request
+id) and 2 (56 bytes, no send stamp) are still read.
 
 Codecs (name, version):
   raw 1        K then V, fp16, (layers, KV heads, tokens, head dim) order
@@ -40,11 +42,12 @@ import zstandard
 from .model import KV_DTYPE, KVCache, ModelConfig
 
 MAGIC = b"ZLKD"
-FORMAT = 2
-HEADER = struct.Struct("<4sHH16sHHHHIIIQI")
-HEADER_LEN = HEADER.size  # 56
+FORMAT = 3
+HEADER = struct.Struct("<4sHH16sHHHHIIIQQI")
+HEADER_LEN = HEADER.size  # 64
 CRC_OFFSET = HEADER_LEN - 4
 HEADER_V1 = struct.Struct("<4sHH16sHHHHIIII")   # format 1: no request id
+HEADER_V2 = struct.Struct("<4sHH16sHHHHIIIQI")  # format 2: no send stamp
 
 
 class DeltaError(ValueError):
@@ -166,13 +169,13 @@ def export_delta(cache: KVCache, start: int | None = None, end: int | None = Non
     return KVDelta(start, end, k, v)
 
 
-def encode(delta: KVDelta, config: ModelConfig, codec: str = "zstd", request_id: int = 0) -> bytes:
+def encode(delta: KVDelta, config: ModelConfig, codec: str = "zstd", request_id: int = 0, sent_ns: int = 0) -> bytes:
     if codec not in CODECS:
         raise ValueError(f"unknown KV codec {codec!r}: choose one of {', '.join(CODECS)}")
     c = CODECS[codec]
     payload = c.encode(delta.k, delta.v)
     hdr = HEADER.pack(MAGIC, FORMAT, c.version, c.name.encode(), config.n_layers, config.n_kv_heads,
-                      config.head_dim, 0, delta.token_start, delta.token_end, len(payload), request_id, 0)
+                      config.head_dim, 0, delta.token_start, delta.token_end, len(payload), request_id, sent_ns, 0)
     crc = zlib.crc32(payload, zlib.crc32(hdr))
     return hdr[:CRC_OFFSET] + struct.pack("<I", crc) + payload
 
@@ -184,19 +187,23 @@ def header(buf: bytes) -> dict:
     magic, fmt = struct.unpack_from("<4sH", buf)
     if magic != MAGIC:
         raise DeltaError(f"not a KV delta: magic {magic!r}, expected {MAGIC!r}")
+    rid = sent = 0
     if fmt == 1:
         _, _, cver, name, L, H, D, _, start, end, plen, crc = HEADER_V1.unpack_from(buf)
-        rid, hlen = 0, HEADER_V1.size
-    elif fmt == FORMAT:
-        if len(buf) < HEADER_LEN:
-            raise DeltaError(f"KV delta is {len(buf)} bytes, shorter than its {HEADER_LEN}-byte header")
-        _, _, cver, name, L, H, D, _, start, end, plen, rid, crc = HEADER.unpack_from(buf)
-        hlen = HEADER_LEN
+        hlen = HEADER_V1.size
+    elif fmt in (2, FORMAT):
+        hlen = (HEADER_V2 if fmt == 2 else HEADER).size
+        if len(buf) < hlen:
+            raise DeltaError(f"KV delta is {len(buf)} bytes, shorter than its {hlen}-byte header")
+        if fmt == 2:
+            _, _, cver, name, L, H, D, _, start, end, plen, rid, crc = HEADER_V2.unpack_from(buf)
+        else:
+            _, _, cver, name, L, H, D, _, start, end, plen, rid, sent, crc = HEADER.unpack_from(buf)
     else:
-        raise DeltaError(f"KV delta format {fmt} is not supported (this build reads formats 1 and {FORMAT})")
+        raise DeltaError(f"KV delta format {fmt} is not supported (this build reads formats 1 to {FORMAT})")
     return dict(codec=name.rstrip(b"\0").decode(errors="replace"), codec_version=cver, n_layers=L,
                 n_kv_heads=H, head_dim=D, token_start=start, token_end=end, payload_len=plen, request_id=rid,
-                crc32=crc, header_len=hlen)
+                sent_ns=sent, crc32=crc, header_len=hlen)
 
 
 def decode(buf: bytes, config: ModelConfig) -> KVDelta:

@@ -221,7 +221,7 @@ class Worker:
                 self.stats["replay_restored"] += 1
                 s = None
             if s is None:
-                s = self._restore(key, rid if rec["flags"] & records.CHUNK_F_REPLAY else None)
+                s = self._restore(key, (rid, int(rec["t_send"])) if rec["flags"] & records.CHUNK_F_REPLAY else None)
         except Exception as e:               # kvdelta.DeltaError (a corrupt delta) among them
             self._store_failed(e)
             return wire.STATUS_UNAVAILABLE
@@ -315,21 +315,23 @@ class Worker:
         self.stats["store_errors"] += 1
         self.last_store_error = f"{type(e).__name__}: {e}"
 
-    def _restore(self, key: SessionKey, moved_request: int | None = None) -> _Session:
-        """The session from the store. moved_request: the id of the request it is restored for, when
-        that request last ran elsewhere (a failover's replay among them). If the store's last delta
-        is that request's own, its worker put its turn and died before the router had the answer:
-        the turn is taken back out of the store first (the chain replaced by the context before
-        it, in one put), and the request runs again from there and puts its own turn when it ends.
-        So the store holds a turn only of a request answered 200: a replay the router then gives
-        up on (the client told 503) left the first run's turn behind, and the client's retry ran
-        on top of it (found by review in session 18). Before that, a replay ran on top of its own
-        turn: a context holding the prompt twice, and other tokens."""
+    def _restore(self, key: SessionKey, replay: tuple[int, int] | None = None) -> _Session:
+        """The session from the store. replay: (request id, client send stamp) of the request it is
+        restored for, when the router replays it (a failover). If the store's last delta is that
+        request's own (its id, and its send stamp where both have one: an id alone also matched an
+        earlier, answered request of the session that reused it), its worker put its turn and died
+        before the router had the answer. The turn is taken back out of the store first (the chain
+        replaced by the context before it, in one put); the request runs again from there and
+        puts its own turn when it ends. Before session 18 the replay kept the first run's turn and
+        put none, so a replay the router then gave up on (the client told 503) left that turn
+        behind, and the client's retry ran on top of it (found by review). If the take-back fails,
+        this record is answered 503 and the turn stays. Earlier still, a replay ran on top of
+        its own turn: a context holding the prompt twice, and other tokens."""
         chain = self.store.restore(key) if self.store is not None else []
         taken_back = False
-        if chain and moved_request:           # 0 names no request: a whole re-put's first delta has it
-            last = kvdelta.header(chain[-1])
-            taken_back = last["request_id"] == moved_request
+        if chain and replay and replay[0]:    # 0 names no request: a whole re-put's first delta has it
+            last, (rid, sent) = kvdelta.header(chain[-1]), replay
+            taken_back = last["request_id"] == rid and (not last["sent_ns"] or not sent or last["sent_ns"] == sent)
             if taken_back:
                 chain = chain[:-1]
         cache = kvdelta.restore(chain, self.model.config) if chain else KVCache(self.model.config)
@@ -388,7 +390,8 @@ class Worker:
         request, then the turn, so a replay of the request finds its turn as the last delta and rolls
         back exactly that (_restore)."""
         n = self._put(key, cache, start, 0, req.start_len) if start < req.start_len else 0
-        return n + self._put(key, cache, max(start, req.start_len), req.request_id)
+        return n + self._put(key, cache, max(start, req.start_len), req.request_id,
+                             sent_ns=req.stamps.get("t_send", 0))
 
     def _last_delta(self, key: SessionKey) -> dict | None:
         """The header of the store's last delta of the session (None: it holds none). It reads
@@ -450,11 +453,12 @@ class Worker:
         return s
 
     def _put(self, key: SessionKey, cache: KVCache, start: int, request_id: int, end: int | None = None,
-             replace: bool = False) -> int:
+             replace: bool = False, sent_ns: int = 0) -> int:
         """Put the session's entries [start, end or length) as one delta (replace: as the whole chain);
         its stored size once durable."""
         end = cache.length if end is None else end
-        blob = kvdelta.encode(kvdelta.export_delta(cache, start, end), self.model.config, self.codec, request_id)
+        blob = kvdelta.encode(kvdelta.export_delta(cache, start, end), self.model.config, self.codec, request_id,
+                              sent_ns)
         meta = dict(token_start=start, token_end=end, codec=self.codec, request_id=request_id)
         self.store.put(key, blob, {**meta, "replace": True} if replace else meta)
         return len(blob)
