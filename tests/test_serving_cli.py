@@ -3,13 +3,15 @@ import numpy as np
 import pytest
 
 from datapath.cli import main
+from datapath.serving import kvdelta
 
 
 def test_model_info_prints_the_formula_and_measured_sizes(capsys):
     assert main(["model", "info"]) == 0
     out = capsys.readouterr().out
     assert "= 1,024 bytes" in out and "Llama-3-8B (2 x 32 x 8 x 128 x 2): 131,072 bytes" in out
-    assert "raw        decode step   1,080 B   128-token chunk   131,128 B" in out
+    hdr = kvdelta.HEADER_LEN                     # then the raw fp16 entries: 1,024 bytes a token
+    assert f"raw        decode step   {hdr + 1024:,} B   128-token chunk   {hdr + 128 * 1024:,} B" in out
     assert all(f"  {d:<5} decode" in out for d in ("cpu", "l4", "h100", "dpu"))
     assert main(["model", "info", "--layers", "2"]) == 0
     assert "= 512 bytes" in capsys.readouterr().out
