@@ -387,7 +387,7 @@ class Worker:
 
     def _put_from(self, key: SessionKey, cache: KVCache, start: int, req: _Request) -> int:
         """Entries [start, length): what precedes the request's turn as a delta of its own, naming no
-        request, then the turn, so a replay of the request finds its turn as the last delta and rolls
+        request, then the turn, so a replay of the request finds its turn as the last delta and takes
         back exactly that (_restore)."""
         n = self._put(key, cache, start, 0, req.start_len) if start < req.start_len else 0
         return n + self._put(key, cache, max(start, req.start_len), req.request_id,
