@@ -47,8 +47,13 @@ def require_root_and_bcc(what: str):
     import_bcc()                      # BpfUnavailable (a RuntimeError) says what to install
 
 
+_RUN = {"t0": time.monotonic(), "scenario": ""}     # for the progress lines: elapsed, which scenario
+
+
 def _progress(msg: str):
-    print(f"  e2e: {msg}", file=sys.stderr, flush=True)
+    elapsed = int(time.monotonic() - _RUN["t0"])
+    where = f" {_RUN['scenario']}" if _RUN["scenario"] else ""
+    print(f"  e2e [{elapsed // 60}:{elapsed % 60:02d}{where}]: {msg}", file=sys.stderr, flush=True)
 
 
 def _pcts(samples, scale) -> dict:
@@ -702,6 +707,9 @@ def run(report, args):
     outdir = report_dir(args.json, "bench-results/e2e", ("report.md", "results.json", "latency_vs_load.png",
                                                          "stages.png", "memory.png"))
     require_root_and_bcc("bench e2e")
+    _RUN.update(t0=time.monotonic(), scenario="")
+    _progress(f"six scenarios, {'about 2 minutes (quick)' if quick else 'about 8-9 minutes on 2 cores'}; "
+              f"progress below as [elapsed minutes:seconds]")
     steal = _cpu_steal()
     # the ping-pong before the sweep (which measures the stages it is compared with), after it and
     # at the end, the median the reference: the vCPUs move (45-240 ns seen), one sample may not
@@ -720,11 +728,14 @@ def run(report, args):
 
     def scenario(name, fn, *a):
         t = time.monotonic()
+        _RUN["scenario"] = f"scenario {name.split()[0]} of 6"
+        _progress(f"scenario {name}")
         had = [(d, set(d)) for d in (stages, sweep_rows, memory)]
         try:
             with report.gated():                  # a scenario that fails leaves no figures
                 figures = fn(*a)
             scenarios[name] = {"status": "ran", "reason": "", "figures": figures, "seconds": time.monotonic() - t}
+            _progress(f"scenario {name}: ran, in {time.monotonic() - t:.0f} s")
             return figures
         except Exception as e:  # reported, and the run exits non-zero
             for d, keys in had:                   # nor histograms, sweep rows or memory plots (they stayed)
