@@ -26,6 +26,7 @@ import os
 import signal
 import socket
 import threading
+import time
 
 import numpy as np
 
@@ -203,7 +204,9 @@ class Ingress:
 
     def set_rate(self, tenant: int, tokens_per_minute: int, burst_tokens: int | None = None):
         """A token bucket for tenant: tokens_per_minute, holding at most burst_tokens (default: 1 s worth,
-        at least one full chunk). The bucket starts full, also when a tenant's rate is set again."""
+        at least one full chunk). A new bucket starts full; a tenant's rate set again keeps what its
+        bucket had spent, in tokens (at most the new burst): before, it refilled, so lowering a
+        tenant's rate handed it a fresh burst exactly when it was being throttled."""
         if tokens_per_minute < 1 or tokens_per_minute > NS_PER_MINUTE:
             raise ValueError(f"tokens_per_minute must be 1..{NS_PER_MINUTE}, not {tokens_per_minute}")
         burst = burst_tokens if burst_tokens is not None else max(tokens_per_minute // 60, lib.DP_MAX_CHUNK_TOKENS)
@@ -214,7 +217,19 @@ class Ingress:
             raise ValueError(f"burst_tokens {burst} at {tokens_per_minute}/minute is more than the bucket can hold "
                              f"({((1 << 62) - 1) // ns_per_token} tokens): clear_rate() to lift the limit")
         t = self.table("buckets")
-        t[t.Key(tenant)] = t.Leaf(ns_per_token, burst * ns_per_token, 0)   # (full: a set_rate refills it)
+        tat = 0                                          # (full)
+        try:
+            old = t[t.Key(tenant)]
+        except KeyError:
+            old = None
+        if old is not None:
+            # the program's clock is CLOCK_MONOTONIC (bpf_ktime_get_ns): the tokens spent ahead of
+            # now, at the old rate, are charged again at the new one
+            now = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+            spent = max(0, old.tat - now) // max(1, old.ns_per_token)
+            if spent:
+                tat = now + min(spent, burst) * ns_per_token
+        t[t.Key(tenant)] = t.Leaf(ns_per_token, burst * ns_per_token, tat)
         self._count_rate_limits()
 
     def clear_rate(self, tenant: int):

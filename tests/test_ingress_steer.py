@@ -267,7 +267,8 @@ def test_a_cut_request_s_later_chunks_are_dropped_for_a_while_then_its_ids_are_n
     ig.set_rate(7, tokens_per_minute=1, burst_tokens=128)
     assert prog_test_run(ig.fn.fd, two[0])[0] == XDP_DROP          # queued: the burst
     assert prog_test_run(ig.fn.fd, two[1])[0] == XDP_TX            # cut: the 429
-    ig.set_rate(7, tokens_per_minute=1, burst_tokens=128)          # a full bucket again
+    ig.clear_rate(7)
+    ig.set_rate(7, tokens_per_minute=1, burst_tokens=128)          # a full bucket again (a new one)
     before = ig.counters()
     assert prog_test_run(ig.fn.fd, two[0])[0] == XDP_DROP
     after = ig.counters()
@@ -295,7 +296,8 @@ def test_an_open_over_the_bucket_cuts_its_request_and_a_count_does_not(ig):
     assert prog_test_run(ig.fn.fd, count)[0] == XDP_TX
     opened = frame(req((), kind=wire.KIND_OPEN, request_id=78, chunk_count=2))
     assert prog_test_run(ig.fn.fd, opened)[0] == XDP_TX
-    ig.set_rate(7, tokens_per_minute=1, burst_tokens=128)          # a full bucket again
+    ig.clear_rate(7)
+    ig.set_rate(7, tokens_per_minute=1, burst_tokens=128)          # a full bucket again (a new one)
     before = ig.counters()
     assert prog_test_run(ig.fn.fd, frame(req(request_id=78, chunk_count=2)))[0] == XDP_DROP
     assert prog_test_run(ig.fn.fd, frame(req(request_id=79, chunk_count=2)))[0] == XDP_DROP
@@ -363,6 +365,20 @@ def test_a_record_the_full_ring_drops_is_not_charged_to_its_tenant():
             assert prog_test_run(ig.fn.fd, VALID)[0] == XDP_DROP
         assert ig.counters()["drop_ring_full"] == 4
         assert buckets[buckets.Key(7)].tat == tat     # (before: 4 x 16 tokens further on)
+
+
+def test_a_rate_set_again_keeps_what_the_bucket_had_spent(ig):
+    """Lowering a tenant's rate refilled its bucket: a fresh burst exactly when it was being
+    throttled. The tokens it had spent carry over to the new rate (at most its burst); a bucket
+    cleared and set again starts full."""
+    ig, consumer = ig
+    limited(ig)                                                  # spent: a full chunk at 1 a minute
+    ig.set_rate(7, tokens_per_minute=2, burst_tokens=128)        # set again: still spent
+    assert prog_test_run(ig.fn.fd, VALID)[0] == XDP_TX
+    ig.clear_rate(7)
+    ig.set_rate(7, tokens_per_minute=2, burst_tokens=128)        # a new bucket: full
+    assert prog_test_run(ig.fn.fd, VALID)[0] == XDP_DROP
+    settle(ig, consumer)
 
 
 def test_bad_tunables_are_refused():
