@@ -518,28 +518,6 @@ def test_a_replay_does_not_take_back_an_earlier_request_s_turn_that_reused_its_i
     assert replay.stats["replays_durable"] == 0 and store.held((0, 7)) == 41 + 30 + 1
 
 
-def test_a_stale_copy_of_a_closed_session_is_not_taken_for_its_new_history_of_the_same_length(model):
-    """A worker holds a session idle; it is closed on another worker (its chain deleted), its id
-    reused, and the new history grows to exactly the length of the old copy. The next request,
-    moved here, found the store's length equal to the copy's and continued the old history (a
-    review found it): the copy now knows which request its store delta was, and a mismatch at
-    equal length drops it for the store's."""
-    store = MemoryStore()
-    stale, other, ref = Worker(model, store), Worker(model, store), Worker(model, MemoryStore())
-    drive(sent_at(stale.step, 1_000), [(9, 1, prompt(1, 40), 2)])
-    other.close(9)
-    renewed = (9, 2, prompt(5, 40), 2)                       # the same length: 41 tokens
-    drive(sent_at(other.step, 2_000), [renewed]), drive(ref.step, [renewed])
-    assert store.held((0, 9)) == stale.sessions[(0, 9)].cache.snapshot_len == 41
-
-    def moved(batch):
-        batch["flags"] |= records.CHUNK_F_MOVED
-        return stale.step(batch)
-    nxt = (9, 3, prompt(6, 10), 2)
-    assert drive(moved, [nxt]) == drive(ref.step, [nxt]), "on the new history"
-    assert stale.stats["stale_dropped"] == 1
-
-
 def test_a_moved_request_with_a_reused_id_is_no_replay(model):
     """Only the router's REPLAY flag means "maybe already durable": a request merely flagged
     MOVED whose id equals the store's last delta's (a client reusing ids) runs on the whole

@@ -110,8 +110,6 @@ class _Session:
     request: _Request | None = None
     restored_tokens: int = 0  # handed to the session's next request, which reports them
     unsure: int | None = None  # a request answered 503 whose put the store could not confirm (_settle)
-    tip: tuple[int, int] | None = None   # (request id, send stamp) of the store's last delta as this
-                                         # copy knows it (None: not known, or named no request)
 
 
 @dataclass
@@ -310,18 +308,8 @@ class Worker:
         lookup (a ~0.2 ms RPC to a shared store's server) per moved request, none otherwise."""
         # != and not >: the store may hold less too, when the session was closed on the other
         # worker (deleted: a reused id starts fresh) or ran there anew; this copy is stale then
-        if self.store is None or not rec["flags"] & records.CHUNK_F_MOVED:
-            return False
-        held = self.store.held(key)
-        if held != s.cache.snapshot_len:
-            return True
-        # The same length: the same history, unless the session was closed and its id reused, and
-        # the new history has grown to exactly this length (a review found this copy continued
-        # then). Rare after a move (the run elsewhere put nothing), so the chain is read only here.
-        if not held or s.tip is None:
-            return False
-        last = self._last_delta(key)
-        return last is None or (last["request_id"], last["sent_ns"]) != s.tip
+        return (self.store is not None and bool(rec["flags"] & records.CHUNK_F_MOVED)
+                and self.store.held(key) != s.cache.snapshot_len)
 
     def _store_failed(self, e: Exception):
         self.stats["store_errors"] += 1
@@ -356,11 +344,7 @@ class Worker:
             self.stats["replays_durable"] += 1
         if chain:
             self.stats["restores"] += 1
-        tip = None                       # a take-back's whole put names no request
-        if chain and not taken_back:
-            last = kvdelta.header(chain[-1])
-            tip = (last["request_id"], last["sent_ns"]) if last["request_id"] else None
-        s = self.sessions[key] = _Session(cache, restored_tokens=cache.length, tip=tip)
+        s = self.sessions[key] = _Session(cache, restored_tokens=cache.length)
         self._kv_bytes += cache.nbytes
         return s
 
@@ -385,7 +369,6 @@ class Worker:
                     self._unwind(key, s, req, held)
                     return done
             s.cache.snapshot_len = s.cache.length
-            s.tip = (req.request_id, req.stamps.get("t_send", 0))
             self.stats["snapshots"] += 1
             done.stamps["t_snapshot"] = time.monotonic_ns()
         return done
@@ -462,7 +445,6 @@ class Worker:
             else:
                 self.store.delete(key)
             s.cache.snapshot_len = s.cache.length
-            s.tip = None                  # (the whole chain now, naming no request)
             self.stats["unsure_rolled_back"] += 1
         elif (last["token_end"] if last else 0) != s.cache.length:
             self._drop(key)
