@@ -736,6 +736,7 @@ def run(report, args):
                 figures = fn(*a)
             scenarios[name] = {"status": "ran", "reason": "", "figures": figures, "seconds": time.monotonic() - t}
             _progress(f"scenario {name}: ran, in {time.monotonic() - t:.0f} s")
+            _RUN["scenario"] = ""
             return figures
         except Exception as e:  # reported, and the run exits non-zero
             for d, keys in had:                   # nor histograms, sweep rows or memory plots (they stayed)
@@ -743,7 +744,8 @@ def run(report, args):
                     del d[k]
             scenarios[name] = {"status": "failed", "reason": f"{type(e).__name__}: {e}", "figures": {}}
             failed.append(name)
-            _progress(f"{name} FAILED: {e}")
+            _progress(f"scenario {name}: FAILED after {time.monotonic() - t:.0f} s: {e}")
+            _RUN["scenario"] = ""
             return None
 
     scenario("1 load sweep, dynamic vs static", sweep, report, quick, stages, sweep_rows)

@@ -225,8 +225,10 @@ class Ingress:
         if old is not None:
             # the program's clock is CLOCK_MONOTONIC (bpf_ktime_get_ns): the tokens spent ahead of
             # now, at the old rate, are charged again at the new one
+            # (a charge the program makes between this read and the write below is lost: the
+            # maps have no compare-and-swap from user space; a few records' worth at most)
             now = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
-            spent = max(0, old.tat - now) // max(1, old.ns_per_token)
+            spent = -(-max(0, old.tat - now) // max(1, old.ns_per_token))     # up: never in the tenant's favour
             if spent:
                 tat = now + min(spent, burst) * ns_per_token
         t[t.Key(tenant)] = t.Leaf(ns_per_token, burst * ns_per_token, tat)
