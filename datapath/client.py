@@ -66,10 +66,10 @@ def _check_whole_requests(packets: list[bytes]) -> list[bool]:
         if p[kind_at] in (wire.KIND_OPEN, wire.KIND_CLOSE):
             raise ValueError("stamp_seq numbers each request by its own packets: an OPEN or CLOSE would get "
                              "an id of its own, not its request's or session's; send them with stamp_seq=False")
-        if p[kind_at] == wire.KIND_COUNT_TOKENS and want == 0:
-            continue
         index = int.from_bytes(p[idx_at:idx_at + 2], "little")
         count = int.from_bytes(p[count_at:count_at + 2], "little")
+        if p[kind_at] == wire.KIND_COUNT_TOKENS and want == 0 and index == 0:
+            continue                  # (one record, numbered as chunk 0 is)
         if index != want:
             raise ValueError("stamp_seq numbers requests by their first chunk: a request's chunks must be "
                              "consecutive packets, chunk 0 first, and the list must end with a whole request")
