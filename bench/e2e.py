@@ -136,10 +136,10 @@ def _all_answered(what: str, *results: dict):
     sent: a request answered with an error is in no percentile (a mode or run that failed fast
     would look fast), a second answer is in no count, and a packet not sent was never offered."""
     bad = [f"{r['errors']} of {r['requests']} requests not answered 200" + (
-           f", {r['send_errors']} packets not sent" if r.get("send_errors") else "") + (
-           f", {r['unsent']} packets never sent (the sender fell behind)" if r.get("unsent") else "") + (
-           f", {r['duplicates']} answered twice" if r.get("duplicates") else "")
-           for r in results if r["errors"] or r.get("send_errors") or r.get("unsent") or r.get("duplicates")]
+           f", {r['send_errors']} packets not sent" if r["send_errors"] else "") + (
+           f", {r['unsent']} packets never sent (the sender fell behind)" if r["unsent"] else "") + (
+           f", {r['duplicates']} answered twice" if r["duplicates"] else "")
+           for r in results if r["errors"] or r["send_errors"] or r["unsent"] or r["duplicates"]]
     if bad:
         raise RuntimeError(f"{what}: {'; '.join(bad)}: its figures would leave them out")
 
@@ -312,11 +312,8 @@ def _lightest_alternating(report, workers: int, device: str | None, rate: float,
         res = {"rtt_ns": np.concatenate(g["rtt"]),
                "offered_qps": float(np.mean([r["offered_qps"] for r in g["res"]])),
                "achieved_qps": float(np.mean([r["achieved_qps"] for r in g["res"]])),
-               "requests": sum(r["requests"] for r in g["res"]), "errors": sum(r["errors"] for r in g["res"]),
-               "unanswered": sum(r["unanswered"] for r in g["res"]),
-               "send_errors": sum(r["send_errors"] for r in g["res"]),
-               "duplicates": sum(r["duplicates"] for r in g["res"]),
-               "unsent": sum(r["unsent"] for r in g["res"]),
+               **{k: sum(r[k] for r in g["res"])
+                  for k in ("requests", "errors", "unanswered", "send_errors", "duplicates", "unsent")},
                "late_mean_us": float(np.mean([r["late_mean_us"] for r in g["res"]])),
                "late_max_ms": max(r["late_max_ms"] for r in g["res"]),
                "steal_pct": float(np.mean([r["steal_pct"] for r in g["res"]]))}
@@ -500,11 +497,10 @@ def _failover(report, rate: float, seconds: float, store: str) -> dict:
     if "error" in out:
         raise out["error"]
     res = out["r"]
-    answered = (res["requests"] - res["errors"]) / max(res["requests"], 1)   # answered 200: none lost
-    if answered < 1 or not st["replayed"] or res["duplicates"]:
-        raise RuntimeError(f"failover: {res['errors']} of {res['requests']} requests not answered 200 "
-                           f"({res['by_status']}), {res['duplicates']} answered twice, {st['replayed']} "
-                           f"replayed: the kill lost work, answered some twice, or found none")
+    _all_answered(f"failover (the kill lost work, or answered some twice; {res['by_status']})", res)
+    if not st["replayed"]:
+        raise RuntimeError("failover: no request replayed: the kill found the worker idle")
+    answered = (res["requests"] - res["errors"]) / max(res["requests"], 1)   # 1 here: none lost
     if replaced is None or not replaced["t_up"] or not up_again:
         raise RuntimeError("failover: the killed worker was not replaced by a fresh process (or not up again)")
     pc = _pcts(res["rtt_ns"], 1e6)

@@ -175,11 +175,16 @@ static __always_inline __u32 pick_queue(struct dp_req_hdr *req, __u32 mode)
     return (__u32)((sid * DP_SESSION_HASH_MUL) >> 32) % DP_QUEUES;
 }
 
+/* GCRA: the virtual clock after n more tokens, from its value old */
+static __always_inline __u64 gcra_tat(struct dp_bucket *b, __u64 old, __u32 n, __u64 now)
+{
+    return (old > now ? old : now) + n * b->ns_per_token;
+}
+
 /* GCRA, looked at: would n tokens fit now? (Refused here, a record is never reserved for them.) */
 static __always_inline int has_room(struct dp_bucket *b, __u32 n, __u64 now)
 {
-    __u64 old = b->tat;
-    return (old > now ? old : now) + n * b->ns_per_token <= now + b->burst_ns;
+    return gcra_tat(b, b->tat, n, now) <= now + b->burst_ns;
 }
 
 /* GCRA: admit n tokens if the bucket has room, and charge them. */
@@ -193,7 +198,7 @@ static __always_inline int over_limit(struct dp_bucket *b, __u32 n, __u64 now)
 #pragma unroll
     for (int i = 0; i < 4; i++) {
         __u64 old = b->tat;
-        tat = (old > now ? old : now) + n * b->ns_per_token;
+        tat = gcra_tat(b, old, n, now);
         if (tat > now + b->burst_ns)
             return 1;
         if (__sync_val_compare_and_swap(&b->tat, old, tat) == old)

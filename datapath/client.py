@@ -29,12 +29,17 @@ from ._ingress import ffi, lib
 MAX_PACKET = wire.REQ_HDR_LEN + 4 * wire.MAX_CHUNK_TOKENS
 
 
+def _chunks(tokens) -> list[tuple]:
+    """A request's tokens cut into chunks of at most 128 (one empty chunk for none)."""
+    tokens = tuple(tokens)
+    return [tokens[i:i + wire.MAX_CHUNK_TOKENS] for i in range(0, len(tokens), wire.MAX_CHUNK_TOKENS)] or [()]
+
+
 def request_packets(tenant: int, session_id: int, request_id: int, tokens, max_output_tokens: int = 0,
                     kind: int = wire.KIND_CHUNK, trace: bool = False) -> list[bytes]:
     """One request's tokens cut into chunks of at most 128, each an encoded packet (trace: the
     response ends with the request's stamps, wire.Response.trace)."""
-    tokens = tuple(tokens)
-    parts = [tokens[i:i + wire.MAX_CHUNK_TOKENS] for i in range(0, len(tokens), wire.MAX_CHUNK_TOKENS)] or [()]
+    parts = _chunks(tokens)
     return [wire.encode_request(wire.Request(kind=kind, tenant=tenant, session_id=session_id,
                                              request_id=request_id, chunk_index=i, chunk_count=len(parts),
                                              tokens=part, max_output_tokens=max_output_tokens,
@@ -90,9 +95,8 @@ def open_packet(tenant: int, session_id: int, request_id: int, tokens, max_outpu
     """The OPEN record announcing a request of `tokens` (its chunk count; no tokens of its own): the
     router admits it, and reserves room for its chunks, before they come. Send it first, then the
     request's chunks (request_packets) with the same ids."""
-    chunks = max(1, math.ceil(len(tuple(tokens)) / wire.MAX_CHUNK_TOKENS))
     return wire.encode_request(wire.Request(kind=wire.KIND_OPEN, tenant=tenant, session_id=session_id,
-                                            request_id=request_id, chunk_index=0, chunk_count=chunks,
+                                            request_id=request_id, chunk_index=0, chunk_count=len(_chunks(tokens)),
                                             tokens=(), max_output_tokens=max_output_tokens))
 
 
