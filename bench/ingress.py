@@ -2,6 +2,9 @@
 
   references.xdp_count_ns           bpf/count.bpf.c under BPF_PROG_TEST_RUN (same frame as steer_ns)
   references.xdp_count_128_ns       the same, on steer_128_ns's frame
+  references.xdp_ring_floor_ns      bpf/ring_floor.bpf.c the same way: the count program's parse plus
+                                    a record reserved, stamped (one clock read) and submitted, the
+                                    least a program steering into a ring buffer pays
   references.pingpong_oneway_ns     a cache line handed between two pinned threads, one way
                                     (round trip / 2: no clock read per hand-off)
   references.handoff_oneway_p50_ns  a cache line handed from CPU 0 to CPU 1, stamped at both ends
@@ -75,11 +78,11 @@ def _send(topo, rate, seconds, pkts, rt_priority=RT, **kw):
 
 
 @contextlib.contextmanager
-def _router_input(capacity=1 << 19):
+def _router_input(capacity=1 << 19, tag="in"):
     """The router's input ring the consumers fill, and a reader that empties it: the stand-in for
     the router (1 << 19 slots, 320 MB, hold a whole 0.8 s segment at 650k pps: the reader is a
     normal thread, and SCHED_FIFO threads on both cores may starve it for a segment)."""
-    name = f"bench-ingress-{os.getpid()}"
+    name = f"bench-ingress-{tag}-{os.getpid()}"
     try:
         with output_ring(name, capacity) as out, ring.Ring.attach(name, "consumer") as rd:
             yield out, _Reader(rd)
@@ -107,9 +110,28 @@ class _Reader(threading.Thread):
         self.empty()
 
 
+class _RingFloor(Ingress):
+    """bpf/ring_floor.bpf.c: what any program steering into a ring buffer pays (parse, reserve, one
+    clock read, submit, count), with steer.bpf.c's maps, so the same consumer drains it."""
+    SOURCE, FUNCTION = "ring_floor.bpf.c", "xdp_ring_floor"
+
+
+def _test_run(ig, consumer, frame, repeat):
+    """ns per run of one BPF_PROG_TEST_RUN, or None if a record found the ring full (it took the
+    cheaper drop path: not the figure); then waits for the consumer to drain the ring."""
+    full = ig.counters()["drop_ring_full"]
+    ns = prog_test_run(ig.fn.fd, frame, repeat)[1]
+    clean = ig.counters()["drop_ring_full"] == full
+    deadline = time.monotonic() + 5
+    while consumer.records < ig.counters()["queued"] and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return ns if clean else None
+
+
 def test_run_figures(report, quick):
     """steer_ns for the suite's 16-token chunks and for a full 128-token one, each against the
-    count program on the same frame."""
+    count program on the same frame; the 16-token one also against the ring floor, their runs
+    taken in turn (the floor tells the kernel's ring buffer and clock from the program's own work)."""
     repeat, runs = (2_000, 5) if quick else (10_000, 10)
     frames = {"": udp_frame(wire.pack_request_raw(tuple(range(TOKENS)), session_id=5, tenant=1), wire.DEFAULT_PORT),
               "_128": udp_frame(wire.pack_request_raw(tuple(range(lib.DP_MAX_CHUNK_TOKENS)), session_id=5, tenant=1),
@@ -120,30 +142,33 @@ def test_run_figures(report, quick):
             report.reference(f"xdp_count{sfx}_ns", min(prog_test_run(fn.fd, frame, repeat)[1] for _ in range(runs)), "ns")
     finally:
         b.cleanup()
-    # The ring holds a whole run (4096 pages: 27k records of 128 tokens, 616 bytes with the ring's
-    # header; a run writes 10k) and the consumer drains it between runs: every run takes the full
+    # Each ring holds a whole run (4096 pages: 27k records of 128 tokens, 616 bytes with the ring's
+    # header; a run writes 10k) and its consumer drains it between runs: every run takes the full
     # path, never ring-full.
-    with Ingress(queues=1, ring_pages=4096) as ig, _router_input() as (out, reader), \
-            ig.consumer(out, cpu=RECEIVER_CPU) as c:
+    with Ingress(queues=1, ring_pages=4096) as ig, _RingFloor(queues=1, ring_pages=4096) as fl, \
+            _router_input() as (out, reader), _router_input(1 << 16, "floor") as (fl_out, fl_reader), \
+            ig.consumer(out, cpu=RECEIVER_CPU) as c, fl.consumer(fl_out, cpu=RECEIVER_CPU) as fl_c:
         for sfx, frame in frames.items():
-            best, mixed = float("inf"), 0
+            progs = {f"steer{sfx}_ns": (ig, c)} | ({"xdp_ring_floor_ns": (fl, fl_c)} if not sfx else {})
+            times = {name: [] for name in progs}
             for _ in range(runs):
-                full = ig.counters()["drop_ring_full"]
-                ns = prog_test_run(ig.fn.fd, frame, repeat)[1]
-                if ig.counters()["drop_ring_full"] == full:
-                    best = min(best, ns)
-                else:
-                    mixed += 1               # some records took the cheaper drop path: not the figure
-                deadline = time.monotonic() + 5
-                while c.records < ig.counters()["queued"] and time.monotonic() < deadline:
-                    time.sleep(0.001)
-            if best == float("inf"):
-                raise RuntimeError(f"steer{sfx}_ns: every one of {runs} test runs found the ring full")
-            report.metric(f"steer{sfx}_ns", best, "ns")
-            if mixed:
-                report.note(f"steer{sfx}_ns: {mixed} of {runs} test runs found the ring full and were left out")
+                for name, (prog, consumer) in progs.items():
+                    times[name].append(_test_run(prog, consumer, frame, repeat))
+            for name, ns in times.items():
+                clean = [t for t in ns if t is not None]
+                if not clean:
+                    raise RuntimeError(f"{name}: every one of {runs} test runs found the ring full")
+                if len(clean) < runs:
+                    report.note(f"{name}: {runs - len(clean)} of {runs} test runs found the ring full and were left out")
+                (report.reference if name == "xdp_ring_floor_ns" else report.metric)(name, min(clean), "ns")
             report.ratio(f"steer{sfx}_ns", f"xdp_count{sfx}_ns")
+        report.ratio("steer_ns", "xdp_ring_floor_ns")
+        steer, floor, count = (report.metrics["steer_ns"], report.references["xdp_ring_floor_ns"],
+                               report.references["xdp_count_ns"])
+        report.note(f"steer_ns {steer:.0f} ns = the count program's parse {count:.0f} + the ring buffer and clock "
+                    f"{floor - count:.0f} (xdp_ring_floor_ns {floor:.0f}) + the program's own work {steer - floor:.0f}")
         reader.close()
+        fl_reader.close()
 
 
 def pingpong_ns(quick) -> tuple[float, float]:

@@ -57,6 +57,10 @@ def session_queue(session_id: int, queues: int) -> int:
 class Ingress:
     """The steering program, compiled with bcc; maps by name; attach/detach."""
 
+    # the program: a source in bpf/ with steer_maps.h's maps, and its function (bench ingress loads
+    # ring_floor.bpf.c through a subclass)
+    SOURCE, FUNCTION = "steer.bpf.c", "xdp_steer"
+
     def __init__(self, queues: int = DEFAULT_QUEUES, port: int | None = None,
                  ring_pages: int = DEFAULT_RING_PAGES):
         from . import wire
@@ -78,12 +82,12 @@ class Ingress:
     # --- life cycle -----------------------------------------------------------------
     def load(self):
         self.bpf, self.fn = None, None
-        b = xdp.load("steer.bpf.c", self.cflags)
+        b = xdp.load(self.SOURCE, self.cflags)
         try:
-            self.fn = b.load_func(b"xdp_steer", xdp.import_bcc().BPF.XDP)
+            self.fn = b.load_func(self.FUNCTION.encode(), xdp.import_bcc().BPF.XDP)
         except Exception as e:  # bcc raises bare Exception with the verifier log on stderr
             b.cleanup()
-            raise xdp.BpfUnavailable(f"the kernel refused bpf/steer.bpf.c: {e}") from e
+            raise xdp.BpfUnavailable(f"the kernel refused bpf/{self.SOURCE}: {e}") from e
         self.bpf = b
         # lat_hist is written by the C consumer only; binding it to the program lists it among the
         # program's maps, where `datapath ingress stats` looks (BPF_PROG_BIND_MAP, Linux 5.10)

@@ -455,3 +455,23 @@ def test_an_attach_that_fails_is_a_bpf_unavailable_and_leaves_nothing_listed(ig)
     with pytest.raises(BpfUnavailable, match="no interface"):
         ig.attach("zl-no-such-if0", None, "generic")
     assert ig.attachments == before
+
+
+def test_the_ring_floor_program_queues_a_stamped_record_for_our_port_and_passes_the_rest():
+    """bpf/ring_floor.bpf.c, bench ingress's reference for what any program steering into a ring
+    buffer pays: one record per packet to our port, stamped, through the same consumer; anything
+    else passes untouched."""
+    from bench.ingress import _RingFloor
+    name = f"test-floor-{os.getpid()}"
+    try:
+        with _RingFloor(queues=1) as fl, output_ring(name) as out, ring.Ring.attach(name, "consumer") as rd, \
+                fl.consumer(out) as consumer:
+            consumer.ring = rd
+            before = time.monotonic_ns()
+            assert [prog_test_run(fl.fn.fd, f)[0] for f in (VALID, VALID, ARP, TCP, packet.udp_frame(req(), PORT + 1))] \
+                == [XDP_DROP, XDP_DROP, XDP_PASS, XDP_PASS, XDP_PASS]
+            recs = wait_records(consumer, 2)
+            assert len(recs) == 2 and fl.counters()["queued"] == 2
+            assert all(r["n_tokens"] == 0 and before <= r["t_xdp"] <= time.monotonic_ns() for r in recs)
+    finally:
+        ring.unlink(name)
