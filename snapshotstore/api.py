@@ -3,7 +3,7 @@
     key = session_key(tenant_secret, session_id)       # 32 bytes, HMAC-SHA256
     seq = store.put(key, Delta(kv_bytes, tokens=(0, 128), layers=(0, 4), codec="f32"))
     snap = store.restore(key)    # Snapshot: the chain's payloads concatenated, or None
-    n = store.held(key)          # the chain holds tokens [0, n): 128
+    n, seq = store.held(key)     # the chain holds tokens [0, n) (128), its last record is seq
     store.delete(key); store.list(); store.stats(); store.close()
 
 put returns only once the record is durable. A session's deltas form a chain
@@ -41,6 +41,7 @@ class Snapshot:
     codec: str
     records: int                         # records read (1 after compaction)
     parts: tuple[bytes, ...] = ()        # the deltas one by one, oldest first (payload = their join)
+    seq: int = 0                         # the chain's last record's sequence number (as held() says)
 
 
 MIN_SECRET_BYTES = 16           # a master or tenant secret, and the store connection's (server.read_secret)
@@ -88,6 +89,15 @@ def check_delta(delta) -> Delta:
     return delta
 
 
+class Deltas(list):
+    """A session's deltas as WorkerStore.restore gives them, oldest first, and the sequence number
+    of the chain's last record (0: no chain), as held() names it."""
+
+    def __init__(self, parts=(), seq: int = 0):
+        super().__init__(parts)
+        self.seq = seq
+
+
 @runtime_checkable
 class SnapshotStore(Protocol):
     def put(self, key: bytes, delta: Delta, replace: bool = False) -> int:
@@ -97,8 +107,10 @@ class SnapshotStore(Protocol):
     def restore(self, key: bytes) -> Snapshot | None:
         """The key's chain concatenated, or None if the store has nothing for key."""
 
-    def held(self, key: bytes) -> int:
-        """n: the store holds tokens [0, n) of key's session (0: nothing); no data is read."""
+    def held(self, key: bytes) -> tuple[int, int]:
+        """(n, seq): the store holds tokens [0, n) of key's session, its chain ending with the record
+        numbered seq ((0, 0): nothing); no data is read. Sequence numbers never repeat, so a chain
+        someone else put to since (or deleted and put anew, to the same length) has another seq."""
 
     def delete(self, key: bytes) -> bool:
         """Drop key's chain durably; False if there was none."""
@@ -139,16 +151,16 @@ class WorkerStore:
                                                       int(tenant).to_bytes(4, "little"), hashlib.sha256).digest()
         return session_key(secret, session)
 
-    def put(self, key: tuple[int, int], delta: bytes, meta: dict) -> None:
-        self.store.put(self.key(key),
+    def put(self, key: tuple[int, int], delta: bytes, meta: dict) -> int:
+        return self.store.put(self.key(key),
                        Delta(delta, tokens=(meta["token_start"], meta["token_end"]), codec=meta.get("codec", "raw")),
                        replace=bool(meta.get("replace", False)))
 
-    def restore(self, key: tuple[int, int]) -> list[bytes]:
+    def restore(self, key: tuple[int, int]) -> Deltas:
         snap = self.store.restore(self.key(key))
-        return list(snap.parts) if snap is not None else []
+        return Deltas(snap.parts, snap.seq) if snap is not None else Deltas()
 
-    def held(self, key: tuple[int, int]) -> int:
+    def held(self, key: tuple[int, int]) -> tuple[int, int]:
         return self.store.held(self.key(key))
 
     def delete(self, key: tuple[int, int]) -> None:

@@ -398,15 +398,17 @@ class LogStore:
             self._ix.touch(chain)
             parts = self._read_chain(chain, key)
             self.counters["restores"] += 1
-            return Snapshot(b"".join(parts), chain.tokens, chain.layers, chain.codec, chain.records, tuple(parts))
+            return Snapshot(b"".join(parts), chain.tokens, chain.layers, chain.codec, chain.records, tuple(parts),
+                            chain.last_seq)
 
-    def held(self, key: bytes) -> int:
-        """n: the store holds tokens [0, n) of the session (0: nothing), from the index alone."""
+    def held(self, key: bytes) -> tuple[int, int]:
+        """(n, seq): the store holds tokens [0, n) of the session, its chain's last record numbered
+        seq ((0, 0): nothing), from the index alone."""
         key = check_key(key)
         with self._lock:
             self._check_usable()     # after a failed write the index may be ahead of the device
             chain = self._ix.find(key)
-            return chain.tokens[1] if chain is not None else 0
+            return (chain.tokens[1], chain.last_seq) if chain is not None else (0, 0)
 
     def delete(self, key: bytes) -> bool:
         """Drop key's chain durably (a tombstone record); False if there was none."""

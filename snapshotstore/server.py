@@ -91,7 +91,8 @@ def handle(store, frames: list[bytes]) -> list[bytes]:
             snap = store.restore(check_key(frames[1]))
             if snap is None:
                 return [b"none"]
-            meta = {"tokens": snap.tokens, "layers": snap.layers, "codec": snap.codec, "records": snap.records}
+            meta = {"tokens": snap.tokens, "layers": snap.layers, "codec": snap.codec, "records": snap.records,
+                    "seq": snap.seq}
             return [b"ok", json.dumps(meta).encode(), *snap.parts]
         if op == b"delete":
             return [b"ok", json.dumps(store.delete(check_key(frames[1]))).encode()]
@@ -266,10 +267,11 @@ class RemoteStore:
             return None
         meta, parts = json.loads(reply[1]), tuple(reply[2:])
         return Snapshot(b"".join(parts), tuple(meta["tokens"]), tuple(meta["layers"]), meta["codec"],
-                        meta["records"], parts)
+                        meta["records"], parts, meta["seq"])
 
-    def held(self, key: bytes) -> int:
-        return json.loads(self._call(b"held", check_key(key))[1])
+    def held(self, key: bytes) -> tuple[int, int]:
+        n, seq = json.loads(self._call(b"held", check_key(key))[1])
+        return n, seq
 
     def delete(self, key: bytes) -> bool:
         return json.loads(self._call(b"delete", check_key(key))[1])

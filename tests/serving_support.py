@@ -14,6 +14,7 @@ from multiprocessing.managers import BaseManager
 import numpy as np
 
 from datapath import records, wire
+from snapshotstore.api import Deltas
 from snapshotstore.errors import SessionChanged
 
 
@@ -21,9 +22,11 @@ class MemoryStore:
     def __init__(self):
         self.chains: dict[tuple[int, int], list[bytes]] = {}   # (tenant, session) -> deltas
         self.metas: dict[tuple[int, int], list[dict]] = {}
+        self.seqs: dict[tuple[int, int], int] = {}             # the chain's last record's number
+        self.last_seq = 0                                      # as the real store: never repeated
         self.fail_puts = False
 
-    def put(self, key: tuple[int, int], delta: bytes, meta: dict) -> None:
+    def put(self, key: tuple[int, int], delta: bytes, meta: dict) -> int:
         if self.fail_puts:
             raise OSError("stand-in store told to fail")
         if meta.get("replace"):            # as the real store: the delta, from token 0, is the chain now
@@ -34,17 +37,21 @@ class MemoryStore:
             raise SessionChanged(f"the store holds tokens [0, {end}), not up to {meta['token_start']}")
         self.chains.setdefault(key, []).append(bytes(delta))
         self.metas.setdefault(key, []).append(dict(meta))
+        self.last_seq += 1
+        self.seqs[key] = self.last_seq
+        return self.last_seq
 
-    def restore(self, key: tuple[int, int]) -> list[bytes]:
-        return list(self.chains.get(key, []))
+    def restore(self, key: tuple[int, int]) -> Deltas:
+        return Deltas(self.chains.get(key, []), self.seqs.get(key, 0))
 
-    def held(self, key: tuple[int, int]) -> int:
+    def held(self, key: tuple[int, int]) -> tuple[int, int]:
         metas = self.metas.get(key)
-        return metas[-1]["token_end"] if metas else 0
+        return (metas[-1]["token_end"], self.seqs[key]) if metas else (0, 0)
 
     def delete(self, key: tuple[int, int]) -> None:
         self.chains.pop(key, None)
         self.metas.pop(key, None)
+        self.seqs.pop(key, None)
 
     evict = delete       # the real store's LRU drops a chain the same way (no record of it)
 

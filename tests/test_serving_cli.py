@@ -119,7 +119,7 @@ def test_a_zmq_worker_from_the_command_line_puts_and_restores_through_a_served_s
             (key,) = store.list()
             # each turn's prompt and its first output fed back: (10 + 1) + (11 + 1); a second worker
             # that had not restored the first turn could not have put its own (SessionChanged)
-            assert store.held(key) == 11 + 12, "the second turn continued the first, from the store"
+            assert store.held(key)[0] == 11 + 12, "the second turn continued the first, from the store"
     finally:
         for p in procs:
             if p.poll() is None:

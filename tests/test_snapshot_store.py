@@ -112,10 +112,30 @@ def test_put_restore_chain_bit_exact_and_durable(make_device):
         assert snap.payload == want and snap.tokens == (0, 5000) and snap.layers == (0, 2)
         assert snap.codec == "f16" and snap.records == 5
         assert s.restore(key(2)) is None
-        assert s.held(key(1)) == 5000 and s.held(key(2)) == 0
+        assert s.held(key(1))[0] == 5000 and s.held(key(2))[0] == 0
     with LogStore(path) as s:
-        assert s.restore(key(1)).payload == want and s.held(key(1)) == 5000
+        assert s.restore(key(1)).payload == want and s.held(key(1))[0] == 5000
         assert s.list() == [key(1)]
+
+
+def test_held_names_the_record_that_ends_the_chain_and_a_chain_put_anew_has_another(make_device):
+    """held() and restore() name the chain's last record (put's number), through a reopen; a
+    chain deleted and put again to the same length, or replaced, ends in another record: what
+    tells a worker's stale copy from the current chain (datapath/serving/worker.py, _moved_on)."""
+    path = make_device()
+    with LogStore(path) as s:
+        assert s.held(key(1)) == (0, 0)
+        s.put(key(1), Delta(b"a" * 100, tokens=(0, 10), codec="raw"))
+        seq = s.put(key(1), Delta(b"b" * 100, tokens=(10, 20), codec="raw"))
+        assert s.held(key(1)) == (20, seq) and s.restore(key(1)).seq == seq
+    with LogStore(path) as s:                  # recovered from the log: the same numbers
+        assert s.held(key(1)) == (20, seq) and s.restore(key(1)).seq == seq
+        s.delete(key(1))
+        assert s.held(key(1)) == (0, 0)
+        anew = s.put(key(1), Delta(b"c" * 100, tokens=(0, 20), codec="raw"))
+        assert s.held(key(1)) == (20, anew) and anew > seq
+        again = s.put(key(1), Delta(b"c" * 100, tokens=(0, 20), codec="raw"), replace=True)
+        assert s.held(key(1)) == (20, again) and again > anew
 
 
 @pytest.mark.parametrize("window_blocks", [1, 3, 256], ids=["1-block windows", "3", "1 MiB"])
@@ -838,7 +858,7 @@ def test_a_leader_interrupted_before_its_batch_leaves_no_record_behind(make_devi
         s.put(key(1), Delta(b"a" * 100, tokens=(0, 10), codec="raw"))       # the caller's retry
         monkeypatch.undo()
         assert hit and s.stats()["puts"] == 1
-        assert s.held(key(1)) == 10 and s.restore(key(1)).payload == b"a" * 100
+        assert s.held(key(1))[0] == 10 and s.restore(key(1)).payload == b"a" * 100
 
 
 def test_every_put_is_counted_when_a_batch_makes_room_midway(make_device):
@@ -874,7 +894,7 @@ def test_a_delta_with_fractional_bounds_is_refused_alone(make_device):
             with pytest.raises(TypeError, match="tuple of two ints"):
                 s.put(key(1), Delta(b"b" * 100, codec="raw", **{"tokens": (10, 20), **bad}))
         s.put(key(1), Delta(b"b" * 100, tokens=(10, 20), codec="raw"))
-        assert s.held(key(1)) == 20 and s.restore(key(1)).payload == b"a" * 100 + b"b" * 100
+        assert s.held(key(1))[0] == 20 and s.restore(key(1)).payload == b"a" * 100 + b"b" * 100
 
 
 def test_bad_codec_names_are_refused(make_device):

@@ -137,7 +137,7 @@ def test_eviction_waits_for_a_durable_snapshot(model):
     comp = w.step(as_batch([prefill_records(1, 1, prompt(1, 50), 1)]))
     assert comp["e"][0]["status"][0] == wire.STATUS_UNAVAILABLE
     (done,) = finished(w)
-    assert done.snapshot_error and done.snapshot_bytes == 0 and store.held((0, 1)) == 0
+    assert done.snapshot_error and done.snapshot_bytes == 0 and store.held((0, 1))[0] == 0
     assert not w.holds(1) and w.stats["over_budget_steps"] == 0, "cut back to nothing: nothing to keep"
     store.fail_puts = False
     drive(w.step, [(1, 2, prompt(1, 50), 3)])
@@ -277,12 +277,12 @@ def test_a_turn_the_store_did_not_take_is_answered_503_and_cut_back(model, lands
     comp = w.step(as_batch([prefill_records(*t2)]))
     status = comp["e"][0]["status"][0]
     if lands:
-        assert status == wire.STATUS_OK and store.held((0, 3)) == 41 + 30 and w.stats["store_errors"] == 0
+        assert status == wire.STATUS_OK and store.held((0, 3))[0] == 41 + 30 and w.stats["store_errors"] == 0
         assert finished(w)[-1].snapshot_error is None
         # counted as what it was (it was a failure and a snapshot both)
         assert (w.stats["snapshots"], w.stats["snapshot_replies_lost"], w.stats["snapshot_failures"]) == (2, 1, 0)
     else:
-        assert status == wire.STATUS_UNAVAILABLE and store.held((0, 3)) == 41
+        assert status == wire.STATUS_UNAVAILABLE and store.held((0, 3))[0] == 41
         assert w.stats["store_errors"] == 1 and "did not answer" in w.last_store_error
         assert w.holds(3) and w.sessions[(0, 3)].cache.length == 41
         assert drive(w.step, [t2]) == drive(ref.step, [t2]), "the retry runs on the context before the turn"
@@ -365,7 +365,7 @@ def test_a_rollback_whose_put_fails_leaves_the_store_holding_the_session(model):
     store.fail_puts = True                   # the store answers again, but its puts fail
     retry = (6, 3, t2[2], 1)
     assert w.step(as_batch([prefill_records(*retry)]))["e"][0]["status"][0] == wire.STATUS_UNAVAILABLE
-    assert store.held((0, 6)) == 71, "the chain is still there, with the turn taken late"
+    assert store.held((0, 6))[0] == 71, "the chain is still there, with the turn taken late"
     store.fail_puts = False
     assert drive(w.step, [retry]) == drive(ref.step, [retry])
     assert [(m["token_start"], m["token_end"]) for m in store.meta((0, 6))] == [(0, 41), (41, 71)]
@@ -403,7 +403,7 @@ def test_a_replay_refused_before_it_began_leaves_neither_its_turn_nor_a_short_co
     big = prefill_records(8, 2, prompt(4, 250), 2)               # request 2 again, replayed: too large now
     big["flags"] |= records.CHUNK_F_MOVED | records.CHUNK_F_REPLAY
     assert other.step(as_batch([big[:1]]))["e"][0]["status"][0] == wire.STATUS_TOO_LARGE
-    assert store.held((0, 8)) == 41 and other.sessions[(0, 8)].cache.length == 41
+    assert store.held((0, 8))[0] == 41 and other.sessions[(0, 8)].cache.length == 41
     assert drive(other.step, [t3]) == drive(ref.step, [t3]), "on the context without turn 2"
 
 
@@ -431,7 +431,7 @@ def test_a_turn_refused_because_another_worker_moved_the_session_on_drops_the_co
     drive(b.step, [t2b]), drive(ref.step, [t2b])
     comp = a.step(as_batch([prefill_records(5, 3, t2a[2], 1)]))
     assert comp["e"][0]["status"][0] == wire.STATUS_UNAVAILABLE and not a.holds(5)
-    assert store.held((0, 5)) == 41 + 21 and a.stats["store_errors"] == 1
+    assert store.held((0, 5))[0] == 41 + 21 and a.stats["store_errors"] == 1
     assert drive(a.step, [t3]) == drive(ref.step, [t3]), "continued from the store's history"
 
 
@@ -460,13 +460,13 @@ def test_a_replay_whose_turn_is_already_durable_runs_from_before_it_and_is_store
     if whole:
         store.evict((0, 7))                        # turn 2's put then goes in whole
     want = drive(first.step, [turn2])[2]           # durable; its completion "lost" with the worker
-    held = store.held((0, 7))
+    held = store.held((0, 7))[0]
     assert held == 41 + 64 + max_out - 1 and first.stats["whole_reputs"] == whole
     replay = Worker(model, store)
     assert drive(replayed(replay.step), [turn2])[2] == want
     (done,) = finished(replay)
     assert done.context_tokens == held and done.restored_tokens == 41
-    assert store.held((0, 7)) == held and len(store.restore((0, 7))) == 2, "the turn is in the store once"
+    assert store.held((0, 7))[0] == held and len(store.restore((0, 7))) == 2, "the turn is in the store once"
     assert replay.stats["replays_durable"] == 1
     turn3 = (7, 3, prompt(3, 10), 2)                # and the session goes on from it
     ref = Worker(model, MemoryStore())
@@ -486,9 +486,9 @@ def test_a_replay_back_on_the_worker_that_finished_it_runs_from_before_its_turn(
     w = Worker(model, store)
     drive(w.step, [turn1])
     want = drive(w.step, [turn2])[2]
-    held = store.held((0, 7))
+    held = store.held((0, 7))[0]
     assert drive(replayed(w.step), [turn2])[2] == want
-    assert store.held((0, 7)) == held and len(store.restore((0, 7))) == 2, "the turn is in the store once"
+    assert store.held((0, 7))[0] == held and len(store.restore((0, 7))) == 2, "the turn is in the store once"
     assert w.stats["replay_restored"] == 1 and w.stats["replays_durable"] == 1
 
 
@@ -515,7 +515,7 @@ def test_a_replay_does_not_take_back_an_earlier_request_s_turn_that_reused_its_i
     got = drive(sent_at(replay.step, 2_000, replay=True), [second])
     drive(ref.step, [first])
     assert got == drive(ref.step, [second]), "on the context with the earlier turn"
-    assert replay.stats["replays_durable"] == 0 and store.held((0, 7)) == 41 + 30 + 1
+    assert replay.stats["replays_durable"] == 0 and store.held((0, 7))[0] == 41 + 30 + 1
 
 
 def test_a_moved_request_with_a_reused_id_is_no_replay(model):
@@ -548,14 +548,14 @@ def test_a_replay_given_up_on_leaves_no_turn_of_it_in_the_store(model, retried_o
     piece = prefill_records(7, 2, prompt(2, 200), 2)[:1]
     piece["flags"] |= records.CHUNK_F_MOVED | records.CHUNK_F_REPLAY
     replay.step(as_batch([piece]))                   # its first piece only: then the router gives up
-    assert replay.stats["replays_durable"] == 1 and store.held((0, 7)) == 41
+    assert replay.stats["replays_durable"] == 1 and store.held((0, 7))[0] == 41
     retry, ref = (7, 3, prompt(2, 200), 2), Worker(model, MemoryStore())
     drive(ref.step, [turn1])
     worker = replay if retried_on == "the replay's worker" else Worker(model, store)
     assert drive(worker.step, [retry]) == drive(ref.step, [retry]), "on the context before turn 2"
     done = finished(worker)[-1]
     assert done.context_tokens == 41 + 200 + 1 and done.snapshot_error is None
-    assert store.held((0, 7)) == 41 + 200 + 1
+    assert store.held((0, 7))[0] == 41 + 200 + 1
 
 
 def test_a_request_the_router_gave_up_on_is_released_and_its_session_evicted(model, monkeypatch):
@@ -719,6 +719,32 @@ def test_a_session_closed_on_another_worker_is_not_continued_from_a_stale_reside
     again = (4, 4, prompt(7, 20), 3)
     assert drive(moved(a.step), [again]) == drive(Worker(model, MemoryStore()).step, [again])
     assert finished(a)[-1].context_tokens == 20 + 2 and a.stats["stale_dropped"] == 1
+
+
+def test_a_reused_session_id_grown_to_the_stale_copy_s_length_is_not_taken_for_it(model):
+    """Turn 1 on A (resident, durable, 42 tokens), the client's CLOSE on B, the reused id's first
+    turn on B to exactly 42 tokens too, then the session back on A, flagged moved: the store's
+    chain ends at A's length but in a record A did not put or restore, so A drops its copy and
+    restores B's. Before, the length alone was compared (README, Known limits, session 18):
+    A answered from the closed session's context."""
+    store = MemoryStore()
+    a, b = Worker(model, store, kv_budget_bytes=BIG), Worker(model, store, kv_budget_bytes=BIG)
+    ref = Worker(model, MemoryStore())
+
+    def moved(step):
+        def exchange(batch):
+            batch["flags"] |= records.CHUNK_F_MOVED
+            return step(batch)
+        return exchange
+    drive(a.step, [(4, 1, prompt(5, 40), 3)])
+    close = np.zeros(1, dtype=records.CHUNK)
+    close["session_id"], close["request_id"], close["kind"] = 4, 2, wire.KIND_CLOSE
+    assert b.step(as_batch([close]))["e"][0]["status"][0] == wire.STATUS_OK and store.restore((0, 4)) == []
+    anew, back = (4, 3, prompt(6, 40), 3), (4, 4, prompt(7, 20), 3)
+    assert drive(moved(b.step), [anew]) == drive(ref.step, [anew])
+    assert store.held((0, 4))[0] == a.sessions[(0, 4)].cache.length == 42, "the same length: the case"
+    assert drive(moved(a.step), [back]) == drive(ref.step, [back])
+    assert a.stats["stale_dropped"] == 1 and finished(a)[-1].restored_tokens == 42
 
 
 def test_a_session_the_store_evicted_goes_back_in_whole_at_its_next_put(model):

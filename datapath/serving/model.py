@@ -75,7 +75,10 @@ LLAMA3_8B_KV_BYTES_PER_TOKEN = kv_bytes_per_token(n_layers=32, n_kv_heads=8, hea
 class KVCache:
     """One session's K and V for every layer: (layers, KV heads, capacity, head dim) in fp16.
 
-    `length` tokens are valid; `snapshot_len` of them are already in the store.
+    `length` tokens are valid; `snapshot_len` of them are already in the store,
+    the last of them in the store's record numbered `snapshot_seq` (0: no
+    chain there), which tells this copy's chain from one another worker put
+    since, even to the same length (the worker's _moved_on).
     Capacity grows by doubling, so appending is amortized O(1); resident bytes
     count the allocation, which is what the memory budget pays for.
     """
@@ -87,6 +90,7 @@ class KVCache:
         self.v = np.zeros(shape, KV_DTYPE)
         self.length = 0
         self.snapshot_len = 0
+        self.snapshot_seq = 0
 
     @property
     def capacity(self) -> int:
@@ -124,7 +128,7 @@ class KVCache:
     def clone(self) -> "KVCache":
         c = KVCache(self.config, self.capacity)
         c.k[...], c.v[...] = self.k, self.v
-        c.length, c.snapshot_len = self.length, self.snapshot_len
+        c.length, c.snapshot_len, c.snapshot_seq = self.length, self.snapshot_len, self.snapshot_seq
         return c
 
 

@@ -19,11 +19,14 @@ holds is dropped for the store's copy if another worker has continued it since.
 
 The two interfaces other stages plug in:
 
-    SnapshotStore  put(key, delta, meta) -> None   returns only once durable; raises
-                                                   SessionChanged if the store does not hold
-                                                   the session up to meta["token_start"]
-                   restore(key) -> list[bytes]     the chain, oldest first; [] if none
-                   held(key) -> int                tokens [0, n) of the session it holds
+    SnapshotStore  put(key, delta, meta) -> int    returns only once durable: the number of
+                                                   the record it wrote (numbers never repeat);
+                                                   raises SessionChanged if the store does not
+                                                   hold the session up to meta["token_start"]
+                   restore(key) -> list[bytes]     the chain, oldest first ([] if none), with
+                                                   .seq, its last record's number (0: none)
+                   held(key) -> (n, seq)           tokens [0, n) of the session it holds, and
+                                                   the number of the record that ends them
                    delete(key) -> None
     Lane           recv_batch(timeout_s) -> CHUNK records | None
                    send_completion(comp) -> bool                    one COMPLETION record
@@ -63,10 +66,10 @@ ABANDONED_KEPT = 4096      # released requests remembered (per session); the old
 
 
 class SnapshotStore(Protocol):
-    def put(self, key: SessionKey, delta: bytes, meta: dict) -> None: ...   # SessionChanged: see above;
+    def put(self, key: SessionKey, delta: bytes, meta: dict) -> int: ...   # SessionChanged: see above;
     # meta: token_start, token_end, codec, request_id, and replace (the delta, from 0, is the whole chain)
-    def restore(self, key: SessionKey) -> list[bytes]: ...
-    def held(self, key: SessionKey) -> int: ...      # the store holds tokens [0, n) of the session
+    def restore(self, key: SessionKey) -> list[bytes]: ...   # with .seq (snapshotstore.api.Deltas)
+    def held(self, key: SessionKey) -> tuple[int, int]: ...  # tokens [0, n) of the session, last record's number
     def delete(self, key: SessionKey) -> None: ...
 
 
@@ -307,9 +310,13 @@ class Worker:
         only when the router flags that the session last ran elsewhere (CHUNK_F_MOVED): one store
         lookup (a ~0.2 ms RPC to a shared store's server) per moved request, none otherwise."""
         # != and not >: the store may hold less too, when the session was closed on the other
-        # worker (deleted: a reused id starts fresh) or ran there anew; this copy is stale then
+        # worker (deleted: a reused id starts fresh) or ran there anew; this copy is stale then.
+        # The record number too: a session closed there and its reused id grown to exactly this
+        # copy's length passed a check of the length alone. A number this copy has missed (a put
+        # whose reply was lost, in a turn that then failed) makes it stale too: a restore, never
+        # a wrong answer.
         return (self.store is not None and bool(rec["flags"] & records.CHUNK_F_MOVED)
-                and self.store.held(key) != s.cache.snapshot_len)
+                and tuple(self.store.held(key)) != (s.cache.snapshot_len, s.cache.snapshot_seq))
 
     def _store_failed(self, e: Exception):
         self.stats["store_errors"] += 1
@@ -328,6 +335,7 @@ class Worker:
         this record is answered 503 and the turn stays. Earlier still, a replay ran on top of
         its own turn: a context holding the prompt twice, and other tokens."""
         chain = self.store.restore(key) if self.store is not None else []
+        seq = chain.seq if chain else 0
         taken_back = False
         if chain and replay and replay[0]:    # 0 names no request: a whole re-put's first delta has it
             last, (rid, sent) = kvdelta.header(chain[-1]), replay
@@ -335,11 +343,13 @@ class Worker:
             if taken_back:
                 chain = chain[:-1]
         cache = kvdelta.restore(chain, self.model.config) if chain else KVCache(self.model.config)
+        cache.snapshot_seq = seq
         if taken_back:
             if cache.length:
                 self._put(key, cache, 0, 0, replace=True)
             else:
                 self.store.delete(key)
+                cache.snapshot_seq = 0
             cache.snapshot_len = cache.length
             self.stats["replays_durable"] += 1
         if chain:
@@ -359,9 +369,10 @@ class Worker:
             try:
                 done.snapshot_bytes = self._put_turn(key, s.cache, req)
             except Exception as e:
-                held, last = self._store_end(key)
+                held, last, seq = self._store_end(key)
                 if held == s.cache.length and last == req.request_id:
                     self.stats["snapshot_replies_lost"] += 1   # it landed: a snapshot, its reply lost
+                    s.cache.snapshot_seq = seq
                 else:
                     self.stats["snapshot_failures"] += 1
                     self._store_failed(e)
@@ -393,20 +404,20 @@ class Worker:
         return n + self._put(key, cache, max(start, req.start_len), req.request_id,
                              sent_ns=req.stamps.get("t_send", 0))
 
-    def _last_delta(self, key: SessionKey) -> dict | None:
-        """The header of the store's last delta of the session (None: it holds none). It reads
-        the chain: after a failed put only."""
+    def _last_delta(self, key: SessionKey) -> tuple[dict | None, int]:
+        """The header of the store's last delta of the session (None: it holds none), and its
+        record's number. It reads the chain: after a failed put only."""
         chain = self.store.restore(key)
-        return kvdelta.header(chain[-1]) if chain else None
+        return (kvdelta.header(chain[-1]), chain.seq) if chain else (None, 0)
 
-    def _store_end(self, key: SessionKey) -> tuple[int | None, int]:
-        """Where the store's copy of the session ends, and the request its last delta names;
-        (None, 0) if the store cannot say."""
+    def _store_end(self, key: SessionKey) -> tuple[int | None, int, int | None]:
+        """Where the store's copy of the session ends, the request its last delta names, and
+        that delta's record number; (None, 0, None) if the store cannot say."""
         try:
-            last = self._last_delta(key)
+            last, seq = self._last_delta(key)
         except Exception:
-            return None, 0
-        return (last["token_end"], last["request_id"]) if last else (0, 0)
+            return None, 0, None
+        return (last["token_end"], last["request_id"], seq) if last else (0, 0, 0)
 
     def _unwind(self, key: SessionKey, s: _Session, req: _Request, held: int | None):
         """The request's turn did not become durable and the request is answered 503: the session
@@ -435,7 +446,7 @@ class Worker:
         and its retry does not run on top of that turn. None: the store holds another history
         of the session, whose copy then goes. Raises (this record's 503) while the store still
         cannot say."""
-        last = self._last_delta(key)
+        last, _ = self._last_delta(key)
         if last is not None and last["request_id"] == s.unsure and last["token_start"] == s.cache.length:
             # It landed: this copy, without that turn, replaces the chain in one record. A delete then
             # a put left the store empty between them, and a failed put or a kill there lost the
@@ -444,6 +455,7 @@ class Worker:
                 self._put(key, s.cache, 0, 0, replace=True)
             else:
                 self.store.delete(key)
+                s.cache.snapshot_seq = 0
             s.cache.snapshot_len = s.cache.length
             self.stats["unsure_rolled_back"] += 1
         elif (last["token_end"] if last else 0) != s.cache.length:
@@ -460,7 +472,7 @@ class Worker:
         blob = kvdelta.encode(kvdelta.export_delta(cache, start, end), self.model.config, self.codec, request_id,
                               sent_ns)
         meta = dict(token_start=start, token_end=end, codec=self.codec, request_id=request_id)
-        self.store.put(key, blob, {**meta, "replace": True} if replace else meta)
+        cache.snapshot_seq = self.store.put(key, blob, {**meta, "replace": True} if replace else meta)
         return len(blob)
 
     def close(self, session_id: int, tenant: int = 0):
