@@ -744,6 +744,66 @@ def test_a_host_reconnecting_at_once_finds_the_controller_free(target, monkeypat
         dev.close()
 
 
+def test_a_closed_host_s_queued_admin_commands_do_not_reach_the_next_host_s_controller(target, monkeypatch):
+    """Host A enables the controller, pipelines a Keep Alive (slow here) and a Property Set
+    CC.EN=0, and closes; host B connects meanwhile (A's FIN seen). A's thread must not then run
+    the CC.EN=0 against B's association: before, it reset B's controller and closed B's I/O
+    queue, and B's next write failed (found by review)."""
+    from snapshotstore.nvmetcp import target as T
+    slow, real = threading.Event(), T._Connection._admin
+
+    def slow_keep_alive(self, cmd):
+        if cmd.sqe["opc"] == P.ADMIN_KEEP_ALIVE and not slow.is_set():
+            slow.set()
+            time.sleep(1.0)
+        return real(self, cmd)
+    monkeypatch.setattr(T._Connection, "_admin", slow_keep_alive)
+
+    def prop_set(cid, value):
+        return P.pack(P.FABRICS_SQE, opc=P.OPC_FABRICS, cid=cid, fctype=P.FCTYPE_PROPERTY_SET,
+                      specific=P.pack(P.PROPERTY_SPECIFIC, ofst=P.PROP_CC, value=value))
+    a = RawHost(target.port)
+    assert a.connect_admin()["status"] == 0
+    a.ch.send(P.CAPSULE_CMD, prop_set(2, P.CC_EN))
+    assert a.response()["status"] == 0
+    a.ch.send(P.CAPSULE_CMD, P.pack(P.SQE, opc=P.ADMIN_KEEP_ALIVE, cid=3, flags=P.PSDT_SGL))
+    a.ch.send(P.CAPSULE_CMD, prop_set(4, 0))
+    a.sock.shutdown(socket.SHUT_WR)
+    assert slow.wait(TIMEOUT_S)
+    time.sleep(0.1)
+    b = NvmeTcpDevice(target.url)
+    try:
+        time.sleep(1.5)                       # A's thread is done with its Keep Alive by now
+        buf = aligned_buffer(4096)
+        buf[:] = b"b" * 4096
+        b.write_from(buf, 0, 0, 1)
+        assert target.csts & P.CSTS_RDY and target.io_queue is not None
+    finally:
+        b.close()
+        a.sock.close()
+
+
+def test_in_capsule_data_must_fit_the_transfer_buffer(image):
+    """It is read into the queue's transfer buffer: a larger capsule was read short, and its rest
+    parsed as the next PDU."""
+    with pytest.raises(ValueError, match="must fit the transfer size"):
+        Target(image(), port=0, max_transfer=4096)
+
+
+def test_a_controller_without_a_transfer_limit_gets_bounded_commands(target, monkeypatch):
+    """MDTS 0 (Linux's nvmet) means no limit: the initiator still keeps a command to 4 MiB, since
+    the target allocates a command's whole transfer at once."""
+    from snapshotstore.nvmetcp import initiator
+    real = Target.identify_controller
+    monkeypatch.setattr(Target, "identify_controller",
+                        lambda self: real(self)[:77] + b"\0" + real(self)[78:])    # MDTS, byte 77
+    dev = NvmeTcpDevice(target.url)
+    try:
+        assert dev.max_blocks == initiator.NO_MDTS_BYTES // dev.block_size
+    finally:
+        dev.close()
+
+
 def test_a_dead_host_s_last_write_never_lands_over_the_next_host_s(target, monkeypatch):
     """Host A's write is still being executed by the target when A's connections drop; host B
     connects, writes the same block and flushes. B's data must be what the block holds: the

@@ -30,6 +30,7 @@ DEFAULT_PORT = 4420
 QUEUE_SIZE = 32              # entries; the Connect sends it 0's based
 READY_TIMEOUT_S = 5.0
 TRANSIENT_RETRIES = 3
+NO_MDTS_BYTES = 4 << 20      # the most one command moves when the controller sets no limit (MDTS 0)
 
 
 class NvmeError(DeviceError):
@@ -265,8 +266,9 @@ class NvmeTcpDevice:
             self.block_size = 1 << (ns["lbaf0"] >> 16 & 0xFF)      # LBA format 0's LBADS
             self.blocks = ns["nsze"]
             self.size = self.blocks * self.block_size
-            # MDTS in units of CAP.MPSMIN (4 KiB); 0 means no limit, and a capsule's plen must still fit a u32
-            self.max_blocks = ((4096 << ctrl["mdts"]) if ctrl["mdts"] else 1 << 30) // self.block_size
+            # MDTS in units of CAP.MPSMIN (4 KiB); 0 means no limit (Linux's nvmet), where a command is
+            # still kept to NO_MDTS_BYTES: the target allocates a command's whole transfer at once
+            self.max_blocks = ((4096 << ctrl["mdts"]) if ctrl["mdts"] else NO_MDTS_BYTES) // self.block_size
             self.max_blocks = min(self.max_blocks, 1 << 16)          # NLB is 16 bits
             self._in_capsule = ctrl["ioccsz"] * 16 - 64
             self.io = self._io_queue()

@@ -27,6 +27,10 @@ class TargetProcess:
         self.output: list[str] = []              # what it printed after its banner: a line per queue connected
         self.stderr = ""
         self._reader: threading.Thread | None = None
+        # stderr drained from the start too: read only at exit, a target whose threads wrote more
+        # than a pipe holds (64 KiB of tracebacks) would have blocked at its next write
+        self._err_reader = threading.Thread(target=self._read_errors, name="target-stderr", daemon=True)
+        self._err_reader.start()
         with selectors.DefaultSelector() as sel:
             sel.register(self.proc.stdout, selectors.EVENT_READ)
             ready = sel.select(START_TIMEOUT_S)
@@ -43,6 +47,10 @@ class TargetProcess:
     def _read_output(self):
         for line in self.proc.stdout:
             self.output.append(line.rstrip("\n"))
+
+    def _read_errors(self):
+        for line in self.proc.stderr:
+            self.stderr = (self.stderr + line)[-(64 << 10):]      # the end is what explains an exit
 
     def stop(self, timeout: float = 10.0) -> int:
         """SIGTERM: a clean shutdown (connections closed, device synced and released)."""
@@ -66,8 +74,7 @@ class TargetProcess:
             self._reader.join(10)
         elif self.proc.stdout and not self.proc.stdout.closed:
             self.output += self.proc.stdout.read().splitlines()
-        if self.proc.stderr and not self.proc.stderr.closed:
-            self.stderr += self.proc.stderr.read()
+        self._err_reader.join(10)                   # its stderr ends too
         for f in (self.proc.stdout, self.proc.stderr):
             if f and not f.closed:
                 f.close()

@@ -62,6 +62,11 @@ class Target:
         self.queue_depth, self.maxh2cdata, self.in_capsule = queue_depth, maxh2cdata, in_capsule
         self.mdts = max(0, (max_transfer >> 12).bit_length() - 1)    # 2^mdts * 4 KiB (CAP.MPSMIN)
         self.max_transfer = 4096 << self.mdts
+        if max(in_capsule, P.ADMIN_ICD) > self.max_transfer:
+            # in-capsule data is read into the queue's transfer buffer: a larger capsule was read
+            # short, and its rest parsed as the next PDU header
+            raise ValueError(f"in_capsule {in_capsule} (and the admin queue's {P.ADMIN_ICD}) must fit the "
+                             f"transfer size {self.max_transfer}")
         self.dev: BlockDevice | None = None
         self._listener: socket.socket | None = None
         self._lock = threading.Lock()                 # connections and the controller state
@@ -121,7 +126,7 @@ class Target:
         with self._lock:
             conns = list(self._conns)
         for c in conns:
-            c.channel.close()
+            c.channel.shutdown()
         for t in self._threads:
             t.join(10)
         if self.dev is not None:
@@ -172,7 +177,7 @@ class Target:
                 self.io_queue = None
             others = self._end_association() if conn is self.admin_queue else []
         for c in others:
-            c.channel.close()
+            c.channel.shutdown()
 
     def _end_association(self) -> list["_Connection"]:
         """The admin queue is gone (lock held): the controller is free; its I/O queues, to close."""
@@ -234,7 +239,7 @@ class Target:
                 self.csts = (self.csts & ~(3 << 2)) | P.CSTS_SHST_COMPLETE
             self.csts = (self.csts | P.CSTS_RDY) if value & P.CC_EN else (self.csts & ~P.CSTS_RDY)
         for c in reset:
-            c.channel.close()
+            c.channel.shutdown()
         if reset:
             with self._write_lock:                # one of theirs already writing lands before the
                 pass                              # reset is done, never over the next queue's writes
@@ -406,6 +411,12 @@ class _Connection:
 
     def _execute(self, cmd: _Command):
         sqe, cid = cmd.sqe, cmd.sqe["cid"]
+        if self.connected and self is not (self.t.admin_queue if self.qid == 0 else self.t.io_queue):
+            # its association ended (its host closed the admin queue and another host connected, or
+            # a reset ended this I/O queue) while commands of it still waited in the socket: run,
+            # a Property Set CC.EN=0 queued by a host that had closed reset the next host's
+            # controller (found by review)
+            raise ConnectionClosed("this queue's association has ended")
         if cmd.data is False:
             return self._respond(cid, P.SC_TRANSIENT_TRANSPORT)
         if sqe["opc"] == P.OPC_FABRICS:
@@ -461,7 +472,7 @@ class _Connection:
                     # the host closed it, its thread has not seen that yet: a host reconnecting
                     # right after a close (or a reset) must find the controller free, not busy
                     for stale in t._end_association():
-                        stale.channel.close()
+                        stale.channel.shutdown()
                 if t.host_nqn is not None:
                     return self._respond(cid, P.SC_CONNECT_CONTROLLER_BUSY)
                 t.host_nqn, t.admin_queue = hostnqn, self

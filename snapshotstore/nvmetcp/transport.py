@@ -150,9 +150,16 @@ class Channel:
     def send_term(self, pdu_type: int, fes: int, fei: int, header: bytes) -> None:
         self.send(pdu_type, P.psh(P.TERM_REQ_PDU, fes=fes, fei=fei), header[:P.TERM_MAX_ERROR_DATA] or None)
 
-    def close(self) -> None:
+    def shutdown(self) -> None:
+        """End the stream, from any thread: the owning thread's next read or write fails and it
+        closes the socket. A close from another thread freed the fd number while the owner could
+        still be about to use it, and the next accept could reuse it for another host's stream."""
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
+
+    def close(self) -> None:
+        """End the stream and release the socket: by the thread that reads and writes it."""
+        self.shutdown()
         self.sock.close()
