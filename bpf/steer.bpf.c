@@ -9,8 +9,8 @@
  * queue's ring buffer with an XDP stamp, then the packet is dropped: the
  * consumer has everything.
  * A record over its tenant's token bucket (a chunk, an OPEN or a COUNT_TOKENS:
- * each costs its tokens, one at least; a CLOSE is free) never reaches user
- * space: the packet is rewritten in place into a 429 response and sent back
+ * each costs its tokens, one at least; a CLOSE is free), or over the bucket the
+ * tenants without one share, never reaches user space: the packet is rewritten in place into a 429 response and sent back
  * (XDP_TX);
  * a valid request over IPv6 is answered 400 the same way (responses go to
  * the IPv4 address a chunk carries);
@@ -380,6 +380,13 @@ int xdp_steer(struct xdp_md *ctx)
         /* a CLOSE is free: it frees what the session holds, and refused it would leave that
          * held; it draws no body */
         b = kind != DP_KIND_CLOSE ? buckets.lookup(&tenant) : NULL;
+        if (!b && kind != DP_KIND_CLOSE) {
+            /* a tenant without a bucket of its own shares the others' bucket, if one is set: made
+             * up, a tenant id was a way past every limit here */
+            b = others_bucket.lookup(&zero);
+            if (b && !b->ns_per_token)
+                b = NULL;
+        }
         /* a request of several chunks is cut once: one 429, and its later chunks neither
          * charged nor answered again (the router drops what did pass: chunk.h, dp_cut_key).
          * One-chunk requests stay out of the map: a flood of them would push the others out.

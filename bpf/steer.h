@@ -56,7 +56,7 @@ enum dp_policy_mode {
 
 struct dp_policy {
     __u32 mode;                  /* enum dp_policy_mode */
-    __u32 rate_limits;           /* tenants with a bucket; 0 skips the bucket lookup (~40 ns) */
+    __u32 rate_limits;           /* buckets set (the others' counts one); 0 skips the bucket lookup (~40 ns) */
     __u32 stamp_validated;       /* stamp t_xdp_in, the request validated (tracing: a clock read, ~30 ns) */
     __u32 reserved;
 };

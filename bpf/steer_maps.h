@@ -41,6 +41,9 @@ BPF_ARRAY(policy, struct dp_policy, 1);
 BPF_HASH(pins, __u64, __u32, 65536);          /* session_id -> queue */
 BPF_HASH(tenant_queue, __u32, __u32, 4096);   /* tenant -> queue */
 BPF_HASH(buckets, __u32, struct dp_bucket, 4096);
+/* the one bucket every tenant without a bucket of its own shares (ns_per_token 0: none), so made-up
+ * tenant ids are not a way past the limits */
+BPF_ARRAY(others_bucket, struct dp_bucket, 1);
 BPF_TABLE("lru_hash", struct dp_cut_key, __u64, cuts, DP_CUTS);   /* requests the bucket cut (chunk.h, dp_cut_key) */
 
 /* the queues: one ring buffer each (bcc needs one declaration per map) */

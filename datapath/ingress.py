@@ -183,7 +183,8 @@ class Ingress:
         self._set_policy_field("stamp_validated", int(bool(on)))
 
     def _count_rate_limits(self):
-        self._set_policy_field("rate_limits", len(self.table("buckets")))
+        others = self.table("others_bucket")[0].ns_per_token != 0
+        self._set_policy_field("rate_limits", len(self.table("buckets")) + others)
 
     def _set_policy_field(self, name: str, value: int):
         t = self.table("policy")
@@ -211,32 +212,7 @@ class Ingress:
         at least one full chunk). A new bucket starts full; a tenant's rate set again keeps what its
         bucket had spent, in tokens (at most the new burst): before, it refilled, so lowering a
         tenant's rate handed it a fresh burst exactly when it was being throttled."""
-        if tokens_per_minute < 1 or tokens_per_minute > NS_PER_MINUTE:
-            raise ValueError(f"tokens_per_minute must be 1..{NS_PER_MINUTE}, not {tokens_per_minute}")
-        burst = burst_tokens if burst_tokens is not None else max(tokens_per_minute // 60, lib.DP_MAX_CHUNK_TOKENS)
-        if burst < lib.DP_MAX_CHUNK_TOKENS:
-            raise ValueError(f"burst_tokens must be at least one full chunk ({lib.DP_MAX_CHUNK_TOKENS}), not {burst}")
-        ns_per_token = -(-NS_PER_MINUTE // tokens_per_minute)   # up: never more than the rate
-        if burst * ns_per_token >= 1 << 62:    # the program adds it to the clock: it must not wrap
-            raise ValueError(f"burst_tokens {burst} at {tokens_per_minute}/minute is more than the bucket can hold "
-                             f"({((1 << 62) - 1) // ns_per_token} tokens): clear_rate() to lift the limit")
-        t = self.table("buckets")
-        tat = 0                                          # (full)
-        try:
-            old = t[t.Key(tenant)]
-        except KeyError:
-            old = None
-        if old is not None:
-            # the program's clock is CLOCK_MONOTONIC (bpf_ktime_get_ns): the tokens spent ahead of
-            # now, at the old rate, are charged again at the new one
-            # (a charge the program makes between this read and the write below is lost: the
-            # maps have no compare-and-swap from user space; a few records' worth at most)
-            now = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
-            spent = -(-max(0, old.tat - now) // max(1, old.ns_per_token))     # up: never in the tenant's favour
-            if spent:
-                tat = now + min(spent, burst) * ns_per_token
-        t[t.Key(tenant)] = t.Leaf(ns_per_token, burst * ns_per_token, tat)
-        self._count_rate_limits()
+        self._set_bucket("buckets", tenant, tokens_per_minute, burst_tokens)
 
     def clear_rate(self, tenant: int):
         t = self.table("buckets")
@@ -246,11 +222,51 @@ class Ingress:
             pass
         self._count_rate_limits()
 
+    def set_others_rate(self, tokens_per_minute: int, burst_tokens: int | None = None):
+        """One token bucket that every tenant without a bucket of its own (set_rate) shares, as
+        set_rate's: a cap on all the traffic of tenants the operator has not named, made-up
+        tenant ids among them (without it, a sender rotating made-up ids met no limit in XDP)."""
+        self._set_bucket("others_bucket", 0, tokens_per_minute, burst_tokens)
+
+    def clear_others_rate(self):
+        t = self.table("others_bucket")
+        t[t.Key(0)] = t.Leaf(0, 0, 0)
+        self._count_rate_limits()
+
+    def _set_bucket(self, table: str, key: int, tokens_per_minute: int, burst_tokens: int | None):
+        if tokens_per_minute < 1 or tokens_per_minute > NS_PER_MINUTE:
+            raise ValueError(f"tokens_per_minute must be 1..{NS_PER_MINUTE}, not {tokens_per_minute}")
+        burst = burst_tokens if burst_tokens is not None else max(tokens_per_minute // 60, lib.DP_MAX_CHUNK_TOKENS)
+        if burst < lib.DP_MAX_CHUNK_TOKENS:
+            raise ValueError(f"burst_tokens must be at least one full chunk ({lib.DP_MAX_CHUNK_TOKENS}), not {burst}")
+        ns_per_token = -(-NS_PER_MINUTE // tokens_per_minute)   # up: never more than the rate
+        if burst * ns_per_token >= 1 << 62:    # the program adds it to the clock: it must not wrap
+            raise ValueError(f"burst_tokens {burst} at {tokens_per_minute}/minute is more than the bucket can hold "
+                             f"({((1 << 62) - 1) // ns_per_token} tokens): clear the rate to lift the limit")
+        t = self.table(table)
+        tat = 0                                          # (full)
+        try:
+            old = t[t.Key(key)]
+        except KeyError:
+            old = None
+        if old is not None and old.ns_per_token:         # (the others' bucket is an array: 0 is none)
+            # the program's clock is CLOCK_MONOTONIC (bpf_ktime_get_ns): the tokens spent ahead of
+            # now, at the old rate, are charged again at the new one
+            # (a charge the program makes between this read and the write below is lost: the
+            # maps have no compare-and-swap from user space; a few records' worth at most)
+            now = time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+            spent = -(-max(0, old.tat - now) // old.ns_per_token)     # up: never in the tenant's favour
+            if spent:
+                tat = now + min(spent, burst) * ns_per_token
+        t[t.Key(key)] = t.Leaf(ns_per_token, burst * ns_per_token, tat)
+        self._count_rate_limits()
+
     def consumer(self, out: Ring | None, samples: int = 1 << 20, cpu: int = -1, rt_priority: int = 0) -> "Consumer":
         """The C consumer of this program's ring buffers, writing into `out` (see output_ring), or,
         with out None, only feeding a router (Router.add_feed)."""
         return Consumer(self.ring_fds(), out, samples, cpu, rt_priority, hist_fd=self.table("lat_hist").map_fd,
-                        cuts_fd=self.table("cuts").map_fd, buckets_fd=self.table("buckets").map_fd)
+                        cuts_fd=self.table("cuts").map_fd, buckets_fd=self.table("buckets").map_fd,
+                        others_fd=self.table("others_bucket").map_fd)
 
 
 class Terminated(SystemExit):
@@ -325,10 +341,11 @@ class Consumer(_Thread):
     _start, _stop = lib.dp_consumer_start, lib.dp_consumer_stop
 
     def __init__(self, ring_fds, out: Ring | None, samples: int = 1 << 20, cpu: int = -1, rt_priority: int = 0,
-                 hist_fd: int = -1, cuts_fd: int = -1, buckets_fd: int = -1):
+                 hist_fd: int = -1, cuts_fd: int = -1, buckets_fd: int = -1, others_fd: int = -1):
         self.out = out   # kept open as long as the thread may write it
         self.cuts_fd = cuts_fd   # the program's cut requests (bpf/steer.h, dp_cut_key): Router.watch_cuts
-        self.buckets_fd = buckets_fd   # and its tenants' buckets: the router cuts only theirs
+        self.buckets_fd = buckets_fd   # and its tenants' buckets: the router cuts only theirs,
+        self.others_fd = others_fd     # and every tenant's while the others' bucket is set
         fds = ffi.new("int[]", list(ring_fds))
         ptr = lib.dp_consumer_new(fds, len(ring_fds), hist_fd, _ring_ptr(out) if out else ffi.NULL, samples)
         if ptr == ffi.NULL:

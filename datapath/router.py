@@ -104,15 +104,16 @@ class Router:
         _check(lib.dp_router_add_feed(self._rt, fn, src), "feed (one per router)")
         self._rings.append(consumer)   # kept alive as long as the router may call it
         if consumer.cuts_fd >= 0:
-            self.watch_cuts(consumer.cuts_fd, consumer.buckets_fd)
+            self.watch_cuts(consumer.cuts_fd, consumer.buckets_fd, consumer.others_fd)
 
-    def watch_cuts(self, map_fd: int, buckets_fd: int = -1) -> None:
+    def watch_cuts(self, map_fd: int, buckets_fd: int = -1, others_fd: int = -1) -> None:
         """The XDP program's `cuts` map (Ingress.table("cuts").map_fd; add_feed does this itself): a request
         its token bucket cut in the middle was answered 429 in the kernel, so the chunks of it that passed
         are dropped at the reassembly timeout without a second answer, the 400 (stats: xdp_cut); and one
         the router answers before its last chunk came is cut there, so the bucket does not answer it
-        again. buckets_fd, the program's `buckets` map: only its tenants are checked (-1: all)."""
-        _check(lib.dp_router_watch_cuts(self._rt, map_fd, buckets_fd), f"cuts map fd {map_fd}")
+        again. buckets_fd, the program's `buckets` map: only its tenants are checked (-1: all), and
+        every tenant while others_fd's bucket (`others_bucket`) is set."""
+        _check(lib.dp_router_watch_cuts(self._rt, map_fd, buckets_fd, others_fd), f"cuts map fd {map_fd}")
 
     def add_worker(self, lane: Ring, done: Ring, weight: int = 1, pool: int = 0) -> int:
         k = _check(lib.dp_router_add_worker(self._rt, lane.ptr, done.ptr, weight),

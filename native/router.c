@@ -140,6 +140,7 @@ struct dp_router {
     uintptr_t feed, feed_src;           /* dp_router_add_feed (0: none) */
     int cuts_fd;                        /* the XDP program's `cuts` map (dp_router_watch_cuts; -1: none) */
     int buckets_fd;                     /* and its `buckets` (-1: every tenant taken as having one) */
+    int others_fd;                      /* and its `others_bucket` (-1: none) */
     struct dp_ring *egress;
     void *zctx;                         /* created with the first zmq lane */
     uint32_t n_zmq;                     /* zmq workers (their answers have a deadline) */
@@ -1646,6 +1647,17 @@ static void fifo_remove(struct dp_router *rt, struct worker *w, uint32_t ri)
     }
 }
 
+/* One element of a BPF map by its fd: 1 if found (copied to value). */
+static int map_lookup(int fd, const void *key, void *value)
+{
+    union bpf_attr a;
+    memset(&a, 0, sizeof(a));            /* the kernel refuses any byte set past the command's fields */
+    a.map_fd = (uint32_t)fd;
+    a.key = (uint64_t)(uintptr_t)key;
+    a.value = (uint64_t)(uintptr_t)value;
+    return syscall(__NR_bpf, BPF_MAP_LOOKUP_ELEM, &a, sizeof(a)) == 0;
+}
+
 /* Did the XDP program's bucket cut this request (chunk.h, dp_cut_key)? Then its client has
  * had the 429, and what passed of it is dropped without a second answer. The cut must be this
  * request's, not one of the same ids long before: no earlier than DP_CUT_TTL_NS before its first
@@ -1657,12 +1669,7 @@ static int xdp_cut(const struct dp_router *rt, uint64_t session_id, uint64_t req
         return 0;
     struct dp_cut_key key = { .session_id = session_id, .request_id = request_id, .tenant = tenant };
     uint64_t when;
-    union bpf_attr a;
-    memset(&a, 0, sizeof(a));            /* the kernel refuses any byte set past the command's fields */
-    a.map_fd = (uint32_t)rt->cuts_fd;
-    a.key = (uint64_t)(uintptr_t)&key;
-    a.value = (uint64_t)(uintptr_t)&when;
-    return syscall(__NR_bpf, BPF_MAP_LOOKUP_ELEM, &a, sizeof(a)) == 0 && when + DP_CUT_TTL_NS >= t_xdp;
+    return map_lookup(rt->cuts_fd, &key, &when) && when + DP_CUT_TTL_NS >= t_xdp;
 }
 
 /* A request the router answered before all its chunks came (a refusal, an expiry, a failure):
@@ -1684,23 +1691,22 @@ static void cut_at_xdp(const struct dp_router *rt, uint64_t session_id, uint64_t
     syscall(__NR_bpf, BPF_MAP_UPDATE_ELEM, &a, sizeof(a));
 }
 
-/* Has the tenant an XDP bucket? Only then does XDP cut its requests or read a cut of them, so only
- * then are the two calls above worth making: for the others they cost a refusal ~2 us each, and
- * their writes pushed live cuts out of the LRU map (found by review). One lookup, on the refusal,
- * expiry and failure paths of requests of several chunks only. */
+/* Has the tenant an XDP bucket, its own or the one the others share while it is set? Only then
+ * does XDP cut its requests or read a cut of them, so only then are the two calls above worth
+ * making: for the others they cost a refusal ~2 us each, and their writes pushed live cuts out of
+ * the LRU map (found by review). One or two lookups, on the refusal, expiry and failure paths of
+ * requests of several chunks only. */
 static int bucketed(const struct dp_router *rt, uint32_t tenant)
 {
     if (rt->cuts_fd < 0)
         return 0;
     if (rt->buckets_fd < 0)
         return 1;
-    uint64_t value[8];                   /* a struct dp_bucket (bpf/steer.h), 24 bytes */
-    union bpf_attr a;
-    memset(&a, 0, sizeof(a));
-    a.map_fd = (uint32_t)rt->buckets_fd;
-    a.key = (uint64_t)(uintptr_t)&tenant;
-    a.value = (uint64_t)(uintptr_t)value;
-    return syscall(__NR_bpf, BPF_MAP_LOOKUP_ELEM, &a, sizeof(a)) == 0;
+    uint64_t value[8];                   /* a struct dp_bucket (bpf/steer.h): ns_per_token first */
+    uint32_t zero = 0;
+    if (map_lookup(rt->buckets_fd, &tenant, value))
+        return 1;
+    return rt->others_fd >= 0 && map_lookup(rt->others_fd, &zero, value) && value[0] != 0;
 }
 
 /* Requests still missing chunks, with nothing in flight, idle past the timeout:
@@ -2165,7 +2171,7 @@ static struct dp_router *router_new(const struct dp_router_config *cfg, const ch
         return NULL;
     }
     rt->cfg = c;
-    rt->cuts_fd = rt->buckets_fd = -1;
+    rt->cuts_fd = rt->buckets_fd = rt->others_fd = -1;
     if (getrandom(&rt->key_secret, sizeof(rt->key_secret), 0) != sizeof(rt->key_secret))
         rt->key_secret = dp_hash64((uint64_t)(uintptr_t)rt ^ now_ns());
     pthread_mutex_init(&rt->lock, NULL);
@@ -2248,11 +2254,13 @@ void dp_router_destroy(struct dp_router *rt)
         close(rt->cuts_fd);
     if (rt->buckets_fd >= 0)
         close(rt->buckets_fd);
+    if (rt->others_fd >= 0)
+        close(rt->others_fd);
     pthread_mutex_destroy(&rt->lock);
     hot_free(rt, sizeof(*rt));
 }
 
-int dp_router_watch_cuts(struct dp_router *rt, int map_fd, int buckets_fd)
+int dp_router_watch_cuts(struct dp_router *rt, int map_fd, int buckets_fd, int others_fd)
 {
     if (rt->cuts_fd >= 0)
         return -EBUSY;                             /* one map, set before the router runs */
@@ -2260,13 +2268,19 @@ int dp_router_watch_cuts(struct dp_router *rt, int map_fd, int buckets_fd)
     if (fd < 0)
         return -errno;
     int bfd = buckets_fd >= 0 ? fcntl(buckets_fd, F_DUPFD_CLOEXEC, 0) : -1;
-    if (buckets_fd >= 0 && bfd < 0) {
+    int ofd = others_fd >= 0 ? fcntl(others_fd, F_DUPFD_CLOEXEC, 0) : -1;
+    if ((buckets_fd >= 0 && bfd < 0) || (others_fd >= 0 && ofd < 0)) {
         int e = errno;
         close(fd);
+        if (bfd >= 0)
+            close(bfd);
+        if (ofd >= 0)
+            close(ofd);
         return -e;
     }
     rt->cuts_fd = fd;
     rt->buckets_fd = bfd;
+    rt->others_fd = ofd;
     return 0;
 }
 

@@ -150,9 +150,10 @@ int dp_router_add_feed(struct dp_router *rt, uintptr_t feed, uintptr_t src);
  * answered 429 in the kernel, so it is dropped without the 400 (counted xdp_cut), and one refused
  * at first sight is not answered again. The router writes it too, for a request of several
  * chunks it answered before the last came, so XDP drops the rest unanswered and uncharged; both
- * only for tenants with a bucket in buckets_fd, the program's `buckets` map (-1: all). One per
- * router, set before it runs (add_feed does). */
-int dp_router_watch_cuts(struct dp_router *rt, int map_fd, int buckets_fd);
+ * only for tenants with a bucket in buckets_fd, the program's `buckets` map (-1: all), or, while
+ * others_fd's one bucket is set (the program's `others_bucket`; -1: none), for every tenant. One
+ * per router, set before it runs (add_feed does). */
+int dp_router_watch_cuts(struct dp_router *rt, int map_fd, int buckets_fd, int others_fd);
 /* A worker: its lane (router produces) and completion ring (router consumes),
  * Returns the worker index. */
 int dp_router_add_worker(struct dp_router *rt, struct dp_ring *lane, struct dp_ring *done, uint32_t weight);

@@ -389,6 +389,65 @@ def test_a_request_the_bucket_cuts_gets_one_answer_the_429():
 
 @pytest.mark.root
 @pytest.mark.bpf
+def test_made_up_tenants_share_the_others_bucket_and_the_router_follows_its_cuts():
+    """No tenant has a bucket of its own; the others' bucket holds one full chunk. A made-up tenant
+    id's request of three chunks: the first passes, the second is cut (429), the third dropped; a
+    second made-up id then finds the shared bucket spent (before, a made-up id met no limit in
+    XDP). The router treats the cut request as the bucket's (one answer, the 429, and no 400 at
+    its timeout), and cuts at XDP a request it refused, as for a tenant with a bucket of its own."""
+    from datapath import lanes, records
+    from datapath.admission import TenantPolicy
+    import numpy as np
+    with contextlib.ExitStack() as es:
+        f = FedRouter(es, "others", reassembly_timeout_s=0.05)
+        topo, ig, router, answers, worker = f.topo, f.ig, f.router, f.answers, f.worker
+        ig.set_others_rate(tokens_per_minute=60, burst_tokens=128)
+        cut = client.request_packets(0xBEEF, 800, 1, range(3 * 128), max_output_tokens=1)
+        other = client.request_packets(0xCAFE, 801, 1, range(16), max_output_tokens=1)
+        res = client.send_from(topo.client_ns[0], topo.host_ip[0], cut + other, rate=1_000, count=4, duration=5,
+                               stamp_seq=False, drain_ms=300)
+        assert res["sent"] == 4 and res["responses"] == 2 and res["resp_429"] == 2, res
+        c = ig.counters()
+        assert c["queued"] == 1 and c["drop_rate_limited"] == 2 and c["drop_cut_request"] == 1
+        got, deadline = [], time.monotonic() + 5
+        while not router.stats()["xdp_cut"] or router.stats()["active_requests"]:
+            assert time.monotonic() < deadline, router.stats()
+            router.poll()
+            batch = worker.recv_batch(0)
+            if batch is not None:
+                assert worker.send_completion(lanes.completion_for(batch, [0] * len(batch)))
+            got += list(np.frombuffer(answers.dequeue(8), dtype=records.RESPONSE))
+            time.sleep(0.005)
+        assert got == [], "the cut request answered twice"
+        assert router.stats()["xdp_cut"] == 1
+        # The router answers first (a request over the default tenants' size limit, refused 400 at
+        # its first chunk): it cuts the rest at XDP, where the shared bucket would have answered
+        # them 429, a second answer (it wrote no cut for a tenant without a bucket of its own)
+        router.set_default_tenant(TenantPolicy(max_request_tokens=200))
+        ig.clear_others_rate()
+        ig.set_others_rate(tokens_per_minute=60, burst_tokens=128)         # cleared and set: full again
+        refused = client.request_packets(0xF00D, 802, 1, range(3 * 128), max_output_tokens=1)
+        res = client.send_from(topo.client_ns[0], topo.host_ip[0], refused[:1], rate=1_000, count=1, duration=5,
+                               stamp_seq=False, drain_ms=50)
+        got, deadline = [], time.monotonic() + 2
+        while not got and time.monotonic() < deadline:
+            router.poll()
+            got += list(np.frombuffer(answers.dequeue(8), dtype=records.RESPONSE))
+            time.sleep(0.005)
+        assert [(int(r["session_id"]), int(r["status"])) for r in got] == [(802, 400)]
+        res = client.send_from(topo.client_ns[0], topo.host_ip[0], refused[1:], rate=1_000, count=2, duration=5,
+                               stamp_seq=False, drain_ms=200)
+        assert res["sent"] == 2 and res["responses"] == 0, "the shared bucket answered a refused request again"
+        ig.clear_others_rate()                       # lifted: made-up ids pass again
+        assert ig.table("policy")[0].rate_limits == 0
+        queued = ig.counters()["queued"]
+        res = client.send_from(topo.client_ns[0], topo.host_ip[0], other, rate=1_000, count=1, duration=5,
+                               stamp_seq=False, drain_ms=100)
+        assert res["resp_429"] == 0 and ig.counters()["queued"] == queued + 1
+
+
+@pytest.mark.root
+@pytest.mark.bpf
 def test_a_request_the_router_refused_is_not_answered_again_by_the_bucket():
     """A request of three full chunks from a tenant whose bucket holds one, refused by the router
     (over its context limit: 400) at its first chunk. Router first: it answered 400, then the

@@ -65,6 +65,16 @@ def limited(ig):  # an empty bucket: 1 token a minute, burst of one chunk, alrea
     assert prog_test_run(ig.fn.fd, frame(req(tokens=tuple(range(128)))))[0] == XDP_DROP
 
 
+def others_limited(ig):  # the bucket the tenants without one share, spent by another such tenant
+    ig.set_others_rate(tokens_per_minute=1, burst_tokens=128)
+    assert prog_test_run(ig.fn.fd, frame(req(tokens=tuple(range(128)), tenant=99)))[0] == XDP_DROP
+
+
+def own_bucket_others_limited(ig):  # tenant 7 has a bucket of its own: the others' spent is not its
+    others_limited(ig)
+    ig.set_rate(7, tokens_per_minute=6000)
+
+
 def patched(frm: bytes, at: int, data: bytes) -> bytes:
     return frm[:at] + data + frm[at + len(data):]
 
@@ -148,6 +158,12 @@ CASES = [
          limited),
     case("count_tokens, over the token bucket", frame(req(kind=wire.KIND_COUNT_TOKENS)), XDP_TX,
          "drop_rate_limited", setup=limited),
+    # a tenant without a bucket shares the others' bucket when one is set (a made-up tenant id was
+    # a way past every limit); one with its own is not charged there
+    case("no bucket of its own, over the others' bucket", VALID, XDP_TX, "drop_rate_limited", setup=others_limited),
+    case("close, over the others' bucket", frame(req(tokens=(), kind=wire.KIND_CLOSE)), XDP_DROP, "queued", HASHED,
+         others_limited),
+    case("a bucket of its own, the others' spent", VALID, XDP_DROP, "queued", HASHED, own_bucket_others_limited),
     # over IPv6: answered 400 from XDP, before any bucket (its answer would go to an IPv4 address)
     case("ipv6", frame(v6=True), XDP_TX, "drop_ipv6"),
     case("vlan ipv6", frame(v6=True, vlan=10), XDP_TX, "drop_ipv6"),
@@ -179,6 +195,7 @@ def ig(ingress):
     for name in ("pins", "tenant_queue", "buckets", "cuts"):
         ig.table(name).clear()
     ig.clear_rate(7)
+    ig.clear_others_rate()
     settle(ig, consumer)
     return ig, consumer
 
