@@ -551,7 +551,7 @@ int six_scan_link(struct six *ix, struct six_scan *sc)
     const struct six_found *first = NULL;   /* the record linked under this seq, or its copy since */
     uint64_t first_rid = 0;
     for (uint64_t i = 0; i < sc->nfound; i++) {
-        const struct six_found *f = &sc->found[i];
+        struct six_found *f = &sc->found[i];
         if (first && first->seq == f->seq) {
             /* a copy (reclaim's) of a record linked: the later one stays */
             if (six_rec(ix, first_rid)->live && !memcmp(first->key, f->key, SIX_KEY_LEN)) {
@@ -567,7 +567,19 @@ int six_scan_link(struct six *ix, struct six_scan *sc)
             return SIX_NOMEM;
         sc->unlinked += r != SIX_LINKED;
         sc->damaged += r == SIX_DAMAGED;
+        if (r == SIX_DAMAGED)
+            f->kind = SIX_KIND_DROPPED;   /* six_scan_dropped: the store writes its key's tombstone */
     }
+    return 0;
+}
+
+int six_scan_dropped(const struct six_scan *sc, uint64_t *i, uint8_t *key)
+{
+    for (; *i < sc->nfound; (*i)++)
+        if (sc->found[*i].kind == SIX_KIND_DROPPED) {
+            memcpy(key, sc->found[(*i)++].key, SIX_KEY_LEN);
+            return 1;
+        }
     return 0;
 }
 

@@ -38,6 +38,7 @@
 #define SIX_KIND_BASE 2
 #define SIX_KIND_TOMBSTONE 3
 #define SIX_KIND_PAD 4
+#define SIX_KIND_DROPPED 0xFF   /* (a found record's, after six_scan_link: its chain was dropped as damaged) */
 
 struct six_hdr {
     uint32_t magic;
@@ -158,6 +159,9 @@ int six_scan(struct six *ix, struct six_scan *sc, const uint8_t *win, uint64_t w
 /* Apply the records found, in sequence-number order (the order they were first written; a
  * copy keeps its number): a later copy of a linked record takes its place. SIX_NOMEM or 0. */
 int six_scan_link(struct six *ix, struct six_scan *sc);
+/* The key of the next record from *i on whose chain six_scan_link dropped as damaged (a delta not
+ * following its chain's end), into key; 1, with *i past it, or 0: none left. */
+int six_scan_dropped(const struct six_scan *sc, uint64_t *i, uint8_t *key);
 /* Was the record linked under seq (its first copy) key's? After six_scan_link. */
 int six_scan_has(const struct six_scan *sc, uint64_t seq, const uint8_t *key);
 void six_scan_done(struct six_scan *sc);        /* frees what the scan found */

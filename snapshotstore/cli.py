@@ -183,6 +183,10 @@ def _fsck(args) -> int:
                             f"(the next read-write open rewrites both)")
         if st["corrupt_blocks_skipped"]:
             problems.append(f"{st['corrupt_blocks_skipped']} corrupt blocks in the durable part of the log")
+        if st["unreadable_blocks"]:
+            problems.append(f"{st['unreadable_blocks']} blocks could not be read (EIO: bad sectors)"
+                            + (", the log's end among them: records after it, acknowledged ones among them, "
+                               "are lost" if st["end_unreadable"] else ""))
         print(f"{store.path}: {st['sessions']} sessions, {st['records']} live records, every CRC read: "
               f"{st['log_records']} records from head {st['head']} to tail {st['tail']}")
         if st["torn_records_skipped"]:
@@ -239,6 +243,9 @@ def main(argv=None) -> int:
         return 1
     except BrokenPipeError:       # `snapshotstore inspect | head`
         return 0
+    except OSError as e:          # the device itself (a traceback said no more)
+        print(f"snapshotstore: {getattr(args, 'device', '')}: {e.strerror or e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -231,6 +231,13 @@ class Scan:
             if lib.six_scan_link(self._index._ix, self.state) == lib.SIX_NOMEM:
                 raise MemoryError("no memory for the snapshot store's index")
 
+    def dropped(self) -> list[bytes]:
+        """The keys whose chains link() dropped as damaged (a delta not following its chain's end)."""
+        keys, i, key = [], ffi.new("uint64_t *"), ffi.new(f"uint8_t[{KEY_LEN}]")
+        while lib.six_scan_dropped(self.state, i, key):
+            keys.append(bytes(key))
+        return keys
+
     def linked_under(self, seq: int, key: bytes) -> bool:
         """Is key's the record linked under seq? (After link.)"""
         return bool(lib.six_scan_has(self.state, seq, key))

@@ -203,6 +203,8 @@ class LogStore:
         # come back alone once the head passed those: the head writes the tombstone first (_bury),
         # when it reaches one of them (_halving: their rids, and their session's key).
         self._evicted: dict[bytes, tuple[int, int]] = {}
+        self._dropped: set[bytes] = set()     # chains recovery dropped as damaged: their tombstones at open
+        self._unreadable: set[int] = set()    # device blocks recovery could not read (EIO)
         self._halving: dict[int, bytes] = {}
         self._failed: BaseException | None = None
         self._closed = False
@@ -220,8 +222,7 @@ class LogStore:
         self._sbuf = aligned_buffer(fmt.SB_COPIES * bs)
         copies = [None] * fmt.SB_COPIES
         if self.dev.blocks >= fmt.SB_COPIES:
-            view = self.dev.read_into(self._sbuf, 0, fmt.SB_COPIES)
-            copies = [fmt.unpack_superblock(view[i * bs:(i + 1) * bs]) for i in range(fmt.SB_COPIES)]
+            copies = [self._superblock_copy(i) for i in range(fmt.SB_COPIES)]
             # a copy past the first is where it says only in its own block size: one of a store
             # formatted in other blocks is not this store's (a reformat left it; the 512e vm check)
             copies = [c if c is None or i == 0 or c.block_size == bs else None for i, c in enumerate(copies)]
@@ -269,6 +270,21 @@ class LogStore:
             self._write_superblock()              # the checkpoint: this session's epoch starts here
         self._epoch = self._generation
         self._checkpointed = time.monotonic()
+        if not self.readonly:
+            self._bury_dropped()
+
+    def _superblock_copy(self, i: int) -> Superblock | None:
+        """Copy i, or None if it is missing, corrupt, or cannot be read (EIO: a bad sector, which is
+        what the second copy is for; one read of both made either copy's bad sector a store, and
+        an fsck, that could not open: found by review)."""
+        try:
+            view = self.dev.read_into(self._sbuf, i, 1)
+        except OSError as e:
+            if e.errno != errno.EIO:
+                raise
+            self.counters["unreadable_blocks"] += 1
+            return None
+        return fmt.unpack_superblock(view[:self.dev.block_size])
 
     def _read_buf(self, nbytes: int):
         if len(self._rbuf) < nbytes:
@@ -298,6 +314,15 @@ class LogStore:
                     continue
                 if st.named:
                     self.counters["torn_records_skipped"] += 1
+                if any((st.pos + i) % self.log_blocks + self.log_start in self._unreadable
+                       for i in range(self.max_record_blocks)):
+                    # a bad sector, not a torn write: read as the end, it cut off whatever followed
+                    # it, acknowledged or not, and the next put writes over that (found by review)
+                    self.counters["end_unreadable"] += 1
+                    print(f"snapshotstore: {self.path}: the log's end (block {st.pos % self.log_blocks}) could "
+                          f"not be read (EIO): records after it, acknowledged ones among them, are lost"
+                          f"{'' if self.readonly else ' and will be written over'}; `snapshotstore fsck` "
+                          f"reports it", file=sys.stderr)
                 break                             # past the checkpoint: the torn end of the log
             self._last_seq = max(self._last_seq, st.newest)   # never back, even with the log empty
             self._head = self._ix.rec(self._ix.head).lpos if len(self._ix) else st.pos
@@ -306,6 +331,7 @@ class LogStore:
             scan.link()
             self.counters["unlinked_records_skipped"] += st.unlinked
             self.counters["damaged_chains_dropped"] += st.damaged
+            self._dropped = set(scan.dropped())  # the chains dropped, for their tombstones (_bury_dropped)
             for key, seq, before in holes:
                 chain = self._ix.find(key)
                 if chain is None or scan.linked_under(seq, key):
@@ -316,6 +342,23 @@ class LogStore:
                 if start < seq or start <= before:
                     self._ix.drop(chain)          # the store never gives back a session with a hole
                     self.counters["damaged_chains_dropped"] += 1
+                    self._dropped.add(key)
+
+    def _bury_dropped(self):
+        """A durable tombstone for each chain recovery dropped as damaged (a read-write open). The
+        drop was the index's alone: a record of the chain that reclaim had copied past the damaged
+        one came back on a later open, once the head had passed the damage, as the whole session,
+        with a turn missing; and a delete of it found nothing to delete (found by review). A
+        session begun again since is left alone: its new chain supersedes those records."""
+        for key in sorted(self._dropped):
+            if key in self._ix:
+                continue
+            try:
+                self._write_tombstone(key, "a damaged session")
+                self.counters["damaged_tombstones"] += 1
+            except DeviceFull as e:               # opened all the same; said, and tried at the next open
+                print(f"snapshotstore: {e}", file=sys.stderr)
+        self._dropped = set()
 
     def _read_salvaging(self, buf, block: int, n: int) -> memoryview:
         """Recovery's read: a window that fails (EIO: a bad sector) is read again block by block, and
@@ -336,6 +379,7 @@ class LogStore:
                         raise
                     view[i * bs:(i + 1) * bs] = bytes(bs)
                     self.counters["unreadable_blocks"] += 1
+                    self._unreadable.add(block + i)
             return view
 
     # --- the public API -----------------------------------------------------------------
@@ -445,7 +489,8 @@ class LogStore:
                 **{k: self.counters[k] for k in ("puts", "restores", "flushes", "compactions", "relocations",
                                                  "copies", "evictions", "evicted_tombstones",
                                                  "torn_records_skipped", "corrupt_blocks_skipped", "unreadable_blocks",
-                                                 "unlinked_records_skipped", "damaged_chains_dropped")},
+                                                 "unlinked_records_skipped", "damaged_chains_dropped",
+                                                 "damaged_tombstones", "end_unreadable")},
             }
 
     def entries(self, limit: int | None = None) -> list[LogRecord]:

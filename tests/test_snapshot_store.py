@@ -574,6 +574,40 @@ def test_a_damaged_record_the_head_reaches_drops_its_chain_not_the_store(make_de
         assert s.restore(key(0)) is None and s.restore(key(1)).payload == kept
 
 
+@pytest.mark.parametrize("damage", ["payload", "header"])
+def test_a_chain_recovery_dropped_never_comes_back_in_part(make_device, damage):
+    """Reclaim had copied a session's first record past its second; the second then rots. Recovery
+    drops the chain, and now writes its tombstone: before, the drop was the index's alone, so once
+    the head passed the rotten record, the next open found the copy of the first alone and served
+    it as the whole session, a turn missing; and a delete found nothing to delete (found by
+    review). Payload damage is caught by the store's hole check, header damage by the index's
+    link (the copy's successor names a parent that is gone)."""
+    path = make_device(1 << 20)
+    with LogStore(path, eviction="refuse") as s:
+        put_all(s, key(0), deltas(3, 1000, seed=0) if damage == "header" else deltas(2, 1000, seed=0))
+        for n in range(1, 41):                          # records between the chain and the copy, deleted
+            s.put(key(n), deltas(1, 500, seed=n)[0])
+        for n in range(1, 41):
+            s.delete(key(n))
+        first, second, *_ = s._ix.records(s._ix.find(key(0)))
+        with s._lock:
+            s._copy(first, key(0))                      # what reclaim does when compaction does not fit
+        st = s.stats()
+    at = 300 if damage == "payload" else 70              # (the header is the block's first 128 bytes)
+    rewrite_blocks(path, phys_block(st, second.lpos), lambda blk: blk[:at] + bytes([blk[at] ^ 1]) + blk[at + 1:])
+    with LogStore(path, eviction="refuse") as s:
+        st = s.stats()
+        assert st["damaged_chains_dropped"] == 1 and st["damaged_tombstones"] == 1
+        assert s.restore(key(0)) is None
+        n = 100
+        while s.stats()["head"] <= second.lpos:         # traffic until the head passes the rotten record
+            s.put(key(n), deltas(1, 3000, seed=n)[0])
+            s.delete(key(n))
+            n += 1
+    with LogStore(path) as s:
+        assert s.restore(key(0)) is None, "a session came back without its second turn"
+
+
 def test_a_corrupt_acknowledged_record_after_a_crash_cuts_off_only_its_chain(make_device):
     """The checkpoint follows the flushes (a superblock copy in a flush, at most every
     CHECKPOINT_EVERY_S), so after a crash only the records of the flushes since lie past it. A
@@ -639,6 +673,65 @@ def test_an_unreadable_block_is_damage_not_a_store_that_cannot_open(make_device,
         monkeypatch.setattr(device.BlockDevice, "read_into", read_into)
         with pytest.raises(SnapshotError, match="cannot be read"):
             s.restore(key(2))
+
+
+def eio_at(monkeypatch, blocks):
+    """BlockDevice reads covering any of blocks fail with EIO (bad sectors)."""
+    import errno
+    from snapshotstore import device
+    real = device.BlockDevice.read_into
+
+    def read_into(self, buf, block, nblocks):
+        if any(block <= b < block + nblocks for b in blocks):
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real(self, buf, block, nblocks)
+    monkeypatch.setattr(device.BlockDevice, "read_into", read_into)
+
+
+def test_a_bad_sector_under_one_superblock_copy_is_what_the_other_is_for(make_device, monkeypatch, capsys):
+    """Both copies were read in one request, so EIO under either made the store, and fsck (a
+    traceback), unable to open (found by review). Each copy is read alone now: the other serves,
+    fsck says which is damaged, and with both gone the store says it holds no store."""
+    from snapshotstore import cli
+    path = make_device()
+    with LogStore(path) as s:
+        want = put_all(s, key(1), deltas(2, 300))
+    eio_at(monkeypatch, [0])
+    with LogStore(path, readonly=True) as s:
+        st = s.stats()
+        assert st["superblocks_valid"] == 1 and st["unreadable_blocks"] == 1
+        assert s.restore(key(1)).payload == want
+    assert cli.main(["fsck", path]) == 1
+    out = capsys.readouterr().out
+    assert "1 of 2 superblock copies damaged" in out and "could not be read" in out
+    eio_at(monkeypatch, [0, 1])
+    with pytest.raises(FormatError, match="both superblock copies"):
+        LogStore(path)
+    assert cli.main(["fsck", path]) == 1 and "both superblock copies" in capsys.readouterr().err
+
+
+def test_an_unreadable_block_at_the_log_s_end_is_reported_not_taken_for_a_torn_write(make_device, monkeypatch,
+                                                                                      capsys):
+    """Past the checkpoint the scan reads an invalid block as the log's torn end. A bad sector
+    there cut off the acknowledged records after it, and fsck said "clean" (found by review): it
+    says so now, and the open warns that they are lost."""
+    from snapshotstore import cli
+    path = make_device()
+
+    def write(s):
+        for i in range(6):
+            s.put(key(i), deltas(1, 300, seed=i)[0])
+    write_and_die(path, write)                       # a crash: no checkpoint at close
+    with LogStore(path, readonly=True) as s:
+        victim = [e for e in s.entries() if e.kind != fmt.KIND_PAD][2]
+        bad = phys_block(s.stats(), victim.lpos)
+    eio_at(monkeypatch, [bad])
+    assert cli.main(["fsck", path]) == 1
+    out, err = capsys.readouterr()
+    assert "could not be read" in out and "the log's end among them" in out and "clean" not in out
+    assert "could not be read (EIO)" in err
+    with LogStore(path, readonly=True) as s:
+        assert s.stats()["end_unreadable"] == 1
 
 
 @pytest.mark.parametrize("crash_at_sync", [1, 2])
