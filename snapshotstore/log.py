@@ -418,6 +418,7 @@ class LogStore:
             kind, tokens, layers = KIND_DELTA, delta.tokens, delta.layers
             if chain is not None and chain.records >= self.compact_after:
                 with self._lock:
+                    self._check_usable(write=True)   # closed meanwhile: said so, not a read error
                     now = self._ix.find(key)
                     if now is None or now.gen != chain.gen:    # evicted since we looked
                         raise SessionChanged("the session was evicted while this put was in flight: "
