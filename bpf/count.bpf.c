@@ -20,28 +20,10 @@ BPF_PERCPU_ARRAY(counts, __u64, COUNT_MAX);
 
 int xdp_count(struct xdp_md *ctx)
 {
-    void *data_end = (void *)(long)ctx->data_end;
     struct hdr_cursor c = { .pos = (void *)(long)ctx->data };
-    struct ethhdr *eth;
-    struct iphdr *iph;
-    struct ipv6hdr *ip6h;
-    struct udphdr *udph;
-    int proto, frag = 0;
-    __u32 key = COUNT_OTHER;
-    __u64 *n;
+    __u32 key = udp_to_port(&c, (void *)(long)ctx->data_end, bpf_htons(DP_PORT)) ? COUNT_DP_PORT : COUNT_OTHER;
+    __u64 *n = counts.lookup(&key);
 
-    proto = parse_ethhdr(&c, data_end, &eth);
-    if (proto == bpf_htons(ETH_P_IP))
-        proto = parse_iphdr(&c, data_end, &iph, &frag);
-    else if (proto == bpf_htons(ETH_P_IPV6))
-        proto = parse_ip6hdr(&c, data_end, &ip6h);
-    else
-        proto = -1;
-    if (proto == IPPROTO_UDP && !frag && parse_udphdr(&c, data_end, &udph) >= 0 &&
-        udph->dest == bpf_htons(DP_PORT))
-        key = COUNT_DP_PORT;
-
-    n = counts.lookup(&key);
     if (n)
         *n += 1;
     return XDP_PASS;

@@ -102,4 +102,26 @@ static __always_inline int parse_udphdr(struct hdr_cursor *c, void *data_end, st
     return len;
 }
 
+/* Ethernet (+VLAN) / IPv4 or IPv6 / UDP to port, not a fragment: the UDP header, else NULL (the
+ * count program's whole parse, and the ring floor's). */
+static __always_inline struct udphdr *udp_to_port(struct hdr_cursor *c, void *data_end, __be16 port)
+{
+    struct ethhdr *eth;
+    struct iphdr *iph;
+    struct ipv6hdr *ip6h;
+    struct udphdr *udph;
+    int proto, frag = 0;
+
+    proto = parse_ethhdr(c, data_end, &eth);
+    if (proto == bpf_htons(ETH_P_IP))
+        proto = parse_iphdr(c, data_end, &iph, &frag);
+    else if (proto == bpf_htons(ETH_P_IPV6))
+        proto = parse_ip6hdr(c, data_end, &ip6h);
+    else
+        proto = -1;
+    if (proto == IPPROTO_UDP && !frag && parse_udphdr(c, data_end, &udph) >= 0 && udph->dest == port)
+        return udph;
+    return NULL;
+}
+
 #endif /* DP_PARSING_HELPERS_H */

@@ -18,25 +18,12 @@
 
 int xdp_ring_floor(struct xdp_md *ctx)
 {
-    void *data_end = (void *)(long)ctx->data_end;
     struct hdr_cursor c = { .pos = (void *)(long)ctx->data };
-    struct ethhdr *eth;
-    struct iphdr *iph;
-    struct ipv6hdr *ip6h;
-    struct udphdr *udph;
     struct dp_chunk *rec;
-    int proto, frag = 0;
     __u32 q = 0, reason = DP_DROP_RING_FULL;
     __u64 *n;
 
-    proto = parse_ethhdr(&c, data_end, &eth);
-    if (proto == bpf_htons(ETH_P_IP))
-        proto = parse_iphdr(&c, data_end, &iph, &frag);
-    else if (proto == bpf_htons(ETH_P_IPV6))
-        proto = parse_ip6hdr(&c, data_end, &ip6h);
-    else
-        proto = -1;
-    if (proto != IPPROTO_UDP || frag || parse_udphdr(&c, data_end, &udph) < 0 || udph->dest != bpf_htons(DP_PORT))
+    if (!udp_to_port(&c, (void *)(long)ctx->data_end, bpf_htons(DP_PORT)))
         return XDP_PASS;
 
     rec = ring0.ringbuf_reserve(DP_CHUNK_HDR_LEN + 16 * 4);

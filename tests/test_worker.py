@@ -25,6 +25,14 @@ def finished(worker):
     return done
 
 
+def moved(step):
+    """step, its batches flagged as the router flags a session that last ran elsewhere."""
+    def exchange(batch):
+        batch["flags"] |= records.CHUNK_F_MOVED
+        return step(batch)
+    return exchange
+
+
 def test_request_lifecycle(model):
     store = MemoryStore()
     w = Worker(model, store, kv_budget_bytes=BIG, codec="zstd", return_logits=True)
@@ -526,10 +534,7 @@ def test_a_moved_request_with_a_reused_id_is_no_replay(model):
     a, b = Worker(model, store), Worker(model, store)
     drive(a.step, [(7, 5, prompt(1, 40), 2)])
 
-    def moved(batch):
-        batch["flags"] |= records.CHUNK_F_MOVED
-        return b.step(batch)
-    drive(moved, [(7, 5, prompt(2, 10), 2)])
+    drive(moved(b.step), [(7, 5, prompt(2, 10), 2)])
     assert finished(b)[-1].restored_tokens == 41 and b.stats["replays_durable"] == 0
 
 
@@ -683,11 +688,6 @@ def test_a_session_that_moved_on_is_not_continued_from_a_stale_resident_copy(mod
     b = Worker(model, store, kv_budget_bytes=BIG, codec="zstd")
     ref = Worker(model, MemoryStore(), kv_budget_bytes=BIG, codec="zstd")
 
-    def moved(step):                    # what the router sends when a session last ran elsewhere
-        def exchange(batch):
-            batch["flags"] |= records.CHUNK_F_MOVED
-            return step(batch)
-        return exchange
     turns = [(4, 1, prompt(5, 40), 5), (4, 2, prompt(6, 30), 5), (4, 3, prompt(7, 20), 5), (4, 4, prompt(8, 9), 2)]
     got = [drive(a.step, [turns[0]]), drive(moved(b.step), [turns[1]]), drive(moved(a.step), [turns[2]])]
     assert len(asked) == 1, "B held nothing: nothing to check; A held a copy: one lookup"
@@ -706,11 +706,6 @@ def test_a_session_closed_on_another_worker_is_not_continued_from_a_stale_reside
     store = MemoryStore()
     a, b = Worker(model, store, kv_budget_bytes=BIG), Worker(model, store, kv_budget_bytes=BIG)
 
-    def moved(step):
-        def exchange(batch):
-            batch["flags"] |= records.CHUNK_F_MOVED
-            return step(batch)
-        return exchange
     drive(a.step, [(4, 1, prompt(5, 40), 3)])
     drive(moved(b.step), [(4, 2, prompt(6, 30), 3)])
     close = np.zeros(1, dtype=records.CHUNK)
@@ -731,11 +726,6 @@ def test_a_reused_session_id_grown_to_the_stale_copy_s_length_is_not_taken_for_i
     a, b = Worker(model, store, kv_budget_bytes=BIG), Worker(model, store, kv_budget_bytes=BIG)
     ref = Worker(model, MemoryStore())
 
-    def moved(step):
-        def exchange(batch):
-            batch["flags"] |= records.CHUNK_F_MOVED
-            return step(batch)
-        return exchange
     drive(a.step, [(4, 1, prompt(5, 40), 3)])
     close = np.zeros(1, dtype=records.CHUNK)
     close["session_id"], close["request_id"], close["kind"] = 4, 2, wire.KIND_CLOSE
@@ -780,9 +770,6 @@ def test_resident_kv_bytes_follow_every_session_that_comes_grows_and_goes(model)
     def held():
         return sum(s.cache.nbytes for s in w.sessions.values())
 
-    def moved(batch):
-        batch["flags"] |= records.CHUNK_F_MOVED
-        return w.step(batch)
     drive(w.step, [(1, 1, prompt(1, 40), 2)])
     drive(w.step, [(2, 2, prompt(2, 300), 2)])     # grows past its first capacity, in three pieces
     assert w.kv_bytes_resident == held() > 3 * one_session
@@ -792,7 +779,7 @@ def test_resident_kv_bytes_follow_every_session_that_comes_grows_and_goes(model)
     drive(w.step, [(1, 4, prompt(4, 20), 2)])      # session 1 back from the store
     assert w.stats["restores"] == 1 and w.kv_bytes_resident == held()
     drive(other.step, [(3, 5, prompt(5, 20), 2)])  # continued elsewhere: w's copy is stale
-    drive(moved, [(3, 6, prompt(6, 20), 2)])
+    drive(moved(w.step), [(3, 6, prompt(6, 20), 2)])
     assert w.stats["stale_dropped"] == 1 and w.kv_bytes_resident == held()
     for sid in list(w.sessions):
         w.close(sid[1], sid[0])
