@@ -911,7 +911,9 @@ static void fail_request(struct dp_router *rt, int wk, uint32_t ri, uint16_t sta
  * one of its later chunks does not answer it a second time (found by review). */
 static int answer(struct dp_router *rt, const struct dp_chunk *c, uint16_t status, const char *body, uint32_t len)
 {
-    int several = status != DP_STATUS_OK && c->chunk_count > 1 && bucketed(rt, c->tenant);
+    /* as XDP's more_to_come: a CLOSE or a COUNT_TOKENS is never cut there (found by review) */
+    int several = status != DP_STATUS_OK && c->chunk_count > 1 &&
+                  (c->kind == DP_KIND_CHUNK || c->kind == DP_KIND_OPEN) && bucketed(rt, c->tenant);
     if (several && xdp_cut(rt, c->session_id, c->request_id, c->tenant, c->t_xdp)) {
         rt->st.xdp_cut++;
         return 1;

@@ -573,10 +573,19 @@ int six_scan_link(struct six *ix, struct six_scan *sc)
     return 0;
 }
 
+/* Did a tombstone of f's key come after f (in the sorted order six_scan_link applied)? */
+static int buried_after(const struct six_scan *sc, uint64_t i)
+{
+    for (uint64_t j = i + 1; j < sc->nfound; j++)
+        if (sc->found[j].kind == SIX_KIND_TOMBSTONE && !memcmp(sc->found[j].key, sc->found[i].key, SIX_KEY_LEN))
+            return 1;
+    return 0;
+}
+
 int six_scan_dropped(const struct six_scan *sc, uint64_t *i, uint8_t *key)
 {
     for (; *i < sc->nfound; (*i)++)
-        if (sc->found[*i].kind == SIX_KIND_DROPPED) {
+        if (sc->found[*i].kind == SIX_KIND_DROPPED && !buried_after(sc, *i)) {
             memcpy(key, sc->found[(*i)++].key, SIX_KEY_LEN);
             return 1;
         }

@@ -160,7 +160,8 @@ int six_scan(struct six *ix, struct six_scan *sc, const uint8_t *win, uint64_t w
  * copy keeps its number): a later copy of a linked record takes its place. SIX_NOMEM or 0. */
 int six_scan_link(struct six *ix, struct six_scan *sc);
 /* The key of the next record from *i on whose chain six_scan_link dropped as damaged (a delta not
- * following its chain's end), into key; 1, with *i past it, or 0: none left. */
+ * following its chain's end) and no later tombstone buried, into key; 1, with *i past it, or 0:
+ * none left. (A search per dropped record: damage is rare.) */
 int six_scan_dropped(const struct six_scan *sc, uint64_t *i, uint8_t *key);
 /* Was the record linked under seq (its first copy) key's? After six_scan_link. */
 int six_scan_has(const struct six_scan *sc, uint64_t seq, const uint8_t *key);

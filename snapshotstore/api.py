@@ -109,8 +109,10 @@ class SnapshotStore(Protocol):
 
     def held(self, key: bytes) -> tuple[int, int]:
         """(n, seq): the store holds tokens [0, n) of key's session, its chain ending with the record
-        numbered seq ((0, 0): nothing); no data is read. Sequence numbers never repeat, so a chain
-        someone else put to since (or deleted and put anew, to the same length) has another seq."""
+        numbered seq ((0, 0): nothing); no data is read. Sequence numbers are not handed out twice
+        (a read-write open skips past those a crash may have cut off; a format starts them at a
+        random point), so a chain someone else put to since (or deleted and put anew, to the same
+        length) has another seq."""
 
     def delete(self, key: bytes) -> bool:
         """Drop key's chain durably; False if there was none."""

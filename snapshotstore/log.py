@@ -136,7 +136,9 @@ def format_device(path: str, force: bool = False, block_size: int | None = None)
             raise DeviceError(f"{path} is too small: a store needs at least {64 + fmt.LOG_START} "
                               f"blocks of {dev.block_size} bytes")
         sb = Superblock(dev.block_size, random.getrandbits(64), dev.blocks, fmt.LOG_START, log_blocks,
-                        head=0, tail=0, generation=1, last_seq=0)
+                        head=0, tail=0, generation=1, last_seq=random.getrandbits(40))
+        # (sequence numbers start at a random point: a worker holding a number of the store this
+        # format erases (held(), the worker's stale-copy check) is unlikely to meet it again)
         # Both old copies go first: a crash between the new copies' writes left the old store's
         # copy 1 (a higher generation) to win, and the erased store came back whole. In any
         # block size up to 64 KiB: a store formatted in other blocks keeps its copy 1 elsewhere.
@@ -263,6 +265,13 @@ class LogStore:
         started = time.perf_counter()
         self._recover(sb)
         self.recovery_s = time.perf_counter() - started
+        if not self.readonly:
+            # the numbers of records a crash cut off the log's end (its torn batch, or what an
+            # unreadable block hid: acknowledged records among them) are never handed out again:
+            # a worker may hold one (held()), and the same number on another history at the same
+            # length would pass its stale-copy check (found by review). Each record takes a
+            # block at least, so a lap's worth of numbers covers them.
+            self._last_seq += self.log_blocks
         self._durable_tail = self._tail
         self._wbuf = aligned_buffer(1 << 20)
         self._woff, self._segments = 0, []
@@ -351,14 +360,17 @@ class LogStore:
         with a turn missing; and a delete of it found nothing to delete (found by review). A
         session begun again since is left alone: its new chain supersedes those records."""
         for key in sorted(self._dropped):
-            if key in self._ix:
-                continue
-            try:
-                self._write_tombstone(key, "a damaged session")
+            if key not in self._ix:
+                try:
+                    self._write_tombstone(key, "a damaged session")
+                except DeviceFull as e:           # opened all the same: tried again as reclaim frees
+                    if not self.counters["damaged_tombstones_waiting"]:     # blocks (_make_room)
+                        print(f"snapshotstore: {e}", file=sys.stderr)
+                    self.counters["damaged_tombstones_waiting"] = len(self._dropped)
+                    return
                 self.counters["damaged_tombstones"] += 1
-            except DeviceFull as e:               # opened all the same; said, and tried at the next open
-                print(f"snapshotstore: {e}", file=sys.stderr)
-        self._dropped = set()
+            self._dropped.discard(key)
+        self.counters["damaged_tombstones_waiting"] = 0
 
     def _read_salvaging(self, buf, block: int, n: int) -> memoryview:
         """Recovery's read: a window that fails (EIO: a bad sector) is read again block by block, and
@@ -688,6 +700,8 @@ class LogStore:
                 continue                          # here failed the store; found by review)
             e = self._ix.rec(self._ix.head)
             if not e.live:
+                if self._dropped:                 # tombstones open had no room for: before the head
+                    self._bury_dropped()          # passes more of what their chains left
                 halving = self._halving.get(e.rid)
                 if halving is not None and self._halves_evicted(halving, e):
                     self._bury(halving)           # DeviceFull: still there for the next try

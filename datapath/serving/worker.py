@@ -20,7 +20,7 @@ holds is dropped for the store's copy if another worker has continued it since.
 The two interfaces other stages plug in:
 
     SnapshotStore  put(key, delta, meta) -> int    returns only once durable: the number of
-                                                   the record it wrote (numbers never repeat);
+                                                   the record it wrote (never handed out twice);
                                                    raises SessionChanged if the store does not
                                                    hold the session up to meta["token_start"]
                    restore(key) -> list[bytes]     the chain, oldest first ([] if none), with
