@@ -584,3 +584,6 @@ def worker_process(lane_spec: tuple, store: SnapshotStore | None, options: Worke
             serve(worker, lane, stop_event.is_set if stop_event is not None else (lambda: False))
     finally:
         lane.close()
+        close = getattr(store, "close", None)
+        if close is not None:
+            close()      # a remote store's socket: left open, zmq's exit could wait on it
