@@ -270,8 +270,7 @@ class RemoteStore:
                         meta["records"], parts, meta["seq"])
 
     def held(self, key: bytes) -> tuple[int, int]:
-        n, seq = json.loads(self._call(b"held", check_key(key))[1])
-        return n, seq
+        return tuple(json.loads(self._call(b"held", check_key(key))[1]))
 
     def delete(self, key: bytes) -> bool:
         return json.loads(self._call(b"delete", check_key(key))[1])

@@ -47,6 +47,24 @@ class FedRouter:
         self.consumer = self.ig.consumer(None)
         self.router.add_feed(self.consumer)
 
+    def serve(self, until, token=0, timeout=5.0):
+        """Poll the router, answer its worker's batches (each record sampling `token`) and collect
+        the answers until until(answers) holds (the router's stats in the failure if it never
+        does); (answers, records the worker ran)."""
+        from datapath import lanes, records
+        import numpy as np
+        got, ran, deadline = [], 0, time.monotonic() + timeout
+        while not until(got):
+            assert time.monotonic() < deadline, self.router.stats()
+            self.router.poll()
+            batch = self.worker.recv_batch(0)
+            if batch is not None:
+                ran += len(batch)
+                assert self.worker.send_completion(lanes.completion_for(batch, [token] * len(batch)))
+            got += list(np.frombuffer(self.answers.dequeue(8), dtype=records.RESPONSE))
+            time.sleep(0.005)
+        return got, ran
+
 
 @contextlib.contextmanager
 def rings(capacity=1 << 16):
@@ -336,11 +354,11 @@ def test_a_request_the_bucket_cuts_gets_one_answer_the_429():
     dropped uncharged and unanswered. The router, fed by the consumer, runs the first chunk, and at
     the reassembly timeout drops it without the 400 the client would have had as a second answer.
     A request that is only half sent, never cut, still gets its 400."""
-    from datapath import lanes, records
+    from datapath import records
     import numpy as np
     with contextlib.ExitStack() as es:
         f = FedRouter(es, "cut", reassembly_timeout_s=0.05)
-        topo, ig, router, answers, worker = f.topo, f.ig, f.router, f.answers, f.worker
+        topo, ig, router, answers = f.topo, f.ig, f.router, f.answers
         ig.set_rate(7, tokens_per_minute=60, burst_tokens=128)   # one full chunk, then a token a second
         cut = client.request_packets(7, 500, 1, range(3 * 128), max_output_tokens=1)
         half = client.request_packets(8, 501, 1, range(2 * 128), max_output_tokens=1)[:1]
@@ -349,16 +367,8 @@ def test_a_request_the_bucket_cuts_gets_one_answer_the_429():
         assert res["sent"] == 4 and res["responses"] == 1 and res["resp_429"] == 1, res
         c = ig.counters()
         assert c["queued"] == 2 and c["drop_rate_limited"] == 1 and c["drop_cut_request"] == 1
-        got, ran, deadline = [], 0, time.monotonic() + 5
-        while len(got) < 1 or router.stats()["active_requests"]:
-            assert time.monotonic() < deadline, router.stats()
-            router.poll()
-            batch = worker.recv_batch(0)
-            if batch is not None:                  # each request's first chunk: prefill, nothing sampled
-                ran += len(batch)
-                assert worker.send_completion(lanes.completion_for(batch, [0] * len(batch)))
-            got += list(np.frombuffer(answers.dequeue(8), dtype=records.RESPONSE))
-            time.sleep(0.005)
+        # each request's first chunk runs: prefill, nothing sampled
+        got, ran = f.serve(lambda got: got and not router.stats()["active_requests"])
         time.sleep(0.1)
         router.poll()
         got += list(np.frombuffer(answers.dequeue(8), dtype=records.RESPONSE))
@@ -374,15 +384,7 @@ def test_a_request_the_bucket_cuts_gets_one_answer_the_429():
         res = client.send_from(topo.client_ns[0], topo.host_ip[0], cut, rate=1_000, count=3, duration=5,
                                stamp_seq=False, drain_ms=100)
         assert res["sent"] == 3 and res["resp_429"] == 0, res
-        got, deadline = [], time.monotonic() + 5
-        while not got:
-            assert time.monotonic() < deadline, router.stats()
-            router.poll()
-            batch = worker.recv_batch(0)
-            if batch is not None:
-                assert worker.send_completion(lanes.completion_for(batch, [5] * len(batch)))
-            got += list(np.frombuffer(answers.dequeue(8), dtype=records.RESPONSE))
-            time.sleep(0.005)
+        got, _ = f.serve(lambda got: got, token=5)
         assert [(int(r["session_id"]), int(r["status"])) for r in got] == [(500, 200)]
         assert router.stats()["late_duplicates"] == 0
 
@@ -395,12 +397,12 @@ def test_made_up_tenants_share_the_others_bucket_and_the_router_follows_its_cuts
     second made-up id then finds the shared bucket spent (before, a made-up id met no limit in
     XDP). The router treats the cut request as the bucket's (one answer, the 429, and no 400 at
     its timeout), and cuts at XDP a request it refused, as for a tenant with a bucket of its own."""
-    from datapath import lanes, records
+    from datapath import records
     from datapath.admission import TenantPolicy
     import numpy as np
     with contextlib.ExitStack() as es:
         f = FedRouter(es, "others", reassembly_timeout_s=0.05)
-        topo, ig, router, answers, worker = f.topo, f.ig, f.router, f.answers, f.worker
+        topo, ig, router, answers = f.topo, f.ig, f.router, f.answers
         ig.set_others_rate(tokens_per_minute=60, burst_tokens=128)
         cut = client.request_packets(0xBEEF, 800, 1, range(3 * 128), max_output_tokens=1)
         other = client.request_packets(0xCAFE, 801, 1, range(16), max_output_tokens=1)
@@ -409,15 +411,7 @@ def test_made_up_tenants_share_the_others_bucket_and_the_router_follows_its_cuts
         assert res["sent"] == 4 and res["responses"] == 2 and res["resp_429"] == 2, res
         c = ig.counters()
         assert c["queued"] == 1 and c["drop_rate_limited"] == 2 and c["drop_cut_request"] == 1
-        got, deadline = [], time.monotonic() + 5
-        while not router.stats()["xdp_cut"] or router.stats()["active_requests"]:
-            assert time.monotonic() < deadline, router.stats()
-            router.poll()
-            batch = worker.recv_batch(0)
-            if batch is not None:
-                assert worker.send_completion(lanes.completion_for(batch, [0] * len(batch)))
-            got += list(np.frombuffer(answers.dequeue(8), dtype=records.RESPONSE))
-            time.sleep(0.005)
+        got, _ = f.serve(lambda got: router.stats()["xdp_cut"] and not router.stats()["active_requests"])
         assert got == [], "the cut request answered twice"
         assert router.stats()["xdp_cut"] == 1
         # The router answers first (a request over the default tenants' size limit, refused 400 at

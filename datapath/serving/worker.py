@@ -316,7 +316,7 @@ class Worker:
         # whose reply was lost, in a turn that then failed) makes it stale too: a restore, never
         # a wrong answer.
         return (self.store is not None and bool(rec["flags"] & records.CHUNK_F_MOVED)
-                and tuple(self.store.held(key)) != (s.cache.snapshot_len, s.cache.snapshot_seq))
+                and self.store.held(key) != (s.cache.snapshot_len, s.cache.snapshot_seq))
 
     def _store_failed(self, e: Exception):
         self.stats["store_errors"] += 1
