@@ -32,10 +32,11 @@ TURNS = 2                        # requests per session in the load sweep, at ev
 def _config(**kw) -> PipelineConfig:
     """The data path's poll loop on the last core, the workers on the others (when there are two).
     Sessions return (the load cycles through them), so routing is by affinity unless a scenario
-    gives the workers a shared store, where any worker can restore any session."""
+    gives the workers a shared store, where any worker can restore any session. Every request is
+    tagged and XDP checks it (require_tags), as a deployment with keyed tenants would run."""
     cores = sorted(os.sched_getaffinity(0))
     pins = dict(datapath_cpu=cores[-1], worker_cpus=cores[:-1]) if len(cores) > 1 else {}
-    return PipelineConfig(**{"workers": 2, "policy": "affinity", **pins, **kw})
+    return PipelineConfig(**{"workers": 2, "policy": "affinity", "require_tags": True, **pins, **kw})
 
 
 def require_root_and_bcc(what: str):
@@ -198,6 +199,7 @@ def sweep(report, quick: bool, stages: dict, out: dict) -> dict:
             label = _label(mode, device)
             with Pipeline(_config(batching=mode, workers=workers, device=device)) as p:
                 report.machine["xdp_mode"] = p.xdp_mode
+                report.machine["xdp_tags_required"] = p.cfg.require_tags
                 if device and mode == "dynamic":   # the profile's knee (pipeline budget_at_knee)
                     report.machine[f"sweep_token_budget_{device}"] = p.router.worker_stats(0)["token_budget"]
                 _warm_up(p, device)

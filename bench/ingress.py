@@ -15,6 +15,8 @@
   metrics.steer_ns                  bpf/steer.bpf.c under BPF_PROG_TEST_RUN, record into a drained ring
                                     (a 16-token chunk, the live figures' size)
   metrics.steer_128_ns              the same for a full 128-token chunk
+  metrics.steer_tagged_ns           steer_ns with tags required (Ingress.require_tags), the chunk tagged:
+                                    the tenant's key looked up and the header's SipHash checked
   metrics.xdp_to_consumer_p50_ns|p99_ns[_100k|_max]   XDP stamp to the C consumer, at 10k, 100k
                                     and the highest rate sustained without loss
   metrics.sender_to_consumer_p50_us|p99_us   send stamp to the C consumer at 10k (same sender as the UDP refs)
@@ -53,6 +55,7 @@ from bench.ring import handoff_oneway_ns, pingpong_oneway_ns
 SENDER_CPU, RECEIVER_CPU, RT = 0, 1, 1
 SEGMENT_S, GAP_S = 0.8, 0.2
 TOKENS = 16
+TAG_KEY = bytes(range(16))
 # For round trips the sender spins through its gaps, reading replies as they come: a sleeping
 # sender would add its own wake-up to replies that arrive after sendmmsg returns (user space)
 # but not to those that arrive within it (XDP_TX answers in the sender's own softirq).
@@ -85,7 +88,11 @@ def _router_input(capacity=1 << 19, tag="in"):
     name = f"bench-ingress-{tag}-{os.getpid()}"
     try:
         with output_ring(name, capacity) as out, ring.Ring.attach(name, "consumer") as rd:
-            yield out, _Reader(rd)
+            reader = _Reader(rd)
+            try:
+                yield out, reader
+            finally:
+                reader.close()      # before the ring closes under it (a segfault, after an error)
     finally:
         ring.unlink(name)
 
@@ -136,6 +143,8 @@ def test_run_figures(report, quick):
     frames = {"": udp_frame(wire.pack_request_raw(tuple(range(TOKENS)), session_id=5, tenant=1), wire.DEFAULT_PORT),
               "_128": udp_frame(wire.pack_request_raw(tuple(range(lib.DP_MAX_CHUNK_TOKENS)), session_id=5, tenant=1),
                                 wire.DEFAULT_PORT)}
+    tagged_frame = udp_frame(wire.sign(wire.pack_request_raw(tuple(range(TOKENS)), session_id=5, tenant=1), TAG_KEY),
+                             wire.DEFAULT_PORT)
     b, fn = load_xdp("count.bpf.c", "xdp_count")
     try:
         for sfx, frame in frames.items():
@@ -148,12 +157,23 @@ def test_run_figures(report, quick):
     with Ingress(queues=1, ring_pages=4096) as ig, _RingFloor(queues=1, ring_pages=4096) as fl, \
             _router_input() as (out, reader), _router_input(1 << 16, "floor") as (fl_out, fl_reader), \
             ig.consumer(out, cpu=RECEIVER_CPU) as c, fl.consumer(fl_out, cpu=RECEIVER_CPU) as fl_c:
+        ig.set_tenant_key(1, TAG_KEY)
         for sfx, frame in frames.items():
-            progs = {f"steer{sfx}_ns": (ig, c)} | ({"xdp_ring_floor_ns": (fl, fl_c)} if not sfx else {})
+            # (program, its consumer, the frame, tags required): the tagged run is the same program
+            # with the check switched on, on the same request with its tag set
+            progs = {f"steer{sfx}_ns": (ig, c, frame, False)}
+            if not sfx:
+                progs |= {"steer_tagged_ns": (ig, c, tagged_frame, True), "xdp_ring_floor_ns": (fl, fl_c, frame, False)}
             times = {name: [] for name in progs}
             for _ in range(runs):
-                for name, (prog, consumer) in progs.items():
-                    times[name].append(_test_run(prog, consumer, frame, repeat))
+                for name, (prog, consumer, frm, tags) in progs.items():
+                    if prog is ig:
+                        ig.require_tags(tags)
+                    times[name].append(_test_run(prog, consumer, frm, repeat))
+            ig.require_tags(False)
+            refused = ig.counters()["drop_bad_tag"] + ig.counters()["drop_unknown_tenant"]
+            if refused:
+                raise RuntimeError(f"steer_tagged_ns: {refused} tagged runs took the drop path, not the figure")
             for name, ns in times.items():
                 clean = [t for t in ns if t is not None]
                 if not clean:
@@ -163,6 +183,9 @@ def test_run_figures(report, quick):
                 (report.reference if name == "xdp_ring_floor_ns" else report.metric)(name, min(clean), "ns")
             report.ratio(f"steer{sfx}_ns", f"xdp_count{sfx}_ns")
         report.ratio("steer_ns", "xdp_ring_floor_ns")
+        report.ratio("steer_tagged_ns", "xdp_count_ns")
+        report.note(f"tags required (steer_tagged_ns): the SipHash-2-4 of the header and its tenant's key lookup "
+                    f"cost {report.metrics['steer_tagged_ns'] - report.metrics['steer_ns']:.0f} ns a chunk")
         steer, floor, count = (report.metrics["steer_ns"], report.references["xdp_ring_floor_ns"],
                                report.references["xdp_count_ns"])
         report.note(f"steer_ns {steer:.0f} ns = the count program's parse {count:.0f} + the ring buffer and clock "

@@ -38,7 +38,7 @@ SWEEP_COLUMNS = [("qps", "offered qps"), ("achieved_qps", "achieved qps"), ("p50
                  ("late_max_ms", "sender late max ms"), ("steal_pct", "host steal %")]
 SWEEP_LINES = [("p50_ms", "p50", "-"), ("p95_ms", "p95", "--"), ("p99_ms", "p99", ":")]
 STAGE_PERCENTILES = [("p50", "p50", "-"), ("p95", "p95", "--"), ("p99", "p99", "-."), ("p999", "p99.9", ":")]
-MACHINE_FIRST = ["cores", "cpu_model", "kernel", "xdp_mode"]
+MACHINE_FIRST = ["cores", "cpu_model", "kernel", "xdp_mode", "xdp_tags_required"]
 DPI = 110
 
 

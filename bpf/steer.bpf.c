@@ -14,6 +14,9 @@
  * (XDP_TX);
  * a valid request over IPv6 is answered 400 the same way (responses go to
  * the IPv4 address a chunk carries);
+ * with tags required (policy.require_tags), a request whose tag is not the
+ * SipHash of its header under its tenant's key (tenant_keys) is dropped
+ * before any of that, unanswered;
  * the rest of its request, if it has more chunks, is dropped (the `cuts` map).
  * Tunables (-D): DP_QUEUES, DP_RING_PAGES, DP_PORT (see steer_maps.h).
  */
@@ -21,6 +24,7 @@
 #include "wire.h"
 #include "chunk.h"
 #include "parsing_helpers.h"
+#include "siphash.h"
 #include "steer_maps.h"
 
 #define IPPROTO_FRAGMENT_V6 44
@@ -218,7 +222,7 @@ static __always_inline __u16 dp_csum_fold(__u32 sum)
 static __always_inline int reply(struct xdp_md *ctx, struct ethhdr *eth, struct iphdr *iph, struct ipv6hdr *ip6h,
                                  int v6, struct udphdr *udph, struct dp_req_hdr *req, __u16 status)
 {
-    struct dp_resp_hdr *resp = (void *)req;   /* 40 bytes over the 48 already bounds-checked */
+    struct dp_resp_hdr *resp = (void *)req;   /* 40 bytes over the 56 already bounds-checked */
     __u32 tenant = req->tenant;
     __u64 sid = req->session_id, rid = req->request_id, sent = req->send_ns;
     __u8 mac[ETH_ALEN];
@@ -361,6 +365,19 @@ int xdp_steer(struct xdp_md *ctx)
     if ((void *)req + DP_REQ_HDR_LEN + len > data_end)
         return drop(DP_DROP_TRUNCATED);
 
+    pol = policy.lookup(&zero);
+    if (!pol)
+        return XDP_ABORTED;   /* an array always has index 0: unreachable */
+    if (pol->require_tags) {
+        /* before anything answers or charges: a sender without the tenant's key gets nothing back
+         * (an answer would go to a source it may have forged) and costs the tenant nothing */
+        __u32 tenant = req->tenant;
+        struct dp_tenant_key *k = tenant_keys.lookup(&tenant);
+        if (!k)
+            return drop(DP_DROP_UNKNOWN_TENANT);
+        if (dp_req_tag((const __u64 *)req, k->k0, k->k1) != req->tag)
+            return drop(DP_DROP_BAD_TAG);
+    }
     if (v6) {
         /* it would be run and charged, then its answer sent to no one (a chunk carries the
          * client's IPv4 address): refused at once, before its tokens are charged (found by review) */
@@ -369,9 +386,6 @@ int xdp_steer(struct xdp_md *ctx)
             return XDP_DROP;
         return reply(ctx, eth, iph, ip6h, v6, udph, req, DP_STATUS_BAD_REQUEST);
     }
-    pol = policy.lookup(&zero);
-    if (!pol)
-        return XDP_ABORTED;   /* an array always has index 0: unreachable */
     limits = pol->rate_limits;   /* read once: user space may change it meanwhile */
     /* a clock read here only when needed: it cost ~30 ns a chunk (steer_ns) */
     now = limits || pol->stamp_validated ? bpf_ktime_get_ns() : 0;

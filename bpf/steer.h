@@ -36,7 +36,9 @@ enum dp_drop {
     DP_DROP_CUT_REQUEST = 11,    /* a later chunk of a request the bucket already cut (answered 429 once) */
     DP_DROP_IPV6 = 12,           /* a valid request over IPv6: answered 400 by XDP_TX, since a response goes
                                   * to the IPv4 address its chunks carry (chunk.h client_ip) */
-    DP_DROP_MAX = 13
+    DP_DROP_UNKNOWN_TENANT = 13, /* tags required and the tenant has no key (tenant_keys): never answered */
+    DP_DROP_BAD_TAG = 14,        /* tags required and the tag is not the header's under the tenant's key */
+    DP_DROP_MAX = 15
 };
 
 /* Other events (index of the `events` per-CPU array). Records queued are
@@ -58,7 +60,13 @@ struct dp_policy {
     __u32 mode;                  /* enum dp_policy_mode */
     __u32 rate_limits;           /* buckets set (the others' counts one); 0 skips the bucket lookup (~40 ns) */
     __u32 stamp_validated;       /* stamp t_xdp_in, the request validated (tracing: a clock read, ~30 ns) */
-    __u32 reserved;
+    __u32 require_tags;          /* drop a request whose tag is not its tenant's (tenant_keys): ~30 ns */
+};
+
+/* A tenant's 128-bit tag key (tenant_keys), as the two little-endian halves SipHash reads. */
+struct dp_tenant_key {
+    __u64 k0;
+    __u64 k1;
 };
 
 /* Per-tenant token bucket as GCRA (a virtual clock), so XDP never divides:

@@ -41,6 +41,7 @@ BPF_ARRAY(policy, struct dp_policy, 1);
 BPF_HASH(pins, __u64, __u32, 65536);          /* session_id -> queue */
 BPF_HASH(tenant_queue, __u32, __u32, 4096);   /* tenant -> queue */
 BPF_HASH(buckets, __u32, struct dp_bucket, 4096);
+BPF_HASH(tenant_keys, __u32, struct dp_tenant_key, 65536);   /* tenant -> its tag key (require_tags) */
 /* the one bucket every tenant without a bucket of its own shares (ns_per_token 0: none), so made-up
  * tenant ids are not a way past the limits */
 BPF_ARRAY(others_bucket, struct dp_bucket, 1);

@@ -21,7 +21,7 @@
 
 /* LAYOUT BEGIN */
 #define DP_WIRE_MAGIC 0x31575044        /* "DPW1" read as little-endian bytes */
-#define DP_WIRE_VERSION 1
+#define DP_WIRE_VERSION 2              /* 2: the request header ends with a tag */
 #define DP_MAX_CHUNK_TOKENS 128          /* a chunk never carries more */
 #define DP_MAX_RESP_BODY 1024            /* response body fits one MTU-1500 frame */
 #define DP_DEFAULT_PORT 7878             /* UDP port the ingress listens on */
@@ -46,7 +46,9 @@
 #define DP_STATUS_RATE_LIMITED 429
 #define DP_STATUS_UNAVAILABLE 503
 
-/* Request header: 48 bytes, then n_tokens uint32 token ids. */
+/* Request header: 56 bytes, then n_tokens uint32 token ids. tag: SipHash-2-4 of the 48 bytes
+ * before it under the tenant's key (bpf/siphash.h), checked by the ingress when it requires
+ * tags (Ingress.require_tags); any value otherwise. */
 struct dp_req_hdr {
     __u32 magic;              /*  0 DP_WIRE_MAGIC */
     __u8  version;            /*  4 DP_WIRE_VERSION */
@@ -61,6 +63,7 @@ struct dp_req_hdr {
     __u16 n_tokens;           /* 36 CHUNK, COUNT_TOKENS: 1..128; OPEN, CLOSE: 0 */
     __u16 reserved;           /* 38 zero */
     __u64 send_ns;            /* 40 client's CLOCK_MONOTONIC stamp at send */
+    __u64 tag;                /* 48 SipHash-2-4(tenant key, bytes 0..47) */
 };
 
 /* Response header: 40 bytes, then body_len bytes of body. */
@@ -91,13 +94,15 @@ struct dp_resp_trace {
 };
 /* LAYOUT END */
 
-#define DP_REQ_HDR_LEN 48
+#define DP_REQ_HDR_LEN 56
+#define DP_REQ_TAGGED_LEN 48   /* the bytes the tag covers: the header before it */
 #define DP_RESP_TRACE_LEN 40
 #define DP_RESP_HDR_LEN 40
-_Static_assert(sizeof(struct dp_req_hdr) == DP_REQ_HDR_LEN, "request header is 48 bytes");
+_Static_assert(sizeof(struct dp_req_hdr) == DP_REQ_HDR_LEN, "request header is 56 bytes");
 _Static_assert(sizeof(struct dp_resp_hdr) == DP_RESP_HDR_LEN, "response header is 40 bytes");
 _Static_assert(sizeof(struct dp_resp_trace) == DP_RESP_TRACE_LEN, "response trace is 40 bytes");
 _Static_assert(__builtin_offsetof(struct dp_req_hdr, send_ns) == 40, "send_ns at 40");
+_Static_assert(__builtin_offsetof(struct dp_req_hdr, tag) == DP_REQ_TAGGED_LEN, "the tag follows what it covers");
 _Static_assert(__builtin_offsetof(struct dp_resp_hdr, send_ns) == 32, "send_ns at 32");
 
 #endif /* DP_WIRE_H */

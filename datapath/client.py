@@ -36,14 +36,15 @@ def _chunks(tokens) -> list[tuple]:
 
 
 def request_packets(tenant: int, session_id: int, request_id: int, tokens, max_output_tokens: int = 0,
-                    kind: int = wire.KIND_CHUNK, trace: bool = False) -> list[bytes]:
+                    kind: int = wire.KIND_CHUNK, trace: bool = False, key: bytes | None = None) -> list[bytes]:
     """One request's tokens cut into chunks of at most 128, each an encoded packet (trace: the
-    response ends with the request's stamps, wire.Response.trace)."""
+    response ends with the request's stamps, wire.Response.trace; key: the tenant's tag key, for
+    packets sent as they are; send() tags its own, from its keys)."""
     parts = _chunks(tokens)
     return [wire.encode_request(wire.Request(kind=kind, tenant=tenant, session_id=session_id,
                                              request_id=request_id, chunk_index=i, chunk_count=len(parts),
                                              tokens=part, max_output_tokens=max_output_tokens,
-                                             flags=wire.FLAG_TRACE if trace else 0))
+                                             flags=wire.FLAG_TRACE if trace else 0), key)
             for i, part in enumerate(parts)]
 
 
@@ -84,26 +85,29 @@ def _check_whole_requests(packets: list[bytes]) -> list[bool]:
     return starts
 
 
-def count_tokens_packet(tenant: int, session_id: int, request_id: int, tokens, max_output_tokens: int = 0) -> bytes:
+def count_tokens_packet(tenant: int, session_id: int, request_id: int, tokens, max_output_tokens: int = 0,
+                        key: bytes | None = None) -> bytes:
     """A COUNT_TOKENS record for a request of `tokens`: its first chunk and its chunk count are all
     the price needs (the estimate is chunk_count x 128); the answer is a 200 with the breakdown."""
-    first = request_packets(tenant, session_id, request_id, tokens, max_output_tokens, kind=wire.KIND_COUNT_TOKENS)
+    first = request_packets(tenant, session_id, request_id, tokens, max_output_tokens, kind=wire.KIND_COUNT_TOKENS,
+                            key=key)
     return first[0]
 
 
-def open_packet(tenant: int, session_id: int, request_id: int, tokens, max_output_tokens: int = 0) -> bytes:
+def open_packet(tenant: int, session_id: int, request_id: int, tokens, max_output_tokens: int = 0,
+                key: bytes | None = None) -> bytes:
     """The OPEN record announcing a request of `tokens` (its chunk count; no tokens of its own): the
     router admits it, and reserves room for its chunks, before they come. Send it first, then the
     request's chunks (request_packets) with the same ids."""
     return wire.encode_request(wire.Request(kind=wire.KIND_OPEN, tenant=tenant, session_id=session_id,
                                             request_id=request_id, chunk_index=0, chunk_count=len(_chunks(tokens)),
-                                            tokens=(), max_output_tokens=max_output_tokens))
+                                            tokens=(), max_output_tokens=max_output_tokens), key)
 
 
-def close_packet(tenant: int, session_id: int, request_id: int) -> bytes:
+def close_packet(tenant: int, session_id: int, request_id: int, key: bytes | None = None) -> bytes:
     """The CLOSE record: the client is done with the session (its KV and snapshots are freed)."""
     return wire.encode_request(wire.Request(kind=wire.KIND_CLOSE, tenant=tenant, session_id=session_id,
-                                            request_id=request_id, chunk_index=0, chunk_count=1, tokens=()))
+                                            request_id=request_id, chunk_index=0, chunk_count=1, tokens=()), key)
 
 
 MAX_COUNT = 1 << 24          # loadgen.c keeps a schedule slot per packet (stamp_seq)
@@ -111,7 +115,7 @@ MAX_COUNT = 1 << 24          # loadgen.c keeps a schedule slot per packet (stamp
 
 def send(sock: socket.socket, packets: list[bytes], rate: float, count: int, duration: float,
          batch: int = 32, stamp_seq: bool = True, drain_ms: int = 50, seed: int = 1, spin_us: int = 50,
-         seq_base: int = 0, merge: int = 1) -> dict:
+         seq_base: int = 0, merge: int = 1, keys: dict[int, bytes] | None = None) -> dict:
     """Send `count` packets (cycling through `packets`) on a connected UDP socket. Returns the C stats.
 
     `rate` is packets/s, each packet its own Poisson arrival: a request of several chunks is
@@ -129,7 +133,10 @@ def send(sock: socket.socket, packets: list[bytes], rate: float, count: int, dur
     A packet that could not be sent (send_errors) starts no request. lat_ok_ns (stamp_seq): per request answered 200, from its scheduled send, and per
     request still unanswered when the drain ended (`unanswered`) the time it had waited then:
     the open-loop latency, with a late sender's lag (`late_mean_ns`, `max_late_ns`) and the
-    unanswered tail kept in it."""
+    unanswered tail kept in it.
+
+    keys: {tenant: tag key} (datapath.wire.tenant_key): each packet is tagged as it leaves,
+    after its request id and stamp are written, with its tenant's key (one missing is an error)."""
     if not packets or not 0 < rate < math.inf or count < 1 or not 0 < duration < math.inf:
         raise ValueError("send needs packets, a finite rate > 0, count >= 1 and a finite duration > 0")
     # what loadgen.c refuses with EINVAL, said here (it surfaced as "[Errno 22] Invalid argument")
@@ -153,11 +160,22 @@ def send(sock: socket.socket, packets: list[bytes], rate: float, count: int, dur
     stride = max(map(len, packets))
     if stride > MAX_PACKET:
         raise ValueError(f"a packet is {stride} bytes, more than a request can be ({MAX_PACKET})")
+    key_buf = ffi.NULL
+    if keys is not None:
+        tenant_at = wire.REQ_OFFSETS["tenant"][0]
+        tenants = [int.from_bytes(p[tenant_at:tenant_at + 4], "little") for p in packets]
+        missing = sorted(set(tenants) - set(keys))
+        if missing:
+            raise ValueError(f"keys has no tag key for tenant(s) {missing[:8]}")
+        if any(len(keys[t]) != wire.TAG_KEY_LEN for t in set(tenants)):
+            raise ValueError(f"a tag key is {wire.TAG_KEY_LEN} bytes")
+        key_buf = ffi.new("uint8_t[]", b"".join(keys[t] for t in tenants))
     buf = ffi.new("uint8_t[]", b"".join(p.ljust(stride, b"\0") for p in packets))
     lens = ffi.new("uint16_t[]", [len(p) for p in packets])
     cfg = ffi.new("struct dp_send_cfg *", dict(rate_pps=rate, count=count, max_ns=int(duration * 1e9),
                                                 seed=seed, batch=batch, drain_ms=drain_ms, stamp_seq=stamp_seq,
-                                                spin_ns=spin_us * 1000, seq_base=seq_base, merge=merge))
+                                                spin_ns=spin_us * 1000, seq_base=seq_base, merge=merge,
+                                                keys=key_buf))
     st = ffi.new("struct dp_send_stats *")
     lats = (st.rtt, st.rtt_ok, st.lat_ok)
     # room for every sample: the unanswered come last, so a cap would drop exactly the tail. No

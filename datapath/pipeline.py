@@ -103,6 +103,8 @@ class PipelineConfig:
                                        # share the host's cores; a real one would not take them from
                                        # another pool); None: one pool of `workers` on `device`
     pool_room_per_worker: int = 0      # queued chunks per up worker before a pool passes new requests on
+    require_tags: bool = False         # XDP drops a request whose tag is not its tenant's (wire, "tags"); offer()
+                                       # tags its packets with keys the pipeline derives and installs
     tenants: dict = field(default_factory=dict)   # tenant -> admission.TenantPolicy
     default_tenant: object = None      # TenantPolicy of every other tenant (None: no limits, free)
 
@@ -437,6 +439,8 @@ class Pipeline:
         topo = self.topo
         self.ingress = es.enter_context(Ingress(queues=cfg.queues))
         self.ingress.stamp_validated()   # the trace's t_xdp_in (bench e2e's "xdp steer + ring write")
+        self._tag_master, self._tag_keys = os.urandom(32), {}   # (require_tags) this run's: tenant_key
+        self.ingress.require_tags(cfg.require_tags)
         self.xdp_mode = self.ingress.attach(topo.host_if[0], topo.host_ns, cfg.xdp_mode,
                                             veth_peer=(topo.client_if[0], topo.client_ns[0]))
         out_name, out_ring = self._ring("out", records.RESPONSE.itemsize, 1 << 12, "producer")
@@ -763,9 +767,19 @@ class Pipeline:
         duration = count * merge / rate * 3 + 5
         res = client.spawn_in_netns(self.topo.client_ns[0], self.topo.host_ip[0], pkts, timeout=duration + 60,
                                     cpu=cpu, rt_priority=1, rate=rate, count=count, duration=duration,
-                                    drain_ms=int(drain_s * 1000), seq_base=base, merge=merge, seed=seed)
+                                    drain_ms=int(drain_s * 1000), seq_base=base, merge=merge, seed=seed,
+                                    keys={t: self.tenant_key(t) for t in tenants} if self.cfg.require_tags else None)
         by_status = {int(k): v for k, v in res["by_status"].items()}   # JSON made the keys strings
         return {**res, "by_status": by_status, "seq_base": base}
+
+    def tenant_key(self, tenant: int) -> bytes:
+        """Tenant's tag key (wire.tenant_key of this run's master secret), installed in the ingress:
+        the operator's issue of a key to a client, which offer() does for the tenants it sends as."""
+        key = self._tag_keys.get(tenant)
+        if key is None:
+            key = self._tag_keys[tenant] = wire.tenant_key(self._tag_master, tenant)
+            self.ingress.set_tenant_key(tenant, key)
+        return key
 
     # --- what happened -----------------------------------------------------------------------
     def trace(self, worker: int | None = None) -> np.ndarray:

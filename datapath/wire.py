@@ -13,7 +13,7 @@ import struct
 from dataclasses import dataclass, field
 
 MAGIC = 0x31575044
-VERSION = 1
+VERSION = 2                      # 2: the request header ends with a tag
 MAX_CHUNK_TOKENS = 128
 MAX_RESP_BODY = 1024
 DEFAULT_PORT = 7878
@@ -44,7 +44,7 @@ REQ_FIELDS = (
     ("tenant", "I"), ("max_output_tokens", "I"),
     ("session_id", "Q"), ("request_id", "Q"),
     ("chunk_index", "H"), ("chunk_count", "H"), ("n_tokens", "H"), ("reserved", "H"),
-    ("send_ns", "Q"),
+    ("send_ns", "Q"), ("tag", "Q"),
 )
 RESP_FIELDS = (
     ("magic", "I"), ("version", "B"), ("kind", "B"), ("flags", "H"),
@@ -57,7 +57,9 @@ TRACE_FIELDS = (   # struct dp_resp_trace: the end of a response body whose flag
 )
 REQ_HDR = struct.Struct("<" + "".join(code for _, code in REQ_FIELDS))
 RESP_HDR = struct.Struct("<" + "".join(code for _, code in RESP_FIELDS))
-REQ_HDR_LEN = REQ_HDR.size      # 48
+REQ_HDR_LEN = REQ_HDR.size      # 56
+REQ_TAGGED_LEN = 48             # the bytes the tag covers: the header before it
+TAG_KEY_LEN = 16
 RESP_HDR_LEN = RESP_HDR.size    # 40
 RESP_TRACE = struct.Struct("<" + "".join(code for _, code in TRACE_FIELDS))
 RESP_TRACE_LEN = RESP_TRACE.size  # 40
@@ -100,6 +102,7 @@ class Request:
     max_output_tokens: int = 0
     flags: int = 0
     send_ns: int = 0
+    tag: int = 0           # as decoded (encode_request computes it from a key)
 
     @property
     def n_tokens(self) -> int:
@@ -152,18 +155,85 @@ def _check_request(kind, chunk_index, chunk_count, n_tokens, reserved):
         raise WireError("n_tokens", f"a {REQUEST_KINDS[kind]} carries no tokens, got {n_tokens}")
 
 
-def encode_request(req: Request) -> bytes:
-    """Validate and encode; raises WireError for a request the server would reject as malformed."""
+def encode_request(req: Request, key: bytes | None = None) -> bytes:
+    """Validate and encode; raises WireError for a request the server would reject as malformed.
+    key: the tenant's tag key (tenant_key); without one the tag is 0, which an ingress that
+    requires tags drops."""
     n = req.n_tokens
     _check_common(MAGIC, VERSION, req.flags)
     _check_request(req.kind, req.chunk_index, req.chunk_count, n, 0)
     try:
         head = REQ_HDR.pack(MAGIC, VERSION, req.kind, req.flags, req.tenant, req.max_output_tokens,
                             req.session_id, req.request_id, req.chunk_index, req.chunk_count, n, 0,
-                            req.send_ns)
-        return head + struct.pack(f"<{n}I", *req.tokens)
+                            req.send_ns, 0)
+        body = struct.pack(f"<{n}I", *req.tokens)
     except struct.error as e:
         raise WireError("request", f"a field is out of range: {e}") from None
+    return (sign(head, key) if key is not None else head) + body
+
+
+# --- tags: SipHash-2-4 of the header's first 48 bytes under the tenant's key (bpf/siphash.h) -----------
+# The ingress, when it requires tags, drops a request whose tag is not that of its tenant's key,
+# before it charges or answers anything: a tenant id is then something a sender must hold the
+# key of, not a number it writes. The tokens are not covered (keeping the check at a fixed ~30 ns);
+# nor is anything against a sender that sees the traffic (it can replay a chunk as it is, which
+# the router drops as a duplicate): the tag stops senders off the path from naming a tenant.
+
+_M64 = (1 << 64) - 1
+_TAG_AT = REQ_TAGGED_LEN
+
+
+def _rotl(x: int, b: int) -> int:
+    return ((x << b) | (x >> (64 - b))) & _M64
+
+
+def siphash24(key: bytes, data: bytes) -> int:
+    """SipHash-2-4 of data (any length) under a 16-byte key, as the paper defines it."""
+    if len(key) != TAG_KEY_LEN:
+        raise ValueError(f"a SipHash key is {TAG_KEY_LEN} bytes, not {len(key)}")
+    k0, k1 = struct.unpack("<2Q", key)
+    v = [k0 ^ 0x736f6d6570736575, k1 ^ 0x646f72616e646f6d, k0 ^ 0x6c7967656e657261, k1 ^ 0x7465646279746573]
+
+    def rounds(n):
+        v0, v1, v2, v3 = v
+        for _ in range(n):
+            v0 = (v0 + v1) & _M64; v1 = _rotl(v1, 13) ^ v0; v0 = _rotl(v0, 32)
+            v2 = (v2 + v3) & _M64; v3 = _rotl(v3, 16) ^ v2
+            v0 = (v0 + v3) & _M64; v3 = _rotl(v3, 21) ^ v0
+            v2 = (v2 + v1) & _M64; v1 = _rotl(v1, 17) ^ v2; v2 = _rotl(v2, 32)
+        v[:] = v0, v1, v2, v3
+
+    whole = len(data) // 8 * 8
+    last = (len(data) & 0xff) << 56 | int.from_bytes(data[whole:], "little")
+    for m in [*struct.unpack_from(f"<{whole // 8}Q", data), last]:
+        v[3] ^= m
+        rounds(2)
+        v[0] ^= m
+    v[2] ^= 0xff
+    rounds(4)
+    return v[0] ^ v[1] ^ v[2] ^ v[3]
+
+
+def request_tag(key: bytes, header) -> int:
+    """The tag of a request header (its first REQ_TAGGED_LEN bytes) under a tenant's key."""
+    return siphash24(key, bytes(header[:REQ_TAGGED_LEN]))
+
+
+def sign(packet: bytes, key: bytes) -> bytes:
+    """packet with its tag set for key (the header's other fields as they are)."""
+    return (packet[:_TAG_AT] + struct.pack("<Q", request_tag(key, packet)) + packet[REQ_HDR_LEN:])
+
+
+def tenant_key(master: bytes, tenant: int) -> bytes:
+    """Tenant's tag key derived from the operator's master secret: HMAC-SHA256(master,
+    "zerolayer-wire-tag" || tenant), its first 16 bytes. The operator hands each tenant its own
+    key and installs it in the ingress (Ingress.set_tenant_key); no tenant can derive another's."""
+    import hashlib
+    import hmac
+    if len(master) < 16:
+        raise ValueError("the master secret must be at least 16 bytes")
+    return hmac.new(bytes(master), b"zerolayer-wire-tag\0" + int(tenant).to_bytes(4, "little"),
+                    hashlib.sha256).digest()[:TAG_KEY_LEN]
 
 
 def decode_request(buf) -> Request:
@@ -171,7 +241,7 @@ def decode_request(buf) -> Request:
     if len(buf) < REQ_HDR_LEN:
         raise _truncated(REQ_OFFSETS, len(buf), REQ_HDR_LEN)
     (magic, version, kind, flags, tenant, max_out, session_id, request_id,
-     chunk_index, chunk_count, n_tokens, reserved, send_ns) = REQ_HDR.unpack_from(buf)
+     chunk_index, chunk_count, n_tokens, reserved, send_ns, tag) = REQ_HDR.unpack_from(buf)
     _check_common(magic, version, flags)
     _check_request(kind, chunk_index, chunk_count, n_tokens, reserved)
     want = REQ_HDR_LEN + 4 * n_tokens
@@ -180,7 +250,7 @@ def decode_request(buf) -> Request:
     tokens = struct.unpack_from(f"<{n_tokens}I", buf, REQ_HDR_LEN)
     return Request(kind=kind, tenant=tenant, session_id=session_id, request_id=request_id,
                    chunk_index=chunk_index, chunk_count=chunk_count, tokens=tokens,
-                   max_output_tokens=max_out, flags=flags, send_ns=send_ns)
+                   max_output_tokens=max_out, flags=flags, send_ns=send_ns, tag=tag)
 
 
 def encode_response(resp: Response) -> bytes:
@@ -231,7 +301,7 @@ def pack_request_raw(tokens=(), **fields) -> bytes:
     tests and load generators that must craft malformed packets on purpose."""
     values = {"magic": MAGIC, "version": VERSION, "kind": KIND_CHUNK, "flags": 0, "tenant": 0,
               "max_output_tokens": 0, "session_id": 0, "request_id": 0, "chunk_index": 0,
-              "chunk_count": 1, "n_tokens": len(tokens), "reserved": 0, "send_ns": 0}
+              "chunk_count": 1, "n_tokens": len(tokens), "reserved": 0, "send_ns": 0, "tag": 0}
     unknown = set(fields) - set(values)
     if unknown:
         raise TypeError(f"unknown request fields: {sorted(unknown)}")

@@ -86,7 +86,7 @@ struct dp_udp_rx {
     int rt_priority;
     uint64_t records;
     uint64_t bad;              /* datagrams that failed validation */
-    uint64_t drops[13];        /* by enum dp_drop */
+    uint64_t drops[15];        /* by enum dp_drop */
     struct dp_lat send_lat;    /* t_consumer - t_send */
     uint32_t reply_status;     /* answer each valid request with this status (0: never); measures
                                   the user-space alternative to the XDP_TX 429 */
@@ -139,7 +139,12 @@ struct dp_send_cfg {
                                   of them go out as one packet when the last has arrived; each answer
                                   then counts `merge` latencies, from each one's own arrival
                                   (0 or 1: one packet per arrival). Needs stamp_seq, one-chunk requests. */
+    const uint8_t *keys;       /* NULL, or 16 bytes per packet: its tenant's tag key, the tag set as it
+                                  leaves (after request_id and send_ns; bpf/siphash.h) */
 };
+
+/* The tag of a request header (its first DP_REQ_TAGGED_LEN bytes) under a 16-byte key. */
+uint64_t dp_req_tag_of(const uint8_t *hdr, const uint8_t *key);
 
 struct dp_send_stats {
     uint64_t sent;

@@ -25,6 +25,7 @@
 
 #include "chunk.h"
 #include "ingress.h"
+#include "siphash.h"
 
 #define TX_BATCH_MAX 64
 
@@ -45,6 +46,14 @@ static uint64_t seed_state(uint64_t seed)
     z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
     z ^= z >> 31;
     return z ? z : 1;
+}
+
+uint64_t dp_req_tag_of(const uint8_t *hdr, const uint8_t *key)
+{
+    uint64_t w[DP_REQ_TAGGED_LEN / 8], k[2];
+    memcpy(w, hdr, sizeof(w));            /* aligned words, as the XDP program reads the packet's */
+    memcpy(k, key, sizeof(k));
+    return dp_req_tag(w, k[0], k[1]);
 }
 
 /* exponential gap with mean 1/rate, in ns */
@@ -239,8 +248,14 @@ int dp_send_poisson(int fd, const uint8_t *pkts, uint32_t stride, const uint16_t
             due += next_gap(&rng, cfg->rate_pps);
         }
         now = dp_now_ns();
-        for (uint32_t j = 0; j < k; j++)
-            memcpy(bufs + (size_t)j * stride + offsetof(struct dp_req_hdr, send_ns), &now, 8);
+        for (uint32_t j = 0; j < k; j++) {
+            uint8_t *dst = bufs + (size_t)j * stride;
+            memcpy(dst + offsetof(struct dp_req_hdr, send_ns), &now, 8);
+            if (cfg->keys) {             /* last: the tag covers the id and the stamp */
+                uint64_t tag = dp_req_tag_of(dst, cfg->keys + (size_t)((i + j) % n_pkts) * 16);
+                memcpy(dst + offsetof(struct dp_req_hdr, tag), &tag, 8);
+            }
+        }
         if (m.merge > 1 && k) {          /* each request waited from its arrival to this send */
             if (m.state)
                 m.at[i] = now;

@@ -65,7 +65,7 @@ def test_ring_suite_reports_every_figure(tmp_path):
 
 INGRESS_REFERENCES = ["xdp_count_ns", "xdp_count_128_ns", "xdp_ring_floor_ns", "pingpong_oneway_ns", "handoff_oneway_p50_ns", "udp_socket_p50_us", "udp_socket_p99_us",
                       "udp_socket_c_p50_us"]
-INGRESS_METRICS = ["steer_ns", "steer_128_ns", "xdp_to_consumer_p50_ns", "xdp_to_consumer_p99_ns", "xdp_to_consumer_p50_ns_100k",
+INGRESS_METRICS = ["steer_ns", "steer_128_ns", "steer_tagged_ns", "xdp_to_consumer_p50_ns", "xdp_to_consumer_p99_ns", "xdp_to_consumer_p50_ns_100k",
                    "xdp_to_consumer_p99_ns_100k", "xdp_to_consumer_p50_ns_max", "xdp_to_consumer_p99_ns_max",
                    "sender_to_consumer_p50_us", "sender_to_consumer_p99_us", "max_pps_no_loss"]
 
@@ -81,7 +81,7 @@ def test_ingress_suite_reports_every_figure(tmp_path):
     for key in INGRESS_METRICS:
         assert data["metrics"][key] > 0, key
     for ratio in ("steer_ns_vs_xdp_count_ns", "steer_128_ns_vs_xdp_count_128_ns", "steer_ns_vs_xdp_ring_floor_ns",
-                  "xdp_to_consumer_p50_ns_vs_pingpong_oneway_ns",
+                  "steer_tagged_ns_vs_xdp_count_ns", "xdp_to_consumer_p50_ns_vs_pingpong_oneway_ns",
                   "sender_to_consumer_p50_us_vs_udp_socket_p50_us", "sender_to_consumer_p99_us_vs_udp_socket_p99_us"):
         metric, ref = ratio.split("_vs_")
         assert data["ratios"][ratio] == pytest.approx(data["metrics"][metric] / data["references"][ref])
@@ -106,6 +106,7 @@ def test_e2e_quick_runs_every_landed_scenario_and_writes_the_report(tmp_path):
     assert min(steps) > 60, "a simulated L4 step lasts the profile's ~67 ms, not the tiny model's few"
     assert data["machine"]["sweep_token_budget_l4"] == 252, "dynamic steps up to the L4's knee"
     assert data["machine"]["xdp_mode"] in ("native", "generic")
+    assert data["machine"]["xdp_tags_required"] is True, "every request of the main job is tagged and checked"
     assert m["failover_answered_fraction"] == 1.0, "a killed worker loses no request"
     assert m["kv_resident_bytes_snapshot_evict"] < m["kv_resident_bytes_resident"]
     report = (tmp_path / "e2e" / "report.md").read_text()

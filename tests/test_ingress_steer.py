@@ -75,6 +75,23 @@ def own_bucket_others_limited(ig):  # tenant 7 has a bucket of its own: the othe
     ig.set_rate(7, tokens_per_minute=6000)
 
 
+KEY = bytes(range(16))   # tenant 7's tag key in the tagged cases
+
+
+def tagged(ig):  # tags required, tenant 7 holds KEY
+    ig.require_tags()
+    ig.set_tenant_key(7, KEY)
+
+
+def tagged_limited(ig):  # (the bucket spent by an untagged chunk before tags are required)
+    limited(ig)
+    tagged(ig)
+
+
+def signed(payload: bytes, key: bytes = KEY) -> bytes:
+    return wire.sign(payload, key)
+
+
 def patched(frm: bytes, at: int, data: bytes) -> bytes:
     return frm[:at] + data + frm[at + len(data):]
 
@@ -87,8 +104,9 @@ def truncated(full, l4, tag="", vlan=False):
     """`full` cut at every header boundary (and inside each header); l4 is the UDP header's offset.
     Before the UDP header ends nobody can tell the packet is ours: it passes."""
     cuts = [(14, "ethernet"), ((14 + l4) // 2, "inside IP"), (l4, "IP header"), (l4 + 4, "inside UDP"),
-            (l4 + 8, "UDP header"), (l4 + 28, "inside request header"), (l4 + 56, "request header"),
-            (l4 + 60, "first token"), (len(full) - 1, "all but the last byte")]
+            (l4 + 8, "UDP header"), (l4 + 28, "inside request header"), (l4 + 8 + 48, "inside the tag"),
+            (l4 + 8 + wire.REQ_HDR_LEN, "request header"), (l4 + 8 + wire.REQ_HDR_LEN + 4, "first token"),
+            (len(full) - 1, "all but the last byte")]
     if vlan:
         cuts.insert(1, (16, "inside VLAN tag"))
     return [case(f"{tag}truncated after {label} ({n} bytes)", full[:n], XDP_PASS if n < l4 + 8 else XDP_DROP,
@@ -113,7 +131,7 @@ CASES = [
     case("ethernet padding after the datagram", VALID + b"\0" * 8, XDP_DROP, "queued", HASHED),
     # malformed requests
     case("bad magic", frame(req(magic=0x31575045)), XDP_DROP, "drop_bad_magic"),
-    case("bad version", frame(req(version=2)), XDP_DROP, "drop_bad_version"),
+    case("bad version", frame(req(version=1)), XDP_DROP, "drop_bad_version"),
     case("unknown flag", frame(req(flags=0x8000)), XDP_DROP, "drop_bad_flags"),
     case("reserved set", frame(req(reserved=1)), XDP_DROP, "drop_bad_flags"),
     case("kind 0", frame(req(kind=0)), XDP_DROP, "drop_bad_kind"),
@@ -128,8 +146,8 @@ CASES = [
     case("0 tokens and reserved set", frame(req(tokens=(), reserved=1)), XDP_DROP, "drop_bad_flags"),
     case("n_tokens 16, 17 tokens sent", frame(req(tokens=TOKENS + (1,), n_tokens=16)), XDP_DROP, "drop_length"),
     case("n_tokens 16, 15 tokens sent", frame(req(tokens=TOKENS[:15], n_tokens=16)), XDP_DROP, "drop_length"),
-    case("udp length short of the tokens", frame(udp_len=8 + 48 + 60), XDP_DROP, "drop_length"),
-    case("udp length past the packet", frame(udp_len=8 + 48 + 64 + 4), XDP_DROP, "drop_length"),
+    case("udp length short of the tokens", frame(udp_len=8 + wire.REQ_HDR_LEN + 60), XDP_DROP, "drop_length"),
+    case("udp length past the packet", frame(udp_len=8 + wire.REQ_HDR_LEN + 64 + 4), XDP_DROP, "drop_length"),
     case("udp length below 8", frame(udp_len=4), XDP_DROP, "drop_length"),
     # the IP header's length must hold the datagram (the kernel would trim the frame to it)
     case("ipv4 total length short of the udp datagram", patched(VALID, 16, struct.pack("!H", 20 + 8)), XDP_DROP,
@@ -168,6 +186,20 @@ CASES = [
     case("ipv6", frame(v6=True), XDP_TX, "drop_ipv6"),
     case("vlan ipv6", frame(v6=True, vlan=10), XDP_TX, "drop_ipv6"),
     case("ipv6 vlan, over the token bucket", frame(v6=True, vlan=5), XDP_TX, "drop_ipv6", setup=limited),
+    # tags required: a request whose tag is not its header's under its tenant's key is dropped before
+    # anything answers or charges (datapath.wire, "tags"); without the requirement a tag is ignored
+    case("tagged chunk, tags required", frame(signed(req())), XDP_DROP, "queued", HASHED, tagged),
+    case("tagged close, tags required", frame(signed(req(tokens=(), kind=wire.KIND_CLOSE))), XDP_DROP, "queued",
+         HASHED, tagged),
+    case("untagged chunk, tags required", VALID, XDP_DROP, "drop_bad_tag", setup=tagged),
+    case("tagged with another key", frame(signed(req(), bytes(16))), XDP_DROP, "drop_bad_tag", setup=tagged),
+    case("request id changed after tagging", frame(patched(signed(req()), 24, b"\x2b")), XDP_DROP, "drop_bad_tag",
+         setup=tagged),
+    case("a tenant without a key", frame(signed(req(tenant=8))), XDP_DROP, "drop_unknown_tenant", setup=tagged),
+    case("untagged, over the token bucket: no 429", VALID, XDP_DROP, "drop_bad_tag", setup=tagged_limited),
+    case("tagged, over the token bucket", frame(signed(req())), XDP_TX, "drop_rate_limited", setup=tagged_limited),
+    case("untagged ipv6: no 400", frame(v6=True), XDP_DROP, "drop_bad_tag", setup=tagged),
+    case("tagged chunk, tags not required", frame(signed(req())), XDP_DROP, "queued", HASHED),
 ] + truncated(VALID, 34) + truncated(frame(vlan=3), 38, "vlan ", vlan=True) + truncated(frame(v6=True), 54, "ipv6 ")
 
 
@@ -196,6 +228,8 @@ def ig(ingress):
         ig.table(name).clear()
     ig.clear_rate(7)
     ig.clear_others_rate()
+    ig.require_tags(False)
+    ig.table("tenant_keys").clear()
     settle(ig, consumer)
     return ig, consumer
 
@@ -247,6 +281,26 @@ def test_steer_table(ig, frm, verdict, counter, queue, setup):
         assert not wait_records(consumer, 1, timeout=0.05)
     if verdict == XDP_PASS:
         assert out == frm, "a passed packet must be untouched"
+
+
+def test_a_change_to_any_byte_the_tag_covers_or_to_the_tag_drops_the_request(ig):
+    """Every byte of the header the earlier checks leave free (tenant, limits, ids, stamp) and of the
+    tag itself: one bit flipped and the request is dropped, not queued, nor charged."""
+    ig, consumer = ig
+    tagged(ig)
+    good = signed(req())
+    assert prog_test_run(ig.fn.fd, frame(good))[0] == XDP_DROP and len(wait_records(consumer, 1)) == 1
+    offsets = wire.REQ_OFFSETS
+    free = [n for f in ("max_output_tokens", "session_id", "request_id", "send_ns", "tag")
+            for n in range(offsets[f][0], offsets[f][0] + offsets[f][1])]
+    before = ig.counters()
+    for n in free:
+        bad = bytearray(good)
+        bad[n] ^= 1 << (n % 8)
+        assert prog_test_run(ig.fn.fd, frame(bytes(bad)))[0] == XDP_DROP
+    after = ig.counters()
+    assert {k: after[k] - before[k] for k in after if after[k] != before[k]} == {"drop_bad_tag": len(free)}
+    assert not wait_records(consumer, 1, timeout=0.05)
 
 
 def check_reply(frm, out, status):

@@ -1,6 +1,8 @@
 """The Poisson load generator offers the rate it is asked for (on loopback, no root)."""
 import socket
 
+import pytest
+
 from datapath import client, wire
 
 
@@ -33,6 +35,26 @@ def test_request_ids_continue_from_seq_base():
         assert res["sent"] == 50
         ids = [wire.decode_request(sink.recv(2048)).request_id for _ in range(50)]
         assert sorted(ids) == list(range(7_000_000, 7_000_050))
+    finally:
+        sink.close(), tx.close()
+
+
+def test_each_packet_leaves_tagged_with_its_tenant_s_key_over_its_own_id_and_stamp():
+    """The tag is set last, after the request id and send stamp the sender writes, with the key of
+    the packet's own tenant; a tenant the keys lack is refused before anything is sent."""
+    keys = {1: bytes(range(16)), 2: bytes(range(16, 32))}
+    sink, tx = pair()
+    try:
+        pkts = client.request_packets(1, 1, 1, range(200)) + client.request_packets(2, 2, 1, [5])
+        res = client.send(tx, pkts, rate=20000, count=6, duration=5, drain_ms=0, seq_base=10, keys=keys)
+        assert res["sent"] == 6
+        for _ in range(6):
+            raw = sink.recv(2048)
+            got = wire.decode_request(raw)
+            assert got.send_ns and got.request_id >= 10
+            assert got.tag == wire.request_tag(keys[got.tenant], raw) != wire.request_tag(keys[3 - got.tenant], raw)
+        with pytest.raises(ValueError, match=r"no tag key for tenant\(s\) \[2\]"):
+            client.send(tx, pkts, rate=20000, count=6, duration=5, drain_ms=0, keys={1: keys[1]})
     finally:
         sink.close(), tx.close()
 

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from bench.e2e import _config, fresh_store
+from datapath import client
 from datapath.pipeline import Pipeline
 
 
@@ -230,3 +231,24 @@ def _catch(fn):
         return fn()
     except Exception as e:
         return e
+
+
+@pytest.mark.root
+@pytest.mark.bpf
+def test_with_tags_required_only_requests_tagged_with_their_tenant_s_key_are_served():
+    """bench e2e's pipeline requires tags: its own offers (keys it issued) are answered; the same
+    requests tagged with a wrong key, or as a tenant it issued no key to, are dropped in XDP
+    unanswered and counted."""
+    with Pipeline(_config(workers=1)) as p:
+        assert p.cfg.require_tags
+        served = p.offer(100, 20, tenant=3, sessions=4)
+        assert served["by_status"] == {200: 20}
+        pkts = client.request_packets(3, 77, 0, range(16), max_output_tokens=2)
+        for keys, counter in (({3: bytes(16)}, "drop_bad_tag"),
+                              ({4: p.tenant_key(3)}, "drop_unknown_tenant")):
+            sent = pkts if 3 in keys else client.request_packets(4, 77, 0, range(16), max_output_tokens=2)
+            before = p.ingress.counters()[counter]
+            res = client.send_from(p.topo.client_ns[0], p.topo.host_ip[0], sent, rate=100, count=20, duration=5,
+                                   drain_ms=300, seq_base=next(p._ids) * 1_000_000_000, keys=keys)
+            assert res["sent"] == 20 and res["responses"] == 0, counter
+            assert p.ingress.counters()[counter] - before == 20

@@ -57,7 +57,7 @@ def test_bytes_identical_to_c_struct():
 
 def test_response_bytes_identical_to_c_struct():
     c = ffi.new("struct dp_resp_hdr *")
-    for k, v in dict(magic=lib.DP_WIRE_MAGIC, version=1, kind=lib.DP_KIND_RESPONSE, flags=0, tenant=5,
+    for k, v in dict(magic=lib.DP_WIRE_MAGIC, version=lib.DP_WIRE_VERSION, kind=lib.DP_KIND_RESPONSE, flags=0, tenant=5,
                      status=lib.DP_STATUS_RATE_LIMITED, body_len=3, session_id=6, request_id=7, send_ns=8).items():
         setattr(c, k, v)
     py = wire.encode_response(wire.Response(tenant=5, session_id=6, request_id=7, status=429, body=b"abc", send_ns=8))
