@@ -408,8 +408,9 @@ def _spread_to_80pct(rows: list[dict]) -> float | None:
 def _stages(report, trace: np.ndarray, rtt_ns: np.ndarray, stages: dict):
     pre = _from_xdp(report, trace)
     i64 = lambda a: a.astype(np.int64)
-    # the XDP program's own live part: from the request validated (t_xdp_in) to its hand-off stamp
-    # (t_xdp) after the record is written into its ring buffer; BPF_PROG_TEST_RUN's steer_ns (bench
+    # the XDP program's own live part: from the request's header validated (t_xdp_in) to its hand-off
+    # stamp (t_xdp) after the record is written into its ring buffer (the tag check, required here,
+    # the limits, the steering and the ring write); BPF_PROG_TEST_RUN's steer_ns (bench
     # ingress) is the same code warm without this stamp's clock read (the pipeline turns it on), and
     # at low rates the ring buffer's lines here are cold
     stages["xdp steer + ring write"] = i64(pre["t_xdp"] - pre["t_xdp_in"])

@@ -31,7 +31,9 @@ static __always_inline __u64 dp_req_tag(const __u64 *w, __u64 k0, __u64 k1)
     __u64 v2 = k0 ^ 0x6c7967656e657261ULL, v3 = k1 ^ 0x7465646279746573ULL;
     const __u64 last = (__u64)DP_REQ_TAGGED_LEN << 56;   /* the length byte; no bytes left over */
 
+#ifdef __clang__
 #pragma unroll
+#endif
     for (int i = 0; i < DP_REQ_TAGGED_LEN / 8; i++) {
         __u64 m = w[i];
         v3 ^= m;

@@ -163,13 +163,15 @@ def send(sock: socket.socket, packets: list[bytes], rate: float, count: int, dur
     key_buf = ffi.NULL
     if keys is not None:
         tenant_at = wire.REQ_OFFSETS["tenant"][0]
-        tenants = [int.from_bytes(p[tenant_at:tenant_at + 4], "little") for p in packets]
-        missing = sorted(set(tenants) - set(keys))
+        # (a packet too short for a header, malformed on purpose, goes as it is: no tenant, no tag)
+        tenants = [int.from_bytes(p[tenant_at:tenant_at + 4], "little") if len(p) >= wire.REQ_HDR_LEN else None
+                   for p in packets]
+        missing = sorted(set(tenants) - set(keys) - {None})
         if missing:
             raise ValueError(f"keys has no tag key for tenant(s) {missing[:8]}")
-        if any(len(keys[t]) != wire.TAG_KEY_LEN for t in set(tenants)):
+        if any(len(keys[t]) != wire.TAG_KEY_LEN for t in set(tenants) - {None}):
             raise ValueError(f"a tag key is {wire.TAG_KEY_LEN} bytes")
-        key_buf = ffi.new("uint8_t[]", b"".join(keys[t] for t in tenants))
+        key_buf = ffi.new("uint8_t[]", b"".join(keys[t] if t is not None else bytes(16) for t in tenants))
     buf = ffi.new("uint8_t[]", b"".join(p.ljust(stride, b"\0") for p in packets))
     lens = ffi.new("uint16_t[]", [len(p) for p in packets])
     cfg = ffi.new("struct dp_send_cfg *", dict(rate_pps=rate, count=count, max_ns=int(duration * 1e9),

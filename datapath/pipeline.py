@@ -104,7 +104,7 @@ class PipelineConfig:
                                        # another pool); None: one pool of `workers` on `device`
     pool_room_per_worker: int = 0      # queued chunks per up worker before a pool passes new requests on
     require_tags: bool = False         # XDP drops a request whose tag is not its tenant's (wire, "tags"); offer()
-                                       # tags its packets with keys the pipeline derives and installs
+                                       # tags its packets with keys the pipeline issues (issue_tenant_key)
     tenants: dict = field(default_factory=dict)   # tenant -> admission.TenantPolicy
     default_tenant: object = None      # TenantPolicy of every other tenant (None: no limits, free)
 
@@ -768,11 +768,11 @@ class Pipeline:
         res = client.spawn_in_netns(self.topo.client_ns[0], self.topo.host_ip[0], pkts, timeout=duration + 60,
                                     cpu=cpu, rt_priority=1, rate=rate, count=count, duration=duration,
                                     drain_ms=int(drain_s * 1000), seq_base=base, merge=merge, seed=seed,
-                                    keys={t: self.tenant_key(t) for t in tenants} if self.cfg.require_tags else None)
+                                    keys={t: self.issue_tenant_key(t) for t in tenants} if self.cfg.require_tags else None)
         by_status = {int(k): v for k, v in res["by_status"].items()}   # JSON made the keys strings
         return {**res, "by_status": by_status, "seq_base": base}
 
-    def tenant_key(self, tenant: int) -> bytes:
+    def issue_tenant_key(self, tenant: int) -> bytes:
         """Tenant's tag key (wire.tenant_key of this run's master secret), installed in the ingress:
         the operator's issue of a key to a client, which offer() does for the tenants it sends as."""
         key = self._tag_keys.get(tenant)

@@ -51,7 +51,7 @@ static uint64_t seed_state(uint64_t seed)
 uint64_t dp_req_tag_of(const uint8_t *hdr, const uint8_t *key)
 {
     uint64_t w[DP_REQ_TAGGED_LEN / 8], k[2];
-    memcpy(w, hdr, sizeof(w));            /* aligned words, as the XDP program reads the packet's */
+    memcpy(w, hdr, sizeof(w));            /* aligned words (a packet's header may sit anywhere) */
     memcpy(k, key, sizeof(k));
     return dp_req_tag(w, k[0], k[1]);
 }

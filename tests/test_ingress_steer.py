@@ -284,8 +284,9 @@ def test_steer_table(ig, frm, verdict, counter, queue, setup):
 
 
 def test_a_change_to_any_byte_the_tag_covers_or_to_the_tag_drops_the_request(ig):
-    """Every byte of the header the earlier checks leave free (tenant, limits, ids, stamp) and of the
-    tag itself: one bit flipped and the request is dropped, not queued, nor charged."""
+    """Every byte of the header the earlier checks leave free (limits, ids, stamp; the tenant is
+    the unknown-tenant case) and of the tag itself: one bit flipped and the request is dropped,
+    not queued. A key cleared: its tenant's requests are dropped from then on."""
     ig, consumer = ig
     tagged(ig)
     good = signed(req())
@@ -301,6 +302,10 @@ def test_a_change_to_any_byte_the_tag_covers_or_to_the_tag_drops_the_request(ig)
     after = ig.counters()
     assert {k: after[k] - before[k] for k in after if after[k] != before[k]} == {"drop_bad_tag": len(free)}
     assert not wait_records(consumer, 1, timeout=0.05)
+    ig.clear_tenant_key(7)
+    before = ig.counters()["drop_unknown_tenant"]
+    assert prog_test_run(ig.fn.fd, frame(good))[0] == XDP_DROP
+    assert ig.counters()["drop_unknown_tenant"] == before + 1 and not wait_records(consumer, 1, timeout=0.05)
 
 
 def check_reply(frm, out, status):

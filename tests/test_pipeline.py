@@ -245,7 +245,7 @@ def test_with_tags_required_only_requests_tagged_with_their_tenant_s_key_are_ser
         assert served["by_status"] == {200: 20}
         pkts = client.request_packets(3, 77, 0, range(16), max_output_tokens=2)
         for keys, counter in (({3: bytes(16)}, "drop_bad_tag"),
-                              ({4: p.tenant_key(3)}, "drop_unknown_tenant")):
+                              ({4: p.issue_tenant_key(3)}, "drop_unknown_tenant")):
             sent = pkts if 3 in keys else client.request_packets(4, 77, 0, range(16), max_output_tokens=2)
             before = p.ingress.counters()[counter]
             res = client.send_from(p.topo.client_ns[0], p.topo.host_ip[0], sent, rate=100, count=20, duration=5,
