@@ -200,9 +200,13 @@ class Ingress:
 
     def clear_tenant_key(self, tenant: int):
         """Tenant's key gone: with tags required, its requests are dropped from now on."""
-        t = self.table("tenant_keys")
+        self._forget("tenant_keys", tenant)
+
+    def _forget(self, table: str, key: int):
+        """key's entry of a hash map gone, if it had one."""
+        t = self.table(table)
         try:
-            del t[t.Key(tenant)]
+            del t[t.Key(key)]
         except KeyError:
             pass
 
@@ -239,11 +243,7 @@ class Ingress:
         self._set_bucket("buckets", tenant, tokens_per_minute, burst_tokens)
 
     def clear_rate(self, tenant: int):
-        t = self.table("buckets")
-        try:
-            del t[t.Key(tenant)]
-        except KeyError:
-            pass
+        self._forget("buckets", tenant)
         self._count_rate_limits()
 
     def set_others_rate(self, tokens_per_minute: int, burst_tokens: int | None = None):
