@@ -171,7 +171,7 @@ def send(sock: socket.socket, packets: list[bytes], rate: float, count: int, dur
             raise ValueError(f"keys has no tag key for tenant(s) {missing[:8]}")
         if any(len(keys[t]) != wire.TAG_KEY_LEN for t in set(tenants) - {None}):
             raise ValueError(f"a tag key is {wire.TAG_KEY_LEN} bytes")
-        key_buf = ffi.new("uint8_t[]", b"".join(keys[t] if t is not None else bytes(16) for t in tenants))
+        key_buf = ffi.new("uint8_t[]", b"".join(keys[t] if t is not None else bytes(wire.TAG_KEY_LEN) for t in tenants))
     buf = ffi.new("uint8_t[]", b"".join(p.ljust(stride, b"\0") for p in packets))
     lens = ffi.new("uint16_t[]", [len(p) for p in packets])
     cfg = ffi.new("struct dp_send_cfg *", dict(rate_pps=rate, count=count, max_ns=int(duration * 1e9),

@@ -439,7 +439,7 @@ class Pipeline:
         topo = self.topo
         self.ingress = es.enter_context(Ingress(queues=cfg.queues))
         self.ingress.stamp_validated()   # the trace's t_xdp_in (bench e2e's "xdp steer + ring write")
-        self._tag_master, self._tag_keys = os.urandom(32), {}   # (require_tags) this run's: tenant_key
+        self._tag_master, self._tag_keys = os.urandom(32), {}   # (require_tags) this run's: issue_tenant_key
         self.ingress.require_tags(cfg.require_tags)
         self.xdp_mode = self.ingress.attach(topo.host_if[0], topo.host_ns, cfg.xdp_mode,
                                             veth_peer=(topo.client_if[0], topo.client_ns[0]))
