@@ -128,9 +128,10 @@ def _test_run(ig, consumer, frame, repeat):
     cheaper drop path: not the figure); then waits for the consumer to drain the ring."""
     full = ig.counters()["drop_ring_full"]
     ns = prog_test_run(ig.fn.fd, frame, repeat)[1]
-    clean = ig.counters()["drop_ring_full"] == full
+    after = ig.counters()          # (nothing else runs the program: its counters stay as they are)
+    clean = after["drop_ring_full"] == full
     deadline = time.monotonic() + 5
-    while consumer.records < ig.counters()["queued"] and time.monotonic() < deadline:
+    while consumer.records < after["queued"] and time.monotonic() < deadline:
         time.sleep(0.001)
     return ns if clean else None
 
@@ -190,8 +191,6 @@ def test_run_figures(report, quick):
                                report.references["xdp_count_ns"])
         report.note(f"steer_ns {steer:.0f} ns = the count program's parse {count:.0f} + the ring buffer and clock "
                     f"{floor - count:.0f} (xdp_ring_floor_ns {floor:.0f}) + the program's own work {steer - floor:.0f}")
-        reader.close()
-        fl_reader.close()
 
 
 def pingpong_ns(quick) -> tuple[float, float]:
@@ -266,7 +265,6 @@ def socket_references(report, topo, pkts, segments):
             rx.stop()
             lat_c += rx.send_latency()
             time.sleep(GAP_S)
-        reader.close()
     report.reference("udp_socket_c_p50_us", _pct(lat_c, 50, 1e3), "us")
     report.reference("udp_socket_c_p99_us", _pct(lat_c, 99, 1e3), "us")
     report.note(f"C udp receiver at {rate} pps: {len(lat_c)}/{sent} received")
@@ -274,7 +272,6 @@ def socket_references(report, topo, pkts, segments):
     with _bound_socket(topo) as sock, _router_input() as (out, reader), \
             UdpIngress(sock, out, cpu=RECEIVER_CPU, reply_status=wire.STATUS_RATE_LIMITED):
         res = _send(topo, 2_000, SEGMENT_S, pkts, rt_priority=0, drain_ms=100, spin_us=RTT_SPIN_US)
-        reader.close()
     report.reference("reply_429_user_rtt_p50_us", _pct(res["rtt_ns"], 50, 1e3), "us")
 
 
@@ -343,7 +340,6 @@ def xdp_figures(report, topo, pkts, segments, quick):
         res = _send(topo, 2_000, SEGMENT_S, pkts, rt_priority=0, drain_ms=100, spin_us=RTT_SPIN_US)
         report.metric("reply_429_xdp_tx_rtt_p50_us", _pct(res["rtt_ns"], 50, 1e3), "us")
         report.note(f"429 from XDP_TX: {res['resp_429']}/{res['sent']} answered (the first 128 tokens fit the bucket)")
-        reader.close()
 
 
 def run(report, args):

@@ -409,7 +409,7 @@ int xdp_steer(struct xdp_md *ctx)
          * (a priced count's ids may be its request's). */
         ck = (struct dp_cut_key){ .session_id = req->session_id, .request_id = req->request_id,
                                   .tenant = tenant };
-        more_to_come = req->chunk_count > 1 && (kind == DP_KIND_CHUNK || kind == DP_KIND_OPEN);
+        more_to_come = DP_CUTTABLE(kind, req->chunk_count);
         __u64 *cut = b && more_to_come ? cuts.lookup(&ck) : NULL;
         /* signed: a cut another CPU stamped after this one read its clock is live, not 2^64 ns old */
         if (cut && (__s64)(now - *cut) < (__s64)DP_CUT_TTL_NS)

@@ -25,6 +25,8 @@
 #define DP_MAX_CHUNK_TOKENS 128          /* a chunk never carries more */
 #define DP_MAX_RESP_BODY 1024            /* response body fits one MTU-1500 frame */
 #define DP_DEFAULT_PORT 7878             /* UDP port the ingress listens on */
+#define DP_REQ_TAGGED_LEN 48             /* the request header bytes its tag covers: those before it */
+#define DP_TAG_KEY_LEN 16                /* a tenant's tag key (SipHash-2-4: 128 bits) */
 
 /* kind */
 #define DP_KIND_OPEN 1           /* announces a request: chunk_count, max_output_tokens */
@@ -95,7 +97,6 @@ struct dp_resp_trace {
 /* LAYOUT END */
 
 #define DP_REQ_HDR_LEN 56
-#define DP_REQ_TAGGED_LEN 48   /* the bytes the tag covers: the header before it */
 #define DP_RESP_TRACE_LEN 40
 #define DP_RESP_HDR_LEN 40
 _Static_assert(sizeof(struct dp_req_hdr) == DP_REQ_HDR_LEN, "request header is 56 bytes");

@@ -109,6 +109,11 @@ struct dp_cut_key {
 #define DP_CUT_TTL_NS 2000000000ull   /* how long a cut stands: past it, the same ids are a new request */
 /* LAYOUT END */
 
+/* A request whose refusal at XDP cuts it (dp_cut_key): one of several chunks, refused at a chunk or
+ * its OPEN; a CLOSE or a COUNT_TOKENS never is. The steering program and the router both ask. */
+#define DP_CUTTABLE(kind, chunk_count) \
+    ((chunk_count) > 1 && ((kind) == DP_KIND_CHUNK || (kind) == DP_KIND_OPEN))
+
 _Static_assert(sizeof(struct dp_chunk) == DP_CHUNK_LEN, "chunk record size");
 _Static_assert(__builtin_offsetof(struct dp_chunk, tokens) == DP_CHUNK_HDR_LEN, "tokens follow the header");
 _Static_assert(DP_CHUNK_HDR_LEN % 32 == 0, "header is a whole number of half cache lines");

@@ -139,11 +139,11 @@ struct dp_send_cfg {
                                   of them go out as one packet when the last has arrived; each answer
                                   then counts `merge` latencies, from each one's own arrival
                                   (0 or 1: one packet per arrival). Needs stamp_seq, one-chunk requests. */
-    const uint8_t *keys;       /* NULL, or 16 bytes per packet: its tenant's tag key, the tag set as it
+    const uint8_t *keys;       /* NULL, or DP_TAG_KEY_LEN bytes per packet: its tenant's tag key, the tag set as it
                                   leaves (after request_id and send_ns; bpf/siphash.h) */
 };
 
-/* The tag of a request header (its first DP_REQ_TAGGED_LEN bytes) under a 16-byte key. */
+/* The tag of a request header (its first DP_REQ_TAGGED_LEN bytes) under a DP_TAG_KEY_LEN-byte key. */
 uint64_t dp_req_tag_of(const uint8_t *hdr, const uint8_t *key);
 
 struct dp_send_stats {

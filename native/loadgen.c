@@ -252,7 +252,7 @@ int dp_send_poisson(int fd, const uint8_t *pkts, uint32_t stride, const uint16_t
             uint8_t *dst = bufs + (size_t)j * stride;
             memcpy(dst + offsetof(struct dp_req_hdr, send_ns), &now, 8);
             if (cfg->keys) {             /* last: the tag covers the id and the stamp */
-                uint64_t tag = dp_req_tag_of(dst, cfg->keys + (size_t)((i + j) % n_pkts) * 16);
+                uint64_t tag = dp_req_tag_of(dst, cfg->keys + (size_t)((i + j) % n_pkts) * DP_TAG_KEY_LEN);
                 memcpy(dst + offsetof(struct dp_req_hdr, tag), &tag, 8);
             }
         }

@@ -911,9 +911,8 @@ static void fail_request(struct dp_router *rt, int wk, uint32_t ri, uint16_t sta
  * one of its later chunks does not answer it a second time (found by review). */
 static int answer(struct dp_router *rt, const struct dp_chunk *c, uint16_t status, const char *body, uint32_t len)
 {
-    /* as XDP's more_to_come: a CLOSE or a COUNT_TOKENS is never cut there (found by review) */
-    int several = status != DP_STATUS_OK && c->chunk_count > 1 &&
-                  (c->kind == DP_KIND_CHUNK || c->kind == DP_KIND_OPEN) && bucketed(rt, c->tenant);
+    /* as XDP's: a CLOSE or a COUNT_TOKENS is never cut there (found by review) */
+    int several = status != DP_STATUS_OK && DP_CUTTABLE(c->kind, c->chunk_count) && bucketed(rt, c->tenant);
     if (several && xdp_cut(rt, c->session_id, c->request_id, c->tenant, c->t_xdp)) {
         rt->st.xdp_cut++;
         return 1;
@@ -1649,15 +1648,17 @@ static void fifo_remove(struct dp_router *rt, struct worker *w, uint32_t ri)
     }
 }
 
-/* One element of a BPF map by its fd: 1 if found (copied to value). */
-static int map_lookup(int fd, const void *key, void *value)
+/* One element of a BPF map by its fd (cmd: BPF_MAP_LOOKUP_ELEM, value copied out, or
+ * BPF_MAP_UPDATE_ELEM, value written); 1 if the kernel did it. */
+static int map_op(int cmd, int fd, const void *key, void *value)
 {
     union bpf_attr a;
     memset(&a, 0, sizeof(a));            /* the kernel refuses any byte set past the command's fields */
     a.map_fd = (uint32_t)fd;
     a.key = (uint64_t)(uintptr_t)key;
     a.value = (uint64_t)(uintptr_t)value;
-    return syscall(__NR_bpf, BPF_MAP_LOOKUP_ELEM, &a, sizeof(a)) == 0;
+    a.flags = cmd == BPF_MAP_UPDATE_ELEM ? BPF_ANY : 0;
+    return syscall(__NR_bpf, cmd, &a, sizeof(a)) == 0;
 }
 
 /* Did the XDP program's bucket cut this request (chunk.h, dp_cut_key)? Then its client has
@@ -1671,7 +1672,7 @@ static int xdp_cut(const struct dp_router *rt, uint64_t session_id, uint64_t req
         return 0;
     struct dp_cut_key key = { .session_id = session_id, .request_id = request_id, .tenant = tenant };
     uint64_t when;
-    return map_lookup(rt->cuts_fd, &key, &when) && when + DP_CUT_TTL_NS >= t_xdp;
+    return map_op(BPF_MAP_LOOKUP_ELEM, rt->cuts_fd, &key, &when) && when + DP_CUT_TTL_NS >= t_xdp;
 }
 
 /* A request the router answered before all its chunks came (a refusal, an expiry, a failure):
@@ -1684,13 +1685,7 @@ static void cut_at_xdp(const struct dp_router *rt, uint64_t session_id, uint64_t
         return;
     struct dp_cut_key key = { .session_id = session_id, .request_id = request_id, .tenant = tenant };
     uint64_t now = now_ns();
-    union bpf_attr a;
-    memset(&a, 0, sizeof(a));
-    a.map_fd = (uint32_t)rt->cuts_fd;
-    a.key = (uint64_t)(uintptr_t)&key;
-    a.value = (uint64_t)(uintptr_t)&now;
-    a.flags = BPF_ANY;
-    syscall(__NR_bpf, BPF_MAP_UPDATE_ELEM, &a, sizeof(a));
+    map_op(BPF_MAP_UPDATE_ELEM, rt->cuts_fd, &key, &now);
 }
 
 /* Has the tenant an XDP bucket, its own or the one the others share while it is set? Only then
@@ -1704,11 +1699,13 @@ static int bucketed(const struct dp_router *rt, uint32_t tenant)
         return 0;
     if (rt->buckets_fd < 0)
         return 1;
-    uint64_t value[8];                   /* a struct dp_bucket (bpf/steer.h): ns_per_token first */
+    /* a struct dp_bucket (bpf/steer.h, whose struct dp_policy is not policy.h's, so not included
+     * here): ns_per_token first */
+    uint64_t value[8];
     uint32_t zero = 0;
-    if (map_lookup(rt->buckets_fd, &tenant, value))
+    if (map_op(BPF_MAP_LOOKUP_ELEM, rt->buckets_fd, &tenant, value))
         return 1;
-    return rt->others_fd >= 0 && map_lookup(rt->others_fd, &zero, value) && value[0] != 0;
+    return rt->others_fd >= 0 && map_op(BPF_MAP_LOOKUP_ELEM, rt->others_fd, &zero, value) && value[0] != 0;
 }
 
 /* Requests still missing chunks, with nothing in flight, idle past the timeout:

@@ -280,7 +280,10 @@ class LogStore:
         self._epoch = self._generation
         self._checkpointed = time.monotonic()
         if not self.readonly:
-            self._bury_dropped()
+            try:
+                self._bury_dropped()
+            except DeviceFull as e:               # opened all the same: said once, here
+                print(f"snapshotstore: {e}", file=sys.stderr)
 
     def _superblock_copy(self, i: int) -> Superblock | None:
         """Copy i, or None if it is missing, corrupt, or cannot be read (EIO: a bad sector, which is
@@ -358,19 +361,13 @@ class LogStore:
         drop was the index's alone: a record of the chain that reclaim had copied past the damaged
         one came back on a later open, once the head had passed the damage, as the whole session,
         with a turn missing; and a delete of it found nothing to delete (found by review). A
-        session begun again since is left alone: its new chain supersedes those records."""
+        session begun again since is left alone: its new chain supersedes those records. DeviceFull:
+        those left wait in _dropped, tried again as reclaim frees blocks (_make_room)."""
         for key in sorted(self._dropped):
             if key not in self._ix:
-                try:
-                    self._write_tombstone(key, "a damaged session")
-                except DeviceFull as e:           # opened all the same: tried again as reclaim frees
-                    if not self.counters["damaged_tombstones_waiting"]:     # blocks (_make_room)
-                        print(f"snapshotstore: {e}", file=sys.stderr)
-                    self.counters["damaged_tombstones_waiting"] = len(self._dropped)
-                    return
+                self._write_tombstone(key, "a damaged session")
                 self.counters["damaged_tombstones"] += 1
             self._dropped.discard(key)
-        self.counters["damaged_tombstones_waiting"] = 0
 
     def _read_salvaging(self, buf, block: int, n: int) -> memoryview:
         """Recovery's read: a window that fails (EIO: a bad sector) is read again block by block, and
@@ -701,7 +698,10 @@ class LogStore:
             e = self._ix.rec(self._ix.head)
             if not e.live:
                 if self._dropped:                 # tombstones open had no room for: before the head
-                    self._bury_dropped()          # passes more of what their chains left
+                    try:                          # passes more of what their chains left
+                        self._bury_dropped()
+                    except DeviceFull:
+                        pass                      # still no room: at the next dead record
                 halving = self._halving.get(e.rid)
                 if halving is not None and self._halves_evicted(halving, e):
                     self._bury(halving)           # DeviceFull: still there for the next try

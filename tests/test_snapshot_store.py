@@ -677,6 +677,12 @@ def test_an_unreadable_block_is_damage_not_a_store_that_cannot_open(make_device,
             s.restore(key(2))
 
 
+def put_six_sessions(s):
+    """Six one-delta sessions, one put each (a store some crash tests then damage)."""
+    for i in range(6):
+        s.put(key(i), deltas(1, 300, seed=i)[0])
+
+
 def test_sequence_numbers_a_crash_cut_off_are_not_handed_out_again(make_device):
     """The last acknowledged put lies past the checkpoint and rots before the reopen: recovery reads
     it as the torn end. Its number was handed out (a worker compares it: held()); the next put
@@ -684,10 +690,7 @@ def test_sequence_numbers_a_crash_cut_off_are_not_handed_out_again(make_device):
     a format starts the numbers at a random point."""
     path = make_device()
 
-    def write(s):
-        for i in range(6):
-            s.put(key(i), deltas(1, 300, seed=i)[0])
-    write_and_die(path, write)
+    write_and_die(path, put_six_sessions)
     with LogStore(path, readonly=True) as s:
         last = [e for e in s.entries() if e.kind != fmt.KIND_PAD][-1]
         st = s.stats()
@@ -746,10 +749,7 @@ def test_an_unreadable_block_at_the_log_s_end_is_reported_not_taken_for_a_torn_w
     from snapshotstore import cli
     path = make_device()
 
-    def write(s):
-        for i in range(6):
-            s.put(key(i), deltas(1, 300, seed=i)[0])
-    write_and_die(path, write)                       # a crash: no checkpoint at close
+    write_and_die(path, put_six_sessions)     # a crash: no checkpoint at close
     with LogStore(path, readonly=True) as s:
         victim = [e for e in s.entries() if e.kind != fmt.KIND_PAD][2]
         bad = phys_block(s.stats(), victim.lpos)

@@ -345,12 +345,7 @@ class Worker:
         cache = kvdelta.restore(chain, self.model.config) if chain else KVCache(self.model.config)
         cache.snapshot_seq = seq
         if taken_back:
-            if cache.length:
-                self._put(key, cache, 0, 0, replace=True)
-            else:
-                self.store.delete(key)
-                cache.snapshot_seq = 0
-            cache.snapshot_len = cache.length
+            self._rewrite_whole(key, cache)
             self.stats["replays_durable"] += 1
         if chain:
             self.stats["restores"] += 1
@@ -451,18 +446,23 @@ class Worker:
             # It landed: this copy, without that turn, replaces the chain in one record. A delete then
             # a put left the store empty between them, and a failed put or a kill there lost the
             # session for every other worker (found by review). If the put fails, still unsure.
-            if s.cache.length:
-                self._put(key, s.cache, 0, 0, replace=True)
-            else:
-                self.store.delete(key)
-                s.cache.snapshot_seq = 0
-            s.cache.snapshot_len = s.cache.length
+            self._rewrite_whole(key, s.cache)
             self.stats["unsure_rolled_back"] += 1
         elif (last["token_end"] if last else 0) != s.cache.length:
             self._drop(key)
             return None
         s.unsure = None
         return s
+
+    def _rewrite_whole(self, key: SessionKey, cache: KVCache):
+        """The store's chain replaced by this copy of the session, in one put (none left if the copy
+        is empty): a turn taken back out of it."""
+        if cache.length:
+            self._put(key, cache, 0, 0, replace=True)
+        else:
+            self.store.delete(key)
+            cache.snapshot_seq = 0
+        cache.snapshot_len = cache.length
 
     def _put(self, key: SessionKey, cache: KVCache, start: int, request_id: int, end: int | None = None,
              replace: bool = False, sent_ns: int = 0) -> int:
