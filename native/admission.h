@@ -2,9 +2,12 @@
  *
  * The router asks once per request, when it first sees it (its first chunk,
  * or an OPEN or COUNT_TOKENS record), never per chunk or token. Settings are
- * per tenant (API key), in a small open-addressing table set live from
- * Python through the router (under its lock); a tenant without settings of
- * its own uses the default ones.
+ * per tenant (API key), in an open-addressing table set live from Python
+ * through the router (under its lock); a tenant without settings of its own
+ * uses the default ones. The table grows to DP_ADM_MAX_TENANTS tenants with
+ * default settings (the operator's own may fill it further, to twice that);
+ * once that large and full, it is swept of idle ones (nothing spent today,
+ * no bucket debt: their state says nothing a fresh tenant's would not).
  *
  * The price (the article's "token price x (input + output tokens) x
  * complexity"), the one statement of the formula:
@@ -37,8 +40,9 @@
  *        retry would ever fit the minute): the body names the first that
  *        applies; refused whole and alone, never truncated;
  *   503  a tenant with limits (a budget, a per-minute or high-entropy rate)
- *        but no state slot, none free or idle (the table is full of tenants
- *        that spent today or owe a bucket): refused, not run unlimited;
+ *        but no state slot, none free or idle (the table, grown to its
+ *        largest, is full of tenants that spent today or owe a bucket):
+ *        refused, not run unlimited;
  *   422  ceil(cost) > what is left of budget_per_day: a JSON body with the
  *        cost breakdown and suggestions;
  *   429  the request's tokens (input + max_output) exceed what is left of
@@ -63,7 +67,8 @@
 #include <stdint.h>
 
 /* CDEF BEGIN */
-#define DP_ADM_MAX_TENANTS 1024          /* tenants with state (power of two) */
+#define DP_ADM_MAX_TENANTS 65536         /* default-settings tenants with state, at most (power of two:
+                                            as many as XDP's tenant_keys map holds) */
 #define DP_ADM_OUTPUT_SCALE 1024         /* output_factor = 1 + min(max_output, this) / this */
 #define DP_ADM_DAY_S 86400
 
@@ -116,7 +121,8 @@ struct dp_admission;
 
 struct dp_admission *dp_adm_create(void);
 void dp_adm_destroy(struct dp_admission *a);
-/* Settings of one tenant (kept with its spending), or the default for the others. -ENOSPC: table full. */
+/* Settings of one tenant (kept with its spending), or the default for the others. -ENOSPC: no room
+ * (the table at its largest holds 2 x DP_ADM_MAX_TENANTS - 1 tenants, or no memory to grow it). */
 int dp_adm_set_tenant(struct dp_admission *a, uint32_t tenant, const struct dp_tenant_cfg *cfg);
 void dp_adm_set_max_chunks(struct dp_admission *a, uint32_t max_chunks);   /* 0: no limit */
 void dp_adm_set_default(struct dp_admission *a, const struct dp_tenant_cfg *cfg);
@@ -147,6 +153,14 @@ void dp_adm_commit(struct dp_admission *a, uint32_t tenant, struct dp_adm_decisi
  * that never came or ran, failed or not (input + output are what did). */
 void dp_adm_settle(struct dp_admission *a, uint32_t tenant, const struct dp_adm_decision *admitted, uint32_t input,
                    uint32_t output, int ok);
+/* For `bench ring`: ns per decision for tenants never seen (under a priced default with a budget,
+ * so the tenant table is probed for a room check) with `fill` (< DP_ADM_MAX_TENANTS) tenants that
+ * spent today already in the table. < 0: failed. */
+double dp_adm_decide_bench(uint32_t fill, uint32_t decisions);
+/* us of the sweep of a full table that frees one tenant (the most a sweep costs, at most once a
+ * second), and in *read_us its reference: a pass reading one word of each cache line of the same
+ * table. < 0: failed. */
+double dp_adm_sweep_bench(double *read_us);
 /* CDEF END */
 
 #endif /* DP_ADMISSION_H */

@@ -574,29 +574,96 @@ def test_requests_held_behind_their_session_count_in_the_tenant_s_share(bench_fa
     assert st["tenant_share_refused"] == 47 + 14 and st["table_full"] == 0 and st["active_requests"] == 0
 
 
+def _fill_with_spenders(adm, n, now):
+    """n tenants under the default (priced, with a budget), each admitted once: they spent today.
+    Returns tenant 1's decision, to settle."""
+    d, body, one = ffi.new("struct dp_adm_decision *"), ffi.new("char[]", 1024), ffi.new("uint32_t[]", [1])
+    first = None
+    for tenant in range(1, n + 1):
+        assert lib.dp_adm_decide(adm, tenant, one, 1, 1, 1, 0, now, d, body, 1024) == 0 and d.status == 200
+        lib.dp_adm_commit(adm, tenant, d, now)
+        first = first or ffi.new("struct dp_adm_decision *", d[0])
+    return first
+
+
+def _decide(adm, tenant, now):
+    d, body, one = ffi.new("struct dp_adm_decision *"), ffi.new("char[]", 1024), ffi.new("uint32_t[]", [1])
+    n = lib.dp_adm_decide(adm, tenant, one, 1, 1, 1, 0, now, d, body, 1024)
+    return d, bytes(ffi.buffer(body, n))
+
+
+def _spent(adm, tenant):
+    st = ffi.new("struct dp_adm_tenant_stats *")
+    return st.spent if lib.dp_adm_tenant_stats(adm, tenant, st) == 0 else None
+
+
 def test_a_tenant_with_limits_that_no_slot_can_hold_is_refused_503_not_run_unlimited():
-    """The table full of tenants that spent today (1,024 cheap admitted requests under a priced
-    default with a budget): a new tenant found no slot and ran with no budget or bucket kept.
-    Now it is refused 503 while its limits cannot be kept; a tenant of the operator's still
-    gets a slot, and a default without limits needs none."""
+    """The table at its largest full of tenants that spent today: a new tenant found no slot and
+    ran with no budget or bucket kept. Now it is refused 503 while its limits cannot be kept; a
+    tenant of the operator's still gets a slot, and a default without limits needs none."""
     adm = ffi.gc(lib.dp_adm_create(), lib.dp_adm_destroy)
     lib.dp_adm_set_default(adm, TenantPolicy(price_per_1k=1000, budget_per_day=10**6).cdata())
-    d, body, one = ffi.new("struct dp_adm_decision *"), ffi.new("char[]", 1024), ffi.new("uint32_t[]", [1])
     now = 10**12
-    for tenant in range(1, lib.DP_ADM_MAX_TENANTS + 1):
-        assert lib.dp_adm_decide(adm, tenant, one, 1, 1, 1, 0, now, d, body, 1024) == 0
-        lib.dp_adm_commit(adm, tenant, d, now)
-    n = lib.dp_adm_decide(adm, 99_999, one, 1, 1, 1, 0, now, d, body, 1024)
+    _fill_with_spenders(adm, lib.DP_ADM_MAX_TENANTS, now)
+    d, body = _decide(adm, 99_999, now)
     assert d.status == 503
-    doc = wire.decode_admission_body(bytes(ffi.buffer(body, n)))
-    assert "table is full" in doc.error
+    assert "table is full" in wire.decode_admission_body(body).error
     assert lib.dp_adm_set_tenant(adm, 5, TenantPolicy(price_per_1k=1000, budget_per_day=10**6).cdata()) == 0
-    assert lib.dp_adm_decide(adm, 5, one, 1, 1, 1, 0, now, d, body, 1024) == 0 and d.status == 200
+    assert _decide(adm, 5, now)[0].status == 200
     lib.dp_adm_set_default(adm, TenantPolicy(price_per_1k=1000).cdata())     # no limits: no state needed
-    assert lib.dp_adm_decide(adm, 99_999, one, 1, 1, 1, 0, now, d, body, 1024) == 0 and d.status == 200
+    assert _decide(adm, 99_999, now)[0].status == 200
     lib.dp_adm_set_default(adm, TenantPolicy(price_per_1k=1000, budget_per_day=10**6).cdata())
     later = now + 86_400 * 10**9                                             # a new day: every tenant idle
-    assert lib.dp_adm_decide(adm, 99_999, one, 1, 1, 1, 0, later, d, body, 1024) == 0 and d.status == 200
+    assert _decide(adm, 99_999, later)[0].status == 200
+
+
+def test_the_tenant_table_grows_past_the_old_1024_and_keeps_every_tenants_spending():
+    """The table had 1,024 slots, never freed: 1,024 cheap admitted requests under a priced
+    default with a budget made every new default tenant a 503 for the rest of the day. It grows
+    now, and every tenant's spending stays its own."""
+    adm = ffi.gc(lib.dp_adm_create(), lib.dp_adm_destroy)
+    lib.dp_adm_set_default(adm, TenantPolicy(price_per_1k=1000, budget_per_day=10**6).cdata())
+    now = 10**12
+    first = _fill_with_spenders(adm, 5000, now)
+    assert first.charge > 0
+    assert [_spent(adm, t) for t in (1, 1024, 1025, 4999, 5000)] == [first.charge] * 5
+    assert _spent(adm, 5001) is None and _decide(adm, 5001, now)[0].status == 200
+
+
+def test_a_full_table_is_swept_of_idle_tenants_and_not_swept_again_for_a_second_after_freeing_little():
+    """At its largest and full, the table drops the tenants whose state says nothing (here one
+    whose only request failed, so it was given its charge back) to make room; a sweep that freed
+    that little is not redone for a second (a 503 meanwhile); the spenders keep their state."""
+    adm = ffi.gc(lib.dp_adm_create(), lib.dp_adm_destroy)
+    lib.dp_adm_set_default(adm, TenantPolicy(price_per_1k=1000, budget_per_day=10**6).cdata())
+    now = 10**12
+    first = _fill_with_spenders(adm, lib.DP_ADM_MAX_TENANTS, now)
+    assert _decide(adm, 99_999, now)[0].status == 503
+    lib.dp_adm_settle(adm, 1, first, 0, 0, 0)                 # failed: charged nothing
+    assert _spent(adm, 1) == 0
+    d, _ = _decide(adm, 99_999, now + 1)
+    assert d.status == 200, "tenant 1 was idle: swept"
+    lib.dp_adm_commit(adm, 99_999, d, now + 1)
+    assert _spent(adm, 1) is None and _spent(adm, 99_999) == first.charge
+    assert _spent(adm, 2) == _spent(adm, lib.DP_ADM_MAX_TENANTS) == first.charge
+    lib.dp_adm_settle(adm, 2, first, 0, 0, 0)
+    assert _decide(adm, 100_000, now + 2)[0].status == 503, "within the quiet second"
+    assert _decide(adm, 100_000, now + 2 + 10**9)[0].status == 200
+    assert _spent(adm, 2) is None and _spent(adm, 3) == first.charge
+
+
+def test_a_sweep_keeps_every_tenant_with_state_findable():
+    """The sweep empties slots in place, moving later tenants of a run back: every tenant it keeps
+    must still be found where its probe looks, with its own spending, and every idle one gone."""
+    adm = ffi.gc(lib.dp_adm_create(), lib.dp_adm_destroy)
+    lib.dp_adm_set_default(adm, TenantPolicy(price_per_1k=1000, budget_per_day=10**6).cdata())
+    now, n = 10**12, lib.DP_ADM_MAX_TENANTS
+    first = _fill_with_spenders(adm, n, now)
+    for tenant in range(2, n + 1, 2):
+        lib.dp_adm_settle(adm, tenant, first, 0, 0, 0)
+    assert _decide(adm, 99_999, now + 1)[0].status == 200
+    assert all(_spent(adm, t) == first.charge for t in range(1, n + 1, 2))
+    assert all(_spent(adm, t) is None for t in range(2, n + 1, 2))
 
 
 def test_a_short_first_chunk_does_not_price_a_long_request_as_repetitive(bench_factory):
@@ -616,10 +683,10 @@ def test_a_short_first_chunk_does_not_price_a_long_request_as_repetitive(bench_f
 
 
 def test_junk_tenant_ids_fill_no_table_that_real_tenants_then_miss(bench_factory):
-    """Tenant state lives in a 1,024-slot table whose slots are never freed. COUNT_TOKENS records
+    """Tenant state lived in a 1,024-slot table whose slots were never freed. COUNT_TOKENS records
     and refusals of 1,100 made-up ids took every slot: new tenants then ran with no budget or
     per-minute bucket kept, and set_tenant failed. Now only admissions take a slot, and a full
-    table gives an idle default tenant's slot to a new one, any default one's to set_tenant."""
+    table at its largest is swept of idle default tenants for a new one."""
     b = bench_factory()
     b.router.set_default_tenant(TenantPolicy(tokens_per_minute=600))   # 128 + 128 tokens a request
     for rid in range(1, 1101):
@@ -643,7 +710,7 @@ def test_junk_tenant_ids_fill_no_table_that_real_tenants_then_miss(bench_factory
         assert lib.dp_adm_decide(adm, tenant, one, 1, 1, 1, 0, 10**12, d, body, 1024) == 0
         lib.dp_adm_commit(adm, tenant, d, 10**12)
     st = ffi.new("struct dp_adm_tenant_stats *")
-    assert lib.dp_adm_tenant_stats(adm, lib.DP_ADM_MAX_TENANTS, st) == 0, "every slot taken"
+    assert lib.dp_adm_tenant_stats(adm, lib.DP_ADM_MAX_TENANTS, st) == 0, "the table at its largest, full"
     lib.dp_adm_decide(adm, 99_999, one, 1, 1, 1, 0, 10**12, d, body, 1024)
     lib.dp_adm_commit(adm, 99_999, d, 10**12)
     assert lib.dp_adm_tenant_stats(adm, 99_999, st) == 0 and st.admitted == 1
