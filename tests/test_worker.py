@@ -172,6 +172,24 @@ def test_sessions_in_a_request_are_never_evicted(model):
     assert w.holds(1) and w.holds(2)
 
 
+def test_without_a_store_a_worker_over_its_budget_refuses_new_sessions_and_serves_its_own(model):
+    """Nothing is durable without a store, so nothing can be evicted: the KV grew with every new
+    session. Over its budget, a new session's request is refused 503 (nothing of it kept); the
+    sessions held go on, and a CLOSE makes room."""
+    one_session = KVCache(model.config).nbytes
+    w = Worker(model, None, kv_budget_bytes=2 * one_session - 1)
+    drive(w.step, [(1, 1, prompt(1, 40), 2), (2, 2, prompt(2, 40), 2)])
+    comp = w.step(as_batch([prefill_records(3, 3, prompt(3, 40), 2)]))
+    assert comp["e"][0]["status"][0] == wire.STATUS_UNAVAILABLE and not w.holds(3)
+    assert w.stats["kv_full_refused"] == 1 and w.kv_bytes_resident == 2 * one_session
+    drive(w.step, [(1, 4, prompt(4, 10), 2)])                  # a held session goes on
+    close = np.zeros(1, dtype=records.CHUNK)
+    close["session_id"], close["request_id"], close["kind"] = 2, 5, wire.KIND_CLOSE
+    assert w.step(as_batch([close]))["e"][0]["status"][0] == wire.STATUS_OK
+    drive(w.step, [(3, 6, prompt(3, 40), 2)])
+    assert w.holds(3) and w.stats["kv_full_refused"] == 1
+
+
 def test_protocol_errors_are_answered_per_record(model):
     w = Worker(model, MemoryStore())
     bad_kind = prefill_records(1, 1, prompt(1, 5), 1)

@@ -174,7 +174,7 @@ def worker(args) -> int:
         except SnapshotError as e:
             print(f"datapath worker: {e}", file=sys.stderr)
             return 2
-    # without a store nothing is evicted: the budget is only what the worker counts against
+    # without a store nothing is evicted: over the budget, new sessions are refused 503
     budget = profile(args.device).kv_budget_bytes(ModelConfig(**_config(args))) if args.device else 256 << 20
     opts = WorkerOptions(config=_config(args), seed=args.seed, index=args.index, kv_budget_bytes=budget,
                          codec=args.codec, temperature=args.temperature, device=args.device, sim_mode=args.sim)
@@ -194,8 +194,8 @@ def worker(args) -> int:
     print(f"worker {args.index}: {spec[0]} lane {spec[1]}, codec {args.codec}"
           + (f", simulating {args.device} ({args.sim})" if args.device else "")
           + (f"; snapshot store at {args.store}" if store else
-             "; no snapshot store attached: sessions stay resident, and one moved here from another worker "
-             "runs on what this one holds of it"), flush=True)
+             "; no snapshot store attached: sessions stay resident (over the KV budget, new ones are refused "
+             "503), and one moved here from another worker runs on what this one holds of it"), flush=True)
     try:
         worker_process(spec, store, opts)
     except (OSError, RingError) as e:  # no such ring, or an endpoint that cannot be bound

@@ -37,7 +37,8 @@ Worker.step reads the records only during the call (prompt tokens are copied
 into the KV cache), so a lane may hand out views of its slots. The KV budget
 counts allocated cache bytes; it is exceeded (counted in
 stats["over_budget_steps"]) only while every resident session is in a
-request or not yet durable.
+request or not yet durable. A worker without a store, which can evict
+nothing, refuses new sessions 503 while over it (stats["kv_full_refused"]).
 """
 from __future__ import annotations
 
@@ -139,7 +140,8 @@ class Worker:
         self.stats = dict(steps=0, records=0, refused=0, snapshots=0, snapshot_failures=0, snapshot_replies_lost=0,
                           restores=0, evictions=0, over_budget_steps=0, stale_dropped=0, replay_restored=0,
                           moved_without_store=0, closed=0, whole_reputs=0, superseded=0, context_full=0,
-                          store_errors=0, replays_durable=0, abandoned=0, unsure_rolled_back=0, simulated_s=0.0)
+                          store_errors=0, replays_durable=0, abandoned=0, unsure_rolled_back=0, kv_full_refused=0,
+                          simulated_s=0.0)
         self.last_store_error: str | None = None
         self._abandoned: dict[SessionKey, int] = {}   # the request released as abandoned, per session
 
@@ -223,6 +225,11 @@ class Worker:
                 self._drop(key)
                 self.stats["replay_restored"] += 1
                 s = None
+            if s is None and self.store is None and self._kv_bytes > self.kv_budget_bytes:
+                # Nothing to evict to: a new session would only grow the KV past its budget. The
+                # sessions held go on; a CLOSE frees one. Before, the KV grew without bound.
+                self.stats["kv_full_refused"] += 1
+                return wire.STATUS_UNAVAILABLE
             if s is None:
                 s = self._restore(key, (rid, int(rec["t_send"])) if rec["flags"] & records.CHUNK_F_REPLAY else None)
         except Exception as e:               # kvdelta.DeltaError (a corrupt delta) among them
