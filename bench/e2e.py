@@ -29,6 +29,9 @@ PROMPT, OUTPUT = 64, 4           # tokens per request: one chunk in, a few decod
 TURNS = 2                        # requests per session in the load sweep, at every rate (see sweep)
 
 
+STORELESS_KV_BUDGET = 8 << 30
+
+
 def _config(**kw) -> PipelineConfig:
     """The data path's poll loop on the last core, the workers on the others (when there are two).
     Sessions return (the load cycles through them), so routing is by affinity unless a scenario
@@ -36,6 +39,10 @@ def _config(**kw) -> PipelineConfig:
     tagged and XDP checks it (require_tags), as a deployment with keyed tenants would run."""
     cores = sorted(os.sched_getaffinity(0))
     pins = dict(datapath_cpu=cores[-1], worker_cpus=cores[:-1]) if len(cores) > 1 else {}
+    if "shared_store" not in kw:
+        # without a store a worker over its KV budget refuses new sessions, and the offers never
+        # close theirs: the sweep holds ~0.3 GiB of them by its top rates, so room for all of them
+        kw.setdefault("kv_budget_bytes", STORELESS_KV_BUDGET)
     return PipelineConfig(**{"workers": 2, "policy": "affinity", "require_tags": True, **pins, **kw})
 
 

@@ -4,10 +4,10 @@
  * or an OPEN or COUNT_TOKENS record), never per chunk or token. Settings are
  * per tenant (API key), in an open-addressing table set live from Python
  * through the router (under its lock); a tenant without settings of its own
- * uses the default ones. The table grows to DP_ADM_MAX_TENANTS tenants with
- * default settings (the operator's own may fill it further, to twice that);
- * once that large and full, it is swept of idle ones (nothing spent today,
- * no bucket debt: their state says nothing a fresh tenant's would not).
+ * uses the default ones. The table holds DP_ADM_MAX_TENANTS tenants (the
+ * operator's own may fill it further, to 1.5 times that); full, it is swept
+ * of idle default-settings ones (nothing spent today, no bucket debt: their
+ * state says nothing a fresh tenant's would not).
  *
  * The price (the article's "token price x (input + output tokens) x
  * complexity"), the one statement of the formula:
@@ -40,9 +40,8 @@
  *        retry would ever fit the minute): the body names the first that
  *        applies; refused whole and alone, never truncated;
  *   503  a tenant with limits (a budget, a per-minute or high-entropy rate)
- *        but no state slot, none free or idle (the table, grown to its
- *        largest, is full of tenants that spent today or owe a bucket):
- *        refused, not run unlimited;
+ *        but no state slot, none free or idle (the table is full of tenants
+ *        that spent today or owe a bucket): refused, not run unlimited;
  *   422  ceil(cost) > what is left of budget_per_day: a JSON body with the
  *        cost breakdown and suggestions;
  *   429  the request's tokens (input + max_output) exceed what is left of
@@ -67,8 +66,8 @@
 #include <stdint.h>
 
 /* CDEF BEGIN */
-#define DP_ADM_MAX_TENANTS 65536         /* default-settings tenants with state, at most (power of two:
-                                            as many as XDP's tenant_keys map holds) */
+#define DP_ADM_MAX_TENANTS 65536         /* tenants with state that take a default-settings tenant's
+                                            room (power of two: as many as XDP's tenant_keys map holds) */
 #define DP_ADM_OUTPUT_SCALE 1024         /* output_factor = 1 + min(max_output, this) / this */
 #define DP_ADM_DAY_S 86400
 
@@ -122,7 +121,7 @@ struct dp_admission;
 struct dp_admission *dp_adm_create(void);
 void dp_adm_destroy(struct dp_admission *a);
 /* Settings of one tenant (kept with its spending), or the default for the others. -ENOSPC: no room
- * (the table at its largest holds 2 x DP_ADM_MAX_TENANTS - 1 tenants, or no memory to grow it). */
+ * (the table holds 1.5 x DP_ADM_MAX_TENANTS tenants at most). */
 int dp_adm_set_tenant(struct dp_admission *a, uint32_t tenant, const struct dp_tenant_cfg *cfg);
 void dp_adm_set_max_chunks(struct dp_admission *a, uint32_t max_chunks);   /* 0: no limit */
 void dp_adm_set_default(struct dp_admission *a, const struct dp_tenant_cfg *cfg);
@@ -132,9 +131,11 @@ void dp_adm_price(const struct dp_tenant_cfg *cfg, const uint32_t *tokens, uint3
                   uint32_t max_output, struct dp_adm_price *out);
 #define DP_ADM_COUNT_ONLY 1   /* a COUNT_TOKENS record */
 #define DP_ADM_LAZY 2         /* measure the entropy only if the decision depends on it */
+#define DP_ADM_NO_SWEEP 4     /* a rehearsal: say whether a sweep would make room, never run it */
 /* Price and decide, changing nothing but the admission's scratch table for counting tokens (so
- * one admission is not reentrant: the router calls it under its lock); the JSON body (refusals,
- * count_only) goes to body[cap]. Returns the body's length (0: none).
+ * one admission is not reentrant: the router calls it under its lock), unless a limited tenant
+ * not in the full table makes it sweep out idle tenants (not for DP_ADM_NO_SWEEP, nor a count);
+ * the JSON body (refusals, count_only) goes to body[cap]. Returns the body's length (0: none).
  * With DP_ADM_LAZY the entropy pass (~80 ns at 64 tokens, most of a decision) is left out when
  * no outcome can depend on it: no high-entropy threshold above 1 (the factor's least), and the
  * request fits its budget even at the highest factor. Refusals and counts are priced whole. */
@@ -157,9 +158,9 @@ void dp_adm_settle(struct dp_admission *a, uint32_t tenant, const struct dp_adm_
  * so the tenant table is probed for a room check) with `fill` (< DP_ADM_MAX_TENANTS) tenants that
  * spent today already in the table. < 0: failed. */
 double dp_adm_decide_bench(uint32_t fill, uint32_t decisions);
-/* us of the sweep of a full table that frees one tenant (the most a sweep costs, at most once a
- * second), and in *read_us its reference: a pass reading one word of each cache line of the same
- * table. < 0: failed. */
+/* us of the sweep of a full table that frees one tenant (the kind that recurs, at most once a
+ * second: one that frees many costs more, and buys room for as many), and in *read_us its
+ * reference: a pass reading one word of each cache line of the same table. < 0: failed. */
 double dp_adm_sweep_bench(double *read_us);
 /* CDEF END */
 

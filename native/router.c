@@ -1951,8 +1951,8 @@ static void rehearse(struct dp_router *rt)
                       session_key(rt, c->tenant, c->session_id), c, 0) + (uint32_t)recently_done(rt, key);
     char body[DP_MAX_RESP_BODY];
     struct dp_adm_decision d;
-    dp_adm_decide(rt->adm, c->tenant, c->tokens, c->n_tokens, c->chunk_count, c->max_output_tokens, DP_ADM_LAZY,
-                  now_ns(), &d, body, sizeof(body));
+    dp_adm_decide(rt->adm, c->tenant, c->tokens, c->n_tokens, c->chunk_count, c->max_output_tokens,
+                  DP_ADM_LAZY | DP_ADM_NO_SWEEP, now_ns(), &d, body, sizeof(body));
     dp_adm_finish(rt->adm, &d, c->tokens);   /* (price_admitted's part, after the pass) */
     int spilled, p = choose_pool(rt, d.spill, &spilled);
     if (p < 0)

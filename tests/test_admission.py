@@ -5,9 +5,10 @@ workers (test_router.Bench) and reads every response record off the egress
 ring, bodies included. Prices are checked against the Python reference below,
 which restates the formula of native/admission.h.
 """
+import errno
 import json
-import time
 import math
+import time
 from collections import Counter
 
 import numpy as np
@@ -586,9 +587,9 @@ def _fill_with_spenders(adm, n, now):
     return first
 
 
-def _decide(adm, tenant, now):
+def _decide(adm, tenant, now, flags=0):
     d, body, one = ffi.new("struct dp_adm_decision *"), ffi.new("char[]", 1024), ffi.new("uint32_t[]", [1])
-    n = lib.dp_adm_decide(adm, tenant, one, 1, 1, 1, 0, now, d, body, 1024)
+    n = lib.dp_adm_decide(adm, tenant, one, 1, 1, 1, flags, now, d, body, 1024)
     return d, bytes(ffi.buffer(body, n))
 
 
@@ -619,8 +620,8 @@ def test_a_tenant_with_limits_that_no_slot_can_hold_is_refused_503_not_run_unlim
 
 def test_the_tenant_table_grows_past_the_old_1024_and_keeps_every_tenants_spending():
     """The table had 1,024 slots, never freed: 1,024 cheap admitted requests under a priced
-    default with a budget made every new default tenant a 503 for the rest of the day. It grows
-    now, and every tenant's spending stays its own."""
+    default with a budget made every new default tenant a 503 for the rest of the day. It holds
+    65,536 now, and every tenant's spending stays its own."""
     adm = ffi.gc(lib.dp_adm_create(), lib.dp_adm_destroy)
     lib.dp_adm_set_default(adm, TenantPolicy(price_per_1k=1000, budget_per_day=10**6).cdata())
     now = 10**12
@@ -641,6 +642,9 @@ def test_a_full_table_is_swept_of_idle_tenants_and_not_swept_again_for_a_second_
     assert _decide(adm, 99_999, now)[0].status == 503
     lib.dp_adm_settle(adm, 1, first, 0, 0, 0)                 # failed: charged nothing
     assert _spent(adm, 1) == 0
+    assert _decide(adm, 99_999, now + 1, lib.DP_ADM_NO_SWEEP)[0].status == 200, "a sweep would make room"
+    _decide(adm, 99_999, now + 1, lib.DP_ADM_COUNT_ONLY)
+    assert _spent(adm, 1) == 0, "neither the router's rehearsal nor a count sweeps"
     d, _ = _decide(adm, 99_999, now + 1)
     assert d.status == 200, "tenant 1 was idle: swept"
     lib.dp_adm_commit(adm, 99_999, d, now + 1)
@@ -648,8 +652,16 @@ def test_a_full_table_is_swept_of_idle_tenants_and_not_swept_again_for_a_second_
     assert _spent(adm, 2) == _spent(adm, lib.DP_ADM_MAX_TENANTS) == first.charge
     lib.dp_adm_settle(adm, 2, first, 0, 0, 0)
     assert _decide(adm, 100_000, now + 2)[0].status == 503, "within the quiet second"
-    assert _decide(adm, 100_000, now + 2 + 10**9)[0].status == 200
+    d, _ = _decide(adm, 100_000, now + 2 + 10**9)
+    assert d.status == 200
+    lib.dp_adm_commit(adm, 100_000, d, now + 2 + 10**9)
     assert _spent(adm, 2) is None and _spent(adm, 3) == first.charge
+    # the operator's tenants may fill it to 3/4 (probes stay short), not further
+    own = TenantPolicy(price_per_1k=5).cdata()
+    room = 3 * lib.DP_ADM_MAX_TENANTS // 2 - lib.DP_ADM_MAX_TENANTS
+    assert all(lib.dp_adm_set_tenant(adm, 200_000 + k, own) == 0 for k in range(room))
+    assert lib.dp_adm_set_tenant(adm, 300_000, own) == -errno.ENOSPC
+    assert lib.dp_adm_set_tenant(adm, 200_000, own) == 0, "one it holds is updated"
 
 
 def test_a_sweep_keeps_every_tenant_with_state_findable():

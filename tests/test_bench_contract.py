@@ -48,8 +48,8 @@ def test_compare_gives_a_spreading_policy_the_store_its_moved_sessions_need(tmp_
 
 RING_KEYS = ["ring_op_ns_bulk1", "ring_op_ns_bulk8", "ring_op_ns_bulk32", "ring_oneway_p50_ns", "ring_oneway_p99_ns",
              "ring_oneway_p999_ns", "ring_mchunks_per_s", "policy_ns_power_of_two_256", "policy_ns_affinity_4",
-             "lane_batch_us_shm", "lane_batch_us_zmq_ipc", "lane_batch_us_zmq_tcp", "adm_decide_new_tenant_full_ns",
-             "adm_sweep_full_us"]
+             "lane_batch_us_shm", "lane_batch_us_zmq_ipc", "lane_batch_us_zmq_tcp", "adm_decide_new_tenant_65535_ns",
+             "adm_sweep_frees_one_us"]
 
 
 @pytest.mark.slow
@@ -62,8 +62,8 @@ def test_ring_suite_reports_every_figure(tmp_path):
     assert data["references"]["handoff_oneway_p50_ns"] > 0
     assert data["ratios"]["ring_oneway_p50_ns_vs_handoff_oneway_p50_ns"] > 0
     assert all(data["references"][f"policy_random_ns_{n}"] > 0 for n in (4, 16, 64, 256))
-    assert data["ratios"]["adm_decide_new_tenant_full_ns_vs_adm_decide_new_tenant_empty_ns"] > 0
-    assert data["ratios"]["adm_sweep_full_us_vs_adm_table_read_us"] > 0
+    assert data["ratios"]["adm_decide_new_tenant_65535_ns_vs_adm_decide_new_tenant_0_ns"] > 0
+    assert data["ratios"]["adm_sweep_frees_one_us_vs_adm_table_read_us"] > 0
 
 
 INGRESS_REFERENCES = ["xdp_count_ns", "xdp_count_128_ns", "xdp_ring_floor_ns", "pingpong_oneway_ns", "handoff_oneway_p50_ns", "udp_socket_p50_us", "udp_socket_p99_us",

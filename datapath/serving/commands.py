@@ -6,6 +6,7 @@ turns user errors into one sentence.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 
@@ -221,7 +222,8 @@ def _demo(opts, args) -> int:
     inp = Ring.create(names[0], records.CHUNK.itemsize, max(1024, 1 << (need - 1).bit_length()), role="producer")
     egress = Ring.create(names[1], records.RESPONSE.itemsize, 256, role="consumer")
     router = Router()
-    w = opts.build(None)
+    # no store, and the demo's one-shot sessions are never closed: a budget would refuse them 503
+    w = dataclasses.replace(opts, kv_budget_bytes=1 << 62).build(None)
     lane = None
     try:
         router.add_input(inp)
