@@ -39,9 +39,9 @@ def _config(**kw) -> PipelineConfig:
     tagged and XDP checks it (require_tags), as a deployment with keyed tenants would run."""
     cores = sorted(os.sched_getaffinity(0))
     pins = dict(datapath_cpu=cores[-1], worker_cpus=cores[:-1]) if len(cores) > 1 else {}
-    if "shared_store" not in kw:
+    if not kw.get("shared_store") and kw.get("store_factory") is None:
         # without a store a worker over its KV budget refuses new sessions, and the offers never
-        # close theirs: the sweep holds ~0.3 GiB of them by its top rates, so room for all of them
+        # close theirs: a sweep mode holds up to ~1.2 GiB by its last rate, so room for all of them
         kw.setdefault("kv_budget_bytes", STORELESS_KV_BUDGET)
     return PipelineConfig(**{"workers": 2, "policy": "affinity", "require_tags": True, **pins, **kw})
 

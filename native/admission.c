@@ -91,6 +91,8 @@ struct dp_admission *dp_adm_create(void)
         free(a);
         return NULL;
     }
+    madvise(a->t, TABLE_BYTES, MADV_DONTFORK);   /* as the router's state: no copy-on-write faults after
+                                                    a fork of its process (best effort) */
     a->next_idle = UINT64_MAX;
     return a;
 }
@@ -180,8 +182,9 @@ static void sweep(struct dp_admission *a, uint64_t now)
         a->quiet_until = now + SWEEP_QUIET_NS;
 }
 
-/* Room for one more default-settings tenant under the load cap (half the slots), swept if need be
- * (unless may_sweep is 0: then whether a sweep would run). */
+/* Room for one more default-settings tenant under the load cap (half the slots, the operator's
+ * tenants counted too), swept if need be; if may_sweep is 0, a sweep that is due counts as room
+ * (optimistic: it may free too little). */
 static int room(struct dp_admission *a, uint64_t now, int may_sweep)
 {
     if (a->used < SLOTS / 2)
@@ -751,7 +754,7 @@ double dp_adm_sweep_bench(double *read_us)
     uint64_t t1 = bench_now_ns();
     int ok = before == DP_ADM_MAX_TENANTS && a->used == before - 1 && d.status == DP_STATUS_OK;
     const volatile uint64_t *w = (const volatile uint64_t *)a->t;
-    uint64_t words = (uint64_t)SLOTS * sizeof(struct tenant) / 8;
+    uint64_t words = TABLE_BYTES / 8;
     uint64_t t2 = bench_now_ns();
     for (uint64_t i = 0; i < words; i += 8)
         (void)w[i];

@@ -5,9 +5,9 @@
  * per tenant (API key), in an open-addressing table set live from Python
  * through the router (under its lock); a tenant without settings of its own
  * uses the default ones. The table holds DP_ADM_MAX_TENANTS tenants (the
- * operator's own may fill it further, to 1.5 times that); full, it is swept
- * of idle default-settings ones (nothing spent today, no bucket debt: their
- * state says nothing a fresh tenant's would not).
+ * operator's own count too, and may fill it further, to 1.5 times that);
+ * full, it is swept of idle default-settings ones (nothing spent today, no
+ * bucket debt: their state says nothing a fresh tenant's would not).
  *
  * The price (the article's "token price x (input + output tokens) x
  * complexity"), the one statement of the formula:
@@ -131,7 +131,7 @@ void dp_adm_price(const struct dp_tenant_cfg *cfg, const uint32_t *tokens, uint3
                   uint32_t max_output, struct dp_adm_price *out);
 #define DP_ADM_COUNT_ONLY 1   /* a COUNT_TOKENS record */
 #define DP_ADM_LAZY 2         /* measure the entropy only if the decision depends on it */
-#define DP_ADM_NO_SWEEP 4     /* a rehearsal: say whether a sweep would make room, never run it */
+#define DP_ADM_NO_SWEEP 4     /* a rehearsal: never sweep (a sweep that is due counts as room) */
 /* Price and decide, changing nothing but the admission's scratch table for counting tokens (so
  * one admission is not reentrant: the router calls it under its lock), unless a limited tenant
  * not in the full table makes it sweep out idle tenants (not for DP_ADM_NO_SWEEP, nor a count);
