@@ -690,7 +690,7 @@ void dp_adm_settle(struct dp_admission *a, uint32_t tenant, const struct dp_adm_
 
 /* --- benchmarks (bench ring) -------------------------------------------------------------------- */
 
-static uint64_t bench_now_ns(void)
+static uint64_t now_ns(void)
 {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -730,12 +730,12 @@ double dp_adm_decide_bench(uint32_t fill, uint32_t decisions)
     uint32_t token = 1;
     uint64_t admitted = 0, filled = a->used;
     char body[DP_MAX_RESP_BODY];
-    uint64_t t0 = bench_now_ns();
+    uint64_t t0 = now_ns();
     for (uint32_t i = 0; i < decisions; i++) {    /* ids past 2^31: never one of the table's 1..fill */
         dp_adm_decide(a, mix(i) | 0x80000000u, &token, 1, 1, 1, 0, BENCH_T0, &d, body, sizeof(body));
         admitted += d.status == DP_STATUS_OK;
     }
-    double ns = (double)(bench_now_ns() - t0) / decisions;
+    double ns = (double)(now_ns() - t0) / decisions;
     dp_adm_destroy(a);
     return admitted == decisions && filled == fill ? ns : -2;
 }
@@ -749,16 +749,16 @@ double dp_adm_sweep_bench(double *read_us)
     uint32_t token = 1, before = a->used;
     char body[DP_MAX_RESP_BODY];
     dp_adm_settle(a, 1, &first, 0, 0, 0);   /* tenant 1's request failed: nothing spent, idle */
-    uint64_t t0 = bench_now_ns();
+    uint64_t t0 = now_ns();
     dp_adm_decide(a, 0x80000000u, &token, 1, 1, 1, 0, BENCH_T0 + 1, &d, body, sizeof(body));
-    uint64_t t1 = bench_now_ns();
+    uint64_t t1 = now_ns();
     int ok = before == DP_ADM_MAX_TENANTS && a->used == before - 1 && d.status == DP_STATUS_OK;
     const volatile uint64_t *w = (const volatile uint64_t *)a->t;
     uint64_t words = TABLE_BYTES / 8;
-    uint64_t t2 = bench_now_ns();
+    uint64_t t2 = now_ns();
     for (uint64_t i = 0; i < words; i += 8)
         (void)w[i];
-    *read_us = (double)(bench_now_ns() - t2) / 1e3;
+    *read_us = (double)(now_ns() - t2) / 1e3;
     dp_adm_destroy(a);
     return ok ? (double)(t1 - t0) / 1e3 : -2;
 }

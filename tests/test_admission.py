@@ -575,9 +575,9 @@ def test_requests_held_behind_their_session_count_in_the_tenant_s_share(bench_fa
     assert st["tenant_share_refused"] == 47 + 14 and st["table_full"] == 0 and st["active_requests"] == 0
 
 
-def _fill_with_spenders(adm, n, now):
-    """n tenants under the default (priced, with a budget), each admitted once: they spent today.
-    Returns tenant 1's decision, to settle."""
+def _fill(adm, n, now):
+    """n tenants admitted once each under the default (priced: they spent today). Returns tenant
+    1's decision, to settle."""
     d, body, one = ffi.new("struct dp_adm_decision *"), ffi.new("char[]", 1024), ffi.new("uint32_t[]", [1])
     first = None
     for tenant in range(1, n + 1):
@@ -599,13 +599,13 @@ def _spent(adm, tenant):
 
 
 def test_a_tenant_with_limits_that_no_slot_can_hold_is_refused_503_not_run_unlimited():
-    """The table at its largest full of tenants that spent today: a new tenant found no slot and
+    """The table full of tenants that spent today: a new tenant found no slot and
     ran with no budget or bucket kept. Now it is refused 503 while its limits cannot be kept; a
     tenant of the operator's still gets a slot, and a default without limits needs none."""
     adm = ffi.gc(lib.dp_adm_create(), lib.dp_adm_destroy)
     lib.dp_adm_set_default(adm, TenantPolicy(price_per_1k=1000, budget_per_day=10**6).cdata())
     now = 10**12
-    _fill_with_spenders(adm, lib.DP_ADM_MAX_TENANTS, now)
+    _fill(adm, lib.DP_ADM_MAX_TENANTS, now)
     d, body = _decide(adm, 99_999, now)
     assert d.status == 503
     assert "table is full" in wire.decode_admission_body(body).error
@@ -618,27 +618,27 @@ def test_a_tenant_with_limits_that_no_slot_can_hold_is_refused_503_not_run_unlim
     assert _decide(adm, 99_999, later)[0].status == 200
 
 
-def test_the_tenant_table_grows_past_the_old_1024_and_keeps_every_tenants_spending():
+def test_the_tenant_table_holds_more_than_the_old_1024_and_keeps_every_tenants_spending():
     """The table had 1,024 slots, never freed: 1,024 cheap admitted requests under a priced
     default with a budget made every new default tenant a 503 for the rest of the day. It holds
     65,536 now, and every tenant's spending stays its own."""
     adm = ffi.gc(lib.dp_adm_create(), lib.dp_adm_destroy)
     lib.dp_adm_set_default(adm, TenantPolicy(price_per_1k=1000, budget_per_day=10**6).cdata())
     now = 10**12
-    first = _fill_with_spenders(adm, 5000, now)
+    first = _fill(adm, 5000, now)
     assert first.charge > 0
     assert [_spent(adm, t) for t in (1, 1024, 1025, 4999, 5000)] == [first.charge] * 5
     assert _spent(adm, 5001) is None and _decide(adm, 5001, now)[0].status == 200
 
 
 def test_a_full_table_is_swept_of_idle_tenants_and_not_swept_again_for_a_second_after_freeing_little():
-    """At its largest and full, the table drops the tenants whose state says nothing (here one
+    """Full, the table drops the tenants whose state says nothing (here one
     whose only request failed, so it was given its charge back) to make room; a sweep that freed
     that little is not redone for a second (a 503 meanwhile); the spenders keep their state."""
     adm = ffi.gc(lib.dp_adm_create(), lib.dp_adm_destroy)
     lib.dp_adm_set_default(adm, TenantPolicy(price_per_1k=1000, budget_per_day=10**6).cdata())
     now = 10**12
-    first = _fill_with_spenders(adm, lib.DP_ADM_MAX_TENANTS, now)
+    first = _fill(adm, lib.DP_ADM_MAX_TENANTS, now)
     assert _decide(adm, 99_999, now)[0].status == 503
     lib.dp_adm_settle(adm, 1, first, 0, 0, 0)                 # failed: charged nothing
     assert _spent(adm, 1) == 0
@@ -670,7 +670,7 @@ def test_a_sweep_keeps_every_tenant_with_state_findable():
     adm = ffi.gc(lib.dp_adm_create(), lib.dp_adm_destroy)
     lib.dp_adm_set_default(adm, TenantPolicy(price_per_1k=1000, budget_per_day=10**6).cdata())
     now, n = 10**12, lib.DP_ADM_MAX_TENANTS
-    first = _fill_with_spenders(adm, n, now)
+    first = _fill(adm, n, now)
     for tenant in range(2, n + 1, 2):
         lib.dp_adm_settle(adm, tenant, first, 0, 0, 0)
     assert _decide(adm, 99_999, now + 1)[0].status == 200
@@ -698,7 +698,7 @@ def test_junk_tenant_ids_fill_no_table_that_real_tenants_then_miss(bench_factory
     """Tenant state lived in a 1,024-slot table whose slots were never freed. COUNT_TOKENS records
     and refusals of 1,100 made-up ids took every slot: new tenants then ran with no budget or
     per-minute bucket kept, and set_tenant failed. Now only admissions take a slot, and a full
-    table at its largest is swept of idle default tenants for a new one."""
+    table is swept of idle default tenants for a new one."""
     b = bench_factory()
     b.router.set_default_tenant(TenantPolicy(tokens_per_minute=600))   # 128 + 128 tokens a request
     for rid in range(1, 1101):
@@ -717,13 +717,10 @@ def test_junk_tenant_ids_fill_no_table_that_real_tenants_then_miss(bench_factory
     # a table full of tenants that spent nothing and owe nothing: a new one still gets state
     adm = ffi.gc(lib.dp_adm_create(), lib.dp_adm_destroy)
     lib.dp_adm_set_default(adm, TenantPolicy().cdata())
-    d, body, one = ffi.new("struct dp_adm_decision *"), ffi.new("char[]", 1024), ffi.new("uint32_t[]", [1])
-    for tenant in range(1, lib.DP_ADM_MAX_TENANTS + 1):
-        assert lib.dp_adm_decide(adm, tenant, one, 1, 1, 1, 0, 10**12, d, body, 1024) == 0
-        lib.dp_adm_commit(adm, tenant, d, 10**12)
+    _fill(adm, lib.DP_ADM_MAX_TENANTS, 10**12)
     st = ffi.new("struct dp_adm_tenant_stats *")
-    assert lib.dp_adm_tenant_stats(adm, lib.DP_ADM_MAX_TENANTS, st) == 0, "the table at its largest, full"
-    lib.dp_adm_decide(adm, 99_999, one, 1, 1, 1, 0, 10**12, d, body, 1024)
+    assert lib.dp_adm_tenant_stats(adm, lib.DP_ADM_MAX_TENANTS, st) == 0, "the table full"
+    d, _ = _decide(adm, 99_999, 10**12)
     lib.dp_adm_commit(adm, 99_999, d, 10**12)
     assert lib.dp_adm_tenant_stats(adm, 99_999, st) == 0 and st.admitted == 1
     assert lib.dp_adm_set_tenant(adm, 123_456, TenantPolicy(price_per_1k=5).cdata()) == 0
