@@ -437,6 +437,9 @@ static int policy_pick(struct pool *pl, uint64_t session, uint32_t tenant)
     return k;
 }
 
+/* A worker for a request: its pool by the placement rule, then the policy's pick there. -1 none up,
+ * -2 the policy's bad pick, which its caller counts (bad_picks) once the request's fate is settled:
+ * a refusal that finds no egress room is decided again on the next pass (it counted twice). */
 static int pick_worker(struct dp_router *rt, uint64_t session, uint32_t tenant, int spill, uint16_t *pool,
                        int *spilled)
 {
@@ -445,9 +448,8 @@ static int pick_worker(struct dp_router *rt, uint64_t session, uint32_t tenant, 
         return -1;
     struct pool *pl = &rt->pools[p];
     int k = policy_pick(pl, session, tenant);
-    rt->st.bad_picks += k == -2;
     if (k < 0)
-        return -1;
+        return k;
     *pool = (uint16_t)p;
     pl->requests++;
     pl->spilled += (uint64_t)*spilled;
@@ -1015,6 +1017,7 @@ static int admit(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, uin
             rt->st.table_full++;
         else
             rt->st.no_worker++;
+        rt->st.bad_picks += wk == -2;
         return 1;
     }
     if (d.priced)
@@ -1072,6 +1075,7 @@ static int close_session(struct dp_router *rt, const struct dp_chunk *c, uint64_
             return 0;
         remember_done(rt, key);
         rt->st.tenant_share_refused += (uint64_t)over;
+        rt->st.bad_picks += wk == -2;
         return 1;
     }
     ri = req_insert(rt, key);
@@ -1802,6 +1806,7 @@ static void failover(struct dp_router *rt, uint32_t k)
                            || (r->pending_head != NIL && rt->pool[r->pending_head].sent);
         int nk = r->replayed && ran ? -1 : pick_worker(rt, r->session_id, r->tenant, r->spill, &r->pool, &spilled);
         if (nk < 0) {
+            rt->st.bad_picks += nk == -2;
             rt->st.replay_refused += r->replayed && ran;
             r->replay_refused = r->replayed && ran;
             free_list(rt, r->pending_head);

@@ -111,8 +111,9 @@ struct dp_router_stats {
                                  * timeout without a 400, or refused at first sight without an answer
                                  * (dp_router_watch_cuts) */
     uint64_t no_worker;         /* 503: no worker up in any pool, or the policy picked none */
-    uint64_t bad_picks;         /* a policy's picks of a worker out of range or down (its bug), at
-                                 * admission (counted in no_worker too) or at a failover's replay */
+    uint64_t bad_picks;         /* a policy's picks of a worker out of range or down (its bug), once a
+                                 * request: at admission (counted in no_worker too), a CLOSE, a
+                                 * failover's replay */
     uint64_t zmq_timeouts;      /* zmq workers marked down: a batch unanswered for zmq_timeout */
     uint64_t zmq_revived;       /* zmq workers marked down so, back up: they answered a probe */
     uint64_t zmq_sockets_replaced;  /* zmq workers' sockets closed as they went down (what they held dropped):
