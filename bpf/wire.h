@@ -43,10 +43,12 @@
 /* status (HTTP meanings) */
 #define DP_STATUS_OK 200
 #define DP_STATUS_BAD_REQUEST 400
+#define DP_STATUS_CONFLICT 409     /* the request already ran on its session: a duplicate, not run again */
 #define DP_STATUS_TOO_LARGE 413
 #define DP_STATUS_UNPROCESSABLE 422
 #define DP_STATUS_RATE_LIMITED 429
 #define DP_STATUS_UNAVAILABLE 503
+#define DP_N_STATUSES 7            /* answers counted by status: one slot each, in this order */
 
 /* Request header: 56 bytes, then n_tokens uint32 token ids. tag: SipHash-2-4 of the 48 bytes
  * before it under the tenant's key (bpf/siphash.h), checked by the ingress when it requires
@@ -105,5 +107,19 @@ _Static_assert(sizeof(struct dp_resp_trace) == DP_RESP_TRACE_LEN, "response trac
 _Static_assert(__builtin_offsetof(struct dp_req_hdr, send_ns) == 40, "send_ns at 40");
 _Static_assert(__builtin_offsetof(struct dp_req_hdr, tag) == DP_REQ_TAGGED_LEN, "the tag follows what it covers");
 _Static_assert(__builtin_offsetof(struct dp_resp_hdr, send_ns) == 32, "send_ns at 32");
+
+/* A status's count slot (by_status[DP_N_STATUSES]): 200 400 409 413 422 429 503, any other as 503's. */
+static inline int dp_status_slot(__u16 status)
+{
+    switch (status) {
+    case DP_STATUS_OK: return 0;
+    case DP_STATUS_BAD_REQUEST: return 1;
+    case DP_STATUS_CONFLICT: return 2;
+    case DP_STATUS_TOO_LARGE: return 3;
+    case DP_STATUS_UNPROCESSABLE: return 4;
+    case DP_STATUS_RATE_LIMITED: return 5;
+    default: return 6;
+    }
+}
 
 #endif /* DP_WIRE_H */

@@ -9,10 +9,10 @@ import numpy as np
 
 from ._dataplane import ffi, lib
 from .records import RESPONSE, dtype_of
+from .wire import STATUSES
 from .ring import Ring
 
 TRACE = dtype_of("struct dp_trace")
-STATUS_SLOTS = (200, 400, 413, 422, 429, 503)
 
 
 class Responder:
@@ -52,7 +52,7 @@ class Responder:
     def stats(self) -> dict:
         r = self._r
         return {"sent": r.sent, "send_errors": r.send_errors, "send_blocked": r.send_blocked, "traced": r.traced,
-                "by_status": {s: r.by_status[i] for i, s in enumerate(STATUS_SLOTS) if r.by_status[i]}}
+                "by_status": {s: r.by_status[i] for i, s in enumerate(STATUSES) if r.by_status[i]}}
 
     def trace(self) -> np.ndarray:
         """The stamps of every response traced so far (a copy)."""

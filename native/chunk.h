@@ -25,6 +25,7 @@
 #define DP_MAX_BATCH_CHUNKS 64            /* records in one micro-batch, at most */
 #define DP_MAX_OUTPUT_TOKENS 256          /* output tokens a response carries (1 KiB body) */
 #define DP_CE_EOS 1                       /* completion entry: the model ended the sequence */
+#define DP_CE_KV_FULL 2                   /* ... with 503: a worker without a store, its KV full, took no new session */
 
 struct dp_chunk {
     __u64 session_id;          /*  0 */

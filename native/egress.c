@@ -15,18 +15,6 @@ static uint64_t now_ns(void)
     return (uint64_t)ts.tv_sec * 1000000000ull + ts.tv_nsec;
 }
 
-static int status_slot(uint16_t s)
-{
-    switch (s) {
-    case DP_STATUS_OK: return 0;
-    case DP_STATUS_BAD_REQUEST: return 1;
-    case DP_STATUS_TOO_LARGE: return 2;
-    case DP_STATUS_UNPROCESSABLE: return 3;
-    case DP_STATUS_RATE_LIMITED: return 4;
-    default: return 5;
-    }
-}
-
 uint32_t dp_responder_poll(struct dp_responder *r)
 {
     static __thread uint8_t pkt[DP_EGRESS_BURST][DP_RESP_HDR_LEN + DP_MAX_RESP_BODY];
@@ -96,7 +84,7 @@ uint32_t dp_responder_poll(struct dp_responder *r)
         const struct dp_response_rec *rec = dp_ring_cons_slot(r->egress, i);
         if (refused[i])
             continue;                /* in no count of what went out */
-        r->by_status[status_slot(rec->status)]++;
+        r->by_status[dp_status_slot(rec->status)]++;
         if (r->traced < r->trace_cap)
             r->trace[r->traced++] = (struct dp_trace){ rec->request_id, rec->t_send, rec->t_xdp, rec->t_first_lane,
                                                        rec->t_done, t, rec->status, rec->n_out };

@@ -36,7 +36,7 @@ struct dp_responder {
     int fd;                  /* UDP socket, not connected */
     uint32_t dst_ip;         /* network order: where responses go whose request named no client */
     uint16_t dst_port;       /* network order */
-    uint64_t sent, send_errors, by_status[6];   /* 200 400 413 422 429 503, of those sent */
+    uint64_t sent, send_errors, by_status[DP_N_STATUSES];   /* of those sent (dp_status_slot) */
     uint64_t send_blocked;   /* passes that met a full send buffer (what was left is sent next pass) */
     struct dp_trace *trace;  /* the first trace_cap responses */
     uint64_t trace_cap, traced;

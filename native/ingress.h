@@ -160,7 +160,7 @@ struct dp_send_stats {
     uint64_t requests;         /* packets sent that start a request (chunk_index 0): one answer each
                                   (one whose send failed is a send error, in no other count) */
     uint64_t merge_wait_ns;    /* merge > 1: the time arrivals waited for their packet, summed */
-    uint64_t by_status[6];     /* responses with status 200 400 413 422 429 503 */
+    uint64_t by_status[DP_N_STATUSES];   /* responses by status (dp_status_slot) */
     uint16_t sample_status;    /* the first response other than 200 ... */
     uint16_t sample_len;
     uint8_t sample_body[DP_MAX_RESP_BODY];   /* ... and its body (an admission answer's JSON) */

@@ -147,10 +147,7 @@ static void read_responses(int fd, struct dp_send_stats *st, uint64_t start, str
                                          * did, and the router refused the rest): in no count */
         st->responses++;
         st->last_resp_ns = now - start;
-        int slot = h.status == DP_STATUS_OK ? 0 : h.status == DP_STATUS_BAD_REQUEST ? 1
-                   : h.status == DP_STATUS_TOO_LARGE ? 2 : h.status == DP_STATUS_UNPROCESSABLE ? 3
-                   : h.status == DP_STATUS_RATE_LIMITED ? 4 : 5;
-        st->by_status[slot]++;
+        st->by_status[dp_status_slot(h.status)]++;
         if (h.status != DP_STATUS_OK && !st->sample_status) {
             uint32_t len = h.body_len <= (size_t)n - sizeof(h) ? h.body_len : (uint32_t)((size_t)n - sizeof(h));
             if ((h.flags & DP_FLAG_TRACE) && len >= DP_RESP_TRACE_LEN)

@@ -62,6 +62,7 @@ struct req {
     uint8_t moved;                               /* its session last ran elsewhere: DP_CHUNK_F_MOVED */
     uint8_t replayed;                            /* failover replayed it once already (see failover) */
     uint8_t replay_refused;                      /* its replay's worker died too: answered 503, its own doing */
+    uint8_t kv_full;                             /* its worker refused it for want of KV room (DP_CE_KV_FULL) */
     uint32_t arr;                                /* its tenant's entry in `arr` while it misses chunks (NIL:
                                                     none missing) */
     uint32_t tokens_in, generated;               /* what ran: settled against the admission's charge */
@@ -526,6 +527,20 @@ static int emit(struct dp_router *rt, const struct req *r, uint16_t status, uint
     return 1;
 }
 
+/* A finished request's answer: its tokens, or its failure's status. Two of a worker's refusals get a
+ * body, as the client could not tell them from others: a 409 (its request was taken for a repeat of
+ * one that already ran) and a 503 for want of KV room (another session's CLOSE makes some). */
+static int emit_done(struct dp_router *rt, const struct req *r)
+{
+    static const char conflict[] = "{\"status\":409,\"error\":\"this request (its id and send stamp) already ran on "
+                                   "its session and was answered: not run again\"}";
+    static const char kv_full[] = "{\"status\":503,\"error\":\"the worker's KV cache is full and it has no snapshot "
+                                  "store to evict sessions to: no new session until a CLOSE frees one\"}";
+    const char *body = r->status == DP_STATUS_CONFLICT ? conflict : r->kv_full ? kv_full : NULL;
+    uint32_t len = body == conflict ? sizeof(conflict) - 1 : body == kv_full ? sizeof(kv_full) - 1 : 0;
+    return emit(rt, r, r->status ? r->status : DP_STATUS_OK, r->request_id, r->session_id, r->tenant, NULL, body, len);
+}
+
 /* Keys are 64-bit hashes: a false match needs two live keys to collide in all 64 bits. A key is
  * forgotten once 8 newer ones landed in its set. Direct-mapped (4096 entries), any one finishing
  * request with the same 12 bits made it forget: a refused request's later chunks were then taken
@@ -834,8 +849,7 @@ static void finish(struct dp_router *rt, uint32_t ri)
         req_free(rt, ri);
         return;
     }
-    if (rt->done_head == NIL && emit(rt, r, r->status ? r->status : DP_STATUS_OK, r->request_id, r->session_id,
-                                     r->tenant, NULL, NULL, 0)) {
+    if (rt->done_head == NIL && emit_done(rt, r)) {
         rt->st.responses++;
         req_free(rt, ri);
         return;
@@ -854,7 +868,7 @@ static uint32_t flush_done(struct dp_router *rt)
     while (rt->done_head != NIL) {
         uint32_t ri = rt->done_head;
         struct req *r = &rt->reqs[ri];
-        if (!emit(rt, r, r->status ? r->status : DP_STATUS_OK, r->request_id, r->session_id, r->tenant, NULL, NULL, 0))
+        if (!emit_done(rt, r))
             break;
         rt->done_head = r->fifo_next;
         if (rt->done_head == NIL)
@@ -1358,6 +1372,7 @@ static void complete_entry(struct dp_router *rt, int wk, const struct batch_meta
     }
     if (e->status && e->status != DP_STATUS_OK) {
         rt->st.refused_by_worker++;
+        r->kv_full = e->status == DP_STATUS_UNAVAILABLE && (e->flags & DP_CE_KV_FULL);
         fail_request(rt, wk, m->req, e->status);
         return;
     }

@@ -4,6 +4,7 @@ The test plays the worker: it reads each batch from the lane and answers it
 with a completion, so every record the router emits is checked.
 """
 import itertools
+import json
 import time
 import os
 
@@ -457,6 +458,33 @@ def test_incomplete_request_expires_with_400(bench_factory):
     st = b.router.stats()
     assert st["expired"] == 1 and st["active_requests"] == 0 and st["pool_free"] == 8192
     assert b.router.worker_stats(0)["depth"] == 0
+
+
+@pytest.mark.parametrize("status, flags, says", [
+    (wire.STATUS_CONFLICT, 0, "already ran"),                       # a repeat of an answered request
+    (wire.STATUS_UNAVAILABLE, records.CE_KV_FULL, "KV cache is full"),   # a store-less worker with no room
+    (wire.STATUS_UNAVAILABLE, 0, None),                             # any other 503: no reason known
+])
+def test_a_worker_s_refusal_whose_reason_the_client_cannot_guess_comes_with_a_body(bench_factory, status, flags,
+                                                                                    says):
+    """A worker refuses a verbatim repeat of its session's last answered request 409, and a store-less
+    worker whose KV is full a new session 503 flagged CE_KV_FULL (test_worker): the client gets
+    the status and a body that says why."""
+    b = bench_factory(n_workers=1)
+    b.send(chunks_of(6, [1, 2], max_out=2))
+    b.router.poll()
+    batch = b.workers[0].recv_batch(0)
+    comp = lanes.completion_for(batch, [0] * len(batch))
+    comp["e"][0]["status"][0], comp["e"][0]["flags"][0] = status, flags
+    b.workers[0].send_completion(comp)
+    b.run()
+    (r,) = b.responses
+    assert r["status"] == status and r["n_out"] == 0 and b.router.stats()["refused_by_worker"] == 1
+    if says is None:
+        assert r["body_len"] == 0
+    else:
+        doc = json.loads(bytes(r["body"][:r["body_len"]]))
+        assert doc["status"] == status and says in doc["error"]
 
 
 def test_late_duplicate_of_a_finished_request_is_not_run_again(bench_factory):

@@ -181,6 +181,7 @@ def test_without_a_store_a_worker_over_its_budget_refuses_new_sessions_and_serve
     drive(w.step, [(1, 1, prompt(1, 40), 2), (2, 2, prompt(2, 40), 2)])
     comp = w.step(as_batch([prefill_records(3, 3, prompt(3, 40), 2)]))
     assert comp["e"][0]["status"][0] == wire.STATUS_UNAVAILABLE and not w.holds(3)
+    assert comp["e"][0]["flags"][0] == records.CE_KV_FULL     # the router's body says why (test_router)
     assert w.stats["kv_full_refused"] == 1 and w.kv_bytes_resident == 2 * one_session
     drive(w.step, [(1, 4, prompt(4, 10), 2)])                  # a held session goes on
     close = np.zeros(1, dtype=records.CHUNK)
@@ -554,6 +555,47 @@ def test_a_moved_request_with_a_reused_id_is_no_replay(model):
 
     drive(moved(b.step), [(7, 5, prompt(2, 10), 2)])
     assert finished(b)[-1].restored_tokens == 41 and b.stats["replays_durable"] == 0
+
+
+def _sessions_kv_length(worker, sid):
+    return worker.sessions[(0, sid)].cache.length
+
+
+@pytest.mark.parametrize("where", ["resident", "restored on another worker"])
+def test_a_verbatim_repeat_of_the_session_s_last_answered_request_is_409_not_run_again(model, where):
+    """The router remembers finished requests for some 4,000 requests; a repeat of one after that
+    (a client's verbatim resend, a late duplicate), same id and send stamp, ran again on top of
+    its own turn: the prompt twice in the context, a history its client never had. The worker
+    knows the session's last answered request (a resident copy's, or the store's last delta's)
+    and refuses its every record 409. A new request that reuses the id with a new send stamp
+    runs, and so does a failover's replay (CHUNK_F_REPLAY)."""
+    store = MemoryStore()
+    w = Worker(model, store)
+    drive(sent_at(w.step, 1_000), [(7, 5, prompt(1, 200), 2)])
+    assert len(finished(w)) == 1
+    if where != "resident":
+        w = Worker(model, store)
+    recs = prefill_records(7, 5, prompt(1, 200), 2, t_send=1_000)
+    comp = w.step(as_batch([recs]))
+    assert comp["e"][0]["status"][:2].tolist() == [wire.STATUS_CONFLICT] * 2
+    assert w.stats["duplicates_refused"] == 2 and store.held((0, 7))[0] == 201 and not finished(w)
+    assert not w.holds(7) or _sessions_kv_length(w, 7) == 201
+    drive(sent_at(w.step, 2_000), [(7, 5, prompt(2, 30), 2)])     # the id reused: a new request
+    assert store.held((0, 7))[0] == 201 + 30 + 1 and w.stats["duplicates_refused"] == 2
+
+
+def test_a_repeat_of_a_request_whose_turn_failed_runs(model):
+    """Only a request answered 200 is remembered: one whose turn the store refused was answered
+    503, and its client's verbatim resend must run."""
+    store = MemoryStore()
+    w = Worker(model, store)
+    drive(sent_at(w.step, 1_000), [(7, 4, prompt(1, 20), 2)])
+    store.fail_puts = True
+    comp = w.step(as_batch([prefill_records(7, 5, prompt(2, 20), 1, t_send=2_000)]))
+    assert comp["e"][0]["status"][0] == wire.STATUS_UNAVAILABLE
+    store.fail_puts = False
+    got = drive(sent_at(w.step, 2_000), [(7, 5, prompt(2, 20), 1)])
+    assert len(got[5]) == 1 and w.stats["duplicates_refused"] == 0 and store.held((0, 7))[0] == 21 + 20
 
 
 @pytest.mark.parametrize("retried_on", ["the replay's worker", "another (the replay's died)"])

@@ -39,6 +39,9 @@ counts allocated cache bytes; it is exceeded (counted in
 stats["over_budget_steps"]) only while every resident session is in a
 request or not yet durable. A worker without a store, which can evict
 nothing, refuses new sessions 503 while over it (stats["kv_full_refused"]).
+A verbatim repeat of a session's last answered request (its id and client send
+stamp) is refused 409 (stats["duplicates_refused"]), never run on top of its
+own turn.
 """
 from __future__ import annotations
 
@@ -114,6 +117,7 @@ class _Session:
     request: _Request | None = None
     restored_tokens: int = 0  # handed to the session's next request, which reports them
     unsure: int | None = None  # a request answered 503 whose put the store could not confirm (_settle)
+    answered: tuple[int, int] | None = None  # (request id, client send stamp) of its last turn answered 200
 
 
 @dataclass
@@ -141,7 +145,7 @@ class Worker:
                           restores=0, evictions=0, over_budget_steps=0, stale_dropped=0, replay_restored=0,
                           moved_without_store=0, closed=0, whole_reputs=0, superseded=0, context_full=0,
                           store_errors=0, replays_durable=0, abandoned=0, unsure_rolled_back=0, kv_full_refused=0,
-                          simulated_s=0.0)
+                          duplicates_refused=0, simulated_s=0.0)
         self.last_store_error: str | None = None
         self._abandoned: dict[SessionKey, int] = {}   # the request released as abandoned, per session
 
@@ -162,7 +166,7 @@ class Worker:
         entries["status"][:n] = wire.STATUS_OK
         segments: dict[SessionKey, _Segment] = {}
         for i, rec in enumerate(batch):
-            status = self._take(i, rec, segments, t_start)
+            status = self._take(i, rec, segments, t_start, entries)
             if status != wire.STATUS_OK:
                 entries["status"][i] = status
                 self.stats["refused"] += 1
@@ -176,8 +180,9 @@ class Worker:
         comp["t_end"] = time.monotonic_ns()
         return comp
 
-    def _take(self, i: int, rec, segments: dict[SessionKey, _Segment], t_start: int) -> int:
-        """Place record i in its session's segment; the status its entry gets."""
+    def _take(self, i: int, rec, segments: dict[SessionKey, _Segment], t_start: int, entries) -> int:
+        """Place record i in its session's segment; the status its entry gets (and flags, on a refusal
+        the router tells the client the reason of)."""
         key, rid, kind = (int(rec["tenant"]), int(rec["session_id"])), int(rec["request_id"]), int(rec["kind"])
         if kind == records.KIND_DECODE:
             if self._abandoned.get(key) == rid:
@@ -229,6 +234,7 @@ class Worker:
                 # Nothing to evict to: a new session would only grow the KV past its budget. The
                 # sessions held go on; a CLOSE frees one. Before, the KV grew without bound.
                 self.stats["kv_full_refused"] += 1
+                entries["flags"][i] |= records.CE_KV_FULL
                 return wire.STATUS_UNAVAILABLE
             if s is None:
                 s = self._restore(key, (rid, int(rec["t_send"])) if rec["flags"] & records.CHUNK_F_REPLAY else None)
@@ -236,6 +242,14 @@ class Worker:
             self._store_failed(e)
             return wire.STATUS_UNAVAILABLE
         replay = bool(rec["flags"] & records.CHUNK_F_REPLAY)
+        if (not replay and (s.request is None or s.request.request_id != rid) and rec["t_send"]
+                and s.answered == (rid, int(rec["t_send"]))):
+            # The session's last answered request again, its id and send stamp (a client's verbatim
+            # resend, a late duplicate the router no longer remembered): it ran, and its turn is
+            # in the context. Run again, it added its prompt to the context a second time and the
+            # session went on from a history its client never had.
+            self.stats["duplicates_refused"] += 1
+            return wire.STATUS_CONFLICT
         if s.request is not None and (s.request.request_id != rid or (replay and not s.request.replay)):
             # A new request on the session: one the router gave up on (refused, expired: its client
             # got an error) is superseded, and the KV its pieces added is cut off (not the
@@ -308,6 +322,8 @@ class Worker:
             done = self._finish(seg.key, s, t_step)
             if done.snapshot_error is not None:
                 entries["status"][seg.answer] = wire.STATUS_UNAVAILABLE    # its turn is in no store
+            else:
+                s.answered = (done.request_id, done.stamps.get("t_send", 0))
             self.finished.append(done)
 
     def _moved_on(self, key: SessionKey, s: _Session, rec) -> bool:
@@ -357,6 +373,10 @@ class Worker:
         if chain:
             self.stats["restores"] += 1
         s = self.sessions[key] = _Session(cache, restored_tokens=cache.length)
+        if chain and not taken_back:         # its last turn's request, where the delta names it whole
+            last = kvdelta.header(chain[-1])
+            if last["request_id"] and last["sent_ns"]:
+                s.answered = (last["request_id"], last["sent_ns"])
         self._kv_bytes += cache.nbytes
         return s
 
