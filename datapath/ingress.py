@@ -392,6 +392,11 @@ class Consumer(_Thread):
         """Records dropped because the output ring was full."""
         return self.ptr.out.full
 
+    def poll(self) -> int:
+        """One pass over the ring buffers from the calling thread (a consumer not started): the
+        records it took."""
+        return lib.dp_consumer_poll(self.ptr)
+
     def reset(self):
         """Clear the latency records (call while stopped)."""
         lib.dp_lat_reset(ffi.addressof(self.ptr.xdp_lat))
