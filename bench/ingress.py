@@ -136,7 +136,8 @@ def _test_run(ig, consumer, frame, repeat):
     deadline = time.monotonic() + 5
     while consumer.records < after["queued"] and time.monotonic() < deadline:
         if not consumer.poll():
-            time.sleep(0.001)      # the output ring full: its reader empties it every ms
+            time.sleep(0.001)      # (a record not yet readable; one the output ring had no room for is
+                                   # counted and dropped, and the rings hold a whole run: none is)
     if consumer.records < after["queued"]:
         raise RuntimeError(f"the consumer drained {consumer.records} of {after['queued']} records in 5 s")
     return ns if clean else None

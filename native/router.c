@@ -1524,6 +1524,8 @@ static void add_prefill(struct dp_router *rt, struct builder *b, uint32_t ri, ui
     int final = whole && r->next_index == r->chunk_count && pc->next == NIL && r->received == r->chunk_count;
     struct dp_chunk *out = add_record(rt, b, ri, DP_KIND_CHUNK, (uint8_t)final);
     memcpy(out, c, DP_CHUNK_HDR_LEN);
+    out->t_send = r->t_send;             /* the request's on every record: a worker tells a verbatim repeat of
+                                          * it by (id, stamp), and a packet's own stamp differs per chunk */
     memcpy(out->tokens, c->tokens + pc->sent, take * sizeof(uint32_t));
     out->n_tokens = (uint16_t)take;
     /* the admitted answer length, not this packet's: chunks that disagreed made the worker stop

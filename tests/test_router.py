@@ -460,6 +460,20 @@ def test_incomplete_request_expires_with_400(bench_factory):
     assert b.router.worker_stats(0)["depth"] == 0
 
 
+def test_every_record_of_a_request_carries_its_send_stamp_not_its_packet_s(bench_factory):
+    """A worker tells a verbatim repeat of an answered request by its id and send stamp
+    (test_worker); each chunk's packet has its own stamp, so the router writes the request's on
+    every record: with the packets', the repeat's first chunk was refused 409 and its second,
+    stamped otherwise, began a request of half a prompt (found by review)."""
+    b = bench_factory(n_workers=1)
+    arr = chunks_of(6, list(range(200)), max_out=1)
+    arr["t_send"] = [1_000, 2_000]
+    b.send(arr)
+    b.router.poll()
+    batch = b.workers[0].recv_batch(0)
+    assert len(batch) == 2 and batch["t_send"].tolist() == [1_000, 1_000]
+
+
 @pytest.mark.parametrize("status, flags, says", [
     (wire.STATUS_CONFLICT, 0, "already ran"),                       # a repeat of an answered request
     (wire.STATUS_UNAVAILABLE, records.CE_KV_FULL, "KV cache is full"),   # a store-less worker with no room

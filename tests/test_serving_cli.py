@@ -133,6 +133,10 @@ def test_a_zmq_worker_from_the_command_line_puts_and_restores_through_a_served_s
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
-                p.wait(10)
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    p.kill()             # (not hiding the failure above behind this one)
+                    p.wait()
         for suffix in ("out", "in"):
             unlink(f"{tag}.{suffix}")

@@ -202,11 +202,12 @@ def worker(args) -> int:
     # Ctrl-C and SIGTERM set a flag the serving loop reads between its 50 ms waits. As a
     # KeyboardInterrupt, about one SIGINT in 60 was lost here (caught, nothing pending, the worker
     # serving on: seen by hand and in the suite, session 22); where it went was not found.
-    stop = threading.Event()
+    # (a list, not an Event: a second signal landing inside Event.set would wait on its lock for ever)
+    stop = [False]
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, lambda *_: stop.__setitem__(0, True))
     try:
-        worker_process(spec, store, opts, stop)
+        worker_process(spec, store, opts, lambda: stop[0])
     except (OSError, RingError) as e:  # no such ring, or an endpoint that cannot be bound
         print(f"datapath worker: {e}", file=sys.stderr)
         return 1

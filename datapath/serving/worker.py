@@ -600,7 +600,7 @@ def worker_process(lane_spec: tuple, store: SnapshotStore | None, options: Worke
     """Entry point of a worker process (multiprocessing target, and `datapath worker`).
 
     lane_spec: ("shm", name) to attach a lane the router created, or ("zmq", endpoint) to bind
-    one the router connects to.
+    one the router connects to. stop_event: an Event, or a callable saying when to stop.
     """
     from ..lanes import ShmWorkerLane, ZmqWorkerLane
     worker = options.build(store)
@@ -608,7 +608,8 @@ def worker_process(lane_spec: tuple, store: SnapshotStore | None, options: Worke
     lane = ShmWorkerLane(where) if kind == "shm" else ZmqWorkerLane(where)
     try:
         with one_blas_thread():
-            serve(worker, lane, stop_event.is_set if stop_event is not None else (lambda: False))
+            stop = stop_event if callable(stop_event) else stop_event.is_set if stop_event is not None else None
+            serve(worker, lane, stop or (lambda: False))
     finally:
         lane.close()
         close = getattr(store, "close", None)
