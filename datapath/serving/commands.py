@@ -9,7 +9,6 @@ import argparse
 import dataclasses
 import signal
 import sys
-import threading
 import time
 
 import numpy as np
@@ -201,8 +200,8 @@ def worker(args) -> int:
              "503), and one moved here from another worker runs on what this one holds of it"), flush=True)
     # Ctrl-C and SIGTERM set a flag the serving loop reads between its 50 ms waits. As a
     # KeyboardInterrupt, about one SIGINT in 60 was lost here (caught, nothing pending, the worker
-    # serving on: seen by hand and in the suite, session 22); where it went was not found.
-    # (a list, not an Event: a second signal landing inside Event.set would wait on its lock for ever)
+    # serving on: seen by hand and in the suite, session 22); where it went was not found. A list,
+    # not an Event: a second signal landing inside Event.set would wait on its lock for ever.
     stop = [False]
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.__setitem__(0, True))
