@@ -179,7 +179,8 @@ def test_run_figures(report, quick):
                         ig.require_tags(tags)
                     times[name].append(_test_run(prog, consumer, frm, repeat))
             ig.require_tags(False)
-            refused = ig.counters()["drop_bad_tag"] + ig.counters()["drop_unknown_tenant"]
+            counts = ig.counters()
+            refused = counts["drop_bad_tag"] + counts["drop_unknown_tenant"]
             if refused:
                 raise RuntimeError(f"steer_tagged_ns: {refused} tagged runs took the drop path, not the figure")
             for name, ns in times.items():

@@ -194,7 +194,7 @@ class Router:
     # --- admission (native/admission.h), per tenant, live --------------------------------------
     def set_tenant(self, tenant: int, policy: TenantPolicy):
         _check(lib.dp_router_set_tenant(self._rt, tenant, policy.cdata()),
-               f"tenant {tenant} (the tenant table holds {3 * lib.DP_ADM_MAX_TENANTS // 2} at most)")
+               f"tenant {tenant} (the tenant table holds {lib.DP_ADM_MAX_ALL_TENANTS} at most)")
 
     def set_default_tenant(self, policy: TenantPolicy):
         """The settings of every tenant that has none of its own."""

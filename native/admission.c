@@ -42,6 +42,7 @@ struct count_table {
  * Before, 1,024 slots were never freed and a full table scanned all of them per decision (~2.4 us). */
 #define SLOTS (2u * DP_ADM_MAX_TENANTS)
 #define MASK (SLOTS - 1)
+_Static_assert(DP_ADM_MAX_ALL_TENANTS == SLOTS / 4 * 3, "the operator's tenants fill 3/4 of the slots at most");
 #define TABLE_BYTES ((size_t)SLOTS * sizeof(struct tenant))
 #define SWEEP_QUIET_NS 1000000000ull      /* after a sweep that freed little, none for a second */
 
@@ -168,12 +169,13 @@ static void sweep(struct dp_admission *a, uint64_t now)
     a->next_idle = UINT64_MAX;
     for (uint32_t n = 1; n <= SLOTS;) {
         uint32_t i = (start + n) & MASK;
-        if (a->t[i].used && idle_at(&a->t[i]) <= now) {
+        uint64_t at = a->t[i].used ? idle_at(&a->t[i]) : UINT64_MAX;
+        if (at <= now) {
             vacate(a, i);
             continue;
         }
-        if (a->t[i].used)
-            note_idle(a, &a->t[i]);
+        if (at < a->next_idle)
+            a->next_idle = at;
         n++;
     }
     /* Bounds the cost (a pass over the table): one that freed little, as when tenants turn idle
@@ -204,9 +206,11 @@ static struct tenant *find(struct dp_admission *a, uint32_t id, int insert, uint
     struct tenant *t = probe(a, id);
     if (t->used)
         return t;
-    if (insert == FIND || !(insert == INSERT ? room(a, now, 1) : a->used < SLOTS / 4 * 3))
+    uint32_t before = a->used;
+    if (insert == FIND || !(insert == INSERT ? room(a, now, 1) : a->used < DP_ADM_MAX_ALL_TENANTS))
         return NULL;
-    t = probe(a, id);                     /* a sweep may have moved its run */
+    if (a->used != before)
+        t = probe(a, id);                 /* a sweep emptied slots: it may have moved its run */
     t->used = 1;
     t->id = id;
     a->used++;

@@ -68,6 +68,7 @@
 /* CDEF BEGIN */
 #define DP_ADM_MAX_TENANTS 65536         /* tenants with state that take a default-settings tenant's
                                             room (power of two: as many as XDP's tenant_keys map holds) */
+#define DP_ADM_MAX_ALL_TENANTS 98304     /* with the operator's own past that (set_tenant): 3/4 of the slots */
 #define DP_ADM_OUTPUT_SCALE 1024         /* output_factor = 1 + min(max_output, this) / this */
 #define DP_ADM_DAY_S 86400
 
@@ -121,7 +122,7 @@ struct dp_admission;
 struct dp_admission *dp_adm_create(void);
 void dp_adm_destroy(struct dp_admission *a);
 /* Settings of one tenant (kept with its spending), or the default for the others. -ENOSPC: no room
- * (the table holds 1.5 x DP_ADM_MAX_TENANTS tenants at most). */
+ * (the table holds DP_ADM_MAX_ALL_TENANTS tenants at most). */
 int dp_adm_set_tenant(struct dp_admission *a, uint32_t tenant, const struct dp_tenant_cfg *cfg);
 void dp_adm_set_max_chunks(struct dp_admission *a, uint32_t max_chunks);   /* 0: no limit */
 void dp_adm_set_default(struct dp_admission *a, const struct dp_tenant_cfg *cfg);

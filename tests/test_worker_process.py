@@ -43,7 +43,7 @@ def processes():
 
     def start(lane_spec, store, options):
         stop = SPAWN.Event()
-        proc = SPAWN.Process(target=worker_process, args=(lane_spec, store, options, stop), daemon=True)
+        proc = SPAWN.Process(target=worker_process, args=(lane_spec, store, options, stop.is_set), daemon=True)
         proc.start()
         started.append((proc, stop))
         return proc

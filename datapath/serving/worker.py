@@ -596,11 +596,12 @@ def one_blas_thread():
     return threadpool_limits(limits=1, user_api="blas")
 
 
-def worker_process(lane_spec: tuple, store: SnapshotStore | None, options: WorkerOptions, stop_event=None):
+def worker_process(lane_spec: tuple, store: SnapshotStore | None, options: WorkerOptions,
+                   stop: Callable[[], bool] = lambda: False):
     """Entry point of a worker process (multiprocessing target, and `datapath worker`).
 
     lane_spec: ("shm", name) to attach a lane the router created, or ("zmq", endpoint) to bind
-    one the router connects to. stop_event: an Event, or a callable saying when to stop.
+    one the router connects to. stop() says when to stop (an Event's is_set, a signal's flag).
     """
     from ..lanes import ShmWorkerLane, ZmqWorkerLane
     worker = options.build(store)
@@ -608,8 +609,7 @@ def worker_process(lane_spec: tuple, store: SnapshotStore | None, options: Worke
     lane = ShmWorkerLane(where) if kind == "shm" else ZmqWorkerLane(where)
     try:
         with one_blas_thread():
-            stop = stop_event if callable(stop_event) else stop_event.is_set if stop_event is not None else None
-            serve(worker, lane, stop or (lambda: False))
+            serve(worker, lane, stop)
     finally:
         lane.close()
         close = getattr(store, "close", None)
