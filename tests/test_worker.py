@@ -122,7 +122,9 @@ def test_a_request_the_router_gave_up_on_leaves_nothing_in_the_session(model):
 def test_a_superseded_request_is_cut_off_before_the_next_one_s_room_is_judged():
     """Request 2 fills a 512-token context piece by piece until its last piece is refused (413) and
     the router fails it; request 3 (100 tokens) fits the session's real context (41 + 100). The
-    room check ran before the cut once: 3 was refused too, and every request after it."""
+    room check ran before the cut once: 3 was refused too, and every request after it. (Request 2
+    is now cut off at its refusal; the cut at a new request stays for one the router gave up on
+    unseen: test_a_request_the_router_gave_up_on_leaves_nothing_in_the_session)"""
     import dataclasses
     small = Model(dataclasses.replace(ModelConfig(), max_context=512), seed=0)
     w = Worker(small, None, kv_budget_bytes=BIG)
@@ -131,7 +133,7 @@ def test_a_superseded_request_is_cut_off_before_the_next_one_s_room_is_judged():
     statuses = [int(w.step(as_batch([recs[i:i + 1]]))["e"][0]["status"][0]) for i in range(len(recs))]
     assert statuses == [wire.STATUS_OK] * 3 + [wire.STATUS_TOO_LARGE]
     comp = w.step(as_batch([prefill_records(7, 3, prompt(3, 100), 2)[:1]]))
-    assert int(comp["e"][0]["status"][0]) == wire.STATUS_OK and w.stats["superseded"] == 1
+    assert int(comp["e"][0]["status"][0]) == wire.STATUS_OK and w.stats["cut_on_refusal"] == 1
     assert w.sessions[(0, 7)].cache.length == 41 + 100
 
 
@@ -201,11 +203,56 @@ def test_protocol_errors_are_answered_per_record(model):
     twice = prefill_records(4, 4, prompt(4, 5), 4)
     comp = w.step(as_batch([bad_kind, no_tokens, stray_decode, twice, decode_record(4, 4, 4)]))
     assert list(comp["e"][0]["status"][:5]) == [400, 400, 422, 200, 422]
-    assert comp["e"][0]["token"][3] and w.stats["refused"] == 4
-    late = prefill_records(4, 4, prompt(5, 3), 4)  # prompt after the final piece
+    # the router fails request 4 on its second decode's 422: none of it stays, not even its token
+    assert not comp["e"][0]["token"][3] and w.stats["refused"] == 4 and w.stats["cut_on_refusal"] == 1
+    assert _sessions_kv_length(w, 4) == 0 and not finished(w)
+    w.step(as_batch([prefill_records(6, 6, prompt(5, 5), 4)]))
+    late = prefill_records(6, 6, prompt(5, 3), 4)  # prompt after the final piece
     assert w.step(as_batch([late]))["e"][0]["status"][0] == 422
+    assert _sessions_kv_length(w, 6) == 0 and w.stats["cut_on_refusal"] == 2
     out_of_vocab = prefill_records(5, 5, [1, 2, 512], 1)
     assert w.step(as_batch([out_of_vocab]))["e"][0]["status"][0] == 400
+
+
+def test_a_request_refused_a_piece_leaves_nothing_of_it_in_the_session(model):
+    """Its client is told the refusal (here 413: the second piece overflows the context), so none
+    of the request may stay: its first piece, run in an earlier step, is cut off, and its third,
+    which would fit, is refused with it. Before, the first and third ran, the request finished on
+    a prompt with a hole in it, and its turn went to the store under a client told 413."""
+    small = Model(ModelConfig(max_context=300), seed=0)
+    store = MemoryStore()
+    w = Worker(small, store)
+    drive(w.step, [(1, 1, prompt(1, 100), 1)])
+    assert finished(w)[0].context_tokens == 100
+    pieces = prefill_records(1, 2, prompt(2, 266), 1)             # 128 + 128 + 10 tokens
+    assert w.step(as_batch([pieces[:1]]))["e"][0]["status"][0] == 200
+    comp = w.step(as_batch([pieces[1:]]))
+    assert comp["e"][0]["status"][:2].tolist() == [wire.STATUS_TOO_LARGE] * 2
+    assert not finished(w) and store.held((0, 1))[0] == 100 and _sessions_kv_length(w, 1) == 100
+    assert w.stats["cut_on_refusal"] == 1
+    drive(w.step, [(1, 3, prompt(3, 50), 1)])                      # the session goes on from its turn
+    assert finished(w)[0].context_tokens == 150 and store.held((0, 1))[0] == 150
+
+
+def test_a_request_refused_after_a_failed_restore_does_not_start_mid_prompt(model):
+    """The store failed the session's restore at the request's first piece (503); it is back by the
+    second, in the same batch. Before, the second piece restored the session and began the
+    request there, half a prompt long."""
+    store = MemoryStore()
+    drive(Worker(model, store).step, [(1, 1, prompt(1, 40), 1)])
+    w = Worker(model, store)
+    pieces = prefill_records(1, 2, prompt(2, 200), 1)
+    real_restore, calls = store.restore, []
+
+    def flaky(key):
+        calls.append(key)
+        if len(calls) == 1:
+            raise DeviceError("the first read fails")
+        return real_restore(key)
+    store.restore = flaky
+    comp = w.step(as_batch([pieces]))
+    assert comp["e"][0]["status"][:2].tolist() == [wire.STATUS_UNAVAILABLE] * 2
+    assert not finished(w) and store.held((0, 1))[0] == 40
 
 
 def test_context_past_max_context_is_refused_not_fatal():
@@ -578,10 +625,10 @@ def test_a_verbatim_repeat_of_the_session_s_last_answered_request_is_409_not_run
     recs = prefill_records(7, 5, prompt(1, 200), 2, t_send=1_000)
     comp = w.step(as_batch([recs]))
     assert comp["e"][0]["status"][:2].tolist() == [wire.STATUS_CONFLICT] * 2
-    assert w.stats["duplicates_refused"] == 2 and store.held((0, 7))[0] == 201 and not finished(w)
+    assert w.stats["duplicates_refused"] == 1 and store.held((0, 7))[0] == 201 and not finished(w)   # once a request
     assert not w.holds(7) or _sessions_kv_length(w, 7) == 201
     drive(sent_at(w.step, 2_000), [(7, 5, prompt(2, 30), 2)])     # the id reused: a new request
-    assert store.held((0, 7))[0] == 201 + 30 + 1 and w.stats["duplicates_refused"] == 2
+    assert store.held((0, 7))[0] == 201 + 30 + 1 and w.stats["duplicates_refused"] == 1
 
 
 def test_a_repeat_of_a_request_whose_turn_failed_runs(model):

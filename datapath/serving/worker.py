@@ -41,7 +41,9 @@ request or not yet durable. A worker without a store, which can evict
 nothing, refuses new sessions 503 while over it (stats["kv_full_refused"]).
 A verbatim repeat of a session's last answered request (its id and client send
 stamp) is refused 409 (stats["duplicates_refused"]), never run on top of its
-own turn.
+own turn. A request one of whose records is refused (any status: the router
+answers its client with it) leaves nothing in the session: its pieces so far are
+cut off and its later records refused alike (stats["cut_on_refusal"]).
 """
 from __future__ import annotations
 
@@ -145,7 +147,7 @@ class Worker:
                           restores=0, evictions=0, over_budget_steps=0, stale_dropped=0, replay_restored=0,
                           moved_without_store=0, closed=0, whole_reputs=0, superseded=0, context_full=0,
                           store_errors=0, replays_durable=0, abandoned=0, unsure_rolled_back=0, kv_full_refused=0,
-                          duplicates_refused=0, simulated_s=0.0)
+                          duplicates_refused=0, cut_on_refusal=0, simulated_s=0.0)
         self.last_store_error: str | None = None
         self._abandoned: dict[SessionKey, int] = {}   # the request released as abandoned, per session
 
@@ -165,11 +167,16 @@ class Worker:
         entries["request_id"][:n] = batch["request_id"]
         entries["status"][:n] = wire.STATUS_OK
         segments: dict[SessionKey, _Segment] = {}
+        refused: dict[tuple[SessionKey, int], int] = {}   # requests refused a record in this batch
         for i, rec in enumerate(batch):
-            status = self._take(i, rec, segments, t_start, entries)
+            key, rid = (int(rec["tenant"]), int(rec["session_id"])), int(rec["request_id"])
+            status = refused.get((key, rid)) or self._take(i, rec, segments, t_start, entries)
             if status != wire.STATUS_OK:
                 entries["status"][i] = status
                 self.stats["refused"] += 1
+                if rec["kind"] != wire.KIND_CLOSE and (key, rid) not in refused:
+                    refused[key, rid] = status
+                    self._refused(key, rid, segments)
         self.stats["records"] += n
         if segments:
             self._run(list(segments.values()), entries, t_start)
@@ -277,6 +284,18 @@ class Worker:
         if rec["flags"] & records.CHUNK_F_FINAL:
             seg.answer = i
         return wire.STATUS_OK
+
+    def _refused(self, key: SessionKey, rid: int, segments: dict[SessionKey, _Segment]):
+        """One of request rid's records was refused, and the router answers its client with that
+        error: none of it may stay in the session. Its pieces so far are cut off, and its later
+        records in this batch get the same answer (the router sends no more of it). Before, a piece
+        refused 413 left its neighbours running: the request finished on a prompt with a hole in it
+        and its turn was put in the store, under a client that was told 413."""
+        s = self.sessions.get(key)
+        if s is not None and s.request is not None and s.request.request_id == rid:
+            segments.pop(key, None)
+            self._cut_back(key, s)
+            self.stats["cut_on_refusal"] += 1
 
     def _run(self, segs: list[_Segment], entries, t_start: int):
         """The forward pass over all segments, then sampling, finishing and the simulated device time."""
