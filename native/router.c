@@ -62,7 +62,11 @@ struct req {
     uint8_t moved;                               /* its session last ran elsewhere: DP_CHUNK_F_MOVED */
     uint8_t replayed;                            /* failover replayed it once already (see failover) */
     uint8_t replay_refused;                      /* its replay's worker died too: answered 503, its own doing */
-    uint8_t kv_full;                             /* its worker refused it for want of KV room (DP_CE_KV_FULL) */
+    uint8_t kv_full;                             /* every worker tried refused it for want of KV room (DP_CE_KV_FULL) */
+    uint8_t kv_moving;                           /* refused so: its other records in that batch are ignored,
+                                                    then it moves on (kv_move) */
+    uint16_t kv_moves;                           /* workers it moved on from so (kv_move) */
+    int16_t kv_first;                            /* the first of them, where the walk stops */
     uint32_t arr;                                /* its tenant's entry in `arr` while it misses chunks (NIL:
                                                     none missing) */
     uint32_t tokens_in, generated;               /* what ran: settled against the admission's charge */
@@ -126,6 +130,8 @@ struct pool {
 struct last_run {               /* the worker a session's latest request went to */
     uint64_t session;           /* session_key(tenant, session) */
     int32_t worker;
+    uint8_t kv_home;            /* a full store-less worker sent the session there (kv_move): its
+                                 * later requests go there too, not to the policy's pick */
 };
 
 struct dp_router {
@@ -438,9 +444,12 @@ static int policy_pick(struct pool *pl, uint64_t session, uint32_t tenant)
     return k;
 }
 
-/* A worker for a request: its pool by the placement rule, then the policy's pick there. -1 none up,
- * -2 the policy's bad pick, which its caller counts (bad_picks) once the request's fate is settled:
- * a refusal that finds no egress room is decided again on the next pass (it counted twice). */
+static int kv_home(struct dp_router *rt, uint64_t session, uint32_t tenant, int wk, int p);
+
+/* A worker for a request: its pool by the placement rule, then the policy's pick there (or the
+ * session's kv_home). -1 none up, -2 the policy's bad pick, which its caller counts (bad_picks)
+ * once the request's fate is settled: a refusal that finds no egress room is decided again on the
+ * next pass (it counted twice). */
 static int pick_worker(struct dp_router *rt, uint64_t session, uint32_t tenant, int spill, uint16_t *pool,
                        int *spilled)
 {
@@ -454,7 +463,7 @@ static int pick_worker(struct dp_router *rt, uint64_t session, uint32_t tenant, 
     *pool = (uint16_t)p;
     pl->requests++;
     pl->spilled += (uint64_t)*spilled;
-    return pl->member[k];
+    return rt->st.kv_moved ? kv_home(rt, session, tenant, pl->member[k], p) : pl->member[k];
 }
 
 /* Session sk's request now runs on worker wk: did it last run elsewhere? A worker holding the
@@ -466,22 +475,46 @@ static struct last_run *last_run_of(struct dp_router *rt, uint64_t sk)
     return &rt->last_run[(sk >> 20) & ((1u << LAST_RUN_BITS) - 1)];
 }
 
+/* --- a store-less worker's full KV ---------------------------------------------------------
+ * A worker without a store can evict nothing: over its KV budget it refuses a session new to it
+ * 503 flagged DP_CE_KV_FULL, having run none of the request (worker.py). The request then moves
+ * to the next up worker of its pool, and on, each tried once: the policy would pick the full one
+ * again (an affinity policy does, by design). Only when every one has refused is the client
+ * answered 503, with a body saying why. The session lives where the request ran, which only the
+ * router knows: its held requests follow the request, and its later ones (a CLOSE too) are
+ * placed there, not at the policy's pick, while the session's entry in the last-run table says
+ * so (`kv_home`; an entry another session takes loses it: see the README's known limits). */
+
+/* Where a request of the session goes instead of wk, the policy's pick in pool p: the worker a
+ * kv_move sent the session to, if it is up and in that pool. */
+static int kv_home(struct dp_router *rt, uint64_t session, uint32_t tenant, int wk, int p)
+{
+    uint64_t sk = session_key(rt, tenant, session);
+    const struct last_run *e = last_run_of(rt, sk);
+    if (e->session == sk && e->kv_home && e->worker >= 0 && e->worker != wk && rt->view.up[e->worker] &&
+        rt->w[e->worker].pool == p)
+        return e->worker;
+    return wk;
+}
+
 static uint8_t note_run(struct dp_router *rt, uint64_t sk, int wk)
 {
     struct last_run *e = last_run_of(rt, sk);
     uint8_t moved = !(e->session == sk && e->worker == wk);
     rt->st.moved += e->session == sk && e->worker != wk && e->worker >= 0;   /* a move seen, not a first sight */
+    e->kv_home &= !moved;
     e->session = sk;
     e->worker = wk;
     return moved;
 }
 
 /* Session sk's request placed on wk failed: it may never have run there, so where the session
- * last ran is unknown now (the next request is flagged moved and its worker asks the store). */
+ * last ran is unknown now (the next request is flagged moved and its worker asks the store).
+ * Not a kv_home: the session's earlier turns are there and nowhere else. */
 static void forget_run(struct dp_router *rt, uint64_t sk, int wk)
 {
     struct last_run *e = last_run_of(rt, sk);
-    if (e->session == sk && e->worker == wk)
+    if (e->session == sk && e->worker == wk && !e->kv_home)
         e->worker = -1;
 }
 
@@ -807,6 +840,16 @@ static void not_run(struct dp_router *rt, const struct req *r)
     forget_run(rt, session_key(rt, r->tenant, r->session_id), r->worker);
 }
 
+/* static batching: ri leaves worker w's running batch */
+static void set_remove(struct worker *w, uint32_t ri)
+{
+    for (uint32_t s = 0; s < w->n_set; s++)
+        if (w->set[s] == ri) {
+            w->set[s] = w->set[--w->n_set];
+            return;
+        }
+}
+
 static void finish(struct dp_router *rt, uint32_t ri)
 {
     price_admitted(rt);
@@ -835,11 +878,7 @@ static void finish(struct dp_router *rt, uint32_t ri)
     free_list(rt, r->sent_head);        /* no replay needed any more */
     r->sent_head = r->sent_tail = NIL;
     if (r->in_set) {                    /* static: leave the running batch now, before the slot is reused */
-        for (uint32_t s = 0; s < w->n_set; s++)
-            if (w->set[s] == ri) {
-                w->set[s] = w->set[--w->n_set];
-                break;
-            }
+        set_remove(w, ri);
         r->in_set = 0;
     }
     r->state = REQ_DONE;
@@ -1356,6 +1395,80 @@ static void fail_request(struct dp_router *rt, int wk, uint32_t ri, uint16_t sta
         finish(rt, ri);
 }
 
+/* The up worker after wk in its pool that r has not tried (kv_move), -1 if none: the walk stops
+ * at the first that refused it, and after as many moves as the pool has workers (its pools
+ * rebuilt meanwhile, the first may be in no longer). */
+static int kv_next(const struct dp_router *rt, int wk, const struct req *r)
+{
+    const struct pool *pl = &rt->pools[rt->w[wk].pool];
+    uint32_t n = pl->view.n, from = rt->w[wk].local;
+    int first = r->kv_moves ? r->kv_first : wk;
+    if ((uint32_t)r->kv_moves + 1 >= n)
+        return -1;
+    for (uint32_t i = 1; i < n; i++) {
+        uint32_t x = (from + i) % n;
+        if (pl->member[x] == first)
+            return -1;
+        if (pl->view.up[x])
+            return pl->member[x];
+    }
+    return -1;
+}
+
+/* Request ri, none of it run, goes to worker nk: its sent chunks back in front of its pending
+ * ones, all from their first token, and the depth its pending chunks hold moves with them. */
+static void move_unrun(struct dp_router *rt, uint32_t ri, int nk)
+{
+    struct req *r = &rt->reqs[ri];
+    struct worker *w = &rt->w[r->worker];
+    uint64_t sk = session_key(rt, r->tenant, r->session_id);
+    if (r->in_fifo)
+        fifo_remove(rt, w, ri);
+    if (r->in_set) {
+        set_remove(w, ri);
+        r->in_set = 0;
+    }
+    for (uint32_t p = r->pending_head; p != NIL; p = rt->pool[p].next)
+        depth_add(rt, r->worker, -1);
+    if (r->sent_tail != NIL) {
+        rt->pool[r->sent_tail].next = r->pending_head;
+        if (r->pending_tail == NIL)
+            r->pending_tail = r->sent_tail;
+        r->pending_head = r->sent_head;
+        r->sent_head = r->sent_tail = NIL;
+    }
+    for (uint32_t p = r->pending_head; p != NIL; p = rt->pool[p].next) {
+        rt->pool[p].sent = 0;
+        depth_add(rt, nk, 1);
+    }
+    forget_run(rt, sk, r->worker);
+    r->worker = (int16_t)nk;
+    r->moved = note_run(rt, sk, nk);
+    make_ready(rt, ri);
+}
+
+/* All of ri's records in worker wk's batch are answered, the first refused for want of KV room. */
+static void kv_move(struct dp_router *rt, int wk, uint32_t ri)
+{
+    struct req *r = &rt->reqs[ri];
+    int nk = kv_next(rt, wk, r);
+    r->kv_moving = 0;
+    if (nk < 0) {
+        rt->st.refused_by_worker++;
+        r->kv_full = 1;
+        fail_request(rt, wk, ri, DP_STATUS_UNAVAILABLE);
+        return;
+    }
+    if (!r->kv_moves++)
+        r->kv_first = (int16_t)wk;
+    move_unrun(rt, ri, nk);              /* first: it, not a follower, is flagged moved */
+    last_run_of(rt, session_key(rt, r->tenant, r->session_id))->kv_home = 1;
+    for (uint32_t n = r->session_next; n != NIL; n = rt->reqs[n].session_next)
+        if (rt->reqs[n].worker == wk)    /* held behind it, placed on the full worker */
+            move_unrun(rt, n, nk);
+    rt->st.kv_moved++;
+}
+
 static void complete_entry(struct dp_router *rt, int wk, const struct batch_meta *m,
                            const struct dp_completion_entry *e)
 {
@@ -1370,9 +1483,15 @@ static void complete_entry(struct dp_router *rt, int wk, const struct batch_meta
             finish(rt, m->req);
         return;
     }
+    if (e->status == DP_STATUS_UNAVAILABLE && (e->flags & DP_CE_KV_FULL))
+        r->kv_moving = 1;                /* nothing of it ran there: another worker may have room */
+    if (r->kv_moving) {
+        if (r->inflight == 0)
+            kv_move(rt, wk, m->req);
+        return;
+    }
     if (e->status && e->status != DP_STATUS_OK) {
         rt->st.refused_by_worker++;
-        r->kv_full = e->status == DP_STATUS_UNAVAILABLE && (e->flags & DP_CE_KV_FULL);
         fail_request(rt, wk, m->req, e->status);
         return;
     }

@@ -121,6 +121,8 @@ struct dp_router_stats {
                                      * control plane's word until it says up */
     uint64_t tenant_share_refused;  /* 503: the tenant's requests still arriving hold its share of the
                                      * chunk pool's room or of the request table (router.c, TENANT_SHARE) */
+    uint64_t kv_moved;          /* requests a store-less worker refused for want of KV room, moved to
+                                 * the next worker of their pool (router.c, kv_move) */
     uint32_t active_requests, pool_free;
 };
 

@@ -10,6 +10,7 @@ import pytest
 from bench.e2e import _config, fresh_store
 from datapath import client
 from datapath.pipeline import Pipeline
+from datapath.serving.model import KVCache, ModelConfig
 
 
 @pytest.mark.root
@@ -180,6 +181,21 @@ def test_a_sigterm_while_the_pipeline_is_built_leaves_no_namespace():
     netns_dir = "/run/netns"
     left = [n for n in (os.listdir(netns_dir) if os.path.isdir(netns_dir) else []) if n.startswith(f"dp{proc.pid}t")]
     assert left == [], left
+
+
+@pytest.mark.root
+@pytest.mark.bpf
+def test_new_sessions_a_store_less_worker_has_no_kv_room_for_run_on_the_next_worker():
+    """Two store-less workers with KV room for about six sessions each, the policy sending every
+    session to worker 0: past its six it refuses new ones (503, CE_KV_FULL), and the router moves
+    them to worker 1. Before, six of the twelve clients got 503 with worker 1 empty."""
+    one_session = KVCache(ModelConfig()).nbytes          # a 64-token prompt and 4 tokens out fit in it
+    with Pipeline(_config(workers=2, policy="weighted", kv_budget_bytes=int(5.5 * one_session))) as p:
+        p.router.set_weight(1, 0)
+        r = p.offer(50, 12, sessions=12)
+        st = p.router.stats()
+    assert r["resp_ok"] == 12 and r["unanswered"] == 0, r["by_status"]
+    assert st["kv_moved"] >= 1 and st["refused_by_worker"] == 0
 
 
 @pytest.mark.root

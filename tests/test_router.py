@@ -501,6 +501,74 @@ def test_a_worker_s_refusal_whose_reason_the_client_cannot_guess_comes_with_a_bo
         assert doc["status"] == status and says in doc["error"]
 
 
+def answer_kv_full(b, k):
+    """Worker k, without a store and over its KV budget, refuses the batch's request as worker.py
+    does: its first record 503 flagged CE_KV_FULL, the rest of it 503; returns the batch."""
+    batch = b.workers[k].recv_batch(0)
+    comp = lanes.completion_for(batch, [0] * len(batch))
+    comp["e"][0]["status"][:len(batch)] = wire.STATUS_UNAVAILABLE
+    comp["e"][0]["flags"][0] = records.CE_KV_FULL
+    assert b.workers[k].send_completion(comp)
+    b.router.poll()
+    return batch
+
+
+def batches_waiting(b):
+    return [k for k, w in enumerate(b.workers) if w.lane.stats()["depth"]]
+
+
+@pytest.mark.parametrize("batching", ["dynamic", "static"])
+def test_a_request_a_store_less_worker_has_no_kv_room_for_moves_to_the_next_worker(bench_factory, batching):
+    """A store-less worker over its KV budget refuses a session new to it, having run none of it.
+    The policy (affinity) would pick the full worker again, so the router moves the request to the
+    pool's next up worker, from its first token, and the session's request held behind it
+    follows (on a worker without the first turn it would begin the session again). Before, the
+    client got the 503 though another worker had room."""
+    b = bench_factory(n_workers=3, policy="affinity", batching=batching, max_batch_size=1, batch_timeout_s=0)
+    prompt = list(range(1, 201))
+    b.send(chunks_of(6, prompt, session=9, max_out=1), chunks_of(7, [5, 6], session=9, max_out=1))
+    b.router.poll()
+    (k,) = batches_waiting(b)
+    first = answer_kv_full(b, k)
+    assert batches_waiting(b) == [(k + 1) % 3], "the next worker of the pool"
+    got = b.run((k + 1) % 3)
+    assert prefill_seen(got) == {6: prompt, 7: [5, 6]} and prefill_seen([first]) == {6: prompt}
+    assert {int(r["request_id"]): int(r["status"]) for r in b.responses} == {6: 200, 7: 200}
+    st = b.router.stats()
+    assert st["kv_moved"] == 1 and st["refused_by_worker"] == 0 and st["active_requests"] == 0
+    assert [b.router.worker_stats(x)["depth"] for x in range(3)] == [0, 0, 0]
+    # the session lives there now: its next request and its CLOSE go there, not to the policy's pick
+    close = chunks_of(9, [], session=9)
+    close["kind"], close["n_tokens"] = wire.KIND_CLOSE, 0
+    b.send(chunks_of(8, [7, 8], session=9, max_out=1), close)
+    b.router.poll()
+    assert batches_waiting(b) == [(k + 1) % 3]
+    got = b.run((k + 1) % 3)
+    assert [(int(r["request_id"]), int(r["kind"])) for x in got for r in x] == [(8, wire.KIND_CHUNK),
+                                                                              (9, wire.KIND_CLOSE)]
+    assert b.router.stats()["kv_moved"] == 1
+
+
+def test_a_request_every_worker_has_no_kv_room_for_is_refused_503_saying_why(bench_factory):
+    """Each worker of the pool is tried once, from the one after the first to refuse it; then the
+    client gets the 503 and its body."""
+    b = bench_factory(n_workers=3, policy="affinity")
+    b.send(chunks_of(6, list(range(1, 201)), session=9, max_out=1))
+    b.router.poll()
+    tried = []
+    while not b.responses:
+        (k,) = batches_waiting(b)
+        tried.append(k)
+        answer_kv_full(b, k)
+        b.collect()
+    assert sorted(tried) == [0, 1, 2] and tried == [(tried[0] + i) % 3 for i in range(3)]
+    (r,) = b.responses
+    assert r["status"] == wire.STATUS_UNAVAILABLE and "KV cache is full" in json.loads(bytes(r["body"][:r["body_len"]]))["error"]
+    st = b.router.stats()
+    assert st["kv_moved"] == 2 and st["refused_by_worker"] == 1 and st["active_requests"] == 0
+    assert [b.router.worker_stats(x)["depth"] for x in range(3)] == [0, 0, 0]
+
+
 def test_late_duplicate_of_a_finished_request_is_not_run_again(bench_factory):
     b = bench_factory()
     arr = chunks_of(5, [1, 2, 3], max_out=1)
