@@ -1415,6 +1415,23 @@ static int kv_next(const struct dp_router *rt, int wk, const struct req *r)
     return -1;
 }
 
+/* r's sent chunks go back in front of its pending ones, all from their first token, each counted
+ * in worker nk's depth (a failover, a kv_move) */
+static void requeue_all(struct dp_router *rt, struct req *r, int nk)
+{
+    if (r->sent_tail != NIL) {
+        rt->pool[r->sent_tail].next = r->pending_head;
+        if (r->pending_tail == NIL)
+            r->pending_tail = r->sent_tail;
+        r->pending_head = r->sent_head;
+        r->sent_head = r->sent_tail = NIL;
+    }
+    for (uint32_t p = r->pending_head; p != NIL; p = rt->pool[p].next) {
+        rt->pool[p].sent = 0;
+        depth_add(rt, nk, 1);
+    }
+}
+
 /* Request ri, none of it run, goes to worker nk: its sent chunks back in front of its pending
  * ones, all from their first token, and the depth its pending chunks hold moves with them. */
 static void move_unrun(struct dp_router *rt, uint32_t ri, int nk)
@@ -1430,17 +1447,7 @@ static void move_unrun(struct dp_router *rt, uint32_t ri, int nk)
     }
     for (uint32_t p = r->pending_head; p != NIL; p = rt->pool[p].next)
         depth_add(rt, r->worker, -1);
-    if (r->sent_tail != NIL) {
-        rt->pool[r->sent_tail].next = r->pending_head;
-        if (r->pending_tail == NIL)
-            r->pending_tail = r->sent_tail;
-        r->pending_head = r->sent_head;
-        r->sent_head = r->sent_tail = NIL;
-    }
-    for (uint32_t p = r->pending_head; p != NIL; p = rt->pool[p].next) {
-        rt->pool[p].sent = 0;
-        depth_add(rt, nk, 1);
-    }
+    requeue_all(rt, r, nk);
     forget_run(rt, sk, r->worker);
     r->worker = (int16_t)nk;
     r->moved = note_run(rt, sk, nk);
@@ -1952,18 +1959,7 @@ static void failover(struct dp_router *rt, uint32_t k)
             finish(rt, ri);
             continue;
         }
-        /* the sent chunks go back in front of the pending ones, all from their first token */
-        if (r->sent_tail != NIL) {
-            rt->pool[r->sent_tail].next = r->pending_head;
-            if (r->pending_tail == NIL)
-                r->pending_tail = r->sent_tail;
-            r->pending_head = r->sent_head;
-            r->sent_head = r->sent_tail = NIL;
-        }
-        for (uint32_t p = r->pending_head; p != NIL; p = rt->pool[p].next) {
-            rt->pool[p].sent = 0;
-            depth_add(rt, nk, 1);
-        }
+        requeue_all(rt, r, nk);
         r->worker = (int16_t)nk;
         note_run(rt, session_key(rt, r->tenant, r->session_id), nk);
         r->moved = 1;                    /* replayed elsewhere: its session moved for sure */
