@@ -130,8 +130,6 @@ struct pool {
 struct last_run {               /* the worker a session's latest request went to */
     uint64_t session;           /* session_key(tenant, session) */
     int32_t worker;
-    uint8_t kv_home;            /* a full store-less worker sent the session there (kv_move): its
-                                 * later requests go there too, not to the policy's pick */
 };
 
 struct dp_router {
@@ -154,6 +152,7 @@ struct dp_router {
     struct req *reqs;                   /* slab of cfg.max_requests */
     uint32_t req_free;                  /* free slots, linked through fifo_next */
     struct index by_id, by_session;     /* request key -> slot; session key -> its latest request */
+    struct index kv_homes;              /* session key -> the worker a kv_move sent it to (its slot) */
     struct pooled *pool;
     uint32_t pool_free;                 /* free list head */
     uint32_t done_head, done_tail;      /* finished requests waiting for egress room (via fifo_next) */
@@ -463,7 +462,7 @@ static int pick_worker(struct dp_router *rt, uint64_t session, uint32_t tenant, 
     *pool = (uint16_t)p;
     pl->requests++;
     pl->spilled += (uint64_t)*spilled;
-    return rt->st.kv_moved ? kv_home(rt, session, tenant, pl->member[k], p) : pl->member[k];
+    return rt->st.kv_homes ? kv_home(rt, session, tenant, pl->member[k], p) : pl->member[k];
 }
 
 /* Session sk's request now runs on worker wk: did it last run elsewhere? A worker holding the
@@ -481,19 +480,52 @@ static struct last_run *last_run_of(struct dp_router *rt, uint64_t sk)
  * to the next up worker of its pool, and on, each tried once: the policy would pick the full one
  * again (an affinity policy does, by design). Only when every one has refused is the client
  * answered 503, with a body saying why. The session lives where the request ran, which only the
- * router knows: its held requests follow the request, and its later ones (a CLOSE too) are
- * placed there, not at the policy's pick, while the session's entry in the last-run table says
- * so (`kv_home`; an entry another session takes loses it: see the README's known limits). */
+ * router knows: its held requests follow the request, and its later ones are placed there, not
+ * at the policy's pick, remembered in `kv_homes` (not in the lossy last-run table: a session that
+ * lost its entry to another would begin again, without its turns, on a worker with room) until
+ * its CLOSE. Full, it takes no more: a request that would need an entry is answered 503 as if
+ * every worker were full. */
+#define KV_HOMES 4096
+
+/* The worker kv_homes holds for session sk, NIL if none. */
+static uint32_t kv_home_of(const struct dp_router *rt, uint64_t sk)
+{
+    for (uint32_t i = (uint32_t)sk & rt->kv_homes.mask;; i = (i + 1) & rt->kv_homes.mask)
+        if (rt->kv_homes.e[i].slot == NIL || rt->kv_homes.e[i].key == sk)
+            return rt->kv_homes.e[i].slot;
+}
+
+/* 0 if the table is full */
+static int kv_home_set(struct dp_router *rt, uint64_t sk, int wk)
+{
+    uint32_t old = kv_home_of(rt, sk);
+    if (old != NIL) {
+        index_move(&rt->kv_homes, sk, old, (uint32_t)wk);
+        return 1;
+    }
+    if (rt->st.kv_homes >= KV_HOMES)
+        return 0;
+    index_add(&rt->kv_homes, sk, (uint32_t)wk);
+    rt->st.kv_homes++;
+    return 1;
+}
+
+static void kv_home_drop(struct dp_router *rt, uint64_t sk)
+{
+    uint32_t old = kv_home_of(rt, sk);
+    if (old != NIL) {
+        index_move(&rt->kv_homes, sk, old, NIL);
+        rt->st.kv_homes--;
+    }
+}
 
 /* Where a request of the session goes instead of wk, the policy's pick in pool p: the worker a
  * kv_move sent the session to, if it is up and in that pool. */
 static int kv_home(struct dp_router *rt, uint64_t session, uint32_t tenant, int wk, int p)
 {
-    uint64_t sk = session_key(rt, tenant, session);
-    const struct last_run *e = last_run_of(rt, sk);
-    if (e->session == sk && e->kv_home && e->worker >= 0 && e->worker != wk && rt->view.up[e->worker] &&
-        rt->w[e->worker].pool == p)
-        return e->worker;
+    uint32_t h = kv_home_of(rt, session_key(rt, tenant, session));
+    if (h != NIL && (int)h != wk && rt->view.up[h] && rt->w[h].pool == p)
+        return (int)h;
     return wk;
 }
 
@@ -502,19 +534,17 @@ static uint8_t note_run(struct dp_router *rt, uint64_t sk, int wk)
     struct last_run *e = last_run_of(rt, sk);
     uint8_t moved = !(e->session == sk && e->worker == wk);
     rt->st.moved += e->session == sk && e->worker != wk && e->worker >= 0;   /* a move seen, not a first sight */
-    e->kv_home &= !moved;
     e->session = sk;
     e->worker = wk;
     return moved;
 }
 
 /* Session sk's request placed on wk failed: it may never have run there, so where the session
- * last ran is unknown now (the next request is flagged moved and its worker asks the store).
- * Not a kv_home: the session's earlier turns are there and nowhere else. */
+ * last ran is unknown now (the next request is flagged moved and its worker asks the store). */
 static void forget_run(struct dp_router *rt, uint64_t sk, int wk)
 {
     struct last_run *e = last_run_of(rt, sk);
-    if (e->session == sk && e->worker == wk && !e->kv_home)
+    if (e->session == sk && e->worker == wk)
         e->worker = -1;
 }
 
@@ -1131,6 +1161,8 @@ static int close_session(struct dp_router *rt, const struct dp_chunk *c, uint64_
         rt->st.bad_picks += wk == -2;
         return 1;
     }
+    if (rt->st.kv_homes)                 /* placed at its home: after it, the session id starts afresh */
+        kv_home_drop(rt, session_key(rt, c->tenant, c->session_id));
     ri = req_insert(rt, key);
     struct req *r = req_init(rt, ri, c, key, t, wk, pool);
     r->chunk_count = 1;                  /* one record, nothing to generate */
@@ -1458,9 +1490,10 @@ static void move_unrun(struct dp_router *rt, uint32_t ri, int nk)
 static void kv_move(struct dp_router *rt, int wk, uint32_t ri)
 {
     struct req *r = &rt->reqs[ri];
+    uint64_t sk = session_key(rt, r->tenant, r->session_id);
     int nk = kv_next(rt, wk, r);
     r->kv_moving = 0;
-    if (nk < 0) {
+    if (nk < 0 || !kv_home_set(rt, sk, nk)) {
         rt->st.refused_by_worker++;
         r->kv_full = 1;
         fail_request(rt, wk, ri, DP_STATUS_UNAVAILABLE);
@@ -1469,7 +1502,6 @@ static void kv_move(struct dp_router *rt, int wk, uint32_t ri)
     if (!r->kv_moves++)
         r->kv_first = (int16_t)wk;
     move_unrun(rt, ri, nk);              /* first: it, not a follower, is flagged moved */
-    last_run_of(rt, session_key(rt, r->tenant, r->session_id))->kv_home = 1;
     for (uint32_t n = r->session_next; n != NIL; n = rt->reqs[n].session_next)
         if (rt->reqs[n].worker == wk)    /* held behind it, placed on the full worker */
             move_unrun(rt, n, nk);
@@ -2320,7 +2352,10 @@ static struct dp_router *router_new(const struct dp_router_config *cfg, const ch
     rt->by_id.mask = rt->by_session.mask = rt->by_tenant.mask = 2 * c.max_requests - 1;
     rt->early.mask = early_slots(c.pool_chunks) - 1;
     rt->early.e = hot_alloc(early_slots(c.pool_chunks) * sizeof(*rt->early.e));
-    if (!rt->reqs || !rt->pool || !rt->by_id.e || !rt->by_session.e || !rt->arr || !rt->by_tenant.e || !rt->early.e) {
+    rt->kv_homes.mask = 2 * KV_HOMES - 1;
+    rt->kv_homes.e = hot_alloc(2 * KV_HOMES * sizeof(*rt->kv_homes.e));
+    if (!rt->reqs || !rt->pool || !rt->by_id.e || !rt->by_session.e || !rt->arr || !rt->by_tenant.e || !rt->early.e ||
+        !rt->kv_homes.e) {
         dp_router_destroy(rt);
         *err = -ENOMEM;
         return NULL;
@@ -2332,6 +2367,8 @@ static struct dp_router *router_new(const struct dp_router_config *cfg, const ch
         rt->by_id.e[i].slot = rt->by_session.e[i].slot = rt->by_tenant.e[i].slot = NIL;
     for (uint32_t i = 0; i <= rt->early.mask; i++)
         rt->early.e[i].slot = NIL;
+    for (uint32_t i = 0; i <= rt->kv_homes.mask; i++)
+        rt->kv_homes.e[i].slot = NIL;
     rt->req_free = NIL;
     for (uint32_t i = c.max_requests; i-- > 0;) {
         rt->reqs[i].fifo_next = rt->req_free;
@@ -2386,6 +2423,7 @@ void dp_router_destroy(struct dp_router *rt)
     hot_free(rt->arr, rt->cfg.max_requests * sizeof(*rt->arr));
     hot_free(rt->by_tenant.e, 2 * (size_t)rt->cfg.max_requests * sizeof(*rt->by_tenant.e));
     hot_free(rt->early.e, early_slots(rt->cfg.pool_chunks) * sizeof(*rt->early.e));
+    hot_free(rt->kv_homes.e, 2 * KV_HOMES * sizeof(*rt->kv_homes.e));
     if (rt->cuts_fd >= 0)
         close(rt->cuts_fd);
     if (rt->buckets_fd >= 0)

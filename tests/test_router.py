@@ -522,8 +522,8 @@ def test_a_request_a_store_less_worker_has_no_kv_room_for_moves_to_the_next_work
     """A store-less worker over its KV budget refuses a session new to it, having run none of it.
     The policy (affinity) would pick the full worker again, so the router moves the request to the
     pool's next up worker, from its first token, and the session's request held behind it
-    follows (on a worker without the first turn it would begin the session again). Before, the
-    client got the 503 though another worker had room."""
+    follows (on a worker without the first turn it would begin the session again), as do its
+    later requests until its CLOSE. Before, the client got the 503 though another worker had room."""
     b = bench_factory(n_workers=3, policy="affinity", batching=batching, max_batch_size=1, batch_timeout_s=0)
     prompt = list(range(1, 201))
     b.send(chunks_of(6, prompt, session=9, max_out=1), chunks_of(7, [5, 6], session=9, max_out=1))
@@ -536,7 +536,7 @@ def test_a_request_a_store_less_worker_has_no_kv_room_for_moves_to_the_next_work
     assert {int(r["request_id"]): int(r["status"]) for r in b.responses} == {6: 200, 7: 200}
     st = b.router.stats()
     assert st["kv_moved"] == 1 and st["refused_by_worker"] == 0 and st["active_requests"] == 0
-    assert [b.router.worker_stats(x)["depth"] for x in range(3)] == [0, 0, 0]
+    assert st["kv_homes"] == 1 and [b.router.worker_stats(x)["depth"] for x in range(3)] == [0, 0, 0]
     # the session lives there now: its next request and its CLOSE go there, not to the policy's pick
     close = chunks_of(9, [], session=9)
     close["kind"], close["n_tokens"] = wire.KIND_CLOSE, 0
@@ -546,7 +546,29 @@ def test_a_request_a_store_less_worker_has_no_kv_room_for_moves_to_the_next_work
     got = b.run((k + 1) % 3)
     assert [(int(r["request_id"]), int(r["kind"])) for x in got for r in x] == [(8, wire.KIND_CHUNK),
                                                                               (9, wire.KIND_CLOSE)]
-    assert b.router.stats()["kv_moved"] == 1
+    assert b.router.stats()["kv_moved"] == 1 and b.router.stats()["kv_homes"] == 0
+    b.send(chunks_of(10, [9], session=9, max_out=1))        # the id afresh after its CLOSE: the policy's
+    b.router.poll()
+    assert batches_waiting(b) == [k]
+
+
+def test_sessions_moved_for_kv_room_are_remembered_until_the_table_is_full_then_refused(bench_factory):
+    """A session moved away from a full worker is placed where it moved until its CLOSE, so the
+    router remembers each; past KV_HOMES (4,096) of them it cannot, and a request that would need
+    one more is answered 503 like one every worker refused, not moved where its later requests
+    would not find it."""
+    b = bench_factory(n_workers=2, policy="weighted")
+    b.router.set_weight(1, 0)                                  # every session to worker 0 first
+    for i in range(4096 + 1):
+        b.send(chunks_of(i + 1, [1, 2], session=10_000 + i, max_out=1))
+        b.router.poll()
+        answer_kv_full(b, 0)
+        b.step(1)
+        b.collect()
+    st = b.router.stats()
+    assert st["kv_homes"] == 4096 and st["kv_moved"] == 4096 and st["refused_by_worker"] == 1
+    statuses = [int(r["status"]) for r in b.responses]
+    assert statuses.count(200) == 4096 and statuses[-1] == wire.STATUS_UNAVAILABLE
 
 
 def test_a_request_every_worker_has_no_kv_room_for_is_refused_503_saying_why(bench_factory):
