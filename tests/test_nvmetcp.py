@@ -9,15 +9,18 @@ import os
 import random
 import signal
 import socket
+import struct
 import subprocess
 import threading
 import time
+import uuid
 
 import pytest
 
 from snapshotstore import Delta, DeviceError, LogStore, SnapshotError, format_device, session_key
 from snapshotstore.device import aligned_buffer, create_image
 from snapshotstore.nvmetcp import NvmeError, NvmeTcpDevice, Target, parse_url
+from snapshotstore.nvmetcp.initiator import host_identity
 from snapshotstore.nvmetcp import pdu as P
 from snapshotstore.nvmetcp.process import TargetProcess
 from snapshotstore.nvmetcp.target import DEFAULT_NQN, MAX_CONNECTIONS
@@ -85,7 +88,7 @@ OFFSETS = [
     (P.ID_CTRL, "ioccsz", 1792), (P.ID_CTRL, "iorcsz", 1796), (P.ID_CTRL, "icdoff", 1800),
     (P.ID_CTRL, "fcatt", 1802), (P.ID_CTRL, "msdbd", 1803), (P.ID_CTRL, "ofcs", 1804),
     (P.ID_NS, "nsze", 0), (P.ID_NS, "ncap", 8), (P.ID_NS, "nuse", 16), (P.ID_NS, "nlbaf", 25),
-    (P.ID_NS, "flbas", 26), (P.ID_NS, "nawun", 34), (P.ID_NS, "lbaf0", 128),
+    (P.ID_NS, "flbas", 26), (P.ID_NS, "nawun", 34), (P.ID_NS, "lbaf", 128),
 ]
 
 CONSTANTS = [
@@ -114,6 +117,38 @@ CONSTANTS = [
 @pytest.mark.parametrize("layout,size", SIZES, ids=lambda v: str(v) if isinstance(v, int) else None)
 def test_layout_sizes(layout, size):
     assert layout.size == size
+
+
+def test_the_host_is_the_one_nvme_cli_names_not_a_new_one_each_open(tmp_path):
+    """A random host NQN on every open: a target admitting listed hosts only (nvmet without
+    allow_any_host) refused the store, and a host that reopened came back as another host. It is
+    /etc/nvme's, as nvme-cli keeps it; random only where that is missing."""
+    nqn, hid = tmp_path / "hostnqn", tmp_path / "hostid"
+    u = "2b1c6d6e-6a5f-4c1e-9d7a-0a1b2c3d4e5f"
+    files = (str(nqn), str(hid))
+    nqn.write_text(f"nqn.2014-08.org.nvmexpress:uuid:{u}\n")
+    hid.write_text(u + "\n")
+    assert host_identity(files) == (f"nqn.2014-08.org.nvmexpress:uuid:{u}", uuid.UUID(u))
+    hid.unlink()                                              # the ID from the NQN's UUID
+    assert host_identity(files) == (f"nqn.2014-08.org.nvmexpress:uuid:{u}", uuid.UUID(u))
+    nqn.write_text("nqn.2026-12.io.example:host-a\n")       # a named NQN, no ID: a random ID, the NQN kept
+    got = host_identity(files)
+    assert got[0] == "nqn.2026-12.io.example:host-a" and got[1] != host_identity(files)[1]
+    nqn.unlink()
+    a, b = host_identity(files), host_identity(files)
+    assert a != b and a[0] == f"nqn.2014-08.org.nvmexpress:uuid:{a[1]}"
+
+
+def test_the_block_size_is_the_active_lba_format_s_not_format_0_s():
+    """FLBAS picks the namespace's format in use (bits 3:0, and 6:5 above them); the initiator read
+    format 0 always, so a drive exported with 512-byte format 0 and 4 KiB in use (common behind
+    SPDK or a passthru target) had every LBA computed 8x wrong."""
+    def ns(flbas, formats):
+        lbaf = b"".join(struct.pack("<I", lbads << 16 | ms) for lbads, ms in formats)
+        return P.unpack(P.ID_NS, P.pack(P.ID_NS, nlbaf=len(formats) - 1, flbas=flbas, lbaf=lbaf))
+    assert P.lba_format(ns(0, [(9, 0), (12, 0)])) == (512, 0)
+    assert P.lba_format(ns(1, [(9, 0), (12, 0)])) == (4096, 0)
+    assert P.lba_format(ns(0x20 | 1, [(9, 0)] * 17 + [(12, 8)])) == (4096, 8)   # index 17: bits 6:5 too
 
 
 @pytest.mark.parametrize("layout,field,offset", OFFSETS, ids=[f"{f}@{o}" for _, f, o in OFFSETS])
@@ -309,9 +344,9 @@ def _identify(dev, cns, nsid=0) -> bytes:
 def test_namespace_list_and_descriptors_as_linux_scans_them(image):
     # nvme_scan_work(): the active namespace list (CNS 02h), then per namespace the identification
     # descriptors (CNS 03h; a failure there means no /dev/nvmeXnY at all) and Identify Namespace
-    uuids = []
-    for n in range(2):
-        with Target(image(f"ns{n}.img"), port=0) as t:
+    uuids, paths = [], [image("ns0.img"), image("ns1.img")]
+    for path in (paths[0], paths[0], paths[1]):
+        with Target(path, port=0) as t:
             dev = NvmeTcpDevice(t.url)
             try:
                 assert _identify(dev, P.CNS_ACTIVE_NS_LIST) == (1).to_bytes(4, "little") + bytes(4092)
@@ -327,7 +362,9 @@ def test_namespace_list_and_descriptors_as_linux_scans_them(image):
                     _identify(dev, P.CNS_NS_DESCRIPTORS, nsid=2)
             finally:
                 dev.close()
-    assert uuids[0] == uuids[1] != bytes(16)                 # stable: the subsystem's namespace 1
+    # stable for its backing image, another for another image under the same NQN: a host that saw
+    # the same UUID took it for the same namespace and kept its cached blocks
+    assert uuids[0] == uuids[1] != uuids[2] and bytes(16) not in uuids
 
 
 def test_every_capsule_carries_psdt_sgl(target, monkeypatch):

@@ -31,6 +31,31 @@ QUEUE_SIZE = 32              # entries; the Connect sends it 0's based
 READY_TIMEOUT_S = 5.0
 TRANSIENT_RETRIES = 3
 NO_MDTS_BYTES = 4 << 20      # the most one command moves when the controller sets no limit (MDTS 0)
+CC_ENABLED = P.CC_EN | 6 << 16 | 4 << 20     # IOSQES 64 B, IOCQES 16 B
+
+
+HOST_FILES = ("/etc/nvme/hostnqn", "/etc/nvme/hostid")
+
+
+def host_identity(files: tuple[str, str] = HOST_FILES) -> tuple[str, uuid.UUID]:
+    """This host's NQN and host ID as nvme-cli keeps them, so a target that admits listed hosts only
+    admits it, and every open is the same host; a fresh random pair where they are missing. An
+    ID file missing or unreadable beside an NQN of the uuid form takes the NQN's UUID."""
+    def read(path):
+        try:
+            with open(path) as f:
+                return f.read().strip() or None
+        except OSError:
+            return None
+    nqn, hostid = read(files[0]), read(files[1])
+    for text in (hostid, nqn.rsplit(":uuid:", 1)[1] if nqn and ":uuid:" in nqn else None):
+        try:
+            if text:
+                return nqn or f"nqn.2014-08.org.nvmexpress:uuid:{uuid.UUID(text)}", uuid.UUID(text)
+        except ValueError:
+            pass
+    hid = uuid.uuid4()
+    return nqn or f"nqn.2014-08.org.nvmexpress:uuid:{hid}", hid
 
 
 class NvmeError(DeviceError):
@@ -250,8 +275,8 @@ class NvmeTcpDevice:
         host, port, self.subnqn = parse_url(url)
         digests = digests or url.endswith("?digests")          # header and data digests, from the URL too
         self.path, self.readonly = url, readonly
-        hostid = uuid.uuid4()
-        self.hostnqn = hostnqn or f"nqn.2014-08.org.nvmexpress:uuid:{hostid}"
+        nqn, hostid = host_identity()
+        self.hostnqn = hostnqn or nqn
         self._lock = threading.Lock()
         self._queue_args, self._hostid = (url, host, port, digests, timeout_s), hostid.bytes
         self.admin = _Queue(url, host, port, 0, digests, timeout_s)
@@ -263,7 +288,10 @@ class NvmeTcpDevice:
             ns = self._identify(P.CNS_NAMESPACE, 1, P.ID_NS)
             if P.nqn_of(ctrl["subnqn"]) != self.subnqn:
                 raise DeviceError(f"{url}: the controller reports subsystem {P.nqn_of(ctrl['subnqn'])!r}")
-            self.block_size = 1 << (ns["lbaf0"] >> 16 & 0xFF)      # LBA format 0's LBADS
+            self.block_size, metadata = P.lba_format(ns)
+            if metadata:
+                raise DeviceError(f"{url}: namespace 1 is formatted with {metadata} bytes of metadata per "
+                                  f"block; the store writes plain blocks (format it without metadata)")
             self.blocks = ns["nsze"]
             self.size = self.blocks * self.block_size
             # MDTS in units of CAP.MPSMIN (4 KiB); 0 means no limit (Linux's nvmet), where a command is
@@ -308,7 +336,7 @@ class NvmeTcpDevice:
 
     def _enable(self):
         self.mqes = (self.admin.get_property(P.PROP_CAP, size8=True) & 0xFFFF) + 1   # its I/O queues' most entries
-        self.admin.set_property(P.PROP_CC, P.CC_EN | 6 << 16 | 4 << 20)     # IOSQES 64 B, IOCQES 16 B
+        self.admin.set_property(P.PROP_CC, CC_ENABLED)
         deadline = time.monotonic() + READY_TIMEOUT_S
         while not self.admin.get_property(P.PROP_CSTS) & P.CSTS_RDY:
             if time.monotonic() > deadline:
@@ -368,7 +396,13 @@ class NvmeTcpDevice:
         if admin is not None:
             try:
                 if admin.channel.sock.fileno() != -1:
-                    admin.set_property(P.PROP_CC, P.CC_SHN_NORMAL)
+                    # SHN with CC as it was (it cleared EN and the entry sizes before), then CSTS.SHST
+                    # complete: the target has made everything durable
+                    admin.set_property(P.PROP_CC, CC_ENABLED | P.CC_SHN_NORMAL)
+                    deadline = time.monotonic() + READY_TIMEOUT_S
+                    while (admin.get_property(P.PROP_CSTS) & 3 << 2 != P.CSTS_SHST_COMPLETE
+                           and time.monotonic() < deadline):
+                        time.sleep(0.01)
             except DeviceError:
                 pass
             admin.close()

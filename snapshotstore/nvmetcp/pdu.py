@@ -150,8 +150,19 @@ ID_CTRL = Layout((
 ID_NS = Layout((
     ("nsze", "Q"), ("ncap", "Q"), ("nuse", "Q"), ("nsfeat", "B"), ("nlbaf", "B"), ("flbas", "B"), ("mc", "B"),
     ("dpc", "B"), ("dps", "B"), ("nmic", "B"), ("rescap", "B"), ("fpi", "B"), ("dlfeat", "B"), ("nawun", "H"),
-    ("nawupf", "H"), ("rsvd38", "90s"), ("lbaf0", "I"), ("rsvd132", "3964s"),
+    ("nawupf", "H"), ("rsvd38", "90s"), ("lbaf", "256s"), ("rsvd384", "3712s"),   # LBAF0-63, 4 bytes each
 ))
+
+
+def lba_format(ns: dict) -> tuple[int, int]:
+    """(LBA data size, metadata bytes per LBA) of the namespace's active format: FLBAS bits 3:0,
+    and 6:5 as the index's high bits, pick one of its LBA formats (format 0 is not the active one
+    on every drive: 512 bytes there and 4 KiB in use is common)."""
+    index = (ns["flbas"] & 0xF) | (ns["flbas"] >> 1 & 0x30)
+    lbaf = struct.unpack_from("<I", ns["lbaf"], 4 * index)[0]
+    return 1 << (lbaf >> 16 & 0xFF), lbaf & 0xFFFF
+
+
 NVME_VERSION = 0x00010400    # 1.4
 NQN_LEN = 256
 ADMIN_ICD = 8192             # in-capsule data on the admin queue (Linux's NVME_TCP_ADMIN_CCSZ): the Connect data

@@ -26,6 +26,7 @@ the target restarted.
 from __future__ import annotations
 
 import collections
+import os
 import select
 import socket
 import struct
@@ -200,7 +201,7 @@ class Target:
     def identify_namespace(self) -> bytes:
         lbads = self.dev.block_size.bit_length() - 1
         return P.pack(P.ID_NS, nsze=self.dev.blocks, ncap=self.dev.blocks, nuse=self.dev.blocks,
-                      nlbaf=0, flbas=0, lbaf0=lbads << 16)
+                      nlbaf=0, flbas=0, lbaf=struct.pack("<I", lbads << 16))
 
     def active_namespaces(self, after: int) -> bytes:
         """Identify CNS 02h: the active NSIDs above after (Linux scans namespaces by this list)."""
@@ -208,8 +209,11 @@ class Target:
 
     def namespace_descriptors(self) -> bytes:
         """Identify CNS 03h: a UUID and the command set (NVM). Linux reads it before Identify Namespace
-        and attaches no namespace when it fails; the UUID is stable for the subsystem's namespace 1."""
-        nsuuid = uuid.uuid5(uuid.NAMESPACE_URL, f"nvme:{self.nqn}:{NSID}").bytes
+        and attaches no namespace when it fails. The UUID names the namespace's backing device (its
+        file or block device, by identity), not the subsystem alone: a target restarted on another
+        image under the same NQN was the same namespace to a host, which kept its cached blocks."""
+        st = os.fstat(self.dev.fd)
+        nsuuid = uuid.uuid5(uuid.NAMESPACE_URL, f"nvme:{self.nqn}:{NSID}:{st.st_dev}:{st.st_ino}:{st.st_rdev}").bytes
         return (P.pack(P.NS_DESC, nidt=P.NIDT_UUID, nidl=16) + nsuuid
                 + P.pack(P.NS_DESC, nidt=P.NIDT_CSI, nidl=1) + b"\0").ljust(P.IDENTIFY_LEN, b"\0")
 
@@ -233,6 +237,8 @@ class Target:
                 reset = [c for c in self._conns if c.connected and c.qid != 0]
                 self.io_queue = None
                 self.association += 1             # their writes still running are refused (_write)
+            if value & P.CC_EN and not self.cc & P.CC_EN:
+                self.csts &= ~(3 << 2)                # enabled again: no shutdown reported any more
             self.cc = value & 0xFFFFFFFF
             if value & P.CC_SHN_MASK:
                 self.dev.sync()                       # a shutdown notification: make everything durable
