@@ -67,6 +67,7 @@ struct req {
                                                     then it moves on (kv_move) */
     uint16_t kv_moves;                           /* workers it moved on from so (kv_move) */
     int16_t kv_first;                            /* the first of them, where the walk stops */
+    uint8_t close;                               /* a CLOSE record's (close_session) */
     uint32_t arr;                                /* its tenant's entry in `arr` while it misses chunks (NIL:
                                                     none missing) */
     uint32_t tokens_in, generated;               /* what ran: settled against the admission's charge */
@@ -483,13 +484,15 @@ static struct last_run *last_run_of(struct dp_router *rt, uint64_t sk)
  * router knows: its held requests follow the request, and its later ones are placed there, not
  * at the policy's pick, remembered in `kv_homes` (not in the lossy last-run table: a session that
  * lost its entry to another would begin again, without its turns, on a worker with room) until
- * its CLOSE. Full, it takes no more: a request that would need an entry is answered 503 as if
- * every worker were full. */
+ * its CLOSE is answered 200, or the request that made the entry found no worker at all. Full, it
+ * takes no more: a request that would need an entry is answered 503 as if every worker were full. */
 #define KV_HOMES 4096
 
 /* The worker kv_homes holds for session sk, NIL if none. */
 static uint32_t kv_home_of(const struct dp_router *rt, uint64_t sk)
 {
+    if (!rt->kv_homes.e)
+        return NIL;
     for (uint32_t i = (uint32_t)sk & rt->kv_homes.mask;; i = (i + 1) & rt->kv_homes.mask)
         if (rt->kv_homes.e[i].slot == NIL || rt->kv_homes.e[i].key == sk)
             return rt->kv_homes.e[i].slot;
@@ -505,6 +508,14 @@ static int kv_home_set(struct dp_router *rt, uint64_t sk, int wk)
     }
     if (rt->st.kv_homes >= KV_HOMES)
         return 0;
+    if (!rt->kv_homes.e) {               /* the first move: a router that never makes one holds no table */
+        rt->kv_homes.e = hot_alloc(2 * KV_HOMES * sizeof(*rt->kv_homes.e));
+        if (!rt->kv_homes.e)
+            return 0;
+        rt->kv_homes.mask = 2 * KV_HOMES - 1;
+        for (uint32_t i = 0; i <= rt->kv_homes.mask; i++)
+            rt->kv_homes.e[i].slot = NIL;
+    }
     index_add(&rt->kv_homes, sk, (uint32_t)wk);
     rt->st.kv_homes++;
     return 1;
@@ -897,6 +908,8 @@ static void finish(struct dp_router *rt, uint32_t ri)
     }
     session_leave(rt, ri);
     remember_done(rt, r->key);
+    if (r->close && !r->status && rt->st.kv_homes)   /* done with the session: its id starts afresh */
+        kv_home_drop(rt, session_key(rt, r->tenant, r->session_id));
     /* the minute's bucket keeps what came and ran, unless the failure is the system's (503: no
      * worker, a store that failed), which must not rate-limit the tenant; a request whose replay
      * killed a second worker is counted its own (it went free, again and again: found by review) */
@@ -1161,10 +1174,9 @@ static int close_session(struct dp_router *rt, const struct dp_chunk *c, uint64_
         rt->st.bad_picks += wk == -2;
         return 1;
     }
-    if (rt->st.kv_homes)                 /* placed at its home: after it, the session id starts afresh */
-        kv_home_drop(rt, session_key(rt, c->tenant, c->session_id));
     ri = req_insert(rt, key);
     struct req *r = req_init(rt, ri, c, key, t, wk, pool);
+    r->close = 1;
     r->chunk_count = 1;                  /* one record, nothing to generate */
     r->max_output = 0;
     if (before != NIL)
@@ -1494,6 +1506,8 @@ static void kv_move(struct dp_router *rt, int wk, uint32_t ri)
     int nk = kv_next(rt, wk, r);
     r->kv_moving = 0;
     if (nk < 0 || !kv_home_set(rt, sk, nk)) {
+        if (r->kv_moves)                 /* its walk made the entry, and no worker holds the session */
+            kv_home_drop(rt, sk);
         rt->st.refused_by_worker++;
         r->kv_full = 1;
         fail_request(rt, wk, ri, DP_STATUS_UNAVAILABLE);
@@ -2352,10 +2366,7 @@ static struct dp_router *router_new(const struct dp_router_config *cfg, const ch
     rt->by_id.mask = rt->by_session.mask = rt->by_tenant.mask = 2 * c.max_requests - 1;
     rt->early.mask = early_slots(c.pool_chunks) - 1;
     rt->early.e = hot_alloc(early_slots(c.pool_chunks) * sizeof(*rt->early.e));
-    rt->kv_homes.mask = 2 * KV_HOMES - 1;
-    rt->kv_homes.e = hot_alloc(2 * KV_HOMES * sizeof(*rt->kv_homes.e));
-    if (!rt->reqs || !rt->pool || !rt->by_id.e || !rt->by_session.e || !rt->arr || !rt->by_tenant.e || !rt->early.e ||
-        !rt->kv_homes.e) {
+    if (!rt->reqs || !rt->pool || !rt->by_id.e || !rt->by_session.e || !rt->arr || !rt->by_tenant.e || !rt->early.e) {
         dp_router_destroy(rt);
         *err = -ENOMEM;
         return NULL;
@@ -2367,8 +2378,6 @@ static struct dp_router *router_new(const struct dp_router_config *cfg, const ch
         rt->by_id.e[i].slot = rt->by_session.e[i].slot = rt->by_tenant.e[i].slot = NIL;
     for (uint32_t i = 0; i <= rt->early.mask; i++)
         rt->early.e[i].slot = NIL;
-    for (uint32_t i = 0; i <= rt->kv_homes.mask; i++)
-        rt->kv_homes.e[i].slot = NIL;
     rt->req_free = NIL;
     for (uint32_t i = c.max_requests; i-- > 0;) {
         rt->reqs[i].fifo_next = rt->req_free;

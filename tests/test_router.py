@@ -571,6 +571,25 @@ def test_sessions_moved_for_kv_room_are_remembered_until_the_table_is_full_then_
     assert statuses.count(200) == 4096 and statuses[-1] == wire.STATUS_UNAVAILABLE
 
 
+def test_a_close_held_behind_a_moved_request_moves_with_it_and_ends_its_home(bench_factory):
+    """The session's CLOSE came while its first request was still out, and was placed with it on
+    the worker that then refused it: both move, and once the CLOSE is answered the session's id
+    starts afresh (its home is forgotten), as it does for a CLOSE placed at the home."""
+    b = bench_factory(n_workers=2, policy="affinity")
+    close = chunks_of(7, [], session=9)
+    close["kind"], close["n_tokens"] = wire.KIND_CLOSE, 0
+    b.send(chunks_of(6, [1, 2], session=9, max_out=1), close)
+    b.router.poll()
+    (k,) = batches_waiting(b)
+    answer_kv_full(b, k)
+    assert b.router.stats()["kv_homes"] == 1
+    got = b.run(1 - k)
+    assert [(int(r["request_id"]), int(r["kind"])) for x in got for r in x] == [(6, wire.KIND_CHUNK),
+                                                                              (7, wire.KIND_CLOSE)]
+    assert {int(r["request_id"]): int(r["status"]) for r in b.responses} == {6: 200, 7: 200}
+    assert b.router.stats()["kv_homes"] == 0
+
+
 def test_a_request_every_worker_has_no_kv_room_for_is_refused_503_saying_why(bench_factory):
     """Each worker of the pool is tried once, from the one after the first to refuse it; then the
     client gets the 503 and its body."""
@@ -588,6 +607,7 @@ def test_a_request_every_worker_has_no_kv_room_for_is_refused_503_saying_why(ben
     assert r["status"] == wire.STATUS_UNAVAILABLE and "KV cache is full" in json.loads(bytes(r["body"][:r["body_len"]]))["error"]
     st = b.router.stats()
     assert st["kv_moved"] == 2 and st["refused_by_worker"] == 1 and st["active_requests"] == 0
+    assert st["kv_homes"] == 0, "no worker holds the session: no home kept for it"
     assert [b.router.worker_stats(x)["depth"] for x in range(3)] == [0, 0, 0]
 
 

@@ -397,7 +397,8 @@ class NvmeTcpDevice:
             try:
                 if admin.channel.sock.fileno() != -1:
                     # SHN with CC as it was (it cleared EN and the entry sizes before), then CSTS.SHST
-                    # complete: the target has made everything durable
+                    # complete. Durability is the store's Flush before, not this: Linux's nvmet
+                    # flushes nothing at a shutdown (this project's target syncs)
                     admin.set_property(P.PROP_CC, CC_ENABLED | P.CC_SHN_NORMAL)
                     deadline = time.monotonic() + READY_TIMEOUT_S
                     while (admin.get_property(P.PROP_CSTS) & 3 << 2 != P.CSTS_SHST_COMPLETE

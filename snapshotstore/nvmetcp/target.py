@@ -29,6 +29,7 @@ import collections
 import os
 import select
 import socket
+import stat
 import struct
 import threading
 import time
@@ -209,11 +210,13 @@ class Target:
 
     def namespace_descriptors(self) -> bytes:
         """Identify CNS 03h: a UUID and the command set (NVM). Linux reads it before Identify Namespace
-        and attaches no namespace when it fails. The UUID names the namespace's backing device (its
-        file or block device, by identity), not the subsystem alone: a target restarted on another
-        image under the same NQN was the same namespace to a host, which kept its cached blocks."""
+        and attaches no namespace when it fails. The UUID names the namespace's backing store, not
+        the subsystem alone: a target restarted on another image under the same NQN was the same
+        namespace to a host, which kept its cached blocks. A block device is named by its device
+        number (its /dev node's inode changes at every boot), a file by its filesystem and inode."""
         st = os.fstat(self.dev.fd)
-        nsuuid = uuid.uuid5(uuid.NAMESPACE_URL, f"nvme:{self.nqn}:{NSID}:{st.st_dev}:{st.st_ino}:{st.st_rdev}").bytes
+        backing = f"blk:{st.st_rdev}" if stat.S_ISBLK(st.st_mode) else f"file:{st.st_dev}:{st.st_ino}"
+        nsuuid = uuid.uuid5(uuid.NAMESPACE_URL, f"nvme:{self.nqn}:{NSID}:{backing}").bytes
         return (P.pack(P.NS_DESC, nidt=P.NIDT_UUID, nidl=16) + nsuuid
                 + P.pack(P.NS_DESC, nidt=P.NIDT_CSI, nidl=1) + b"\0").ljust(P.IDENTIFY_LEN, b"\0")
 
