@@ -341,6 +341,17 @@ def _identify(dev, cns, nsid=0) -> bytes:
     return bytes(buf)
 
 
+def test_a_target_with_a_shallow_io_queue_still_admits_the_admin_queue_linux_sizes_at_32(image):
+    """Linux connects the admin queue with 32 entries whatever CAP.MQES says; the admin queue was
+    held to the I/O queue depth, so a target built with a smaller one locked every kernel host out."""
+    with Target(image(), port=0, queue_depth=8) as t:
+        dev = NvmeTcpDevice(t.url)                    # the admin queue asks 32 entries, as Linux's does
+        try:
+            assert dev.mqes == 8
+        finally:
+            dev.close()
+
+
 def test_namespace_list_and_descriptors_as_linux_scans_them(image):
     # nvme_scan_work(): the active namespace list (CNS 02h), then per namespace the identification
     # descriptors (CNS 03h; a failure there means no /dev/nvmeXnY at all) and Identify Namespace
@@ -360,6 +371,8 @@ def test_namespace_list_and_descriptors_as_linux_scans_them(image):
                 uuids.append(found[P.NIDT_UUID])
                 with pytest.raises(NvmeError, match="Invalid Namespace"):
                     _identify(dev, P.CNS_NS_DESCRIPTORS, nsid=2)
+                with pytest.raises(NvmeError, match="Invalid Namespace"):       # broadcast: no list
+                    _identify(dev, P.CNS_ACTIVE_NS_LIST, nsid=0xFFFFFFFF)
             finally:
                 dev.close()
     # stable for its backing image, another for another image under the same NQN: a host that saw

@@ -175,7 +175,9 @@ class _Queue:
         self.cid = (self.cid + 1) & 0xFFFF
         n = len(data_out) if data_out is not None else len(data_in) if data_in is not None else 0
         icd = data_out is not None and n <= self.in_capsule
-        sgl = dict(sgl_addr=0, sgl_len=n, sgl_id=(P.SGL_ICD if icd else P.SGL_TRANSPORT) if n else 0)
+        # a command without data carries a transport data block of length 0, as Linux's host sends it
+        # (the TCP binding allows no other SGL type; it sent type 0, which nvmet and SPDK do not parse)
+        sgl = dict(sgl_addr=0, sgl_len=n, sgl_id=P.SGL_ICD if icd else P.SGL_TRANSPORT)
         # PSDT 01b on every command, Fabrics ones too (their byte 1 is reserved in NVMe-oF 1.1): Linux's
         # nvmet refuses any command without it, the Connect first, with Invalid Field in Command
         sqe = P.pack(layout, cid=self.cid, flags=P.PSDT_SGL, **sgl, **sqe_fields)

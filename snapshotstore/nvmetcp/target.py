@@ -44,6 +44,7 @@ DEFAULT_NQN = "nqn.2026-12.io.zerolayer:snapshots"
 DEFAULT_PORT = 4420
 CNTLID = 1
 NSID = 1
+ADMIN_QUEUE_DEPTH = 32       # Linux's NVME_AQ_DEPTH: the admin queue's size from every kernel host
 MAX_CONNECTIONS = 8            # an association (2), and room for refused or reconnecting hosts
 HANDSHAKE_TIMEOUT_S = 10.0     # a connection that has not connected its queue by then is dropped
 MIN_MAXH2CDATA = 4096          # the spec's floor (Linux refuses a target that offers less)
@@ -471,7 +472,8 @@ class _Connection:
             return self._respond(cid, P.SC_CONNECT_INCOMPATIBLE_FORMAT)
         if subnqn != t.nqn:
             return invalid(True, P.CONNECT_DATA.offsets["subnqn"])
-        if not 1 <= c["sqsize"] < t.queue_depth:
+        # the I/O queue within CAP.MQES; the admin queue's Linux sizes at 32 whatever MQES says
+        if not 1 <= c["sqsize"] < (max(t.queue_depth, ADMIN_QUEUE_DEPTH) if c["qid"] == 0 else t.queue_depth):
             return invalid(False, 40 + P.CONNECT_SPECIFIC.offsets["sqsize"])
         with t._lock:
             if c["qid"] == 0:
@@ -534,6 +536,8 @@ class _Connection:
         if cns == P.CNS_CONTROLLER:
             data = t.identify_controller()
         elif cns == P.CNS_ACTIVE_NS_LIST:
+            if sqe["nsid"] >= 0xFFFFFFFE:                # the broadcast NSIDs start no list
+                return self._respond(cid, P.SC_INVALID_NAMESPACE)
             data = t.active_namespaces(sqe["nsid"])
         elif cns in (P.CNS_NAMESPACE, P.CNS_NS_DESCRIPTORS):
             if sqe["nsid"] != NSID:
