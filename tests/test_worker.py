@@ -631,6 +631,25 @@ def test_a_verbatim_repeat_of_the_session_s_last_answered_request_is_409_not_run
     assert store.held((0, 7))[0] == 201 + 30 + 1 and w.stats["duplicates_refused"] == 1
 
 
+@pytest.mark.parametrize("where", ["resident", "restored on another worker"])
+def test_a_verbatim_repeat_of_an_older_answered_request_is_409_too(model, where):
+    """Only the session's last answered request was known: a late duplicate of the one before it
+    ran again, its prompt a second time on top of two turns. The worker keeps the session's last
+    ANSWERED_KEPT (8) answered requests, from its turns or from their deltas' headers."""
+    store = MemoryStore()
+    w = Worker(model, store)
+    for rid, t in ((5, 1_000), (6, 2_000), (7, 3_000)):
+        drive(sent_at(w.step, t), [(7, rid, prompt(rid, 20), 2)])
+    held, _ = store.held((0, 7)), finished(w)
+    if where != "resident":
+        w = Worker(model, store)
+    comp = w.step(as_batch([prefill_records(7, 5, prompt(5, 20), 2, t_send=1_000)]))
+    assert comp["e"][0]["status"][0] == wire.STATUS_CONFLICT and store.held((0, 7)) == held
+    assert w.stats["duplicates_refused"] == 1 and not finished(w)
+    drive(sent_at(w.step, 4_000), [(7, 5, prompt(5, 20), 2)])           # the id with a new stamp runs
+    assert store.held((0, 7))[0] == held[0] + 20 + 1
+
+
 def test_a_repeat_of_a_request_whose_turn_failed_runs(model):
     """Only a request answered 200 is remembered: one whose turn the store refused was answered
     503, and its client's verbatim resend must run."""

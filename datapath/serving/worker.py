@@ -39,9 +39,9 @@ counts allocated cache bytes; it is exceeded (counted in
 stats["over_budget_steps"]) only while every resident session is in a
 request or not yet durable. A worker without a store, which can evict
 nothing, refuses new sessions 503 while over it (stats["kv_full_refused"]).
-A verbatim repeat of a session's last answered request (its id and client send
-stamp) is refused 409 (stats["duplicates_refused"]), never run on top of its
-own turn. A request one of whose records is refused (any status: the router
+A verbatim repeat of one of a session's last 8 answered requests (its id and
+client send stamp) is refused 409 (stats["duplicates_refused"]), never run on
+top of its own turn. A request one of whose records is refused (any status: the router
 answers its client with it) leaves nothing in the session: its pieces so far are
 cut off and its later records refused alike (stats["cut_on_refusal"]).
 """
@@ -69,6 +69,7 @@ SessionKey = tuple[int, int]   # (tenant, session_id): sessions of different ten
 # up on (_release_abandoned), and its later records, if any come, are refused.
 ABANDONED_NS = 60_000_000_000
 ABANDONED_KEPT = 4096      # released requests remembered (per session); the oldest forgotten first
+ANSWERED_KEPT = 8          # a session's answered requests a verbatim repeat of is refused 409
 
 
 class SnapshotStore(Protocol):
@@ -119,7 +120,8 @@ class _Session:
     request: _Request | None = None
     restored_tokens: int = 0  # handed to the session's next request, which reports them
     unsure: int | None = None  # a request answered 503 whose put the store could not confirm (_settle)
-    answered: tuple[int, int] | None = None  # (request id, client send stamp) of its last turn answered 200
+    answered: tuple[tuple[int, int], ...] = ()   # (request id, client send stamp) of its last turns answered
+                                                 # 200, the newest last (ANSWERED_KEPT)
 
 
 @dataclass
@@ -250,11 +252,11 @@ class Worker:
             return wire.STATUS_UNAVAILABLE
         replay = bool(rec["flags"] & records.CHUNK_F_REPLAY)
         if (not replay and (s.request is None or s.request.request_id != rid) and rec["t_send"]
-                and s.answered == (rid, int(rec["t_send"]))):
-            # The session's last answered request again, its id and send stamp (a client's verbatim
-            # resend, a late duplicate the router no longer remembered): it ran, and its turn is
-            # in the context. Run again, it added its prompt to the context a second time and the
-            # session went on from a history its client never had.
+                and (rid, int(rec["t_send"])) in s.answered):
+            # One of the session's last answered requests again, its id and send stamp (a client's
+            # verbatim resend, a late duplicate the router no longer remembered): it ran, and its
+            # turn is in the context. Run again, it added its prompt to the context a second time
+            # and the session went on from a history its client never had.
             self.stats["duplicates_refused"] += 1
             return wire.STATUS_CONFLICT
         if s.request is not None and (s.request.request_id != rid or (replay and not s.request.replay)):
@@ -342,7 +344,7 @@ class Worker:
             if done.snapshot_error is not None:
                 entries["status"][seg.answer] = wire.STATUS_UNAVAILABLE    # its turn is in no store
             else:
-                s.answered = (done.request_id, done.stamps.get("t_send", 0))
+                s.answered = (s.answered + ((done.request_id, done.stamps.get("t_send", 0)),))[-ANSWERED_KEPT:]
             self.finished.append(done)
 
     def _moved_on(self, key: SessionKey, s: _Session, rec) -> bool:
@@ -392,10 +394,9 @@ class Worker:
         if chain:
             self.stats["restores"] += 1
         s = self.sessions[key] = _Session(cache, restored_tokens=cache.length)
-        if chain and not taken_back:         # its last turn's request, where the delta names it whole
-            last = kvdelta.header(chain[-1])
-            if last["request_id"] and last["sent_ns"]:
-                s.answered = (last["request_id"], last["sent_ns"])
+        # its last turns' requests, where their deltas name them (a whole re-put's first names none)
+        named = (kvdelta.header(d) for d in chain[-ANSWERED_KEPT:])
+        s.answered = tuple((h["request_id"], h["sent_ns"]) for h in named if h["request_id"] and h["sent_ns"])
         self._kv_bytes += cache.nbytes
         return s
 
