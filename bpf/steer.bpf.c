@@ -218,6 +218,25 @@ static __always_inline __u16 dp_csum_fold(__u32 sum)
     return ~sum;
 }
 
+/* May the request be answered from here? Never to or from a group address (a broadcast or
+ * multicast MAC or IP: a forged request answered to a whole segment, or a reply from an address
+ * no host sends from), never to a source no host has (0/8, loopback, multicast and above; IPv6's
+ * unspecified or multicast), and not over IPv4 options, which the kernel would reverse or rewrite
+ * in a reply and this program would echo as they came. The refusal is counted all the same. */
+static __always_inline int may_reply(const struct ethhdr *eth, const struct iphdr *iph,
+                                     const struct ipv6hdr *ip6h, int v6)
+{
+    if ((eth->h_dest[0] | eth->h_source[0]) & 1)
+        return 0;
+    if (!v6) {
+        __u32 src = bpf_ntohl(iph->saddr), dst = bpf_ntohl(iph->daddr);
+        return iph->ihl == 5 && src >> 24 && src >> 24 != 127 && src < 0xe0000000u && dst < 0xe0000000u;
+    }
+    const __u32 *src6 = ip6h->saddr.in6_u.u6_addr32;
+    return ip6h->saddr.in6_u.u6_addr8[0] != 0xff && ip6h->daddr.in6_u.u6_addr8[0] != 0xff &&
+           (src6[0] | src6[1] | src6[2] | src6[3]);
+}
+
 /* Turn the request in place into a response to its sender with this status and no body. */
 static __always_inline int reply(struct xdp_md *ctx, struct ethhdr *eth, struct iphdr *iph, struct ipv6hdr *ip6h,
                                  int v6, struct udphdr *udph, struct dp_req_hdr *req, __u16 status)
@@ -252,12 +271,20 @@ static __always_inline int reply(struct xdp_md *ctx, struct ethhdr *eth, struct 
     /* a constant flag, not `if (iph)`: the verifier cannot rule out a NULL test on a packet pointer */
     if (!v6) {
         __be32 a = iph->saddr;
-        __be16 old = iph->tot_len, new = bpf_htons(iph->ihl * 4 + sizeof(*udph) + DP_RESP_HDR_LEN);
+        __be16 *tos_word = (__be16 *)iph, *ttl_word = (__be16 *)&iph->ttl;
+        __be16 old_tos = *tos_word, old_ttl = *ttl_word, old = iph->tot_len;
+        __be16 new = bpf_htons(iph->ihl * 4 + sizeof(*udph) + DP_RESP_HDR_LEN);
         iph->saddr = iph->daddr;
         iph->daddr = a;
         iph->tot_len = new;
-        /* RFC 1624 incremental update; swapping addresses leaves the sum alone */
-        iph->check = dp_csum_fold((__u16)~iph->check + (__u16)~old + (__u16)new);
+        /* a fresh TTL and no ECN mark: the request's TTL 1 killed the reply at the first router,
+         * and a CE mark echoed back was a false congestion signal */
+        iph->ttl = 64;
+        iph->tos &= ~3;
+        /* RFC 1624 incremental update over the three changed words; swapping addresses leaves
+         * the sum alone */
+        iph->check = dp_csum_fold((__u16)~iph->check + (__u16)~old + (__u16)new + (__u16)~old_tos +
+                                  (__u16)*tos_word + (__u16)~old_ttl + (__u16)*ttl_word);
         /* UDP checksum 0 = none, legal over IPv4 */
     } else {
         struct in6_addr a = ip6h->saddr;
@@ -266,6 +293,7 @@ static __always_inline int reply(struct xdp_md *ctx, struct ethhdr *eth, struct 
         ip6h->saddr = ip6h->daddr;
         ip6h->daddr = a;
         ip6h->payload_len = bpf_htons(sizeof(*udph) + DP_RESP_HDR_LEN);
+        ip6h->hop_limit = 64;                 /* not the request's, which may be 1 */
         /* IPv6 requires the UDP checksum: pseudo header + UDP header + response */
         sum = bpf_csum_diff(0, 0, (__be32 *)&ip6h->saddr, 32, 0);
         sum = bpf_csum_diff(0, 0, pseudo, sizeof(pseudo), sum);
@@ -386,7 +414,7 @@ int xdp_steer(struct xdp_md *ctx)
         /* it would be run and charged, then its answer sent to no one (a chunk carries the
          * client's IPv4 address): refused at once, before its tokens are charged (found by review) */
         drop(DP_DROP_IPV6);
-        if (eth->h_dest[0] & 1)
+        if (!may_reply(eth, iph, ip6h, v6))
             return XDP_DROP;
         return reply(ctx, eth, iph, ip6h, v6, udph, req, DP_STATUS_BAD_REQUEST);
     }
@@ -467,7 +495,7 @@ over:
     if (more_to_come)
         cuts.update(&ck, &now);
     drop(DP_DROP_RATE_LIMITED);
-    if (eth->h_dest[0] & 1)
-        return XDP_DROP;   /* sent to a group address: a reply from it would be a martian */
+    if (!may_reply(eth, iph, ip6h, v6))
+        return XDP_DROP;
     return reply(ctx, eth, iph, ip6h, v6, udph, req, DP_STATUS_RATE_LIMITED);
 }

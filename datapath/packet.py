@@ -32,18 +32,18 @@ def ethernet(ethertype: int, payload: bytes, vlan: int | None = None) -> bytes:
 
 
 def ipv4(proto: int, payload: bytes, src="198.18.0.2", dst="198.18.0.1",
-         options: bytes = b"", frag_off: int = 0, mf: bool = False) -> bytes:
+         options: bytes = b"", frag_off: int = 0, mf: bool = False, ttl: int = 64, tos: int = 0) -> bytes:
     if len(options) % 4:
         raise ValueError("IPv4 options must be a multiple of 4 bytes")
     ihl = 5 + len(options) // 4
     flags_frag = (0x2000 if mf else 0) | (frag_off & 0x1FFF)
-    hdr = struct.pack("!BBHHHBBH4s4s", 0x40 | ihl, 0, ihl * 4 + len(payload), 1, flags_frag, 64, proto, 0,
+    hdr = struct.pack("!BBHHHBBH4s4s", 0x40 | ihl, tos, ihl * 4 + len(payload), 1, flags_frag, ttl, proto, 0,
                       ipaddress.IPv4Address(src).packed, ipaddress.IPv4Address(dst).packed) + options
     return hdr[:10] + struct.pack("!H", checksum(hdr)) + hdr[12:] + payload
 
 
-def ipv6(nexthdr: int, payload: bytes, src="2001:2::2", dst="2001:2::1") -> bytes:
-    return struct.pack("!IHBB16s16s", 6 << 28, len(payload), nexthdr, 64,
+def ipv6(nexthdr: int, payload: bytes, src="2001:2::2", dst="2001:2::1", hop_limit: int = 64) -> bytes:
+    return struct.pack("!IHBB16s16s", 6 << 28, len(payload), nexthdr, hop_limit,
                        ipaddress.IPv6Address(src).packed, ipaddress.IPv6Address(dst).packed) + payload
 
 
@@ -53,9 +53,12 @@ def udp(payload: bytes, dport: int, sport: int = 40000, length: int | None = Non
 
 
 def udp_frame(payload: bytes, dport: int, *, v6: bool = False, vlan: int | None = None,
-              ip_options: bytes = b"", frag_off: int = 0, mf: bool = False, udp_len: int | None = None) -> bytes:
-    """An Ethernet frame carrying `payload` in UDP to `dport`, over IPv4 (or IPv6)."""
+              ip_options: bytes = b"", frag_off: int = 0, mf: bool = False, udp_len: int | None = None,
+              src: str | None = None, ttl: int = 64, tos: int = 0) -> bytes:
+    """An Ethernet frame carrying `payload` in UDP to `dport`, over IPv4 (or IPv6), from `src`
+    (the default client address if None)."""
     seg = udp(payload, dport, length=udp_len)
     if v6:
-        return ethernet(ETH_P_IPV6, ipv6(IPPROTO_UDP, seg), vlan)
-    return ethernet(ETH_P_IP, ipv4(IPPROTO_UDP, seg, options=ip_options, frag_off=frag_off, mf=mf), vlan)
+        return ethernet(ETH_P_IPV6, ipv6(IPPROTO_UDP, seg, **({"src": src} if src else {}), hop_limit=ttl), vlan)
+    return ethernet(ETH_P_IP, ipv4(IPPROTO_UDP, seg, **({"src": src} if src else {}), options=ip_options,
+                                   frag_off=frag_off, mf=mf, ttl=ttl, tos=tos), vlan)

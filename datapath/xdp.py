@@ -16,6 +16,7 @@ BPF_DIR = pathlib.Path(__file__).resolve().parent.parent / "bpf"
 
 XDP_FLAGS_SKB_MODE = 1 << 1   # generic: works on any device, after the skb is built
 XDP_FLAGS_DRV_MODE = 1 << 2   # native: in the driver (veth supports it)
+XDP_FLAGS_UPDATE_IF_NOEXIST = 1 << 0   # fail, not replace, if a program is attached already
 XDP_MODES = {"native": XDP_FLAGS_DRV_MODE, "generic": XDP_FLAGS_SKB_MODE}
 XDP_ABORTED, XDP_DROP, XDP_PASS, XDP_TX, XDP_REDIRECT = range(5)
 VERDICTS = {XDP_ABORTED: "XDP_ABORTED", XDP_DROP: "XDP_DROP", XDP_PASS: "XDP_PASS",
@@ -97,6 +98,7 @@ class XdpAttachment:
         self.prog_fd, self.ifname, self.netns, self.want = prog_fd, ifname, netns, mode
         self.mode = None
         self.ifindex = None
+        self.attached_id = None             # the id of the program this attachment put there
 
     def __enter__(self):
         with _iproute(self.netns) as ipr:
@@ -108,7 +110,9 @@ class XdpAttachment:
             errors = []
             for mode in tries:
                 try:
-                    _set_xdp(ipr, self.ifindex, self.prog_fd, XDP_MODES[mode])
+                    # never over another's program (an operator's filter was replaced, and
+                    # the detach then removed whatever was there)
+                    _set_xdp(ipr, self.ifindex, self.prog_fd, XDP_MODES[mode] | XDP_FLAGS_UPDATE_IF_NOEXIST)
                 except Exception as e:  # netlink error: mode unsupported on this device
                     errors.append(f"{mode}: {e}")
                     continue
@@ -116,6 +120,7 @@ class XdpAttachment:
                 # whatever other program is on the device
                 self.mode = mode
                 try:
+                    self.attached_id = self.prog_id()
                     got = self.attached_mode()
                 except BaseException:       # (SIGTERM's SystemExit among them) never left attached
                     self.detach()
@@ -131,7 +136,11 @@ class XdpAttachment:
             return
         try:
             with _iproute(self.netns) as ipr:
-                _set_xdp(ipr, self.ifindex, -1, XDP_MODES[self.mode])
+                xdp = ipr.get_links(self.ifindex)[0].get_attr("IFLA_XDP")
+                now = xdp.get_attr("IFLA_XDP_PROG_ID") if xdp else None
+                # ours still (not another's put there since), or its id never read: removed
+                if now is not None and (self.attached_id is None or now == self.attached_id):
+                    _set_xdp(ipr, self.ifindex, -1, XDP_MODES[self.mode])
         except Exception:
             pass  # the namespace (and with it the device and the attachment) is already gone
         self.mode = None

@@ -183,7 +183,24 @@ CASES = [
          others_limited),
     case("a bucket of its own, the others' spent", VALID, XDP_DROP, "queued", HASHED, own_bucket_others_limited),
     # over IPv6: answered 400 from XDP, before any bucket (its answer would go to an IPv4 address)
+    case("over the token bucket, ttl 1 and a CE mark", frame(ttl=1, tos=3), XDP_TX, "drop_rate_limited",
+         setup=limited),
+    case("over the token bucket, from a broadcast MAC: no reply", VALID[:6] + b"\xff" * 6 + VALID[12:],
+         XDP_DROP, "drop_rate_limited_silent", setup=limited),
+    case("over the token bucket, from 127.0.0.1: no reply", frame(src="127.0.0.1"), XDP_DROP,
+         "drop_rate_limited_silent", setup=limited),
+    case("over the token bucket, from 0.1.2.3: no reply", frame(src="0.1.2.3"), XDP_DROP,
+         "drop_rate_limited_silent", setup=limited),
+    case("over the token bucket, from 224.0.0.1: no reply", frame(src="224.0.0.1"), XDP_DROP,
+         "drop_rate_limited_silent", setup=limited),
+    case("over the token bucket, ipv4 options: no reply", frame(ip_options=b"\x01" * 4), XDP_DROP,
+         "drop_rate_limited_silent", setup=limited),
     case("ipv6", frame(v6=True), XDP_TX, "drop_ipv6"),
+    case("ipv6 hop limit 1", frame(v6=True, ttl=1), XDP_TX, "drop_ipv6"),
+    case("ipv6 from a multicast address: no 400", frame(v6=True, src="ff02::1"), XDP_DROP, "drop_ipv6_silent"),
+    case("ipv6 from the unspecified address: no 400", frame(v6=True, src="::"), XDP_DROP, "drop_ipv6_silent"),
+    case("ipv6 from a broadcast MAC: no 400", (lambda f: f[:6] + b"\xff" * 6 + f[12:])(frame(v6=True)), XDP_DROP,
+         "drop_ipv6_silent"),
     case("vlan ipv6", frame(v6=True, vlan=10), XDP_TX, "drop_ipv6"),
     case("ipv6 vlan, over the token bucket", frame(v6=True, vlan=5), XDP_TX, "drop_ipv6", setup=limited),
     # tags required: a request whose tag is not its header's under its tenant's key is dropped before
@@ -276,6 +293,9 @@ def test_steer_table(ig, frm, verdict, counter, queue, setup):
         assert diff == {"drop_ipv6": 1}
         check_reply(frm, out, wire.STATUS_BAD_REQUEST)
         assert not wait_records(consumer, 1, timeout=0.05)
+    elif counter in ("drop_rate_limited_silent", "drop_ipv6_silent"):     # refused, counted, not answered
+        assert diff == {counter.removesuffix("_silent"): 1}
+        assert not wait_records(consumer, 1, timeout=0.05)
     else:
         assert diff == {counter: 1}
         assert not wait_records(consumer, 1, timeout=0.05)
@@ -319,10 +339,12 @@ def check_reply(frm, out, status):
         l4 = l3 + 40
         pseudo = out[l3 + 8:l3 + 40] + struct.pack("!IxxxB", 48, packet.IPPROTO_UDP)
         assert packet.checksum(pseudo + out[l4:l4 + 48]) == 0, "IPv6 UDP checksum"
+        assert out[l3 + 7] == 64, "a fresh hop limit"
     else:
         assert out[l3 + 12:l3 + 16] == frm[l3 + 16:l3 + 20] and out[l3 + 16:l3 + 20] == frm[l3 + 12:l3 + 16]
         assert packet.checksum(out[l3:l3 + 20]) == 0, "IPv4 header checksum"
         assert struct.unpack("!H", out[l3 + 2:l3 + 4])[0] == 20 + 8 + 40
+        assert out[l3 + 8] == 64 and out[l3 + 1] & 3 == 0, "a fresh TTL, no ECN mark echoed"
         l4 = l3 + 20
     sport, dport, ulen = struct.unpack("!HHH", out[l4:l4 + 6])
     assert (sport, dport, ulen) == (PORT, 40000, 48)

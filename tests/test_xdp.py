@@ -87,3 +87,29 @@ def test_the_mode_asked_for_is_the_mode_attached(topology, xdp_program, mode):
     assert att.mode == att.attached_mode() == mode
     att.detach()
     assert att.prog_id() is None
+
+
+def test_an_attach_never_replaces_another_program_and_a_detach_never_removes_one(topology, xdp_program):
+    """The attach replaced whatever program the device had (an operator's filter), and the detach
+    removed whatever was there at the time. Now a second attach fails and leaves the first, and an
+    attachment whose program another replaced leaves that one in place."""
+    from datapath.xdp import XdpAttachment
+    ifname, ns = topology.host_if[0], topology.host_ns
+    b, fn, first = xdp_program("count.bpf.c", "xdp_count", ifname, ns, mode="native")
+    theirs = first.prog_id()
+    b2, fn2 = load_xdp("count.bpf.c", "xdp_count")
+    try:
+        with pytest.raises(BpfUnavailable, match="cannot attach"):
+            XdpAttachment(fn2.fd, ifname, ns, "native").__enter__()
+        assert first.prog_id() == theirs, "the program already there stays"
+        late = XdpAttachment(fn2.fd, ifname, ns, "native")
+        first.detach()
+        late.__enter__()                                    # another's program, put there meanwhile
+        mine = XdpAttachment(fn.fd, ifname, ns, "native")
+        mine.mode, mine.ifindex, mine.attached_id = "native", late.ifindex, theirs   # as if ours had been
+        mine.detach()
+        assert late.prog_id() not in (None, theirs), "another's program is not removed by our detach"
+        late.detach()
+        assert late.prog_id() is None
+    finally:
+        b2.cleanup()
