@@ -352,6 +352,19 @@ int xdp_steer(struct xdp_md *ctx)
     udp_len = parse_udphdr(&c, data_end, &udph);
     if (!udph || udph->dest != bpf_htons(DP_PORT))
         return pass();
+    pol = policy.lookup(&zero);
+    if (!pol)
+        return XDP_ABORTED;   /* an array always has index 0: unreachable */
+    if (pol->local_only) {
+        /* the operator named the service's addresses: a datagram to another (a router's, a
+         * bridge port's or a container host's transit traffic) is not ours to take or answer */
+        int ours = 0;
+        if (!v6)
+            for (int i = 0; i < DP_MAX_LOCAL_ADDRS; i++)
+                ours |= i < pol->local_only && pol->local_addrs[i] == iph->daddr;
+        if (!ours)
+            return pass();
+    }
     if (frag)
         return drop(DP_DROP_FRAGMENT);
     if (udp_len < 0)
@@ -393,9 +406,6 @@ int xdp_steer(struct xdp_md *ctx)
     if ((void *)req + DP_REQ_HDR_LEN + len > data_end)
         return drop(DP_DROP_TRUNCATED);
 
-    pol = policy.lookup(&zero);
-    if (!pol)
-        return XDP_ABORTED;   /* an array always has index 0: unreachable */
     limits = pol->rate_limits;   /* read once: user space may change it meanwhile */
     /* a clock read here only when needed: it cost ~30 ns a chunk (steer_ns); before the tag check,
      * so t_xdp - t_xdp_in (bench e2e's "xdp steer + ring write") counts it */

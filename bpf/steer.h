@@ -18,6 +18,7 @@
 
 /* LAYOUT BEGIN */
 #define DP_MAX_QUEUES 8          /* ring buffers the program can declare */
+#define DP_MAX_LOCAL_ADDRS 4     /* the service's IPv4 addresses (dp_policy.local_addrs) */
 #define DP_LAT_BUCKETS 65        /* log2 buckets: 0, then 2^(b-1) .. 2^b - 1 ns */
 
 /* Why a packet to the data path's port was dropped (index of the `drops` per-CPU array). */
@@ -61,6 +62,11 @@ struct dp_policy {
     __u32 rate_limits;           /* buckets set (the others' counts one); 0 skips the bucket lookup (~40 ns) */
     __u32 stamp_validated;       /* stamp t_xdp_in, the request validated (tracing: a clock read, ~30 ns) */
     __u32 require_tags;          /* drop a request whose tag is not its tenant's (tenant_keys): ~65 ns */
+    __u32 local_only;            /* n > 0: take only IPv4 datagrams to one of the n local_addrs
+                                    (Ingress.accept_only); the rest, and IPv6, pass to the kernel:
+                                    transit traffic is not ours */
+    __u32 local_addrs[DP_MAX_LOCAL_ADDRS];    /* network order; in the policy, not a map: compared, not looked up (a
+                                                 hash map's lookup cost ~26 ns a chunk) */
 };
 
 /* A tenant's 128-bit tag key (tenant_keys), as the two little-endian halves SipHash reads. */

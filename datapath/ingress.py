@@ -22,6 +22,7 @@ the namespace it lives in.
 from __future__ import annotations
 
 import ctypes
+import ipaddress
 import os
 import signal
 import socket
@@ -48,6 +49,7 @@ DROP_REASONS = [name[len("DP_DROP_"):].lower() for value, name in
 EVENTS = [name[len("DP_EV_"):].lower() for value, name in
           sorted(ffi.typeof("enum dp_event").elements.items()) if name != "DP_EV_MAX"]
 NS_PER_MINUTE = 60_000_000_000
+LOCAL_ADDRS = lib.DP_MAX_LOCAL_ADDRS   # accept_only's addresses at most (bpf/steer.h, dp_policy)
 
 
 def session_queue(session_id: int, queues: int) -> int:
@@ -189,6 +191,22 @@ class Ingress:
         anything else is done with it (datapath.wire, "tags"). Off by default: the check costs
         ~65 ns a chunk (bench ingress: steer_tagged_ns against steer_ns)."""
         self._set_policy_field("require_tags", int(bool(on)))
+
+    def accept_only(self, addresses: list[str] | None):
+        """Take only IPv4 datagrams to these addresses (the service's, LOCAL_ADDRS at most); the
+        rest, IPv6 too, pass to the kernel untouched. None: every datagram to the port, whatever its
+        destination (the default: right on an interface whose traffic to the port is the service's,
+        wrong on a router or a bridge port, whose transit traffic it would take and answer)."""
+        addresses = list(addresses or ())
+        if len(addresses) > LOCAL_ADDRS:
+            raise ValueError(f"at most {LOCAL_ADDRS} addresses, not {len(addresses)}")
+        t = self.table("policy")
+        leaf = t[t.Key(0)]
+        for i in range(LOCAL_ADDRS):       # as the header's bytes read on this host
+            leaf.local_addrs[i] = struct.unpack("=I", ipaddress.IPv4Address(addresses[i]).packed)[0] \
+                if i < len(addresses) else 0
+        leaf.local_only = len(addresses)   # the count of them, 0: off
+        t[t.Key(0)] = leaf
 
     def set_tenant_key(self, tenant: int, key: bytes):
         """Tenant's 16-byte tag key (datapath.wire.tenant_key), live."""

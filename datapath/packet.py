@@ -54,11 +54,12 @@ def udp(payload: bytes, dport: int, sport: int = 40000, length: int | None = Non
 
 def udp_frame(payload: bytes, dport: int, *, v6: bool = False, vlan: int | None = None,
               ip_options: bytes = b"", frag_off: int = 0, mf: bool = False, udp_len: int | None = None,
-              src: str | None = None, ttl: int = 64, tos: int = 0) -> bytes:
-    """An Ethernet frame carrying `payload` in UDP to `dport`, over IPv4 (or IPv6), from `src`
-    (the default client address if None)."""
+              src: str | None = None, dst: str | None = None, ttl: int = 64, tos: int = 0) -> bytes:
+    """An Ethernet frame carrying `payload` in UDP to `dport`, over IPv4 (or IPv6), from `src` to
+    `dst` (the default client and service addresses if None)."""
     seg = udp(payload, dport, length=udp_len)
+    addrs = {k: v for k, v in (("src", src), ("dst", dst)) if v}
     if v6:
-        return ethernet(ETH_P_IPV6, ipv6(IPPROTO_UDP, seg, **({"src": src} if src else {}), hop_limit=ttl), vlan)
-    return ethernet(ETH_P_IP, ipv4(IPPROTO_UDP, seg, **({"src": src} if src else {}), options=ip_options,
-                                   frag_off=frag_off, mf=mf, ttl=ttl, tos=tos), vlan)
+        return ethernet(ETH_P_IPV6, ipv6(IPPROTO_UDP, seg, **addrs, hop_limit=ttl), vlan)
+    return ethernet(ETH_P_IP, ipv4(IPPROTO_UDP, seg, **addrs, options=ip_options, frag_off=frag_off, mf=mf,
+                                   ttl=ttl, tos=tos), vlan)

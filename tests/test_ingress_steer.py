@@ -65,6 +65,10 @@ def limited(ig):  # an empty bucket: 1 token a minute, burst of one chunk, alrea
     assert prog_test_run(ig.fn.fd, frame(req(tokens=tuple(range(128)))))[0] == XDP_DROP
 
 
+def local_only(ig):  # the service's address named: datagrams to others are transit traffic
+    ig.accept_only(["198.18.0.1"])
+
+
 def others_limited(ig):  # the bucket the tenants without one share, spent by another such tenant
     ig.set_others_rate(tokens_per_minute=1, burst_tokens=128)
     assert prog_test_run(ig.fn.fd, frame(req(tokens=tuple(range(128)), tenant=99)))[0] == XDP_DROP
@@ -195,6 +199,10 @@ CASES = [
          "drop_rate_limited_silent", setup=limited),
     case("over the token bucket, ipv4 options: no reply", frame(ip_options=b"\x01" * 4), XDP_DROP,
          "drop_rate_limited_silent", setup=limited),
+    case("to the service's address, local only", VALID, XDP_DROP, "queued", HASHED, local_only),
+    case("to another address, local only", frame(dst="198.18.0.9"), XDP_PASS, "pass", setup=local_only),
+    case("to another address", frame(dst="198.18.0.9"), XDP_DROP, "queued", HASHED),    # not local only
+    case("ipv6, local only", frame(v6=True), XDP_PASS, "pass", setup=local_only),
     case("ipv6", frame(v6=True), XDP_TX, "drop_ipv6"),
     case("ipv6 hop limit 1", frame(v6=True, ttl=1), XDP_TX, "drop_ipv6"),
     case("ipv6 from a multicast address: no 400", frame(v6=True, src="ff02::1"), XDP_DROP, "drop_ipv6_silent"),
@@ -247,6 +255,7 @@ def ig(ingress):
     ig.clear_others_rate()
     ig.require_tags(False)
     ig.table("tenant_keys").clear()
+    ig.accept_only(None)
     settle(ig, consumer)
     return ig, consumer
 
