@@ -230,11 +230,14 @@ static __always_inline int may_reply(const struct ethhdr *eth, const struct iphd
         return 0;
     if (!v6) {
         __u32 src = bpf_ntohl(iph->saddr), dst = bpf_ntohl(iph->daddr);
-        return iph->ihl == 5 && src >> 24 && src >> 24 != 127 && src < 0xe0000000u && dst < 0xe0000000u;
+        /* the destination is the reply's source: not 0/8 or loopback either */
+        return iph->ihl == 5 && src >> 24 && src >> 24 != 127 && src < 0xe0000000u &&
+               dst >> 24 && dst >> 24 != 127 && dst < 0xe0000000u;
     }
     const __u32 *src6 = ip6h->saddr.in6_u.u6_addr32;
+    int loopback = !(src6[0] | src6[1] | src6[2]) && src6[3] == bpf_htonl(1);
     return ip6h->saddr.in6_u.u6_addr8[0] != 0xff && ip6h->daddr.in6_u.u6_addr8[0] != 0xff &&
-           (src6[0] | src6[1] | src6[2] | src6[3]);
+           (src6[0] | src6[1] | src6[2] | src6[3]) && !loopback;
 }
 
 /* Turn the request in place into a response to its sender with this status and no body. */
@@ -294,6 +297,7 @@ static __always_inline int reply(struct xdp_md *ctx, struct ethhdr *eth, struct 
         ip6h->daddr = a;
         ip6h->payload_len = bpf_htons(sizeof(*udph) + DP_RESP_HDR_LEN);
         ip6h->hop_limit = 64;                 /* not the request's, which may be 1 */
+        ip6h->flow_lbl[0] &= ~0x30;           /* and no ECN mark (the traffic class's low bits) */
         /* IPv6 requires the UDP checksum: pseudo header + UDP header + response */
         sum = bpf_csum_diff(0, 0, (__be32 *)&ip6h->saddr, 32, 0);
         sum = bpf_csum_diff(0, 0, pseudo, sizeof(pseudo), sum);

@@ -197,16 +197,21 @@ class Ingress:
         rest, IPv6 too, pass to the kernel untouched. None: every datagram to the port, whatever its
         destination (the default: right on an interface whose traffic to the port is the service's,
         wrong on a router or a bridge port, whose transit traffic it would take and answer)."""
+        if isinstance(addresses, str):
+            raise TypeError("accept_only takes a list of addresses, not one string")
         addresses = list(addresses or ())
         if len(addresses) > LOCAL_ADDRS:
             raise ValueError(f"at most {LOCAL_ADDRS} addresses, not {len(addresses)}")
+        packed = [struct.unpack("=I", ipaddress.IPv4Address(a).packed)[0] for a in addresses]   # as read there
+        # two updates: the program reads the entry meanwhile, and one update is a plain copy, so it
+        # could see the count with the old addresses; with the count 0 first it takes every datagram
         t = self.table("policy")
         leaf = t[t.Key(0)]
-        for i in range(LOCAL_ADDRS):       # as the header's bytes read on this host
-            leaf.local_addrs[i] = struct.unpack("=I", ipaddress.IPv4Address(addresses[i]).packed)[0] \
-                if i < len(addresses) else 0
-        leaf.local_only = len(addresses)   # the count of them, 0: off
+        leaf.local_only = 0
+        for i in range(LOCAL_ADDRS):
+            leaf.local_addrs[i] = packed[i] if i < len(packed) else 0
         t[t.Key(0)] = leaf
+        self._set_policy_field("local_only", len(packed))   # the count of them, 0: off
 
     def set_tenant_key(self, tenant: int, key: bytes):
         """Tenant's 16-byte tag key (datapath.wire.tenant_key), live."""

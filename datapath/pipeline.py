@@ -441,9 +441,9 @@ class Pipeline:
         self.ingress.stamp_validated()   # the trace's t_xdp_in (bench e2e's "xdp steer + ring write")
         self._tag_master, self._tag_keys = os.urandom(32), {}   # (require_tags) this run's: issue_tenant_key
         self.ingress.require_tags(cfg.require_tags)
+        self.ingress.accept_only(topo.host_ip)    # the service's addresses: nothing else to its port is ours
         self.xdp_mode = self.ingress.attach(topo.host_if[0], topo.host_ns, cfg.xdp_mode,
                                             veth_peer=(topo.client_if[0], topo.client_ns[0]))
-        self.ingress.accept_only(topo.host_ip)    # the service's addresses: nothing else to its port is ours
         out_name, out_ring = self._ring("out", records.RESPONSE.itemsize, 1 << 12, "producer")
         self.consumer = self.ingress.consumer(None)   # the router's feed: no input ring between them
         self.router = Router(policy=cfg.policy, policy_param=cfg.policy_param, batching=cfg.batching,

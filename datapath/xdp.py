@@ -17,6 +17,7 @@ BPF_DIR = pathlib.Path(__file__).resolve().parent.parent / "bpf"
 XDP_FLAGS_SKB_MODE = 1 << 1   # generic: works on any device, after the skb is built
 XDP_FLAGS_DRV_MODE = 1 << 2   # native: in the driver (veth supports it)
 XDP_FLAGS_UPDATE_IF_NOEXIST = 1 << 0   # fail, not replace, if a program is attached already
+XDP_FLAGS_REPLACE = 1 << 4             # with IFLA_XDP_EXPECTED_FD: only if that program is the one there
 XDP_MODES = {"native": XDP_FLAGS_DRV_MODE, "generic": XDP_FLAGS_SKB_MODE}
 XDP_ABORTED, XDP_DROP, XDP_PASS, XDP_TX, XDP_REDIRECT = range(5)
 VERDICTS = {XDP_ABORTED: "XDP_ABORTED", XDP_DROP: "XDP_DROP", XDP_PASS: "XDP_PASS",
@@ -98,7 +99,6 @@ class XdpAttachment:
         self.prog_fd, self.ifname, self.netns, self.want = prog_fd, ifname, netns, mode
         self.mode = None
         self.ifindex = None
-        self.attached_id = None             # the id of the program this attachment put there
 
     def __enter__(self):
         with _iproute(self.netns) as ipr:
@@ -120,29 +120,30 @@ class XdpAttachment:
                 # whatever other program is on the device
                 self.mode = mode
                 try:
-                    self.attached_id = self.prog_id()
                     got = self.attached_mode()
                 except BaseException:       # (SIGTERM's SystemExit among them) never left attached
                     self.detach()
                     raise
                 if got != mode:
-                    self.detach()
+                    self.mode = got if got in XDP_MODES else mode   # removed in the mode it has: the
+                    self.detach()                                    # asked one's slot is empty
                     raise BpfUnavailable(f"asked the kernel for {mode} XDP on {self.ifname}, it attached {got}")
                 return self
         raise BpfUnavailable(f"cannot attach XDP to {self.ifname}: " + "; ".join(errors))
 
     def detach(self):
+        """Our program off the device, in one netlink call that the kernel carries out only if it is
+        still the one attached (XDP_FLAGS_REPLACE, IFLA_XDP_EXPECTED_FD): another's put there since
+        stays (EEXIST). Before, whatever was there was removed."""
         if self.mode is None:
             return
         try:
             with _iproute(self.netns) as ipr:
-                xdp = ipr.get_links(self.ifindex)[0].get_attr("IFLA_XDP")
-                now = xdp.get_attr("IFLA_XDP_PROG_ID") if xdp else None
-                # ours still (not another's put there since), or its id never read: removed
-                if now is not None and (self.attached_id is None or now == self.attached_id):
-                    _set_xdp(ipr, self.ifindex, -1, XDP_MODES[self.mode])
+                ipr.link("set", index=self.ifindex, xdp={"attrs": [
+                    ("IFLA_XDP_FD", -1), ("IFLA_XDP_EXPECTED_FD", self.prog_fd),
+                    ("IFLA_XDP_FLAGS", XDP_MODES[self.mode] | XDP_FLAGS_REPLACE)]})
         except Exception:
-            pass  # the namespace (and with it the device and the attachment) is already gone
+            pass  # gone with its namespace, or another's program there now: not ours to remove
         self.mode = None
 
     def __exit__(self, *exc):

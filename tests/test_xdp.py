@@ -106,7 +106,7 @@ def test_an_attach_never_replaces_another_program_and_a_detach_never_removes_one
         first.detach()
         late.__enter__()                                    # another's program, put there meanwhile
         mine = XdpAttachment(fn.fd, ifname, ns, "native")
-        mine.mode, mine.ifindex, mine.attached_id = "native", late.ifindex, theirs   # as if ours had been
+        mine.mode, mine.ifindex = "native", late.ifindex    # as if ours were still attached
         mine.detach()
         assert late.prog_id() not in (None, theirs), "another's program is not removed by our detach"
         late.detach()
