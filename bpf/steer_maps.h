@@ -40,7 +40,10 @@ BPF_F_TABLE("array", __u32, __u64, lat_hist, DP_LAT_BUCKETS, BPF_F_MMAPABLE);
 BPF_ARRAY(policy, struct dp_policy, 1);
 BPF_HASH(pins, __u64, __u32, 65536);          /* session_id -> queue */
 BPF_HASH(tenant_queue, __u32, __u32, 4096);   /* tenant -> queue */
-BPF_HASH(buckets, __u32, struct dp_bucket, 4096);
+/* not preallocated: a bucket set_rate replaces is freed after an RCU grace period, so a CPU still
+ * holding it spends into the old one; preallocated, the element went straight back to the free
+ * list, and another tenant's new bucket could take it under that CPU's compare-and-swap */
+BPF_F_TABLE("hash", __u32, struct dp_bucket, buckets, 4096, BPF_F_NO_PREALLOC);
 BPF_HASH(tenant_keys, __u32, struct dp_tenant_key, 65536);   /* tenant -> its tag key (require_tags) */
 /* the one bucket every tenant without a bucket of its own shares (ns_per_token 0: none), so made-up
  * tenant ids are not a way past the limits */
