@@ -221,8 +221,9 @@ static __always_inline __u16 dp_csum_fold(__u32 sum)
 /* May the request be answered from here? Never to or from a group address (a broadcast or
  * multicast MAC or IP: a forged request answered to a whole segment, or a reply from an address
  * no host sends from), never to a source no host has (0/8, loopback, multicast and above; IPv6's
- * unspecified or multicast), and not over IPv4 options, which the kernel would reverse or rewrite
- * in a reply and this program would echo as they came. The refusal is counted all the same. */
+ * unspecified, loopback or multicast) nor from such a destination, and not over IPv4 options,
+ * which the kernel would reverse or rewrite in a reply and this program would echo as they came.
+ * The refusal is counted all the same. */
 static __always_inline int may_reply(const struct ethhdr *eth, const struct iphdr *iph,
                                      const struct ipv6hdr *ip6h, int v6)
 {
