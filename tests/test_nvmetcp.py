@@ -867,6 +867,17 @@ def test_a_controller_without_a_transfer_limit_gets_bounded_commands(target, mon
         dev.close()
 
 
+def test_a_controller_whose_smallest_page_is_over_4_kib_is_refused_in_a_sentence(target, monkeypatch):
+    """CC.MPS 0 (4 KiB) is all this host sets, and MDTS counts in CAP.MPSMIN's pages: a controller
+    with an 8 KiB minimum was enabled with an invalid CC and its transfer limit read half size."""
+    real = Target.get_property
+    monkeypatch.setattr(Target, "get_property",
+                        lambda self, ofst, size8: (real(self, ofst, size8) | 1 << 48) if ofst == P.PROP_CAP
+                        else real(self, ofst, size8))
+    with pytest.raises(DeviceError, match="at least 8192 bytes"):
+        NvmeTcpDevice(target.url)
+
+
 def test_a_dead_host_s_last_write_never_lands_over_the_next_host_s(target, monkeypatch):
     """Host A's write is still being executed by the target when A's connections drop; host B
     connects, writes the same block and flushes. B's data must be what the block holds: the

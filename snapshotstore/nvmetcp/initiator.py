@@ -337,7 +337,12 @@ class NvmeTcpDevice:
             self.io = self._io_queue()
 
     def _enable(self):
-        self.mqes = (self.admin.get_property(P.PROP_CAP, size8=True) & 0xFFFF) + 1   # its I/O queues' most entries
+        cap = self.admin.get_property(P.PROP_CAP, size8=True)
+        self.mqes = (cap & 0xFFFF) + 1                  # its I/O queues' most entries
+        if cap >> 48 & 0xF:
+            # CC.MPS 0 (4 KiB) is below its smallest page size, and MDTS counts in that size
+            raise DeviceError(f"the controller at {self.path} needs memory pages of at least "
+                              f"{4096 << (cap >> 48 & 0xF)} bytes (CAP.MPSMIN); this host uses 4 KiB")
         self.admin.set_property(P.PROP_CC, CC_ENABLED)
         deadline = time.monotonic() + READY_TIMEOUT_S
         while not self.admin.get_property(P.PROP_CSTS) & P.CSTS_RDY:
