@@ -80,10 +80,14 @@ def _iproute(netns: str | None):
 _ATTACHED = {"xdp": "native", "xdpgeneric": "generic", "xdpoffload": "offload", "xdpmulti": "multi"}
 
 
-def _set_xdp(ipr, ifindex: int, fd: int, flags: int):
+def _set_xdp(ipr, ifindex: int, fd: int, flags: int, expected_fd: int | None = None):
     # The nested IFLA_XDP attribute spelled out: pyroute2 0.9's xdp_fd=/xdp_flags= keywords drop
-    # the flags, so a "generic" attach silently became a driver-mode one.
-    ipr.link("set", index=ifindex, xdp={"attrs": [("IFLA_XDP_FD", fd), ("IFLA_XDP_FLAGS", flags)]})
+    # the flags, so a "generic" attach silently became a driver-mode one. expected_fd: only if that
+    # program is the one attached (XDP_FLAGS_REPLACE; the kernel refuses with EEXIST otherwise).
+    attrs = [("IFLA_XDP_FD", fd), ("IFLA_XDP_FLAGS", flags | (XDP_FLAGS_REPLACE if expected_fd is not None else 0))]
+    if expected_fd is not None:
+        attrs.append(("IFLA_XDP_EXPECTED_FD", expected_fd))
+    ipr.link("set", index=ifindex, xdp={"attrs": attrs})
 
 
 class XdpAttachment:
@@ -139,9 +143,7 @@ class XdpAttachment:
             return
         try:
             with _iproute(self.netns) as ipr:
-                ipr.link("set", index=self.ifindex, xdp={"attrs": [
-                    ("IFLA_XDP_FD", -1), ("IFLA_XDP_EXPECTED_FD", self.prog_fd),
-                    ("IFLA_XDP_FLAGS", XDP_MODES[self.mode] | XDP_FLAGS_REPLACE)]})
+                _set_xdp(ipr, self.ifindex, -1, XDP_MODES[self.mode], expected_fd=self.prog_fd)
         except Exception:
             pass  # gone with its namespace, or another's program there now: not ours to remove
         self.mode = None

@@ -1476,8 +1476,8 @@ static void requeue_all(struct dp_router *rt, struct req *r, int nk)
     }
 }
 
-/* Request ri, none of it run, goes to worker nk: its sent chunks back in front of its pending
- * ones, all from their first token, and the depth its pending chunks hold moves with them. */
+/* Request ri, none of it run, goes to worker nk (requeue_all), the depth its pending chunks held on
+ * its old worker given back there. */
 static void move_unrun(struct dp_router *rt, uint32_t ri, int nk)
 {
     struct req *r = &rt->reqs[ri];

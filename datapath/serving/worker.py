@@ -172,7 +172,7 @@ class Worker:
         refused: dict[tuple[SessionKey, int], int] = {}   # requests refused a record in this batch
         for i, rec in enumerate(batch):
             key, rid = (int(rec["tenant"]), int(rec["session_id"])), int(rec["request_id"])
-            status = refused.get((key, rid)) or self._take(i, rec, segments, t_start, entries)
+            status = refused.get((key, rid)) or self._take(i, rec, key, rid, segments, t_start, entries)
             if status != wire.STATUS_OK:
                 entries["status"][i] = status
                 self.stats["refused"] += 1
@@ -189,10 +189,11 @@ class Worker:
         comp["t_end"] = time.monotonic_ns()
         return comp
 
-    def _take(self, i: int, rec, segments: dict[SessionKey, _Segment], t_start: int, entries) -> int:
-        """Place record i in its session's segment; the status its entry gets (and flags, on a refusal
-        the router tells the client the reason of)."""
-        key, rid, kind = (int(rec["tenant"]), int(rec["session_id"])), int(rec["request_id"]), int(rec["kind"])
+    def _take(self, i: int, rec, key: SessionKey, rid: int, segments: dict[SessionKey, _Segment], t_start: int,
+              entries) -> int:
+        """Place record i (of session key, request rid) in its session's segment; the status its entry
+        gets (and flags, on a refusal the router tells the client the reason of)."""
+        kind = int(rec["kind"])
         if kind == records.KIND_DECODE:
             if self._abandoned.get(key) == rid:
                 return wire.STATUS_UNAVAILABLE   # released as abandoned, as its pieces are (it was 422)
