@@ -39,7 +39,8 @@ enum dp_drop {
                                   * to the IPv4 address its chunks carry (chunk.h client_ip) */
     DP_DROP_UNKNOWN_TENANT = 13, /* tags required and the tenant has no key (tenant_keys): never answered */
     DP_DROP_BAD_TAG = 14,        /* tags required and the tag is not the header's under the tenant's key */
-    DP_DROP_MAX = 15
+    DP_DROP_BAD_CHECKSUM = 15,   /* the IPv4 header's checksum is wrong, or an IPv6 UDP checksum is 0 */
+    DP_DROP_MAX = 16
 };
 
 /* Other events (index of the `events` per-CPU array). Records queued are

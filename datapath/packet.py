@@ -13,6 +13,7 @@ ETH_P_IP, ETH_P_IPV6, ETH_P_8021Q = 0x0800, 0x86DD, 0x8100
 IPPROTO_UDP, IPPROTO_TCP = 17, 6
 SRC_MAC = bytes.fromhex("020000000002")
 DST_MAC = bytes.fromhex("020000000001")
+V6_CLIENT, V6_SERVICE = "2001:2::2", "2001:2::1"   # the IPv6 frames' default source and destination
 
 
 def checksum(data: bytes) -> int:
@@ -42,14 +43,21 @@ def ipv4(proto: int, payload: bytes, src="198.18.0.2", dst="198.18.0.1",
     return hdr[:10] + struct.pack("!H", checksum(hdr)) + hdr[12:] + payload
 
 
-def ipv6(nexthdr: int, payload: bytes, src="2001:2::2", dst="2001:2::1", hop_limit: int = 64) -> bytes:
+def ipv6(nexthdr: int, payload: bytes, src=V6_CLIENT, dst=V6_SERVICE, hop_limit: int = 64) -> bytes:
     return struct.pack("!IHBB16s16s", 6 << 28, len(payload), nexthdr, hop_limit,
                        ipaddress.IPv6Address(src).packed, ipaddress.IPv6Address(dst).packed) + payload
 
 
-def udp(payload: bytes, dport: int, sport: int = 40000, length: int | None = None) -> bytes:
-    # checksum 0: "none" for IPv4; the XDP programs here do not verify it
-    return struct.pack("!HHHH", sport, dport, 8 + len(payload) if length is None else length, 0) + payload
+def udp(payload: bytes, dport: int, sport: int = 40000, length: int | None = None, check: int = 0) -> bytes:
+    # checksum 0: "none", legal over IPv4 only; the XDP programs do not verify a non-zero one
+    return struct.pack("!HHHH", sport, dport, 8 + len(payload) if length is None else length, check) + payload
+
+
+def udp6_checksum(seg: bytes, src: str, dst: str) -> int:
+    """UDP's checksum over IPv6 (mandatory there): the pseudo header, then the segment; 0 sent as 0xffff."""
+    pseudo = (ipaddress.IPv6Address(src).packed + ipaddress.IPv6Address(dst).packed +
+              struct.pack("!IxxxB", len(seg), IPPROTO_UDP))
+    return checksum(pseudo + seg) or 0xFFFF
 
 
 def udp_frame(payload: bytes, dport: int, *, v6: bool = False, vlan: int | None = None,
@@ -60,6 +68,8 @@ def udp_frame(payload: bytes, dport: int, *, v6: bool = False, vlan: int | None 
     seg = udp(payload, dport, length=udp_len)
     addrs = {k: v for k, v in (("src", src), ("dst", dst)) if v}
     if v6:
+        seg = udp(payload, dport, length=udp_len,
+                  check=udp6_checksum(seg, src or V6_CLIENT, dst or V6_SERVICE))
         return ethernet(ETH_P_IPV6, ipv6(IPPROTO_UDP, seg, **addrs, hop_limit=ttl), vlan)
     return ethernet(ETH_P_IP, ipv4(IPPROTO_UDP, seg, **addrs, options=ip_options, frag_off=frag_off, mf=mf,
                                    ttl=ttl, tos=tos), vlan)

@@ -35,8 +35,8 @@ def frame(payload=None, **kw):
 
 
 VALID = frame()
-V6_FRAG = packet.ethernet(packet.ETH_P_IPV6, packet.ipv6(
-    44, struct.pack("!BBHI", packet.IPPROTO_UDP, 0, 0x0001, 99) + packet.udp(req(), PORT)))
+V6_FRAG = packet.ethernet(packet.ETH_P_IPV6, packet.ipv6(   # its checksum covers the whole datagram: any not 0
+    44, struct.pack("!BBHI", packet.IPPROTO_UDP, 0, 0x0001, 99) + packet.udp(req(), PORT, check=0x1234)))
 V6_LATER_FRAG = packet.ethernet(packet.ETH_P_IPV6, packet.ipv6(
     44, struct.pack("!BBHI", packet.IPPROTO_UDP, 0, 185 << 3, 99) + b"\0" * 64))
 ARP = packet.ethernet(0x0806, b"\0" * 28)
@@ -100,6 +100,13 @@ def patched(frm: bytes, at: int, data: bytes) -> bytes:
     return frm[:at] + data + frm[at + len(data):]
 
 
+def ipv4_patched(frm: bytes, at: int, data: bytes) -> bytes:
+    """`frm` patched in its IPv4 header (at 14), whose checksum is made right again."""
+    frm = patched(patched(frm, at, data), 24, b"\0\0")
+    hdr = frm[14:14 + (frm[14] & 0xF) * 4]
+    return patched(frm, 24, struct.pack("!H", packet.checksum(hdr)))
+
+
 def case(name, frm, verdict, counter, queue=None, setup=None):
     return pytest.param(frm, verdict, counter, queue, setup, id=name)
 
@@ -154,11 +161,24 @@ CASES = [
     case("udp length past the packet", frame(udp_len=8 + wire.REQ_HDR_LEN + 64 + 4), XDP_DROP, "drop_length"),
     case("udp length below 8", frame(udp_len=4), XDP_DROP, "drop_length"),
     # the IP header's length must hold the datagram (the kernel would trim the frame to it)
-    case("ipv4 total length short of the udp datagram", patched(VALID, 16, struct.pack("!H", 20 + 8)), XDP_DROP,
-         "drop_length"),
+    case("ipv4 total length short of the udp datagram", ipv4_patched(VALID, 16, struct.pack("!H", 20 + 8)),
+         XDP_DROP, "drop_length"),
     case("ipv6 payload length short of the udp datagram", patched(frame(v6=True), 18, struct.pack("!H", 8)),
          XDP_DROP, "drop_length"),
-    case("ipv4 ethertype, version 6 in the header", patched(VALID, 14, bytes([0x65])), XDP_DROP, "drop_length"),
+    case("ipv4 ethertype, version 6 in the header", ipv4_patched(VALID, 14, bytes([0x65])), XDP_DROP,
+         "drop_length"),
+    # the IP header's checksum, as the kernel's IP input checks it (and UDP's 0 over IPv6)
+    case("ipv4 header checksum wrong", patched(VALID, 24, bytes([VALID[24] ^ 0x01])), XDP_DROP,
+         "drop_bad_checksum"),
+    case("ipv4 source address damaged", patched(VALID, 26, b"\xc6\x13"), XDP_DROP, "drop_bad_checksum"),
+    case("ipv4 with options, an option damaged", patched(frame(ip_options=b"\x01" * 4), 34, b"\x00"), XDP_DROP,
+         "drop_bad_checksum"),
+    case("ipv4 with options", frame(ip_options=b"\x01" * 8), XDP_DROP, "queued", HASHED),
+    case("ipv4 header checksum wrong, over the token bucket: no 429", patched(VALID, 24, bytes([VALID[24] ^ 1])),
+         XDP_DROP, "drop_bad_checksum", setup=limited),
+    case("ipv4 header checksum wrong, another port", patched(packet.udp_frame(req(), 53), 24, b"\0\0"), XDP_PASS,
+         "pass"),
+    case("ipv6 udp checksum 0", patched(frame(v6=True), 60, b"\0\0"), XDP_DROP, "drop_bad_checksum"),
     case("first ipv4 fragment", frame(mf=True), XDP_DROP, "drop_fragment"),
     case("first ipv6 fragment", V6_FRAG, XDP_DROP, "drop_fragment"),
     # not ours: passed untouched
