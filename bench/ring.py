@@ -6,7 +6,8 @@ Measured in one run (two pinned processes on cores 0 and 1 where there are two):
   references.handoff_oneway_p50_ns    a bare cache line handed from one pinned process to the other,
                                       stamped as the ring's records are: the same method, without the ring
   metrics.ring_op_ns_bulk1|8|32       enqueue+dequeue per 64-byte record, one thread
-  metrics.ring_oneway_p50|p99|p999_ns one record at a time, producer stamp to consumer stamp (C, CLOCK_MONOTONIC)
+  metrics.ring_oneway_p50|p99|p999_ns one record at a time, producer stamp to consumer stamp taken after it read
+                                      the record (C, CLOCK_MONOTONIC)
   metrics.ring_mchunks_per_s          whole 128-token chunks (608-byte dp_chunk records) from one pinned process
                                       to the other in 32-record bursts: each written whole into its slot by the
                                       producer and copied out whole by the consumer, checked

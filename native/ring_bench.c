@@ -276,8 +276,8 @@ uint64_t dp_handoff_consume(void *shared, uint64_t n, uint64_t *samples, uint64_
                 break;
             continue;
         }
-        uint64_t t = now_ns();
-        samples[i++] = t - h->stamp;
+        uint64_t sent = h->stamp;        /* the record read, then the clock: as the ring's sample */
+        samples[i++] = now_ns() - sent;
         __atomic_store_n(&h->ack, i, __ATOMIC_RELEASE);
     }
     return i;
@@ -294,9 +294,10 @@ uint64_t dp_latency_consume(struct dp_ring *r, uint64_t n, uint64_t *samples, ui
                 break;
             continue;
         }
-        uint64_t t = now_ns();
-        const uint64_t *rec = dp_ring_cons_slot(r, 0);
-        samples[i++] = t - rec[0];
+        /* the record read before the clock: its line's transfer from the producer's core is part
+         * of the hand-off (stamped at the index alone, it was not: the line came after the clock) */
+        uint64_t sent = __atomic_load_n((const uint64_t *)dp_ring_cons_slot(r, 0), __ATOMIC_RELAXED);
+        samples[i++] = now_ns() - sent;
         dp_ring_cons_release(r, 1);
     }
     return i;

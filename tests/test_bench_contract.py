@@ -168,6 +168,14 @@ def test_the_flatness_figure_needs_a_saturated_sweep():
     keeping_up = below + [row(160, 150, 2500)]      # answers keep up, but the p95 blew up: saturated
     assert _spread_to_80pct(keeping_up) == pytest.approx(1.5)
     assert _spread_to_80pct(below + [row(160, 158, 300, errors=20)]) == pytest.approx(1.5)
+    # the offer as it happened decides what lies within 80%: a nominal 90/s that sent 78/s does
+    nominal_over = below + [row(90, 78, 200, sent=78), row(160, 100, 900)]
+    assert _spread_to_80pct(nominal_over) == pytest.approx(2.0)
+    # a row within 80% that left more than 5% unanswered 200 has no p95: the goal is missed
+    refusing = [row(10, 10, 100), row(40, 40, 104, errors=6), row(80, 79, 150), row(160, 100, 900)]
+    assert _spread_to_80pct(refusing) == float("inf")
+    assert _spread_to_80pct([row(10, 10, 100), row(40, 40, 104, errors=5), row(160, 100, 900)]) == \
+        pytest.approx(1.04)
 
 
 def test_a_failed_measurement_leaves_no_figure_and_json_writes_no_nan(tmp_path):
