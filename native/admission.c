@@ -248,7 +248,7 @@ void dp_adm_set_default(struct dp_admission *a, const struct dp_tenant_cfg *cfg)
     a->dflt = *cfg;
 }
 
-int dp_adm_tenant_stats(struct dp_admission *a, uint32_t tenant, struct dp_adm_tenant_stats *s)
+int dp_adm_tenant_stats(struct dp_admission *a, uint32_t tenant, uint64_t now, struct dp_adm_tenant_stats *s)
 {
     struct tenant *t = find(a, tenant, FIND, 0);
     memset(s, 0, sizeof(*s));
@@ -256,7 +256,8 @@ int dp_adm_tenant_stats(struct dp_admission *a, uint32_t tenant, struct dp_adm_t
         return -ENOENT;
     *s = t->st;
     s->own_settings = t->own;
-    s->spent = t->spent;
+    /* today's: the day's reset happens at the tenant's next decision, which may not come */
+    s->spent = t->day_start && now - t->day_start < DAY_NS ? t->spent : 0;
     return 0;
 }
 
@@ -296,7 +297,9 @@ static double output_factor(uint32_t max_output)
 
 static double cost_of(uint32_t price, uint32_t input, uint32_t max_output, double entropy_factor)
 {
-    return price / 1000.0 * ((double)input + max_output) * entropy_factor * output_factor(max_output);
+    /* price x tokens first: a whole product, exact in a double, so a whole-number price stays whole
+     * (price / 1000 first is inexact, and ceil() took 70 x 100 / 1000 = 7 for 8) */
+    return (double)price * ((double)input + max_output) / 1000.0 * entropy_factor * output_factor(max_output);
 }
 
 /* Every factor but the entropy's. */
@@ -458,7 +461,11 @@ static void suggestions(struct jw *w, const struct dp_admission *a, const struct
         uint32_t out = DP_MAX_OUTPUT_TOKENS;
         if (limit && p->input_tokens < limit && limit - p->input_tokens < out)
             out = limit - p->input_tokens;
-        if (!limit || p->input_tokens < limit)
+        if ((!limit || p->input_tokens < limit) && a->max_chunks && p->chunk_count > a->max_chunks)
+            /* each part's prompt is a piece of this one's: with out it fits the limit too */
+            HINT("lower max_output_tokens to %" PRIu32 " and split into requests of at most %" PRIu32 " chunks",
+                 out, a->max_chunks);
+        else if (!limit || p->input_tokens < limit)
             HINT("lower max_output_tokens to %" PRIu32 " and ask for the rest in a further request on the session",
                  out);
         else
@@ -470,6 +477,14 @@ static void suggestions(struct jw *w, const struct dp_admission *a, const struct
             chunks = (limit - p->max_output) / DP_MAX_CHUNK_TOKENS;
         if (chunks)
             HINT("split into requests of at most %" PRIu32 " chunks", chunks);
+        else if (limit > DP_MAX_CHUNK_TOKENS) {   /* the output alone leaves no chunk room: both give */
+            chunks = (limit - 1) / DP_MAX_CHUNK_TOKENS < a->max_chunks ? (limit - 1) / DP_MAX_CHUNK_TOKENS
+                                                                        : a->max_chunks;
+            HINT("split into requests of at most %" PRIu32 " chunks with max_output_tokens <= %" PRIu32, chunks,
+                 limit - chunks * DP_MAX_CHUNK_TOKENS);
+        } else
+            HINT("the limit is %" PRIu32 " tokens: send one chunk of at most %" PRIu32 " prompt tokens with fewer "
+                 "output tokens", limit, limit - 1);
     } else if (why == OVER_MINUTE || why == OVER_CONTEXT) {
         split_hint(w, &first, limit, a, p);
         if (p->input_tokens < limit && p->max_output > limit - p->input_tokens)

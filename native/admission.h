@@ -126,7 +126,7 @@ void dp_adm_destroy(struct dp_admission *a);
 int dp_adm_set_tenant(struct dp_admission *a, uint32_t tenant, const struct dp_tenant_cfg *cfg);
 void dp_adm_set_max_chunks(struct dp_admission *a, uint32_t max_chunks);   /* 0: no limit */
 void dp_adm_set_default(struct dp_admission *a, const struct dp_tenant_cfg *cfg);
-int dp_adm_tenant_stats(struct dp_admission *a, uint32_t tenant, struct dp_adm_tenant_stats *s);
+int dp_adm_tenant_stats(struct dp_admission *a, uint32_t tenant, uint64_t now, struct dp_adm_tenant_stats *s);
 
 void dp_adm_price(const struct dp_tenant_cfg *cfg, const uint32_t *tokens, uint32_t n_tokens, uint32_t chunk_count,
                   uint32_t max_output, struct dp_adm_price *out);

@@ -540,6 +540,17 @@ static int kv_home(struct dp_router *rt, uint64_t session, uint32_t tenant, int 
     return wk;
 }
 
+/* The up worker session sk lives on as far as the router knows, whatever its pool (a kv_move's
+ * home, else where its latest request went); -1 if it knows none. */
+static int session_home(struct dp_router *rt, uint64_t sk)
+{
+    uint32_t h = kv_home_of(rt, sk);
+    if (h != NIL && rt->view.up[h])
+        return (int)h;
+    const struct last_run *e = last_run_of(rt, sk);
+    return e->session == sk && e->worker >= 0 && rt->view.up[e->worker] ? e->worker : -1;
+}
+
 static uint8_t note_run(struct dp_router *rt, uint64_t sk, int wk)
 {
     struct last_run *e = last_run_of(rt, sk);
@@ -1148,10 +1159,12 @@ static int count_tokens(struct dp_router *rt, const struct dp_chunk *c, uint64_t
 }
 
 /* CLOSE: the client is done with the session. It runs like a request of the session (after the
- * ones before it, one record, no tokens, nothing to generate, not priced) on the worker the policy
- * picks for the session (with affinity, the one that holds it), which frees the session's KV and
- * its snapshots; its completion is answered 200. A repeat of a CLOSE still running or just
- * answered is counted, not run twice. */
+ * ones before it, one record, no tokens, nothing to generate, not priced) on the worker that holds
+ * the session, whatever pool the placement rule would choose now (else the policy's pick), which
+ * frees the session's KV and its snapshots; its completion is answered 200. Sent to the policy's
+ * pick in the pool chosen now, the CLOSE of a session a spill had taken to the secondary pool went
+ * to the primary, and a store-less secondary worker kept its copy for good (found by review). A
+ * repeat of a CLOSE still running or just answered is counted, not run twice. */
 static int close_session(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, uint64_t key, uint32_t ri,
                          int fed)
 {
@@ -1164,8 +1177,16 @@ static int close_session(struct dp_router *rt, const struct dp_chunk *c, uint64_
     uint32_t before = session_latest(rt, c);
     const struct arriving *e;
     int over = before != NIL && over_share(rt, c->tenant, 1, &e);     /* held: in the tenant's share */
-    int wk = !over && rt->st.pool_free > rt->reserved && rt->req_free != NIL
-             ? pick_worker(rt, c->session_id, c->tenant, 0, &pool, &spilled) : -1;
+    int wk = -1;
+    if (!over && rt->st.pool_free > rt->reserved && rt->req_free != NIL) {
+        wk = session_home(rt, session_key(rt, c->tenant, c->session_id));
+        if (wk >= 0) {
+            pool = rt->w[wk].pool;
+            rt->pools[pool].requests++;
+        } else {
+            wk = pick_worker(rt, c->session_id, c->tenant, 0, &pool, &spilled);
+        }
+    }
     if (wk < 0) {
         if (!answer(rt, c, DP_STATUS_UNAVAILABLE, NULL, 0))
             return 0;
@@ -2767,7 +2788,7 @@ void dp_router_set_default_tenant(struct dp_router *rt, const struct dp_tenant_c
 int dp_router_tenant_stats(struct dp_router *rt, uint32_t tenant, struct dp_adm_tenant_stats *s)
 {
     pthread_mutex_lock(&rt->lock);
-    int rc = dp_adm_tenant_stats(rt->adm, tenant, s);
+    int rc = dp_adm_tenant_stats(rt->adm, tenant, now_ns(), s);
     pthread_mutex_unlock(&rt->lock);
     return rc;
 }
