@@ -22,6 +22,7 @@ from snapshotstore.device import aligned_buffer, create_image
 from snapshotstore.nvmetcp import NvmeError, NvmeTcpDevice, Target, parse_url
 from snapshotstore.nvmetcp.initiator import host_identity
 from snapshotstore.nvmetcp import pdu as P
+from snapshotstore.nvmetcp import target as T
 from snapshotstore.nvmetcp.process import TargetProcess
 from snapshotstore.nvmetcp.target import DEFAULT_NQN, MAX_CONNECTIONS
 from snapshotstore.nvmetcp.transport import Channel, ConnectionClosed
@@ -812,7 +813,6 @@ def test_a_closed_host_s_queued_admin_commands_do_not_reach_the_next_host_s_cont
     CC.EN=0, and closes; host B connects meanwhile (A's FIN seen). A's thread must not then run
     the CC.EN=0 against B's association: before, it reset B's controller and closed B's I/O
     queue, and B's next write failed (found by review)."""
-    from snapshotstore.nvmetcp import target as T
     slow, real = threading.Event(), T._Connection._admin
 
     def slow_keep_alive(self, cmd):
@@ -876,6 +876,28 @@ def test_a_controller_whose_smallest_page_is_over_4_kib_is_refused_in_a_sentence
                         else real(self, ofst, size8))
     with pytest.raises(DeviceError, match="at least 8192 bytes"):
         NvmeTcpDevice(target.url)
+
+
+def test_a_controller_whose_in_capsule_data_is_offset_gets_writes_by_r2t(target, monkeypatch):
+    """ICDOFF != 0 puts in-capsule data past a gap after the SQE, which this host did not leave: its
+    small writes went in capsule at offset 0 all the same. Now they go by R2T, as in no capsule."""
+    real = Target.identify_controller
+    monkeypatch.setattr(Target, "identify_controller",
+                        lambda self: P.pack(P.ID_CTRL, **{**P.unpack(P.ID_CTRL, real(self)), "icdoff": 1}))
+    pulled = []
+    real_pull = T._Connection._pull
+    monkeypatch.setattr(T._Connection, "_pull", lambda self, cmd, view, block: pulled.append(block) or
+                        real_pull(self, cmd, view, block))
+    dev = NvmeTcpDevice(target.url)
+    try:
+        buf = aligned_buffer(4096)
+        buf[:] = b"i" * 4096
+        dev.write_from(buf, 0, 3, 1)
+        back = aligned_buffer(4096)
+        dev.read_into(back, 3, 1)
+        assert bytes(back) == b"i" * 4096 and pulled == [3]
+    finally:
+        dev.close()
 
 
 def test_a_dead_host_s_last_write_never_lands_over_the_next_host_s(target, monkeypatch):

@@ -300,7 +300,10 @@ class NvmeTcpDevice:
             # still kept to NO_MDTS_BYTES: the target allocates a command's whole transfer at once
             self.max_blocks = ((4096 << ctrl["mdts"]) if ctrl["mdts"] else NO_MDTS_BYTES) // self.block_size
             self.max_blocks = min(self.max_blocks, 1 << 16)          # NLB is 16 bits
-            self._in_capsule = ctrl["ioccsz"] * 16 - 64
+            # in-capsule data starts ICDOFF 16-byte units past the SQE; Linux's host refuses a nonzero
+            # ICDOFF: here such a controller gets every write's data by R2T instead (none in capsule;
+            # the I/O queue's Connect still carries its data in capsule, as on the admin queue)
+            self._in_capsule = ctrl["ioccsz"] * 16 - 64 if not ctrl["icdoff"] else 0
             self.io = self._io_queue()
         except BaseException:
             self.close()
@@ -308,13 +311,13 @@ class NvmeTcpDevice:
 
     def _io_queue(self) -> "_Queue":
         url, host, port, digests, timeout_s = self._queue_args
-        io = _Queue(url, host, port, 1, digests, timeout_s)
-        io.in_capsule = self._in_capsule
+        io = _Queue(url, host, port, 1, digests, timeout_s)    # (its Connect's data goes in capsule)
         try:
             io.connect(self.subnqn, self.hostnqn, self._hostid, self._cntlid, min(QUEUE_SIZE, self.mqes))
         except BaseException:
             io.close()
             raise
+        io.in_capsule = self._in_capsule
         return io
 
     def reset(self) -> None:
