@@ -40,7 +40,7 @@ FILE_BLOCK_SIZE = 4096         # block size of a regular-file device
 KIND_DELTA = 1      # one KV delta, parent = the previous record of the chain
 KIND_BASE = 2       # a whole chain merged into one record (compaction); parent 0; payload: pack_parts
 KIND_TOMBSTONE = 3  # the key was deleted: drop its chain
-KIND_PAD = 4        # fills the log to the end of the lap; only its first block is written
+KIND_PAD = 4        # fills the log to the end of the lap, written whole: a header, then zeros
 KIND_NAMES = {KIND_DELTA: "delta", KIND_BASE: "base", KIND_TOMBSTONE: "tombstone", KIND_PAD: "pad"}
 
 FLAG_ZLIB = 1       # payload is zlib-compressed; raw_len is the length after inflating

@@ -351,7 +351,10 @@ class LogStore:
                 start = self._ix.first_seq(chain)
                 # The chain began before the damaged record (by its header's number, or because
                 # the log held a newer record before it): that record was part of it, or ended it.
-                if start < seq or start <= before:
+                # The header failed its CRC, so its number may be the damage: one newer than any
+                # record the log holds is not taken (a bit flipped in a dead record's number made
+                # it newer than an intact live chain, which was dropped for good; found by review).
+                if (start < seq <= st.newest) or start <= before:
                     self._ix.drop(chain)          # the store never gives back a session with a hole
                     self.counters["damaged_chains_dropped"] += 1
                     self._dropped.add(key)
@@ -830,9 +833,13 @@ class LogStore:
         return rid, h, off
 
     def _place(self, h: RecordHeader, payload) -> int:
-        """Copy the record's first block (a pad) or all its blocks into the write buffer; where."""
+        """Copy all the record's blocks into the write buffer (a pad's zeros too); where. A pad
+        wrote its first block alone, and a torn batch's records persisted under the rest of it
+        (never acknowledged, at their right positions, their CRCs whole): once the pad's header was
+        damaged, recovery's resync past it took them for the store's (found by review; a pad is
+        shorter than a record, at most one a lap)."""
         bs = self.block_size
-        n = 1 if h.kind == KIND_PAD else h.nblocks
+        n = h.nblocks
         if self._woff + n * bs > len(self._wbuf):
             bigger = aligned_buffer(2 * (self._woff + n * bs))
             bigger[:self._woff] = self._wbuf[:self._woff]

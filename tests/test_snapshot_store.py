@@ -554,6 +554,50 @@ def test_corruption_inside_the_log_drops_only_the_damaged_chain(make_device):
         assert s.restore(key(2)).payload == b
 
 
+def test_a_dead_record_whose_number_is_damaged_does_not_drop_a_live_chain(make_device):
+    """A bit flipped in the sequence number of a dead record (a delta a compaction replaced) made
+    it newer than the live chain's base: recovery dropped the intact session, and a read-write
+    open buried it for good (found by review). A damaged header's number newer than any record
+    the log holds is not taken for its record's."""
+    path = make_device()
+    with LogStore(path, compact_after=2) as s:
+        want = put_all(s, key(1), deltas(3, 100, seed=1))
+        dead = [e for e in s.entries() if not e.live]
+        st = s.stats()
+    assert len(dead) == 2, "the third put compacted the chain into one base"
+    at = fmt.RECORD.offsets["seq"] + 5
+    rewrite_blocks(path, phys_block(st, dead[0].lpos), lambda blk: blk[:at] + bytes([blk[at] ^ 1]) + blk[at + 1:])
+    with LogStore(path) as s:
+        st = s.stats()
+        assert st["corrupt_blocks_skipped"] == 1 and st["damaged_chains_dropped"] == 0
+        assert s.restore(key(1)).payload == want
+    with LogStore(path) as s:                        # and no tombstone was written for it
+        assert s.restore(key(1)).payload == want and s.stats()["damaged_chains_dropped"] == 0
+
+
+def test_a_pad_is_written_whole_so_nothing_under_it_comes_back(make_device):
+    """A pad (the log's end of a lap no record fits) wrote its first block alone: records a power
+    cut had left under the rest of it (never acknowledged, whole, at their own positions) came
+    back as the store's once the pad's header was damaged and recovery resynced past it (found by
+    review). Its blocks after the header are written as zeros now."""
+    path = make_device(1 << 20)
+    with LogStore(path) as s:
+        L, bs = s.stats()["log_blocks"], s.stats()["block_size"]
+        while s.stats()["tail"] % L != L - 3:         # one-block records to 3 blocks short of the end
+            s.put(key(1), Delta(b"f" * 100), replace=True)
+        under = [phys_block(s.stats(), s.stats()["tail"] + i) for i in (1, 2)]
+        for b in under:                              # what a torn batch could have left there
+            rewrite_blocks(path, b, lambda blk: b"\xab" * len(blk))
+        s.put(key(2), Delta(b"g" * (4 * bs)))        # 5 blocks: a pad to the end, then the record
+        assert [e.kind for e in s.entries()][-2] == fmt.KIND_PAD
+    dev = BlockDevice(path)
+    try:
+        buf = aligned_buffer(dev.block_size)
+        assert all(bytes(dev.read_into(buf, b, 1)) == bytes(dev.block_size) for b in under)
+    finally:
+        dev.close()
+
+
 def test_a_damaged_record_the_head_reaches_drops_its_chain_not_the_store(make_device):
     """A record of a live chain goes bad while the store is open; when the head reaches the
     chain, it cannot be moved. It is dropped durably, as recovery would drop it, and the store
