@@ -531,24 +531,34 @@ static void kv_home_drop(struct dp_router *rt, uint64_t sk)
 }
 
 /* Where a request of the session goes instead of wk, the policy's pick in pool p: the worker a
- * kv_move sent the session to, if it is up and in that pool. */
+ * kv_move sent the session to, if it is up and in that pool. Else the request goes to wk, and so
+ * does the entry: the session's newest copy will be there (a failover's replay, a request placed
+ * in another pool); left as it was, the entry drew the session's later requests and its CLOSE to
+ * a worker that no longer held it, and the copy that did was never closed (found by review). */
 static int kv_home(struct dp_router *rt, uint64_t session, uint32_t tenant, int wk, int p)
 {
-    uint32_t h = kv_home_of(rt, session_key(rt, tenant, session));
-    if (h != NIL && (int)h != wk && rt->view.up[h] && rt->w[h].pool == p)
+    uint64_t sk = session_key(rt, tenant, session);
+    uint32_t h = kv_home_of(rt, sk);
+    if (h == NIL || (int)h == wk)
+        return wk;
+    if (rt->view.up[h] && rt->w[h].pool == p)
         return (int)h;
+    index_move(&rt->kv_homes, sk, h, (uint32_t)wk);
     return wk;
 }
 
-/* The up worker session sk lives on as far as the router knows, whatever its pool (a kv_move's
- * home, else where its latest request went); -1 if it knows none. */
-static int session_home(struct dp_router *rt, uint64_t sk)
+/* The up worker session sk lives on as far as the router knows, whatever its pool: that of its
+ * request `before` (unfinished: NIL if none), else where its latest request went, else its
+ * kv_move's home (the last-run table is lossy); -1 if it knows none. */
+static int session_home(struct dp_router *rt, uint64_t sk, uint32_t before)
 {
-    uint32_t h = kv_home_of(rt, sk);
-    if (h != NIL && rt->view.up[h])
-        return (int)h;
+    if (before != NIL && rt->view.up[rt->reqs[before].worker])
+        return rt->reqs[before].worker;
     const struct last_run *e = last_run_of(rt, sk);
-    return e->session == sk && e->worker >= 0 && rt->view.up[e->worker] ? e->worker : -1;
+    if (e->session == sk && e->worker >= 0 && rt->view.up[e->worker])
+        return e->worker;
+    uint32_t h = kv_home_of(rt, sk);
+    return h != NIL && rt->view.up[h] ? (int)h : -1;
 }
 
 static uint8_t note_run(struct dp_router *rt, uint64_t sk, int wk)
@@ -1179,7 +1189,7 @@ static int close_session(struct dp_router *rt, const struct dp_chunk *c, uint64_
     int over = before != NIL && over_share(rt, c->tenant, 1, &e);     /* held: in the tenant's share */
     int wk = -1;
     if (!over && rt->st.pool_free > rt->reserved && rt->req_free != NIL) {
-        wk = session_home(rt, session_key(rt, c->tenant, c->session_id));
+        wk = session_home(rt, session_key(rt, c->tenant, c->session_id), before);
         if (wk >= 0) {
             pool = rt->w[wk].pool;
             rt->pools[pool].requests++;
@@ -2029,6 +2039,7 @@ static void failover(struct dp_router *rt, uint32_t k)
         requeue_all(rt, r, nk);
         r->worker = (int16_t)nk;
         note_run(rt, session_key(rt, r->tenant, r->session_id), nk);
+        r->kv_moves = 0;                 /* a KV-full walk begins again: the pool it walked has changed */
         r->moved = 1;                    /* replayed elsewhere: its session moved for sure */
         r->replayed |= (uint8_t)ran;     /* its turn may be in the store (DP_CHUNK_F_REPLAY) */
         r->state = REQ_PREFILL;

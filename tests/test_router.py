@@ -590,6 +590,41 @@ def test_a_close_held_behind_a_moved_request_moves_with_it_and_ends_its_home(ben
     assert b.router.stats()["kv_homes"] == 0
 
 
+def test_a_moved_session_replayed_by_failover_is_closed_where_it_ran_again(bench_factory):
+    """A session's home (a KV-full move) dies with its request in flight; the failover replays the
+    request on another worker, where the session (store-less) begins again. The home's
+    replacement comes up: the session's later request and its CLOSE go where it now is. Before,
+    the stale home drew both to the fresh worker, and the copy the replay made was never closed."""
+    b = bench_factory(n_workers=3, policy="affinity")
+    b.send(chunks_of(6, [1, 2], session=9, max_out=1))
+    b.router.poll()
+    (k,) = batches_waiting(b)
+    answer_kv_full(b, k)
+    home = (k + 1) % 3
+    b.run(home)
+    b.send(chunks_of(8, [3, 4], session=9, max_out=1))
+    b.router.poll()
+    assert batches_waiting(b) == [home]
+    b.workers[home].recv_batch(0)                          # taken, then the worker dies
+    b.router.set_up(home, False)
+    b.router.poll()
+    (nk,) = batches_waiting(b)
+    b.run(nk)
+    b.router.set_up(home, True)                            # its replacement
+    close = chunks_of(10, [], session=9)
+    close["kind"], close["n_tokens"] = wire.KIND_CLOSE, 0
+    b.send(chunks_of(9, [5], session=9, max_out=1))
+    b.router.poll()
+    assert batches_waiting(b) == [nk]
+    b.run(nk)
+    b.send(close)
+    b.router.poll()
+    assert batches_waiting(b) == [nk]
+    b.run(nk)
+    assert {int(r["request_id"]): int(r["status"]) for r in b.responses} == {6: 200, 8: 200, 9: 200, 10: 200}
+    assert b.router.stats()["kv_homes"] == 0
+
+
 def test_a_request_every_worker_has_no_kv_room_for_is_refused_503_saying_why(bench_factory):
     """Each worker of the pool is tried once, from the one after the first to refuse it; then the
     client gets the 503 and its body."""

@@ -234,6 +234,24 @@ def test_a_request_refused_a_piece_leaves_nothing_of_it_in_the_session(model):
     assert finished(w)[0].context_tokens == 150 and store.held((0, 1))[0] == 150
 
 
+def test_a_retry_under_the_same_id_sent_anew_does_not_run_on_the_first_try_s_pieces(model):
+    """The first try's first piece ran, then the router gave up on it (a chunk cut by the XDP
+    bucket, an expiry): its client got an error and retried under the same id, stamped anew. The
+    worker took the retry for the first try going on, appended it to that piece (the prompt's
+    first 128 tokens twice) and answered 200. Now the first try's pieces are cut off first."""
+    store = MemoryStore()
+    w = Worker(model, store)
+    drive(w.step, [(1, 1, prompt(1, 40), 1)])
+    finished(w)
+    first = prefill_records(1, 2, prompt(2, 200), 1, t_send=1_000)
+    assert w.step(as_batch([first[:1]]))["e"][0]["status"][0] == 200     # 128 tokens in, then given up
+    retry = prefill_records(1, 2, prompt(2, 200), 1, t_send=2_000)
+    w.step(as_batch([retry]))
+    (done,) = finished(w)
+    assert done.context_tokens == 40 + 200 and store.held((0, 1))[0] == 40 + 200
+    assert w.stats["superseded"] == 1
+
+
 def test_a_request_refused_after_a_failed_restore_does_not_start_mid_prompt(model):
     """The store failed the session's restore at the request's first piece (503); it is back by the
     second, in the same batch. Before, the second piece restored the session and began the
@@ -421,6 +439,28 @@ def test_a_turn_whose_put_timed_out_is_taken_back_out_if_it_landed(model, lands)
     assert [(m["token_start"], m["token_end"]) for m in store.meta((0, 6))] == \
            ([(0, 41), (41, 71)] if lands else [(0, 41), (41, 71)])
     assert store.meta((0, 6))[-1]["request_id"] == 3 and w.stats["unsure_rolled_back"] == lands
+
+
+def test_a_retry_answered_200_on_another_worker_is_not_taken_back_as_the_unsure_turn(model):
+    """The put of request 2 timed out on worker 1 (it did not land): answered 503, the session
+    marked unsure. The client's retry of it, under its id and stamped anew, ran on worker 2 and
+    was answered 200. The session's next request comes back to worker 1, which took that turn for
+    its own unsure one (the same id, at the same place) and took it out of the store: a turn its
+    client was told 200 for, gone for every worker (found by review). The stamp tells them apart."""
+    store = UnreachableAfterPut(lands=False)
+    w1, w2 = Worker(model, store, kv_budget_bytes=0), Worker(model, store)
+    drive(w1.step, [(6, 1, prompt(1, 40), 2)])
+    store.fail_next = True
+    sent = prefill_records(6, 2, prompt(2, 30), 1, t_send=1_000)
+    assert w1.step(as_batch([sent]))["e"][0]["status"][0] == wire.STATUS_UNAVAILABLE
+    store.down = False
+    assert w2.step(as_batch([prefill_records(6, 2, prompt(2, 30), 1, t_send=2_000)]))["e"][0]["status"][0] == 200
+    back = prefill_records(6, 3, prompt(3, 20), 1, t_send=3_000)
+    back["flags"] |= records.CHUNK_F_MOVED
+    assert w1.step(as_batch([back]))["e"][0]["status"][0] == 200
+    assert [(m["token_start"], m["token_end"], m["request_id"]) for m in store.meta((0, 6))] == \
+        [(0, 41, 1), (41, 71, 2), (71, 91, 3)]
+    assert w1.stats["unsure_rolled_back"] == 0 and finished(w1)[-1].context_tokens == 91
 
 
 def test_a_rollback_whose_put_fails_leaves_the_store_holding_the_session(model):

@@ -113,13 +113,21 @@ class _Request:
     tokens: list[int] = field(default_factory=list)
     logits: list[np.ndarray] = field(default_factory=list)
 
+    def is_(self, attempt: tuple[int, int]) -> bool:
+        """Is (id, send stamp) this request, not a retry of its id sent anew? (A stamp of 0, on
+        either side, says nothing: the id decides.)"""
+        rid, sent = attempt
+        mine = self.stamps.get("t_send", 0)
+        return self.request_id == rid and (not sent or not mine or sent == mine)
+
 
 @dataclass
 class _Session:
     cache: KVCache
     request: _Request | None = None
     restored_tokens: int = 0  # handed to the session's next request, which reports them
-    unsure: int | None = None  # a request answered 503 whose put the store could not confirm (_settle)
+    unsure: tuple[int, int] | None = None  # (id, send stamp) of a request answered 503 whose put the
+                                           # store could not confirm (_settle)
     answered: tuple[tuple[int, int], ...] = ()   # (request id, client send stamp) of its last turns answered
                                                  # 200, the newest last (ANSWERED_KEPT)
 
@@ -151,7 +159,8 @@ class Worker:
                           store_errors=0, replays_durable=0, abandoned=0, unsure_rolled_back=0, kv_full_refused=0,
                           duplicates_refused=0, cut_on_refusal=0, simulated_s=0.0)
         self.last_store_error: str | None = None
-        self._abandoned: dict[SessionKey, int] = {}   # the request released as abandoned, per session
+        self._abandoned: dict[SessionKey, tuple[int, int]] = {}   # the request (id, send stamp) released as
+                                                                  # abandoned, per session
 
     @property
     def kv_bytes_resident(self) -> int:
@@ -194,12 +203,13 @@ class Worker:
         """Place record i (of session key, request rid) in its session's segment; the status its entry
         gets (and flags, on a refusal the router tells the client the reason of)."""
         kind = int(rec["kind"])
+        attempt = (rid, int(rec["t_send"]))   # the router stamps every record with its request's send stamp
         if kind == records.KIND_DECODE:
-            if self._abandoned.get(key) == rid:
+            if self._abandoned.get(key) == attempt:
                 return wire.STATUS_UNAVAILABLE   # released as abandoned, as its pieces are (it was 422)
             s = self.sessions.get(key)
             req = s.request if s is not None else None
-            if req is None or req.request_id != rid or not req.prefill_done or key in segments:
+            if req is None or not req.is_(attempt) or not req.prefill_done or key in segments:
                 return wire.STATUS_UNPROCESSABLE  # no such request generating here, or twice in one step
             segments[key] = _Segment(key, True, [np.array([req.tokens[-1]])], answer=i)
             return wire.STATUS_OK
@@ -219,16 +229,16 @@ class Worker:
         if tokens.max() >= self.model.config.vocab:
             return wire.STATUS_BAD_REQUEST  # one bad record must not fail the whole step
         if key in self._abandoned:
-            if self._abandoned[key] == rid:
+            if self._abandoned[key] == attempt:
                 return wire.STATUS_UNAVAILABLE   # released as abandoned: never run on a cut context
-            del self._abandoned[key]
+            del self._abandoned[key]             # (a retry, stamped anew, runs)
         s = self.sessions.get(key)
         # The store is another component (a remote one times out): its failure is this request's
         # 503, never the worker's death, which would replay the request onto the next worker.
         try:
             if s is not None and s.unsure is not None and s.request is None:
                 s = self._settle(key, s)
-            if s is not None and (s.request is None or s.request.request_id != rid) and self._moved_on(key, s, rec):
+            if s is not None and (s.request is None or not s.request.is_(attempt)) and self._moved_on(key, s, rec):
                 self._drop(key)                  # another worker continued it: the store's copy is newer
                 self.stats["stale_dropped"] += 1
                 s = None
@@ -252,18 +262,20 @@ class Worker:
             self._store_failed(e)
             return wire.STATUS_UNAVAILABLE
         replay = bool(rec["flags"] & records.CHUNK_F_REPLAY)
-        if (not replay and (s.request is None or s.request.request_id != rid) and rec["t_send"]
-                and (rid, int(rec["t_send"])) in s.answered):
+        if (not replay and (s.request is None or not s.request.is_(attempt)) and rec["t_send"]
+                and attempt in s.answered):
             # One of the session's last answered requests again, its id and send stamp (a client's
             # verbatim resend, a late duplicate the router no longer remembered): it ran, and its
             # turn is in the context. Run again, it added its prompt to the context a second time
             # and the session went on from a history its client never had.
             self.stats["duplicates_refused"] += 1
             return wire.STATUS_CONFLICT
-        if s.request is not None and (s.request.request_id != rid or (replay and not s.request.replay)):
+        if s.request is not None and (not s.request.is_(attempt) or (replay and not s.request.replay)):
             # A new request on the session: one the router gave up on (refused, expired: its client
             # got an error) is superseded, and the KV its pieces added is cut off (not the
-            # session's) before this one's room is judged. So is this very request when the router
+            # session's) before this one's room is judged. So is a retry of it under its id, sent
+            # anew (its stamp differs: it ran on top of the first try's pieces, the prompt twice,
+            # and was answered 200; found by review), and this very request when the router
             # replays it from its first chunk (it gave up on this worker, a zmq one, for a stall,
             # then the request came back to it): its pieces so far would have been run twice.
             self.stats["superseded"] += 1
@@ -478,7 +490,7 @@ class Worker:
             # The store cannot say (a remote one that timed out: the put may still land there):
             # cut back too, and settle with the store before the session's next request (_settle).
             s.cache.length = req.start_len
-            s.unsure = req.request_id
+            s.unsure = (req.request_id, req.stamps.get("t_send", 0))
         else:
             self._drop(key)
 
@@ -490,7 +502,10 @@ class Worker:
         of the session, whose copy then goes. Raises (this record's 503) while the store still
         cannot say."""
         last, _ = self._last_delta(key)
-        if last is not None and last["request_id"] == s.unsure and last["token_start"] == s.cache.length:
+        # that request's own turn, by its id and send stamp: a retry of it (stamped anew) that ran
+        # on another worker and was answered 200 named the same id, and was taken out of the store
+        if (last is not None and (last["request_id"], last.get("sent_ns", 0)) == s.unsure
+                and last["token_start"] == s.cache.length):
             # It landed: this copy, without that turn, replaces the chain in one record. A delete then
             # a put left the store empty between them, and a failed put or a kill there lost the
             # session for every other worker (found by review). If the put fails, still unsure.
@@ -527,6 +542,7 @@ class Worker:
         """The client is done with the session (its CLOSE record, or a control-plane call): free it
         here and in the store."""
         self._drop((tenant, session_id))
+        self._abandoned.pop((tenant, session_id), None)   # a reused id's first request is not that one
         if self.store is not None:
             self.store.delete((tenant, session_id))
 
@@ -545,7 +561,7 @@ class Worker:
         for key, s in list(self.sessions.items()):
             if s.request is not None and now - s.request.last_step > ABANDONED_NS:
                 self._abandoned.pop(key, None)   # (re-inserted: the oldest go first, below)
-                self._abandoned[key] = s.request.request_id
+                self._abandoned[key] = (s.request.request_id, s.request.stamps.get("t_send", 0))
                 if len(self._abandoned) > ABANDONED_KEPT:    # sessions that never came back (review)
                     del self._abandoned[next(iter(self._abandoned))]
                 self._cut_back(key, s)
