@@ -219,9 +219,10 @@ static __always_inline __u16 dp_csum_fold(__u32 sum)
 }
 
 /* Is the IPv4 header's checksum right (the ones' complement sum of its 16-bit words, options and
- * all, 0xffff, whose complement dp_csum_fold returns)? The kernel's IP input drops a packet whose sum is not; taken here before it, such a
- * packet (an address or a length damaged on the way) passed for a request and could be answered.
- * Summed in 32-bit words, byte order unswapped: a ones' complement sum is the same either way. */
+ * all, 0xffff: dp_csum_fold returns its complement, 0)? The kernel's IP input drops a packet whose
+ * sum is not; taken here before it, such a packet (an address or a length damaged on the way)
+ * passed for a request and could be answered. Summed in 32-bit words, byte order unswapped: a
+ * ones' complement sum is the same either way. */
 static __always_inline int ipv4_csum_ok(const struct iphdr *iph, const void *data_end)
 {
     const __u32 *w = (const __u32 *)iph;
