@@ -34,7 +34,7 @@ import numpy as np
 
 from . import _dataplane, client, lanes, records, wire
 from .egress import Responder
-from .ingress import SigtermExit
+from .ingress import SigtermExit, signals_held
 from .loop import PollLoop
 from .ring import WAIT_MODES, Ring, unlink
 from .router import MAX_POOLS, Router
@@ -370,6 +370,22 @@ class WorkerSpawner:
 MASTER_SECRET = b"pipeline-master-secret-0123456789"   # tenants get HMAC(master, tenant) (WorkerStore)
 
 
+class SharedFlag:
+    """An Event's set and is_set on one byte shared with a forked child. A multiprocessing.Event's
+    is_set takes a lock, and a child SIGKILLed while holding it (the store server polls it every
+    100 ms) left the pipeline's set() at teardown hung for good (found by review; the workers'
+    stop byte is the same fix)."""
+
+    def __init__(self):
+        self._byte = mmap.mmap(-1, 1)
+
+    def set(self):
+        self._byte[0] = 1
+
+    def is_set(self) -> bool:
+        return self._byte[0] == 1
+
+
 def _store_main(path, endpoint, stop, ready):
     from snapshotstore.errors import SnapshotError
     from snapshotstore.server import serve
@@ -393,6 +409,7 @@ class Pipeline:
         self.cfg = cfg or PipelineConfig()
         self.tag = f"pl{os.getpid()}-{next(_seq)}"
         self._stack = contextlib.ExitStack()
+        self._sigterm = self._old_sigterm = None
         self._ids = itertools.count(1)   # request ids never repeat within a pipeline
         self.workers: list[WorkerProcess] = []   # worker k's current process
         self._spawner: WorkerSpawner | None = None
@@ -408,17 +425,26 @@ class Pipeline:
         # while the ingress is open: before, one during the topology's build or its teardown left
         # the namespaces behind
         if threading.current_thread() is threading.main_thread():
-            old = signal.signal(signal.SIGTERM, SigtermExit())
-            self._stack.callback(signal.signal, signal.SIGTERM, old)
+            self._sigterm = SigtermExit()
+            self._old_sigterm = signal.signal(signal.SIGTERM, self._sigterm)
         try:
             self._build()
         except BaseException:
-            self._stack.close()
+            self._teardown()
             raise
         return self
 
     def __exit__(self, *exc):
-        self._stack.close()
+        self._teardown()
+
+    def _teardown(self):
+        """Everything built, undone in reverse, with Ctrl-C and SIGTERM held until the end (a second
+        one landing in a step left its namespaces and processes behind), then SIGTERM's handler
+        as it was before the pipeline."""
+        with signals_held() as restore:
+            self._stack.close()
+            if self._sigterm is not None and restore.get(signal.SIGTERM) is self._sigterm:
+                restore[signal.SIGTERM] = self._old_sigterm
 
     def _ring(self, suffix, slot, capacity, role):
         name = f"{self.tag}.{suffix}"
@@ -527,7 +553,7 @@ class Pipeline:
         sockdir = tempfile.mkdtemp(prefix=f"zl-{self.tag}-")     # topology.sweep_stale knows the name
         self._stack.callback(shutil.rmtree, sockdir, ignore_errors=True)
         endpoint = f"ipc://{sockdir}/store"
-        stop, ready = ctx.Event(), ctx.Event()
+        stop, ready = SharedFlag(), SharedFlag()
         server = ctx.Process(target=_store_main, args=(path, endpoint, stop, ready), name="store", daemon=True)
 
         def halt():
@@ -542,7 +568,8 @@ class Pipeline:
         server.start()
         self._store_endpoint = endpoint
         deadline = time.monotonic() + 30
-        while not ready.wait(0.1):
+        while not ready.is_set():
+            time.sleep(0.01)
             if not server.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError(f"the snapshot store server on {path} did not start (see its message above)")
         return functools.partial(_remote_store, endpoint)
@@ -708,10 +735,11 @@ class Pipeline:
         def halt():        # before the workers are reaped and the router is closed (LIFO)
             stopping.set()
             os.write(wake_w, b"x")
-            watcher.join(10)
-            if not watcher.is_alive():       # else leave its fds open: it may still wait() on them
-                os.close(wake_r)
-                os.close(wake_w)
+            # unbounded: what it waits on is (a spawn, 30 s at most), and left running past a
+            # timeout it went on calling into the router the teardown then freed (found by review)
+            watcher.join()
+            os.close(wake_r)
+            os.close(wake_w)
         self._stack.callback(halt)
 
     def kill_worker(self, k: int, timeout_s: float = 5.0):

@@ -96,12 +96,12 @@ class Topology:
                 client.link("set", index=idx, state="up")
 
     def close(self):
-        while self._made:
-            name = self._made.pop()
+        while self._made:                # listed until removed: an interrupt leaves it to the next close
             try:
-                netns.remove(name)
+                netns.remove(self._made[-1])
             except OSError:
                 pass  # already gone
+            self._made.pop()
 
     def namespaces(self) -> list[str]:
         return [self.host_ns, *self.client_ns]

@@ -113,16 +113,19 @@ class XdpAttachment:
             tries = ["native", "generic"] if self.want == "auto" else [self.want]
             errors = []
             for mode in tries:
+                # before the call: a signal in it, after the kernel attached, left the program
+                # attached with no mode for close() to detach in (found by review). A detach
+                # removes only our own program (XDP_FLAGS_REPLACE), so one that never attached
+                # costs nothing; before that guard, this had to come after the attach.
+                self.mode = mode
                 try:
                     # never over another's program (an operator's filter was replaced, and
                     # the detach then removed whatever was there)
                     _set_xdp(ipr, self.ifindex, self.prog_fd, XDP_MODES[mode] | XDP_FLAGS_UPDATE_IF_NOEXIST)
                 except Exception as e:  # netlink error: mode unsupported on this device
+                    self.mode = None
                     errors.append(f"{mode}: {e}")
                     continue
-                # after, not before: a detach in a mode set before a failed attach would remove
-                # whatever other program is on the device
-                self.mode = mode
                 try:
                     got = self.attached_mode()
                 except BaseException:       # (SIGTERM's SystemExit among them) never left attached

@@ -315,6 +315,8 @@ uint32_t dp_consumer_feed(struct dp_consumer *c, int (*take)(void *, const struc
 uint32_t dp_consumer_poll(struct dp_consumer *c)
 {
     uint32_t n = 0;
+    if (__atomic_load_n(&c->running, __ATOMIC_RELAXED) && !pthread_equal(pthread_self(), c->thread))
+        return 0;                        /* its thread owns the ring buffers and the output ring */
     if (c->n_pend)
         lat_flush(c);   /* the last pass's, its records placed by now */
     for (uint32_t i = 0; i < c->n_rings; i++)
@@ -403,8 +405,9 @@ int dp_consumer_start(struct dp_consumer *c, int cpu, int rt_priority)
     c->cpu = cpu;
     c->rt_priority = rt_priority;
     c->stop = 0;
-    if (pthread_create(&c->thread, NULL, consumer_main, c))
-        return -errno;
+    int rc = pthread_create(&c->thread, NULL, consumer_main, c);
+    if (rc)
+        return -rc;                      /* its error, not errno (which it leaves as it was) */
     c->running = 1;
     return 0;
 }
@@ -579,8 +582,9 @@ int dp_udp_rx_start(struct dp_udp_rx *r, int cpu, int rt_priority)
     r->cpu = cpu;
     r->rt_priority = rt_priority;
     r->stop = 0;
-    if (pthread_create(&r->thread, NULL, udp_rx_main, r))
-        return -errno;
+    int rc = pthread_create(&r->thread, NULL, udp_rx_main, r);
+    if (rc)
+        return -rc;
     r->running = 1;
     return 0;
 }

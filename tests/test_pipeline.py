@@ -185,6 +185,36 @@ def test_a_sigterm_while_the_pipeline_is_built_leaves_no_namespace():
 
 @pytest.mark.root
 @pytest.mark.bpf
+def test_a_second_sigterm_during_the_teardown_leaves_no_namespace():
+    """A first SIGTERM unwinds the pipeline; a second lands in the teardown, as a namespace is
+    removed. It was raised there: that namespace was already off the list, the loop over the
+    others stopped, and both were left behind (found by review). Held until the teardown ends, it
+    is delivered then."""
+    import subprocess
+    import sys
+    script = (
+        "import os, signal\n"
+        "from datapath import topology\n"
+        "from datapath.pipeline import Pipeline, PipelineConfig\n"
+        "real = topology.netns.remove\n"
+        "def remove(name, *a, **k):\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    real(name, *a, **k)\n"
+        "topology.netns.remove = remove\n"
+        "with Pipeline(PipelineConfig(workers=1)):\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode in (-signal.SIGTERM, 128 + signal.SIGTERM), err[-2000:]
+    netns_dir = "/run/netns"
+    left = [n for n in (os.listdir(netns_dir) if os.path.isdir(netns_dir) else []) if n.startswith(f"dp{proc.pid}t")]
+    assert left == [], left
+    assert not [n for n in os.listdir("/dev/shm") if f"{proc.pid}" in n]
+
+
+@pytest.mark.root
+@pytest.mark.bpf
 def test_new_sessions_a_store_less_worker_has_no_kv_room_for_run_on_the_next_worker():
     """Two store-less workers with KV room for about six sessions each, the policy sending every
     session to worker 0: past its six it refuses new ones (503, CE_KV_FULL), and the router moves

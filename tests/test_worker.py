@@ -463,6 +463,31 @@ def test_a_retry_answered_200_on_another_worker_is_not_taken_back_as_the_unsure_
     assert w1.stats["unsure_rolled_back"] == 0 and finished(w1)[-1].context_tokens == 91
 
 
+def test_a_put_that_failed_is_not_taken_for_landed_when_a_retry_s_turn_is_there(model):
+    """Worker 2 runs the client's retry of request 2 (stamped anew); while it runs, worker 1's
+    put of the first try (timed out there, landing late) reaches the store. Worker 2's put then
+    fails (the chain moved on), and the store's last delta names request 2 and ends where its copy
+    does: it was taken for its own put whose reply was lost, and answered 200 with a turn the store
+    did not hold (found by review). By id and stamp it is not: answered 503."""
+    store = MemoryStore()
+    drive(Worker(model, store).step, [(6, 1, prompt(1, 40), 1)])
+    w1 = Worker(model, store)
+
+    class LateFirstTry:                      # worker 2's view: worker 1's put lands just before its own
+        def __getattr__(self, name):
+            return getattr(store, name)
+
+        def put(self, key, delta, meta):
+            if store.meta(key)[-1]["request_id"] != 2:
+                w1.step(as_batch([prefill_records(6, 2, prompt(2, 30), 1, t_send=1_000)]))
+            return store.put(key, delta, meta)
+    w2 = Worker(model, LateFirstTry())
+    comp = w2.step(as_batch([prefill_records(6, 2, prompt(2, 30), 1, t_send=2_000)]))
+    assert [(m["request_id"]) for m in store.meta((0, 6))] == [1, 2]
+    assert comp["e"][0]["status"][0] == wire.STATUS_UNAVAILABLE
+    assert w2.stats["snapshot_replies_lost"] == 0 and w2.stats["snapshot_failures"] == 1
+
+
 def test_a_rollback_whose_put_fails_leaves_the_store_holding_the_session(model):
     """The turn that timed out landed after all, and the retry takes it back out. That was a delete
     and then a put of the session whole: when that put failed too (or the worker died between the

@@ -425,7 +425,10 @@ class Worker:
                 done.snapshot_bytes = self._put_turn(key, s.cache, req)
             except Exception as e:
                 held, last, seq = self._store_end(key)
-                if held == s.cache.length and last == req.request_id:
+                # this request's own turn, by its id and send stamp: by the id alone a retry of
+                # it, stamped anew, whose put landed from another worker read as this one's (found
+                # by review: answered 200 with a turn the store then gave back)
+                if held == s.cache.length and last == (req.request_id, req.stamps.get("t_send", 0)):
                     self.stats["snapshot_replies_lost"] += 1   # it landed: a snapshot, its reply lost
                     s.cache.snapshot_seq = seq
                 else:
@@ -465,14 +468,15 @@ class Worker:
         chain = self.store.restore(key)
         return (kvdelta.header(chain[-1]), chain.seq) if chain else (None, 0)
 
-    def _store_end(self, key: SessionKey) -> tuple[int | None, int, int | None]:
+    def _store_end(self, key: SessionKey) -> tuple[int | None, tuple[int, int], int | None]:
         """Where the store's copy of the session ends, the request its last delta names, and
-        that delta's record number; (None, 0, None) if the store cannot say."""
+        that delta's record number; (None, (0, 0), None) if the store cannot say. The request is
+        its (id, send stamp)."""
         try:
             last, seq = self._last_delta(key)
         except Exception:
-            return None, 0, None
-        return (last["token_end"], last["request_id"], seq) if last else (0, 0, 0)
+            return None, (0, 0), None
+        return (last["token_end"], (last["request_id"], last.get("sent_ns", 0)), seq) if last else (0, (0, 0), 0)
 
     def _unwind(self, key: SessionKey, s: _Session, req: _Request, held: int | None):
         """The request's turn did not become durable and the request is answered 503: the session
