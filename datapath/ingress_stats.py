@@ -68,14 +68,18 @@ class SteerMaps:
             _info(fd, info2)
         finally:
             os.close(fd)
-        for map_id in ids[:info.nr_map_ids]:
-            mfd = lib.bpf_map_get_fd_by_id(map_id)
-            if mfd < 0:
-                continue
-            self.fds.append(mfd)
-            m = _MapInfo()
-            _info(mfd, m)
-            self.maps[m.name.decode()] = (mfd, m)
+        try:
+            for map_id in ids[:info.nr_map_ids]:
+                mfd = lib.bpf_map_get_fd_by_id(map_id)
+                if mfd < 0:
+                    continue
+                self.fds.append(mfd)
+                m = _MapInfo()
+                _info(mfd, m)
+                self.maps[m.name.decode()] = (mfd, m)
+        except BaseException:
+            self.close()                 # the map fds opened so far (the caller gets no object to close)
+            raise
         missing = {"drops", "events", "queue_pkts", "lat_hist"} - set(self.maps)
         if missing:
             self.close()
@@ -90,7 +94,8 @@ class SteerMaps:
         out = []
         for i in range(m.max_entries):
             key.value = i
-            libbpf().bpf_map_lookup_elem(fd, ctypes.byref(key), value)
+            if libbpf().bpf_map_lookup_elem(fd, ctypes.byref(key), value):
+                raise OSError(ctypes.get_errno(), f"{name}[{i}]: lookup failed")   # not the last key's again
             out.append(sum(value))
         return out
 
