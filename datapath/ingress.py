@@ -155,7 +155,7 @@ class Ingress:
         with signals_held() as restore:
             self.close()
             if self._old_sigterm is not None and restore.get(signal.SIGTERM) is self._sigterm:
-                restore[signal.SIGTERM] = self._old_sigterm     # (inside another's teardown: its to restore)
+                restore[signal.SIGTERM] = self._old_sigterm     # (inside another teardown, that one restores)
         self._old_sigterm = self._sigterm = None
 
     # --- maps -------------------------------------------------------------------------
