@@ -156,31 +156,37 @@ def test_a_worker_that_cannot_start_fails_the_build_in_one_sentence():
             pass
 
 
+def _signalled_pipeline(patch: str, body: str, codes: tuple[int, ...]):
+    """A pipeline in a child process, topology.netns.<patch's name> patched to send it SIGTERM, its
+    with-block running `body`: it must exit by the signal and leave no namespace or /dev/shm file."""
+    import subprocess
+    import sys
+    script = ("import os, signal\n"
+              "from datapath import topology\n"
+              "from datapath.pipeline import Pipeline, PipelineConfig\n"
+              f"{patch}\n"
+              "with Pipeline(PipelineConfig(workers=1)):\n"
+              f"    {body}\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode in codes, err[-2000:]
+    netns_dir = "/run/netns"
+    left = [n for n in (os.listdir(netns_dir) if os.path.isdir(netns_dir) else []) if n.startswith(f"dp{proc.pid}t")]
+    assert left == [], left
+    assert not [n for n in os.listdir("/dev/shm") if f"pl{proc.pid}-" in n]
+
+
 @pytest.mark.root
 def test_a_sigterm_while_the_pipeline_is_built_leaves_no_namespace():
     """SIGTERM was turned into an unwinding exit only while the ingress was open: one during the
     topology's build (or its teardown) killed the process with its namespaces left behind. Here
     the build signals itself right after creating its first namespace."""
-    import subprocess
-    import sys
-    script = (
-        "import os, signal\n"
-        "from datapath import topology\n"
-        "from datapath.pipeline import Pipeline, PipelineConfig\n"
-        "real = topology.netns.create\n"
-        "def create(name, *a, **k):\n"
-        "    real(name, *a, **k)\n"
-        "    os.kill(os.getpid(), signal.SIGTERM)\n"
-        "topology.netns.create = create\n"
-        "with Pipeline(PipelineConfig(workers=1)):\n"
-        "    pass\n")
-    proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True,
-                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
-    netns_dir = "/run/netns"
-    left = [n for n in (os.listdir(netns_dir) if os.path.isdir(netns_dir) else []) if n.startswith(f"dp{proc.pid}t")]
-    assert left == [], left
+    _signalled_pipeline("real = topology.netns.create\n"
+                        "def create(name, *a, **k):\n"
+                        "    real(name, *a, **k)\n"
+                        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+                        "topology.netns.create = create", "pass", (128 + signal.SIGTERM,))
 
 
 @pytest.mark.root
@@ -189,28 +195,13 @@ def test_a_second_sigterm_during_the_teardown_leaves_no_namespace():
     """A first SIGTERM unwinds the pipeline; a second lands in the teardown, as a namespace is
     removed. It was raised there: that namespace was already off the list, the loop over the
     others stopped, and both were left behind (found by review). Held until the teardown ends, it
-    is delivered then."""
-    import subprocess
-    import sys
-    script = (
-        "import os, signal\n"
-        "from datapath import topology\n"
-        "from datapath.pipeline import Pipeline, PipelineConfig\n"
-        "real = topology.netns.remove\n"
-        "def remove(name, *a, **k):\n"
-        "    os.kill(os.getpid(), signal.SIGTERM)\n"
-        "    real(name, *a, **k)\n"
-        "topology.netns.remove = remove\n"
-        "with Pipeline(PipelineConfig(workers=1)):\n"
-        "    os.kill(os.getpid(), signal.SIGTERM)\n")
-    proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True,
-                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode in (-signal.SIGTERM, 128 + signal.SIGTERM), err[-2000:]
-    netns_dir = "/run/netns"
-    left = [n for n in (os.listdir(netns_dir) if os.path.isdir(netns_dir) else []) if n.startswith(f"dp{proc.pid}t")]
-    assert left == [], left
-    assert not [n for n in os.listdir("/dev/shm") if f"{proc.pid}" in n]
+    is delivered then (the default handler's, the pipeline's own restored)."""
+    _signalled_pipeline("real = topology.netns.remove\n"
+                        "def remove(name, *a, **k):\n"
+                        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+                        "    real(name, *a, **k)\n"
+                        "topology.netns.remove = remove", "os.kill(os.getpid(), signal.SIGTERM)",
+                        (-signal.SIGTERM, 128 + signal.SIGTERM))
 
 
 @pytest.mark.root
