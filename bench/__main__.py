@@ -58,8 +58,8 @@ def main(argv=None) -> int:
                         "and batching modes (dynamic, static) to run under the same load")
     p.add_argument("--rate", type=float, default=40, help="compare: offered requests/s (default 40)")
     p.add_argument("--repeat", type=int, metavar="N",
-                   help="compare: rounds of every name, the order reversed every other round, so an even N "
-                        "balances it (default 2; 1 with --quick)")
+                   help="compare: rounds of every name, the order rotated by one each round, so N a multiple "
+                        "of the names' count balances it (default 2; 1 with --quick)")
     p.add_argument("--device", metavar="PROFILE",
                    help="compare: workers simulate this device's step time (cpu, l4, h100, dpu: "
                         "datapath.serving.devices); default: the tiny model's own step time")

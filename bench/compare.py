@@ -12,8 +12,10 @@ since sessions return). Each run gets a fresh pipeline and, within a round,
 the same Poisson schedule (same seed, same requests, same sessions); each
 round has its own seed, so the pooled rounds are that many schedules, and the router's key
 secret is the round's (the same sessions collide in its tables for every name). The names run
-in rounds (--repeat, 2 by default, 1 with --quick), the order reversed every other round (an
-even count gives every name each place equally often; --quick's one round does not),
+in rounds (--repeat, 2 by default, 1 with --quick), the order rotated by one each round (a
+Latin square: a count that is a multiple of the names' gives every name each place equally
+often, two names with two rounds among them; reversing every other round, before, gave the
+middle names of four the middle places only; --quick's one round balances nothing),
 and each name's latencies are pooled over its rounds, so a slow spell of this
 shared machine does not fall on one name alone. The table (compare.md, and
 rows.json with each round's p95) and `compare.png` show p50/p95/p99
@@ -125,7 +127,8 @@ def _one(label: str, name: str, param: float | None, device: str | None, rate: f
                      sessions=SESSIONS, drain_s=drain_s(device), seed=seed)
         st1, store1 = p.router.stats(), p.store_stats()
         res["xdp_mode"] = p.xdp_mode
-    res["router"] = {k: st1[k] - st0[k] for k in ("batches", "records_out", "moved", "requests_in")}
+    res["router"] = {k: st1[k] - st0[k]
+                     for k in ("batches", "records_out", "moved", "requests_in", "bad_picks")}
     res["restores"] = store1["restores"] - store0["restores"]
     return res
 
@@ -137,14 +140,14 @@ def run(report, args):
     require_root_and_bcc("bench compare")
     device = args.device
     seconds = 3.0 if args.quick else 10.0
-    # Rounds, the order reversed every other one (A B, B A, ...): on this shared machine a slow
-    # spell that fell on one name's run alone moved its figures more than most policies differ.
+    # Rounds, the order rotated by one each (A B C, B C A, C A B, ...): on this shared machine a
+    # slow spell that fell on one name's run alone moved its figures more than most policies differ.
     repeat = args.repeat or (1 if args.quick else 2)
     report.machine.update(device=device or "none (the tiny model's own step time)", rate_per_s=args.rate,
                           seconds_per_run=seconds, sessions=SESSIONS, repeat=repeat)
     runs = {label: [] for label, _, _ in names}
     for k in range(repeat):
-        order = names if k % 2 == 0 else names[::-1]
+        order = names[k % len(names):] + names[:k % len(names)]
         for i, (label, name, param) in enumerate(order):
             _progress(f"compare {label}: {args.rate:g} req/s for {seconds:.0f} s, round {k + 1} of {repeat} "
                       f"({len(order) - i} left in the round)")
@@ -177,6 +180,9 @@ def run(report, args):
             report.metric(f"{label}_{key}", row[key], unit)
         for key in ("requests", "errors", "unanswered", "moved", "restores"):
             report.metric(f"{label}_{key}", row[key])
+        if st["bad_picks"]:
+            report.note(f"{label}: the policy picked a worker out of range or down, or none with one up, "
+                        f"{st['bad_picks']} times (router stat bad_picks): those requests were answered 503")
         if row["errors"] > 0.01 * row["requests"]:
             report.note(f"{label}: {row['errors']} of {row['requests']} requests not answered 200; the "
                         f"percentiles count 200s and the unanswered, not other answers (a policy that "

@@ -6,6 +6,7 @@ stats) or, in tests, per poll pass; chunks never pass through Python.
 from __future__ import annotations
 
 import errno
+import math
 import os
 
 from ._dataplane import ffi, lib
@@ -31,8 +32,12 @@ def policy_params() -> dict[str, str | None]:
 
 
 def refuse_unread_param(policy: str, param: float):
-    """ValueError if policy reads no parameter and one is given. The C side refuses it too
-    (EINVAL); this says why, and lets bench compare refuse before it builds anything."""
+    """ValueError if the parameter is not a finite number >= 0 (0: the policy's default), or if
+    policy reads none and one is given. The C side refuses both too (EINVAL); this says why, and
+    lets bench compare refuse before it builds anything. (NaN or inf made affinity's load cap NaN
+    or inf, its bound off, and -1 its default, silently: found by review.)"""
+    if not math.isfinite(param) or param < 0:
+        raise ValueError(f"a policy parameter is a finite number >= 0 (0: the policy's default), not {param!r}")
     if param and policy_params().get(policy, "") is None:
         raise ValueError(f"policy {policy!r} takes no parameter (it would be ignored), not {param:g}")
 

@@ -439,8 +439,8 @@ static int choose_pool(const struct dp_router *rt, int spill, int *spilled)
 static int policy_pick(struct pool *pl, uint64_t session, uint32_t tenant)
 {
     int k = dp_policy_pick(&pl->policy, &pl->view, session, tenant);
-    if (k >= 0 && ((uint32_t)k >= pl->view.n || !pl->view.up[k]))
-        return -2;
+    if (k >= 0 ? (uint32_t)k >= pl->view.n || !pl->view.up[k] : pool_up(pl) != 0)
+        return -2;                       /* -1 with a worker up breaks the contract too (policy.h) */
     return k;
 }
 
@@ -1606,6 +1606,8 @@ static void complete_entry(struct dp_router *rt, int wk, const struct batch_meta
 
 static void set_up(struct dp_router *rt, uint32_t k, int up, int probe);
 
+static void *zmq_dealer(void *zctx, const char *endpoint);
+
 /* The health of zmq workers, which no process of ours watches. One whose batch has gone
  * unanswered (or unsent: no peer took it) for zmq_timeout is marked down and its requests
  * replayed: nothing else would ever free it (a worker that died after taking the batch, a
@@ -1634,6 +1636,8 @@ static uint32_t zmq_health(struct dp_router *rt)
             n++;
         } else if (w->timed_out) {
             int heard = 0;
+            if (!w->zsock)                     /* its probe socket could not be made then: again */
+                w->zsock = zmq_dealer(rt->zctx, w->endpoint);
             while (w->zsock && zmq_recv(w->zsock, w->cbuf, sizeof(*w->cbuf), ZMQ_DONTWAIT) >= 0)
                 heard = 1;                     /* whatever it was (its batch was replayed): it lives */
             if (heard) {
@@ -2540,10 +2544,18 @@ static int add_worker(struct dp_router *rt, int kind, struct dp_ring *lane, stru
         if (kind == DP_LANE_ZMQ) {
             w->stage = malloc((size_t)DP_MAX_BATCH_CHUNKS * sizeof(struct dp_chunk));
             w->cbuf = malloc(sizeof(*w->cbuf));
-            rt->n_zmq++;
         }
-        w->fifo_head = w->fifo_tail = NIL;
         w->decoding = calloc(rt->cfg.max_requests, sizeof(uint32_t));
+        if (!w->decoding || (kind == DP_LANE_ZMQ && (!w->stage || !w->cbuf))) {
+            free(w->stage);              /* not added: the router thread would have read NULL */
+            free(w->cbuf);
+            free(w->decoding);
+            memset(w, 0, sizeof(*w));
+            pthread_mutex_unlock(&rt->lock);
+            return -ENOMEM;
+        }
+        rt->n_zmq += kind == DP_LANE_ZMQ;
+        w->fifo_head = w->fifo_tail = NIL;
         w->st.up = 1;
         rt->view.up[k] = 1;
         rt->view.weight[k] = weight;
@@ -2670,8 +2682,6 @@ int dp_router_set_key_secret(struct dp_router *rt, uint64_t secret)
     return fresh ? 0 : -EBUSY;
 }
 
-static void *zmq_dealer(void *zctx, const char *endpoint);
-
 /* probe: a zmq worker going down keeps a socket, fresh, for zmq_health's probes; without (the
  * control plane's word) it keeps none until it is up again: a socket left connected to the
  * endpoint took the completions of the worker bound there next, which a DEALER sends to its
@@ -2699,6 +2709,12 @@ static void set_up(struct dp_router *rt, uint32_t k, int up, int probe)
             w->unsent = 0;
             rt->st.zmq_sockets_replaced++;
         }
+    } else if (!was_up && !up && !probe && w->kind == DP_LANE_ZMQ && w->zsock) {
+        /* down already, timed out, its probe socket connected: the control plane's word closes
+         * that too. Left open, nobody read it, and it took every other completion and probe reply
+         * of the worker bound at the endpoint next (found by review) */
+        zmq_close(w->zsock);
+        w->zsock = NULL;
     } else if (!was_up && up && w->kind == DP_LANE_ZMQ && !w->zsock) {
         w->zsock = zmq_dealer(rt->zctx, w->endpoint);   /* NULL: its batches stay unsent, time out */
     }

@@ -804,6 +804,16 @@ def test_a_parameter_for_a_policy_that_reads_none_is_refused():
         rt.set_policy("affinity", 0.2)
 
 
+@pytest.mark.parametrize("param", [float("nan"), float("inf"), -1.0])
+def test_a_policy_parameter_that_is_not_a_finite_number_at_least_0_is_refused(param):
+    """NaN passed the C side's `param <= 0` default test and made affinity's load cap NaN, its
+    bound off (a worker 100 chunks deep took 556 of 2,000 sessions); -1 read as the default."""
+    with pytest.raises(ValueError, match="finite number >= 0"):
+        Router(policy="affinity", policy_param=param)
+    with Router(policy="affinity", policy_param=0.1) as rt:
+        assert lib.dp_router_set_policy(rt._rt, b"affinity", param) < 0, "C refuses it too"
+
+
 def test_a_zmq_worker_that_never_answers_is_marked_down_and_its_request_replayed(bench_factory):
     """ZeroMQ does not resend a batch a broken connection held, and nothing watches a remote
     worker: before, it stayed busy for good and its requests were never answered."""
@@ -917,6 +927,42 @@ def test_a_zmq_worker_nobody_serves_is_marked_down_and_gets_no_stale_batch_when_
     finally:
         b.router.close()
         back.close()
+
+
+def test_a_timed_out_zmq_worker_marked_down_leaves_no_socket_on_its_endpoint(bench_factory):
+    """A zmq worker times out (its probe socket connected to the endpoint); the operator marks it
+    down and adds the replacement bound there as a new worker. The probe socket stayed open,
+    read by nobody: the replacement's DEALER sent every other completion to it, and those
+    batches timed out (found by review). Closed now: every batch is answered, no more timeouts."""
+    b = bench_factory(n_workers=1, policy="round_robin", zmq_timeout_s=0.2)
+    endpoint = lanes.free_tcp_endpoint()
+    assert b.router.add_zmq_worker(endpoint) == 1      # nobody binds it yet
+    b.router.set_up(0, False)
+    b.send(chunks_of(1, [1, 2, 3], max_out=1))
+    deadline = time.monotonic() + 10
+    while b.router.stats()["zmq_timeouts"] == 0 and time.monotonic() < deadline:
+        b.router.poll()
+        time.sleep(0.01)
+    b.router.set_up(1, False)                          # the operator's word, then its replacement
+    lane = lanes.ZmqWorkerLane(endpoint)
+    try:
+        assert b.router.add_zmq_worker(endpoint) == 2
+        time.sleep(0.5)                                # (a reconnecting socket's 100 ms interval, and more)
+        for rid in range(2, 8):
+            b.send(chunks_of(rid, [rid], max_out=1))
+            t_end = time.monotonic() + 2
+            while not any(int(r["request_id"]) == rid for r in b.responses) and time.monotonic() < t_end:
+                b.router.poll()
+                batch = lane.recv_batch(0.01)
+                if batch is not None:
+                    assert lane.send_completion(lanes.completion_for(batch, [7] * len(batch)))
+                b.collect()
+        answered = {int(r["request_id"]): int(r["status"]) for r in b.responses}
+        assert all(answered.get(rid) == 200 for rid in range(2, 8)), answered
+        assert b.router.stats()["zmq_timeouts"] == 1
+    finally:
+        b.router.close()
+        lane.close()
 
 
 def test_no_worker_left_answers_503(bench_factory):

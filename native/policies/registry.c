@@ -1,5 +1,6 @@
 /* registry.c - the routing policies by name. One line per policy. */
 #include <errno.h>
+#include <math.h>
 #include <string.h>
 
 #include "../policy.h"
@@ -32,6 +33,8 @@ int dp_policy_init(struct dp_policy *p, const char *name, uint64_t seed, double 
         if (strcmp(registry[i]->name, name) == 0) {
             if (param != 0 && !registry[i]->param)
                 return -EINVAL;           /* a parameter pick never reads: refused, not ignored */
+            if (!isfinite(param) || param < 0)
+                return -EINVAL;           /* NaN passed `param <= 0` and turned affinity's bound off */
             p->ops = registry[i];
             p->rng = seed ? seed : 0x2545f4914f6cdd1dull;
             p->param = param;
