@@ -36,6 +36,7 @@ for 50 ms.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import socket
 import statistics
@@ -73,11 +74,16 @@ def _pct(values_ns, p, scale=1.0):
     return percentile(values_ns, p) / scale
 
 
+_segments = itertools.count(1)
+
+
 def _send(topo, rate, seconds, pkts, rt_priority=RT, **kw):
-    """The sender for one segment, SCHED_FIFO on its CPU."""
+    """The sender for one segment, SCHED_FIFO on its CPU; each segment's request ids its own (a
+    late answer to an earlier one, to a socket that got its port again, is a stray, not an answer)."""
     n = max(1, int(rate * seconds))
     return client.send_from(topo.client_ns[0], topo.host_ip[0], pkts, rate=rate, count=n,
-                            duration=seconds * 4 + 1, cpu=SENDER_CPU, rt_priority=rt_priority, batch=64, **kw)
+                            duration=seconds * 4 + 1, cpu=SENDER_CPU, rt_priority=rt_priority, batch=64,
+                            seq_base=next(_segments) << 32, **kw)
 
 
 @contextlib.contextmanager

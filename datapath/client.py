@@ -95,13 +95,15 @@ def count_tokens_packet(tenant: int, session_id: int, request_id: int, tokens, m
 
 
 def open_packet(tenant: int, session_id: int, request_id: int, tokens, max_output_tokens: int = 0,
-                key: bytes | None = None) -> bytes:
+                key: bytes | None = None, trace: bool = False) -> bytes:
     """The OPEN record announcing a request of `tokens` (its chunk count; no tokens of its own): the
     router admits it, and reserves room for its chunks, before they come. Send it first, then the
-    request's chunks (request_packets) with the same ids."""
+    request's chunks (request_packets) with the same ids. trace: the record that opens a request
+    decides whether its answer carries the stamps (the chunks' flag comes too late for it)."""
     return wire.encode_request(wire.Request(kind=wire.KIND_OPEN, tenant=tenant, session_id=session_id,
                                             request_id=request_id, chunk_index=0, chunk_count=len(_chunks(tokens)),
-                                            tokens=(), max_output_tokens=max_output_tokens), key)
+                                            tokens=(), max_output_tokens=max_output_tokens,
+                                            flags=wire.FLAG_TRACE if trace else 0), key)
 
 
 def close_packet(tenant: int, session_id: int, request_id: int, key: bytes | None = None) -> bytes:
@@ -146,6 +148,11 @@ def send(sock: socket.socket, packets: list[bytes], rate: float, count: int, dur
         raise ValueError("merge > 1 needs stamp_seq: an answer is matched to its requests by their ids")
     if max(map(len, packets)) < wire.REQ_HDR_LEN:
         raise ValueError(f"every packet is shorter than a request header ({wire.REQ_HDR_LEN} bytes)")
+    if keys is None and any(len(p) >= wire.REQ_HDR_LEN and wire.REQ_HDR.unpack_from(p)[-1] for p in packets):
+        # the sender rewrites send_ns (and the request id) under the tag: every one would be dropped
+        # by an ingress that requires tags, unanswered, with nothing said (found by review)
+        raise ValueError("packets tagged by request_packets(key=) are re-stamped as they leave, which "
+                         "spoils their tags: pass send(keys={tenant: key}) and untagged packets instead")
     if stamp_seq:
         starts = _check_whole_requests(packets)
         if merge > 1 and not all(starts):

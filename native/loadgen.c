@@ -131,8 +131,9 @@ static void read_responses(int fd, struct dp_send_stats *st, uint64_t start, str
         if ((size_t)n < sizeof(h))
             continue;
         memcpy(&h, buf, sizeof(h));
-        if (h.magic != DP_WIRE_MAGIC || h.kind != DP_KIND_RESPONSE)
-            continue;
+        if (h.magic != DP_WIRE_MAGIC || h.version != DP_WIRE_VERSION || h.kind != DP_KIND_RESPONSE ||
+            sizeof(h) + h.body_len > (size_t)n)
+            continue;                   /* not an answer the decoder would take (wire.decode_response) */
         if (repeated(m, &h)) {
             st->duplicates++;           /* not a response more: counts, rates and samples see it once */
             continue;

@@ -59,6 +59,26 @@ def test_each_packet_leaves_tagged_with_its_tenant_s_key_over_its_own_id_and_sta
         sink.close(), tx.close()
 
 
+def test_packets_tagged_ahead_are_refused_since_the_sender_re_stamps_them():
+    """request_packets(key=) tags a packet as it is; the sender then rewrites its send stamp and
+    request id under the tag, and an ingress that requires tags dropped every one, unanswered,
+    with nothing said (found by review). The keys go to send() instead."""
+    sink, tx = pair()
+    try:
+        tagged = client.request_packets(1, 1, 1, [5], key=bytes(16))
+        with pytest.raises(ValueError, match="re-stamped"):
+            client.send(tx, tagged, rate=1000, count=1, duration=1, drain_ms=0)
+    finally:
+        sink.close(), tx.close()
+
+
+def test_an_open_record_asks_for_the_trace_the_request_s_answer_carries():
+    """The record that opens a request decides whether its answer carries the stamps: an OPEN
+    could not ask, so a request opened first never got its trace back, whatever its chunks said."""
+    assert wire.decode_request(client.open_packet(1, 1, 1, range(300), trace=True)).flags & wire.FLAG_TRACE
+    assert not wire.decode_request(client.open_packet(1, 1, 1, range(300))).flags & wire.FLAG_TRACE
+
+
 def test_sequence_ids_number_a_request_of_several_chunks_by_its_first():
     sink, tx = pair()
     try:
