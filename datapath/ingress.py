@@ -81,7 +81,7 @@ class Ingress:
         self.fn = None
         self.attachments: list[xdp.XdpAttachment] = []
         self._peer_prog = None
-        self._old_sigterm = self._sigterm = None
+        self._sigterm: SigtermExit | None = None
 
     # --- life cycle -----------------------------------------------------------------
     def load(self):
@@ -142,9 +142,7 @@ class Ingress:
         self.bpf = self._peer_prog = None
 
     def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            self._sigterm = SigtermExit()
-            self._old_sigterm = signal.signal(signal.SIGTERM, self._sigterm)
+        self._sigterm = SigtermExit.install()
         try:
             return self.load()
         except BaseException:
@@ -152,11 +150,9 @@ class Ingress:
             raise
 
     def __exit__(self, *exc):
-        with signals_held() as restore:
+        with signals_held(self._sigterm):
             self.close()
-            if self._old_sigterm is not None and restore.get(signal.SIGTERM) is self._sigterm:
-                restore[signal.SIGTERM] = self._old_sigterm     # (inside another teardown, that one restores)
-        self._old_sigterm = self._sigterm = None
+        self._sigterm = None
 
     # --- maps -------------------------------------------------------------------------
     def table(self, name: str):
@@ -333,6 +329,17 @@ class SigtermExit:
 
     def __init__(self):
         self.pid = os.getpid()
+        self.old = None          # the handler it replaced (install)
+
+    @classmethod
+    def install(cls) -> "SigtermExit | None":
+        """One installed for SIGTERM, the handler it replaces kept; None off the main thread (where
+        Python runs no handler). signals_held(it) puts the old one back."""
+        if threading.current_thread() is not threading.main_thread():
+            return None
+        handler = cls()
+        handler.old = signal.signal(signal.SIGTERM, handler)
+        return handler
 
     def __call__(self, signum, frame):
         if os.getpid() != self.pid:
@@ -341,21 +348,24 @@ class SigtermExit:
 
 
 @contextlib.contextmanager
-def signals_held():
+def signals_held(sigterm: SigtermExit | None = None):
     """SIGINT and SIGTERM held while a teardown runs and delivered once it is done. A second Ctrl-C
     or SIGTERM landing in a teardown left the step it hit half done (an XDP attachment taken off
     the list and never detached, a namespace forgotten before it was removed) or, between steps,
-    skipped every later one (found by review). Yields the handlers it restores after, which the
-    caller may change (to the ones it found before it installed its own). In the main thread only,
-    where Python runs handlers; elsewhere it holds nothing."""
+    skipped every later one (found by review). sigterm: the teardown's own SigtermExit.install(),
+    whose old handler goes back after, if it is still the one in place (inside another teardown,
+    that one's hold is, and it restores its own). In the main thread only, where Python runs
+    handlers; elsewhere it holds nothing."""
     if threading.current_thread() is not threading.main_thread():
-        yield {}
+        yield
         return
     held = []
     restore = {s: signal.signal(s, lambda signum, frame: held.append(signum))
                for s in (signal.SIGINT, signal.SIGTERM)}
+    if sigterm is not None and restore[signal.SIGTERM] is sigterm:
+        restore[signal.SIGTERM] = sigterm.old
     try:
-        yield restore
+        yield
     finally:
         for s, handler in restore.items():
             signal.signal(s, handler if handler is not None else signal.SIG_DFL)

@@ -166,8 +166,24 @@ START_TIMEOUT_S = 120.0   # a worker process builds its model and attaches its l
 CRASH_LOOP_S = 60.0       # a worker that dies sooner after it began serving is a crash loop's (worker_respawns)
 
 
+class SharedFlag:
+    """An Event's set and is_set on one byte shared with forked children (the workers' stop, the
+    store server's stop and ready). A multiprocessing.Event's is_set takes a lock, and a child
+    SIGKILLed while holding it (the failover scenario; the store server polls every 100 ms) left
+    every later set() and is_set() hung for good (found by review, the store's in session 24)."""
+
+    def __init__(self):
+        self._byte = mmap.mmap(-1, 1)
+
+    def set(self):
+        self._byte[0] = 1
+
+    def is_set(self) -> bool:
+        return self._byte[0] == 1
+
+
 def _worker_main(lane_name: str, options, store_factory, trace_buf, stop, cpu, nice, ready):
-    """Worker process: build the worker, attach its lane, say ready(), serve until stop[0]."""
+    """Worker process: build the worker, attach its lane, say ready(), serve until stop is set."""
     from .serving.worker import one_blas_thread, serve
     child_of_this_process()
     if cpu is not None:
@@ -182,7 +198,7 @@ def _worker_main(lane_name: str, options, store_factory, trace_buf, stop, cpu, n
     try:
         ready()
         with one_blas_thread():
-            serve(worker, lane, lambda: stop[0] != 0)
+            serve(worker, lane, stop.is_set)
     finally:
         lane.close()
         if store is not None and hasattr(store, "close"):
@@ -306,7 +322,7 @@ class WorkerProcess:
 
 class WorkerSpawner:
     """The pipeline's end of _spawner_main. spawn() forks worker k (its spec, trace buffer and
-    the stop byte inherited) on a lane; events() are the ("ready", sid) and ("exit", sid, code)
+    the stop flag inherited) on a lane; events() are the ("ready", sid) and ("exit", sid, code)
     messages since the last call. One thread at a time uses it: the build's, then the watcher's."""
 
     def __init__(self, specs, store_factory, traces, stop):
@@ -370,22 +386,6 @@ class WorkerSpawner:
 MASTER_SECRET = b"pipeline-master-secret-0123456789"   # tenants get HMAC(master, tenant) (WorkerStore)
 
 
-class SharedFlag:
-    """An Event's set and is_set on one byte shared with a forked child. A multiprocessing.Event's
-    is_set takes a lock, and a child SIGKILLed while holding it (the store server polls it every
-    100 ms) left the pipeline's set() at teardown hung for good (found by review; the workers'
-    stop byte is the same fix)."""
-
-    def __init__(self):
-        self._byte = mmap.mmap(-1, 1)
-
-    def set(self):
-        self._byte[0] = 1
-
-    def is_set(self) -> bool:
-        return self._byte[0] == 1
-
-
 def _store_main(path, endpoint, stop, ready):
     from snapshotstore.errors import SnapshotError
     from snapshotstore.server import serve
@@ -409,7 +409,7 @@ class Pipeline:
         self.cfg = cfg or PipelineConfig()
         self.tag = f"pl{os.getpid()}-{next(_seq)}"
         self._stack = contextlib.ExitStack()
-        self._sigterm = self._old_sigterm = None
+        self._sigterm: SigtermExit | None = None
         self._ids = itertools.count(1)   # request ids never repeat within a pipeline
         self.workers: list[WorkerProcess] = []   # worker k's current process
         self._spawner: WorkerSpawner | None = None
@@ -424,9 +424,7 @@ class Pipeline:
         # SIGTERM unwinds the whole pipeline (namespaces, rings, processes) from here on, not only
         # while the ingress is open: before, one during the topology's build or its teardown left
         # the namespaces behind
-        if threading.current_thread() is threading.main_thread():
-            self._sigterm = SigtermExit()
-            self._old_sigterm = signal.signal(signal.SIGTERM, self._sigterm)
+        self._sigterm = SigtermExit.install()
         try:
             self._build()
         except BaseException:
@@ -441,10 +439,8 @@ class Pipeline:
         """Everything built, undone in reverse, with Ctrl-C and SIGTERM held until the end (a second
         one landing in a step left its namespaces and processes behind), then SIGTERM's handler
         as it was before the pipeline."""
-        with signals_held() as restore:
+        with signals_held(self._sigterm):
             self._stack.close()
-            if self._sigterm is not None and restore.get(signal.SIGTERM) is self._sigterm:
-                restore[signal.SIGTERM] = self._old_sigterm
 
     def _ring(self, suffix, slot, capacity, role):
         name = f"{self.tag}.{suffix}"
@@ -480,9 +476,7 @@ class Pipeline:
             self.router.set_key_secret(cfg.key_secret)
         self.router.add_feed(self.consumer)
         self.router.set_egress(out_ring)
-        # a shared byte, not a multiprocessing.Event: Event.is_set takes a lock, and a worker
-        # SIGKILLed while holding it (the failover scenario) left every later set() and is_set() hung
-        self._stop_workers = mmap.mmap(-1, 1)
+        self._stop_workers = SharedFlag()
         store_factory = cfg.store_factory
         if cfg.shared_store:
             store_factory = self._start_store_server(cfg.shared_store)
@@ -590,7 +584,7 @@ class Pipeline:
                                        f"reason, if it gave one, is above)")
 
     def _reap_workers(self):
-        self._stop_workers[0] = 1
+        self._stop_workers.set()
         for p in self.workers:
             if not p.join(5):
                 p.kill()

@@ -113,11 +113,15 @@ class _Request:
     tokens: list[int] = field(default_factory=list)
     logits: list[np.ndarray] = field(default_factory=list)
 
+    @property
+    def attempt(self) -> tuple[int, int]:
+        """(id, client send stamp): the request, told from a retry under its id sent anew."""
+        return self.request_id, self.stamps.get("t_send", 0)
+
     def is_(self, attempt: tuple[int, int]) -> bool:
         """Is (id, send stamp) this request, not a retry of its id sent anew? (A stamp of 0, on
         either side, says nothing: the id decides.)"""
-        rid, sent = attempt
-        mine = self.stamps.get("t_send", 0)
+        (rid, sent), (_, mine) = attempt, self.attempt
         return self.request_id == rid and (not sent or not mine or sent == mine)
 
 
@@ -357,7 +361,7 @@ class Worker:
             if done.snapshot_error is not None:
                 entries["status"][seg.answer] = wire.STATUS_UNAVAILABLE    # its turn is in no store
             else:
-                s.answered = (s.answered + ((done.request_id, done.stamps.get("t_send", 0)),))[-ANSWERED_KEPT:]
+                s.answered = (s.answered + (req.attempt,))[-ANSWERED_KEPT:]
             self.finished.append(done)
 
     def _moved_on(self, key: SessionKey, s: _Session, rec) -> bool:
@@ -428,7 +432,7 @@ class Worker:
                 # this request's own turn, by its id and send stamp: by the id alone a retry of
                 # it, stamped anew, whose put landed from another worker read as this one's (found
                 # by review: answered 200 with a turn the store then gave back)
-                if held == s.cache.length and last == (req.request_id, req.stamps.get("t_send", 0)):
+                if held == s.cache.length and last == req.attempt:
                     self.stats["snapshot_replies_lost"] += 1   # it landed: a snapshot, its reply lost
                     s.cache.snapshot_seq = seq
                 else:
@@ -494,7 +498,7 @@ class Worker:
             # The store cannot say (a remote one that timed out: the put may still land there):
             # cut back too, and settle with the store before the session's next request (_settle).
             s.cache.length = req.start_len
-            s.unsure = (req.request_id, req.stamps.get("t_send", 0))
+            s.unsure = req.attempt
         else:
             self._drop(key)
 
@@ -565,7 +569,7 @@ class Worker:
         for key, s in list(self.sessions.items()):
             if s.request is not None and now - s.request.last_step > ABANDONED_NS:
                 self._abandoned.pop(key, None)   # (re-inserted: the oldest go first, below)
-                self._abandoned[key] = (s.request.request_id, s.request.stamps.get("t_send", 0))
+                self._abandoned[key] = s.request.attempt
                 if len(self._abandoned) > ABANDONED_KEPT:    # sessions that never came back (review)
                     del self._abandoned[next(iter(self._abandoned))]
                 self._cut_back(key, s)
