@@ -79,10 +79,25 @@ static struct dp_ring *map_ring(int fd, size_t size, int role, int *err)
     return r;
 }
 
+/* A producer that died inside a commit published some of its later slots and not the first
+ * (a commit goes last to first), and did not move tail: those slots, past tail, would be read
+ * as published once its successor published tail's. Clear them before the successor writes. */
+static void unpublish_past_tail(struct dp_ring *r)
+{
+    uint64_t tail = r->h->tail;
+    for (uint64_t i = 0; i < r->h->capacity; i++)
+        if (__atomic_load_n(dp_ring_seq(r, tail + i), __ATOMIC_RELAXED) == tail + i + 1)
+            __atomic_store_n(dp_ring_seq(r, tail + i), 0, __ATOMIC_RELAXED);
+}
+
 static int take_role(struct dp_ring *r, int role)
 {
-    if (role == DP_ROLE_PRODUCER)
-        return claim(&r->h->producer_pid);
+    if (role == DP_ROLE_PRODUCER) {
+        int rc = claim(&r->h->producer_pid);
+        if (rc == 0)
+            unpublish_past_tail(r);
+        return rc;
+    }
     if (role == DP_ROLE_CONSUMER) {
         int rc = claim(&r->h->consumer_pid);
         /* a new consumer starts from the released head, whatever the dead one cached */
@@ -109,14 +124,14 @@ struct dp_ring *dp_ring_create(const char *name, uint32_t slot_size, uint32_t ca
         *err = rc;
         return NULL;
     }
+    uint64_t stride = (DP_RING_SEQ_BYTES + (uint64_t)slot_size + DP_CACHELINE - 1) & ~(uint64_t)(DP_CACHELINE - 1);
     if (slot_size == 0 || slot_size % 8 || capacity < 2 || (capacity & (capacity - 1)) ||
-        wait_mode < DP_WAIT_SPIN || wait_mode > DP_WAIT_SLEEP ||
-        (uint64_t)slot_size * capacity > DP_RING_MAX_BYTES) {
+        wait_mode < DP_WAIT_SPIN || wait_mode > DP_WAIT_SLEEP || stride > UINT32_MAX || stride * capacity > DP_RING_MAX_BYTES) {
         *err = -EINVAL;
         return NULL;
     }
     uint64_t data_off = (sizeof(struct dp_ring_hdr) + 4095) & ~4095ull;
-    uint64_t size = data_off + (uint64_t)slot_size * capacity;
+    uint64_t size = data_off + stride * capacity;
     int fd = shm_open(path, O_RDWR | O_CREAT | O_EXCL, 0600);
     if (fd < 0) {
         *err = -errno;
@@ -144,6 +159,7 @@ struct dp_ring *dp_ring_create(const char *name, uint32_t slot_size, uint32_t ca
     h->capacity = capacity;
     h->mask = capacity - 1;
     h->wait_mode = (uint32_t)wait_mode;
+    h->stride = (uint32_t)stride;
     h->data_offset = data_off;
     h->map_size = size;
     r->slots = (uint8_t *)h + data_off;
@@ -177,7 +193,8 @@ struct dp_ring *dp_ring_attach(const char *name, int role, int *err)
     }
     struct dp_ring_hdr *h = r->h;
     if (__atomic_load_n(&h->magic, __ATOMIC_ACQUIRE) != DP_RING_MAGIC || h->version != DP_RING_VERSION ||
-        h->map_size != (uint64_t)st.st_size || h->data_offset + (uint64_t)h->slot_size * h->capacity > h->map_size) {
+        h->map_size != (uint64_t)st.st_size || h->stride < DP_RING_SEQ_BYTES + (uint64_t)h->slot_size ||
+        h->data_offset + (uint64_t)h->stride * h->capacity > h->map_size) {
         *err = -EPROTO;
         dp_ring_close(r);
         return NULL;

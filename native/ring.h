@@ -1,25 +1,37 @@
 /* ring.h - single-producer single-consumer ring of fixed-size slots in shared memory.
  *
- * The rigtorp SPSCQueue / DPDK rte_ring recipe: free-running 64-bit indices
- * masked by a power-of-two capacity; the producer's index and the consumer's
- * index on separate cache lines, each beside its owner's cached copy of the
- * other's index, which is reloaded (acquire) only when the ring looks full or
- * empty; publication is a release store. Nothing stronger on the fast path.
+ * Free-running 64-bit indices masked by a power-of-two capacity, and a sequence
+ * word at the head of every slot (the FastForward / Vyukov-queue recipe): the
+ * producer publishes slot i by storing i + 1 in it (release) after the record,
+ * and the consumer learns what is readable from the slots themselves (acquire),
+ * never from the producer's index. A hand-off is then one cache line moving from
+ * the producer's core to the consumer's, the line that holds the sequence word
+ * and the record's head; with a published tail index it was two (the index's
+ * line, then the record's), measured at 1.44-1.92x a bare one-line hand-off.
+ * The consumer's index is still published (release), on its own line, and the
+ * producer reloads it only when the ring looks full; the producer's index is
+ * kept for counters and a successor, on the producer's line, read by neither
+ * side's fast path.
  *
  * Why fixed-size slots rather than a byte ring of length-prefixed records: a
  * chunk is at most sizeof(struct dp_chunk) = 608 bytes, so a slot per chunk
- * wastes little, makes bulk enqueue/dequeue one index update for n records,
- * lets both sides work in place (reserve/commit, peek/release: zero copy) and
- * keeps a micro-batch contiguous in index space, so a batch published with one
- * commit is seen whole by the worker. Writers copy only the bytes a record
- * uses (header + n_tokens), so a slot's unused tail costs nothing.
+ * wastes little, makes bulk enqueue/dequeue one pass for n records, lets both
+ * sides work in place (reserve/commit, peek/release: zero copy) and keeps a
+ * micro-batch contiguous in index space. A commit publishes its slots last to
+ * first, so a consumer that sees a batch's first slot sees the whole batch.
+ * Writers copy only the bytes a record uses (header + n_tokens), so a slot's
+ * unused tail costs nothing. Slots are line-aligned (stride: the sequence word
+ * plus slot_size, rounded up to 64 bytes), so the sequence word and the first
+ * 56 bytes of a record always share a line; records are 8-byte aligned.
  *
  * The ring lives in a POSIX shared-memory object (/dev/shm/dp-<name>); other
  * processes attach by name. One producer and one consumer process hold their
  * role (pid recorded in the header); a role held by a dead process may be
  * taken over, so a consumer killed mid-stream is replaced without losing
  * committed records: the consumer's index only moves on release, so the records
- * the dead one had read but not released come again (at least once).
+ * the dead one had read but not released come again (at least once). A producer
+ * that died inside a commit (some of its later slots published, the first not)
+ * is undone by its successor, which clears those slots before it writes any.
  *
  * Wait strategy (consumer side, chosen at create): spin; spin then yield;
  * spin, yield, then sleep on a futex in the shared header (the producer wakes
@@ -34,8 +46,9 @@
 #include <string.h>
 
 #define DP_RING_MAGIC 0x474e4952u   /* "RING" */
-#define DP_RING_VERSION 1
+#define DP_RING_VERSION 2
 #define DP_CACHELINE 64
+#define DP_RING_SEQ_BYTES 8   /* the sequence word at a slot's head; the record follows */
 
 /* CDEF BEGIN: the API the cffi binding sees (native/ffi_dataplane.py reads it verbatim) */
 enum dp_wait { DP_WAIT_SPIN = 0, DP_WAIT_YIELD = 1, DP_WAIT_SLEEP = 2 };
@@ -70,21 +83,22 @@ struct dp_ring_hdr {
     /* line 0: fixed at create */
     uint32_t magic;
     uint32_t version;
-    uint32_t slot_size;     /* bytes, a multiple of 8 */
+    uint32_t slot_size;     /* a record's room, bytes, a multiple of 8 */
     uint32_t capacity;      /* slots, a power of two */
     uint32_t mask;
     uint32_t wait_mode;     /* enum dp_wait */
+    uint32_t stride;        /* bytes from one slot to the next: DP_RING_SEQ_BYTES + slot_size, line-rounded */
     uint64_t data_offset;   /* slots start here, from the mapping's start */
     uint64_t map_size;
     /* line 1: written by the producer only */
-    _Alignas(DP_CACHELINE) uint64_t tail;   /* next slot to fill */
+    _Alignas(DP_CACHELINE) uint64_t tail;   /* next slot to fill (the consumer reads slots, not this) */
     uint64_t head_cache;                    /* producer's copy of head */
     uint64_t full_events;                   /* enqueues that found less room than asked */
     uint64_t refused;                       /* records those enqueues could not place */
     int32_t producer_pid;
     /* line 2: written by the consumer only */
     _Alignas(DP_CACHELINE) uint64_t head;   /* next slot to read */
-    uint64_t tail_cache;                    /* consumer's copy of tail */
+    uint64_t tail_cache;                    /* consumer's: slots below it seen published */
     uint64_t sleeps;                        /* futex waits entered */
     int32_t consumer_pid;
     /* line 3: the sleep handshake (touched only in DP_WAIT_SLEEP mode) */
@@ -100,9 +114,16 @@ struct dp_ring {             /* a process's handle (not shared) */
     int fd;
 };
 
+/* slot idx's sequence word: idx + 1 once published, something else before */
+static inline uint64_t *dp_ring_seq(const struct dp_ring *r, uint64_t idx)
+{
+    return (uint64_t *)(r->slots + (size_t)(idx & r->h->mask) * r->h->stride);
+}
+
+/* slot idx's record */
 static inline void *dp_ring_slot(const struct dp_ring *r, uint64_t idx)
 {
-    return r->slots + (size_t)(idx & r->h->mask) * r->h->slot_size;
+    return (uint8_t *)dp_ring_seq(r, idx) + DP_RING_SEQ_BYTES;
 }
 
 /* --- producer --------------------------------------------------------------- */
@@ -126,10 +147,14 @@ static inline void *dp_ring_prod_slot(const struct dp_ring *r, uint32_t i)
     return dp_ring_slot(r, r->h->tail + i);
 }
 
+/* Publish the n reserved slots: last to first, so the first one seen means all n are there. */
 static inline void dp_ring_prod_commit(struct dp_ring *r, uint32_t n)
 {
     struct dp_ring_hdr *h = r->h;
-    __atomic_store_n(&h->tail, h->tail + n, __ATOMIC_RELEASE);
+    uint64_t tail = h->tail;
+    for (uint32_t i = n; i-- > 0; )
+        __atomic_store_n(dp_ring_seq(r, tail + i), tail + i + 1, __ATOMIC_RELEASE);
+    __atomic_store_n(&h->tail, tail + n, __ATOMIC_RELEASE);
     if (h->wait_mode == DP_WAIT_SLEEP) {
         /* pairs with the consumer's fence between "sleeping = 1" and its last look at tail */
         __atomic_thread_fence(__ATOMIC_SEQ_CST);
@@ -162,17 +187,20 @@ static inline uint32_t dp_ring_enqueue_burst(struct dp_ring *r, const void *recs
 
 /* --- consumer --------------------------------------------------------------- */
 
-/* Readable slots, up to max; refreshes the cached tail only when it looks empty. */
+/* Readable slots, up to max: those already seen published, then the next ones' sequence
+ * words while they say published (a scan ends at most a lap on: the slot a lap ahead of head
+ * is head's own, which holds head + 1 until it is released and rewritten). */
 static inline uint32_t dp_ring_cons_peek(struct dp_ring *r, uint32_t max)
 {
     struct dp_ring_hdr *h = r->h;
-    uint64_t head = h->head;
-    uint64_t avail = h->tail_cache - head;
-    if (avail < max) {
-        h->tail_cache = __atomic_load_n(&h->tail, __ATOMIC_ACQUIRE);
-        avail = h->tail_cache - head;
+    uint64_t head = h->head, seen = h->tail_cache;
+    if (seen - head < max) {
+        while (seen - head < max && __atomic_load_n(dp_ring_seq(r, seen), __ATOMIC_ACQUIRE) == seen + 1)
+            seen++;
+        if (seen != h->tail_cache)       /* an empty poll leaves the line the producer reads head on clean */
+            h->tail_cache = seen;
     }
-    return avail < max ? (uint32_t)avail : max;
+    return seen - head < max ? (uint32_t)(seen - head) : max;
 }
 
 static inline void *dp_ring_cons_slot(const struct dp_ring *r, uint32_t i)
@@ -187,7 +215,7 @@ static inline void dp_ring_cons_release(struct dp_ring *r, uint32_t n)
 
 static inline uint32_t dp_ring_dequeue_burst(struct dp_ring *r, void *out, uint32_t max)
 {
-    uint32_t k = dp_ring_cons_peek(r, max), sz = r->h->slot_size;
+    uint32_t k = dp_ring_cons_peek(r, max), sz = r->h->slot_size;   /* out is records, back to back */
     for (uint32_t i = 0; i < k; i++)
         memcpy((uint8_t *)out + (size_t)i * sz, dp_ring_cons_slot(r, i), sz);
     if (k)

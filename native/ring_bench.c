@@ -95,6 +95,70 @@ uint64_t dp_seq_consume(struct dp_ring *r, uint64_t first, uint64_t n, uint32_t 
     return expect - first;
 }
 
+/* Commits of 1..7 records, each record its commit's size and its place in it; the consumer peeks
+ * everything readable and counts the peeks that end inside a commit (torn: a batch seen in part,
+ * which dp_lane_recv would hand on as two). Returns the commits the consumer saw end. */
+uint64_t dp_whole_produce(struct dp_ring *r, uint64_t commits, uint64_t timeout_ns)
+{
+    uint64_t deadline = now_ns() + timeout_ns, c;
+    if (r->h->slot_size < 16 || r->h->capacity < 8)
+        return 0;
+    for (c = 0; c < commits; c++) {
+        uint32_t size = 1 + (uint32_t)(c % 7);
+        unsigned spins = 0;
+        while (dp_ring_prod_reserve(r, size) < size) {
+            relax();
+            if ((++spins & 1023) == 0 && now_ns() > deadline)
+                return c;
+        }
+        for (uint32_t i = 0; i < size; i++) {
+            uint64_t *rec = dp_ring_prod_slot(r, i);
+            rec[0] = size;
+            rec[1] = i;
+        }
+        dp_ring_prod_commit(r, size);
+    }
+    return c;
+}
+
+uint64_t dp_whole_consume(struct dp_ring *r, uint64_t commits, uint64_t timeout_ns, uint64_t *torn)
+{
+    uint64_t deadline = now_ns() + timeout_ns, ended = 0;
+    unsigned spins = 0;
+    *torn = 0;
+    while (ended < commits) {
+        uint32_t k = dp_ring_cons_peek(r, UINT32_MAX);
+        if (!k) {
+            relax();
+            if ((++spins & 4095) == 0 && now_ns() > deadline)
+                break;
+            continue;
+        }
+        const uint64_t *last = dp_ring_cons_slot(r, k - 1);
+        if (last[1] != last[0] - 1)
+            (*torn)++;
+        for (uint32_t i = 0; i < k; i++) {
+            const uint64_t *rec = dp_ring_cons_slot(r, i);
+            ended += rec[1] == rec[0] - 1;
+        }
+        dp_ring_cons_release(r, k);
+    }
+    return ended;
+}
+
+/* What a producer killed inside a commit leaves (a commit publishes last to first): n records
+ * reserved and written, slots 1..n-1 published, the first and the producer's index not. */
+uint32_t dp_ring_torn_commit(struct dp_ring *r, uint32_t n)
+{
+    if (n < 2 || dp_ring_prod_reserve(r, n) < n)
+        return 0;
+    for (uint32_t i = 0; i < n; i++)
+        memset(dp_ring_prod_slot(r, i), 0xdd, r->h->slot_size);
+    for (uint32_t i = n - 1; i > 0; i--)
+        __atomic_store_n(dp_ring_seq(r, r->h->tail + i), r->h->tail + i + 1, __ATOMIC_RELEASE);
+    return n;
+}
+
 /* The reference of the throughput above, on one core and without a ring: the same two copies of
  * each record (a template into a slot of a ring-sized buffer, the slot out again), ns per record. */
 double dp_copy_ns(uint32_t rec_len, uint32_t slot_size, uint32_t slots, uint64_t n)

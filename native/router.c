@@ -2114,8 +2114,8 @@ static size_t warm_region(const struct dp_router *rt, uint32_t i, const uint8_t 
         return sizeof(*h);
     }
     uint32_t to_end = h->capacity - (uint32_t)(h->tail & h->mask);   /* never past the mapping */
-    *base = dp_ring_slot(w->lane, h->tail);
-    return (size_t)(rt->cfg.max_chunks < to_end ? rt->cfg.max_chunks : to_end) * h->slot_size;
+    *base = (const uint8_t *)dp_ring_seq(w->lane, h->tail);           /* whole slots, sequence words too */
+    return (size_t)(rt->cfg.max_chunks < to_end ? rt->cfg.max_chunks : to_end) * h->stride;
 }
 
 static volatile uint32_t warm_sink;      /* what warming reads goes here, so it is not optimised away */

@@ -142,6 +142,62 @@ def test_consumer_killed_mid_stream(ring_name):
     prod.join(10)
 
 
+def whole_consume(name, commits, q):
+    torn = ffi.new("uint64_t *")
+    with Ring.attach(name, "consumer") as r:
+        q.put("attached")
+        ended = lib.dp_whole_consume(r.ptr, commits, 60 * SEC, torn)
+    q.put((ended, torn[0]))
+
+
+def test_a_commit_is_seen_whole(ring_name):
+    """A commit of n records publishes them last to first, so a consumer on another core that
+    sees the first sees all n: the worker takes a micro-batch as one (dp_lane_recv), never in
+    two parts. The consumer peeks everything readable, as fast as it can, and counts the peeks
+    that end inside a commit."""
+    commits = 5_000_000   # published first to last instead, 1-45 torn peeks a million here
+    Ring.create(ring_name, 16, 64).close()
+    q = ctx.Queue()
+    cons = ctx.Process(target=whole_consume, args=(ring_name, commits, q))
+    cons.start()
+    assert q.get(timeout=10) == "attached"
+    with Ring.attach(ring_name, "producer") as r:
+        made = lib.dp_whole_produce(r.ptr, commits, 60 * SEC)
+    ended, torn = q.get(timeout=90)
+    cons.join(10)
+    assert made == ended == commits
+    assert torn == 0
+
+
+def die_inside_a_commit(name):
+    r = Ring.attach(name, "producer")
+    lib.dp_ring_torn_commit(r.ptr, 4)
+    os._exit(0)   # no close: the role and the torn commit are left as a killed producer leaves them
+
+
+def test_a_producer_killed_inside_a_commit_is_undone_by_its_successor(ring_name):
+    """A producer killed between the sequence words of a commit (its later slots published, the
+    first not) leaves those slots looking published past the producer's index. Its successor
+    clears them when it takes the role: otherwise its next record would bring the dead one's
+    three along with it, read as published."""
+    with Ring.create(ring_name, 16, 8, role="consumer") as cons:
+        with Ring.attach(ring_name, "producer") as prod:
+            assert prod.enqueue(b"a" * 16) == 1
+        assert cons.dequeue(8) == b"a" * 16
+        p = ctx.Process(target=die_inside_a_commit, args=(ring_name,))
+        p.start()
+        p.join(10)
+        assert p.exitcode == 0
+        assert cons.dequeue(8) == b""                   # its first slot unpublished: nothing readable
+        with Ring.attach(ring_name, "producer") as prod:   # taken over from the dead process
+            assert prod.enqueue(b"b" * 16) == 1
+            assert cons.dequeue(8) == b"b" * 16
+            assert prod.enqueue(b"c" * 16 + b"d" * 16) == 2
+            assert cons.dequeue(8) == b"c" * 16 + b"d" * 16
+        st = cons.stats()
+        assert st["enqueued"] == st["dequeued"] == 4 and st["depth"] == 0
+
+
 def sleeper(name, q):
     with Ring.attach(name, "consumer") as r:
         q.put("waiting")
