@@ -79,13 +79,21 @@ static struct dp_ring *map_ring(int fd, size_t size, int role, int *err)
     return r;
 }
 
-/* A producer that died inside a commit published some of its later slots and not the first
- * (a commit goes last to first), and did not move tail: those slots, past tail, would be read
- * as published once its successor published tail's. Clear them before the successor writes. */
-static void unpublish_past_tail(struct dp_ring *r)
+/* A producer that died inside a commit (ring.h: its slots published last to first, then tail):
+ * published whole, its records may already be read and released, so the commit stands and tail
+ * moves past it (left behind, tail would fall below head, and the successor would rewrite slots
+ * already read and count free room past the capacity); published in part (its later slots, not
+ * the first), those slots would be read as published once the successor published tail's: they
+ * are cleared. The run of published slots at tail is whole commits only, since a commit's first
+ * slot is its last published. */
+static void settle_dead_commit(struct dp_ring *r)
 {
-    uint64_t tail = r->h->tail;
-    for (uint64_t i = 0; i < r->h->capacity; i++)
+    struct dp_ring_hdr *h = r->h;
+    uint64_t start = h->tail, tail = start;
+    while (tail - start < h->capacity && __atomic_load_n(dp_ring_seq(r, tail), __ATOMIC_ACQUIRE) == tail + 1)
+        tail++;
+    __atomic_store_n(&h->tail, tail, __ATOMIC_RELEASE);
+    for (uint64_t i = 0; i < h->capacity; i++)
         if (__atomic_load_n(dp_ring_seq(r, tail + i), __ATOMIC_RELAXED) == tail + i + 1)
             __atomic_store_n(dp_ring_seq(r, tail + i), 0, __ATOMIC_RELAXED);
 }
@@ -95,7 +103,7 @@ static int take_role(struct dp_ring *r, int role)
     if (role == DP_ROLE_PRODUCER) {
         int rc = claim(&r->h->producer_pid);
         if (rc == 0)
-            unpublish_past_tail(r);
+            settle_dead_commit(r);
         return rc;
     }
     if (role == DP_ROLE_CONSUMER) {
@@ -192,9 +200,13 @@ struct dp_ring *dp_ring_attach(const char *name, int role, int *err)
         return NULL;
     }
     struct dp_ring_hdr *h = r->h;
+    /* the geometry create wrote, checked before any slot is touched: the mapping's bounds and the
+     * sequence words' alignment rest on it (no sum here can wrap: each term is checked first) */
     if (__atomic_load_n(&h->magic, __ATOMIC_ACQUIRE) != DP_RING_MAGIC || h->version != DP_RING_VERSION ||
-        h->map_size != (uint64_t)st.st_size || h->stride < DP_RING_SEQ_BYTES + (uint64_t)h->slot_size ||
-        h->data_offset + (uint64_t)h->stride * h->capacity > h->map_size) {
+        h->map_size != (uint64_t)st.st_size || h->capacity < 2 || (h->capacity & (h->capacity - 1)) ||
+        h->mask != h->capacity - 1 || h->slot_size == 0 || h->slot_size % 8 || h->stride % DP_CACHELINE ||
+        h->stride < DP_RING_SEQ_BYTES + (uint64_t)h->slot_size || h->data_offset < sizeof(*h) ||
+        h->data_offset > h->map_size || (uint64_t)h->stride * h->capacity > h->map_size - h->data_offset) {
         *err = -EPROTO;
         dp_ring_close(r);
         return NULL;
@@ -254,9 +266,12 @@ void dp_ring_get_stats(const struct dp_ring *r, struct dp_ring_stats *s)
     const struct dp_ring_hdr *h = r->h;
     s->capacity = h->capacity;
     s->slot_size = h->slot_size;
-    /* head first: read after tail, a consumer could have passed that tail (depth ~2^64) */
+    /* head first: read after tail, a consumer could have passed that tail; and the consumer reads
+     * a commit's slots before the producer moves tail past them, so head can lead tail a moment */
     s->dequeued = __atomic_load_n(&h->head, __ATOMIC_ACQUIRE);
     s->enqueued = __atomic_load_n(&h->tail, __ATOMIC_ACQUIRE);
+    if (s->enqueued < s->dequeued)
+        s->enqueued = s->dequeued;
     s->depth = s->enqueued - s->dequeued;
     s->full_events = h->full_events;
     s->refused = h->refused;

@@ -30,8 +30,10 @@
  * taken over, so a consumer killed mid-stream is replaced without losing
  * committed records: the consumer's index only moves on release, so the records
  * the dead one had read but not released come again (at least once). A producer
- * that died inside a commit (some of its later slots published, the first not)
- * is undone by its successor, which clears those slots before it writes any.
+ * that died inside a commit is settled by its successor before it writes: a
+ * commit published whole (the producer's index not yet moved) stands, the index
+ * moved past it; one published in part (its later slots, not its first) is
+ * cleared.
  *
  * Wait strategy (consumer side, chosen at create): spin; spin then yield;
  * spin, yield, then sleep on a futex in the shared header (the producer wakes
@@ -156,7 +158,7 @@ static inline void dp_ring_prod_commit(struct dp_ring *r, uint32_t n)
         __atomic_store_n(dp_ring_seq(r, tail + i), tail + i + 1, __ATOMIC_RELEASE);
     __atomic_store_n(&h->tail, tail + n, __ATOMIC_RELEASE);
     if (h->wait_mode == DP_WAIT_SLEEP) {
-        /* pairs with the consumer's fence between "sleeping = 1" and its last look at tail */
+        /* pairs with the consumer's fence between "sleeping = 1" and its last look at the slots */
         __atomic_thread_fence(__ATOMIC_SEQ_CST);
         if (__atomic_load_n(&h->sleeping, __ATOMIC_RELAXED))
             dp_ring_wake_consumer(r);

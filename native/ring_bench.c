@@ -146,15 +146,16 @@ uint64_t dp_whole_consume(struct dp_ring *r, uint64_t commits, uint64_t timeout_
     return ended;
 }
 
-/* What a producer killed inside a commit leaves (a commit publishes last to first): n records
- * reserved and written, slots 1..n-1 published, the first and the producer's index not. */
-uint32_t dp_ring_torn_commit(struct dp_ring *r, uint32_t n)
+/* What a producer killed inside a commit leaves (a commit publishes last to first, then moves
+ * tail): n records reserved and written, the last `published` of their sequence words stored
+ * (n: the whole commit, only tail's store missing), tail not moved. */
+uint32_t dp_ring_torn_commit(struct dp_ring *r, uint32_t n, uint32_t published)
 {
-    if (n < 2 || dp_ring_prod_reserve(r, n) < n)
+    if (n < 1 || published > n || dp_ring_prod_reserve(r, n) < n)
         return 0;
     for (uint32_t i = 0; i < n; i++)
         memset(dp_ring_prod_slot(r, i), 0xdd, r->h->slot_size);
-    for (uint32_t i = n - 1; i > 0; i--)
+    for (uint32_t i = n; i-- > n - published; )
         __atomic_store_n(dp_ring_seq(r, r->h->tail + i), r->h->tail + i + 1, __ATOMIC_RELEASE);
     return n;
 }

@@ -13,8 +13,9 @@ uint64_t dp_seq_consume(struct dp_ring *r, uint64_t first, uint64_t n, uint32_t 
 /* commits of 1..7 records; the consumer counts peeks that show a commit in part (torn) */
 uint64_t dp_whole_produce(struct dp_ring *r, uint64_t commits, uint64_t timeout_ns);
 uint64_t dp_whole_consume(struct dp_ring *r, uint64_t commits, uint64_t timeout_ns, uint64_t *torn);
-/* a producer killed inside a commit of n records: what it leaves in the ring (then exit, unclosed) */
-uint32_t dp_ring_torn_commit(struct dp_ring *r, uint32_t n);
+/* a producer killed inside a commit of n records, the last `published` of them published: what it
+ * leaves in the ring (then exit, unclosed) */
+uint32_t dp_ring_torn_commit(struct dp_ring *r, uint32_t n, uint32_t published);
 double dp_ring_op_ns(struct dp_ring *r, uint32_t bulk, uint64_t items, uint32_t rec_len);
 double dp_copy_ns(uint32_t rec_len, uint32_t slot_size, uint32_t slots, uint64_t n);
 /* one-way ns of a cache-line ping-pong between two threads pinned to cpu_a and cpu_b (median block) */

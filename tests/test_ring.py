@@ -169,9 +169,9 @@ def test_a_commit_is_seen_whole(ring_name):
     assert torn == 0
 
 
-def die_inside_a_commit(name):
+def die_inside_a_commit(name, published):
     r = Ring.attach(name, "producer")
-    lib.dp_ring_torn_commit(r.ptr, 4)
+    assert lib.dp_ring_torn_commit(r.ptr, 4, published) == 4
     os._exit(0)   # no close: the role and the torn commit are left as a killed producer leaves them
 
 
@@ -184,7 +184,7 @@ def test_a_producer_killed_inside_a_commit_is_undone_by_its_successor(ring_name)
         with Ring.attach(ring_name, "producer") as prod:
             assert prod.enqueue(b"a" * 16) == 1
         assert cons.dequeue(8) == b"a" * 16
-        p = ctx.Process(target=die_inside_a_commit, args=(ring_name,))
+        p = ctx.Process(target=die_inside_a_commit, args=(ring_name, 3))
         p.start()
         p.join(10)
         assert p.exitcode == 0
@@ -196,6 +196,35 @@ def test_a_producer_killed_inside_a_commit_is_undone_by_its_successor(ring_name)
             assert cons.dequeue(8) == b"c" * 16 + b"d" * 16
         st = cons.stats()
         assert st["enqueued"] == st["dequeued"] == 4 and st["depth"] == 0
+
+
+@pytest.mark.parametrize("read_first", [True, False], ids=["read-before-the-successor", "read-after"])
+def test_a_producer_killed_after_publishing_a_commit_whole_leaves_it_standing(ring_name, read_first):
+    """Killed after the last sequence word of a commit, before its index moved: the commit is
+    published (the consumer may read and release it at once), so it stands, and the successor
+    starts past it. Taking the stale index instead, the successor rewrote slots already read (its
+    first records never delivered) and, its index below the consumer's, counted free room past
+    the capacity: 12 records placed in an 8-slot ring, then the ring wedged for good (found by
+    review)."""
+    with Ring.create(ring_name, 16, 8, role="consumer") as cons:
+        p = ctx.Process(target=die_inside_a_commit, args=(ring_name, 4))
+        p.start()
+        p.join(10)
+        assert p.exitcode == 0
+        dead = b"\xdd" * 16 * 4
+        if read_first:
+            assert cons.dequeue(8) == dead
+        with Ring.attach(ring_name, "producer") as prod:   # taken over from the dead process
+            if not read_first:
+                assert cons.dequeue(8) == dead
+            for lap in range(6):                          # laps past the dead commit's slots
+                recs = bytes([lap]) * 16 * 3
+                assert prod.enqueue(recs) == 3
+                assert cons.dequeue(8) == recs
+            assert prod.enqueue(b"z" * 16 * 9) == 8        # full at the capacity, not past it
+            assert cons.dequeue(16) == b"z" * 16 * 8
+        st = cons.stats()
+        assert st["enqueued"] == st["dequeued"] == 4 + 18 + 8 and st["depth"] == 0
 
 
 def sleeper(name, q):
@@ -257,6 +286,27 @@ def _rss_kib(path: str) -> list[int]:
         elif inside and line.startswith("Rss:"):
             out.append(int(line.split()[1]))
     return out
+
+
+# dp_ring_hdr's first line (native/ring.h): magic, version, slot_size, capacity, mask, wait_mode,
+# stride (u32 each), then data_offset and map_size (u64, from byte 32)
+_HDR_FIELD = {"slot_size": (8, "<I"), "capacity": (12, "<I"), "mask": (16, "<I"), "stride": (24, "<I"),
+              "data_offset": (32, "<Q")}
+
+
+@pytest.mark.parametrize("field,value", [("mask", 0xFFFF), ("capacity", 24), ("stride", 28), ("stride", 0),
+                                         ("slot_size", 12), ("data_offset", 2**64 - 4096), ("data_offset", 8)])
+def test_a_header_whose_geometry_is_not_create_s_is_refused_at_attach(ring_name, field, value):
+    """Attach checks the geometry before it touches a slot: a mask past the capacity indexed past the
+    mapping, a stride off the line misaligned the sequence words, a data offset near 2^64 wrapped
+    the bounds check."""
+    Ring.create(ring_name, 16, 8).close()
+    off, fmt = _HDR_FIELD[field]
+    with open(f"/dev/shm/dp-{ring_name}", "r+b") as f:
+        f.seek(off)
+        f.write(struct.pack(fmt, value))
+    with pytest.raises(ringmod.RingError, match="not a ring of this version"):
+        Ring.attach(ring_name, "consumer")
 
 
 def test_a_ring_is_resident_from_the_start(ring_name):
