@@ -3,8 +3,9 @@
  * One signature for all (struct dp_policy_ops.pick), a registry in
  * policies/registry.c, one file per policy in policies/. A policy is asked
  * once per request (all chunks and decode steps of a request follow its KV
- * cache to the same worker), sees each worker's lane depth, weight and health
- * in struct dp_workers, and returns a worker index, or -1 if none is up.
+ * cache to the same worker), sees each worker's depth in chunks and in tokens,
+ * weight and health in struct dp_workers, and returns a worker index, or -1 if
+ * none is up.
  *
  * pick may also be called for a rehearsal (router.c keeps the path warm while
  * idle), after which the router puts rng and cursor back: any other state a
@@ -30,6 +31,9 @@ struct dp_workers {
     uint32_t total_depth;                /* sum of depth[] (kept by the router) */
     uint64_t generation;                 /* bumped when n, up[] or weight[] change */
     uint32_t depth[DP_MAX_WORKERS];      /* chunks queued for or in flight on each worker */
+    uint32_t tokens[DP_MAX_WORKERS];     /* the same in tokens: each such chunk's prompt tokens (until its
+                                          * last piece is done), one per request decoding (its next step) */
+    uint64_t total_tokens;               /* sum of tokens[] (kept by the router) */
     uint32_t weight[DP_MAX_WORKERS];     /* relative share for `weighted`, set live from Python */
     uint8_t up[DP_MAX_WORKERS];          /* 1 if healthy and accepting work */
 };
@@ -82,6 +86,22 @@ static inline uint64_t dp_hash64(uint64_t x)
     x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
     x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
     return x ^ (x >> 31);
+}
+
+/* The up worker with the least load[] (a dp_workers array: depth, tokens), or -1; the scan starts
+ * one further each call, so ties spread. */
+static inline int dp_least(struct dp_policy *p, const struct dp_workers *w, const uint32_t *load)
+{
+    int best = -1;
+    uint32_t least = UINT32_MAX, start = w->n ? p->cursor++ % w->n : 0;
+    for (uint32_t k = 0; k < w->n; k++) {
+        uint32_t j = (start + k) % w->n;
+        if (w->up[j] && load[j] < least) {
+            best = (int)j;
+            least = load[j];
+        }
+    }
+    return best;
 }
 
 /* first up worker at or after i (wrapping), or -1 */

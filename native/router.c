@@ -79,6 +79,7 @@ struct batch_meta {             /* what the router remembers of each record it s
     uint32_t req;
     uint8_t kind, final;
     uint8_t releases;           /* the record carries a chunk's last piece: its depth ends on completion */
+    uint16_t tokens;            /* and that chunk's tokens, which its depth held (releases only) */
 };
 
 struct worker {
@@ -368,15 +369,28 @@ static uint32_t fifo_pop(struct dp_router *rt, struct worker *w)
     return r;
 }
 
-static void depth_add(struct dp_router *rt, int worker, int32_t d)
+/* A worker's depth moves by d chunks and tok tokens (the policies' view: policy.h), in the router's
+ * view and its pool's alike. */
+static void depth_add(struct dp_router *rt, int worker, int32_t d, int32_t tok)
 {
     struct worker *w = &rt->w[worker];
     struct dp_workers *pv = &rt->pools[w->pool].view;
     rt->view.depth[worker] += (uint32_t)d;
     rt->view.total_depth += (uint32_t)d;
+    rt->view.tokens[worker] += (uint32_t)tok;
+    rt->view.total_tokens += (uint64_t)(int64_t)tok;
     pv->depth[w->local] += (uint32_t)d;
     pv->total_depth += (uint32_t)d;
+    pv->tokens[w->local] += (uint32_t)tok;
+    pv->total_tokens += (uint64_t)(int64_t)tok;
     w->st.depth = rt->view.depth[worker];
+    w->st.queued_tokens = rt->view.tokens[worker];
+}
+
+/* a pending chunk's weight in depth_add: one chunk, its tokens */
+static int32_t chunk_tokens(const struct dp_router *rt, uint32_t p)
+{
+    return (int32_t)rt->pool[p].c.n_tokens;
 }
 
 /* --- pools ------------------------------------------------------------------------- */
@@ -386,6 +400,7 @@ static void rebuild_pools(struct dp_router *rt)
 {
     for (uint32_t p = 0; p < DP_MAX_POOLS; p++) {
         rt->pools[p].view.n = rt->pools[p].view.total_depth = 0;
+        rt->pools[p].view.total_tokens = 0;
         rt->pools[p].view.generation++;
     }
     for (uint32_t k = 0; k < rt->view.n; k++) {
@@ -395,6 +410,8 @@ static void rebuild_pools(struct dp_router *rt)
         rt->pools[w->pool].member[i] = (uint16_t)k;
         w->local = (uint16_t)i;
         pv->depth[i] = rt->view.depth[k];
+        pv->tokens[i] = rt->view.tokens[k];
+        pv->total_tokens += pv->tokens[i];
         pv->weight[i] = rt->view.weight[k];
         pv->up[i] = rt->view.up[k];
         pv->total_depth += pv->depth[i];
@@ -1006,7 +1023,7 @@ static void accept_chunk(struct dp_router *rt, uint32_t ri, uint32_t p)
     }
     for (;;) {
         pending_append(rt, r, p);
-        depth_add(rt, r->worker, 1);
+        depth_add(rt, r->worker, 1, chunk_tokens(rt, p));
         r->next_index++;
         /* is its successor parked? */
         if (r->ooo == NIL || (p = early_find(rt, ri, r->next_index)) == NIL)
@@ -1441,7 +1458,7 @@ static void fifo_remove(struct dp_router *rt, struct worker *w, uint32_t ri);
 static void drop_pending(struct dp_router *rt, struct req *r)
 {
     for (uint32_t p = r->pending_head; p != NIL; p = rt->pool[p].next)
-        depth_add(rt, r->worker, -1);
+        depth_add(rt, r->worker, -1, -chunk_tokens(rt, p));
     free_list(rt, r->pending_head);
     early_drop(rt, (uint32_t)(r - rt->reqs));
     r->pending_head = r->pending_tail = NIL;
@@ -1462,7 +1479,7 @@ static void fail_request(struct dp_router *rt, int wk, uint32_t ri, uint16_t sta
     if (r->state == REQ_DECODE) {
         decoding_remove(w, ri);
         w->st.decoding = w->n_decoding;
-        depth_add(rt, wk, -1);
+        depth_add(rt, wk, -1, -1);
     }
     r->state = REQ_DONE;                /* nothing more is scheduled for it */
     r->decode_left = 0;
@@ -1503,7 +1520,7 @@ static void requeue_all(struct dp_router *rt, struct req *r, int nk)
     }
     for (uint32_t p = r->pending_head; p != NIL; p = rt->pool[p].next) {
         rt->pool[p].sent = 0;
-        depth_add(rt, nk, 1);
+        depth_add(rt, nk, 1, chunk_tokens(rt, p));
     }
 }
 
@@ -1521,7 +1538,7 @@ static void move_unrun(struct dp_router *rt, uint32_t ri, int nk)
         r->in_set = 0;
     }
     for (uint32_t p = r->pending_head; p != NIL; p = rt->pool[p].next)
-        depth_add(rt, r->worker, -1);
+        depth_add(rt, r->worker, -1, -chunk_tokens(rt, p));
     requeue_all(rt, r, nk);
     forget_run(rt, sk, r->worker);
     r->worker = (int16_t)nk;
@@ -1561,7 +1578,7 @@ static void complete_entry(struct dp_router *rt, int wk, const struct batch_meta
     int ended = 0;
     r->inflight--;
     if (m->releases)
-        depth_add(rt, wk, -1);
+        depth_add(rt, wk, -1, -(int32_t)m->tokens);
     if (r->status) {                     /* already failed: finish once the last record is back */
         if (r->inflight == 0)
             finish(rt, m->req);
@@ -1592,13 +1609,13 @@ static void complete_entry(struct dp_router *rt, int wk, const struct batch_meta
             r->state = REQ_DECODE;
             w->decoding[w->n_decoding++] = m->req;
             w->st.decoding = w->n_decoding;
-            depth_add(rt, wk, 1);
+            depth_add(rt, wk, 1, 1);
         }
     } else if (r->decode_left == 0 || (e->flags & DP_CE_EOS)) {
         ended = 1;
         decoding_remove(w, m->req);
         w->st.decoding = w->n_decoding;
-        depth_add(rt, wk, -1);
+        depth_add(rt, wk, -1, -1);
     }
     if (ended && r->inflight == 0)
         finish(rt, m->req);
@@ -1691,7 +1708,7 @@ struct builder {
 static struct dp_chunk *add_record(struct dp_router *rt, struct builder *b, uint32_t ri, uint8_t kind, uint8_t final)
 {
     struct dp_chunk *out = lane_slot(b->w, b->n);
-    b->w->meta[b->n] = (struct batch_meta){ ri, kind, final, 0 };
+    b->w->meta[b->n] = (struct batch_meta){ ri, kind, final, 0, 0 };
     rt->reqs[ri].inflight++;
     b->n++;
     return out;
@@ -1743,6 +1760,7 @@ static void add_prefill(struct dp_router *rt, struct builder *b, uint32_t ri, ui
     b->tokens += take;
     if (whole) {                         /* all of it is out: keep it aside for a replay */
         b->w->meta[b->n - 1].releases = 1;   /* in flight until its completion: still the worker's depth */
+        b->w->meta[b->n - 1].tokens = c->n_tokens;
         r->pending_head = pc->next;
         if (r->pending_head == NIL)
             r->pending_tail = NIL;
@@ -2013,7 +2031,7 @@ static void failover(struct dp_router *rt, uint32_t k)
     w->fifo_head = w->fifo_tail = NIL;
     w->n_decoding = w->st.decoding = 0;
     w->n_set = 0;
-    depth_add(rt, (int)k, -(int32_t)rt->view.depth[k]);
+    depth_add(rt, (int)k, -(int32_t)rt->view.depth[k], -(int32_t)rt->view.tokens[k]);
     for (uint32_t ri = 0; ri < rt->cfg.max_requests; ri++) {
         struct req *r = &rt->reqs[ri];
         if (r->state == REQ_FREE || r->worker != (int16_t)k)
@@ -2559,7 +2577,7 @@ static int add_worker(struct dp_router *rt, int kind, struct dp_ring *lane, stru
         w->st.up = 1;
         rt->view.up[k] = 1;
         rt->view.weight[k] = weight;
-        rt->view.depth[k] = 0;
+        rt->view.depth[k] = rt->view.tokens[k] = 0;
         rt->view.n++;
         rt->view.generation++;
         w->pool = 0;
@@ -2905,6 +2923,8 @@ double dp_policy_bench(const char *policy, uint32_t n_workers, uint64_t decision
         w.weight[j] = 1 + j % 4;
         w.depth[j] = (uint32_t)(dp_hash64(j) % 64);
         w.total_depth += w.depth[j];
+        w.tokens[j] = w.depth[j] * 64;
+        w.total_tokens += w.tokens[j];
     }
     dp_policy_pick(&p, &w, 1, 0);     /* builds any policy tables outside the timing */
     uint64_t t = now_ns();
@@ -2912,13 +2932,17 @@ double dp_policy_bench(const char *policy, uint32_t n_workers, uint64_t decision
         x ^= x << 13, x ^= x >> 7, x ^= x << 17;
         int k = dp_policy_pick(&p, &w, x, (uint32_t)i);
         sink += (uint64_t)k;
-        /* the chosen worker's lane grows and another drains, as under load */
+        /* the chosen worker's lane grows and another drains, as under load (a chunk: 64 tokens) */
         w.depth[k]++;
         w.total_depth++;
+        w.tokens[k] += 64;
+        w.total_tokens += 64;
         uint32_t d = (uint32_t)(x % n_workers);
         if (w.depth[d]) {
             w.depth[d]--;
             w.total_depth--;
+            w.tokens[d] -= 64;
+            w.total_tokens -= 64;
         }
     }
     double ns = (double)(now_ns() - t) / (double)decisions;

@@ -83,6 +83,7 @@ struct dp_router_config {
 struct dp_worker_stats {
     uint64_t batches, records, tokens, decode_steps, completions;
     uint32_t depth, busy, decoding, up;
+    uint32_t queued_tokens;                  /* depth in tokens (policy.h's dp_workers.tokens) */
     uint64_t lane_depth, lane_full_events;   /* shm lanes: the ring's own counters */
     uint32_t token_budget;                   /* dynamic batching's per-step budget on this worker */
 };

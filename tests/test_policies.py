@@ -3,19 +3,22 @@ import numpy as np
 import pytest
 
 from datapath._dataplane import ffi, lib
+from datapath.router import policies
 
 SESSIONS = np.random.default_rng(7).integers(1, 1 << 63, size=20000, dtype=np.uint64)
 
 
-def view(n, depth=None, weight=None, up=None, generation=1):
+def view(n, depth=None, weight=None, up=None, generation=1, tokens=None):
     w = ffi.new("struct dp_workers *")
     w.n = n
     w.generation = generation
     for j in range(n):
         w.depth[j] = 0 if depth is None else depth[j]
+        w.tokens[j] = 0 if tokens is None else tokens[j]
         w.weight[j] = 1 if weight is None else weight[j]
         w.up[j] = 1 if up is None else up[j]
     w.total_depth = sum(w.depth[j] for j in range(n))
+    w.total_tokens = sum(w.tokens[j] for j in range(n))
     return w
 
 
@@ -46,8 +49,17 @@ def test_load_aware_policies_avoid_deep_lanes(policy):
     assert -1 not in out
 
 
+def test_least_tokens_goes_by_tokens_not_chunks_and_spreads_ties():
+    # worker 0: 8 one-token decodes; worker 1: one 128-token chunk; 2 and 3: two 100-token chunks
+    w = view(4, depth=[8, 1, 2, 2], tokens=[8, 128, 200, 200])
+    assert set(decide("least_tokens", w, SESSIONS[:100])) == {0}
+    assert set(decide("least_loaded", w, SESSIONS[:100])) == {1}
+    assert list(np.bincount(decide("least_tokens", view(3), SESSIONS[:300]), minlength=3)) == [100, 100, 100]
+    assert 1 not in decide("least_tokens", view(4, up=[1, 0, 1, 1]), SESSIONS[:300])
+
+
 def test_no_worker_up_means_no_choice():
-    for policy in ("round_robin", "least_loaded", "power_of_two", "affinity", "weighted"):
+    for policy in policies():
         assert set(decide(policy, view(4, up=[0, 0, 0, 0]), SESSIONS[:50])) == {-1}
 
 

@@ -439,6 +439,44 @@ def test_random_traffic_every_request_answered_once_and_intact(bench_factory, ba
     st = b.router.stats()
     assert st["active_requests"] == 0 and st["pool_free"] == 8192
     assert all(b.router.worker_stats(k)["depth"] == 0 for k in range(n_workers))
+    assert all(b.router.worker_stats(k)["queued_tokens"] == 0 for k in range(n_workers))
+
+
+@pytest.mark.parametrize("policy,want", [("least_tokens", [158, 128]), ("least_loaded", [30, 256])])
+def test_least_tokens_weighs_a_worker_s_queue_in_tokens_where_least_loaded_counts_chunks(bench_factory, policy, want):
+    """Worker 0 holds three 10-token requests (3 chunks, 30 tokens), worker 1 nothing; then two
+    128-token requests. By chunks the second goes to worker 1 too (1 chunk < 3); by tokens to
+    worker 0 (30 < 128): a step's cost follows its tokens. Depth in tokens counts a chunk's tokens
+    until its last piece is done and one per request decoding, and comes back to 0."""
+    b = bench_factory(n_workers=2, policy=policy)
+    b.router.set_up(1, False)
+    b.send(*(chunks_of(rid, list(range(10)), max_out=2) for rid in (1, 2, 3)))
+    b.router.poll()
+    assert [b.router.worker_stats(k)["queued_tokens"] for k in (0, 1)] == [30, 0]
+    b.router.set_up(1, True)
+    b.send(chunks_of(4, list(range(128)), max_out=2))
+    b.router.poll()
+    b.send(chunks_of(5, list(range(128)), max_out=2))
+    b.router.poll()
+    assert [b.router.worker_stats(k)["queued_tokens"] for k in (0, 1)] == want
+    for _ in range(20):
+        b.step(0)
+        b.step(1)
+    assert sorted(int(r["request_id"]) for r in b.responses) == [1, 2, 3, 4, 5]
+    assert all(r["status"] == 200 for r in b.responses)
+    assert [(b.router.worker_stats(k)["depth"], b.router.worker_stats(k)["queued_tokens"]) for k in (0, 1)] == \
+        [(0, 0), (0, 0)]
+
+
+def test_a_worker_s_depth_in_tokens_is_its_prompt_tokens_then_one_per_request_decoding(bench_factory):
+    b = bench_factory()
+    b.send(chunks_of(1, list(range(300)), max_out=3), chunks_of(2, list(range(20)), max_out=1))
+    b.router.poll()
+    assert b.router.worker_stats(0)["queued_tokens"] == 320          # in flight until completed
+    b.step()                                                         # prefill done: 1 decodes on
+    assert b.router.worker_stats(0)["queued_tokens"] == 1
+    b.run()
+    assert b.router.worker_stats(0)["queued_tokens"] == 0
 
 
 def test_incomplete_request_expires_with_400(bench_factory):
@@ -457,7 +495,7 @@ def test_incomplete_request_expires_with_400(bench_factory):
     assert resp["status"] == 400 and resp["request_id"] == 4
     st = b.router.stats()
     assert st["expired"] == 1 and st["active_requests"] == 0 and st["pool_free"] == 8192
-    assert b.router.worker_stats(0)["depth"] == 0
+    assert b.router.worker_stats(0)["depth"] == 0 and b.router.worker_stats(0)["queued_tokens"] == 0
 
 
 def test_every_record_of_a_request_carries_its_send_stamp_not_its_packet_s(bench_factory):
@@ -537,6 +575,7 @@ def test_a_request_a_store_less_worker_has_no_kv_room_for_moves_to_the_next_work
     st = b.router.stats()
     assert st["kv_moved"] == 1 and st["refused_by_worker"] == 0 and st["active_requests"] == 0
     assert st["kv_homes"] == 1 and [b.router.worker_stats(x)["depth"] for x in range(3)] == [0, 0, 0]
+    assert [b.router.worker_stats(x)["queued_tokens"] for x in range(3)] == [0, 0, 0]
     # the session lives there now: its next request and its CLOSE go there, not to the policy's pick
     close = chunks_of(9, [], session=9)
     close["kind"], close["n_tokens"] = wire.KIND_CLOSE, 0
@@ -644,6 +683,7 @@ def test_a_request_every_worker_has_no_kv_room_for_is_refused_503_saying_why(ben
     assert st["kv_moved"] == 2 and st["refused_by_worker"] == 1 and st["active_requests"] == 0
     assert st["kv_homes"] == 0, "no worker holds the session: no home kept for it"
     assert [b.router.worker_stats(x)["depth"] for x in range(3)] == [0, 0, 0]
+    assert [b.router.worker_stats(x)["queued_tokens"] for x in range(3)] == [0, 0, 0]
 
 
 def test_late_duplicate_of_a_finished_request_is_not_run_again(bench_factory):
