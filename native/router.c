@@ -1584,8 +1584,11 @@ static void complete_entry(struct dp_router *rt, int wk, const struct batch_meta
             finish(rt, m->req);
         return;
     }
-    if (e->status == DP_STATUS_UNAVAILABLE && (e->flags & DP_CE_KV_FULL))
-        r->kv_moving = 1;                /* nothing of it ran there: another worker may have room */
+    /* nothing of it ran there: another worker may have room. Not once it decodes: its prefill ran
+     * there, and a move left it on that worker's decoding list and its chunks counted on both
+     * (the worker broke its contract, worker.py; it is refused 503 as any other refusal) */
+    if (e->status == DP_STATUS_UNAVAILABLE && (e->flags & DP_CE_KV_FULL) && r->state != REQ_DECODE)
+        r->kv_moving = 1;
     if (r->kv_moving) {
         if (r->inflight == 0)
             kv_move(rt, wk, m->req);

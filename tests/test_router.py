@@ -390,7 +390,7 @@ def test_started_router_thread_pinned_and_stopped(bench_factory):
 
 @pytest.mark.parametrize("batching,policy,seed", [
     ("dynamic", "round_robin", 1), ("dynamic", "affinity", 2), ("dynamic", "power_of_two", 3),
-    ("static", "least_loaded", 4), ("static", "weighted", 5),
+    ("static", "least_loaded", 4), ("static", "weighted", 5), ("dynamic", "least_tokens", 6),
 ])
 def test_random_traffic_every_request_answered_once_and_intact(bench_factory, batching, policy, seed):
     """Random sizes, shuffled chunk order, duplicates, EOS and budgets: the invariants hold."""
@@ -477,6 +477,67 @@ def test_a_worker_s_depth_in_tokens_is_its_prompt_tokens_then_one_per_request_de
     assert b.router.worker_stats(0)["queued_tokens"] == 1
     b.run()
     assert b.router.worker_stats(0)["queued_tokens"] == 0
+
+
+def test_a_split_chunk_weighs_its_whole_tokens_until_its_last_piece_is_done(bench_factory):
+    b = bench_factory(token_budget=100, split_slack=0)
+    b.send(chunks_of(1, list(range(128)), max_out=1))
+    b.router.poll()
+    first = b.step()                                                 # the first 100-token piece, done
+    assert int(first["n_tokens"][0]) == 100 and b.router.stats()["splits"] == 1
+    assert b.router.worker_stats(0)["queued_tokens"] == 128
+    b.run()
+    assert [int(r["status"]) for r in b.responses] == [200]
+    assert (b.router.worker_stats(0)["depth"], b.router.worker_stats(0)["queued_tokens"]) == (0, 0)
+
+
+def test_a_failover_moves_a_worker_s_depth_in_tokens_whole(bench_factory):
+    """Worker 0 goes down with a 300-token request in flight and a 40-token one decoding: its depth
+    goes to 0 and both requests' prompt tokens to worker 1, where they are replayed, and both
+    come back to 0 once answered."""
+    b = bench_factory(n_workers=2, policy="round_robin")
+    b.router.set_up(1, False)
+    b.send(chunks_of(1, list(range(40)), max_out=5))
+    b.router.poll()
+    b.step(0)                                                        # 1 decodes on worker 0
+    b.send(chunks_of(2, list(range(300)), max_out=2))
+    b.router.poll()
+    assert [b.router.worker_stats(k)["queued_tokens"] for k in (0, 1)] == [301, 0]
+    b.router.set_up(1, True)
+    b.router.set_up(0, False)
+    b.router.poll()
+    assert b.router.worker_stats(0)["queued_tokens"] == 0
+    assert b.router.worker_stats(1)["queued_tokens"] == 340          # both replayed from their prompts
+    b.run(1)
+    assert sorted((int(r["request_id"]), int(r["status"])) for r in b.responses) == [(1, 200), (2, 200)]
+    assert [(b.router.worker_stats(k)["depth"], b.router.worker_stats(k)["queued_tokens"]) for k in (0, 1)] == \
+        [(0, 0), (0, 0)]
+
+
+def test_a_kv_full_flag_on_a_decode_step_is_a_refusal_not_a_move(bench_factory):
+    """A worker flags CE_KV_FULL only on a request none of which it ran (worker.py). On a decode
+    step, after its prefill ran there, a move left the request on that worker's decoding list and
+    its chunks counted on both workers for good (depth 1 and 50 tokens after everything ended, a
+    pool slot lost; found by review): it is answered 503 as any other refusal."""
+    b = bench_factory(n_workers=2, policy="least_tokens")
+    b.send(chunks_of(1, list(range(50)), max_out=4))
+    b.router.poll()
+    k = next(k for k in (0, 1) if b.router.worker_stats(k)["depth"])
+    b.step(k)                                                        # prefill done: decoding there
+    batch = b.workers[k].recv_batch(0)
+    assert list(batch["kind"]) == [records.KIND_DECODE]
+    comp = lanes.completion_for(batch, [0])
+    comp["e"][0]["status"][0] = wire.STATUS_UNAVAILABLE
+    comp["e"][0]["flags"][0] = records.CE_KV_FULL
+    assert b.workers[k].send_completion(comp)
+    for _ in range(10):
+        b.step(0)
+        b.step(1)
+    assert [(int(r["request_id"]), int(r["status"])) for r in b.responses] == [(1, wire.STATUS_UNAVAILABLE)]
+    st = b.router.stats()
+    assert st["active_requests"] == 0 and st["pool_free"] == 8192 and st["kv_moved"] == 0
+    assert [(b.router.worker_stats(x)["depth"], b.router.worker_stats(x)["queued_tokens"]) for x in (0, 1)] == \
+        [(0, 0), (0, 0)]
 
 
 def test_incomplete_request_expires_with_400(bench_factory):
