@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
     p.add_argument("suite", choices=[*SUITES, "all"], help="suite to run")
-    p.add_argument("--quick", action="store_true", help="short run (under 2 minutes)")
+    p.add_argument("--quick", action="store_true", help="short run (a suite in about 2 minutes or less)")
     p.add_argument("--json", metavar="PATH", help="where to write the JSON (default bench-results/SUITE.json)")
     p.add_argument("--soak", action="store_true", help="snapshot: also run the 1,000-iteration crash soak")
     p.add_argument("--policy", metavar="A,B,...",
@@ -64,6 +64,13 @@ def main(argv=None) -> int:
                    help="compare: workers simulate this device's step time (cpu, l4, h100, dpu: "
                         "datapath.serving.devices); default: the tiny model's own step time")
     args = p.parse_args(argv)
+    # a flag its suite does not read is refused, not ignored: `bench e2e --policy static` ran plain e2e
+    only = {"--policy": ("compare", args.policy is not None), "--rate": ("compare", args.rate != 40),
+            "--repeat": ("compare", args.repeat is not None), "--device": ("compare", args.device is not None),
+            "--soak": ("snapshot", args.soak)}
+    for flag, (suite, given) in only.items():
+        if given and args.suite != suite:
+            p.error(f"{flag} is for the {suite} suite, not {args.suite}")
     if args.suite == "compare" and not args.policy:
         p.error("compare needs --policy A,B,... (for example --policy round_robin,affinity,static)")
     if args.suite == "compare":

@@ -43,7 +43,7 @@ import numpy as np
 
 from bench.e2e import (OUTPUT, PROMPT, _config, _offer, _pcts, _progress, _warm_up, drain_s, fresh_store,
                        require_root_and_bcc)
-from bench.report import report_dir
+from bench.report import _jsonable, report_dir
 from datapath.pipeline import Pipeline
 from datapath.router import policy_params, refuse_unread_param
 from datapath.serving.devices import PROFILES
@@ -202,7 +202,30 @@ def run(report, args):
               f"{r['p99_ms']:.2f} | {r['errors']} of {r['requests']} | {r['records_per_batch']:.2f} | "
               f"{r['moved']} of {r['routed']} | {r['restores']} |" for r in rows]
     (out / "compare.md").write_text("\n".join(lines) + "\n")
-    (out / "rows.json").write_text(json.dumps(rows, indent=1) + "\n")
+    (out / "rows.json").write_text(json.dumps(_jsonable(rows), indent=1, allow_nan=False) + "\n")
     _plot(rows, out / "compare.png")
     print("\n".join(lines))
     print(f"  table and plot: {out}/compare.md, {out}/compare.png")
+    _all_compared(runs)
+
+
+def _all_compared(runs: dict[str, list[dict]]):
+    """The table is written; the suite fails if a name's figures leave requests out: one answered
+    other than 200 is in no percentile (a policy that fails fast, by 503s, would look fast), one
+    answered twice in no count, a packet not sent was never offered, and a name with no latency at
+    all has no figure to compare (its ratios were null, its status ok). The unanswered are in the
+    percentiles, at the time they had waited: a name past what it sustains is slow, not failed."""
+    bad = []
+    for label, rs in runs.items():
+        answered_other = sum(r["errors"] - r["unanswered"] for r in rs)
+        what = [f"{answered_other} answered other than 200"] if answered_other else []
+        what += [f"{n} {k}" for k, n in (("answered twice", sum(r["duplicates"] for r in rs)),
+                                          ("packets not sent", sum(r["send_errors"] + r["unsent"] for r in rs)))
+                 if n]
+        if not sum(len(r["rtt_ns"]) for r in rs):
+            what.append("no latency measured")
+        if what:
+            bad.append(f"{label}: {', '.join(what)}")
+    if bad:
+        raise RuntimeError(f"compare: {'; '.join(bad)} (the table above shows them; its figures would leave "
+                           f"them out)")

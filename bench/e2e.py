@@ -65,10 +65,12 @@ def _progress(msg: str):
 
 
 def _pcts(samples, scale) -> dict:
+    """count, min, max, mean and the percentiles of ns samples, the values divided by scale; a
+    sample outside 0 .. 1 hour raises (metrics.Distribution.check_in_range)."""
     from datapath.metrics import Distribution
     d = Distribution(np.asarray(samples, dtype=np.int64))
-    s = d.summary()
-    return {k: v / scale for k, v in s.items()}
+    d.check_in_range()
+    return {k: v if k in ("count", "clamped_low", "clamped_high") else v / scale for k, v in d.summary().items()}
 
 
 def _cpu_steal() -> tuple[int, int]:
@@ -237,10 +239,14 @@ def sweep(report, quick: bool, stages: dict, out: dict) -> dict:
 STAMPS = ("t_xdp_in", "t_xdp", "t_consumer", "t_router", "t_lane", "t_pickup", "t_start")
 
 
+MIN_STAGE_RECORDS = 10
+
+
 def _from_xdp(report, trace: np.ndarray) -> np.ndarray:
     """The records that came in through XDP (prompt chunks; decode steps are the router's own)
     with every stamp: a missing one (0) made a stage of minus a clock reading, which the
-    distribution clamped to 1 ns and kept in the percentiles. Those left out are said."""
+    distribution clamped to 1 ns and kept in the percentiles. Those left out are said, and too
+    few left is an error."""
     records = trace[trace["kind"] != KIND_DECODE]
     xdp = records[records["t_xdp"] > 0]
     if len(xdp) < len(records):
@@ -249,6 +255,9 @@ def _from_xdp(report, trace: np.ndarray) -> np.ndarray:
     whole = np.logical_and.reduce([xdp[s] > 0 for s in STAMPS])
     if not whole.all():
         report.note(f"stages: {int((~whole).sum())} of {len(xdp)} XDP records missed a stamp, left out")
+    if whole.sum() < MIN_STAGE_RECORDS:   # the headline figures null, or a p99 of a handful, status ok
+        raise RuntimeError(f"stages: {int(whole.sum())} of {len(records)} prompt records came through XDP "
+                           f"with every stamp (at least {MIN_STAGE_RECORDS} needed): no stage figure")
     return xdp[whole]
 
 

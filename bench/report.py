@@ -165,7 +165,7 @@ def _stage_section(distributions: dict, plotted: bool) -> list[str]:
     for name, d in distributions.items():
         lines += ["", f"### {name}", ""]
         if d.clamped_low or d.clamped_high:
-            lines += [f"{d.clamped_low} samples below 1 ns and {d.clamped_high} above 1 hour were "
+            lines += [f"{d.clamped_low} samples below 0 and {d.clamped_high} above 1 hour were "
                       "clamped into that range (mismatched clocks or a stall).", ""]
         lines += ["```text", d.log2(f"{name} ns"), "```"]
     if plotted:

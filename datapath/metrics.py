@@ -16,7 +16,7 @@ import math
 import numpy as np
 from hdrh.histogram import HdrHistogram
 
-LOWEST_NS = 1
+LOWEST_NS = 1                   # HdrHistogram's lowest discernible value; 0 is recorded as itself
 HIGHEST_NS = 3600 * 10**9       # one hour: anything longer is a stall, not a latency
 SIGNIFICANT_DIGITS = 3          # percentiles within 0.1% of the true sample value
 # bucket b's upper bound is 2^b: 2^0 .. 2^62 cover every non-negative int64
@@ -49,31 +49,43 @@ def log2_buckets(samples) -> list[int]:
 
 
 def percentile(samples_ns, p: float) -> float:
-    """One percentile (0..100) of integer ns samples, by HdrHistogram: what every benchmark quotes."""
-    return Distribution(samples_ns).percentile(p)
+    """One percentile (0..100) of integer ns samples, by HdrHistogram: what every benchmark quotes.
+    A sample outside 0 .. 1 hour (mismatched clocks, a stall) is an error here, not a clamped
+    value in the figure."""
+    d = Distribution(samples_ns)
+    d.check_in_range()
+    return d.percentile(p)
 
 
 class Distribution:
     """The distribution of integer samples in ns: exact count/min/max/mean, HdrHistogram percentiles.
 
-    Samples outside 1 ns .. 1 hour are clamped into that range and counted in
-    clamped_low / clamped_high, so a clock glitch shows instead of vanishing.
+    Samples outside 0 .. 1 hour are clamped into that range for the histograms and counted in
+    clamped_low / clamped_high, so a clock glitch shows instead of vanishing; count, min, max and
+    mean stay the samples' own. Figures check_in_range() first (metrics.percentile does).
     """
 
     def __init__(self, samples):
-        values = np.asarray(samples, dtype=np.int64).ravel()
-        self.clamped_low = int(np.count_nonzero(values < LOWEST_NS))
-        self.clamped_high = int(np.count_nonzero(values > HIGHEST_NS))
-        values = np.clip(values, LOWEST_NS, HIGHEST_NS)
-        self.count = int(values.size)
-        self.min = int(values.min()) if self.count else math.nan
-        self.max = int(values.max()) if self.count else math.nan
-        self.mean = float(values.mean()) if self.count else math.nan
+        raw = np.asarray(samples, dtype=np.int64).ravel()
+        self.clamped_low = int(np.count_nonzero(raw < 0))
+        self.clamped_high = int(np.count_nonzero(raw > HIGHEST_NS))
+        values = np.clip(raw, 0, HIGHEST_NS)
+        self.count = int(raw.size)
+        self.min = int(raw.min()) if self.count else math.nan
+        self.max = int(raw.max()) if self.count else math.nan
+        self.mean = float(raw.mean()) if self.count else math.nan
+        self._top = int(values.max()) if self.count else 0   # the largest value the histogram holds
         self.buckets = log2_buckets(values)
         self._hist = HdrHistogram(LOWEST_NS, HIGHEST_NS, SIGNIFICANT_DIGITS)
         # one record per distinct value: samples repeat a lot at ns resolution
         for value, count in zip(*np.unique(values, return_counts=True)):
             self._hist.record_value(int(value), int(count))
+
+    def check_in_range(self):
+        """Raise if a sample was clamped: a percentile of clamped values is no measurement."""
+        if self.clamped_low or self.clamped_high:
+            raise ValueError(f"{self.clamped_low} of {self.count} samples below 0 and {self.clamped_high} above "
+                             f"1 hour (mismatched clocks or a stall): no figure from them")
 
     def percentile(self, p: float) -> float:
         """The value at percentile p (0..100); NaN when there are no samples."""
@@ -83,7 +95,7 @@ class Distribution:
             return math.nan
         # HdrHistogram answers with its bucket's highest equivalent value, which can pass
         # the largest sample; the true percentile never does
-        return float(min(self._hist.get_value_at_percentile(p), self.max))
+        return float(min(self._hist.get_value_at_percentile(p), self._top))
 
     def summary(self) -> dict:
         """count, min, max, mean, p50, p95, p99, p999 (ns) and the clamped counts."""

@@ -4,6 +4,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from bench_support import run_suite
 
@@ -28,6 +29,11 @@ def test_bench_help_and_bad_suite():
     r = subprocess.run([sys.executable, "-m", "bench", "compare", "--policy", "dynamic", "--device", "tpu", "--json",
                         "/dev/null"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "unknown device profile 'tpu' (known: cpu, l4, h100, dpu)" in r.stderr
+    # a flag its suite does not read is refused: `bench e2e --policy static` ran plain e2e
+    for args, said in ((["e2e", "--policy", "static"], "--policy is for the compare suite, not e2e"),
+                       (["ring", "--soak"], "--soak is for the snapshot suite, not ring")):
+        r = subprocess.run([sys.executable, "-m", "bench", *args], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and said in r.stderr
 
 
 @pytest.mark.root
@@ -176,6 +182,39 @@ def test_the_flatness_figure_needs_a_saturated_sweep():
     assert _spread_to_80pct(refusing) == float("inf")
     assert _spread_to_80pct([row(10, 10, 100), row(40, 40, 104, errors=5), row(160, 100, 900)]) == \
         pytest.approx(1.04)
+
+
+def test_compare_fails_a_name_whose_figures_would_leave_requests_out():
+    """A policy answered 503 everywhere had no latency, its ratios null and its status ok; one that
+    failed fast in part had percentiles over its fast 200s alone, with a note. Both fail the suite
+    now, once the table is written; the unanswered are in the percentiles and fail nothing."""
+    from bench.compare import _all_compared
+
+    def run(errors=0, unanswered=0, samples=10, duplicates=0, send_errors=0, unsent=0):
+        return {"errors": errors, "unanswered": unanswered, "rtt_ns": [1_000_000] * samples,
+                "duplicates": duplicates, "send_errors": send_errors, "unsent": unsent}
+    _all_compared({"a": [run(), run()], "b": [run(errors=3, unanswered=3)]})      # slow, not failed
+    with pytest.raises(RuntimeError, match="b: 30 answered other than 200, no latency measured"):
+        _all_compared({"a": [run()], "b": [run(errors=30, samples=0)]})
+    with pytest.raises(RuntimeError, match="a: 2 answered other than 200; b: 1 answered twice, 4 packets not sent"):
+        _all_compared({"a": [run(), run(errors=2)], "b": [run(duplicates=1, send_errors=3, unsent=1)]})
+
+
+def test_e2e_stages_need_records_that_came_through_xdp_with_every_stamp():
+    """A trace whose records lack the XDP stamps left all six e2e_xdp_* figures null (and a p99
+    of a handful would have passed for one), status ok: the scenario fails instead."""
+    from bench.contract import Report
+    from bench.e2e import MIN_STAGE_RECORDS, STAMPS, _from_xdp
+    from datapath.pipeline import TRACE
+    from datapath.records import KIND_CHUNK
+    trace = np.zeros(MIN_STAGE_RECORDS + 5, dtype=TRACE)
+    trace["kind"] = KIND_CHUNK
+    for k in STAMPS:
+        trace[k] = 1_000
+    assert len(_from_xdp(Report("unit"), trace)) == MIN_STAGE_RECORDS + 5
+    trace["t_xdp"][:6] = 0                                   # 6 not from the XDP program
+    with pytest.raises(RuntimeError, match=f"{MIN_STAGE_RECORDS - 1} of {MIN_STAGE_RECORDS + 5} prompt records"):
+        _from_xdp(Report("unit"), trace)
 
 
 def test_a_failed_measurement_leaves_no_figure_and_json_writes_no_nan(tmp_path):
