@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+import struct
 
 import numpy as np
 
@@ -34,7 +35,7 @@ class Responder:
         self._r = ffi.new("struct dp_responder *")
         self._r.egress = egress.ptr
         self._r.fd = sock.fileno()
-        self._r.dst_ip = int.from_bytes(ipaddress.IPv4Address(dst_ip).packed, "little")  # network order in memory
+        self._r.dst_ip = struct.unpack("=I", ipaddress.IPv4Address(dst_ip).packed)[0]   # network order in memory
         self._r.dst_port = socket.htons(dst_port)
         self._r.trace = ffi.cast("struct dp_trace *", ffi.from_buffer(self._trace))
         self._r.trace_cap = trace_cap

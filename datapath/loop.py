@@ -7,6 +7,8 @@
 """
 from __future__ import annotations
 
+import os
+
 from ._dataplane import ffi, lib
 
 
@@ -31,9 +33,12 @@ class PollLoop:
         self._keep.append((arg, owner))
 
     def start(self):
+        if self._l.n == 0:
+            raise RuntimeError("cannot start the poll loop: it has no stages (add them first)")
         rc = lib.dp_loop_start(self._l)
         if rc:
-            raise RuntimeError(f"cannot start the poll loop ({rc})")
+            raise RuntimeError(f"cannot start the poll loop"
+                               f"{f' pinned to CPU {self._l.cpu}' if self._l.cpu >= 0 else ''}: {os.strerror(-rc)}")
 
     def stop(self):
         lib.dp_loop_stop(self._l)

@@ -65,7 +65,7 @@ uint32_t dp_responder_poll(struct dp_responder *r)
         if (k < 0) {
             if (errno == EINTR)
                 continue;
-            if (errno == EAGAIN || errno == EWOULDBLOCK || errno == ENOBUFS) {
+            if (errno == EAGAIN || errno == EWOULDBLOCK || errno == ENOBUFS || errno == ENOMEM) {
                 r->send_blocked++;   /* the rest stay in the ring for the next pass */
                 break;
             }
@@ -85,9 +85,11 @@ uint32_t dp_responder_poll(struct dp_responder *r)
         if (refused[i])
             continue;                /* in no count of what went out */
         r->by_status[dp_status_slot(rec->status)]++;
-        if (r->traced < r->trace_cap)
-            r->trace[r->traced++] = (struct dp_trace){ rec->request_id, rec->t_send, rec->t_xdp, rec->t_first_lane,
-                                                       rec->t_done, t, rec->status, rec->n_out };
+        if (r->traced < r->trace_cap) {   /* the row, then the count: trace() reads from another thread */
+            r->trace[r->traced] = (struct dp_trace){ rec->request_id, rec->t_send, rec->t_xdp, rec->t_first_lane,
+                                                     rec->t_done, t, rec->status, rec->n_out };
+            __atomic_store_n(&r->traced, r->traced + 1, __ATOMIC_RELEASE);
+        }
     }
     r->sent += sent;
     dp_ring_cons_release(r->egress, done);
