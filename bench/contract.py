@@ -3,8 +3,9 @@
     python -m bench SUITE [--quick] [--json PATH]
 
 A suite fills a Report: references (figures measured in the same run to
-compare against), metrics (ours) and ratios (metric / reference, named
-<metric>_vs_<reference>). finish() prints a table and writes one JSON object:
+compare against), metrics (ours) and ratios (a metric over its reference, named
+<metric>_vs_<reference> by ratio(); e2e also sets a few of one mode's figure over
+another's, named for both). finish() prints a table and writes one JSON object:
 {suite, quick, status, machine, references, metrics, ratios, notes}; status is
 "ok", "failed: why" or "interrupted", and a figure that is not a finite number
 is written as null (JSON has no NaN), named in a note.
@@ -68,8 +69,14 @@ class Report:
         self.units[name] = unit
 
     def ratio(self, metric: str, reference: str) -> float:
-        """Record metrics[metric] / references[reference] as <metric>_vs_<reference>."""
-        r = self.metrics[metric] / self.references[reference]
+        """Record metrics[metric] / references[reference] as <metric>_vs_<reference>; a reference of 0
+        gives no ratio (null, said in a note), not an exception that failed the suite's other figures."""
+        ref = self.references[reference]
+        if ref == 0:
+            self.note(f"{metric}_vs_{reference}: the reference measured 0, no ratio")
+            r = math.nan
+        else:
+            r = self.metrics[metric] / ref
         self.ratios[f"{metric}_vs_{reference}"] = r
         return r
 

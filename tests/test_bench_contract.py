@@ -1,5 +1,6 @@
 """Every suite writes the contract's JSON and prints a table."""
 import json
+import math
 import re
 import subprocess
 import sys
@@ -232,10 +233,13 @@ def test_a_failed_measurement_leaves_no_figure_and_json_writes_no_nan(tmp_path):
             raise RuntimeError("the measurement failed part-way")
     assert r.metrics == {"kept": 1.0} and r.ratios == {} and "partial" not in r.units
     r.metric("nan", float("nan"))
+    r.reference("zero", 0.0, "ns")
+    assert math.isnan(r.ratio("kept", "zero"))             # not a ZeroDivisionError that failed the suite
     r.status = "failed: test"
     data = r.finish(tmp_path / "unit.json")
     written = json.loads((tmp_path / "unit.json").read_text())
     assert written["metrics"]["nan"] is None and written["status"] == "failed: test"
+    assert written["ratios"]["kept_vs_zero"] is None and any("reference measured 0" in n for n in written["notes"])
     assert any("nan" in n for n in written["notes"]) and data["machine"]["commit"]
 
 
