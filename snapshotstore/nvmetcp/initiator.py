@@ -105,7 +105,7 @@ class _Queue:
     """One queue pair on its own TCP connection."""
 
     def __init__(self, url: str, host: str, port: int, qid: int, digests: bool, timeout_s: float):
-        self.url, self.qid = url, qid
+        self.url, self.qid, self.timeout_s = url, qid, timeout_s
         try:
             sock = socket.create_connection((host, port), timeout=timeout_s)
         except OSError as e:
@@ -121,7 +121,9 @@ class _Queue:
         self._call(self._icreq, digests)
 
     def _call(self, fn, *args):
-        """Run one exchange, turning transport failures into DeviceError (the queue is dead then)."""
+        """Run one exchange, turning transport failures into DeviceError (the queue is dead then).
+        The exchange is bounded as a whole by timeout_s, not each read by it."""
+        self.channel.deadline = time.monotonic() + self.timeout_s
         try:
             return fn(*args)
         except NvmeError:
@@ -135,17 +137,20 @@ class _Queue:
             raise DeviceError(f"the NVMe/TCP target at {self.url} broke the protocol ({e}): reconnect") from None
         except socket.timeout:
             self.close()
-            raise DeviceError(f"the NVMe/TCP target at {self.url} did not answer within "
-                              f"{self.channel.sock.gettimeout():g} s") from None
+            raise DeviceError(f"the NVMe/TCP target at {self.url} did not complete the exchange within "
+                              f"{self.timeout_s:g} s") from None
         except (ConnectionClosed, OSError) as e:
             self.close()
             raise DeviceError(f"the NVMe/TCP target at {self.url} closed the connection ({e}): is it "
                               f"still running? reopen the store once it is back") from None
+        finally:
+            self.channel.deadline = None
 
     def _icreq(self, digests: bool):
         dgst = (P.DGST_HEADER | P.DGST_DATA) if digests else 0
         self.channel.send(P.ICREQ, P.psh(P.ICREQ_PDU, pfv=0, hpda=0, dgst=dgst, maxr2t=0))
-        t, _, header, _ = self.channel.recv_header((P.ICRESP, P.C2H_TERM_REQ), lambda t: P.TERM_MAX_ERROR_DATA)
+        t, _, header, _ = self.channel.recv_header(   # an ICResp carries no data (PLEN 128), a TermReq its error's
+            (P.ICRESP, P.C2H_TERM_REQ), lambda t: P.TERM_MAX_ERROR_DATA if t == P.C2H_TERM_REQ else 0)
         if t == P.C2H_TERM_REQ:      # the target refused the ICReq (SPDK does so); its header is 24 bytes
             raise ConnectionClosed(f"the target refused the connection (C2HTermReq {P.unpack(P.HEADERS[t], header)})")
         resp = P.unpack(P.ICRESP_PDU, header)
@@ -213,7 +218,8 @@ class _Queue:
                 return cqe
             if t == P.C2H_DATA:
                 h = P.unpack(P.C2H_DATA_PDU, header)
-                if data_in is None or h["cccid"] != self.cid or h["datao"] != received or h["datal"] != dlen:
+                if (data_in is None or h["cccid"] != self.cid or h["datao"] != received or h["datal"] != dlen
+                        or dlen == 0):
                     raise ProtocolError("C2HData outside the command's buffer", P.FES_DATA_OUT_OF_RANGE, 12, header)
                 if not self.channel.recv_data(data_in[received:received + dlen]):
                     raise ConnectionClosed("C2HData digest mismatch")
@@ -228,7 +234,7 @@ class _Queue:
                     return dict(dw0=0, dw1=0, sqhd=0, sqid=self.qid, cid=self.cid, status=0)
                 continue
             h = P.unpack(P.R2T_PDU, header)                 # R2T: send the requested range
-            if data_out is None or icd or h["cccid"] != self.cid or h["r2to"] + h["r2tl"] > n:
+            if data_out is None or icd or h["cccid"] != self.cid or h["r2to"] + h["r2tl"] > n or h["r2tl"] == 0:
                 raise ProtocolError("an R2T outside the command's data", P.FES_DATA_OUT_OF_RANGE, 12, header)
             if h["r2to"] != pulled:          # in order, each range once: what was asked for is all of it
                 raise ProtocolError(f"an R2T for offset {h['r2to']}, not {pulled}", P.FES_DATA_OUT_OF_RANGE, 12, header)
@@ -291,6 +297,8 @@ class NvmeTcpDevice:
             if P.nqn_of(ctrl["subnqn"]) != self.subnqn:
                 raise DeviceError(f"{url}: the controller reports subsystem {P.nqn_of(ctrl['subnqn'])!r}")
             self.block_size, metadata = P.lba_format(ns)
+            if self.block_size < 512:
+                raise DeviceError(f"{url}: namespace 1 reports {self.block_size}-byte blocks (LBADS below 9)")
             if metadata:
                 raise DeviceError(f"{url}: namespace 1 is formatted with {metadata} bytes of metadata per "
                                   f"block; the store writes plain blocks (format it without metadata)")
@@ -300,6 +308,9 @@ class NvmeTcpDevice:
             # still kept to NO_MDTS_BYTES: the target allocates a command's whole transfer at once
             self.max_blocks = ((4096 << ctrl["mdts"]) if ctrl["mdts"] else NO_MDTS_BYTES) // self.block_size
             self.max_blocks = min(self.max_blocks, 1 << 16)          # NLB is 16 bits
+            if self.max_blocks < 1:
+                raise DeviceError(f"{url}: a command may move {(4096 << ctrl['mdts'])} bytes (MDTS), less than "
+                                  f"one {self.block_size}-byte block")
             # in-capsule data starts ICDOFF 16-byte units past the SQE; Linux's host refuses a nonzero
             # ICDOFF: here such a controller gets every write's data by R2T instead (none in capsule;
             # the I/O queue's Connect still carries its data in capsule, as on the admin queue)

@@ -9,6 +9,7 @@ digest into the caller's buffer. A malformed header raises ProtocolError
 from __future__ import annotations
 
 import socket
+import time
 
 from . import pdu as P
 
@@ -35,6 +36,7 @@ class Channel:
         self.data_align = 1                      # a controller's C2HData: (the host's HPDA + 1) x 4 bytes
         self._ch = bytearray(P.CH.size)
         self._scratch = bytearray(256)
+        self.deadline = None                     # monotonic seconds: no read past it (an exchange's bound)
 
     # --- sending -----------------------------------------------------------------------
 
@@ -81,11 +83,28 @@ class Channel:
 
     def recv_exact(self, view) -> None:
         view = memoryview(view).cast("B")
-        while view:
-            n = self.sock.recv_into(view)
-            if n == 0:
-                raise ConnectionClosed("the peer closed the connection")
-            view = view[n:]
+        if self.deadline is None:
+            while view:
+                view = view[self._recv_into(view):]
+            return
+        # the socket's timeout bounds one read, the deadline the whole exchange: a peer that kept
+        # sending PDUs without data (zero-length R2Ts), or a byte at a time, held it for ever
+        base = self.sock.gettimeout()
+        try:
+            while view:
+                left = self.deadline - time.monotonic()
+                if left <= 0:
+                    raise socket.timeout("the exchange's deadline passed")
+                self.sock.settimeout(left if base is None else min(base, left))
+                view = view[self._recv_into(view):]
+        finally:
+            self.sock.settimeout(base)
+
+    def _recv_into(self, view) -> int:
+        n = self.sock.recv_into(view)
+        if n == 0:
+            raise ConnectionClosed("the peer closed the connection")
+        return n
 
     def recv_header(self, allowed, max_data) -> tuple[int, int, bytes, int]:
         """The next PDU's (type, flags, header, data length): its type one of allowed, its header
@@ -116,6 +135,9 @@ class Channel:
             raise ProtocolError("the data digest flag differs from what was negotiated",
                                 P.FES_INVALID_HEADER_FIELD, 1, ch)
         dlen = plen - pdo - dd if has_data else 0
+        if has_data and dlen == 0:   # only padding or a digest after the header: its data digest went unread
+            raise ProtocolError(f"{P.PDU_NAMES[pdu_type]} with a data section of 0 bytes",
+                                P.FES_INVALID_HEADER_FIELD, 3, ch)
         if dlen > max_data(pdu_type):
             raise ProtocolError(f"{P.PDU_NAMES[pdu_type]} of {plen} bytes exceeds the limit",
                                 P.FES_DATA_LIMIT_EXCEEDED, 4, ch)
