@@ -1272,3 +1272,18 @@ def test_a_namespace_whose_block_a_command_cannot_move_is_refused_at_open(image,
     with Target(image(), port=0) as t:
         with pytest.raises(DeviceError, match="8192 bytes .MDTS., less than one 16384-byte block"):
             NvmeTcpDevice(t.url, timeout_s=2)
+
+
+def test_a_property_set_of_a_queue_no_longer_the_controller_s_is_refused_under_the_lock(target):
+    """_execute checks that a queue's association is current without the target's lock; a closed
+    host's last Property Set could pass that check, a new host's Connect take the controller, and
+    CC.EN=0 reset the new host's controller (found by review). set_property checks again under
+    the lock, where a Connect cannot run."""
+    h = RawHost(target.port)
+    assert h.connect_admin()["status"] == 0
+    live = target.admin_queue
+    before = target.cc
+    with pytest.raises(ConnectionClosed, match="association has ended"):
+        target.set_property(P.PROP_CC, 0, object())        # not the controller's admin queue
+    assert target.cc == before and target.admin_queue is live
+    assert target.set_property(P.PROP_CC, before | 1, live) and target.cc & 1

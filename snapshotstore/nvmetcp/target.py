@@ -229,11 +229,16 @@ class Target:
             return {P.PROP_VS: P.NVME_VERSION, P.PROP_CC: self.cc, P.PROP_CSTS: self.csts}[ofst]
         return None
 
-    def set_property(self, ofst: int, value: int) -> bool:
+    def set_property(self, ofst: int, value: int, conn: "_Connection") -> bool:
         if ofst != P.PROP_CC:
             return False
         reset = []
         with self._lock:
+            # _execute checked the association without this lock: a closed host's last Property Set
+            # could pass it, then a new host's Connect take the controller, and CC.EN=0 reset that
+            # host's controller (found by review); checked again here, where the Connect cannot run
+            if conn is not self.admin_queue:
+                raise ConnectionClosed("this queue's association has ended")
             if self.cc & P.CC_EN and not value & P.CC_EN:
                 # a controller reset (CC.EN 1 -> 0): its I/O queues are deleted, the host connects
                 # them again once it has enabled it (NVMe-oF 1.1, 3.5); the admin queue stays. One
@@ -451,7 +456,7 @@ class _Connection:
                 return self._respond(cid, P.SC_INVALID_FIELD)
             return self._respond(cid, dw0=value & 0xFFFFFFFF, dw1=value >> 32)
         if f["fctype"] == P.FCTYPE_PROPERTY_SET:
-            return self._respond(cid, P.SC_SUCCESS if self.t.set_property(prop["ofst"], prop["value"])
+            return self._respond(cid, P.SC_SUCCESS if self.t.set_property(prop["ofst"], prop["value"], self)
                                  else P.SC_INVALID_FIELD)
         return self._respond(cid, P.SC_INVALID_FIELD)
 
