@@ -100,7 +100,8 @@ def _markdown(results, distributions, sweep, memory, scenarios, plots) -> str:
     lines += _value_table("reference", results.get("references", {}), units)
     lines += ["", "## Metrics", ""]
     lines += _value_table("metric", results.get("metrics", {}), units)
-    lines += ["", "## Ratios", "", "Each is its first figure over its second (a metric over its reference, or one mode's or scenario's over another's), both from this run.", ""]
+    lines += ["", "## Ratios", "", "Each is its first figure over its second (a metric over its reference, "
+              "or one mode's or scenario's over another's), both from this run.", ""]
     lines += _value_table("ratio", results.get("ratios", {}), {k: "x" for k in results.get("ratios", {})})
     lines += _sweep_section(sweep)
     lines += _stage_section(distributions, "stages.png" in plots)
