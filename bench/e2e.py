@@ -141,15 +141,24 @@ def _together(p: Pipeline, *offers: dict) -> list[dict]:
     return out
 
 
+def _left_out(r: dict, unanswered_ok: bool = False) -> list[str]:
+    """What an offer's figures would leave out: a request answered with an error is in no percentile
+    (a mode or run that failed fast would look fast), a second answer is in no count, and a packet
+    not sent was never offered. unanswered_ok: the unanswered are in the percentiles, at the time
+    they had waited (compare's rule), so only answers other than 200 count against it."""
+    not_200 = r["errors"] - (r["unanswered"] if unanswered_ok else 0)
+    not_sent = r["send_errors"] + r["unsent"]
+    return [f"{n} {what}" for n, what in (
+        (not_200, "answered other than 200" if unanswered_ok else f"of {r['requests']} requests not answered 200"),
+        (r["duplicates"], "answered twice"),
+        (not_sent, "packets not sent" + (f" ({r['unsent']} never: the sender fell behind)" if r["unsent"] else "")),
+    ) if n]
+
+
 def _all_answered(what: str, *results: dict):
     """A figure that compares offers needs every request of them answered 200, once, and every packet
-    sent: a request answered with an error is in no percentile (a mode or run that failed fast
-    would look fast), a second answer is in no count, and a packet not sent was never offered."""
-    bad = [f"{r['errors']} of {r['requests']} requests not answered 200" + (
-           f", {r['send_errors']} packets not sent" if r["send_errors"] else "") + (
-           f", {r['unsent']} packets never sent (the sender fell behind)" if r["unsent"] else "") + (
-           f", {r['duplicates']} answered twice" if r["duplicates"] else "")
-           for r in results if r["errors"] or r["send_errors"] or r["unsent"] or r["duplicates"]]
+    sent (_left_out)."""
+    bad = [", ".join(out) for r in results if (out := _left_out(r))]
     if bad:
         raise RuntimeError(f"{what}: {'; '.join(bad)}: its figures would leave them out")
 

@@ -1,5 +1,6 @@
 /* admission.c - see admission.h. No locking: the router calls it under its own lock. */
 #include "admission.h"
+#include "clock.h"
 
 #include <errno.h>
 #include <inttypes.h>
@@ -708,13 +709,6 @@ void dp_adm_settle(struct dp_admission *a, uint32_t tenant, const struct dp_adm_
 }
 
 /* --- benchmarks (bench ring) -------------------------------------------------------------------- */
-
-static uint64_t now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
 
 #define BENCH_T0 1000000000000ull         /* the run's "now": any time past the first day */
 

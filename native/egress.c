@@ -1,19 +1,13 @@
 /* egress.c - see egress.h. */
 #define _GNU_SOURCE
 #include "egress.h"
+#include "clock.h"
 
 #include <errno.h>
 #include <netinet/in.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <time.h>
-
-static uint64_t now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + ts.tv_nsec;
-}
 
 uint32_t dp_responder_poll(struct dp_responder *r)
 {

@@ -13,6 +13,7 @@
 #include <bpf/bpf.h>
 
 #include "chunk.h"
+#include "clock.h"
 #include "steer.h"
 #include "ingress.h"
 
@@ -25,9 +26,7 @@ _Static_assert(DP_MAX_QUEUES == sizeof(((struct dp_consumer *)0)->rings) / sizeo
 
 uint64_t dp_now_ns(void)
 {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);   /* the clock bpf_ktime_get_ns() reads */
-    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+    return now_ns();   /* CLOCK_MONOTONIC: the clock bpf_ktime_get_ns() reads */
 }
 
 static inline void cpu_relax(void)

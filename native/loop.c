@@ -1,22 +1,15 @@
 /* loop.c - see loop.h. */
 #define _GNU_SOURCE
 #include "loop.h"
+#include "clock.h"
 
 #include <errno.h>
 #include <pthread.h>
 #include <sched.h>
-#include <time.h>
 
 typedef uint32_t (*poll_fn)(void *);
 
 #define DRAIN_NS 100000000ull            /* 100 ms: the drain after stop */
-
-static uint64_t now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
 
 static void *loop_main(void *arg)
 {

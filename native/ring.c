@@ -1,6 +1,7 @@
 /* ring.c - the control path of ring.h: create, attach, roles, stats, waiting. */
 #define _GNU_SOURCE
 #include "ring.h"
+#include "clock.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -25,13 +26,6 @@ static int shm_path(const char *name, char *out, size_t n)
         return -EINVAL;
     snprintf(out, n, "/dp-%s", name);
     return 0;
-}
-
-static uint64_t now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + ts.tv_nsec;
 }
 
 static int pid_alive(int32_t pid)

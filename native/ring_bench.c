@@ -6,18 +6,12 @@
  */
 #define _GNU_SOURCE
 #include "ring_bench.h"
+#include "clock.h"
 
 #include <pthread.h>
 #include <sched.h>
 #include <stdlib.h>
 #include <time.h>
-
-static uint64_t now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + ts.tv_nsec;
-}
 
 static void relax(void)
 {

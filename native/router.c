@@ -3,6 +3,7 @@
  * thread holds for one poll pass (uncontended: ~20 ns a pass, not a chunk). */
 #define _GNU_SOURCE
 #include "router.h"
+#include "clock.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -211,13 +212,6 @@ static void hot_free(void *p, size_t n)
 {
     if (p)
         munmap(p, (n + HUGE_PAGE - 1) & ~(size_t)(HUGE_PAGE - 1));
-}
-
-static uint64_t now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + ts.tv_nsec;
 }
 
 /* The clock read at most once per poll pass for what needs a time but is no stamp of a stage
