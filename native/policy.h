@@ -4,18 +4,26 @@
  * policies/registry.c, one file per policy in policies/. A policy is asked
  * once per request (all chunks and decode steps of a request follow its KV
  * cache to the same worker), sees each worker's depth in chunks and in tokens,
- * weight and health in struct dp_workers, and returns a worker index, or -1 if
- * none is up.
+ * weight and health in struct dp_workers and the request's size in struct
+ * dp_request, and returns a worker index, or -1 if none is up.
+ *
+ * A policy may also learn from what it placed: its optional done hook is told
+ * once of each request its pool placed as the request ends (answered, or
+ * refused or failed after placement), with the worker it ended on (a failover
+ * or a KV-full move may have taken it from the one picked), its status, the
+ * tokens that ran and its latency in the router. done runs on the router's
+ * thread, like pick, never for a rehearsal.
  *
  * pick may also be called for a rehearsal (router.c keeps the path warm while
  * idle), after which the router puts rng and cursor back: any other state a
  * pick changes must be a function of the workers' view alone (a rebuild when
- * the generation changes), so a rehearsal leaves no trace.
+ * the generation changes), so a rehearsal leaves no trace. What done learns
+ * is the policy's to keep (p->priv).
  *
  * Adding a policy: write policies/<name>.c defining
  *     const struct dp_policy_ops dp_policy_<name> = { "<name>", init, pick, fini };
- * (a fifth field, when pick reads p->param: what the parameter means) and
- * add one line to policies/registry.c.
+ * (a fifth field, when pick reads p->param: what the parameter means; a
+ * sixth, done, to learn from outcomes) and add one line to policies/registry.c.
  */
 #ifndef DP_POLICY_H
 #define DP_POLICY_H
@@ -37,6 +45,24 @@ struct dp_workers {
     uint32_t weight[DP_MAX_WORKERS];     /* relative share for `weighted`, set live from Python */
     uint8_t up[DP_MAX_WORKERS];          /* 1 if healthy and accepting work */
 };
+
+struct dp_request {                      /* what a policy knows of the request it places */
+    uint64_t session;
+    uint32_t tenant;
+    uint32_t prompt_tokens;              /* exact for a one-chunk request; else chunk_count x 128, an upper
+                                          * bound: it is placed on its first chunk, before the others come */
+    uint32_t max_output;                 /* tokens it may generate (as admitted) */
+    uint32_t chunk_count;
+};
+
+struct dp_outcome {                      /* a request the policy's pool placed, as it ends */
+    uint64_t session;
+    uint32_t tenant;
+    uint32_t status;                     /* 200, or what it was answered with */
+    uint32_t prompt_tokens, generated;   /* what ran of it (0, 0: nothing ran) */
+    uint64_t latency_ns;                 /* from the router's first sight of it to its end */
+    uint64_t t_end_ns;                   /* its end on the router's clock (now_ns), for decay by time */
+};
 const char *dp_policy_name(unsigned i);  /* registry walk; NULL past the end */
 const char *dp_policy_param(unsigned i); /* what policy i's parameter means; NULL: it takes none */
 /* CDEF END */
@@ -46,9 +72,10 @@ struct dp_policy;
 struct dp_policy_ops {
     const char *name;
     int (*init)(struct dp_policy *p);    /* may allocate p->priv; 0 or -errno */
-    int (*pick)(struct dp_policy *p, const struct dp_workers *w, uint64_t session, uint32_t tenant);
+    int (*pick)(struct dp_policy *p, const struct dp_workers *w, const struct dp_request *rq);
     void (*fini)(struct dp_policy *p);
     const char *param;                   /* what p->param means to pick; NULL: not read (refused) */
+    void (*done)(struct dp_policy *p, const struct dp_workers *w, int worker, const struct dp_outcome *o);
 };
 
 struct dp_policy {
@@ -65,9 +92,16 @@ struct dp_policy {
 int dp_policy_init(struct dp_policy *p, const char *name, uint64_t seed, double param);
 void dp_policy_fini(struct dp_policy *p);
 
-static inline int dp_policy_pick(struct dp_policy *p, const struct dp_workers *w, uint64_t session, uint32_t tenant)
+static inline int dp_policy_pick(struct dp_policy *p, const struct dp_workers *w, const struct dp_request *rq)
 {
-    return p->ops->pick(p, w, session, tenant);
+    return p->ops->pick(p, w, rq);
+}
+
+static inline void dp_policy_done(struct dp_policy *p, const struct dp_workers *w, int worker,
+                                  const struct dp_outcome *o)
+{
+    if (p->ops->done)
+        p->ops->done(p, w, worker, o);
 }
 
 static inline uint64_t dp_rand(struct dp_policy *p)
@@ -102,6 +136,34 @@ static inline int dp_least(struct dp_policy *p, const struct dp_workers *w, cons
         }
     }
     return best;
+}
+
+/* Two distinct random workers, both up (the same one twice if only one is up, or n is 1): 0, or
+ * -1 if none is up. */
+static inline int dp_next_up(const struct dp_workers *w, uint32_t i);
+static inline int dp_two(struct dp_policy *p, const struct dp_workers *w, int *a, int *b)
+{
+    if (w->n == 0)
+        return -1;
+    uint64_t r = dp_rand(p);
+    uint32_t x = (uint32_t)((r & 0xffffffffu) * w->n >> 32);
+    uint32_t y = (uint32_t)((r >> 32) * (w->n - 1) >> 32);
+    if (y >= x)
+        y++;                       /* y != x when n > 1 */
+    if (w->n == 1)
+        y = x;
+    if (!w->up[x])
+        x = y;
+    if (!w->up[y])
+        y = x;
+    if (!w->up[x]) {               /* both down: a scan */
+        int k = dp_next_up(w, x);
+        if (k < 0)
+            return -1;
+        x = y = (uint32_t)k;
+    }
+    *a = (int)x, *b = (int)y;
+    return 0;
 }
 
 /* first up worker at or after i (wrapping), or -1 */

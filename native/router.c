@@ -56,6 +56,7 @@ struct req {
     uint32_t inflight;                           /* records in the worker's current batch */
     uint32_t session_prev, session_next;         /* the session's unfinished requests, in arrival order */
     uint64_t t_send, t_xdp, t_first_lane, t_ready, t_last;
+    uint64_t t_in;                               /* the router's first sight of it (its policy's latency) */
     uint32_t client_ip;                          /* where the response goes (from the first chunk) */
     uint16_t client_port;
     uint16_t pool;                               /* the pool it was placed on */
@@ -447,9 +448,9 @@ static int choose_pool(const struct dp_router *rt, int spill, int *spilled)
 
 /* The policy's pick in pool pl, checked: a policy (the researchers' own code) that returns a worker
  * out of range or down would strand the request on a lane nobody serves; -2 then, -1 for none up. */
-static int policy_pick(struct pool *pl, uint64_t session, uint32_t tenant)
+static int policy_pick(struct pool *pl, const struct dp_request *rq)
 {
-    int k = dp_policy_pick(&pl->policy, &pl->view, session, tenant);
+    int k = dp_policy_pick(&pl->policy, &pl->view, rq);
     if (k >= 0 ? (uint32_t)k >= pl->view.n || !pl->view.up[k] : pool_up(pl) != 0)
         return -2;                       /* -1 with a worker up breaks the contract too (policy.h) */
     return k;
@@ -461,20 +462,49 @@ static int kv_home(struct dp_router *rt, uint64_t session, uint32_t tenant, int 
  * session's kv_home). -1 none up, -2 the policy's bad pick, which its caller counts (bad_picks)
  * once the request's fate is settled: a refusal that finds no egress room is decided again on the
  * next pass (it counted twice). */
-static int pick_worker(struct dp_router *rt, uint64_t session, uint32_t tenant, int spill, uint16_t *pool,
-                       int *spilled)
+static int pick_worker(struct dp_router *rt, const struct dp_request *rq, int spill, uint16_t *pool, int *spilled)
 {
     int p = choose_pool(rt, spill, spilled);
     if (p < 0)
         return -1;
     struct pool *pl = &rt->pools[p];
-    int k = policy_pick(pl, session, tenant);
+    int k = policy_pick(pl, rq);
     if (k < 0)
         return k;
     *pool = (uint16_t)p;
     pl->requests++;
     pl->spilled += (uint64_t)*spilled;
-    return rt->st.kv_homes ? kv_home(rt, session, tenant, pl->member[k], p) : pl->member[k];
+    return rt->st.kv_homes ? kv_home(rt, rq->session, rq->tenant, pl->member[k], p) : pl->member[k];
+}
+
+/* Request r's prompt at most: the tokens come, 128 for each chunk still to come. */
+static uint32_t prompt_bound(const struct req *r)
+{
+    return r->tokens_in + (uint32_t)(r->chunk_count - r->received) * DP_MAX_CHUNK_TOKENS;
+}
+
+/* Request r ends: its pool's policy learns how (policy.h, done), told the worker it ended on while
+ * that worker is still in the pool (a worker moved to another pool since is not the pool's to learn
+ * of). */
+static void policy_done(struct dp_router *rt, const struct req *r)
+{
+    struct pool *pl = &rt->pools[r->pool];
+    const struct worker *w = &rt->w[r->worker];
+    if (!pl->policy.ops->done || w->pool != r->pool)
+        return;
+    uint64_t t = pass_clock(rt);
+    struct dp_outcome o = { r->session_id, r->tenant, r->status ? r->status : DP_STATUS_OK, r->tokens_in,
+                            r->generated, t > r->t_in ? t - r->t_in : 0, t };
+    dp_policy_done(&pl->policy, &pl->view, w->local, &o);
+}
+
+/* What the policy sees of the request whose first record (chunk, OPEN or CLOSE) is c: its size
+ * from the header, the prompt exact only when it is all in this chunk. */
+static struct dp_request request_of(const struct dp_chunk *c)
+{
+    uint32_t prompt = c->kind != DP_KIND_CHUNK ? 0
+                      : c->chunk_count == 1 ? c->n_tokens : (uint32_t)c->chunk_count * DP_MAX_CHUNK_TOKENS;
+    return (struct dp_request){ c->session_id, c->tenant, prompt, c->max_output_tokens, c->chunk_count };
 }
 
 /* Session sk's request now runs on worker wk: did it last run elsewhere? A worker holding the
@@ -940,6 +970,7 @@ static void finish(struct dp_router *rt, uint32_t ri)
     }
     session_leave(rt, ri);
     remember_done(rt, r->key);
+    policy_done(rt, r);
     if (r->close && !r->status && rt->st.kv_homes)   /* done with the session: its id starts afresh */
         kv_home_drop(rt, session_key(rt, r->tenant, r->session_id));
     /* the minute's bucket keeps what came and ran, unless the failure is the system's (503: no
@@ -1079,6 +1110,7 @@ static struct req *req_init(struct dp_router *rt, uint32_t ri, const struct dp_c
     r->t_send = c->t_send;
     r->t_xdp = c->t_xdp;
     r->t_last = t;
+    r->t_in = t;
     r->client_ip = c->client_ip;
     r->client_port = c->client_port;
     return r;
@@ -1133,7 +1165,8 @@ static int admit(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, uin
      * arriving, or it is refused now (a full pool would stall the chunks that finish them) */
     int room = rt->st.pool_free >= (uint32_t)c->chunk_count + rt->reserved, spilled = 0;
     uint16_t pool = 0;
-    int wk = room && rt->req_free != NIL ? pick_worker(rt, c->session_id, c->tenant, d.spill, &pool, &spilled) : -1;
+    struct dp_request rq = request_of(c);
+    int wk = room && rt->req_free != NIL ? pick_worker(rt, &rq, d.spill, &pool, &spilled) : -1;
     uint32_t ri = wk < 0 ? NIL : req_insert(rt, key);   /* a free slot was checked: cannot fail */
     if (ri == NIL) {
         if (!answer(rt, c, DP_STATUS_UNAVAILABLE, NULL, 0))
@@ -1205,7 +1238,8 @@ static int close_session(struct dp_router *rt, const struct dp_chunk *c, uint64_
             pool = rt->w[wk].pool;
             rt->pools[pool].requests++;
         } else {
-            wk = pick_worker(rt, c->session_id, c->tenant, 0, &pool, &spilled);
+            struct dp_request rq = { c->session_id, c->tenant, 0, 0, 1 };   /* one record, nothing to run */
+            wk = pick_worker(rt, &rq, 0, &pool, &spilled);
         }
     }
     if (wk < 0) {
@@ -2043,7 +2077,9 @@ static void failover(struct dp_router *rt, uint32_t k)
         r->inflight = r->in_fifo = r->in_set = 0;
         int spilled, ran = r->sent_head != NIL     /* the dead worker had some of it */
                            || (r->pending_head != NIL && rt->pool[r->pending_head].sent);
-        int nk = r->replayed && ran ? -1 : pick_worker(rt, r->session_id, r->tenant, r->spill, &r->pool, &spilled);
+        struct dp_request rq = { r->session_id, r->tenant, r->close ? 0 : prompt_bound(r), r->max_output,
+                                 r->chunk_count };
+        int nk = r->replayed && ran ? -1 : pick_worker(rt, &rq, r->spill, &r->pool, &spilled);
         if (nk < 0) {
             rt->st.bad_picks += nk == -2;
             rt->st.replay_refused += r->replayed && ran;
@@ -2194,7 +2230,8 @@ static void rehearse(struct dp_router *rt)
     struct dp_policy *pol = &rt->pools[p].policy;
     uint64_t rng = pol->rng;
     uint32_t cursor = pol->cursor;
-    int k = policy_pick(&rt->pools[p], c->session_id, c->tenant);
+    struct dp_request rq = request_of(c);
+    int k = policy_pick(&rt->pools[p], &rq);
     pol->rng = rng;
     pol->cursor = cursor;
     size_t len = DP_CHUNK_HDR_LEN + c->n_tokens * sizeof(uint32_t);
@@ -2883,24 +2920,27 @@ int dp_router_worker_stats(struct dp_router *rt, uint32_t worker, struct dp_work
 }
 
 int dp_policy_map(const char *policy, double param, uint64_t seed, const struct dp_workers *w,
-                  const uint64_t *sessions, int32_t *out, uint32_t n)
+                  const struct dp_outcome *outcomes, const int32_t *ended_on, uint32_t n_outcomes,
+                  const struct dp_request *reqs, int32_t *out, uint32_t n)
 {
     struct dp_policy p;
     int rc = dp_policy_init(&p, policy, seed, param);
     if (rc)
         return rc;
+    for (uint32_t i = 0; i < n_outcomes; i++)
+        dp_policy_done(&p, w, ended_on[i], &outcomes[i]);
     for (uint32_t i = 0; i < n; i++)
-        out[i] = dp_policy_pick(&p, w, sessions[i], 0);
+        out[i] = dp_policy_pick(&p, w, &reqs[i]);
     dp_policy_fini(&p);
     return 0;
 }
 
 /* The benchmark's reference: a worker drawn from the session's bits, reading no state, through
  * the same indirect call (a constant pick made every lane update hit one line: slower). */
-static int random_pick(struct dp_policy *p, const struct dp_workers *w, uint64_t session, uint32_t tenant)
+static int random_pick(struct dp_policy *p, const struct dp_workers *w, const struct dp_request *rq)
 {
-    (void)p, (void)tenant;
-    return (int)(((uint64_t)(uint32_t)session * w->n) >> 32);
+    (void)p;
+    return (int)(((uint64_t)(uint32_t)rq->session * w->n) >> 32);
 }
 
 static const struct dp_policy_ops random_policy = { .name = "", .pick = random_pick };
@@ -2923,11 +2963,18 @@ double dp_policy_bench(const char *policy, uint32_t n_workers, uint64_t decision
         w.tokens[j] = w.depth[j] * 64;
         w.total_tokens += w.tokens[j];
     }
-    dp_policy_pick(&p, &w, 1, 0);     /* builds any policy tables outside the timing */
+    struct dp_request rq = { 1, 0, 64, 4, 1 };
+    dp_policy_pick(&p, &w, &rq);      /* builds any policy tables outside the timing */
+    for (uint32_t j = 0; j < n_workers; j++) {   /* one request ended on each: a policy that learns has figures */
+        struct dp_outcome o = { j, 0, DP_STATUS_OK, 64, 4, 1000000 + 1000 * (uint64_t)(j % 7), now_ns() };
+        dp_policy_done(&p, &w, (int)j, &o);
+    }
     uint64_t t = now_ns();
     for (uint64_t i = 0; i < decisions; i++) {
         x ^= x << 13, x ^= x >> 7, x ^= x << 17;
-        int k = dp_policy_pick(&p, &w, x, (uint32_t)i);
+        rq.session = x;
+        rq.tenant = (uint32_t)i;
+        int k = dp_policy_pick(&p, &w, &rq);
         sink += (uint64_t)k;
         /* the chosen worker's lane grows and another drains, as under load (a chunk: 64 tokens) */
         w.depth[k]++;

@@ -206,9 +206,11 @@ uint32_t dp_router_poll(struct dp_router *rt);
 void dp_router_get_stats(struct dp_router *rt, struct dp_router_stats *s);
 int dp_router_worker_stats(struct dp_router *rt, uint32_t worker, struct dp_worker_stats *s);
 
-/* Decisions of a fresh policy for sessions[] against a fixed view (tests). */
+/* Decisions of a fresh policy for reqs[] against a fixed view, after it learnt of n_outcomes requests
+ * ended (outcomes[i] on worker ended_on[i]; tests). */
 int dp_policy_map(const char *policy, double param, uint64_t seed, const struct dp_workers *w,
-                  const uint64_t *sessions, int32_t *out, uint32_t n);
+                  const struct dp_outcome *outcomes, const int32_t *ended_on, uint32_t n_outcomes,
+                  const struct dp_request *reqs, int32_t *out, uint32_t n);
 /* Policy cost: ns per decision over `decisions` random sessions with n workers at random depths
  * (the loop's xorshift and lane bookkeeping included); policy "": the reference, a worker drawn
  * from the session's bits (reading no state) in the same loop. */

@@ -22,11 +22,31 @@ def view(n, depth=None, weight=None, up=None, generation=1, tokens=None):
     return w
 
 
-def decide(policy, w, sessions=SESSIONS, param=0.0, seed=3):
-    out = np.zeros(len(sessions), dtype=np.int32)
-    s = np.ascontiguousarray(sessions, dtype=np.uint64)
-    rc = lib.dp_policy_map(policy.encode(), param, seed, w, ffi.from_buffer("uint64_t[]", s),
-                           ffi.from_buffer("int32_t[]", out), len(s))
+def requests(sessions, prompt_tokens=64, max_output=4):
+    """What a policy sees of each request placed: one per session, each of the given size."""
+    reqs = ffi.new("struct dp_request[]", len(sessions))
+    for i, s in enumerate(sessions):
+        reqs[i].session = int(s)
+        reqs[i].prompt_tokens = prompt_tokens
+        reqs[i].max_output = max_output
+        reqs[i].chunk_count = max(1, -(-prompt_tokens // 128))
+    return reqs
+
+
+def decide(policy, w, sessions=SESSIONS, param=0.0, seed=3, reqs=None, outcomes=()):
+    """The fresh policy's pick for each request, after it learnt of `outcomes`: (worker, latency_ns,
+    tokens, t_end_ns[, status])."""
+    reqs = requests(sessions) if reqs is None else reqs
+    out = np.zeros(len(reqs), dtype=np.int32)
+    done = ffi.new("struct dp_outcome[]", max(1, len(outcomes)))
+    on = ffi.new("int32_t[]", max(1, len(outcomes)))
+    for i, (worker, latency_ns, tokens, t_end_ns, *status) in enumerate(outcomes):
+        on[i] = worker
+        done[i].status = status[0] if status else 200
+        done[i].prompt_tokens, done[i].generated = tokens, 0
+        done[i].latency_ns, done[i].t_end_ns = latency_ns, t_end_ns
+    rc = lib.dp_policy_map(policy.encode(), param, seed, w, done, on, len(outcomes), reqs,
+                           ffi.from_buffer("int32_t[]", out), len(reqs))
     assert rc == 0
     return out
 
@@ -109,3 +129,46 @@ def test_affinity_bounded_load_sheds_an_overloaded_worker():
     hot = home == home[0]
     assert (moved[hot] != home[0]).all()
     assert (moved[~hot] == home[~hot]).all(), "everyone else keeps their worker"
+
+
+def per_token(worker, ns, t_end_ns=10**9, tokens=100, status=200):
+    """An outcome: a request of `tokens` answered on `worker` at `ns` a token."""
+    return (worker, ns * tokens, tokens, t_end_ns, status)
+
+
+def test_peak_ewma_weighs_a_request_s_size_against_each_worker_s_speed():
+    """Worker 0 answered at 1 us a token and holds 300 tokens; worker 1, 10x slower, is idle. A
+    14-token request waits less on worker 1 (140 us against 314 us), a 516-token one on worker 0
+    (816 us against 5.16 ms); least_tokens, blind to speed, sends both to the idle one."""
+    w = view(2, tokens=[300, 0])
+    learnt = [per_token(0, 1000), per_token(1, 10000)]
+    short, long = requests(SESSIONS[:50], prompt_tokens=10), requests(SESSIONS[:50], prompt_tokens=512)
+    assert set(decide("peak_ewma", w, reqs=short, outcomes=learnt)) == {1}
+    assert set(decide("peak_ewma", w, reqs=long, outcomes=learnt)) == {0}
+    assert set(decide("least_tokens", w, reqs=long, outcomes=learnt)) == {1}
+
+
+def test_peak_ewma_takes_a_slow_answer_at_once_and_forgets_it_over_its_decay_time():
+    """Worker 0 (1 us a token) is preferred to worker 1 (1.5 us) with equal queues; one answer at
+    20 us a token moves every request to worker 1 at once (the peak); answers back at 1 us a token
+    every 0.1 s bring it back, with a 0.1 s decay time after ten of them (20 -> ~1.02 us), not yet
+    after three (~3.4 us). A failed request's latency teaches nothing."""
+    w, t0 = view(2), 10**9
+    learnt = [per_token(0, 1000, t0), per_token(1, 1500, t0)]
+    assert set(decide("peak_ewma", w, outcomes=learnt, param=0.1)) == {0}
+    learnt.append(per_token(0, 20000, t0 + 1))
+    assert set(decide("peak_ewma", w, outcomes=learnt, param=0.1)) == {1}
+    recovery = [per_token(0, 1000, t0 + 1 + i * 10**8) for i in range(1, 11)]
+    assert set(decide("peak_ewma", w, outcomes=learnt + recovery[:3], param=0.1)) == {1}
+    assert set(decide("peak_ewma", w, outcomes=learnt + recovery, param=0.1)) == {0}
+    failed = learnt[:2] + [per_token(0, 10**6, t0 + 1, status=503)]
+    assert set(decide("peak_ewma", w, outcomes=failed, param=0.1)) == {0}
+
+
+def test_peak_ewma_takes_a_worker_not_measured_yet_at_the_mean_of_those_measured():
+    """Workers 0 and 1 answered at 1 and 3 us a token; worker 2 has not answered yet. Taken at their
+    mean (2 us), its 50 queued tokens cost more than worker 0's 100 at 1 us and worker 1's none at
+    3 us: it is never picked (taken at 0, it would win every pair it is drawn into)."""
+    w = view(3, tokens=[100, 0, 50])
+    out = decide("peak_ewma", w, outcomes=[per_token(0, 1000), per_token(1, 3000)])
+    assert 2 not in out and set(out) == {0, 1}

@@ -391,6 +391,7 @@ def test_started_router_thread_pinned_and_stopped(bench_factory):
 @pytest.mark.parametrize("batching,policy,seed", [
     ("dynamic", "round_robin", 1), ("dynamic", "affinity", 2), ("dynamic", "power_of_two", 3),
     ("static", "least_loaded", 4), ("static", "weighted", 5), ("dynamic", "least_tokens", 6),
+    ("dynamic", "peak_ewma", 7),
 ])
 def test_random_traffic_every_request_answered_once_and_intact(bench_factory, batching, policy, seed):
     """Random sizes, shuffled chunk order, duplicates, EOS and budgets: the invariants hold."""
@@ -440,6 +441,34 @@ def test_random_traffic_every_request_answered_once_and_intact(bench_factory, ba
     assert st["active_requests"] == 0 and st["pool_free"] == 8192
     assert all(b.router.worker_stats(k)["depth"] == 0 for k in range(n_workers))
     assert all(b.router.worker_stats(k)["queued_tokens"] == 0 for k in range(n_workers))
+
+
+@pytest.mark.parametrize("policy", ["peak_ewma", "least_tokens"])
+def test_peak_ewma_learns_from_answers_which_worker_is_slow(bench_factory, policy):
+    """Worker 1 answers each step 10 ms late, worker 0 at once, one request at a time (both queues
+    empty at every pick). peak_ewma learns it from the requests that ended (the done hook) and sends
+    every request to worker 0 once both have answered one; least_tokens, which sees only queues,
+    spreads them over both. (Through the router: what the policy is told of each request's end.)"""
+    b = bench_factory(n_workers=2, policy=policy)
+    ran_on = {}
+    for rid in range(1, 21):
+        b.send(chunks_of(rid, list(range(30)), max_out=2))
+        b.router.poll()
+        for k, delay in ((0, 0.0), (1, 0.01)):
+            while True:
+                time.sleep(delay)
+                batch = b.step(k)
+                if batch is None:
+                    break
+                ran_on.update((int(r["request_id"]), k) for r in batch)
+        assert len(b.responses) == rid
+    assert all(r["status"] == wire.STATUS_OK for r in b.responses)
+    on_slow = [rid for rid in range(1, 21) if ran_on[rid] == 1]
+    if policy == "peak_ewma":   # a worker not measured yet is taken at the other's figure: a tie
+        measured = max(min(r for r in ran_on if ran_on[r] == k) for k in (0, 1))
+        assert measured < 10 and [r for r in on_slow if r > measured] == [], on_slow
+    else:
+        assert len(on_slow) == 10, on_slow   # ties spread: every other one
 
 
 @pytest.mark.parametrize("policy,want", [("least_tokens", [158, 128]), ("least_loaded", [30, 256])])

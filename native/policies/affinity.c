@@ -60,9 +60,8 @@ static int init(struct dp_policy *p)
     return p->priv ? 0 : -ENOMEM;
 }
 
-static int pick(struct dp_policy *p, const struct dp_workers *w, uint64_t session, uint32_t tenant)
+static int pick(struct dp_policy *p, const struct dp_workers *w, const struct dp_request *rq)
 {
-    (void)tenant;
     struct ring *r = p->priv;
     if (p->seen_generation != w->generation) {
         rebuild(r, w);
@@ -72,7 +71,7 @@ static int pick(struct dp_policy *p, const struct dp_workers *w, uint64_t sessio
     }
     if (r->n == 0)
         return -1;
-    uint64_t h = dp_hash64(session);
+    uint64_t h = dp_hash64(rq->session);
     uint32_t lo = r->bucket[h >> (64 - BUCKET_BITS)];   /* then the first point with hash >= h */
     while (lo < r->n && r->pts[lo].hash < h)
         lo++;

@@ -1,9 +1,9 @@
 /* least_loaded.c - the up worker with the fewest chunks queued or in flight (O(workers) per decision). */
 #include "../policy.h"
 
-static int pick(struct dp_policy *p, const struct dp_workers *w, uint64_t session, uint32_t tenant)
+static int pick(struct dp_policy *p, const struct dp_workers *w, const struct dp_request *rq)
 {
-    (void)session, (void)tenant;
+    (void)rq;
     return dp_least(p, w, w->depth);
 }
 

@@ -2,9 +2,9 @@
  * a step's cost follows its tokens, so a 128-token chunk weighs 128 decode steps, not one. */
 #include "../policy.h"
 
-static int pick(struct dp_policy *p, const struct dp_workers *w, uint64_t session, uint32_t tenant)
+static int pick(struct dp_policy *p, const struct dp_workers *w, const struct dp_request *rq)
 {
-    (void)session, (void)tenant;
+    (void)rq;
     return dp_least(p, w, w->tokens);
 }
 

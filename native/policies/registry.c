@@ -6,7 +6,7 @@
 #include "../policy.h"
 
 extern const struct dp_policy_ops dp_policy_round_robin, dp_policy_least_loaded, dp_policy_power_of_two,
-    dp_policy_affinity, dp_policy_weighted, dp_policy_least_tokens;
+    dp_policy_affinity, dp_policy_weighted, dp_policy_least_tokens, dp_policy_peak_ewma;
 
 static const struct dp_policy_ops *const registry[] = {
     &dp_policy_round_robin,
@@ -15,6 +15,7 @@ static const struct dp_policy_ops *const registry[] = {
     &dp_policy_affinity,
     &dp_policy_weighted,
     &dp_policy_least_tokens,
+    &dp_policy_peak_ewma,
 };
 
 const char *dp_policy_name(unsigned i)

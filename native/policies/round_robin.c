@@ -1,9 +1,9 @@
 /* round_robin.c - each new request to the next worker that is up. */
 #include "../policy.h"
 
-static int pick(struct dp_policy *p, const struct dp_workers *w, uint64_t session, uint32_t tenant)
+static int pick(struct dp_policy *p, const struct dp_workers *w, const struct dp_request *rq)
 {
-    (void)session, (void)tenant;
+    (void)rq;
     if (w->n == 0)
         return -1;
     int j = dp_next_up(w, p->cursor % w->n);

@@ -21,9 +21,9 @@ static int init(struct dp_policy *p)
     return p->priv ? 0 : -ENOMEM;
 }
 
-static int pick(struct dp_policy *p, const struct dp_workers *w, uint64_t session, uint32_t tenant)
+static int pick(struct dp_policy *p, const struct dp_workers *w, const struct dp_request *rq)
 {
-    (void)session, (void)tenant;
+    (void)rq;
     struct cumul *c = p->priv;
     if (p->seen_generation != w->generation) {
         c->n = 0;
