@@ -38,6 +38,9 @@ struct dp_workers {
     uint32_t n;                          /* workers 0..n-1 */
     uint32_t total_depth;                /* sum of depth[] (kept by the router) */
     uint64_t generation;                 /* bumped when n, up[] or weight[] change */
+    uint64_t membership;                 /* bumped only when an index may come to mean another worker (one
+                                          * added, or moved between pools): what a policy learnt per index
+                                          * holds across other changes */
     uint32_t depth[DP_MAX_WORKERS];      /* chunks queued for or in flight on each worker */
     uint32_t tokens[DP_MAX_WORKERS];     /* the same in tokens: each such chunk's prompt tokens (until its
                                           * last piece is done), one per request decoding (its next step) */
@@ -53,6 +56,7 @@ struct dp_request {                      /* what a policy knows of the request i
                                           * bound: it is placed on its first chunk, before the others come */
     uint32_t max_output;                 /* tokens it may generate (as admitted) */
     uint32_t chunk_count;
+    uint64_t t_ns;                       /* the pick's time on the router's clock (now_ns), for decay by time */
 };
 
 struct dp_outcome {                      /* a request the policy's pool placed, as it ends */
@@ -61,6 +65,8 @@ struct dp_outcome {                      /* a request the policy's pool placed, 
     uint32_t status;                     /* 200, or what it was answered with */
     uint32_t prompt_tokens, generated;   /* what ran of it (0, 0: nothing ran) */
     uint64_t latency_ns;                 /* from the router's first sight of it to its end */
+    uint64_t service_ns;                 /* from its first record in the lane of the worker it ended on to its
+                                          * end (0: none was sent): that worker's time, not the wait before */
     uint64_t t_end_ns;                   /* its end on the router's clock (now_ns), for decay by time */
 };
 const char *dp_policy_name(unsigned i);  /* registry walk; NULL past the end */
@@ -138,8 +144,8 @@ static inline int dp_least(struct dp_policy *p, const struct dp_workers *w, cons
     return best;
 }
 
-/* Two distinct random workers, both up (the same one twice if only one is up, or n is 1): 0, or
- * -1 if none is up. */
+/* Two random workers, both up: distinct when both drawn are up; the same one twice when one of them
+ * is down (or n is 1); 0, or -1 if none is up. */
 static inline int dp_next_up(const struct dp_workers *w, uint32_t i);
 static inline int dp_two(struct dp_policy *p, const struct dp_workers *w, int *a, int *b)
 {

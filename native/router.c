@@ -57,6 +57,7 @@ struct req {
     uint32_t session_prev, session_next;         /* the session's unfinished requests, in arrival order */
     uint64_t t_send, t_xdp, t_first_lane, t_ready, t_last;
     uint64_t t_in;                               /* the router's first sight of it (its policy's latency) */
+    uint64_t t_worker;                           /* its first record in its current worker's lane (0: none yet) */
     uint32_t client_ip;                          /* where the response goes (from the first chunk) */
     uint16_t client_port;
     uint16_t pool;                               /* the pool it was placed on */
@@ -393,7 +394,9 @@ static int32_t chunk_tokens(const struct dp_router *rt, uint32_t p)
 /* The pools' views again from the workers' (after a worker joins or changes pool). */
 static void rebuild_pools(struct dp_router *rt)
 {
+    uint32_t was[DP_MAX_POOLS];
     for (uint32_t p = 0; p < DP_MAX_POOLS; p++) {
+        was[p] = rt->pools[p].view.n;
         rt->pools[p].view.n = rt->pools[p].view.total_depth = 0;
         rt->pools[p].view.total_tokens = 0;
         rt->pools[p].view.generation++;
@@ -402,6 +405,8 @@ static void rebuild_pools(struct dp_router *rt)
         struct worker *w = &rt->w[k];
         struct dp_workers *pv = &rt->pools[w->pool].view;
         uint32_t i = pv->n++;
+        if (i >= was[w->pool] || rt->pools[w->pool].member[i] != k)
+            pv->membership++;            /* index i means another worker now */
         rt->pools[w->pool].member[i] = (uint16_t)k;
         w->local = (uint16_t)i;
         pv->depth[i] = rt->view.depth[k];
@@ -411,6 +416,8 @@ static void rebuild_pools(struct dp_router *rt)
         pv->up[i] = rt->view.up[k];
         pv->total_depth += pv->depth[i];
     }
+    for (uint32_t p = 0; p < DP_MAX_POOLS; p++)
+        rt->pools[p].view.membership += rt->pools[p].view.n < was[p];
 }
 
 static uint32_t pool_up(const struct pool *pl)
@@ -494,17 +501,18 @@ static void policy_done(struct dp_router *rt, const struct req *r)
         return;
     uint64_t t = pass_clock(rt);
     struct dp_outcome o = { r->session_id, r->tenant, r->status ? r->status : DP_STATUS_OK, r->tokens_in,
-                            r->generated, t > r->t_in ? t - r->t_in : 0, t };
+                            r->generated, t > r->t_in ? t - r->t_in : 0,
+                            r->t_worker && t > r->t_worker ? t - r->t_worker : 0, t };
     dp_policy_done(&pl->policy, &pl->view, w->local, &o);
 }
 
-/* What the policy sees of the request whose first record (chunk, OPEN or CLOSE) is c: its size
- * from the header, the prompt exact only when it is all in this chunk. */
-static struct dp_request request_of(const struct dp_chunk *c)
+/* What the policy sees of the request whose first record (a chunk or its OPEN) is c, at time t: its
+ * size from the header, the prompt exact only when it is all in this chunk. */
+static struct dp_request request_of(const struct dp_chunk *c, uint64_t t)
 {
-    uint32_t prompt = c->kind != DP_KIND_CHUNK ? 0
-                      : c->chunk_count == 1 ? c->n_tokens : (uint32_t)c->chunk_count * DP_MAX_CHUNK_TOKENS;
-    return (struct dp_request){ c->session_id, c->tenant, prompt, c->max_output_tokens, c->chunk_count };
+    uint32_t prompt = c->kind == DP_KIND_CHUNK && c->chunk_count == 1 ? c->n_tokens
+                      : (uint32_t)c->chunk_count * DP_MAX_CHUNK_TOKENS;
+    return (struct dp_request){ c->session_id, c->tenant, prompt, c->max_output_tokens, c->chunk_count, t };
 }
 
 /* Session sk's request now runs on worker wk: did it last run elsewhere? A worker holding the
@@ -1165,7 +1173,7 @@ static int admit(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, uin
      * arriving, or it is refused now (a full pool would stall the chunks that finish them) */
     int room = rt->st.pool_free >= (uint32_t)c->chunk_count + rt->reserved, spilled = 0;
     uint16_t pool = 0;
-    struct dp_request rq = request_of(c);
+    struct dp_request rq = request_of(c, t);
     int wk = room && rt->req_free != NIL ? pick_worker(rt, &rq, d.spill, &pool, &spilled) : -1;
     uint32_t ri = wk < 0 ? NIL : req_insert(rt, key);   /* a free slot was checked: cannot fail */
     if (ri == NIL) {
@@ -1238,7 +1246,7 @@ static int close_session(struct dp_router *rt, const struct dp_chunk *c, uint64_
             pool = rt->w[wk].pool;
             rt->pools[pool].requests++;
         } else {
-            struct dp_request rq = { c->session_id, c->tenant, 0, 0, 1 };   /* one record, nothing to run */
+            struct dp_request rq = { c->session_id, c->tenant, 0, 0, 1, t };   /* one record, nothing to run */
             wk = pick_worker(rt, &rq, 0, &pool, &spilled);
         }
     }
@@ -1539,6 +1547,7 @@ static int kv_next(const struct dp_router *rt, int wk, const struct req *r)
  * in worker nk's depth (a failover, a kv_move) */
 static void requeue_all(struct dp_router *rt, struct req *r, int nk)
 {
+    r->t_worker = 0;                     /* its time on nk starts with its first record there */
     if (r->sent_tail != NIL) {
         rt->pool[r->sent_tail].next = r->pending_head;
         if (r->pending_tail == NIL)
@@ -1887,6 +1896,8 @@ static uint32_t send_batches(struct dp_router *rt)
             struct req *r = &rt->reqs[w->meta[i].req];
             if (!r->t_first_lane)
                 r->t_first_lane = t_lane;
+            if (!r->t_worker)
+                r->t_worker = t_lane;
             c->batch_seq = w->batch_seq;
             c->batch_len = (uint16_t)b.n;
             c->batch_pos = (uint16_t)i;
@@ -2029,6 +2040,8 @@ static uint32_t expire_stalled(struct dp_router *rt)
             remember_done(rt, r->key);
         not_run(rt, r);
         session_leave(rt, ri);
+        r->status = DP_STATUS_BAD_REQUEST;
+        policy_done(rt, r);
         rt->reserved -= r->chunk_count - r->received;
         arriving_done(rt, r);
         if (cut) {
@@ -2078,7 +2091,7 @@ static void failover(struct dp_router *rt, uint32_t k)
         int spilled, ran = r->sent_head != NIL     /* the dead worker had some of it */
                            || (r->pending_head != NIL && rt->pool[r->pending_head].sent);
         struct dp_request rq = { r->session_id, r->tenant, r->close ? 0 : prompt_bound(r), r->max_output,
-                                 r->chunk_count };
+                                 r->chunk_count, pass_clock(rt) };
         int nk = r->replayed && ran ? -1 : pick_worker(rt, &rq, r->spill, &r->pool, &spilled);
         if (nk < 0) {
             rt->st.bad_picks += nk == -2;
@@ -2230,7 +2243,7 @@ static void rehearse(struct dp_router *rt)
     struct dp_policy *pol = &rt->pools[p].policy;
     uint64_t rng = pol->rng;
     uint32_t cursor = pol->cursor;
-    struct dp_request rq = request_of(c);
+    struct dp_request rq = request_of(c, pass_clock(rt));
     int k = policy_pick(&rt->pools[p], &rq);
     pol->rng = rng;
     pol->cursor = cursor;
@@ -2963,10 +2976,10 @@ double dp_policy_bench(const char *policy, uint32_t n_workers, uint64_t decision
         w.tokens[j] = w.depth[j] * 64;
         w.total_tokens += w.tokens[j];
     }
-    struct dp_request rq = { 1, 0, 64, 4, 1 };
+    struct dp_request rq = { 1, 0, 64, 4, 1, now_ns() };
     dp_policy_pick(&p, &w, &rq);      /* builds any policy tables outside the timing */
     for (uint32_t j = 0; j < n_workers; j++) {   /* one request ended on each: a policy that learns has figures */
-        struct dp_outcome o = { j, 0, DP_STATUS_OK, 64, 4, 1000000 + 1000 * (uint64_t)(j % 7), now_ns() };
+        struct dp_outcome o = { j, 0, DP_STATUS_OK, 64, 4, 1000000, 1000000 + 1000 * (uint64_t)(j % 7), now_ns() };
         dp_policy_done(&p, &w, (int)j, &o);
     }
     uint64_t t = now_ns();

@@ -22,29 +22,32 @@ def view(n, depth=None, weight=None, up=None, generation=1, tokens=None):
     return w
 
 
-def requests(sessions, prompt_tokens=64, max_output=4):
-    """What a policy sees of each request placed: one per session, each of the given size."""
+def requests(sessions, prompt_tokens=64, max_output=4, t_ns=10**9):
+    """What a policy sees of each request placed: one per session, each of the given size, at t_ns."""
     reqs = ffi.new("struct dp_request[]", len(sessions))
     for i, s in enumerate(sessions):
         reqs[i].session = int(s)
+        reqs[i].t_ns = t_ns
         reqs[i].prompt_tokens = prompt_tokens
         reqs[i].max_output = max_output
         reqs[i].chunk_count = max(1, -(-prompt_tokens // 128))
     return reqs
 
 
-def decide(policy, w, sessions=SESSIONS, param=0.0, seed=3, reqs=None, outcomes=()):
-    """The fresh policy's pick for each request, after it learnt of `outcomes`: (worker, latency_ns,
-    tokens, t_end_ns[, status])."""
-    reqs = requests(sessions) if reqs is None else reqs
+def decide(policy, w, sessions=SESSIONS, param=0.0, seed=3, reqs=None, outcomes=(), at=None):
+    """The fresh policy's pick for each request (at time `at`, default the last outcome's end), after
+    it learnt of `outcomes`: (worker, service_ns, tokens, t_end_ns[, status])."""
+    at = at or max((o[3] for o in outcomes), default=10**9)
+    reqs = requests(sessions, t_ns=at) if reqs is None else reqs
     out = np.zeros(len(reqs), dtype=np.int32)
     done = ffi.new("struct dp_outcome[]", max(1, len(outcomes)))
     on = ffi.new("int32_t[]", max(1, len(outcomes)))
-    for i, (worker, latency_ns, tokens, t_end_ns, *status) in enumerate(outcomes):
+    for i, (worker, latency_ns, tokens, t_end_ns, *status) in enumerate(outcomes):   # service == latency
         on[i] = worker
         done[i].status = status[0] if status else 200
         done[i].prompt_tokens, done[i].generated = tokens, 0
-        done[i].latency_ns, done[i].t_end_ns = latency_ns, t_end_ns
+        done[i].latency_ns = done[i].service_ns = latency_ns
+        done[i].t_end_ns = t_end_ns
     rc = lib.dp_policy_map(policy.encode(), param, seed, w, done, on, len(outcomes), reqs,
                            ffi.from_buffer("int32_t[]", out), len(reqs))
     assert rc == 0
@@ -149,26 +152,40 @@ def test_peak_ewma_weighs_a_request_s_size_against_each_worker_s_speed():
 
 
 def test_peak_ewma_takes_a_slow_answer_at_once_and_forgets_it_over_its_decay_time():
-    """Worker 0 (1 us a token) is preferred to worker 1 (1.5 us) with equal queues; one answer at
-    20 us a token moves every request to worker 1 at once (the peak); answers back at 1 us a token
-    every 0.1 s bring it back, with a 0.1 s decay time after ten of them (20 -> ~1.02 us), not yet
-    after three (~3.4 us). A failed request's latency teaches nothing."""
-    w, t0 = view(2), 10**9
+    """Workers 0 (1 us a token) and 1 (1.5 us) answer every 0.1 s; worker 0 is preferred. One answer
+    at 20 us a token moves every request to worker 1 at once (the peak); its answers back at 1 us
+    bring it back with a 0.1 s decay time (each keeps exp(-1) of the figure): not after three (20 ->
+    ~1.9 us), after four (~1.3 us). A failed request's time teaches nothing."""
+    w, t0, tick = view(2), 10**9, 10**8
     learnt = [per_token(0, 1000, t0), per_token(1, 1500, t0)]
     assert set(decide("peak_ewma", w, outcomes=learnt, param=0.1)) == {0}
     learnt.append(per_token(0, 20000, t0 + 1))
     assert set(decide("peak_ewma", w, outcomes=learnt, param=0.1)) == {1}
-    recovery = [per_token(0, 1000, t0 + 1 + i * 10**8) for i in range(1, 11)]
-    assert set(decide("peak_ewma", w, outcomes=learnt + recovery[:3], param=0.1)) == {1}
-    assert set(decide("peak_ewma", w, outcomes=learnt + recovery, param=0.1)) == {0}
+    both = lambda n: [per_token(k, (1000, 1500)[k], t0 + 1 + i * tick) for i in range(1, n + 1) for k in (0, 1)]
+    assert set(decide("peak_ewma", w, outcomes=learnt + both(3), param=0.1)) == {1}
+    assert set(decide("peak_ewma", w, outcomes=learnt + both(4), param=0.1)) == {0}
     failed = learnt[:2] + [per_token(0, 10**6, t0 + 1, status=503)]
     assert set(decide("peak_ewma", w, outcomes=failed, param=0.1)) == {0}
 
 
-def test_peak_ewma_takes_a_worker_not_measured_yet_at_the_mean_of_those_measured():
-    """Workers 0 and 1 answered at 1 and 3 us a token; worker 2 has not answered yet. Taken at their
-    mean (2 us), its 50 queued tokens cost more than worker 0's 100 at 1 us and worker 1's none at
-    3 us: it is never picked (taken at 0, it would win every pair it is drawn into)."""
+def test_peak_ewma_tries_a_worker_left_alone_after_a_slow_answer_once_its_figure_has_decayed():
+    """Worker 0's one answer at 20 us a token sends everything to worker 1 (1.5 us, answering every
+    0.1 s). Worker 0 then gets nothing to answer, so only time can lower its figure: read at each
+    pick, decayed over 1 s, it is still above worker 1's after 1 s (20 / e = 7.4 us) and below it
+    after 3 s (20 / e^3 = 1.0 us): worker 0 is tried again (were only answers to lower a peak, it
+    would never be, under light load)."""
+    w, t0, tick = view(2), 10**9, 10**8
+    spike = [per_token(0, 1000, t0 - 1), per_token(0, 20000, t0)]
+    fast = lambda s: [per_token(1, 1500, t0 + i * tick) for i in range(0, 10 * s + 1)]
+    assert set(decide("peak_ewma", w, outcomes=spike + fast(1))) == {1}
+    assert set(decide("peak_ewma", w, outcomes=spike + fast(3))) == {0}
+
+
+def test_peak_ewma_judges_a_worker_not_measured_yet_by_its_queue_at_its_rival_s_figure():
+    """Workers 0 and 1 answered at 1 and 3 us a token, holding 100 and 0 tokens; worker 2 has not
+    answered yet and holds 50. Taken at its rival's figure, it wins against worker 0 (50 < 100
+    tokens) and loses against worker 1 (50 > 0): each worker wins one of the three pairs, a third
+    of the picks each (taken at 0, worker 2 would win two pairs, worker 1 none)."""
     w = view(3, tokens=[100, 0, 50])
     out = decide("peak_ewma", w, outcomes=[per_token(0, 1000), per_token(1, 3000)])
-    assert 2 not in out and set(out) == {0, 1}
+    assert all(0.28 < np.mean(out == k) < 0.39 for k in (0, 1, 2)), np.bincount(out)
