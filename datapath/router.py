@@ -42,6 +42,13 @@ def refuse_unread_param(policy: str, param: float):
         raise ValueError(f"policy {policy!r} takes no parameter (it would be ignored), not {param:g}")
 
 
+def _param_said(policy: str, param: float) -> str:
+    """For an error: the parameter given and what the policy says it means (its range, when its
+    own init refuses it: peak_ewma's decay time over a day)."""
+    meaning = policy_params().get(policy)
+    return f" and parameter {param:g} ({meaning})" if param and meaning else ""
+
+
 def _check(rc: int, what: str) -> int:
     if rc >= 0:
         return rc
@@ -88,7 +95,7 @@ class Router:
         self._rt = lib.dp_router_create(cfg, policy.encode(), policy_param, err)
         if self._rt == ffi.NULL:
             self._rt = None
-            _check(err[0], f"router with policy {policy!r}")
+            _check(err[0], f"router with policy {policy!r}" + _param_said(policy, policy_param))
         self._rings: list[Ring] = []   # keep the rings alive as long as the router uses them
         self._lanes: dict[int, tuple[Ring, Ring]] = {}   # shm worker -> its (lane, done), kept alive too
         self.policy, self.batching = policy, batching
@@ -143,7 +150,8 @@ class Router:
 
     def set_policy(self, policy: str, param: float = 0.0):
         refuse_unread_param(policy, param)
-        _check(lib.dp_router_set_policy(self._rt, policy.encode(), param), f"policy {policy!r}")
+        _check(lib.dp_router_set_policy(self._rt, policy.encode(), param),
+               f"policy {policy!r}" + _param_said(policy, param))
         self.policy = policy
 
     def set_weight(self, worker: int, weight: int):

@@ -11,8 +11,9 @@
  * once of each request its pool placed as the request ends (answered, or
  * refused or failed after placement), with the worker it ended on (a failover
  * or a KV-full move may have taken it from the one picked), its status, the
- * tokens that ran and its latency in the router. done runs on the router's
- * thread, like pick, never for a rehearsal.
+ * tokens that ran, its latency in the router and its time on that worker
+ * (struct dp_outcome). done runs on the router's thread, like pick, never for
+ * a rehearsal.
  *
  * pick may also be called for a rehearsal (router.c keeps the path warm while
  * idle), after which the router puts rng and cursor back: any other state a

@@ -1492,3 +1492,10 @@ def test_request_keys_are_hashed_with_the_router_s_secret(bench_factory):
     assert b.router.stats()["late_duplicates"] == 1 and len(b.responses) == 1
     with pytest.raises(RuntimeError):
         b.router.set_key_secret(1)          # keys were made with the old one
+
+
+def test_a_peak_ewma_decay_time_over_a_day_is_refused_saying_what_the_parameter_means():
+    """1e300 s passed the generic checks, and tau in ns was inf: every figure NaN (found by review)."""
+    with pytest.raises(ValueError, match="at most a day"):
+        Router(policy="peak_ewma", policy_param=1e300)
+    Router(policy="peak_ewma", policy_param=86400).close()

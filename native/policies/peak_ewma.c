@@ -10,11 +10,12 @@
  * slows down loses traffic from its next answer, and one left alone after a slow spell is tried
  * again once its figure has decayed below the others' (a peak that only answers could lower
  * would starve it for good under light load). Only requests answered 200 that ran tokens teach
- * it. A worker not measured yet is taken at its rival's figure (both at 0 if neither is measured),
- * so it is judged by its queue alone: at 0 (Finagle's), every request would go to a new worker
- * until its first answer came. The request's own size matters where workers differ in speed: a short request may
- * go to an idle slow worker, a long one to a busy fast one. What it learnt is indexed by the
- * pool's view, so it starts again when an index comes to mean another worker (membership). */
+ * it. A worker not measured yet is taken at its rival's figure (both at 0 if neither is
+ * measured), so it is judged by its queue alone: at 0 (Finagle's), every request would go to a
+ * new worker until its first answer came. The request's own size matters where workers differ in
+ * speed: a short request may go to an idle slow worker, a long one to a busy fast one. What it
+ * learnt is indexed by the pool's view, so it starts again when an index comes to mean another
+ * worker (membership). */
 #include <errno.h>
 #include <math.h>
 #include <stdlib.h>
@@ -90,11 +91,12 @@ static void done(struct dp_policy *p, const struct dp_workers *w, int worker, co
     l->ns_per_token[worker] = now;
     l->t_last[worker] = o->t_end_ns;
 }
+
 static void fini(struct dp_policy *p)
 {
     free(p->priv);
     p->priv = NULL;
 }
 
-const struct dp_policy_ops dp_policy_peak_ewma = { "peak_ewma", init, pick, fini,
-                                                   "decay time in seconds of the time per token learnt (default 1, at most a day)", done };
+const struct dp_policy_ops dp_policy_peak_ewma = {
+    "peak_ewma", init, pick, fini, "decay time in seconds of the time per token learnt (default 1, at most a day)", done };
