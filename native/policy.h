@@ -145,9 +145,19 @@ static inline int dp_least(struct dp_policy *p, const struct dp_workers *w, cons
     return best;
 }
 
+/* first up worker at or after i (wrapping), or -1 */
+static inline int dp_next_up(const struct dp_workers *w, uint32_t i)
+{
+    for (uint32_t k = 0; k < w->n; k++) {
+        uint32_t j = (i + k) % w->n;
+        if (w->up[j])
+            return (int)j;
+    }
+    return -1;
+}
+
 /* Two random workers, both up: distinct when both drawn are up; the same one twice when one of them
  * is down (or n is 1); 0, or -1 if none is up. */
-static inline int dp_next_up(const struct dp_workers *w, uint32_t i);
 static inline int dp_two(struct dp_policy *p, const struct dp_workers *w, int *a, int *b)
 {
     if (w->n == 0)
@@ -171,17 +181,6 @@ static inline int dp_two(struct dp_policy *p, const struct dp_workers *w, int *a
     }
     *a = (int)x, *b = (int)y;
     return 0;
-}
-
-/* first up worker at or after i (wrapping), or -1 */
-static inline int dp_next_up(const struct dp_workers *w, uint32_t i)
-{
-    for (uint32_t k = 0; k < w->n; k++) {
-        uint32_t j = (i + k) % w->n;
-        if (w->up[j])
-            return (int)j;
-    }
-    return -1;
 }
 
 #endif /* DP_POLICY_H */

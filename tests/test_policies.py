@@ -42,11 +42,11 @@ def decide(policy, w, sessions=SESSIONS, param=0.0, seed=3, reqs=None, outcomes=
     out = np.zeros(len(reqs), dtype=np.int32)
     done = ffi.new("struct dp_outcome[]", max(1, len(outcomes)))
     on = ffi.new("int32_t[]", max(1, len(outcomes)))
-    for i, (worker, latency_ns, tokens, t_end_ns, *status) in enumerate(outcomes):   # service == latency
+    for i, (worker, service_ns, tokens, t_end_ns, *status) in enumerate(outcomes):
         on[i] = worker
         done[i].status = status[0] if status else 200
         done[i].prompt_tokens, done[i].generated = tokens, 0
-        done[i].latency_ns = done[i].service_ns = latency_ns
+        done[i].latency_ns = done[i].service_ns = service_ns   # nothing waited before the worker
         done[i].t_end_ns = t_end_ns
     rc = lib.dp_policy_map(policy.encode(), param, seed, w, done, on, len(outcomes), reqs,
                            ffi.from_buffer("int32_t[]", out), len(reqs))
