@@ -34,6 +34,7 @@ EPILOG = """examples:
     sudo python -m bench compare --policy round_robin,affinity,static   # same load per policy, table + plot
     sudo python -m bench compare --policy affinity,affinity:0.05 --repeat 4   # a policy parameter, 4 rounds
     sudo python -m bench compare --policy dynamic,static --device l4 --rate 30   # on a simulated L4's step time
+    sudo python -m bench compare --policy round_robin,least_tokens,peak_ewma --straggler 1:4   # worker 1 4x slower
 """
 
 
@@ -63,10 +64,14 @@ def main(argv=None) -> int:
     p.add_argument("--device", metavar="PROFILE",
                    help="compare: workers simulate this device's step time (cpu, l4, h100, dpu: "
                         "datapath.serving.devices); default: the tiny model's own step time")
+    p.add_argument("--straggler", metavar="K:F[,K:F]",
+                   help="compare: worker K's steps last F times what they took (a slow device among healthy "
+                        "ones; F from 1 to 1000, K 0 or 1); the table shows each policy's share of tokens sent to it")
     args = p.parse_args(argv)
     # a flag its suite does not read is refused, not ignored: `bench e2e --policy static` ran plain e2e
     only = {"--policy": ("compare", args.policy is not None), "--rate": ("compare", args.rate != 40),
             "--repeat": ("compare", args.repeat is not None), "--device": ("compare", args.device is not None),
+            "--straggler": ("compare", args.straggler is not None),
             "--soak": ("snapshot", args.soak)}
     for flag, (suite, given) in only.items():
         if given and args.suite != suite:

@@ -24,6 +24,10 @@ offered and achieved rates, the requests not answered 200 and the host's
 steal. References: the first name's figures (ratios are relative to it).
 --device makes every worker simulate that device profile's step time
 (datapath.serving.devices), so policies meet a GPU's step cost, not numpy's.
+--straggler K:F makes worker K's steps last F times what they took (a throttled
+or shared device among healthy ones): the table then shows the share of the
+tokens each policy sent to the slow worker(s), so a policy that notices one
+(peak_ewma) can be told from one that cannot (round_robin).
 
 Every pipeline gets a fresh shared snapshot store: sessions return (61 of
 them cycle through the offer), and a policy that sends a session's next request to another
@@ -54,7 +58,7 @@ from datapath.serving.devices import PROFILES
 SESSIONS = 61
 
 
-def _plot(rows: list[dict], path: pathlib.Path):
+def _plot(rows: list[dict], path: pathlib.Path, stragglers: str):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     fig = Figure(figsize=(1.6 * len(rows) + 3, 4))
@@ -64,7 +68,8 @@ def _plot(rows: list[dict], path: pathlib.Path):
         ax.bar([j + (i - 1) * width for j in range(len(rows))], [r[q] for r in rows], width, label=label)
     ax.set_xticks(range(len(rows)), [r["name"] for r in rows])
     ax.set_ylabel("send -> response (ms)")
-    ax.set_title(f"same load for each: {rows[0]['qps']:g} requests/s offered")
+    ax.set_title(f"same load for each: {rows[0]['qps']:g} requests/s offered"
+                 + (f"; straggler {stragglers}" if stragglers != "none" else ""))
     ax.legend()
     fig.tight_layout()
     FigureCanvasAgg(fig).print_png(str(path))
@@ -101,9 +106,35 @@ def parse_names(spec: str) -> list[tuple[str, str, float | None]]:
     return out
 
 
+WORKERS = 2   # bench.e2e._config's: a worker per core of this 2-core machine, the poll loop beside them
+
+
+def parse_stragglers(spec: str | None) -> dict[int, float]:
+    """"K:F,..." -> {worker K: slowdown F}; ValueError for a worker out of range, a factor out of
+    1..1000 (serving.worker.check_slowdown), or one named twice."""
+    from datapath.serving.worker import check_slowdown
+    out: dict[int, float] = {}
+    for part in (x.strip() for x in (spec or "").split(",")):
+        if not part:
+            continue
+        k, sep, f = part.partition(":")
+        try:
+            k, f = int(k), float(f)
+        except ValueError:
+            raise ValueError(f"--straggler {part!r}: give WORKER:FACTOR, e.g. 1:4 (worker 1's steps take 4x)") from None
+        if not (sep and 0 <= k < WORKERS):
+            raise ValueError(f"--straggler {part!r}: the worker is 0..{WORKERS - 1} (compare runs {WORKERS})")
+        if k in out:
+            raise ValueError(f"--straggler names worker {k} twice")
+        check_slowdown(f)
+        out[k] = f
+    return out
+
+
 def check_args(args):
     """Everything compare can refuse, before it builds anything (ValueError)."""
     parse_names(args.policy or "")
+    parse_stragglers(args.straggler)
     if not args.rate > 0:
         raise ValueError(f"--rate must be > 0 requests/s, not {args.rate:g}")
     if args.device is not None and args.device not in PROFILES:
@@ -113,19 +144,22 @@ def check_args(args):
 
 
 def _one(label: str, name: str, param: float | None, device: str | None, rate: float, seconds: float,
-         seed: int) -> dict:
+         seed: int, stragglers: dict[int, float]) -> dict:
     """One offer through a fresh pipeline and store: its latencies and what the router did."""
     kw = {"batching": name} if name in ("dynamic", "static") else {"policy": name}
     if param is not None:
         kw["policy_param"] = param
     # the same key secret for every name: which sessions share a slot of the router's last-run table
     # (flagged moved, a store lookup) was drawn anew for each run
-    with fresh_store() as store, Pipeline(_config(shared_store=store, device=device, key_secret=seed, **kw)) as p:
+    with fresh_store() as store, Pipeline(_config(shared_store=store, device=device, key_secret=seed,
+                                                  workers=WORKERS, stragglers=stragglers, **kw)) as p:
         _warm_up(p, device)
         st0, store0 = p.router.stats(), p.store_stats()     # the counts below are the offer's own
+        tok0 = [p.router.worker_stats(k)["tokens"] for k in range(WORKERS)]
         res = _offer(p, rate, seconds, prompt_tokens=PROMPT, max_output_tokens=OUTPUT,
                      sessions=SESSIONS, drain_s=drain_s(device), seed=seed)
         st1, store1 = p.router.stats(), p.store_stats()
+        res["tokens_per_worker"] = [p.router.worker_stats(k)["tokens"] - tok0[k] for k in range(WORKERS)]
         res["xdp_mode"] = p.xdp_mode
     res["router"] = {k: st1[k] - st0[k]
                      for k in ("batches", "records_out", "moved", "requests_in", "bad_picks")}
@@ -139,19 +173,23 @@ def run(report, args):
     out = report_dir(args.json, "bench-results/compare", ("compare.md", "rows.json", "compare.png"))
     require_root_and_bcc("bench compare")
     device = args.device
+    stragglers = parse_stragglers(args.straggler)
+    slow_said = ", ".join(f"worker {k} x{f:g}" for k, f in stragglers.items()) or "none"
     seconds = 3.0 if args.quick else 10.0
     # Rounds, the order rotated by one each (A B C, B C A, C A B, ...): on this shared machine a
     # slow spell that fell on one name's run alone moved its figures more than most policies differ.
     repeat = args.repeat or (1 if args.quick else 2)
     report.machine.update(device=device or "none (the tiny model's own step time)", rate_per_s=args.rate,
-                          seconds_per_run=seconds, sessions=SESSIONS, repeat=repeat)
+                          seconds_per_run=seconds, sessions=SESSIONS, repeat=repeat, workers=WORKERS,
+                          stragglers=slow_said)
     runs = {label: [] for label, _, _ in names}
     for k in range(repeat):
         order = names[k % len(names):] + names[:k % len(names)]
         for i, (label, name, param) in enumerate(order):
             _progress(f"compare {label}: {args.rate:g} req/s for {seconds:.0f} s, round {k + 1} of {repeat} "
                       f"({len(order) - i} left in the round)")
-            res = _one(label, name, param, device, args.rate, seconds, seed=k + 1)   # a round's own schedule
+            res = _one(label, name, param, device, args.rate, seconds, seed=k + 1,   # a round's own schedule
+                       stragglers=stragglers)
             report.machine["xdp_mode"] = res["xdp_mode"]
             runs[label].append(res)
     rows = []
@@ -159,6 +197,7 @@ def run(report, args):
         rs = runs[label]
         pc = _pcts(np.concatenate([r["rtt_ns"] for r in rs]), 1e6)   # the rounds pooled
         st = {key: sum(r["router"][key] for r in rs) for key in rs[0]["router"]}
+        tokens = np.sum([r["tokens_per_worker"] for r in rs], axis=0)
         row = {"name": label, "qps": args.rate,
                "offered_qps": float(np.mean([r["offered_qps"] for r in rs])),
                "achieved_qps": float(np.mean([r["achieved_qps"] for r in rs])),
@@ -169,7 +208,9 @@ def run(report, args):
                "late_max_ms": max(r["late_max_ms"] for r in rs),
                "steal_pct": float(np.mean([r["steal_pct"] for r in rs])),
                "batches": st["batches"], "records_per_batch": st["records_out"] / max(st["batches"], 1),
-               "moved": st["moved"], "routed": st["requests_in"], "restores": sum(r["restores"] for r in rs)}
+               "moved": st["moved"], "routed": st["requests_in"], "restores": sum(r["restores"] for r in rs),
+               "tokens_per_worker": tokens.tolist(),
+               "straggler_token_share": float(sum(tokens[k] for k in stragglers) / max(tokens.sum(), 1))}
         rows.append(row)
         for key in ("p50_ms", "p95_ms", "p99_ms"):
             (report.reference if i == 0 else report.metric)(f"{label}_{key}", row[key], "ms")
@@ -180,6 +221,8 @@ def run(report, args):
             report.metric(f"{label}_{key}", row[key], unit)
         for key in ("requests", "errors", "unanswered", "moved", "restores"):
             report.metric(f"{label}_{key}", row[key])
+        if stragglers:
+            report.metric(f"{label}_straggler_token_share", row["straggler_token_share"])
         if st["bad_picks"]:
             report.note(f"{label}: the policy picked a worker out of range or down, or none with one up, "
                         f"{st['bad_picks']} times (router stat bad_picks): those requests were answered 503")
@@ -194,16 +237,21 @@ def run(report, args):
                 "(200 answers, and the unanswered at the time they had waited); p95_ms_per_round in rows.json, "
                 "beside the table, shows how much one round moved")
     out.mkdir(parents=True, exist_ok=True)
+    slow = f" | tokens to the straggler{'s' if len(stragglers) > 1 else ''}" if stragglers else ""
     lines = ["| policy | offered req/s | achieved | p50 ms | p95 ms (each round) | p99 ms | not answered 200 "
-             "| records per batch | requests moved | sessions restored |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             f"| records per batch | requests moved | sessions restored{slow} |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if stragglers else "")]
     lines += [f"| {r['name']} | {r['offered_qps']:.1f} | {r['achieved_qps']:.1f} | {r['p50_ms']:.2f} | "
               f"{r['p95_ms']:.2f} ({', '.join(f'{x:.2f}' for x in r['p95_ms_per_round'])}) | "
               f"{r['p99_ms']:.2f} | {r['errors']} of {r['requests']} | {r['records_per_batch']:.2f} | "
-              f"{r['moved']} of {r['routed']} | {r['restores']} |" for r in rows]
+              f"{r['moved']} of {r['routed']} | {r['restores']} |"
+              + (f" {100 * r['straggler_token_share']:.0f}% |" if stragglers else "") for r in rows]
+    if stragglers:
+        lines.append(f"\nStraggler: {slow_said} (its steps last that many times what they "
+                     f"took); {WORKERS} workers, so an even spread sends it {100 // WORKERS}% of the tokens.")
     (out / "compare.md").write_text("\n".join(lines) + "\n")
     (out / "rows.json").write_text(json.dumps(_jsonable(rows), indent=1, allow_nan=False) + "\n")
-    _plot(rows, out / "compare.png")
+    _plot(rows, out / "compare.png", slow_said)
     print("\n".join(lines))
     print(f"  table and plot: {out}/compare.md, {out}/compare.png")
     _all_compared(runs)

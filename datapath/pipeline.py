@@ -79,6 +79,9 @@ class PipelineConfig:
                                        # is runnable: a core's worth of polling) or "spin"
     device: str | None = None          # simulated device profile of the workers (serving.devices)
     sim_mode: str = "sleep"
+    stragglers: dict = field(default_factory=dict)   # worker index -> slowdown: its steps last that many
+                                       # times what they took (a throttled or shared device; its
+                                       # replacements too), for policies that must notice a slow worker
     kv_budget_bytes: int = 256 << 20
     worker_hang_s: float = 30.0        # a worker holding a batch this long without a completion is killed
                                        # and failed over (0: never; a step is ms, a simulated L4's ~70 ms;
@@ -494,7 +497,7 @@ class Pipeline:
                 self.router.set_worker_budget(k, profile(device).knee_tokens)
             self.traces.append(mmap.mmap(-1, 64 + cfg.trace_records * TRACE.itemsize))
             opts = WorkerOptions(index=k, kv_budget_bytes=cfg.kv_budget_bytes, codec=cfg.codec, device=device,
-                                 sim_mode=cfg.sim_mode)
+                                 sim_mode=cfg.sim_mode, slowdown=cfg.stragglers.get(k, 1.0))
             specs.append((opts, cfg.worker_cpus[k % len(cfg.worker_cpus)] if cfg.worker_cpus else None, nice))
         self._spawner = WorkerSpawner(specs, store_factory, self.traces, self._stop_workers)
         for k in range(len(specs)):
@@ -523,6 +526,7 @@ class Pipeline:
     def _admission(self, cfg: PipelineConfig):
         """Pools (placement[k] = (pool, device, nice) of worker k) and the tenants' admission settings."""
         from .admission import pool_price_per_1k
+        from .serving.worker import check_slowdown
         if cfg.pools:
             pools = [(*spec, 0)[:3] for spec in cfg.pools]
             if len(pools) > MAX_POOLS or any(len(spec) not in (2, 3) or spec[1] < 1 for spec in cfg.pools):
@@ -534,6 +538,10 @@ class Pipeline:
             self.placement = [(0, cfg.device, 0)] * cfg.workers
             if cfg.pool_room_per_worker:
                 self.router.set_pool(0, 0, cfg.pool_room_per_worker)
+        for k, factor in cfg.stragglers.items():
+            if not (isinstance(k, int) and 0 <= k < len(self.placement)):
+                raise ValueError(f"stragglers: worker {k!r} is not one of the {len(self.placement)} workers (0-based)")
+            check_slowdown(factor)
         if cfg.default_tenant is not None:
             self.router.set_default_tenant(cfg.default_tenant)
         for tenant, policy in cfg.tenants.items():

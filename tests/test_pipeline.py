@@ -289,3 +289,14 @@ def test_with_tags_required_only_requests_tagged_with_their_tenant_s_key_are_ser
                                    drain_ms=300, seq_base=next(p._ids) * 1_000_000_000, keys=keys)
             assert res["sent"] == 20 and res["responses"] == 0, counter
             assert p.ingress.counters()[counter] - before == 20
+
+
+@pytest.mark.root
+@pytest.mark.bpf
+def test_a_straggler_that_is_not_one_of_the_workers_is_refused():
+    with pytest.raises(ValueError, match="stragglers: worker 2 is not one of the 2 workers"):
+        with Pipeline(_config(workers=2, stragglers={2: 4})):
+            pass
+    with pytest.raises(ValueError, match="slowdown must be a number from 1"):
+        with Pipeline(_config(workers=2, stragglers={1: 0.5})):
+            pass

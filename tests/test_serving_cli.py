@@ -42,6 +42,7 @@ def test_user_errors_are_one_sentence(capsys):
     (["worker", "--demo", "1", "--prompt-tokens", "0"], "--prompt-tokens: 0 must be positive"),   # hung 600 s
     (["worker", "--demo", "1", "--output-tokens", "-1"], "--output-tokens: -1 must be positive"),  # OverflowError
     (["worker", "--demo", "1", "--output-tokens", "300"], "--output-tokens: 300 must be at most 256"),
+    (["worker", "--demo", "1", "--slowdown", "0.5"], "--slowdown: '0.5': a number from 1 (not slowed) to 1000"),
     (["ingress", "stats", "nan"], "interval: nan must be positive"),
     (["ingress", "stats", "1", "-p", "99999999999"], "must be at most 4294967295"),
     (["model", "info", "--layers", "9" * 400], "is not a whole number"),        # OverflowError in isfinite

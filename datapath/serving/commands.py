@@ -50,6 +50,16 @@ not the measured delta sizes.
 """
 
 
+def _slowdown(text: str) -> float:
+    from .worker import check_slowdown
+    try:
+        v = float(text)
+        check_slowdown(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: a number from 1 (not slowed) to 1000") from None
+    return v
+
+
 def _model_args(p: argparse.ArgumentParser):
     from .model import ModelConfig
     d = ModelConfig()
@@ -89,6 +99,8 @@ def add_parsers(sub):
     w.add_argument("--device", choices=list(PROFILES), help="simulate this device's step times")
     w.add_argument("--sim", choices=["sleep", "busy"], default="sleep",
                    help="how simulated time is spent: asleep, or spinning a core (default sleep)")
+    w.add_argument("--slowdown", type=_slowdown, default=1.0, metavar="F",
+                   help="a straggler: each step lasts F times what it took, 1 to 1000 (default 1: not slowed)")
     w.add_argument("--temperature", type=positive(float, zero_ok=True), default=0.0, help="0 = greedy (default)")
     w.add_argument("--demo", type=positive(int, most=1000), metavar="N",
                    help="run N requests through an in-process router and print them")
@@ -179,7 +191,8 @@ def worker(args) -> int:
     # without a store nothing is evicted: over the budget, new sessions are refused 503
     budget = profile(args.device).kv_budget_bytes(ModelConfig(**_config(args))) if args.device else 256 << 20
     opts = WorkerOptions(config=_config(args), seed=args.seed, index=args.index, kv_budget_bytes=budget,
-                         codec=args.codec, temperature=args.temperature, device=args.device, sim_mode=args.sim)
+                         codec=args.codec, temperature=args.temperature, device=args.device, sim_mode=args.sim,
+                         slowdown=args.slowdown)
     if args.demo is not None:
         return _demo(opts, args)
     spec = ("shm", args.lane) if args.lane else ("zmq", args.zmq)
@@ -195,6 +208,7 @@ def worker(args) -> int:
             return 2
     print(f"worker {args.index}: {spec[0]} lane {spec[1]}, codec {args.codec}"
           + (f", simulating {args.device} ({args.sim})" if args.device else "")
+          + (f", slowed {args.slowdown:g}x" if args.slowdown > 1 else "")
           + (f"; snapshot store at {args.store}" if store else
              "; no snapshot store attached: sessions stay resident (over the KV budget, new ones are refused "
              "503), and one moved here from another worker runs on what this one holds of it"), flush=True)

@@ -145,15 +145,22 @@ class _Segment:
     answer: int | None = None  # the record whose entry carries the sampled token
 
 
+def check_slowdown(factor: float):
+    """A straggler's factor: a number from 1 (not slowed) to 1000 (ValueError otherwise)."""
+    if not (isinstance(factor, (int, float)) and 1 <= factor <= 1000):
+        raise ValueError(f"a worker's slowdown must be a number from 1 (not slowed) to 1000, not {factor!r}")
+
+
 class Worker:
     def __init__(self, model: Model, store: SnapshotStore | None = None, *, index: int = 0,
                  kv_budget_bytes: int = 256 << 20, codec: str = "zstd", temperature: float = 0.0, seed: int = 0,
-                 device: SimulatedDevice | None = None, return_logits: bool = False):
+                 device: SimulatedDevice | None = None, return_logits: bool = False, slowdown: float = 1.0):
         if codec not in kvdelta.CODECS:
             raise ValueError(f"unknown KV codec {codec!r}: choose one of {', '.join(kvdelta.CODECS)}")
+        check_slowdown(slowdown)
         self.model, self.store, self.index, self.kv_budget_bytes = model, store, index, kv_budget_bytes
         self.codec, self.temperature, self.seed = codec, temperature, seed
-        self.device, self.return_logits = device, return_logits
+        self.device, self.return_logits, self.slowdown = device, return_logits, slowdown
         self.sessions: OrderedDict[SessionKey, _Session] = OrderedDict()  # least recently used first
         self._kv_bytes = 0   # the sessions' cache bytes, kept as they change (not summed over all each step)
         self.finished: list[RequestDone] = []  # appended as requests finish; the caller drains it
@@ -161,7 +168,7 @@ class Worker:
                           restores=0, evictions=0, over_budget_steps=0, stale_dropped=0, replay_restored=0,
                           moved_without_store=0, closed=0, whole_reputs=0, superseded=0, context_full=0,
                           store_errors=0, replays_durable=0, abandoned=0, unsure_rolled_back=0, kv_full_refused=0,
-                          duplicates_refused=0, cut_on_refusal=0, simulated_s=0.0)
+                          duplicates_refused=0, cut_on_refusal=0, simulated_s=0.0, slowed_s=0.0)
         self.last_store_error: str | None = None
         self._abandoned: dict[SessionKey, tuple[int, int]] = {}   # the request (id, send stamp) released as
                                                                   # abandoned, per session
@@ -334,6 +341,13 @@ class Worker:
             self.stats["simulated_s"] += sim
             self.device.spend_until(t_start + int(sim * 1e9))
         t_step = time.monotonic_ns()
+        if self.slowdown > 1:
+            # a straggler (a throttled or shared device): the step lasts `slowdown` times what it took;
+            # asleep, so the host's cores stay with the others, as another device's would
+            until = t_start + int((t_step - t_start) * self.slowdown)
+            self.stats["slowed_s"] += (until - t_step) / 1e9
+            time.sleep((until - t_step) / 1e9)
+            t_step = time.monotonic_ns()
         for seg, lg in zip(segs, logits):
             s = self.sessions[seg.key]
             self.sessions.move_to_end(seg.key)
@@ -625,13 +639,15 @@ class WorkerOptions:
     temperature: float = 0.0
     device: str | None = None
     sim_mode: str = "sleep"
+    slowdown: float = 1.0      # a straggler: each step lasts this many times what it took (>= 1)
 
     def build(self, store: SnapshotStore | None, return_logits: bool = False) -> Worker:
         from .devices import profile
         model = Model(ModelConfig(**self.config), self.seed)
         device = SimulatedDevice(profile(self.device), self.sim_mode) if self.device else None
         return Worker(model, store, index=self.index, kv_budget_bytes=self.kv_budget_bytes, codec=self.codec,
-                      temperature=self.temperature, seed=self.seed, device=device, return_logits=return_logits)
+                      temperature=self.temperature, seed=self.seed, device=device, return_logits=return_logits,
+                      slowdown=self.slowdown)
 
 
 def one_blas_thread():
