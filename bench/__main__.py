@@ -35,6 +35,7 @@ EPILOG = """examples:
     sudo python -m bench compare --policy affinity,affinity:0.05 --repeat 4   # a policy parameter, 4 rounds
     sudo python -m bench compare --policy dynamic,static --device l4 --rate 30   # on a simulated L4's step time
     sudo python -m bench compare --policy round_robin,least_tokens,peak_ewma --straggler 1:4   # worker 1 4x slower
+    sudo python -m bench compare --policy power_of_two,peak_ewma --device l4 --workers 4 --straggler 0:3 --rate 60
 """
 
 
@@ -64,14 +65,17 @@ def main(argv=None) -> int:
     p.add_argument("--device", metavar="PROFILE",
                    help="compare: workers simulate this device's step time (cpu, l4, h100, dpu: "
                         "datapath.serving.devices); default: the tiny model's own step time")
+    p.add_argument("--workers", type=int, metavar="N",
+                   help="compare: worker processes, 1 to 16 (default 2; past the cores, give --device: its step "
+                        "time is spent asleep, the tiny model's own is not)")
     p.add_argument("--straggler", metavar="K:F[,K:F]",
                    help="compare: worker K's steps last F times what they took (a slow device among healthy "
-                        "ones; F from 1 to 1000, K 0 or 1); the table shows each policy's share of tokens sent to it")
+                        "ones; F from 1 to 1000, K from 0); the table shows each policy's share of tokens sent to it")
     args = p.parse_args(argv)
     # a flag its suite does not read is refused, not ignored: `bench e2e --policy static` ran plain e2e
     only = {"--policy": ("compare", args.policy is not None), "--rate": ("compare", args.rate != 40),
             "--repeat": ("compare", args.repeat is not None), "--device": ("compare", args.device is not None),
-            "--straggler": ("compare", args.straggler is not None),
+            "--straggler": ("compare", args.straggler is not None), "--workers": ("compare", args.workers is not None),
             "--soak": ("snapshot", args.soak)}
     for flag, (suite, given) in only.items():
         if given and args.suite != suite:

@@ -24,7 +24,9 @@ offered and achieved rates, the requests not answered 200 and the host's
 steal. References: the first name's figures (ratios are relative to it).
 --device makes every worker simulate that device profile's step time
 (datapath.serving.devices), so policies meet a GPU's step cost, not numpy's.
---straggler K:F makes worker K's steps last F times what they took (a throttled
+--workers N runs N worker processes (default 2, one per core here: past the
+cores, workers on the tiny model's own step time share a core, so use --device,
+whose simulated time is spent asleep). --straggler K:F makes worker K's steps last F times what they took (a throttled
 or shared device among healthy ones): the table then shows the share of the
 tokens each policy sent to the slow worker(s), so a policy that notices one
 (peak_ewma) can be told from one that cannot (round_robin).
@@ -106,10 +108,11 @@ def parse_names(spec: str) -> list[tuple[str, str, float | None]]:
     return out
 
 
-WORKERS = 2   # bench.e2e._config's: a worker per core of this 2-core machine, the poll loop beside them
+WORKERS = 2        # by default: a worker per core of this 2-core machine, the poll loop beside them
+MAX_WORKERS = 16   # each a process holding a model: more is a test of the host, not of a policy
 
 
-def parse_stragglers(spec: str | None) -> dict[int, float]:
+def parse_stragglers(spec: str | None, workers: int = WORKERS) -> dict[int, float]:
     """"K:F,..." -> {worker K: slowdown F}; ValueError for a worker out of range, a factor out of
     1..1000 (serving.worker.check_slowdown), or one named twice."""
     from datapath.serving.worker import check_slowdown
@@ -122,8 +125,10 @@ def parse_stragglers(spec: str | None) -> dict[int, float]:
             k, f = int(k), float(f)
         except ValueError:
             raise ValueError(f"--straggler {part!r}: give WORKER:FACTOR, e.g. 1:4 (worker 1's steps take 4x)") from None
-        if not (sep and 0 <= k < WORKERS):
-            raise ValueError(f"--straggler {part!r}: the worker is 0..{WORKERS - 1} (compare runs {WORKERS})")
+        if not sep:
+            raise ValueError(f"--straggler {part!r}: give WORKER:FACTOR, e.g. 1:4 (worker 1's steps take 4x)")
+        if not 0 <= k < workers:
+            raise ValueError(f"--straggler {part!r}: the worker is 0..{workers - 1} (--workers {workers})")
         if k in out:
             raise ValueError(f"--straggler names worker {k} twice")
         check_slowdown(f)
@@ -134,7 +139,9 @@ def parse_stragglers(spec: str | None) -> dict[int, float]:
 def check_args(args):
     """Everything compare can refuse, before it builds anything (ValueError)."""
     parse_names(args.policy or "")
-    parse_stragglers(args.straggler)
+    if args.workers is not None and not 1 <= args.workers <= MAX_WORKERS:
+        raise ValueError(f"--workers must be 1..{MAX_WORKERS}, not {args.workers}")
+    parse_stragglers(args.straggler, args.workers or WORKERS)
     if not args.rate > 0:
         raise ValueError(f"--rate must be > 0 requests/s, not {args.rate:g}")
     if args.device is not None and args.device not in PROFILES:
@@ -144,7 +151,7 @@ def check_args(args):
 
 
 def _one(label: str, name: str, param: float | None, device: str | None, rate: float, seconds: float,
-         seed: int, stragglers: dict[int, float]) -> dict:
+         seed: int, workers: int, stragglers: dict[int, float]) -> dict:
     """One offer through a fresh pipeline and store: its latencies and what the router did."""
     kw = {"batching": name} if name in ("dynamic", "static") else {"policy": name}
     if param is not None:
@@ -152,14 +159,14 @@ def _one(label: str, name: str, param: float | None, device: str | None, rate: f
     # the same key secret for every name: which sessions share a slot of the router's last-run table
     # (flagged moved, a store lookup) was drawn anew for each run
     with fresh_store() as store, Pipeline(_config(shared_store=store, device=device, key_secret=seed,
-                                                  workers=WORKERS, stragglers=stragglers, **kw)) as p:
+                                                  workers=workers, stragglers=stragglers, **kw)) as p:
         _warm_up(p, device)
         st0, store0 = p.router.stats(), p.store_stats()     # the counts below are the offer's own
-        tok0 = [p.router.worker_stats(k)["tokens"] for k in range(WORKERS)]
+        tok0 = [p.router.worker_stats(k)["tokens"] for k in range(workers)]
         res = _offer(p, rate, seconds, prompt_tokens=PROMPT, max_output_tokens=OUTPUT,
                      sessions=SESSIONS, drain_s=drain_s(device), seed=seed)
         st1, store1 = p.router.stats(), p.store_stats()
-        res["tokens_per_worker"] = [p.router.worker_stats(k)["tokens"] - tok0[k] for k in range(WORKERS)]
+        res["tokens_per_worker"] = [p.router.worker_stats(k)["tokens"] - tok0[k] for k in range(workers)]
         res["xdp_mode"] = p.xdp_mode
     res["router"] = {k: st1[k] - st0[k]
                      for k in ("batches", "records_out", "moved", "requests_in", "bad_picks")}
@@ -173,14 +180,15 @@ def run(report, args):
     out = report_dir(args.json, "bench-results/compare", ("compare.md", "rows.json", "compare.png"))
     require_root_and_bcc("bench compare")
     device = args.device
-    stragglers = parse_stragglers(args.straggler)
+    workers = args.workers or WORKERS
+    stragglers = parse_stragglers(args.straggler, workers)
     slow_said = ", ".join(f"worker {k} x{f:g}" for k, f in stragglers.items()) or "none"
     seconds = 3.0 if args.quick else 10.0
     # Rounds, the order rotated by one each (A B C, B C A, C A B, ...): on this shared machine a
     # slow spell that fell on one name's run alone moved its figures more than most policies differ.
     repeat = args.repeat or (1 if args.quick else 2)
     report.machine.update(device=device or "none (the tiny model's own step time)", rate_per_s=args.rate,
-                          seconds_per_run=seconds, sessions=SESSIONS, repeat=repeat, workers=WORKERS,
+                          seconds_per_run=seconds, sessions=SESSIONS, repeat=repeat, workers=workers,
                           stragglers=slow_said)
     runs = {label: [] for label, _, _ in names}
     for k in range(repeat):
@@ -189,7 +197,7 @@ def run(report, args):
             _progress(f"compare {label}: {args.rate:g} req/s for {seconds:.0f} s, round {k + 1} of {repeat} "
                       f"({len(order) - i} left in the round)")
             res = _one(label, name, param, device, args.rate, seconds, seed=k + 1,   # a round's own schedule
-                       stragglers=stragglers)
+                       workers=workers, stragglers=stragglers)
             report.machine["xdp_mode"] = res["xdp_mode"]
             runs[label].append(res)
     rows = []
@@ -248,7 +256,8 @@ def run(report, args):
               + (f" {100 * r['straggler_token_share']:.0f}% |" if stragglers else "") for r in rows]
     if stragglers:
         lines.append(f"\nStraggler: {slow_said} (its steps last that many times what they "
-                     f"took); {WORKERS} workers, so an even spread sends it {100 // WORKERS}% of the tokens.")
+                     f"took); {workers} workers, so an even spread sends {'them' if len(stragglers) > 1 else 'it'} "
+                     f"{100 * len(stragglers) / workers:.0f}% of the tokens.")
     (out / "compare.md").write_text("\n".join(lines) + "\n")
     (out / "rows.json").write_text(json.dumps(_jsonable(rows), indent=1, allow_nan=False) + "\n")
     _plot(rows, out / "compare.png", slow_said)

@@ -31,13 +31,17 @@ def test_bench_help_and_bad_suite():
                         "/dev/null"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "unknown device profile 'tpu' (known: cpu, l4, h100, dpu)" in r.stderr
     for spec, said in (("2:4", "the worker is 0..1"), ("1:0.5", "from 1 (not slowed) to 1000"), ("1", "give WORKER:FACTOR"),
-                       ("x:4", "give WORKER:FACTOR"), ("1:4,1:2", "names worker 1 twice")):
+                       ("x:4", "give WORKER:FACTOR"), ("1:4,1:2", "names worker 1 twice"),
+                       ("3:2 --workers 3", "the worker is 0..2 (--workers 3)"), ("0:2 --workers 17", "--workers must be 1..16"),
+                       ("0:2 --workers 0", "--workers must be 1..16")):
+        spec, *more = spec.split()
         r = subprocess.run([sys.executable, "-m", "bench", "compare", "--policy", "peak_ewma", "--straggler", spec,
-                            "--json", "/dev/null"], capture_output=True, text=True, timeout=60)
+                            *more, "--json", "/dev/null"], capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and said in r.stderr, (spec, r.stderr)
     # a flag its suite does not read is refused: `bench e2e --policy static` ran plain e2e
     for args, said in ((["e2e", "--policy", "static"], "--policy is for the compare suite, not e2e"),
                        (["e2e", "--straggler", "1:4"], "--straggler is for the compare suite, not e2e"),
+                       (["e2e", "--workers", "4"], "--workers is for the compare suite, not e2e"),
                        (["ring", "--soak"], "--soak is for the snapshot suite, not ring")):
         r = subprocess.run([sys.executable, "-m", "bench", *args], capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and said in r.stderr
@@ -62,17 +66,17 @@ def test_compare_gives_a_spreading_policy_the_store_its_moved_sessions_need(tmp_
 @pytest.mark.root
 @pytest.mark.bpf
 def test_compare_shows_which_policy_notices_a_straggler(tmp_path):
-    """--straggler 1:20: worker 1's steps last 20x what they took. round_robin sends it half the
-    tokens whatever it costs; peak_ewma learns its time per token from the answers and sends it
-    little (it is tried again as its figure decays, about once a second)."""
+    """--workers 3 --straggler 2:20: worker 2's steps last 20x what they took. round_robin sends it
+    a third of the tokens whatever it costs; peak_ewma learns its time per token from the answers
+    and sends it little (it is tried again as its figure decays, about once a second)."""
     r = subprocess.run([sys.executable, "-m", "bench", "compare", "--quick", "--policy", "round_robin,peak_ewma",
-                        "--straggler", "1:20", "--json", str(tmp_path / "compare.json")],
+                        "--workers", "3", "--straggler", "2:20", "--json", str(tmp_path / "compare.json")],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     data = json.loads((tmp_path / "compare.json").read_text())
     m = data["metrics"]
-    assert data["machine"]["stragglers"] == "worker 1 x20"
-    assert 0.4 < m["round_robin_straggler_token_share"] < 0.6
+    assert data["machine"]["stragglers"] == "worker 2 x20" and data["machine"]["workers"] == 3
+    assert 0.25 < m["round_robin_straggler_token_share"] < 0.42
     # (0.25 in a run with the slowdown left out: two idle workers tie on their queues, and the one
     # that looks faster takes most; so the bound is well under that, not just under a half)
     assert m["peak_ewma_straggler_token_share"] < 0.1
