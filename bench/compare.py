@@ -26,10 +26,12 @@ steal. References: the first name's figures (ratios are relative to it).
 (datapath.serving.devices), so policies meet a GPU's step cost, not numpy's.
 --workers N runs N worker processes (default 2, one per core here: past the
 cores, workers on the tiny model's own step time share a core, so use --device,
-whose simulated time is spent asleep). --straggler K:F makes worker K's steps last F times what they took (a throttled
+whose simulated time is spent asleep). --straggler K:F makes worker K F times slower: its device's step time (without --device, its
+forward pass) lasts F times as long (a throttled
 or shared device among healthy ones): the table then shows the share of the
-tokens each policy sent to the slow worker(s), so a policy that notices one
-(peak_ewma) can be told from one that cannot (round_robin).
+requests placed on the slow worker(s) (router worker stat `placed`: the
+policy's decisions) and of the 200s they answered (`answered`), so a policy
+that notices one (peak_ewma) can be told from one that cannot (round_robin).
 
 Every pipeline gets a fresh shared snapshot store: sessions return (61 of
 them cycle through the offer), and a policy that sends a session's next request to another
@@ -108,7 +110,7 @@ def parse_names(spec: str) -> list[tuple[str, str, float | None]]:
     return out
 
 
-WORKERS = 2        # by default: a worker per core of this 2-core machine, the poll loop beside them
+WORKERS = 2        # by default (bench.e2e._config pins the workers to every core but the poll loop's)
 MAX_WORKERS = 16   # each a process holding a model: more is a test of the host, not of a policy
 
 
@@ -162,11 +164,13 @@ def _one(label: str, name: str, param: float | None, device: str | None, rate: f
                                                   workers=workers, stragglers=stragglers, **kw)) as p:
         _warm_up(p, device)
         st0, store0 = p.router.stats(), p.store_stats()     # the counts below are the offer's own
-        tok0 = [p.router.worker_stats(k)["tokens"] for k in range(workers)]
+        per0 = [p.router.worker_stats(k) for k in range(workers)]
         res = _offer(p, rate, seconds, prompt_tokens=PROMPT, max_output_tokens=OUTPUT,
                      sessions=SESSIONS, drain_s=drain_s(device), seed=seed)
         st1, store1 = p.router.stats(), p.store_stats()
-        res["tokens_per_worker"] = [p.router.worker_stats(k)["tokens"] - tok0[k] for k in range(workers)]
+        per1 = [p.router.worker_stats(k) for k in range(workers)]
+        for key in ("placed", "answered"):     # the offer's own, per worker
+            res[f"{key}_per_worker"] = [b[key] - a[key] for a, b in zip(per0, per1)]
         res["xdp_mode"] = p.xdp_mode
     res["router"] = {k: st1[k] - st0[k]
                      for k in ("batches", "records_out", "moved", "requests_in", "bad_picks")}
@@ -205,7 +209,7 @@ def run(report, args):
         rs = runs[label]
         pc = _pcts(np.concatenate([r["rtt_ns"] for r in rs]), 1e6)   # the rounds pooled
         st = {key: sum(r["router"][key] for r in rs) for key in rs[0]["router"]}
-        tokens = np.sum([r["tokens_per_worker"] for r in rs], axis=0)
+        placed, answered = (np.sum([r[f"{key}_per_worker"] for r in rs], axis=0) for key in ("placed", "answered"))
         row = {"name": label, "qps": args.rate,
                "offered_qps": float(np.mean([r["offered_qps"] for r in rs])),
                "achieved_qps": float(np.mean([r["achieved_qps"] for r in rs])),
@@ -217,8 +221,10 @@ def run(report, args):
                "steal_pct": float(np.mean([r["steal_pct"] for r in rs])),
                "batches": st["batches"], "records_per_batch": st["records_out"] / max(st["batches"], 1),
                "moved": st["moved"], "routed": st["requests_in"], "restores": sum(r["restores"] for r in rs),
-               "tokens_per_worker": tokens.tolist(),
-               "straggler_token_share": float(sum(tokens[k] for k in stragglers) / max(tokens.sum(), 1))}
+               "placed_per_worker": placed.tolist(), "answered_per_worker": answered.tolist()}
+        if stragglers:
+            row["straggler_placed_share"] = float(sum(placed[k] for k in stragglers) / max(placed.sum(), 1))
+            row["straggler_answered_share"] = float(sum(answered[k] for k in stragglers) / max(answered.sum(), 1))
         rows.append(row)
         for key in ("p50_ms", "p95_ms", "p99_ms"):
             (report.reference if i == 0 else report.metric)(f"{label}_{key}", row[key], "ms")
@@ -230,7 +236,8 @@ def run(report, args):
         for key in ("requests", "errors", "unanswered", "moved", "restores"):
             report.metric(f"{label}_{key}", row[key])
         if stragglers:
-            report.metric(f"{label}_straggler_token_share", row["straggler_token_share"])
+            for key in ("straggler_placed_share", "straggler_answered_share"):
+                report.metric(f"{label}_{key}", row[key])
         if st["bad_picks"]:
             report.note(f"{label}: the policy picked a worker out of range or down, or none with one up, "
                         f"{st['bad_picks']} times (router stat bad_picks): those requests were answered 503")
@@ -245,7 +252,7 @@ def run(report, args):
                 "(200 answers, and the unanswered at the time they had waited); p95_ms_per_round in rows.json, "
                 "beside the table, shows how much one round moved")
     out.mkdir(parents=True, exist_ok=True)
-    slow = f" | tokens to the straggler{'s' if len(stragglers) > 1 else ''}" if stragglers else ""
+    slow = f" | placed on / answered by the straggler{'s' if len(stragglers) > 1 else ''}" if stragglers else ""
     lines = ["| policy | offered req/s | achieved | p50 ms | p95 ms (each round) | p99 ms | not answered 200 "
              f"| records per batch | requests moved | sessions restored{slow} |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if stragglers else "")]
@@ -253,11 +260,15 @@ def run(report, args):
               f"{r['p95_ms']:.2f} ({', '.join(f'{x:.2f}' for x in r['p95_ms_per_round'])}) | "
               f"{r['p99_ms']:.2f} | {r['errors']} of {r['requests']} | {r['records_per_batch']:.2f} | "
               f"{r['moved']} of {r['routed']} | {r['restores']} |"
-              + (f" {100 * r['straggler_token_share']:.0f}% |" if stragglers else "") for r in rows]
+              + (f" {100 * r['straggler_placed_share']:.0f}% / {100 * r['straggler_answered_share']:.0f}% |"
+                 if stragglers else "") for r in rows]
     if stragglers:
-        lines.append(f"\nStraggler: {slow_said} (its steps last that many times what they "
-                     f"took); {workers} workers, so an even spread sends {'them' if len(stragglers) > 1 else 'it'} "
-                     f"{100 * len(stragglers) / workers:.0f}% of the tokens.")
+        lines.append(f"\nStraggler: {slow_said} (its device's steps, or forward passes, last that many "
+                     f"times as long); {workers} workers, so an even spread places "
+                     f"{100 * len(stragglers) / workers:.0f}% of the requests there. Placed: where each request "
+                     f"went as it came (router worker stat `placed`: the policy's decision); answered: of the "
+                     f"requests answered 200, those that ended there (`answered`: a failover counts where it "
+                     f"ended; a request still queued when the offer ended is placed, not answered).")
     (out / "compare.md").write_text("\n".join(lines) + "\n")
     (out / "rows.json").write_text(json.dumps(_jsonable(rows), indent=1, allow_nan=False) + "\n")
     _plot(rows, out / "compare.png", slow_said)

@@ -79,9 +79,11 @@ class PipelineConfig:
                                        # is runnable: a core's worth of polling) or "spin"
     device: str | None = None          # simulated device profile of the workers (serving.devices)
     sim_mode: str = "sleep"
-    stragglers: dict = field(default_factory=dict)   # worker index -> slowdown: its steps last that many
-                                       # times what they took (a throttled or shared device; its
-                                       # replacements too), for policies that must notice a slow worker
+    stragglers: dict = field(default_factory=dict)   # worker index -> slowdown: its device's steps (its
+                                       # forward passes, without a device) last that many times as long
+                                       # (a throttled or shared device; its replacements too; its
+                                       # worker_hang_s that many times too), for policies that must
+                                       # notice a slow worker
     kv_budget_bytes: int = 256 << 20
     worker_hang_s: float = 30.0        # a worker holding a batch this long without a completion is killed
                                        # and failed over (0: never; a step is ms, a simulated L4's ~70 ms;
@@ -454,10 +456,15 @@ class Pipeline:
 
     def _build(self):
         from .ingress import Ingress
-        from .serving.worker import WorkerOptions
+        from .serving.worker import WorkerOptions, check_slowdown
         cfg, es = self.cfg, self._stack
         if cfg.lane_wait not in WAIT_MODES:
             raise ValueError(f"lane_wait must be one of {', '.join(WAIT_MODES)}, not {cfg.lane_wait!r}")
+        n = sum(spec[1] for spec in cfg.pools) if cfg.pools else cfg.workers
+        for k, factor in cfg.stragglers.items():
+            if not (isinstance(k, int) and 0 <= k < n):
+                raise ValueError(f"stragglers: worker {k!r} is not one of the {n} workers (0-based)")
+            check_slowdown(factor)
         self.topo = es.enter_context(Topology(clients=1))
         es.callback(client.stop_spawned, self.topo.client_ns[0])   # before the namespaces go: an offer
                                                                    # another thread runs
@@ -526,7 +533,6 @@ class Pipeline:
     def _admission(self, cfg: PipelineConfig):
         """Pools (placement[k] = (pool, device, nice) of worker k) and the tenants' admission settings."""
         from .admission import pool_price_per_1k
-        from .serving.worker import check_slowdown
         if cfg.pools:
             pools = [(*spec, 0)[:3] for spec in cfg.pools]
             if len(pools) > MAX_POOLS or any(len(spec) not in (2, 3) or spec[1] < 1 for spec in cfg.pools):
@@ -538,10 +544,6 @@ class Pipeline:
             self.placement = [(0, cfg.device, 0)] * cfg.workers
             if cfg.pool_room_per_worker:
                 self.router.set_pool(0, 0, cfg.pool_room_per_worker)
-        for k, factor in cfg.stragglers.items():
-            if not (isinstance(k, int) and 0 <= k < len(self.placement)):
-                raise ValueError(f"stragglers: worker {k!r} is not one of the {len(self.placement)} workers (0-based)")
-            check_slowdown(factor)
         if cfg.default_tenant is not None:
             self.router.set_default_tenant(cfg.default_tenant)
         for tenant, policy in cfg.tenants.items():
@@ -625,7 +627,7 @@ class Pipeline:
             if not st["busy"] or seen.get(k, (None,))[0] != st["completions"]:
                 seen[k] = (st["completions"], now)     # idle, or it completed something since
                 return False
-            return now - seen[k][1] > hang_s
+            return now - seen[k][1] > hang_s * self.cfg.stragglers.get(k, 1)   # a straggler's patience
 
         def replace(k: int, t_exit: float, seen: dict):
             """Worker k's fresh process on a fresh lane (the old lane may hold a batch the router
@@ -711,8 +713,8 @@ class Pipeline:
                     w.killed = True
                     self.worker_hangs.append(k)
                     w.kill()                       # its exit is seen above on a later pass
-                    print(f"pipeline: worker {k} held a batch {hang_s:g} s without completing anything: "
-                          f"killed", file=sys.stderr, flush=True)
+                    print(f"pipeline: worker {k} held a batch {hang_s * self.cfg.stragglers.get(k, 1):g} s "
+                          f"without completing anything: killed", file=sys.stderr, flush=True)
             return True
 
         def watch():

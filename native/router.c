@@ -979,6 +979,8 @@ static void finish(struct dp_router *rt, uint32_t ri)
     session_leave(rt, ri);
     remember_done(rt, r->key);
     policy_done(rt, r);
+    if (!r->status)
+        w->st.answered++;
     if (r->close && !r->status && rt->st.kv_homes)   /* done with the session: its id starts afresh */
         kv_home_drop(rt, session_key(rt, r->tenant, r->session_id));
     /* the minute's bucket keeps what came and ran, unless the failure is the system's (503: no
@@ -1111,6 +1113,7 @@ static struct req *req_init(struct dp_router *rt, uint32_t ri, const struct dp_c
     r->worker = (int16_t)wk;
     r->pool = pool;
     r->moved = note_run(rt, session_key(rt, c->tenant, c->session_id), wk);
+    rt->w[wk].st.placed++;
     r->state = REQ_PREFILL;
     r->arr = NIL;
     r->pending_head = r->pending_tail = r->ooo = r->fifo_next = NIL;

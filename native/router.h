@@ -82,6 +82,10 @@ struct dp_router_config {
 
 struct dp_worker_stats {
     uint64_t batches, records, tokens, decode_steps, completions;
+    uint64_t placed;                         /* requests placed here as they came (the policy's pick,
+                                              * or the worker holding the session's KV) */
+    uint64_t answered;                       /* requests that ended 200 here (where a failover or a
+                                              * KV move took them, not where they were placed) */
     uint32_t depth, busy, decoding, up;
     uint32_t queued_tokens;                  /* depth in tokens (policy.h's dp_workers.tokens) */
     uint64_t lane_depth, lane_full_events;   /* shm lanes: the ring's own counters */

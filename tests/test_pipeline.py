@@ -291,9 +291,7 @@ def test_with_tags_required_only_requests_tagged_with_their_tenant_s_key_are_ser
             assert p.ingress.counters()[counter] - before == 20
 
 
-@pytest.mark.root
-@pytest.mark.bpf
-def test_a_straggler_that_is_not_one_of_the_workers_is_refused():
+def test_a_straggler_that_is_not_one_of_the_workers_is_refused_before_anything_is_built():
     with pytest.raises(ValueError, match="stragglers: worker 2 is not one of the 2 workers"):
         with Pipeline(_config(workers=2, stragglers={2: 4})):
             pass

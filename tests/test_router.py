@@ -368,6 +368,9 @@ def test_weights_and_health_change_live(bench_factory):
     st = b.router.worker_stats(1)
     assert st["batches"] == 1 and st["records"] == 8 and st["up"] == 1
     assert b.router.worker_stats(0)["up"] == 0 and b.router.stats()["replayed"] == 4
+    # placed: where each came (1-4 on worker 0, not where the failover took them); none answered yet
+    assert [(b.router.worker_stats(k)["placed"], b.router.worker_stats(k)["answered"]) for k in (0, 1)] == \
+        [(4, 0), (4, 0)]
     b.router.set_policy("affinity", 0.5)
     with pytest.raises(ValueError):
         b.router.set_weight(7, 1)
@@ -464,6 +467,8 @@ def test_peak_ewma_learns_from_answers_which_worker_is_slow(bench_factory, polic
         assert len(b.responses) == rid
     assert all(r["status"] == wire.STATUS_OK for r in b.responses)
     on_slow = [rid for rid in range(1, 21) if ran_on[rid] == 1]
+    for key in ("placed", "answered"):    # bench compare's straggler shares
+        assert [b.router.worker_stats(k)[key] for k in (0, 1)] == [20 - len(on_slow), len(on_slow)]
     if policy == "peak_ewma":   # a worker not measured yet is taken at the other's figure: a tie
         measured = max(min(r for r in ran_on if ran_on[r] == k) for k in (0, 1))
         assert measured < 10 and [r for r in on_slow if r > measured] == [], on_slow

@@ -48,6 +48,7 @@ cut off and its later records refused alike (stats["cut_on_refusal"]).
 from __future__ import annotations
 
 import gc
+import numbers
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -147,7 +148,7 @@ class _Segment:
 
 def check_slowdown(factor: float):
     """A straggler's factor: a number from 1 (not slowed) to 1000 (ValueError otherwise)."""
-    if not (isinstance(factor, (int, float)) and 1 <= factor <= 1000):
+    if isinstance(factor, bool) or not (isinstance(factor, numbers.Real) and 1 <= factor <= 1000):
         raise ValueError(f"a worker's slowdown must be a number from 1 (not slowed) to 1000, not {factor!r}")
 
 
@@ -329,6 +330,7 @@ class Worker:
         contexts = [c.length for c in caches]
         tokens = [np.concatenate(s.tokens) for s in segs]
         before = sum(c.nbytes for c in caches)
+        t_forward = time.monotonic_ns()
         try:
             logits = self.model.forward(list(zip(caches, tokens)))
         finally:
@@ -339,15 +341,17 @@ class Worker:
                 prefill=[(len(t), ctx) for s, t, ctx in zip(segs, tokens, contexts) if not s.decode],
                 decode_contexts=[ctx for s, ctx in zip(segs, contexts) if s.decode])
             self.stats["simulated_s"] += sim
-            self.device.spend_until(t_start + int(sim * 1e9))
+            # a straggler (a throttled or shared device): its device takes `slowdown` times as long
+            self.stats["slowed_s"] += sim * (self.slowdown - 1)
+            self.device.spend_until(t_start + int(sim * self.slowdown * 1e9))
+        elif self.slowdown > 1:
+            # no device: the forward pass lasts `slowdown` times what it took (waiting for the core
+            # included), the rest asleep, so the host's cores stay with the others; store restores
+            # and puts are not slowed: they are the store's time, not this worker's device's
+            extra = (time.monotonic_ns() - t_forward) * (self.slowdown - 1) / 1e9
+            self.stats["slowed_s"] += extra
+            time.sleep(extra)
         t_step = time.monotonic_ns()
-        if self.slowdown > 1:
-            # a straggler (a throttled or shared device): the step lasts `slowdown` times what it took;
-            # asleep, so the host's cores stay with the others, as another device's would
-            until = t_start + int((t_step - t_start) * self.slowdown)
-            self.stats["slowed_s"] += (until - t_step) / 1e9
-            time.sleep((until - t_step) / 1e9)
-            t_step = time.monotonic_ns()
         for seg, lg in zip(segs, logits):
             s = self.sessions[seg.key]
             self.sessions.move_to_end(seg.key)
@@ -639,7 +643,8 @@ class WorkerOptions:
     temperature: float = 0.0
     device: str | None = None
     sim_mode: str = "sleep"
-    slowdown: float = 1.0      # a straggler: each step lasts this many times what it took (>= 1)
+    slowdown: float = 1.0      # a straggler: its device's step time (without a device, its forward
+                               # pass) lasts this many times as long (1 to 1000)
 
     def build(self, store: SnapshotStore | None, return_logits: bool = False) -> Worker:
         from .devices import profile
