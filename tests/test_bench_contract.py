@@ -77,7 +77,6 @@ def test_compare_shows_which_policy_notices_a_straggler(tmp_path):
     m = data["metrics"]
     assert data["machine"]["stragglers"] == "worker 2 x20" and data["machine"]["workers"] == 3
     assert 0.3 < m["round_robin_straggler_placed_share"] < 0.37     # 40 of 120, give or take the warm-up's
-    assert m["round_robin_straggler_answered_share"] < m["round_robin_straggler_placed_share"]
     # (0.25 in a run with the slowdown left out: two idle workers tie on their queues, and the one
     # that looks faster takes most; so the bound is well under that, not just under a half)
     assert m["peak_ewma_straggler_placed_share"] < 0.1
