@@ -76,9 +76,9 @@ def test_compare_shows_which_policy_notices_a_straggler(tmp_path):
     data = json.loads((tmp_path / "compare.json").read_text())
     m = data["metrics"]
     assert data["machine"]["stragglers"] == "worker 2 x20" and data["machine"]["workers"] == 3
-    assert 0.3 < m["round_robin_straggler_placed_share"] < 0.37     # 40 of 120, give or take the warm-up's
-    # (0.25 in a run with the slowdown left out: two idle workers tie on their queues, and the one
-    # that looks faster takes most; so the bound is well under that, not just under a half)
+    assert 0.3 < m["round_robin_straggler_placed_share"] < 0.37     # 40 of 120
+    # well under a third, not just under it: without a straggler peak_ewma's shares are uneven too
+    # (idle workers tie on their queues and the one that looks faster takes most: 0.25 of two)
     assert m["peak_ewma_straggler_placed_share"] < 0.1
     assert "placed on / answered by the straggler" in (tmp_path / "compare" / "compare.md").read_text()
 
