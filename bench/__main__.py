@@ -66,12 +66,12 @@ def main(argv=None) -> int:
                    help="compare: workers simulate this device's step time (cpu, l4, h100, dpu: "
                         "datapath.serving.devices); default: the tiny model's own step time")
     p.add_argument("--workers", type=int, metavar="N",
-                   help="compare: worker processes, 1 to 16 (default 2; past the cores, give --device: its step "
-                        "time is spent asleep, the tiny model's own is not)")
+                   help="compare: worker processes, 1 to 16 (default 2; they share the cores the poll loop leaves, "
+                        "so past two give --device: its step time is spent asleep, the tiny model's own is not)")
     p.add_argument("--straggler", metavar="K:F[,K:F]",
                    help="compare: worker K is F times slower (its --device's step time, or its forward pass, "
                         "lasts F times as long: a slow device among healthy ones; F from 1 to 1000, K from 0); the "
-                        "table shows the share of requests it answered under each policy")
+                        "table shows the share of requests each policy placed on it, and of the 200s it answered)")
     args = p.parse_args(argv)
     # a flag its suite does not read is refused, not ignored: `bench e2e --policy static` ran plain e2e
     only = {"--policy": ("compare", args.policy is not None), "--rate": ("compare", args.rate != 40),

@@ -24,14 +24,15 @@ offered and achieved rates, the requests not answered 200 and the host's
 steal. References: the first name's figures (ratios are relative to it).
 --device makes every worker simulate that device profile's step time
 (datapath.serving.devices), so policies meet a GPU's step cost, not numpy's.
---workers N runs N worker processes (default 2, one per core here: past the
-cores, workers on the tiny model's own step time share a core, so use --device,
-whose simulated time is spent asleep). --straggler K:F makes worker K F times slower: its device's step time (without --device, its
-forward pass) lasts F times as long (a throttled
-or shared device among healthy ones): the table then shows the share of the
-requests placed on the slow worker(s) (router worker stat `placed`: the
-policy's decisions) and of the 200s they answered (`answered`), so a policy
-that notices one (peak_ewma) can be told from one that cannot (round_robin).
+--workers N runs N worker processes (default 2; they share the cores the poll
+loop leaves, one on a 2-core machine, so workers on the tiny model's own step
+time slow each other: with --device the simulated time is spent asleep).
+--straggler K:F makes worker K F times slower: its device's step time (without
+--device, its forward pass) lasts F times as long (a throttled or shared device
+among healthy ones). The table then shows the share of the requests placed on
+the slow worker(s) (router worker stat `placed`: the policy's decisions) and of
+the 200s they answered (`answered`), so a policy that notices one (peak_ewma)
+can be told from one that cannot (round_robin).
 
 Every pipeline gets a fresh shared snapshot store: sessions return (61 of
 them cycle through the offer), and a policy that sends a session's next request to another
@@ -49,7 +50,7 @@ import pathlib
 
 import numpy as np
 
-from bench.e2e import (OUTPUT, PROMPT, _config, _left_out, _offer, _pcts, _progress, _warm_up, drain_s,
+from bench.e2e import (OUTPUT, PROMPT, _config, _idle, _left_out, _offer, _pcts, _progress, _warm_up, drain_s,
                        fresh_store, require_root_and_bcc)
 from bench.report import _jsonable, report_dir
 from datapath.pipeline import Pipeline
@@ -110,7 +111,7 @@ def parse_names(spec: str) -> list[tuple[str, str, float | None]]:
     return out
 
 
-WORKERS = 2        # by default (bench.e2e._config pins the workers to every core but the poll loop's)
+WORKERS = 2        # by default (bench.e2e._config pins them all to the cores the poll loop leaves: one here)
 MAX_WORKERS = 16   # each a process holding a model: more is a test of the host, not of a policy
 
 
@@ -119,6 +120,8 @@ def parse_stragglers(spec: str | None, workers: int = WORKERS) -> dict[int, floa
     1..1000 (serving.worker.check_slowdown), or one named twice."""
     from datapath.serving.worker import check_slowdown
     out: dict[int, float] = {}
+    if spec is not None and not spec.strip(" ,"):
+        raise ValueError("--straggler names no worker: give WORKER:FACTOR, e.g. 1:4")
     for part in (x.strip() for x in (spec or "").split(",")):
         if not part:
             continue
@@ -163,6 +166,7 @@ def _one(label: str, name: str, param: float | None, device: str | None, rate: f
     with fresh_store() as store, Pipeline(_config(shared_store=store, device=device, key_secret=seed,
                                                   workers=workers, stragglers=stragglers, **kw)) as p:
         _warm_up(p, device)
+        _idle(p)      # the warm-up's last answers (a straggler's come late) are not the offer's
         st0, store0 = p.router.stats(), p.store_stats()     # the counts below are the offer's own
         per0 = [p.router.worker_stats(k) for k in range(workers)]
         res = _offer(p, rate, seconds, prompt_tokens=PROMPT, max_output_tokens=OUTPUT,
@@ -268,7 +272,9 @@ def run(report, args):
                      f"{100 * len(stragglers) / workers:.0f}% of the requests there. Placed: where each request "
                      f"went as it came (router worker stat `placed`: the policy's decision); answered: of the "
                      f"requests answered 200, those that ended there (`answered`: a failover counts where it "
-                     f"ended; a request still queued when the offer ended is placed, not answered).")
+                     f"ended; a request still queued when the offer ended is placed, not answered)."
+                     + (" A batching mode's row (dynamic, static) routes by affinity." if any(
+                         name in ("dynamic", "static") for _, name, _ in names) else ""))
     (out / "compare.md").write_text("\n".join(lines) + "\n")
     (out / "rows.json").write_text(json.dumps(_jsonable(rows), indent=1, allow_nan=False) + "\n")
     _plot(rows, out / "compare.png", slow_said)

@@ -22,6 +22,7 @@ import contextlib
 import itertools
 import mmap
 import multiprocessing
+import numbers
 import os
 import signal
 import socket
@@ -460,9 +461,10 @@ class Pipeline:
         cfg, es = self.cfg, self._stack
         if cfg.lane_wait not in WAIT_MODES:
             raise ValueError(f"lane_wait must be one of {', '.join(WAIT_MODES)}, not {cfg.lane_wait!r}")
-        n = sum(spec[1] for spec in cfg.pools) if cfg.pools else cfg.workers
+        # (a malformed pools is _admission's to refuse, in its words)
+        n = sum(s[1] for s in cfg.pools if len(s) in (2, 3) and isinstance(s[1], int)) if cfg.pools else cfg.workers
         for k, factor in cfg.stragglers.items():
-            if not (isinstance(k, int) and 0 <= k < n):
+            if isinstance(k, bool) or not (isinstance(k, numbers.Integral) and 0 <= k < n):
                 raise ValueError(f"stragglers: worker {k!r} is not one of the {n} workers (0-based)")
             check_slowdown(factor)
         self.topo = es.enter_context(Topology(clients=1))

@@ -33,7 +33,7 @@ def test_bench_help_and_bad_suite():
     for spec, said in (("2:4", "the worker is 0..1"), ("1:0.5", "from 1 (not slowed) to 1000"), ("1", "give WORKER:FACTOR"),
                        ("x:4", "give WORKER:FACTOR"), ("1:4,1:2", "names worker 1 twice"),
                        ("3:2 --workers 3", "the worker is 0..2 (--workers 3)"), ("0:2 --workers 17", "--workers must be 1..16"),
-                       ("0:2 --workers 0", "--workers must be 1..16")):
+                       ("0:2 --workers 0", "--workers must be 1..16"), (",", "names no worker")):
         spec, *more = spec.split()
         r = subprocess.run([sys.executable, "-m", "bench", "compare", "--policy", "peak_ewma", "--straggler", spec,
                             *more, "--json", "/dev/null"], capture_output=True, text=True, timeout=60)

@@ -298,3 +298,6 @@ def test_a_straggler_that_is_not_one_of_the_workers_is_refused_before_anything_i
     with pytest.raises(ValueError, match="slowdown must be a number from 1"):
         with Pipeline(_config(workers=2, stragglers={1: 0.5})):
             pass
+    with pytest.raises(ValueError, match="stragglers: worker True is not one of"):
+        with Pipeline(_config(workers=2, stragglers={True: 4})):
+            pass

@@ -364,13 +364,19 @@ def test_weights_and_health_change_live(bench_factory):
     for rid in range(5, 9):
         b.send(chunks_of(rid, [1], max_out=1))
     b.router.poll()
-    assert sorted(b.workers[1].recv_batch(0)["request_id"].tolist()) == [1, 2, 3, 4, 5, 6, 7, 8]
+    batch = b.workers[1].recv_batch(0)
+    assert sorted(batch["request_id"].tolist()) == [1, 2, 3, 4, 5, 6, 7, 8]
     st = b.router.worker_stats(1)
     assert st["batches"] == 1 and st["records"] == 8 and st["up"] == 1
     assert b.router.worker_stats(0)["up"] == 0 and b.router.stats()["replayed"] == 4
-    # placed: where each came (1-4 on worker 0, not where the failover took them); none answered yet
-    assert [(b.router.worker_stats(k)["placed"], b.router.worker_stats(k)["answered"]) for k in (0, 1)] == \
-        [(4, 0), (4, 0)]
+    # placed: where each came (1-4 on worker 0); answered: where each ended (all 8 on worker 1)
+    def placed_answered():
+        return [(b.router.worker_stats(k)["placed"], b.router.worker_stats(k)["answered"]) for k in (0, 1)]
+    assert placed_answered() == [(4, 0), (4, 0)]
+    assert b.workers[1].send_completion(lanes.completion_for(batch, [7] * len(batch), worker=1))
+    b.router.poll()
+    b.collect()
+    assert len(b.responses) == 8 and placed_answered() == [(4, 0), (4, 8)]
     b.router.set_policy("affinity", 0.5)
     with pytest.raises(ValueError):
         b.router.set_weight(7, 1)
