@@ -71,7 +71,7 @@ def main(argv=None) -> int:
     p.add_argument("--straggler", metavar="K:F[,K:F]",
                    help="compare: worker K is F times slower (its --device's step time, or its forward pass, "
                         "lasts F times as long: a slow device among healthy ones; F from 1 to 1000, K from 0); the "
-                        "table shows the share of requests each policy placed on it, and of the 200s it answered)")
+                        "table shows the share of requests each policy placed on it, and of the 200s it answered")
     args = p.parse_args(argv)
     # a flag its suite does not read is refused, not ignored: `bench e2e --policy static` ran plain e2e
     only = {"--policy": ("compare", args.policy is not None), "--rate": ("compare", args.rate != 40),
