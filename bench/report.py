@@ -32,7 +32,8 @@ from matplotlib.ticker import FuncFormatter
 
 from datapath.metrics import Distribution
 
-SWEEP_COLUMNS = [("qps", "offered qps"), ("achieved_qps", "achieved qps"), ("p50_ms", "p50 ms"),
+SWEEP_COLUMNS = [("qps", "nominal qps"), ("offered_qps", "offered qps"), ("achieved_qps", "achieved qps"),
+                 ("p50_ms", "p50 ms"),
                  ("p95_ms", "p95 ms"), ("p99_ms", "p99 ms"), ("step_p50_ms", "worker step p50 ms"),
                  ("requests", "requests"), ("errors", "errors"), ("unanswered", "of them unanswered"),
                  ("late_max_ms", "sender late max ms"), ("steal_pct", "host steal %")]
@@ -254,9 +255,10 @@ def _plot_latency_vs_load(path: pathlib.Path, sweep: dict) -> pathlib.Path:
     fig = _figure(8, 5)
     ax = fig.add_subplot()
     for colour, (mode, points) in zip(_colours(), sweep.items()):
-        points = sorted(points, key=lambda p: p["qps"])
+        x = "offered_qps" if all(_plottable(p.get("offered_qps")) for p in points) else "qps"   # as it happened
+        points = sorted(points, key=lambda p: p[x])
         for key, label, style in SWEEP_LINES:
-            shown = [(p["qps"], p[key]) for p in points if _plottable(p.get(key))]
+            shown = [(p[x], p[key]) for p in points if _plottable(p.get(key))]
             if shown:
                 ax.plot(*zip(*shown), style, marker="o", markersize=4, color=colour, label=f"{mode} {label}")
     ax.set_xscale("log")

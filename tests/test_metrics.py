@@ -55,6 +55,17 @@ def test_skewed_percentiles_are_within_precision_of_the_samples():
         assert covered >= p / 100 - 1 / samples.size and covered_below < p / 100, key
 
 
+@pytest.mark.parametrize("n", [20, 200, 640, 759, 1000, 1001])
+def test_percentiles_take_the_nearest_rank(n):
+    """ceil(p n / 100): hdrh rounded p n / 100 to the nearest, one sample low whenever its fraction
+    was under a half (759 samples: p95 the 721st, p99 the 751st, p99.9 the 758th, not the largest)."""
+    samples = np.arange(1, n + 1) * 1000            # distinct, well apart at 3 significant digits
+    d = Distribution(samples)
+    for p in (50, 95, 99, 99.9):
+        want = samples[math.ceil(p * n / 100) - 1]
+        assert abs(d.percentile(p) - want) <= want * PRECISION, (n, p)
+
+
 def test_summary_keys_and_log2_counts_every_sample():
     d = Distribution([100, 200, 200, 5000])
     s = d.summary()

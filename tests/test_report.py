@@ -66,7 +66,7 @@ def test_markdown_has_the_machine_references_sweep_stages_and_ratios(tmp_path, i
                 "| pingpong_oneway_ns | 95.5 | ns |", "| e2e_xdp_to_lane_p50_ns_vs_pingpong_oneway_ns | 7.455 | x |"]:
         assert row in md, row
     for mode in sweep:
-        assert f"### {mode}\n\n| offered qps |" in md
+        assert f"### {mode}\n\n| nominal qps | offered qps |" in md
     static_table = md.split("### static")[1].split("\n\n")[1].splitlines()[2:]
     assert [row.split(" | ")[0] for row in static_table] == ["| 10", "| 50", "| 200"], "sorted by offered load"
     assert static_table[0].startswith("| 10 | 9.8 | 310 | 465 | 620 | 77.5 | 100 | 1 |")
