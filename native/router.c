@@ -2079,9 +2079,16 @@ static void failover(struct dp_router *rt, uint32_t k)
     w->n_decoding = w->st.decoding = 0;
     w->n_set = 0;
     depth_add(rt, (int)k, -(int32_t)rt->view.depth[k], -(int32_t)rt->view.tokens[k]);
+    /* a session's earliest unfinished request first, then those held behind it, which go where the
+     * session now is (session_home), as close_session and kv_move place them: each picked anew, a
+     * held CLOSE ran on a worker that did not hold the session, which kept it for good (found by
+     * review, session 27) */
+    for (int pass = 0; pass < 2; pass++)
     for (uint32_t ri = 0; ri < rt->cfg.max_requests; ri++) {
         struct req *r = &rt->reqs[ri];
         if (r->state == REQ_FREE || r->worker != (int16_t)k)
+            continue;
+        if (pass == 0 && r->in_session && r->session_prev != NIL && r->state != REQ_DONE)
             continue;
         if (r->state == REQ_DONE) {      /* failed, waiting for records the dead worker will not answer */
             if (r->inflight) {
@@ -2095,7 +2102,17 @@ static void failover(struct dp_router *rt, uint32_t k)
                            || (r->pending_head != NIL && rt->pool[r->pending_head].sent);
         struct dp_request rq = { r->session_id, r->tenant, r->close ? 0 : prompt_bound(r), r->max_output,
                                  r->chunk_count, pass_clock(rt) };
-        int nk = r->replayed && ran ? -1 : pick_worker(rt, &rq, r->spill, &r->pool, &spilled);
+        uint64_t sk = session_key(rt, r->tenant, r->session_id);
+        int nk = -1;
+        if (!(r->replayed && ran)) {
+            nk = pass ? session_home(rt, sk, r->in_session ? r->session_prev : NIL) : -1;
+            if (nk >= 0) {
+                r->pool = rt->w[nk].pool;
+                rt->pools[r->pool].requests++;
+            } else {
+                nk = pick_worker(rt, &rq, r->spill, &r->pool, &spilled);
+            }
+        }
         if (nk < 0) {
             rt->st.bad_picks += nk == -2;
             rt->st.replay_refused += r->replayed && ran;
@@ -2109,7 +2126,7 @@ static void failover(struct dp_router *rt, uint32_t k)
         }
         requeue_all(rt, r, nk);
         r->worker = (int16_t)nk;
-        note_run(rt, session_key(rt, r->tenant, r->session_id), nk);
+        note_run(rt, sk, nk);
         r->kv_moves = 0;                 /* a KV-full walk begins again: the pool it walked has changed */
         r->moved = 1;                    /* replayed elsewhere: its session moved for sure */
         r->replayed |= (uint8_t)ran;     /* its turn may be in the store (DP_CHUNK_F_REPLAY) */

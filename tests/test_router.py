@@ -765,6 +765,31 @@ def test_a_moved_session_replayed_by_failover_is_closed_where_it_ran_again(bench
     assert b.router.stats()["kv_homes"] == 0
 
 
+@pytest.mark.parametrize("policy", ["round_robin", "affinity", "least_loaded"])
+def test_a_failover_sends_a_held_close_where_its_session_went(bench_factory, policy):
+    """Request 6 runs on a worker and its session's CLOSE (7) waits behind it there; the worker
+    dies. The failover replays 6 on another worker, and the CLOSE goes where 6 went: each was
+    picked anew by the policy before, and the CLOSE ran on a worker that never held the session,
+    while the replay's worker kept it for good (found by review: every policy here did it)."""
+    b = bench_factory(n_workers=3, policy=policy)
+    close = chunks_of(7, [], session=9)
+    close["kind"], close["n_tokens"] = wire.KIND_CLOSE, 0
+    b.send(chunks_of(6, [1, 2, 3], session=9, max_out=1), close)
+    b.router.poll()
+    (k,) = batches_waiting(b)
+    assert b.workers[k].recv_batch(0)["request_id"].tolist() == [6]   # taken; the CLOSE waits behind it
+    b.router.set_up(k, False)
+    b.router.poll()
+    ran_on = {}
+    for _ in range(20):
+        for j in range(3):
+            if j != k and (batch := b.step(j)) is not None:
+                for r in batch:
+                    ran_on.setdefault(int(r["request_id"]), set()).add(j)
+    assert {int(r["request_id"]): int(r["status"]) for r in b.responses} == {6: 200, 7: 200}
+    assert ran_on[6] == ran_on[7] and len(ran_on[6]) == 1, ran_on
+
+
 def test_a_request_every_worker_has_no_kv_room_for_is_refused_503_saying_why(bench_factory):
     """Each worker of the pool is tried once, from the one after the first to refuse it; then the
     client gets the 503 and its body."""
