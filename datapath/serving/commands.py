@@ -100,7 +100,8 @@ def add_parsers(sub):
     w.add_argument("--sim", choices=["sleep", "busy"], default="sleep",
                    help="how simulated time is spent: asleep, or spinning a core (default sleep)")
     w.add_argument("--slowdown", type=_slowdown, default=1.0, metavar="F",
-                   help="a straggler: each step lasts F times what it took, 1 to 1000 (default 1: not slowed)")
+                   help="a straggler: the --device's step time (without one, the forward pass) lasts F times as "
+                        "long, 1 to 1000 (default 1: not slowed)")
     w.add_argument("--temperature", type=positive(float, zero_ok=True), default=0.0, help="0 = greedy (default)")
     w.add_argument("--demo", type=positive(int, most=1000), metavar="N",
                    help="run N requests through an in-process router and print them")
