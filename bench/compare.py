@@ -250,13 +250,12 @@ def run(report, args):
             report.note(f"{label}: {row['errors']} of {row['requests']} requests not answered 200; the "
                         f"percentiles count 200s and the unanswered, not other answers (a policy that "
                         f"fails fast would look fast)")
-        if row["achieved_qps"] < 0.95 * row["offered_qps"] and stragglers and not row["unanswered"]:
-            report.note(f"{label}: answered {row['achieved_qps']:.1f} of {row['offered_qps']:.1f} req/s offered, "
-                        f"counted from its first answer to its last, which the straggler's slow answers stretch "
-                        f"past the offer; every request was answered within the drain: read the percentiles")
-        elif row["achieved_qps"] < 0.95 * row["offered_qps"]:
-            report.note(f"{label}: answered {row['achieved_qps']:.1f} of {row['offered_qps']:.1f} req/s "
-                        f"offered: past what it sustains, its percentiles grow with the run's length")
+        if row["achieved_qps"] < 0.95 * row["offered_qps"]:
+            said = f"{label}: answered {row['achieved_qps']:.1f} of {row['offered_qps']:.1f} req/s offered"
+            report.note(f"{said}, counted from its first answer to its last, which the straggler's slow answers "
+                        f"stretch past the offer; every request was answered within the drain: read the percentiles"
+                        if stragglers and not row["unanswered"] else
+                        f"{said}: past what it sustains, its percentiles grow with the run's length")
     report.note("send->response from each request's scheduled send; percentiles over the rounds pooled "
                 "(200 answers, and the unanswered at the time they had waited); p95_ms_per_round in rows.json, "
                 "beside the table, shows how much one round moved")

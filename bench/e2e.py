@@ -462,8 +462,8 @@ def _goal_p95(row: dict) -> float:
     than 200 (those are in no percentile, so the p95 of the rest reads low: 5% refused made it
     the p90 of all) or more than 5% were unanswered (in the percentiles only at the time they had
     waited, a lower bound)."""
-    refused = row["errors"] - row.get("unanswered", 0)
-    return float("inf") if refused > 0 or row.get("unanswered", 0) > 0.05 * row["requests"] else row["p95_ms"]
+    refused = row["errors"] - row["unanswered"]
+    return float("inf") if refused > 0 or row["unanswered"] > 0.05 * row["requests"] else row["p95_ms"]
 
 
 def _spread_at_80pct_interpolated(rows: list[dict]) -> float | None:

@@ -410,6 +410,15 @@ def _remote_store(endpoint: str, index: int):
     return WorkerStore(RemoteStore(endpoint), MASTER_SECRET)
 
 
+def _placement(cfg: PipelineConfig) -> list[tuple]:
+    """(pool, device, nice) of each worker: the pools in order, or one pool of cfg.workers."""
+    if not cfg.pools:
+        return [(0, cfg.device, 0)] * cfg.workers
+    if len(cfg.pools) > MAX_POOLS or any(len(spec) not in (2, 3) or spec[1] < 1 for spec in cfg.pools):
+        raise ValueError(f"pools: at most {MAX_POOLS} (device, workers >= 1[, nice]), not {cfg.pools}")
+    return [(p, dev, nice) for p, (dev, n, nice) in enumerate((*spec, 0)[:3] for spec in cfg.pools) for _ in range(n)]
+
+
 class Pipeline:
     def __init__(self, cfg: PipelineConfig | None = None):
         self.cfg = cfg or PipelineConfig()
@@ -461,8 +470,8 @@ class Pipeline:
         cfg, es = self.cfg, self._stack
         if cfg.lane_wait not in WAIT_MODES:
             raise ValueError(f"lane_wait must be one of {', '.join(WAIT_MODES)}, not {cfg.lane_wait!r}")
-        # (a malformed pools is _admission's to refuse, in its words)
-        n = sum(s[1] for s in cfg.pools if len(s) in (2, 3) and isinstance(s[1], int)) if cfg.pools else cfg.workers
+        self.placement = _placement(cfg)      # (refused before anything is built)
+        n = len(self.placement)
         for k, factor in cfg.stragglers.items():
             if isinstance(k, bool) or not (isinstance(k, numbers.Integral) and 0 <= k < n):
                 raise ValueError(f"stragglers: worker {k!r} is not one of the {n} workers (0-based)")
@@ -533,17 +542,12 @@ class Pipeline:
         return f"{self.tag}.w{k}" + (f".{replacement}" if replacement else "")
 
     def _admission(self, cfg: PipelineConfig):
-        """Pools (placement[k] = (pool, device, nice) of worker k) and the tenants' admission settings."""
+        """The pools' prices and room, and the tenants' admission settings."""
         from .admission import pool_price_per_1k
         if cfg.pools:
-            pools = [(*spec, 0)[:3] for spec in cfg.pools]
-            if len(pools) > MAX_POOLS or any(len(spec) not in (2, 3) or spec[1] < 1 for spec in cfg.pools):
-                raise ValueError(f"pools: at most {MAX_POOLS} (device, workers >= 1[, nice]), not {cfg.pools}")
-            self.placement = [(p, dev, nice) for p, (dev, n, nice) in enumerate(pools) for _ in range(n)]
-            for p, (dev, _, _) in enumerate(pools):
+            for p, (dev, *_) in enumerate(cfg.pools):
                 self.router.set_pool(p, pool_price_per_1k(dev), cfg.pool_room_per_worker)
         else:
-            self.placement = [(0, cfg.device, 0)] * cfg.workers
             if cfg.pool_room_per_worker:
                 self.router.set_pool(0, 0, cfg.pool_room_per_worker)
         if cfg.default_tenant is not None:
@@ -621,6 +625,7 @@ class Pipeline:
         self.worker_hangs: list[int] = []                      # workers killed for holding a batch too long
         self.worker_replacements: list[dict] = []              # each replacement: worker, pid, when, ...
         hang_s = self.cfg.worker_hang_s
+        patience = lambda k: hang_s * self.cfg.stragglers.get(k, 1)   # a straggler's is its factor's
         quick: dict[int, int] = {}                             # worker -> its exits in a row soon after serving
 
         def hung(k: int, seen: dict) -> bool:
@@ -629,7 +634,7 @@ class Pipeline:
             if not st["busy"] or seen.get(k, (None,))[0] != st["completions"]:
                 seen[k] = (st["completions"], now)     # idle, or it completed something since
                 return False
-            return now - seen[k][1] > hang_s * self.cfg.stragglers.get(k, 1)   # a straggler's patience
+            return now - seen[k][1] > patience(k)
 
         def replace(k: int, t_exit: float, seen: dict):
             """Worker k's fresh process on a fresh lane (the old lane may hold a batch the router
@@ -715,8 +720,8 @@ class Pipeline:
                     w.killed = True
                     self.worker_hangs.append(k)
                     w.kill()                       # its exit is seen above on a later pass
-                    print(f"pipeline: worker {k} held a batch {hang_s * self.cfg.stragglers.get(k, 1):g} s "
-                          f"without completing anything: killed", file=sys.stderr, flush=True)
+                    print(f"pipeline: worker {k} held a batch {patience(k):g} s without completing anything: "
+                          f"killed", file=sys.stderr, flush=True)
             return True
 
         def watch():
