@@ -148,9 +148,13 @@ def _sweep_section(sweep: dict) -> list[str]:
         lines += [f"### {mode}", "", "| " + " | ".join(h for _, h in SWEEP_COLUMNS) + " |",
                   "|" + "---:|" * len(SWEEP_COLUMNS)]
         lines += ["| " + " | ".join(_number(p.get(key)) for key, _ in SWEEP_COLUMNS) + " |"
-                  for p in sorted(points, key=lambda p: p.get("qps", 0))]
+                  for p in sorted(points, key=lambda p: (p.get("offered_qps") or 0, p.get("qps", 0)))]
         if not points:
             lines.append("| " + " | ".join(["n/a"] * len(SWEEP_COLUMNS)) + " |")
+        lines += [line for p in points if p.get("aimed_at_saturation_fraction")
+                  for line in ("", f"The row at a nominal {_number(p['qps'])} req/s was aimed to offer "
+                                   f"{p['aimed_at_saturation_fraction']:.0%} of the most this mode answered "
+                                   f"(its seeded draws read beforehand), where the goal's flatness ends.")]
         lines.append("")
     return lines + ["![p50, p95 and p99 latency versus offered load](latency_vs_load.png)"]
 

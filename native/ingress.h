@@ -179,6 +179,10 @@ struct dp_send_stats {
 
 int dp_send_poisson(int fd, const uint8_t *pkts, uint32_t stride, const uint16_t *lens, uint32_t n_pkts,
                     const struct dp_send_cfg *cfg, struct dp_send_stats *st);
+/* The schedule dp_send_poisson draws from `seed` (merge 1), at rate 1/s: the time of its
+ * count-th packet, in seconds. At rate r that packet is due span/r after the start, so
+ * the run offers count * r / span packets/s: a short run's draws stray from r. */
+double dp_poisson_unit_span(uint64_t seed, uint64_t count);
 
 /* CDEF END */
 

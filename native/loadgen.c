@@ -56,7 +56,6 @@ uint64_t dp_req_tag_of(const uint8_t *hdr, const uint8_t *key)
     return dp_req_tag(w, k[0], k[1]);
 }
 
-/* exponential gap with mean 1/rate, in ns */
 static uint16_t chunk_of(const uint8_t *pkts, uint32_t stride, uint32_t n_pkts, uint64_t seq)
 {
     uint16_t chunk;
@@ -64,11 +63,27 @@ static uint16_t chunk_of(const uint8_t *pkts, uint32_t stride, uint32_t n_pkts, 
     return chunk;
 }
 
-static uint64_t next_gap(uint64_t *rng, double rate)
+/* exponential gap with mean 1 (the schedule at rate 1/s, in seconds) */
+static double unit_gap(uint64_t *rng)
 {
     double u = ((xorshift(rng) >> 11) + 1) * (1.0 / 9007199254740993.0);   /* (0, 1] */
-    double gap = -log(u) / rate * 1e9;
+    return -log(u);
+}
+
+/* exponential gap with mean 1/rate, in ns */
+static uint64_t next_gap(uint64_t *rng, double rate)
+{
+    double gap = unit_gap(rng) / rate * 1e9;
     return gap < 1e18 ? (uint64_t)gap : (uint64_t)1e18;   /* a cast past uint64_t is undefined */
+}
+
+double dp_poisson_unit_span(uint64_t seed, uint64_t count)
+{
+    uint64_t rng = seed_state(seed);
+    double span = 0;
+    while (count--)
+        span += unit_gap(&rng);
+    return span;
 }
 
 /* Sleep until t, or until a response arrives (so its round trip is stamped when it lands,

@@ -244,6 +244,32 @@ def test_the_flatness_at_80pct_is_interpolated_between_the_rows_either_side():
     assert _spread_at_80pct_interpolated(refused) == float("inf")
 
 
+@pytest.mark.root
+@pytest.mark.bpf
+def test_a_saturated_dynamic_sweep_measures_a_row_aimed_at_80pct_of_saturation():
+    """Once a dynamic sweep saturates, one more row is offered, aimed (client.rate_to_offer) at
+    80% of the most it answered: where the flatness goal ends, not where the draws put a round
+    rate. A worker slowed 40x saturates the tiny model at a few requests a second."""
+    from bench.contract import Report
+    from bench.e2e import _config, _spread_to_80pct, _sweep_mode, _sweep_rate, _warm_up
+    from datapath.pipeline import Pipeline
+    report = Report("e2e", quick=True)
+    with Pipeline(_config(batching="dynamic", workers=1, stragglers={0: 40})) as p:
+        _warm_up(p, None)
+        first = _sweep_rate(p, 2, 6, None)
+        rows = _sweep_mode(report, p, "dynamic", None, [4, 8, 16, 32, 64], lambda rate: 3.0, "_t", first)
+    aimed = [r for r in rows if r.get("aimed_at_saturation_fraction")]
+    assert len(aimed) == 1, rows
+    line = 0.8 * max(r["achieved_qps"] for r in rows)
+    # it offered the line: a hair under it, counted within; lag could only lower it
+    assert 0.97 * line < aimed[0]["offered_qps"] <= line
+    assert aimed[0]["errors"] == 0
+    assert rows[0] is first and [r["offered_qps"] for r in rows[1:]] == sorted(r["offered_qps"] for r in rows[1:])
+    assert report.metrics["sweep_t_p95_ms_dynamic_at_80pct"] == aimed[0]["p95_ms"]
+    # the nearest row to the goal's edge is among those the flatness reads
+    assert _spread_to_80pct(rows) >= aimed[0]["p95_ms"] / first["p95_ms"]
+
+
 def test_compare_fails_a_name_whose_figures_would_leave_requests_out():
     """A policy answered 503 everywhere had no latency, its ratios null and its status ok; one that
     failed fast in part had percentiles over its fast 200s alone, with a note. Both fail the suite

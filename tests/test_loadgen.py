@@ -27,6 +27,28 @@ def test_offered_rate_is_the_asked_rate():
         sink.close(), tx.close()
 
 
+def test_a_run_aimed_with_rate_to_offer_offers_what_it_was_aimed_at():
+    """A short run's draws stray from its nominal rate; rate_to_offer reads the same seeded
+    schedule the sender draws, so the run it aims offers the target (its lag only lowers it)."""
+    sink, tx = pair()
+    try:
+        pkts = client.request_packets(1, 1, 1, [1, 2, 3])
+        target, count = 2000.0, 400
+        for seed in (1, 2):
+            nominal = client.rate_to_offer(target, count, seed)
+            stray = client.send(tx, pkts, rate=target, count=count, duration=5, drain_ms=0, seed=seed)
+            aimed = client.send(tx, pkts, rate=nominal, count=count, duration=5, drain_ms=0, seed=seed)
+            assert stray["sent"] == aimed["sent"] == count
+            # the schedule it read is the sender's: unaimed, it offered target * target / nominal
+            assert stray["offered_pps"] == pytest.approx(target * target / nominal, rel=0.01)
+            assert abs(stray["offered_pps"] / target - 1) > 0.01, "this seed's draws do not stray: no test"
+            assert 0.99 * target < aimed["offered_pps"] <= target * (1 + 1e-9), aimed["offered_pps"]
+        with pytest.raises(ValueError, match="finite rate > 0"):
+            client.rate_to_offer(0, 10)
+    finally:
+        sink.close(), tx.close()
+
+
 def test_request_ids_continue_from_seq_base():
     sink, tx = pair()
     try:

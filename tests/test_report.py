@@ -79,6 +79,18 @@ def test_markdown_has_the_machine_references_sweep_stages_and_ratios(tmp_path, i
         assert f"]({plot})" in md
 
 
+def test_the_sweep_table_runs_by_offered_load_and_says_which_row_was_aimed(tmp_path, inputs):
+    """A row aimed at 80% of saturation has the nominal rate its draws needed (51.2 to offer 44.5,
+    under the 50 row's 47.1): the table follows the offered load and names the row."""
+    results, stages, sweep, memory, scenarios = inputs
+    aimed = {**sweep_point(51.2, 60), "offered_qps": 44.5, "aimed_at_saturation_fraction": 0.8}
+    sweep = {"dynamic": [sweep_point(10, 40), {**sweep_point(50, 70), "offered_qps": 47.1}, aimed]}
+    md = write_report(tmp_path, results, stages, sweep, memory, scenarios)["report.md"].read_text()
+    table = md.split("### dynamic")[1].split("\n\n")[1].splitlines()[2:]
+    assert [row.split(" | ")[0] for row in table] == ["| 10", "| 51.2", "| 50"]
+    assert "The row at a nominal 51.2 req/s was aimed to offer 80% of the most this mode answered" in md
+
+
 @pytest.mark.parametrize("plot", PLOTS)
 def test_plots_are_real_pngs(tmp_path, inputs, plot):
     data = write_report(tmp_path, *inputs)[plot].read_bytes()
