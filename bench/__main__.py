@@ -36,6 +36,7 @@ EPILOG = """examples:
     sudo python -m bench compare --policy dynamic,static --device l4 --rate 30   # on a simulated L4's step time
     sudo python -m bench compare --policy round_robin,least_tokens,peak_ewma --straggler 1:4   # worker 1 4x slower
     sudo python -m bench compare --policy power_of_two,peak_ewma --device l4 --workers 4 --straggler 0:3 --rate 60
+    sudo python -m bench compare --policy round_robin,peak_ewma --straggler 1:4@4   # slow from 4 s in
 """
 
 
@@ -68,10 +69,12 @@ def main(argv=None) -> int:
     p.add_argument("--workers", type=int, metavar="N",
                    help="compare: worker processes, 1 to 16 (default 2; they share the cores the poll loop leaves, "
                         "so past two give --device: its step time is spent asleep, the tiny model's own is not)")
-    p.add_argument("--straggler", metavar="K:F[,K:F]",
+    p.add_argument("--straggler", metavar="K:F[@T][,...]",
                    help="compare: worker K is F times slower (its --device's step time, or its forward pass, "
                         "lasts F times as long: a slow device among healthy ones; F from 1 to 1000, K from 0); the "
-                        "table shows the share of requests each policy placed on it, and of the 200s it answered")
+                        "table shows the share of requests each policy placed on it, and of the 200s it answered. "
+                        "K:F@T: it turns slow T seconds into each run (10 s, 3 with --quick), and a timeline "
+                        "shows how fast each policy moved off it")
     args = p.parse_args(argv)
     # a flag its suite does not read is refused, not ignored: `bench e2e --policy static` ran plain e2e
     only = {"--policy": ("compare", args.policy is not None), "--rate": ("compare", args.rate != 40),

@@ -32,7 +32,11 @@ time slow each other: with --device the simulated time is spent asleep).
 among healthy ones). The table then shows the share of the requests placed on
 the slow worker(s) (router worker stat `placed`: the policy's decisions) and of
 the 200s they answered (`answered`), so a policy that notices one (peak_ewma)
-can be told from one that cannot (round_robin).
+can be told from one that cannot (round_robin). --straggler K:F@T turns worker K
+slow T seconds into each run instead (a device throttled mid-run): compare.md
+and timeline.png then show, second by second from the turn, the share placed
+on it and the p95, and when each policy settled (every second from then on
+placing at most half an even share there): how fast a policy notices.
 
 Every pipeline gets a fresh shared snapshot store: sessions return (61 of
 them cycle through the offer), and a policy that sends a session's next request to another
@@ -47,6 +51,7 @@ from __future__ import annotations
 import json
 import math
 import pathlib
+import time
 
 import numpy as np
 
@@ -54,6 +59,7 @@ from bench.e2e import (OUTPUT, PROMPT, _config, _idle, _left_out, _offer, _pcts,
                        fresh_store, require_root_and_bcc)
 from bench.report import _jsonable, report_dir
 from datapath.pipeline import Pipeline
+from datapath.records import KIND_DECODE
 from datapath.router import policy_params, refuse_unread_param
 from datapath.serving.devices import PROFILES
 
@@ -76,6 +82,51 @@ def _plot(rows: list[dict], path: pathlib.Path, stragglers: str):
     ax.set_title(f"same load for each: {rows[0]['qps']:g} requests/s offered"
                  + (f"; straggler {stragglers}" if stragglers != "none" else ""))
     ax.legend()
+    fig.tight_layout()
+    FigureCanvasAgg(fig).print_png(str(path))
+
+
+def _timeline_table(rows: list[dict], turn_s: float, even_share: float) -> list[str]:
+    windows = rows[0]["timeline"]["windows"]
+    head = ["before"] + [f"{w['from_s']:g}-{w['to_s']:g} s" for w in windows[1:]]
+    cell = lambda w: ("n/a" if not w["placed"] else
+                      f"{100 * w['straggler_share']:.0f}% · "
+                      + (f"{w['p95_ms']:.0f} ms" if w["p95_ms"] is not None else "none ran")
+                      + (f" ({w['ran']} of {w['placed']} ran)" if w["ran"] < 0.95 * w["placed"] else ""))
+    settled = lambda r: (f"{r['timeline']['settled_within_s']:g} s" if r["timeline"]["settled_within_s"] is not None
+                         else "never")
+    return ["", f"After the turn (about {turn_s:g} s into each run): per second from it, the share of the requests "
+                f"placed on the straggler (the router's `placed`, read every {SAMPLE_S * 1e3:g} ms), and the "
+                f"p95 from send to last step's end of those that ran (the workers' traces; a request never "
+                f"run is in none: where fewer than 95% ran, the cell says so, and that p95 is a lower bound); "
+                f"settled: the end of the first second from which on every one placed at most half an even "
+                f"share ({100 * even_share / 2:.0f}%) there.", "",
+            "| policy | " + " | ".join(head) + " | settled within |",
+            "|---|" + "---:|" * (len(head) + 1)] + [
+        f"| {r['name']} | " + " | ".join(cell(w) for w in r["timeline"]["windows"]) + f" | {settled(r)} |"
+        for r in rows]
+
+
+def _plot_timeline(rows: list[dict], path: pathlib.Path, stragglers: str):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(8, 6))
+    share = fig.add_subplot(2, 1, 1)
+    p95 = fig.add_subplot(2, 1, 2, sharex=share)
+    for r in rows:
+        ws = r["timeline"]["windows"][1:]
+        placed = [((w["from_s"] + w["to_s"]) / 2, 100 * w["straggler_share"]) for w in ws if w["placed"]]
+        ran = [((w["from_s"] + w["to_s"]) / 2, w["p95_ms"]) for w in ws if w["p95_ms"] is not None]
+        if placed:
+            share.plot(*zip(*placed), marker="o", label=r["name"])
+        if ran:
+            p95.plot(*zip(*ran), marker="o", label=r["name"])
+    share.set_ylabel("placed on the straggler (%)")
+    share.set_title(f"after the turn: {stragglers}")
+    share.legend(fontsize="small")
+    p95.set_ylabel("p95 send -> last step (ms), of those that ran")
+    p95.set_yscale("log")
+    p95.set_xlabel("seconds after the straggler turned slow")
     fig.tight_layout()
     FigureCanvasAgg(fig).print_png(str(path))
 
@@ -115,21 +166,26 @@ WORKERS = 2        # by default (bench.e2e._config pins them all to the cores th
 MAX_WORKERS = 16   # each a process holding a model: more is a test of the host, not of a policy
 
 
-def parse_stragglers(spec: str | None, workers: int = WORKERS) -> dict[int, float]:
-    """"K:F,..." -> {worker K: slowdown F}; ValueError for a worker out of range, a factor out of
-    1..1000 (serving.worker.check_slowdown), or one named twice."""
+def parse_stragglers(spec: str | None, workers: int = WORKERS,
+                     seconds: float | None = None) -> dict[int, tuple[float, float | None]]:
+    """"K:F[@T],..." -> {worker K: (slowdown F, T)}: slowed from the start (T None), or from T
+    seconds into each run, before its end (`seconds`): a straggler that turns slow mid-run. Every
+    T given is the same (the turn the timeline counts from). ValueError for a worker out of
+    range, a factor out of 1..1000 (serving.worker.check_slowdown), or one named twice."""
     from datapath.serving.worker import check_slowdown
-    out: dict[int, float] = {}
+    out: dict[int, tuple[float, float | None]] = {}
     if spec is not None and not spec.strip(" ,"):
         raise ValueError("--straggler names no worker: give WORKER:FACTOR, e.g. 1:4")
     for part in (x.strip() for x in (spec or "").split(",")):
         if not part:
             continue
-        k, sep, f = part.partition(":")
+        k, sep, rest = part.partition(":")
+        f, at, t = rest.partition("@")
         try:
-            k, f = int(k), float(f)
+            k, f, t = int(k), float(f), float(t) if at else None
         except ValueError:
-            raise ValueError(f"--straggler {part!r}: give WORKER:FACTOR, e.g. 1:4 (worker 1's steps take 4x)") from None
+            raise ValueError(f"--straggler {part!r}: give WORKER:FACTOR, e.g. 1:4 (worker 1's steps take 4x), "
+                             f"or WORKER:FACTOR@SECONDS, e.g. 1:4@3 (from 3 s into each run)") from None
         if not sep:
             raise ValueError(f"--straggler {part!r}: give WORKER:FACTOR, e.g. 1:4 (worker 1's steps take 4x)")
         if not 0 <= k < workers:
@@ -137,8 +193,18 @@ def parse_stragglers(spec: str | None, workers: int = WORKERS) -> dict[int, floa
         if k in out:
             raise ValueError(f"--straggler names worker {k} twice")
         check_slowdown(f)
-        out[k] = f
+        if t is not None and not (math.isfinite(t) and 0 < t < (seconds or math.inf)):
+            raise ValueError(f"--straggler {part!r}: the turn must come after the run starts and before it ends "
+                             f"(0 < T < {seconds:g} s)" if seconds else f"--straggler {part!r}: T must be > 0 s")
+        out[k] = (f, t)
+    if len({t for _, t in out.values() if t is not None}) > 1:
+        raise ValueError("--straggler: every @T must be the same (one turn, which the timeline counts from)")
     return out
+
+
+def straggler_said(stragglers: dict[int, tuple[float, float | None]]) -> str:
+    return ", ".join(f"worker {k} x{f:g}" + (f" from {t:g} s" if t is not None else "")
+                     for k, (f, t) in stragglers.items()) or "none"
 
 
 def check_args(args):
@@ -146,7 +212,7 @@ def check_args(args):
     parse_names(args.policy or "")
     if args.workers is not None and not 1 <= args.workers <= MAX_WORKERS:
         raise ValueError(f"--workers must be 1..{MAX_WORKERS}, not {args.workers}")
-    parse_stragglers(args.straggler, args.workers or WORKERS)
+    parse_stragglers(args.straggler, args.workers or WORKERS, run_seconds(args.quick))
     if not args.rate > 0:
         raise ValueError(f"--rate must be > 0 requests/s, not {args.rate:g}")
     if args.device is not None and args.device not in PROFILES:
@@ -155,23 +221,66 @@ def check_args(args):
         raise ValueError(f"--repeat must be >= 1, not {args.repeat}")
 
 
+def run_seconds(quick: bool) -> float:
+    """Each run's offer: long enough for 400 requests at the default 40 req/s."""
+    return 3.0 if quick else 10.0
+
+
 def _one(label: str, name: str, param: float | None, device: str | None, rate: float, seconds: float,
-         seed: int, workers: int, stragglers: dict[int, float]) -> dict:
-    """One offer through a fresh pipeline and store: its latencies and what the router did."""
+         seed: int, workers: int, stragglers: dict[int, tuple[float, float | None]]) -> dict:
+    """One offer through a fresh pipeline and store: its latencies and what the router did; with a
+    straggler that turns slow mid-run, the router's placements per worker and each request's
+    latency by when it came (`timeline`)."""
+    import threading
     kw = {"batching": name} if name in ("dynamic", "static") else {"policy": name}
     if param is not None:
         kw["policy_param"] = param
     # the same key secret for every name: which sessions share a slot of the router's last-run table
     # (flagged moved, a store lookup) was drawn anew for each run
+    start = {k: f for k, (f, t) in stragglers.items() if t is None}
+    live = {k: f for k, (f, t) in stragglers.items() if t is not None}
     with fresh_store() as store, Pipeline(_config(shared_store=store, device=device, key_secret=seed,
-                                                  workers=workers, stragglers=stragglers, **kw)) as p:
+                                                  workers=workers, stragglers=start, **kw)) as p:
         _warm_up(p, device)
         # the warm-up's last answers (a straggler's come late) are not the offer's
-        _idle(p, 30.0 * max(stragglers.values(), default=1))
+        _idle(p, 30.0 * max(start.values(), default=1))
         st0, store0 = p.router.stats(), p.store_stats()     # the counts below are the offer's own
         per0 = [p.router.worker_stats(k) for k in range(workers)]
-        res = _offer(p, rate, seconds, prompt_tokens=PROMPT, max_output_tokens=OUTPUT,
-                     sessions=SESSIONS, drain_s=drain_s(device), seed=seed)
+        p.reset_trace()
+        samples: list[tuple[int, list[int]]] = []      # (monotonic ns, requests placed per worker)
+        turned: list[int] = []                          # when the live stragglers turned (monotonic ns)
+        done = threading.Event()
+
+        def sample():
+            """The router's placements per worker every SAMPLE_S, the turn made at its time: a
+            request placed on the straggler and never run is in no trace, but counted here."""
+            t_turn = samples_from = time.monotonic_ns()
+            t_turn += int(next(t for _, t in stragglers.values() if t is not None) * 1e9)
+            while True:
+                now = time.monotonic_ns()
+                if not turned and now >= t_turn:
+                    for k, f in live.items():
+                        p.set_slowdown(k, f)
+                    turned.append(now)
+                samples.append((now, [p.router.worker_stats(k)["placed"] for k in range(workers)]))
+                if done.wait(SAMPLE_S) or now - samples_from > 3600e9:
+                    return
+        sampler = threading.Thread(target=sample, daemon=True) if live else None
+        if sampler:
+            sampler.start()
+        t_call = time.monotonic_ns()     # (the client's schedule starts a few ms later)
+        try:
+            res = _offer(p, rate, seconds, prompt_tokens=PROMPT, max_output_tokens=OUTPUT,
+                         sessions=SESSIONS, drain_s=drain_s(device), seed=seed)
+        finally:
+            done.set()
+            if sampler:
+                sampler.join()
+        if live:
+            if not turned:
+                raise RuntimeError(f"{label}: the offer ended before the straggler's turn")
+            res["timeline"] = _timeline([p.trace(k) for k in range(workers)], samples, turned[0],
+                                        t_call + int(res["sending_s"] * 1e9))
         st1, store1 = p.router.stats(), p.store_stats()
         per1 = [p.router.worker_stats(k) for k in range(workers)]
         for key in ("placed", "answered"):     # the offer's own, per worker
@@ -183,16 +292,73 @@ def _one(label: str, name: str, param: float | None, device: str | None, rate: f
     return res
 
 
+WINDOW_S = 1.0     # the timeline's step
+SAMPLE_S = 0.02    # how often the router's placements are read during a run with a live straggler
+
+
+def _timeline(traces: list[np.ndarray], samples: list, turn_ns: int, end_ns: int) -> dict:
+    """One run's timeline, in seconds from the turn: the router's placements per worker as
+    sampled (`samples`: (ns, placed per worker)), each request that ran by when the router took
+    it in (its first prompt record) with its latency, from its send to the end of its last step
+    (its decode steps carry its id), and the end of the offer's sends (the client's schedule
+    began after end_ns - its length, so windows up to it are whole)."""
+    prompts = [t[(t["kind"] != KIND_DECODE) & (t["t_router"] > 0)] for t in traces]
+    rid = np.concatenate([p["request_id"] for p in prompts])
+    t_in = np.concatenate([p["t_router"] for p in prompts]).astype(np.int64)
+    t_send = np.concatenate([p["t_send"] for p in prompts]).astype(np.int64)
+    order = np.argsort(t_in, kind="stable")
+    _, first = np.unique(rid[order], return_index=True)     # a replay's later record left out
+    first = order[first]
+    every_id = np.concatenate([t["request_id"] for t in traces])
+    every_end = np.concatenate([t["t_end"] for t in traces])
+    by_id = np.argsort(every_id, kind="stable")
+    ids, at = np.unique(every_id[by_id], return_index=True)
+    last_end = np.maximum.reduceat(every_end[by_id], at).astype(np.int64) if len(ids) else np.zeros(0, np.int64)
+    return {"t_s": (t_in[first] - turn_ns) / 1e9,
+            "latency_ns": last_end[np.searchsorted(ids, rid[first])] - t_send[first],
+            "sample_t_s": np.array([(t - turn_ns) / 1e9 for t, _ in samples]),
+            "placed": np.array([placed for _, placed in samples], dtype=np.int64).reshape(len(samples), -1),
+            "end_s": (end_ns - turn_ns) / 1e9}
+
+
+def _windows(timelines: list[dict], slow: list[int], even_share: float, end_s: float) -> dict:
+    """The rounds' timelines pooled, per WINDOW_S from the turn up to end_s (before it: one
+    window from the first sample): the requests placed, the share placed on the straggler(s),
+    and the p95 latency of those that ran (`ran`: fewer than placed when some never did, and
+    then the p95 is of the others); and when the policy settled: the end of the first window
+    after the turn from which on every one placed at most half an even share there (None:
+    never, in this run)."""
+    def placed(x: dict, at_s: float) -> np.ndarray:        # per worker, by the last sample at or before
+        i = np.searchsorted(x["sample_t_s"], at_s, side="right") - 1
+        return x["placed"][max(i, 0)]
+    t = np.concatenate([x["t_s"] for x in timelines])
+    lat = np.concatenate([x["latency_ns"] for x in timelines])
+    edges = [(-math.inf, 0.0)] + [(w * WINDOW_S, (w + 1) * WINDOW_S) for w in range(int(end_s // WINDOW_S))]
+    out = []
+    for a, b in edges:
+        d = sum(placed(x, b) - (x["placed"][0] if a == -math.inf else placed(x, a)) for x in timelines)
+        n = int(d.sum())
+        m = (t >= a) & (t < b)
+        out.append({"from_s": None if a == -math.inf else a, "to_s": b, "placed": n, "ran": int(m.sum()),
+                    "straggler_share": float(d[slow].sum() / n) if n else None,
+                    "p95_ms": _pcts(lat[m], 1e6)["p95"] if m.any() else None})
+    after = out[1:]
+    calm = [w["straggler_share"] is not None and w["straggler_share"] <= even_share / 2 for w in after]
+    settled = next((w["to_s"] for i, w in enumerate(after) if all(calm[i:])), None) if after else None
+    return {"windows": out, "settled_within_s": settled}
+
+
 def run(report, args):
     check_args(args)
     names = parse_names(args.policy)
-    out = report_dir(args.json, "bench-results/compare", ("compare.md", "rows.json", "compare.png"))
+    out = report_dir(args.json, "bench-results/compare", ("compare.md", "rows.json", "compare.png", "timeline.png"))
     require_root_and_bcc("bench compare")
     device = args.device
     workers = args.workers or WORKERS
-    stragglers = parse_stragglers(args.straggler, workers)
-    slow_said = ", ".join(f"worker {k} x{f:g}" for k, f in stragglers.items()) or "none"
-    seconds = 3.0 if args.quick else 10.0
+    seconds = run_seconds(args.quick)
+    stragglers = parse_stragglers(args.straggler, workers, seconds)
+    slow_said = straggler_said(stragglers)
+    live = [k for k, (_, t) in stragglers.items() if t is not None]     # those that turn slow mid-run
     # Rounds, the order rotated by one each (A B C, B C A, C A B, ...): on this shared machine a
     # slow spell that fell on one name's run alone moved its figures more than most policies differ.
     repeat = args.repeat or (1 if args.quick else 2)
@@ -210,6 +376,8 @@ def run(report, args):
             report.machine["xdp_mode"] = res["xdp_mode"]
             runs[label].append(res)
     rows = []
+    if live:
+        end_s = min(r["timeline"]["end_s"] for rs in runs.values() for r in rs)   # whole windows in every run
     for i, (label, _, _) in enumerate(names):
         rs = runs[label]
         pc = _pcts(np.concatenate([r["rtt_ns"] for r in rs]), 1e6)   # the rounds pooled
@@ -230,6 +398,13 @@ def run(report, args):
         if stragglers:
             row["straggler_placed_share"] = float(sum(placed[k] for k in stragglers) / max(placed.sum(), 1))
             row["straggler_answered_share"] = float(sum(answered[k] for k in stragglers) / max(answered.sum(), 1))
+        if live:
+            row["timeline"] = _windows([r["timeline"] for r in rs], live, len(live) / workers, end_s)
+            if row["timeline"]["settled_within_s"] is not None:
+                report.metric(f"{label}_straggler_settled_within_s", row["timeline"]["settled_within_s"], "s")
+            else:
+                report.note(f"{label}: never placed under half an even share on the straggler in every second "
+                            f"after its turn, to the run's end (no settled_within_s)")
         rows.append(row)
         for key in ("p50_ms", "p95_ms", "p99_ms"):
             (report.reference if i == 0 else report.metric)(f"{label}_{key}", row[key], "ms")
@@ -279,9 +454,13 @@ def run(report, args):
                      f"ended; a request still queued when the offer ended is placed, not answered)."
                      + (" A batching mode's row (dynamic, static) routes by affinity." if any(
                          name in ("dynamic", "static") for _, name, _ in names) else ""))
+    if live:
+        lines += _timeline_table(rows, stragglers[live[0]][1], len(live) / workers)
     (out / "compare.md").write_text("\n".join(lines) + "\n")
     (out / "rows.json").write_text(json.dumps(_jsonable(rows), indent=1, allow_nan=False) + "\n")
     _plot(rows, out / "compare.png", slow_said)
+    if live:
+        _plot_timeline(rows, out / "timeline.png", slow_said)
     print("\n".join(lines))
     print(f"  table and plot: {out}/compare.md, {out}/compare.png")
     _all_compared(runs)

@@ -30,6 +30,7 @@ from datapath.serving.devices import profile
 PROMPT, OUTPUT = 64, 4           # tokens per request: one chunk in, a few decode steps out
 TURNS = 2                        # requests per session in the load sweep, at every rate (see sweep)
 SWEEP_SEED = 1                   # the sweep's arrival schedule (client.rate_to_offer reads the same)
+GOAL_FRACTION = 0.8              # of saturation: dynamic's p95 is to stay flat up to this load
 
 
 STORELESS_KV_BUDGET = 8 << 30
@@ -112,7 +113,7 @@ def _offer(p: Pipeline, rate: float, seconds: float, count: int | None = None, *
             "requests": r["requests"] * per, "responses": r["responses"] * per, "errors": r["requests"] * per - ok,
             "unanswered": r["unanswered"], "late_mean_us": r["late_mean_ns"] / 1e3,
             "late_max_ms": r["max_late_ns"] / 1e6,
-            "wall_s": time.monotonic() - t, "rtt_ns": rtt, "by_status": r["by_status"],
+            "wall_s": time.monotonic() - t, "sending_s": r["elapsed_s"], "rtt_ns": rtt, "by_status": r["by_status"],
             "sample_body": r["sample_body"], "seq_base": r["seq_base"], "packets": r["sent"],
             "merge_wait_ns_mean": r["merge_wait_ns_mean"], "steal_pct": _steal_pct(steal, _cpu_steal()),
             "send_errors": r["send_errors"], "duplicates": r["duplicates"], "strays": r["strays"],
@@ -230,7 +231,10 @@ def sweep(report, quick: bool, stages: dict, out: dict) -> dict:
                 _warm_up(p, device)
                 out[label] = rows = _sweep_mode(report, p, mode, device, rates[1:], duration, suffix,
                                                 lightest[mode])
-            figures.update({f"{label} p95 ms at {row['qps']} req/s"
+            figures.update({f"{label} p95 ms at "
+                            + (f"{row['aimed_at_saturation_fraction']:.0%} of saturation (offered "
+                               f"{row['offered_qps']:.1f} req/s)" if row.get("aimed_at_saturation_fraction")
+                               else f"{row['qps']} req/s")
                             + (f" (a lower bound: {row['unanswered']:,} of {row['requests']:,} unanswered, "
                                f"counted at the time they had waited)"
                                if row["unanswered"] > 0.05 * row["requests"] else ""): row["p95_ms"]
@@ -239,37 +243,50 @@ def sweep(report, quick: bool, stages: dict, out: dict) -> dict:
         s10 = report.metrics.get(f"sweep{suffix}_p95_ms_static_10")
         if d10 and s10:
             report.ratios[f"static_vs_dynamic_p95_at_10qps{suffix}"] = s10 / d10
-        dynamic = out[_label("dynamic", device)]
-        spread = _spread_to_80pct(dynamic)
-        if spread == float("inf"):
-            report.note(f"dynamic_p95_spread_to_80pct_saturation{suffix}: no figure, the goal missed: a rate "
-                        f"within 80% of saturation answered a request other than 200, or left more than 5% "
-                        f"unanswered")
-        elif spread is not None:
-            report.ratios[f"dynamic_p95_spread_to_80pct_saturation{suffix}"] = spread
-            chord = _spread_at_80pct_interpolated(dynamic)
-            if chord is not None and math.isfinite(chord):
-                report.ratios[f"dynamic_p95_spread_at_80pct_interpolated{suffix}"] = chord
-            verdict = ("met" if chord is not None and chord <= 1.1 else "missed" if spread > 1.1
-                       else "not decided by this sweep (its rows under 80% meet it, the chord to 80% does not)"
-                       if chord is not None else "met by the rows under 80% (none over it to interpolate to)")
-            aimed = [r for r in dynamic if r.get("aimed_at_saturation_fraction")]
-            report.note(f"flatness goal{suffix} (dynamic p95 within 10% up to 80% of saturation): {verdict}: "
-                        f"{spread:.3f}x over the rows measured under 80%"
-                        + "".join(f" (the row aimed at 80% offered {r['offered_qps']:.2f} req/s, "
-                                  f"{r['offered_qps'] / max(x['achieved_qps'] for x in dynamic):.1%} of "
-                                  f"saturation: p95 {r['p95_ms']:.1f} ms)" for r in aimed)
-                        + (f", {chord:.3f}x at 80% itself, interpolated between the rows either side (a chord: "
-                           f"an upper bound where p95 grows convexly with load)" if chord is not None
-                           else ", no interpolated figure"))
-        else:
-            why = ("had no rate past the lightest within 80% of saturation" if _reached_saturation(dynamic)
-                   else "did not reach saturation")
-            report.note(f"dynamic_p95_spread_to_80pct_saturation{suffix}: not measured, the sweep {why} "
-                        f"(rates {', '.join(str(r) for r in rates)} req/s)")
+        _flatness(report, out[_label("dynamic", device)], suffix, rates)
         if device is None:
             figures.update(_polling_workers(report, quick, stages))
     return figures
+
+
+def _flatness(report, dynamic: list[dict], suffix: str, rates: list):
+    """The flatness goal (dynamic p95 within 10% up to GOAL_FRACTION of saturation) read from the
+    dynamic sweep: its ratios and a note with the verdict. A row aimed at the line, offering at
+    least 99% of it, decides it as measured; else the rows under it give a lower bound and the
+    chord to the first row over it an upper one."""
+    spread = _spread_to_80pct(dynamic)
+    if spread == float("inf"):
+        report.note(f"dynamic_p95_spread_to_80pct_saturation{suffix}: no figure, the goal missed: a rate "
+                    f"within 80% of saturation answered a request other than 200, or left more than 5% "
+                    f"unanswered")
+        return
+    if spread is None:
+        why = ("had no rate past the lightest within 80% of saturation" if _reached_saturation(dynamic)
+               else "did not reach saturation")
+        report.note(f"dynamic_p95_spread_to_80pct_saturation{suffix}: not measured, the sweep {why} "
+                    f"(rates {', '.join(str(r) for r in rates)} req/s)")
+        return
+    report.ratios[f"dynamic_p95_spread_to_80pct_saturation{suffix}"] = spread
+    goal = f"flatness goal{suffix} (dynamic p95 within 10% up to 80% of saturation)"
+    line = GOAL_FRACTION * _saturation(dynamic)
+    aimed = [r for r in dynamic if r.get("aimed_at_saturation_fraction") and 0.99 * line <= r["offered_qps"] <= line]
+    if aimed:
+        a = aimed[0]
+        report.note(f"{goal}: {'met' if spread <= 1.1 else 'missed'}: {spread:.3f}x, measured at 80% itself by "
+                    f"the row aimed there (offered {a['offered_qps']:.2f} req/s, "
+                    f"{a['offered_qps'] / _saturation(dynamic):.1%} of saturation, p95 {a['p95_ms']:.1f} ms; "
+                    f"measured last, after the rows past saturation, from an empty pipeline)")
+        return
+    chord = _spread_at_80pct_interpolated(dynamic)
+    if chord is not None and math.isfinite(chord):
+        report.ratios[f"dynamic_p95_spread_at_80pct_interpolated{suffix}"] = chord
+    verdict = ("met" if chord is not None and chord <= 1.1 else "missed" if spread > 1.1
+               else "not decided by this sweep (its rows under 80% meet it, the chord to 80% does not)"
+               if chord is not None else "met by the rows under 80% (none over it to interpolate to)")
+    report.note(f"{goal}: {verdict}: {spread:.3f}x over the rows measured under 80%, "
+                + (f"{chord:.3f}x at 80% itself, interpolated between the rows either side (a chord: "
+                   f"an upper bound where p95 grows convexly with load)" if chord is not None
+                   else "no interpolated figure"))
 
 
 STAMPS = ("t_xdp_in", "t_xdp", "t_consumer", "t_router", "t_lane", "t_pickup", "t_start")
@@ -405,8 +422,8 @@ def _idle(p: Pipeline, timeout_s: float = 30.0):
 def _sweep_mode(report, p: Pipeline, mode: str, device: str | None, rates: list, duration, suffix: str,
                 first: dict) -> list[dict]:
     """One mode's rates past the lightest (`first`, measured alternating) on one pipeline, until it
-    is past use; then, dynamic and saturated, a row aimed at 80% of saturation (rows past the
-    first in order of offered load)."""
+    is past use; then, dynamic and saturated, a row aimed at 80% of saturation (put among the
+    others by its offered load)."""
     label = _label(mode, device)
     rows = [first]
     for i, rate in enumerate(rates):
@@ -422,14 +439,14 @@ def _sweep_mode(report, p: Pipeline, mode: str, device: str | None, rates: list,
         # the goal's edge, once saturation is known: the rates above fall where their seeded
         # draws put them (76.5% and 84.7% of saturation in session 27's Figures run, so the
         # flatness at 80% itself was only bounded), this one is aimed at it
-        line = 0.8 * max(r["achieved_qps"] for r in rows)
+        line = GOAL_FRACTION * _saturation(rows)
         count = max(10, int(line * duration(line)))
         # a hair under the line, so that the row counts within it (the sender's lag only lowers it)
         rate = client.rate_to_offer(line * (1 - 1e-4), count, seed=SWEEP_SEED)
         _progress(f"sweep {label}: offering {rate:.2f} req/s for {count / line:.0f} s, aimed to offer "
-                  f"{line:.1f}, 80% of the {line / 0.8:.1f} req/s it answered at most")
+                  f"{line:.1f}, {GOAL_FRACTION:.0%} of the {_saturation(rows):.1f} req/s it answered at most")
         row = _sweep_rate(p, rate, count, device)
-        row.update(qps=round(rate, 2), aimed_at_saturation_fraction=0.8)   # (offered unrounded)
+        row["aimed_at_saturation_fraction"] = GOAL_FRACTION
         rows[1:] = sorted(rows[1:] + [row], key=lambda r: r["offered_qps"])
         report.metric(f"sweep{suffix}_p95_ms_{mode}_at_80pct", row["p95_ms"], "ms")
     return rows
@@ -467,6 +484,11 @@ def _reached_saturation(rows: list[dict]) -> bool:
     return bool(rows) and any(_saturated(r, rows[0]) for r in rows)
 
 
+def _saturation(rows: list[dict]) -> float:
+    """What the mode answered at most, req/s: its saturation once a row is past it."""
+    return max(r["achieved_qps"] for r in rows)
+
+
 def _spread_to_80pct(rows: list[dict]) -> float | None:
     """The goal's flatness: the highest p95 at an offered rate up to 80% of saturation (the most
     the mode answered per second) over the p95 at the lightest rate. None unless the sweep
@@ -478,8 +500,7 @@ def _spread_to_80pct(rows: list[dict]) -> float | None:
     mode: the same configuration, warmed alike.)"""
     if not _reached_saturation(rows):
         return None
-    saturation = max(r["achieved_qps"] for r in rows)
-    within = [_goal_p95(r) for r in rows[1:] if r["offered_qps"] <= 0.8 * saturation]
+    within = [_goal_p95(r) for r in rows[1:] if r["offered_qps"] <= GOAL_FRACTION * _saturation(rows)]
     return max(within) / rows[0]["p95_ms"] if within else None
 
 
@@ -503,7 +524,7 @@ def _spread_at_80pct_interpolated(rows: list[dict]) -> float | None:
     measured = _spread_to_80pct(rows)
     if measured is None:
         return None
-    line = 0.8 * max(r["achieved_qps"] for r in rows)
+    line = GOAL_FRACTION * _saturation(rows)
     by_rate = sorted(rows[1:], key=lambda r: r["offered_qps"])
     under = [r for r in by_rate if r["offered_qps"] <= line]
     over = [r for r in by_rate if r["offered_qps"] > line]

@@ -220,8 +220,9 @@ def send(sock: socket.socket, packets: list[bytes], rate: float, count: int, dur
 
 
 def rate_to_offer(offered: float, count: int, seed: int = 1) -> float:
-    """The nominal rate at which send(count=count, seed=seed) offers `offered` packets/s, first
-    send to last. A short run's Poisson draws stray from their rate (a nominal 45/s over 8 s
+    """The nominal rate at which send(count=count, seed=seed) offers `offered` packets/s, from
+    its start to its last send (merge 1, and `count` whole requests: send() rounds it up to
+    one otherwise). A short run's Poisson draws stray from their rate (a nominal 45/s over 8 s
     offered 42.55): a run meant at a given rate, say 80% of a saturation just measured, is
     aimed with this (its lag, if any, only lowers what it offers)."""
     if not offered > 0 or not math.isfinite(offered) or count < 1:

@@ -84,7 +84,8 @@ class PipelineConfig:
                                        # forward passes, without a device) last that many times as long
                                        # (a throttled or shared device; its replacements too; its
                                        # worker_hang_s that many times too), for policies that must
-                                       # notice a slow worker
+                                       # notice a slow worker; the factors they start with
+                                       # (set_slowdown changes one while it serves)
     kv_budget_bytes: int = 256 << 20
     worker_hang_s: float = 30.0        # a worker holding a batch this long without a completion is killed
                                        # and failed over (0: never; a step is ms, a simulated L4's ~70 ms;
@@ -188,8 +189,9 @@ class SharedFlag:
         return self._byte[0] == 1
 
 
-def _worker_main(lane_name: str, options, store_factory, trace_buf, stop, cpu, nice, ready):
-    """Worker process: build the worker, attach its lane, say ready(), serve until stop is set."""
+def _worker_main(lane_name: str, options, store_factory, trace_buf, slowdown_slot, stop, cpu, nice, ready):
+    """Worker process: build the worker, attach its lane, say ready(), serve until stop is set; its
+    slowdown read from the pipeline's shared slot (set_slowdown)."""
     from .serving.worker import one_blas_thread, serve
     child_of_this_process()
     if cpu is not None:
@@ -200,6 +202,7 @@ def _worker_main(lane_name: str, options, store_factory, trace_buf, stop, cpu, n
     trace = np.frombuffer(trace_buf, dtype=TRACE, offset=64)
     store = store_factory(options.index) if store_factory else None
     worker = options.build(store)
+    worker.follow_slowdown(slowdown_slot)
     lane = TracingLane(lanes.ShmWorkerLane(lane_name), trace, count, worker)
     try:
         ready()
@@ -211,7 +214,7 @@ def _worker_main(lane_name: str, options, store_factory, trace_buf, stop, cpu, n
             store.close()
 
 
-def _spawner_main(conn, parent_end, specs, store_factory, traces, stop):
+def _spawner_main(conn, parent_end, specs, store_factory, traces, slowdowns, stop):
     """The process that forks the workers (WorkerSpawner), itself forked while the pipeline had one
     thread: a worker forked later from the pipeline (a replacement) would copy a process whose poll
     loop, watcher and client threads may hold locks (stdio's, the allocator's) that no thread of
@@ -266,7 +269,8 @@ def _spawner_main(conn, parent_end, specs, store_factory, traces, stop):
                             os.write(ready_w, b"r")
                             os.close(ready_w)
                         opts, cpu, nice = specs[k]
-                        _worker_main(lane_name, opts, store_factory, traces[k], stop, cpu, nice, ready)
+                        _worker_main(lane_name, opts, store_factory, traces[k], slowdowns[k:k + 1], stop, cpu,
+                                     nice, ready)
                         code = 0
                     except Exception as e:           # one sentence (the pipeline says which worker)
                         print(f"pipeline: worker {k} ({lane_name}): {type(e).__name__}: {e}", file=sys.stderr)
@@ -331,10 +335,10 @@ class WorkerSpawner:
     the stop flag inherited) on a lane; events() are the ("ready", sid) and ("exit", sid, code)
     messages since the last call. One thread at a time uses it: the build's, then the watcher's."""
 
-    def __init__(self, specs, store_factory, traces, stop):
+    def __init__(self, specs, store_factory, traces, slowdowns, stop):
         self.conn, child_conn = ctx.Pipe()           # a socketpair: it carries the pidfds too
         self.proc = ctx.Process(target=_spawner_main,
-                                args=(child_conn, self.conn, specs, store_factory, traces, stop),
+                                args=(child_conn, self.conn, specs, store_factory, traces, slowdowns, stop),
                                 name="worker-spawner", daemon=True)
         try:
             self.proc.start()
@@ -507,6 +511,10 @@ class Pipeline:
         self._admission(cfg)
         self._lane_names: dict[int, str] = {}       # worker -> its current lane's name
         es.callback(lambda: [lanes.unlink_shm_lane(n) for n in self._lane_names.values()])
+        # each worker's slowdown, shared: a worker reads its own at every step (and a replacement
+        # from the start), so set_slowdown turns one into a straggler, or back, while it serves
+        self.slowdowns = np.frombuffer(mmap.mmap(-1, 8 * n), dtype="<f8")
+        self.slowdowns[:] = [cfg.stragglers.get(k, 1.0) for k in range(n)]
         specs = []
         for k, (pool, device, nice) in enumerate(self.placement):
             self._lane_names[k] = name = self._lane_name(k, 0)   # first: an interrupt in the create leaks nothing
@@ -515,9 +523,9 @@ class Pipeline:
                 self.router.set_worker_budget(k, profile(device).knee_tokens)
             self.traces.append(mmap.mmap(-1, 64 + cfg.trace_records * TRACE.itemsize))
             opts = WorkerOptions(index=k, kv_budget_bytes=cfg.kv_budget_bytes, codec=cfg.codec, device=device,
-                                 sim_mode=cfg.sim_mode, slowdown=cfg.stragglers.get(k, 1.0))
+                                 sim_mode=cfg.sim_mode)
             specs.append((opts, cfg.worker_cpus[k % len(cfg.worker_cpus)] if cfg.worker_cpus else None, nice))
-        self._spawner = WorkerSpawner(specs, store_factory, self.traces, self._stop_workers)
+        self._spawner = WorkerSpawner(specs, store_factory, self.traces, self.slowdowns, self._stop_workers)
         for k in range(len(specs)):
             self.workers.append(self._spawner.spawn(k, self._lane_names[k]))
         self._await_ready()
@@ -625,7 +633,7 @@ class Pipeline:
         self.worker_hangs: list[int] = []                      # workers killed for holding a batch too long
         self.worker_replacements: list[dict] = []              # each replacement: worker, pid, when, ...
         hang_s = self.cfg.worker_hang_s
-        patience = lambda k: hang_s * self.cfg.stragglers.get(k, 1)   # a straggler's is its factor's
+        patience = lambda k: hang_s * self.slowdowns[k]        # a straggler's is its factor's
         quick: dict[int, int] = {}                             # worker -> its exits in a row soon after serving
 
         def hung(k: int, seen: dict) -> bool:
@@ -811,6 +819,16 @@ class Pipeline:
                                     keys={t: self.issue_tenant_key(t) for t in tenants} if self.cfg.require_tags else None)
         by_status = {int(k): v for k, v in res["by_status"].items()}   # JSON made the keys strings
         return {**res, "by_status": by_status, "seq_base": base}
+
+    def set_slowdown(self, k: int, factor: float):
+        """Worker k's steps (its device's, or its forward passes) last `factor` times as long from
+        its next step on, and its replacements': a straggler that turns slow mid-run (1: back to
+        normal). cfg.stragglers gives the factors the workers start with."""
+        from .serving.worker import check_slowdown
+        if isinstance(k, bool) or not (isinstance(k, numbers.Integral) and 0 <= k < len(self.slowdowns)):
+            raise ValueError(f"set_slowdown: worker {k!r} is not one of the {len(self.slowdowns)} workers (0-based)")
+        check_slowdown(factor)
+        self.slowdowns[k] = factor
 
     def issue_tenant_key(self, tenant: int) -> bytes:
         """Tenant's tag key (wire.tenant_key of this run's master secret), installed in the ingress:

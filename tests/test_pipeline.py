@@ -5,6 +5,7 @@ import signal
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from bench.e2e import _config, fresh_store
@@ -289,6 +290,36 @@ def test_with_tags_required_only_requests_tagged_with_their_tenant_s_key_are_ser
                                    drain_ms=300, seq_base=next(p._ids) * 1_000_000_000, keys=keys)
             assert res["sent"] == 20 and res["responses"] == 0, counter
             assert p.ingress.counters()[counter] - before == 20
+
+
+@pytest.mark.root
+@pytest.mark.bpf
+def test_set_slowdown_turns_a_serving_worker_slow_and_back_and_its_replacement_keeps_it():
+    """A straggler that turns slow mid-run: the worker reads its factor from the pipeline's shared
+    slot at every step, and a replacement forked later reads the same slot. On a simulated L4 a
+    step's time is the profile's (~67 ms here), so the factor shows in the trace as it is."""
+    from bench.e2e import _step_ns
+    with fresh_store() as store, Pipeline(_config(workers=2, device="l4", shared_store=store)) as p:
+        def step_ms(k: int) -> float:
+            p.reset_trace()
+            r = p.offer(20, 20, sessions=10, drain_s=10)
+            assert r["resp_ok"] == 20, r["by_status"]
+            return float(np.median(_step_ns(p.trace(k)))) / 1e6
+        normal = step_ms(0)
+        p.set_slowdown(0, 3)
+        assert 2.5 * normal < step_ms(0) < 3.5 * normal
+        os.kill(p.workers[0].pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while not (p.worker_replacements and p.worker_replacements[0]["t_up"]):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert 2.5 * normal < step_ms(0) < 3.5 * normal, "the replacement lost the factor"
+        p.set_slowdown(0, 1)
+        assert step_ms(0) < 1.5 * normal
+        with pytest.raises(ValueError, match="worker 2 is not one of the 2 workers"):
+            p.set_slowdown(2, 3)
+        with pytest.raises(ValueError, match="slowdown must be a number from 1"):
+            p.set_slowdown(1, 0.5)
 
 
 def test_a_straggler_that_is_not_one_of_the_workers_is_refused_before_anything_is_built():

@@ -161,7 +161,8 @@ class Worker:
         check_slowdown(slowdown)
         self.model, self.store, self.index, self.kv_budget_bytes = model, store, index, kv_budget_bytes
         self.codec, self.temperature, self.seed = codec, temperature, seed
-        self.device, self.return_logits, self.slowdown = device, return_logits, slowdown
+        self.device, self.return_logits = device, return_logits
+        self._slowdown = np.array([slowdown], dtype="<f8")   # read each step: see follow_slowdown
         self.sessions: OrderedDict[SessionKey, _Session] = OrderedDict()  # least recently used first
         self._kv_bytes = 0   # the sessions' cache bytes, kept as they change (not summed over all each step)
         self.finished: list[RequestDone] = []  # appended as requests finish; the caller drains it
@@ -177,6 +178,15 @@ class Worker:
     @property
     def kv_bytes_resident(self) -> int:
         return self._kv_bytes
+
+    @property
+    def slowdown(self) -> float:
+        return float(self._slowdown[0])
+
+    def follow_slowdown(self, slot: np.ndarray):
+        """Read the slowdown from `slot` (one float64, shared) at each step: another process can
+        turn this worker into a straggler, or back, while it serves (Pipeline.set_slowdown)."""
+        self._slowdown = slot
 
     def holds(self, session_id: int, tenant: int = 0) -> bool:
         return (tenant, session_id) in self.sessions
@@ -329,6 +339,7 @@ class Worker:
         caches = [self.sessions[s.key].cache for s in segs]
         contexts = [c.length for c in caches]
         tokens = [np.concatenate(s.tokens) for s in segs]
+        slowdown = self.slowdown          # once a step: another process may change it (follow_slowdown)
         before = sum(c.nbytes for c in caches)
         t_forward = time.monotonic_ns()
         try:
@@ -342,13 +353,13 @@ class Worker:
                 decode_contexts=[ctx for s, ctx in zip(segs, contexts) if s.decode])
             self.stats["simulated_s"] += sim
             # a straggler (a throttled or shared device): its device takes `slowdown` times as long
-            self.stats["slowed_s"] += sim * (self.slowdown - 1)
-            self.device.spend_until(t_start + int(sim * self.slowdown * 1e9))
-        elif self.slowdown > 1:
+            self.stats["slowed_s"] += sim * (slowdown - 1)
+            self.device.spend_until(t_start + int(sim * slowdown * 1e9))
+        elif slowdown > 1:
             # no device: the forward pass lasts `slowdown` times what it took (waiting for the core
             # included), the rest asleep, so the host's cores stay with the others; store restores
             # and puts are not slowed: they are the store's time, not this worker's device's
-            extra = (time.monotonic_ns() - t_forward) * (self.slowdown - 1) / 1e9
+            extra = (time.monotonic_ns() - t_forward) * (slowdown - 1) / 1e9
             self.stats["slowed_s"] += extra
             time.sleep(extra)
         t_step = time.monotonic_ns()
