@@ -33,10 +33,11 @@ among healthy ones). The table then shows the share of the requests placed on
 the slow worker(s) (router worker stat `placed`: the policy's decisions) and of
 the 200s they answered (`answered`), so a policy that notices one (peak_ewma)
 can be told from one that cannot (round_robin). --straggler K:F@T turns worker K
-slow T seconds into each run instead (a device throttled mid-run): compare.md
-and timeline.png then show, second by second from the turn, the share placed
-on it and the p95, and when each policy settled (every second from then on
-placing at most half an even share there): how fast a policy notices.
+slow T seconds after each run's first request instead (a device throttled
+mid-run): compare.md and timeline.png then show, second by second from the
+turn, the share placed on it and the p95 of the requests that finished, and
+when each policy settled (every second from then on, two at least, placing at
+most half an even share there): how fast a policy notices.
 
 Every pipeline gets a fresh shared snapshot store: sessions return (61 of
 them cycle through the offer), and a policy that sends a session's next request to another
@@ -58,6 +59,7 @@ import numpy as np
 from bench.e2e import (OUTPUT, PROMPT, _config, _idle, _left_out, _offer, _pcts, _progress, _warm_up, drain_s,
                        fresh_store, require_root_and_bcc)
 from bench.report import _jsonable, report_dir
+from datapath import client
 from datapath.pipeline import Pipeline
 from datapath.records import KIND_DECODE
 from datapath.router import policy_params, refuse_unread_param
@@ -91,16 +93,18 @@ def _timeline_table(rows: list[dict], turn_s: float, even_share: float) -> list[
     head = ["before"] + [f"{w['from_s']:g}-{w['to_s']:g} s" for w in windows[1:]]
     cell = lambda w: ("n/a" if not w["placed"] else
                       f"{100 * w['straggler_share']:.0f}% · "
-                      + (f"{w['p95_ms']:.0f} ms" if w["p95_ms"] is not None else "none ran")
-                      + (f" ({w['ran']} of {w['placed']} ran)" if w["ran"] < 0.95 * w["placed"] else ""))
+                      + (f"none of {w['placed']} finished" if w["p95_ms"] is None else f"{w['p95_ms']:.0f} ms"
+                         + (f" ({w['finished']} of {w['placed']} finished)" if w["finished"] < 0.95 * w["placed"]
+                            else "")))
     settled = lambda r: (f"{r['timeline']['settled_within_s']:g} s" if r["timeline"]["settled_within_s"] is not None
-                         else "never")
-    return ["", f"After the turn (about {turn_s:g} s into each run): per second from it, the share of the requests "
-                f"placed on the straggler (the router's `placed`, read every {SAMPLE_S * 1e3:g} ms), and the "
-                f"p95 from send to last step's end of those that ran (the workers' traces; a request never "
-                f"run is in none: where fewer than 95% ran, the cell says so, and that p95 is a lower bound); "
-                f"settled: the end of the first second from which on every one placed at most half an even "
-                f"share ({100 * even_share / 2:.0f}%) there.", "",
+                         else "not in this run")
+    return ["", f"After the turn ({turn_s:g} s after each run's first request was placed): per second from it, the "
+                f"share of the requests placed on the straggler (the router's `placed`, read every "
+                f"{SAMPLE_S * 1e3:g} ms), and the p95 from send to last token of the requests taken in that "
+                f"second that finished, on any worker (the workers' traces; where fewer than 95% finished, "
+                f"the cell says so, and that p95, of the others, is a lower bound); settled: the end of the "
+                f"first second from which on every one, two at least, placed at most half an even share "
+                f"({100 * even_share / 2:.0f}%) there.", "",
             "| policy | " + " | ".join(head) + " | settled within |",
             "|---|" + "---:|" * (len(head) + 1)] + [
         f"| {r['name']} | " + " | ".join(cell(w) for w in r["timeline"]["windows"]) + f" | {settled(r)} |"
@@ -116,15 +120,15 @@ def _plot_timeline(rows: list[dict], path: pathlib.Path, stragglers: str):
     for r in rows:
         ws = r["timeline"]["windows"][1:]
         placed = [((w["from_s"] + w["to_s"]) / 2, 100 * w["straggler_share"]) for w in ws if w["placed"]]
-        ran = [((w["from_s"] + w["to_s"]) / 2, w["p95_ms"]) for w in ws if w["p95_ms"] is not None]
+        done = [((w["from_s"] + w["to_s"]) / 2, w["p95_ms"]) for w in ws if w["p95_ms"] is not None]
         if placed:
             share.plot(*zip(*placed), marker="o", label=r["name"])
-        if ran:
-            p95.plot(*zip(*ran), marker="o", label=r["name"])
+        if done:
+            p95.plot(*zip(*done), marker="o", label=r["name"])
     share.set_ylabel("placed on the straggler (%)")
     share.set_title(f"after the turn: {stragglers}")
     share.legend(fontsize="small")
-    p95.set_ylabel("p95 send -> last step (ms), of those that ran")
+    p95.set_ylabel("p95 send -> last token (ms), of the finished")
     p95.set_yscale("log")
     p95.set_xlabel("seconds after the straggler turned slow")
     fig.tight_layout()
@@ -164,6 +168,10 @@ def parse_names(spec: str) -> list[tuple[str, str, float | None]]:
 
 WORKERS = 2        # by default (bench.e2e._config pins them all to the cores the poll loop leaves: one here)
 MAX_WORKERS = 16   # each a process holding a model: more is a test of the host, not of a policy
+# a straggler that turns slow mid-run (--straggler K:F@T): the timeline after its turn
+WINDOW_S = 1.0     # the timeline's step
+SAMPLE_S = 0.02    # how often the router's placements are read
+MIN_WINDOWS = 2    # whole seconds after the turn a run must hold (check_args leaves room for them)
 
 
 def parse_stragglers(spec: str | None, workers: int = WORKERS,
@@ -193,9 +201,11 @@ def parse_stragglers(spec: str | None, workers: int = WORKERS,
         if k in out:
             raise ValueError(f"--straggler names worker {k} twice")
         check_slowdown(f)
-        if t is not None and not (math.isfinite(t) and 0 < t < (seconds or math.inf)):
-            raise ValueError(f"--straggler {part!r}: the turn must come after the run starts and before it ends "
-                             f"(0 < T < {seconds:g} s)" if seconds else f"--straggler {part!r}: T must be > 0 s")
+        latest = (seconds - MIN_WINDOWS * WINDOW_S - 0.5) if seconds else math.inf   # (the schedule's draws
+        if t is not None and not (math.isfinite(t) and 0 < t <= latest):             #  may run it short)
+            raise ValueError(f"--straggler {part!r}: the turn must come after the run starts and leave "
+                             f"{MIN_WINDOWS} whole seconds to time before it ends (0 < T <= {latest:g} s)"
+                             if seconds else f"--straggler {part!r}: T must be > 0 s")
         out[k] = (f, t)
     if len({t for _, t in out.values() if t is not None}) > 1:
         raise ValueError("--straggler: every @T must be the same (one turn, which the timeline counts from)")
@@ -249,26 +259,33 @@ def _one(label: str, name: str, param: float | None, device: str | None, rate: f
         p.reset_trace()
         samples: list[tuple[int, list[int]]] = []      # (monotonic ns, requests placed per worker)
         turned: list[int] = []                          # when the live stragglers turned (monotonic ns)
+        failed: list[BaseException] = []
         done = threading.Event()
+        turn_s = next((t for _, t in stragglers.values() if t is not None), None)
 
         def sample():
-            """The router's placements per worker every SAMPLE_S, the turn made at its time: a
-            request placed on the straggler and never run is in no trace, but counted here."""
-            t_turn = samples_from = time.monotonic_ns()
-            t_turn += int(next(t for _, t in stragglers.values() if t is not None) * 1e9)
-            while True:
-                now = time.monotonic_ns()
-                if not turned and now >= t_turn:
-                    for k, f in live.items():
-                        p.set_slowdown(k, f)
-                    turned.append(now)
-                samples.append((now, [p.router.worker_stats(k)["placed"] for k in range(workers)]))
-                if done.wait(SAMPLE_S) or now - samples_from > 3600e9:
-                    return
+            """The router's placements per worker every SAMPLE_S, and the turn, T s after the first
+            request was placed (the client's schedule starts when its process has: 0.1-1 s after
+            the offer is called): a request placed on the straggler and never run is in no trace,
+            but counted here."""
+            try:
+                first = None
+                while not done.is_set():
+                    now = time.monotonic_ns()
+                    placed = [p.router.worker_stats(k)["placed"] for k in range(workers)]
+                    if first is None and samples and sum(placed) > sum(samples[0][1]):
+                        first = now
+                    if first is not None and not turned and now - first >= turn_s * 1e9:
+                        for k, f in live.items():
+                            p.set_slowdown(k, f)
+                        turned.append(time.monotonic_ns())
+                    samples.append((now, placed))
+                    done.wait(SAMPLE_S)
+            except BaseException as e:             # said by _one, not lost with the thread
+                failed.append(e)
         sampler = threading.Thread(target=sample, daemon=True) if live else None
         if sampler:
             sampler.start()
-        t_call = time.monotonic_ns()     # (the client's schedule starts a few ms later)
         try:
             res = _offer(p, rate, seconds, prompt_tokens=PROMPT, max_output_tokens=OUTPUT,
                          sessions=SESSIONS, drain_s=drain_s(device), seed=seed)
@@ -276,11 +293,16 @@ def _one(label: str, name: str, param: float | None, device: str | None, rate: f
             done.set()
             if sampler:
                 sampler.join()
+        if failed:
+            raise RuntimeError(f"{label}: the straggler's sampler failed: {failed[0]!r}") from failed[0]
         if live:
             if not turned:
                 raise RuntimeError(f"{label}: the offer ended before the straggler's turn")
-            res["timeline"] = _timeline([p.trace(k) for k in range(workers)], samples, turned[0],
-                                        t_call + int(res["sending_s"] * 1e9))
+            traces = [p.trace(k) for k in range(workers)]
+            # the schedule's start: its first send (in every trace's t_send) less its first gap
+            first_send = min(int(t["t_send"][t["t_send"] > 0].min()) for t in traces if (t["t_send"] > 0).any())
+            start = first_send - int(client.schedule_span_s(rate, 1, seed) * 1e9)
+            res["timeline"] = _timeline(traces, samples, turned[0], start + int(res["sending_s"] * 1e9))
         st1, store1 = p.router.stats(), p.store_stats()
         per1 = [p.router.worker_stats(k) for k in range(workers)]
         for key in ("placed", "answered"):     # the offer's own, per worker
@@ -292,16 +314,11 @@ def _one(label: str, name: str, param: float | None, device: str | None, rate: f
     return res
 
 
-WINDOW_S = 1.0     # the timeline's step
-SAMPLE_S = 0.02    # how often the router's placements are read during a run with a live straggler
-
-
 def _timeline(traces: list[np.ndarray], samples: list, turn_ns: int, end_ns: int) -> dict:
     """One run's timeline, in seconds from the turn: the router's placements per worker as
-    sampled (`samples`: (ns, placed per worker)), each request that ran by when the router took
-    it in (its first prompt record) with its latency, from its send to the end of its last step
-    (its decode steps carry its id), and the end of the offer's sends (the client's schedule
-    began after end_ns - its length, so windows up to it are whole)."""
+    sampled (`samples`: (ns, placed per worker)); each request by when the router took it in
+    (its first prompt record) and, if it finished (its last token stamped on a record, on any
+    worker), its latency from its send to that token; and the end of the offer's sends."""
     prompts = [t[(t["kind"] != KIND_DECODE) & (t["t_router"] > 0)] for t in traces]
     rid = np.concatenate([p["request_id"] for p in prompts])
     t_in = np.concatenate([p["t_router"] for p in prompts]).astype(np.int64)
@@ -309,13 +326,11 @@ def _timeline(traces: list[np.ndarray], samples: list, turn_ns: int, end_ns: int
     order = np.argsort(t_in, kind="stable")
     _, first = np.unique(rid[order], return_index=True)     # a replay's later record left out
     first = order[first]
-    every_id = np.concatenate([t["request_id"] for t in traces])
-    every_end = np.concatenate([t["t_end"] for t in traces])
-    by_id = np.argsort(every_id, kind="stable")
-    ids, at = np.unique(every_id[by_id], return_index=True)
-    last_end = np.maximum.reduceat(every_end[by_id], at).astype(np.int64) if len(ids) else np.zeros(0, np.int64)
+    last = np.concatenate([t[t["t_last_token"] > 0] for t in traces])
+    finished = dict(zip(last["request_id"].tolist(), last["t_last_token"].astype(np.int64).tolist()))
+    t_last = np.array([finished.get(r, 0) for r in rid[first].tolist()], dtype=np.int64)
     return {"t_s": (t_in[first] - turn_ns) / 1e9,
-            "latency_ns": last_end[np.searchsorted(ids, rid[first])] - t_send[first],
+            "latency_ns": np.where(t_last > 0, t_last - t_send[first], -1),    # -1: not finished
             "sample_t_s": np.array([(t - turn_ns) / 1e9 for t, _ in samples]),
             "placed": np.array([placed for _, placed in samples], dtype=np.int64).reshape(len(samples), -1),
             "end_s": (end_ns - turn_ns) / 1e9}
@@ -324,10 +339,10 @@ def _timeline(traces: list[np.ndarray], samples: list, turn_ns: int, end_ns: int
 def _windows(timelines: list[dict], slow: list[int], even_share: float, end_s: float) -> dict:
     """The rounds' timelines pooled, per WINDOW_S from the turn up to end_s (before it: one
     window from the first sample): the requests placed, the share placed on the straggler(s),
-    and the p95 latency of those that ran (`ran`: fewer than placed when some never did, and
-    then the p95 is of the others); and when the policy settled: the end of the first window
-    after the turn from which on every one placed at most half an even share there (None:
-    never, in this run)."""
+    how many of those the router took in then finished, and their p95 (on any worker: fewer
+    finished than placed, it is of the others); and when the policy settled: the end of the
+    first window after the turn from which on every one, two at least, placed at most half
+    an even share there (None: not within this run)."""
     def placed(x: dict, at_s: float) -> np.ndarray:        # per worker, by the last sample at or before
         i = np.searchsorted(x["sample_t_s"], at_s, side="right") - 1
         return x["placed"][max(i, 0)]
@@ -338,13 +353,13 @@ def _windows(timelines: list[dict], slow: list[int], even_share: float, end_s: f
     for a, b in edges:
         d = sum(placed(x, b) - (x["placed"][0] if a == -math.inf else placed(x, a)) for x in timelines)
         n = int(d.sum())
-        m = (t >= a) & (t < b)
-        out.append({"from_s": None if a == -math.inf else a, "to_s": b, "placed": n, "ran": int(m.sum()),
+        m = (t >= a) & (t < b) & (lat >= 0)
+        out.append({"from_s": None if a == -math.inf else a, "to_s": b, "placed": n, "finished": int(m.sum()),
                     "straggler_share": float(d[slow].sum() / n) if n else None,
                     "p95_ms": _pcts(lat[m], 1e6)["p95"] if m.any() else None})
     after = out[1:]
     calm = [w["straggler_share"] is not None and w["straggler_share"] <= even_share / 2 for w in after]
-    settled = next((w["to_s"] for i, w in enumerate(after) if all(calm[i:])), None) if after else None
+    settled = next((w["to_s"] for i, w in enumerate(after) if len(after) - i >= 2 and all(calm[i:])), None)
     return {"windows": out, "settled_within_s": settled}
 
 
@@ -378,6 +393,9 @@ def run(report, args):
     rows = []
     if live:
         end_s = min(r["timeline"]["end_s"] for rs in runs.values() for r in rs)   # whole windows in every run
+        if end_s < MIN_WINDOWS * WINDOW_S:
+            raise RuntimeError(f"compare: a run's offer ended {end_s:.2f} s after its straggler's turn: fewer than "
+                               f"{MIN_WINDOWS} whole seconds to time (an earlier @T, or a longer run)")
     for i, (label, _, _) in enumerate(names):
         rs = runs[label]
         pc = _pcts(np.concatenate([r["rtt_ns"] for r in rs]), 1e6)   # the rounds pooled
@@ -403,8 +421,9 @@ def run(report, args):
             if row["timeline"]["settled_within_s"] is not None:
                 report.metric(f"{label}_straggler_settled_within_s", row["timeline"]["settled_within_s"], "s")
             else:
-                report.note(f"{label}: never placed under half an even share on the straggler in every second "
-                            f"after its turn, to the run's end (no settled_within_s)")
+                report.note(f"{label}: did not settle in this run (place at most half an even share on the "
+                            f"straggler in every second from one on to the run's end, two at least): no "
+                            f"settled_within_s")
         rows.append(row)
         for key in ("p50_ms", "p95_ms", "p99_ms"):
             (report.reference if i == 0 else report.metric)(f"{label}_{key}", row[key], "ms")

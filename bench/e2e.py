@@ -272,8 +272,8 @@ def _flatness(report, dynamic: list[dict], suffix: str, rates: list):
     aimed = [r for r in dynamic if r.get("aimed_at_saturation_fraction") and 0.99 * line <= r["offered_qps"] <= line]
     if aimed:
         a = aimed[0]
-        report.note(f"{goal}: {'met' if spread <= 1.1 else 'missed'}: {spread:.3f}x, measured at 80% itself by "
-                    f"the row aimed there (offered {a['offered_qps']:.2f} req/s, "
+        report.note(f"{goal}: {'met' if spread <= 1.1 else 'missed'}: {spread:.3f}x over the rows measured up to "
+                    f"80%, the last of them aimed at 80% itself (offered {a['offered_qps']:.2f} req/s, "
                     f"{a['offered_qps'] / _saturation(dynamic):.1%} of saturation, p95 {a['p95_ms']:.1f} ms; "
                     f"measured last, after the rows past saturation, from an empty pipeline)")
         return

@@ -219,6 +219,14 @@ def send(sock: socket.socket, packets: list[bytes], rate: float, count: int, dur
             lib.dp_lat_free(ffi.addressof(lat))
 
 
+def schedule_span_s(rate: float, count: int, seed: int = 1) -> float:
+    """When send(rate=rate, count=count, seed=seed) has its last packet due, in seconds from its
+    start (merge 1): its seeded Poisson draws, read without sending."""
+    if not 0 < rate < math.inf or count < 1:
+        raise ValueError(f"schedule_span_s needs a finite rate > 0 and a count >= 1, not {rate} and {count}")
+    return lib.dp_poisson_unit_span(seed, count) / rate
+
+
 def rate_to_offer(offered: float, count: int, seed: int = 1) -> float:
     """The nominal rate at which send(count=count, seed=seed) offers `offered` packets/s, from
     its start to its last send (merge 1, and `count` whole requests: send() rounds it up to
@@ -227,7 +235,7 @@ def rate_to_offer(offered: float, count: int, seed: int = 1) -> float:
     aimed with this (its lag, if any, only lowers what it offers)."""
     if not offered > 0 or not math.isfinite(offered) or count < 1:
         raise ValueError(f"rate_to_offer needs a finite rate > 0 and a count >= 1, not {offered} and {count}")
-    return offered * lib.dp_poisson_unit_span(seed, count) / count
+    return offered * schedule_span_s(1.0, count, seed) / count
 
 
 def run_in_netns(netns: str, fn, *args, cpu: int | None = None, rt_priority: int = 0,

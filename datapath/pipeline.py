@@ -118,8 +118,9 @@ class PipelineConfig:
 
 class TracingLane:
     """A worker's lane (datapath.lanes: one that stamps t_pickup) that also writes each record's
-    stamps into a shared trace buffer; with the worker, the snapshot's durable ack of each request
-    its step finished (worker.finished, read before serve clears it)."""
+    stamps into a shared trace buffer; with the worker, on the last record of each request its
+    step finished, its last token's stamp and its snapshot's durable ack, if it made one
+    (worker.finished, read before serve clears it)."""
 
     def __init__(self, lane, trace: np.ndarray, count: np.ndarray, worker=None):
         self.lane, self.trace, self.count, self.worker = lane, trace, count, worker
@@ -146,12 +147,11 @@ class TracingLane:
                 rows["t_start"], rows["t_end"], rows["kv_bytes"] = comp["t_start"][0], comp["t_end"][0], comp["kv_bytes"][0]
                 rows["t_last_token"] = rows["t_snapshot"] = 0      # a reset trace's rows are reused
                 for done in self.worker.finished if self.worker is not None else ():
-                    if done.stamps.get("t_snapshot"):
-                        hit = np.flatnonzero((rows["request_id"] == done.request_id)
-                                             & (rows["session_id"] == done.session_id))
-                        if len(hit):                 # its last record in this batch answers it
-                            rows["t_last_token"][hit[-1]] = done.stamps["t_last_token"]
-                            rows["t_snapshot"][hit[-1]] = done.stamps["t_snapshot"]
+                    hit = np.flatnonzero((rows["request_id"] == done.request_id)
+                                         & (rows["session_id"] == done.session_id))
+                    if len(hit):                     # its last record in this batch answers it
+                        rows["t_last_token"][hit[-1]] = done.stamps["t_last_token"]
+                        rows["t_snapshot"][hit[-1]] = done.stamps.get("t_snapshot", 0)
                 self.count[0] = i + n
         return self.lane.send_completion(comp)
 
@@ -633,16 +633,18 @@ class Pipeline:
         self.worker_hangs: list[int] = []                      # workers killed for holding a batch too long
         self.worker_replacements: list[dict] = []              # each replacement: worker, pid, when, ...
         hang_s = self.cfg.worker_hang_s
-        patience = lambda k: hang_s * self.slowdowns[k]        # a straggler's is its factor's
+        # a straggler's is its factor's: the larger of the one when its busy stretch began and the
+        # one now (lowered mid-step, a step begun slow would be killed as hung)
+        patience = lambda k, seen: hang_s * max(seen[k][2], self.slowdowns[k])
         quick: dict[int, int] = {}                             # worker -> its exits in a row soon after serving
 
         def hung(k: int, seen: dict) -> bool:
             st = self.router.worker_stats(k)
             now = time.monotonic()
             if not st["busy"] or seen.get(k, (None,))[0] != st["completions"]:
-                seen[k] = (st["completions"], now)     # idle, or it completed something since
+                seen[k] = (st["completions"], now, self.slowdowns[k])   # idle, or it completed something since
                 return False
-            return now - seen[k][1] > patience(k)
+            return now - seen[k][1] > patience(k, seen)
 
         def replace(k: int, t_exit: float, seen: dict):
             """Worker k's fresh process on a fresh lane (the old lane may hold a batch the router
@@ -728,7 +730,7 @@ class Pipeline:
                     w.killed = True
                     self.worker_hangs.append(k)
                     w.kill()                       # its exit is seen above on a later pass
-                    print(f"pipeline: worker {k} held a batch {patience(k):g} s without completing anything: "
+                    print(f"pipeline: worker {k} held a batch {patience(k, seen):g} s without completing anything: "
                           f"killed", file=sys.stderr, flush=True)
             return True
 
