@@ -104,7 +104,7 @@ def _timeline_table(rows: list[dict], turn_s: float, even_share: float) -> list[
                 f"second that finished, on any worker (the workers' traces; where fewer than 95% finished, "
                 f"the cell says so, and that p95, of the others, is a lower bound); settled: the end of the "
                 f"first second from which on every one, two at least, placed at most half an even share "
-                f"({100 * even_share / 2:.0f}%) there.", "",
+                f"({100 * even_share / 2:g}%) there.", "",
             "| policy | " + " | ".join(head) + " | settled within |",
             "|---|" + "---:|" * (len(head) + 1)] + [
         f"| {r['name']} | " + " | ".join(cell(w) for w in r["timeline"]["windows"]) + f" | {settled(r)} |"
@@ -114,6 +114,7 @@ def _timeline_table(rows: list[dict], turn_s: float, even_share: float) -> list[
 def _plot_timeline(rows: list[dict], path: pathlib.Path, stragglers: str):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter
     fig = Figure(figsize=(8, 6))
     share = fig.add_subplot(2, 1, 1)
     p95 = fig.add_subplot(2, 1, 2, sharex=share)
@@ -130,6 +131,8 @@ def _plot_timeline(rows: list[dict], path: pathlib.Path, stragglers: str):
     share.legend(fontsize="small")
     p95.set_ylabel("p95 send -> last token (ms), of the finished")
     p95.set_yscale("log")
+    for ticks in (p95.yaxis.set_major_formatter, p95.yaxis.set_minor_formatter):
+        ticks(FuncFormatter(lambda v, _: f"{v:g}"))
     p95.set_xlabel("seconds after the straggler turned slow")
     fig.tight_layout()
     FigureCanvasAgg(fig).print_png(str(path))
