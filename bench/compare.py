@@ -304,8 +304,8 @@ def _one(label: str, name: str, param: float | None, device: str | None, rate: f
             traces = [p.trace(k) for k in range(workers)]
             # the schedule's start: its first send (in every trace's t_send) less its first gap
             first_send = min(int(t["t_send"][t["t_send"] > 0].min()) for t in traces if (t["t_send"] > 0).any())
-            start = first_send - int(client.schedule_span_s(rate, 1, seed) * 1e9)
-            res["timeline"] = _timeline(traces, samples, turned[0], start + int(res["sending_s"] * 1e9))
+            t_schedule = first_send - int(client.schedule_span_s(rate, 1, seed) * 1e9)
+            res["timeline"] = _timeline(traces, samples, turned[0], t_schedule + int(res["sending_s"] * 1e9))
         st1, store1 = p.router.stats(), p.store_stats()
         per1 = [p.router.worker_stats(k) for k in range(workers)]
         for key in ("placed", "answered"):     # the offer's own, per worker

@@ -283,8 +283,8 @@ def _flatness(report, dynamic: list[dict], suffix: str, rates: list):
     verdict = "missed" if spread > 1.1 else "not decided by this sweep (no row at 80% itself)"
     report.note(f"{goal}: {verdict}: {spread:.3f}x over the rows measured under 80%, "
                 + (f"{chord:.3f}x at 80% itself estimated between the rows either side (a chord, not a "
-                   f"bound: the rows aimed at 80% read 1.171x and 1.174x on the L4 in session 28, where "
-                   f"session 27's chord read 1.145x)" if chord is not None else "no row over it to estimate from"))
+                   f"bound: p95 is not convex in load there)" if chord is not None
+                   else "no row over it to estimate from"))
 
 
 STAMPS = ("t_xdp_in", "t_xdp", "t_consumer", "t_router", "t_lane", "t_pickup", "t_start")
@@ -436,7 +436,7 @@ def _sweep_mode(report, p: Pipeline, mode: str, device: str | None, rates: list,
     if mode == "dynamic" and _reached_saturation(rows):
         # the goal's edge, once saturation is known: the rates above fall where their seeded
         # draws put them (76.5% and 84.7% of saturation in session 27's Figures run, so the
-        # flatness at 80% itself was only bounded), this one is aimed at it
+        # flatness at 80% itself was only estimated), this one is aimed at it
         line = GOAL_FRACTION * _saturation(rows)
         count = max(10, int(line * duration(line)))
         # a hair under the line, so that the row counts within it (the sender's lag only lowers it)
