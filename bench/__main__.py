@@ -69,13 +69,13 @@ def main(argv=None) -> int:
     p.add_argument("--workers", type=int, metavar="N",
                    help="compare: worker processes, 1 to 16 (default 2; they share the cores the poll loop leaves, "
                         "so past two give --device: its step time is spent asleep, the tiny model's own is not)")
-    p.add_argument("--straggler", metavar="K:F[@T][,...]",
+    p.add_argument("--straggler", metavar="K:F[@T[-U]][,...]",
                    help="compare: worker K is F times slower (its --device's step time, or its forward pass, "
                         "lasts F times as long: a slow device among healthy ones; F from 1 to 1000, K from 0); the "
                         "table shows the share of requests each policy placed on it, and of the 200s it answered. "
                         "K:F@T: it turns slow T seconds after each run's first request (runs are 10 s, 3 with "
                         "--quick; T leaves two whole seconds), and a timeline shows how fast each policy moved "
-                        "off it")
+                        "off it; K:F@T-U: back to normal at U, and how fast each came back to it")
     args = p.parse_args(argv)
     # a flag its suite does not read is refused, not ignored: `bench e2e --policy static` ran plain e2e
     only = {"--policy": ("compare", args.policy is not None), "--rate": ("compare", args.rate != 40),

@@ -37,7 +37,9 @@ slow T seconds after each run's first request instead (a device throttled
 mid-run): compare.md and timeline.png then show, second by second from the
 turn, the share placed on it and the p95 of the requests that finished, and
 when each policy settled (every second from then on, two at least, placing at
-most half an even share there): how fast a policy notices.
+most half an even share there): how fast a policy notices. K:F@T-U brings it
+back to normal at U, and the timeline goes on from there: how fast a policy
+gives a recovered worker its share back ("recovered within").
 
 Every pipeline gets a fresh shared snapshot store: sessions return (61 of
 them cycle through the offer), and a policy that sends a session's next request to another
@@ -53,6 +55,7 @@ import json
 import math
 import pathlib
 import time
+from typing import NamedTuple
 
 import numpy as np
 
@@ -88,27 +91,32 @@ def _plot(rows: list[dict], path: pathlib.Path, stragglers: str):
     FigureCanvasAgg(fig).print_png(str(path))
 
 
-def _timeline_table(rows: list[dict], turn_s: float, even_share: float) -> list[str]:
+def _timeline_table(rows: list[dict], when: Straggler, even_share: float) -> list[str]:
     windows = rows[0]["timeline"]["windows"]
-    head = ["before"] + [f"{w['from_s']:g}-{w['to_s']:g} s" for w in windows[1:]]
+    head = [("before" if w["phase"] == "before" else
+             f"{w['from_s']:g}-{w['to_s']:g} s" if w["phase"] == "slow" else f"back +{w['from_s']:g}-{w['to_s']:g} s")
+            for w in windows]
     cell = lambda w: ("n/a" if not w["placed"] else
                       f"{100 * w['straggler_share']:.0f}% · "
                       + (f"none of {w['placed']} finished" if w["p95_ms"] is None else f"{w['p95_ms']:.0f} ms"
                          + (f" ({w['finished']} of {w['placed']} finished)" if w["finished"] < 0.95 * w["placed"]
                             else "")))
-    settled = lambda r: (f"{r['timeline']['settled_within_s']:g} s" if r["timeline"]["settled_within_s"] is not None
-                         else "not in this run")
-    return ["", f"After the turn ({turn_s:g} s after each run's first request was placed): per second from it, the "
-                f"share of the requests placed on the straggler (the router's `placed`, read every "
-                f"{SAMPLE_S * 1e3:g} ms), and the p95 from send to last token of the requests taken in that "
-                f"second that finished, on any worker (the workers' traces; where fewer than 95% finished, "
-                f"the cell says so, and that p95, of the others, is a lower bound); settled: the end of the "
-                f"first second from which on every one, two at least, placed at most half an even share "
-                f"({100 * even_share / 2:g}%) there.", "",
-            "| policy | " + " | ".join(head) + " | settled within |",
-            "|---|" + "---:|" * (len(head) + 1)] + [
-        f"| {r['name']} | " + " | ".join(cell(w) for w in r["timeline"]["windows"]) + f" | {settled(r)} |"
-        for r in rows]
+    said = lambda v: f"{v:g} s" if v is not None else "not in this run"
+    back = when.until_s is not None
+    return ["", f"After the turn ({when.at_s:g} s after each run's first request was placed"
+                + (f"; back to normal {when.until_s - when.at_s:g} s after it" if back else "")
+                + "): per second from it, the share of the requests placed on the straggler (the router's "
+                f"`placed`, read every {SAMPLE_S * 1e3:g} ms), and the p95 from send to last token of the "
+                f"requests taken in that second that finished, on any worker (the workers' traces; where "
+                f"fewer than 95% finished, the cell says so, and that p95, of the others, is a lower bound); "
+                f"settled: the end of the first second from which on every one, two at least, placed at most "
+                f"half an even share ({100 * even_share / 2:g}%) there"
+                + ("; recovered: the same after the recovery, at least that share" if back else "") + ".", "",
+            "| policy | " + " | ".join(head) + " | settled within |" + (" recovered within |" if back else ""),
+            "|---|" + "---:|" * (len(head) + 1 + back)] + [
+        f"| {r['name']} | " + " | ".join(cell(w) for w in r["timeline"]["windows"])
+        + f" | {said(r['timeline']['settled_within_s'])} |"
+        + (f" {said(r['timeline']['recovered_within_s'])} |" if back else "") for r in rows]
 
 
 def _plot_timeline(rows: list[dict], path: pathlib.Path, stragglers: str):
@@ -120,12 +128,15 @@ def _plot_timeline(rows: list[dict], path: pathlib.Path, stragglers: str):
     p95 = fig.add_subplot(2, 1, 2, sharex=share)
     for r in rows:
         ws = r["timeline"]["windows"][1:]
-        placed = [((w["from_s"] + w["to_s"]) / 2, 100 * w["straggler_share"]) for w in ws if w["placed"]]
-        done = [((w["from_s"] + w["to_s"]) / 2, w["p95_ms"]) for w in ws if w["p95_ms"] is not None]
+        placed = [(w["mid_s"], 100 * w["straggler_share"]) for w in ws if w["placed"]]
+        done = [(w["mid_s"], w["p95_ms"]) for w in ws if w["p95_ms"] is not None]
         if placed:
             share.plot(*zip(*placed), marker="o", label=r["name"])
         if done:
             p95.plot(*zip(*done), marker="o", label=r["name"])
+    if rows[0]["timeline"]["recover_s"] is not None:
+        for ax in (share, p95):
+            ax.axvline(rows[0]["timeline"]["recover_s"], color="grey", linestyle="--", linewidth=1)
     share.set_ylabel("placed on the straggler (%)")
     share.set_title(f"after the turn: {stragglers}")
     share.legend(fontsize="small")
@@ -133,7 +144,8 @@ def _plot_timeline(rows: list[dict], path: pathlib.Path, stragglers: str):
     p95.set_yscale("log")
     for ticks in (p95.yaxis.set_major_formatter, p95.yaxis.set_minor_formatter):
         ticks(FuncFormatter(lambda v, _: f"{v:g}"))
-    p95.set_xlabel("seconds after the straggler turned slow")
+    p95.set_xlabel("seconds after the straggler turned slow"
+                   + (" (dashed: back to normal)" if rows[0]["timeline"]["recover_s"] is not None else ""))
     fig.tight_layout()
     FigureCanvasAgg(fig).print_png(str(path))
 
@@ -177,26 +189,38 @@ SAMPLE_S = 0.02    # how often the router's placements are read
 MIN_WINDOWS = 2    # whole seconds after the turn a run must hold (check_args leaves room for them)
 
 
-def parse_stragglers(spec: str | None, workers: int = WORKERS,
-                     seconds: float | None = None) -> dict[int, tuple[float, float | None]]:
-    """"K:F[@T],..." -> {worker K: (slowdown F, T)}: slowed from the start (T None), or from T
-    seconds into each run, before its end (`seconds`): a straggler that turns slow mid-run. Every
-    T given is the same (the turn the timeline counts from). ValueError for a worker out of
-    range, a factor out of 1..1000 (serving.worker.check_slowdown), or one named twice."""
+class Straggler(NamedTuple):
+    factor: float               # its steps last this many times as long
+    at_s: float | None          # from this many seconds after each run's first request (None: from the start)
+    until_s: float | None       # and back to normal from this many (None: to the run's end)
+
+
+def parse_stragglers(spec: str | None, workers: int = WORKERS, seconds: float | None = None) -> dict[int, Straggler]:
+    """"K:F[@T[-U]],..." -> {worker K: Straggler}: slowed from the start, or from T seconds after
+    each run's first request (a straggler that turns slow mid-run), and back to normal at U if
+    given, each leaving MIN_WINDOWS whole seconds to time before the next and before the run's end
+    (`seconds`). Every T (and U) given is the same: the turn the timeline counts from. ValueError
+    for a worker out of range, a factor out of 1..1000 (serving.worker.check_slowdown), a time
+    out of place, or a worker named twice."""
     from datapath.serving.worker import check_slowdown
-    out: dict[int, tuple[float, float | None]] = {}
+    out: dict[int, Straggler] = {}
     if spec is not None and not spec.strip(" ,"):
         raise ValueError("--straggler names no worker: give WORKER:FACTOR, e.g. 1:4")
+    room = MIN_WINDOWS * WINDOW_S
+    latest = (seconds - room - 0.5) if seconds else math.inf    # (the schedule's draws may run it short)
     for part in (x.strip() for x in (spec or "").split(",")):
         if not part:
             continue
         k, sep, rest = part.partition(":")
-        f, at, t = rest.partition("@")
+        f, at, when = rest.partition("@")
+        t, dash, u = when.partition("-")
         try:
-            k, f, t = int(k), float(f), float(t) if at else None
+            k, f = int(k), float(f)
+            t, u = float(t) if at else None, float(u) if dash else None
         except ValueError:
             raise ValueError(f"--straggler {part!r}: give WORKER:FACTOR, e.g. 1:4 (worker 1's steps take 4x), "
-                             f"or WORKER:FACTOR@SECONDS, e.g. 1:4@3 (from 3 s into each run)") from None
+                             f"or WORKER:FACTOR@SECONDS, e.g. 1:4@3 (from 3 s into each run), or "
+                             f"WORKER:FACTOR@FROM-TO, e.g. 1:4@2-5") from None
         if not sep:
             raise ValueError(f"--straggler {part!r}: give WORKER:FACTOR, e.g. 1:4 (worker 1's steps take 4x)")
         if not 0 <= k < workers:
@@ -204,20 +228,25 @@ def parse_stragglers(spec: str | None, workers: int = WORKERS,
         if k in out:
             raise ValueError(f"--straggler names worker {k} twice")
         check_slowdown(f)
-        latest = (seconds - MIN_WINDOWS * WINDOW_S - 0.5) if seconds else math.inf   # (the schedule's draws
-        if t is not None and not (math.isfinite(t) and 0 < t <= latest):             #  may run it short)
+        if t is not None and not (math.isfinite(t) and 0 < t <= (latest if u is None else latest - room)):
             raise ValueError(f"--straggler {part!r}: the turn must come after the run starts and leave "
-                             f"{MIN_WINDOWS} whole seconds to time before it ends (0 < T <= {latest:g} s)"
-                             if seconds else f"--straggler {part!r}: T must be > 0 s")
-        out[k] = (f, t)
-    if len({t for _, t in out.values() if t is not None}) > 1:
-        raise ValueError("--straggler: every @T must be the same (one turn, which the timeline counts from)")
+                             f"{MIN_WINDOWS} whole seconds to time before it ends"
+                             + (f" (0 < T <= {latest:g} s)" if u is None and seconds else "")
+                             + (f", and before the recovery (0 < T <= {latest - room:g} s)" if u is not None else ""))
+        if u is not None and not (math.isfinite(u) and t + room <= u <= latest):
+            raise ValueError(f"--straggler {part!r}: the recovery must come {MIN_WINDOWS} whole seconds at least "
+                             f"after the turn and leave as many before the run ends ({t + room:g} <= U <= "
+                             f"{latest:g} s)")
+        out[k] = Straggler(f, t, u)
+    if len({(x.at_s, x.until_s) for x in out.values() if x.at_s is not None}) > 1:
+        raise ValueError("--straggler: every @T (and -U) must be the same (one turn, which the timeline counts from)")
     return out
 
 
-def straggler_said(stragglers: dict[int, tuple[float, float | None]]) -> str:
-    return ", ".join(f"worker {k} x{f:g}" + (f" from {t:g} s" if t is not None else "")
-                     for k, (f, t) in stragglers.items()) or "none"
+def straggler_said(stragglers: dict[int, Straggler]) -> str:
+    return ", ".join(f"worker {k} x{x.factor:g}" + (f" from {x.at_s:g} s" if x.at_s is not None else "")
+                     + (f" to {x.until_s:g} s" if x.until_s is not None else "")
+                     for k, x in stragglers.items()) or "none"
 
 
 def check_args(args):
@@ -240,7 +269,7 @@ def run_seconds(quick: bool) -> float:
 
 
 def _one(label: str, name: str, param: float | None, device: str | None, rate: float, seconds: float,
-         seed: int, workers: int, stragglers: dict[int, tuple[float, float | None]]) -> dict:
+         seed: int, workers: int, stragglers: dict[int, Straggler]) -> dict:
     """One offer through a fresh pipeline and store: its latencies and what the router did; with a
     straggler that turns slow mid-run, the router's placements per worker and each request's
     latency by when it came (`timeline`)."""
@@ -250,8 +279,9 @@ def _one(label: str, name: str, param: float | None, device: str | None, rate: f
         kw["policy_param"] = param
     # the same key secret for every name: which sessions share a slot of the router's last-run table
     # (flagged moved, a store lookup) was drawn anew for each run
-    start = {k: f for k, (f, t) in stragglers.items() if t is None}
-    live = {k: f for k, (f, t) in stragglers.items() if t is not None}
+    start = {k: x.factor for k, x in stragglers.items() if x.at_s is None}
+    live = {k: x.factor for k, x in stragglers.items() if x.at_s is not None}
+    when = next((x for x in stragglers.values() if x.at_s is not None), None)
     with fresh_store() as store, Pipeline(_config(shared_store=store, device=device, key_secret=seed,
                                                   workers=workers, stragglers=start, **kw)) as p:
         _warm_up(p, device)
@@ -262,15 +292,15 @@ def _one(label: str, name: str, param: float | None, device: str | None, rate: f
         p.reset_trace()
         samples: list[tuple[int, list[int]]] = []      # (monotonic ns, requests placed per worker)
         turned: list[int] = []                          # when the live stragglers turned (monotonic ns)
+        recovered: list[int] = []                       # and when they came back, if they do
         failed: list[BaseException] = []
         done = threading.Event()
-        turn_s = next((t for _, t in stragglers.values() if t is not None), None)
 
         def sample():
-            """The router's placements per worker every SAMPLE_S, and the turn, T s after the first
+            """The router's placements per worker every SAMPLE_S, the turn, T s after the first
             request was placed (the client's schedule starts when its process has: 0.1-1 s after
-            the offer is called): a request placed on the straggler and never run is in no trace,
-            but counted here."""
+            the offer is called), and the recovery U - T after the turn: a request placed on the
+            straggler and never run is in no trace, but counted here."""
             try:
                 first = None
                 while not done.is_set():
@@ -278,10 +308,15 @@ def _one(label: str, name: str, param: float | None, device: str | None, rate: f
                     placed = [p.router.worker_stats(k)["placed"] for k in range(workers)]
                     if first is None and samples and sum(placed) > sum(samples[0][1]):
                         first = now
-                    if first is not None and not turned and now - first >= turn_s * 1e9:
+                    if first is not None and not turned and now - first >= when.at_s * 1e9:
                         for k, f in live.items():
                             p.set_slowdown(k, f)
                         turned.append(time.monotonic_ns())
+                    elif (turned and when.until_s is not None and not recovered
+                          and now - turned[0] >= (when.until_s - when.at_s) * 1e9):
+                        for k in live:
+                            p.set_slowdown(k, 1.0)
+                        recovered.append(time.monotonic_ns())
                     samples.append((now, placed))
                     done.wait(SAMPLE_S)
             except BaseException as e:             # said by _one, not lost with the thread
@@ -299,13 +334,15 @@ def _one(label: str, name: str, param: float | None, device: str | None, rate: f
         if failed:
             raise RuntimeError(f"{label}: the straggler's sampler failed: {failed[0]!r}") from failed[0]
         if live:
-            if not turned:
-                raise RuntimeError(f"{label}: the offer ended before the straggler's turn")
+            if not turned or (when.until_s is not None and not recovered):
+                raise RuntimeError(f"{label}: the offer ended before the straggler's "
+                                   f"{'turn' if not turned else 'recovery'}")
             traces = [p.trace(k) for k in range(workers)]
             # the schedule's start: its first send (in every trace's t_send) less its first gap
             first_send = min(int(t["t_send"][t["t_send"] > 0].min()) for t in traces if (t["t_send"] > 0).any())
             t_schedule = first_send - int(client.schedule_span_s(rate, 1, seed) * 1e9)
-            res["timeline"] = _timeline(traces, samples, turned[0], t_schedule + int(res["sending_s"] * 1e9))
+            res["timeline"] = _timeline(traces, samples, turned[0], t_schedule + int(res["sending_s"] * 1e9),
+                                        recovered[0] if recovered else None)
         st1, store1 = p.router.stats(), p.store_stats()
         per1 = [p.router.worker_stats(k) for k in range(workers)]
         for key in ("placed", "answered"):     # the offer's own, per worker
@@ -317,11 +354,13 @@ def _one(label: str, name: str, param: float | None, device: str | None, rate: f
     return res
 
 
-def _timeline(traces: list[np.ndarray], samples: list, turn_ns: int, end_ns: int) -> dict:
+def _timeline(traces: list[np.ndarray], samples: list, turn_ns: int, end_ns: int,
+              recover_ns: int | None = None) -> dict:
     """One run's timeline, in seconds from the turn: the router's placements per worker as
     sampled (`samples`: (ns, placed per worker)); each request by when the router took it in
     (its first prompt record) and, if it finished (its last token stamped on a record, on any
-    worker), its latency from its send to that token; and the end of the offer's sends."""
+    worker), its latency from its send to that token; the end of the offer's sends, and the
+    straggler's recovery if it had one."""
     prompts = [t[(t["kind"] != KIND_DECODE) & (t["t_router"] > 0)] for t in traces]
     rid = np.concatenate([p["request_id"] for p in prompts])
     t_in = np.concatenate([p["t_router"] for p in prompts]).astype(np.int64)
@@ -336,34 +375,62 @@ def _timeline(traces: list[np.ndarray], samples: list, turn_ns: int, end_ns: int
             "latency_ns": np.where(t_last > 0, t_last - t_send[first], -1),    # -1: not finished
             "sample_t_s": np.array([(t - turn_ns) / 1e9 for t, _ in samples]),
             "placed": np.array([placed for _, placed in samples], dtype=np.int64).reshape(len(samples), -1),
-            "end_s": (end_ns - turn_ns) / 1e9}
+            "end_s": (end_ns - turn_ns) / 1e9,
+            "recover_s": None if recover_ns is None else (recover_ns - turn_ns) / 1e9}
 
 
-def _windows(timelines: list[dict], slow: list[int], even_share: float, end_s: float) -> dict:
-    """The rounds' timelines pooled, per WINDOW_S from the turn up to end_s (before it: one
-    window from the first sample): the requests placed, the share placed on the straggler(s),
-    how many of those the router took in then finished, and their p95 (on any worker: fewer
-    finished than placed, it is of the others); and when the policy settled: the end of the
-    first window after the turn from which on every one, two at least, placed at most half
-    an even share there (None: not within this run)."""
+def _window_counts(timelines: list[dict]) -> tuple[int, int]:
+    """Whole seconds from the turn to the recovery (or the end of the sends) and from the
+    recovery to the end, in the run that has fewest: the same for every name, so their tables
+    line up."""
+    back = [x["recover_s"] for x in timelines]
+    n_slow = int(min(b if b is not None else x["end_s"] for b, x in zip(back, timelines)) // WINDOW_S)
+    n_back = int(min(x["end_s"] - b for b, x in zip(back, timelines)) // WINDOW_S) if back[0] is not None else 0
+    return n_slow, n_back
+
+
+def _windows(timelines: list[dict], slow: list[int], even_share: float, counts: tuple[int, int]) -> dict:
+    """The rounds' timelines pooled, per WINDOW_S: one before the turn (from the first sample),
+    the whole ones from the turn to the recovery (or the end of the sends), and the whole ones
+    from the recovery, if any, to the end, each round's own seconds from its own turn and
+    recovery (`counts`, _window_counts of every name's runs). Each: the requests placed, the share
+    placed on the straggler(s), how many of those the router took in then finished, and their
+    p95 (on any worker: fewer finished than placed, it is of the others). Settled: the end of
+    the first slow second from which on every one, two at least, placed at most half an even
+    share there; recovered: the end of the first second after the recovery from which on every
+    one, two at least, placed at least that much there (None: not within this run)."""
     def placed(x: dict, at_s: float) -> np.ndarray:        # per worker, by the last sample at or before
         i = np.searchsorted(x["sample_t_s"], at_s, side="right") - 1
         return x["placed"][max(i, 0)]
-    t = np.concatenate([x["t_s"] for x in timelines])
-    lat = np.concatenate([x["latency_ns"] for x in timelines])
-    edges = [(-math.inf, 0.0)] + [(w * WINDOW_S, (w + 1) * WINDOW_S) for w in range(int(end_s // WINDOW_S))]
+    back = [x["recover_s"] for x in timelines]
+    n_slow, n_back = counts
+    phases = ([("before", None)] + [("slow", w) for w in range(n_slow)] + [("recovered", w) for w in range(n_back)])
     out = []
-    for a, b in edges:
-        d = sum(placed(x, b) - (x["placed"][0] if a == -math.inf else placed(x, a)) for x in timelines)
-        n = int(d.sum())
-        m = (t >= a) & (t < b) & (lat >= 0)
-        out.append({"from_s": None if a == -math.inf else a, "to_s": b, "placed": n, "finished": int(m.sum()),
+    for phase, w in phases:
+        d, ts, lat = 0, [], []
+        for x, b in zip(timelines, back):
+            a, z = ((x["sample_t_s"][0], 0.0) if phase == "before" else
+                    (w * WINDOW_S, (w + 1) * WINDOW_S) if phase == "slow" else
+                    (b + w * WINDOW_S, b + (w + 1) * WINDOW_S))
+            d = d + placed(x, z) - (x["placed"][0] if phase == "before" else placed(x, a))
+            m = (x["t_s"] >= a) & (x["t_s"] < z) & (x["latency_ns"] >= 0)
+            lat.append(x["latency_ns"][m])
+            ts.append(a + WINDOW_S / 2 if phase != "before" else None)
+        n, lat = int(np.sum(d)), np.concatenate(lat)
+        out.append({"phase": phase, "from_s": None if phase == "before" else w * WINDOW_S,
+                    "to_s": None if phase == "before" else (w + 1) * WINDOW_S,
+                    "mid_s": None if phase == "before" else float(np.mean(ts)),   # from the turn
+                    "placed": n, "finished": len(lat),
                     "straggler_share": float(d[slow].sum() / n) if n else None,
-                    "p95_ms": _pcts(lat[m], 1e6)["p95"] if m.any() else None})
-    after = out[1:]
-    calm = [w["straggler_share"] is not None and w["straggler_share"] <= even_share / 2 for w in after]
-    settled = next((w["to_s"] for i, w in enumerate(after) if len(after) - i >= 2 and all(calm[i:])), None)
-    return {"windows": out, "settled_within_s": settled}
+                    "p95_ms": _pcts(lat, 1e6)["p95"] if len(lat) else None})
+
+    def within(phase: str, ok) -> float | None:
+        ws = [w for w in out if w["phase"] == phase]
+        good = [w["straggler_share"] is not None and ok(w["straggler_share"]) for w in ws]
+        return next((w["to_s"] for i, w in enumerate(ws) if len(ws) - i >= 2 and all(good[i:])), None)
+    return {"windows": out, "settled_within_s": within("slow", lambda x: x <= even_share / 2),
+            "recovered_within_s": within("recovered", lambda x: x >= even_share / 2) if n_back else None,
+            "recover_s": None if back[0] is None else float(np.mean(back))}
 
 
 def run(report, args):
@@ -376,7 +443,7 @@ def run(report, args):
     seconds = run_seconds(args.quick)
     stragglers = parse_stragglers(args.straggler, workers, seconds)
     slow_said = straggler_said(stragglers)
-    live = [k for k, (_, t) in stragglers.items() if t is not None]     # those that turn slow mid-run
+    live = [k for k, x in stragglers.items() if x.at_s is not None]     # those that turn slow mid-run
     # Rounds, the order rotated by one each (A B C, B C A, C A B, ...): on this shared machine a
     # slow spell that fell on one name's run alone moved its figures more than most policies differ.
     repeat = args.repeat or (1 if args.quick else 2)
@@ -395,10 +462,13 @@ def run(report, args):
             runs[label].append(res)
     rows = []
     if live:
-        end_s = min(r["timeline"]["end_s"] for rs in runs.values() for r in rs)   # whole windows in every run
-        if end_s < MIN_WINDOWS * WINDOW_S:
-            raise RuntimeError(f"compare: a run's offer ended {end_s:.2f} s after its straggler's turn: fewer than "
-                               f"{MIN_WINDOWS} whole seconds to time (an earlier @T, or a longer run)")
+        timelines = [r["timeline"] for rs in runs.values() for r in rs]
+        counts = _window_counts(timelines)
+        recovers = timelines[0]["recover_s"] is not None
+        if counts[recovers] < MIN_WINDOWS:
+            raise RuntimeError(f"compare: a run's offer ended {counts[recovers]} whole seconds after its "
+                               f"straggler's {'recovery' if recovers else 'turn'}, fewer than {MIN_WINDOWS} to time "
+                               f"(earlier times after @, or a longer run)")
     for i, (label, _, _) in enumerate(names):
         rs = runs[label]
         pc = _pcts(np.concatenate([r["rtt_ns"] for r in rs]), 1e6)   # the rounds pooled
@@ -420,13 +490,17 @@ def run(report, args):
             row["straggler_placed_share"] = float(sum(placed[k] for k in stragglers) / max(placed.sum(), 1))
             row["straggler_answered_share"] = float(sum(answered[k] for k in stragglers) / max(answered.sum(), 1))
         if live:
-            row["timeline"] = _windows([r["timeline"] for r in rs], live, len(live) / workers, end_s)
-            if row["timeline"]["settled_within_s"] is not None:
-                report.metric(f"{label}_straggler_settled_within_s", row["timeline"]["settled_within_s"], "s")
+            row["timeline"] = tl = _windows([r["timeline"] for r in rs], live, len(live) / workers, counts)
+            if tl["settled_within_s"] is not None:
+                report.metric(f"{label}_straggler_settled_within_s", tl["settled_within_s"], "s")
             else:
-                report.note(f"{label}: did not settle in this run (place at most half an even share on the "
-                            f"straggler in every second from one on to the run's end, two at least): no "
-                            f"settled_within_s")
+                report.note(f"{label}: did not settle while the straggler was slow (place at most half an even "
+                            f"share on it in every second from one on, two at least): no settled_within_s")
+            if tl["recover_s"] is not None and tl["recovered_within_s"] is not None:
+                report.metric(f"{label}_straggler_recovered_within_s", tl["recovered_within_s"], "s")
+            elif tl["recover_s"] is not None:
+                report.note(f"{label}: did not give the recovered worker back half an even share in every "
+                            f"second from one on, two at least, to the run's end: no recovered_within_s")
         rows.append(row)
         for key in ("p50_ms", "p95_ms", "p99_ms"):
             (report.reference if i == 0 else report.metric)(f"{label}_{key}", row[key], "ms")
@@ -477,7 +551,7 @@ def run(report, args):
                      + (" A batching mode's row (dynamic, static) routes by affinity." if any(
                          name in ("dynamic", "static") for _, name, _ in names) else ""))
     if live:
-        lines += _timeline_table(rows, stragglers[live[0]][1], len(live) / workers)
+        lines += _timeline_table(rows, stragglers[live[0]], len(live) / workers)
     (out / "compare.md").write_text("\n".join(lines) + "\n")
     (out / "rows.json").write_text(json.dumps(_jsonable(rows), indent=1, allow_nan=False) + "\n")
     _plot(rows, out / "compare.png", slow_said)

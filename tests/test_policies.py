@@ -171,14 +171,28 @@ def test_peak_ewma_takes_a_slow_answer_at_once_and_forgets_it_over_its_decay_tim
 def test_peak_ewma_tries_a_worker_left_alone_after_a_slow_answer_once_its_figure_has_decayed():
     """Worker 0's one answer at 20 us a token sends everything to worker 1 (1.5 us, answering every
     0.1 s). Worker 0 then gets nothing to answer, so only time can lower its figure: read at each
-    pick, decayed over 1 s, it is still above worker 1's after 1 s (20 / e = 7.4 us) and below it
-    after 3 s (20 / e^3 = 1.0 us): worker 0 is tried again (were only answers to lower a peak, it
-    would never be, under light load)."""
+    pick, decayed over 1 s, it is still above worker 1's after 1 s (20 / e = 7.4 us) and down to it
+    after 3 s (20 / e^3 = 1.0 us, held at 1.5): worker 0 is tried again, the two equal, by their
+    queues (here both empty: either, in turn; were only answers to lower a peak, it would never
+    be, under light load)."""
     w, t0, tick = view(2), 10**9, 10**8
     spike = [per_token(0, 1000, t0 - 1), per_token(0, 20000, t0)]
     fast = lambda s: [per_token(1, 1500, t0 + i * tick) for i in range(0, 10 * s + 1)]
     assert set(decide("peak_ewma", w, outcomes=spike + fast(1))) == {1}
-    assert set(decide("peak_ewma", w, outcomes=spike + fast(3))) == {0}
+    assert 0.35 < np.mean(decide("peak_ewma", w, outcomes=spike + fast(3)) == 0) < 0.65
+
+
+def test_peak_ewma_does_not_send_every_request_to_a_worker_whose_figure_decayed_below_its_rival_s():
+    """Worker 0's figure, 20 us a token 3 s ago, has decayed to 1.0 us, under worker 1's fresh 1.5:
+    taken at that, its queue of 180 tokens weighed less than worker 1's 100 (with the request's 68,
+    247 against 252 us), and so did every longer queue of its own until its first answer came back:
+    a herd (after a straggler's recovery, seconds of queue). Held at its rival's figure, the queues
+    decide: worker 1."""
+    t0, tick = 10**9, 10**8
+    spike = [per_token(0, 1000, t0 - 1), per_token(0, 20000, t0)]
+    fast = [per_token(1, 1500, t0 + i * tick) for i in range(0, 31)]
+    assert set(decide("peak_ewma", view(2, tokens=[180, 100]), outcomes=spike + fast)) == {1}
+    assert set(decide("peak_ewma", view(2, tokens=[50, 100]), outcomes=spike + fast)) == {0}
 
 
 def test_peak_ewma_judges_a_worker_not_measured_yet_by_its_queue_at_its_rival_s_figure():
