@@ -111,7 +111,8 @@ def _timeline_table(rows: list[dict], when: Straggler, even_share: float) -> lis
                 f"fewer than 95% finished, the cell says so, and that p95, of the others, is a lower bound); "
                 f"settled: the end of the first second from which on every one, two at least, placed at most "
                 f"half an even share ({100 * even_share / 2:g}%) there"
-                + ("; recovered: the same after the recovery, at least that share" if back else "") + ".", "",
+                + ("; recovered: the same after the recovery, at least that share (at once for a policy "
+                   "that never moved off it)" if back else "") + ".", "",
             "| policy | " + " | ".join(head) + " | settled within |" + (" recovered within |" if back else ""),
             "|---|" + "---:|" * (len(head) + 1 + back)] + [
         f"| {r['name']} | " + " | ".join(cell(w) for w in r["timeline"]["windows"])
@@ -228,6 +229,9 @@ def parse_stragglers(spec: str | None, workers: int = WORKERS, seconds: float | 
         if k in out:
             raise ValueError(f"--straggler names worker {k} twice")
         check_slowdown(f)
+        if u is not None and latest - room <= 0:
+            raise ValueError(f"--straggler {part!r}: runs of {seconds:g} s leave no room for a turn and a "
+                             f"recovery {MIN_WINDOWS} whole seconds apart and from the end (drop --quick)")
         if t is not None and not (math.isfinite(t) and 0 < t <= (latest if u is None else latest - room)):
             raise ValueError(f"--straggler {part!r}: the turn must come after the run starts and leave "
                              f"{MIN_WINDOWS} whole seconds to time before it ends"

@@ -37,7 +37,8 @@ def test_bench_help_and_bad_suite():
                        ("1:4@0", "(0 < T <= 7.5 s)"), ("1:4@8", "(0 < T <= 7.5 s)"), ("1:4@1 --quick", "(0 < T <= 0.5 s)"),
                        ("1:4@x", "or WORKER:FACTOR@FROM-TO"), ("0:2@3,1:2@4", "every @T (and -U) must be the same"),
                        ("1:4@2-3", "(4 <= U <= 7.5 s)"), ("1:4@6-8", "before the recovery (0 < T <= 5.5 s)"),
-                       ("1:4@2-x", "or WORKER:FACTOR@FROM-TO"), ("0:2@2-5,1:2@2-6", "every @T (and -U) must be")):
+                       ("1:4@2-x", "or WORKER:FACTOR@FROM-TO"), ("0:2@2-5,1:2@2-6", "every @T (and -U) must be"),
+                       ("1:4@0.2-0.4 --quick", "no room for a turn and a recovery")):
         spec, *more = spec.split()
         r = subprocess.run([sys.executable, "-m", "bench", "compare", "--policy", "peak_ewma", "--straggler", spec,
                             *more, "--json", "/dev/null"], capture_output=True, text=True, timeout=60)
@@ -110,13 +111,18 @@ def test_compare_times_how_fast_each_policy_moves_off_a_worker_that_turns_slow_a
     assert np.mean(slow) < 0.2, slow
     windows = rows["round_robin"]["timeline"]["windows"]
     phases = [w["phase"] for w in windows]
-    assert phases[:4] == ["before", "slow", "slow", "slow"] and phases.count("recovered") >= 4, phases
+    assert phases[:4] == ["before", "slow", "slow", "slow"] and phases.count("recovered") >= 3, phases
     assert [w["from_s"] for w in windows[1:4]] == [0, 1, 2] and [w["from_s"] for w in windows[4:6]] == [0, 1]
     assert all(0.4 < w["straggler_share"] < 0.6 for w in windows), windows
     # before the turn the straggler was as fast as the other: round_robin's p95 after it is the slow
     # one's, and once its backlog has drained after the recovery, it is down again
     assert windows[1]["p95_ms"] > 3 * windows[0]["p95_ms"]
-    assert windows[-1]["p95_ms"] < windows[1]["p95_ms"] / 3
+    assert (windows[-1]["p95_ms"] or math.inf) < windows[1]["p95_ms"] / 3
+    # peak_ewma gives the recovered worker its share back by the queues, not in a herd (every
+    # request to it until its first answer: 64-72% of a second's and p95s of 1-3 s, before the
+    # floor on its decayed figure)
+    back = [w for w in rows["peak_ewma"]["timeline"]["windows"] if w["phase"] == "recovered"]
+    assert all((w["p95_ms"] or math.inf) < 500 for w in back), back
     md = (tmp_path / "compare" / "compare.md").read_text()
     assert "After the turn" in md and "| back +0-1 s |" in md and "recovered within |" in md
     assert (tmp_path / "compare" / "timeline.png").read_bytes()[:4] == b"\x89PNG"
@@ -171,26 +177,34 @@ def test_the_timeline_settles_where_every_later_second_places_under_half_an_even
 
 
 def test_the_timeline_after_a_recovery_counts_from_each_round_s_own_recovery():
-    """Back to normal 2 s after the turn (2.01 and 2.03 in two rounds): the seconds after it are
-    each round's own from its recovery; recovered when every one, two at least, places at least
-    half an even share on the worker again."""
+    """Back to normal 2.0 s after the turn in one round, 2.6 s in the other: the seconds after it
+    are each round's own from its own recovery, as many as the round that ends soonest after its
+    recovery holds; recovered when every one, two at least, places at least half an even share
+    on the worker again."""
     from bench.compare import _window_counts, _windows
-    sample_t = np.arange(-1.0, 6.01, 0.01).round(2)
-    # worker 1 placed nothing while slow (0-2 s), then 4/s beside worker 0's 20, then as many
-    rate = np.where(sample_t < 0, 0.5, np.where(sample_t < 2.0, 0.0, np.where(sample_t < 3.5, 0.1, 0.5)))
-    w1 = np.cumsum(rate * 0.01 * 40).round().astype(np.int64)
-    w0 = np.cumsum(np.full(len(sample_t), 0.2)).round().astype(np.int64)
-    rounds = [{"t_s": np.zeros(0), "latency_ns": np.zeros(0, np.int64), "sample_t_s": sample_t,
-               "placed": np.stack([w0, w1], 1), "end_s": 5.9, "recover_s": r} for r in (2.01, 2.03)]
+    sample_t = np.arange(-1.0, 7.01, 0.01).round(2)
+
+    def round_(recover_s, end_s):
+        # worker 1 placed nothing while slow, then 4/s beside worker 0's 20 for 1.5 s, then as many
+        rate = np.where(sample_t < 0, 0.5, np.where(sample_t < recover_s, 0.0,
+                                                     np.where(sample_t < recover_s + 1.5, 0.1, 0.5)))
+        w1 = np.cumsum(rate * 0.4).round().astype(np.int64)
+        w0 = np.cumsum(np.full(len(sample_t), 0.2)).round().astype(np.int64)
+        return {"t_s": np.zeros(0), "latency_ns": np.zeros(0, np.int64), "sample_t_s": sample_t,
+                "placed": np.stack([w0, w1], 1), "end_s": end_s, "recover_s": recover_s}
+    rounds = [round_(2.0, 5.9), round_(2.6, 6.9)]
     counts = _window_counts(rounds)
-    assert counts == (2, 3)
+    assert counts == (2, 3), "2 whole seconds before the sooner recovery, 3.9 after it in the round that ends soonest"
     got = _windows(rounds, slow=[1], even_share=0.5, counts=counts)
     assert [w["phase"] for w in got["windows"]] == ["before", "slow", "slow", "recovered", "recovered", "recovered"]
     assert got["settled_within_s"] == 1.0
     shares = [w["straggler_share"] for w in got["windows"]]
-    assert shares[1] == shares[2] == 0.0 and shares[3] < 0.25 < shares[4] and shares[5] > 0.25
-    assert got["recovered_within_s"] == 2.0 and got["recover_s"] == pytest.approx(2.02)
-    assert got["windows"][3]["mid_s"] == pytest.approx(2.52)
+    # each round's first second after its own recovery: 4 of 24 (from the mean recovery, 2.3 s,
+    # the later round's would have held 0.3 s with nothing placed there: 7 of 47)
+    assert shares[1] == shares[2] == 0.0 and got["windows"][3]["placed"] == 48 and shares[3] == pytest.approx(4 / 24)
+    assert shares[4] > 0.25 and shares[5] == pytest.approx(0.5, abs=0.02)
+    assert got["recovered_within_s"] == 2.0 and got["recover_s"] == pytest.approx(2.3)
+    assert got["windows"][3]["mid_s"] == pytest.approx(2.8)
 
 
 RING_KEYS = ["ring_op_ns_bulk1", "ring_op_ns_bulk8", "ring_op_ns_bulk32", "ring_oneway_p50_ns", "ring_oneway_p99_ns",

@@ -182,7 +182,7 @@ def test_peak_ewma_tries_a_worker_left_alone_after_a_slow_answer_once_its_figure
     assert 0.35 < np.mean(decide("peak_ewma", w, outcomes=spike + fast(3)) == 0) < 0.65
 
 
-def test_peak_ewma_does_not_send_every_request_to_a_worker_whose_figure_decayed_below_its_rival_s():
+def test_peak_ewma_does_not_send_every_request_to_a_worker_whose_figure_decayed_while_it_was_quiet():
     """Worker 0's figure, 20 us a token 3 s ago, has decayed to 1.0 us, under worker 1's fresh 1.5:
     taken at that, its queue of 180 tokens weighed less than worker 1's 100 (with the request's 68,
     247 against 252 us), and so did every longer queue of its own until its first answer came back:
@@ -193,6 +193,12 @@ def test_peak_ewma_does_not_send_every_request_to_a_worker_whose_figure_decayed_
     fast = [per_token(1, 1500, t0 + i * tick) for i in range(0, 31)]
     assert set(decide("peak_ewma", view(2, tokens=[180, 100]), outcomes=spike + fast)) == {1}
     assert set(decide("peak_ewma", view(2, tokens=[50, 100]), outcomes=spike + fast)) == {0}
+    # the other way: worker 0 answered faster (1 us), then nothing for 3 s (hung, or a straggler
+    # whose answers have not come back): decayed to 0.05 us, its 300 tokens weighed 18 us against
+    # worker 1's 252; held at its own last figure, 368 us: worker 1
+    quiet = [per_token(0, 1000, t0)]
+    assert set(decide("peak_ewma", view(2, tokens=[300, 100]), outcomes=quiet + fast)) == {1}
+    assert set(decide("peak_ewma", view(2, tokens=[150, 100]), outcomes=quiet + fast)) == {0}, "faster, it keeps its edge"
 
 
 def test_peak_ewma_judges_a_worker_not_measured_yet_by_its_queue_at_its_rival_s_figure():

@@ -6,11 +6,12 @@
  * tokens that ran of it (prompt + generated), kept as a peak-sensitive moving average (Finagle's
  * peak EWMA, in tokens): a slower sample is taken at once; otherwise, and with time, the figure
  * decays with weight exp(-dt / p->param seconds) (default 1 s): towards a faster sample as one
- * comes, towards 0 while none comes, read so at each pick (never stored by it), the slower of the
- * two never below the other's. So a worker that slows down loses traffic from its next answer,
- * and one left alone after a slow spell is tried again once its figure has decayed to the
- * other's, by its queue (a peak that only answers could lower would starve it for good under
- * light load; one decayed below the other's took every request until its first answer). Only requests answered 200 that ran tokens teach
+ * comes, towards 0 while none comes, read so at each pick (never stored by it), but never below
+ * the other's figure or its own last, whichever is lower. So a worker that slows down loses
+ * traffic from its next answer, and one left alone after a slow spell is tried again once its
+ * figure has decayed to the other's, by its queue (a peak that only answers could lower would
+ * starve it for good under light load; one decayed below the other's took every request until
+ * its first answer). Only requests answered 200 that ran tokens teach
  * it. A worker not measured yet is taken at its rival's figure (both at 0 if neither is
  * measured), so it is judged by its queue alone: at 0 (Finagle's), every request would go to a
  * new worker until its first answer came. The request's own size matters where workers differ in
@@ -69,14 +70,14 @@ static int pick(struct dp_policy *p, const struct dp_workers *w, const struct dp
     double fa = l->ns_per_token[a] ? figure(p, l, a, rq->t_ns) : 0;
     double fb = l->ns_per_token[b] ? figure(p, l, b, rq->t_ns) : fa;
     fa = l->ns_per_token[a] ? fa : fb;    /* not measured: at its rival's figure */
-    /* The slower one's figure decays towards its rival's, not below it: below, its queue weighed
-     * at a near-0 figure, it took every request until its first answer came back (a herd: seconds
-     * of queue on a worker just recovered, session 28's live stragglers). At its rival's, the
-     * queues decide, as for a worker not measured yet. */
-    if (l->ns_per_token[a] > l->ns_per_token[b] && fa < fb)
-        fa = fb;
-    else if (l->ns_per_token[b] > l->ns_per_token[a] && fb < fa)
-        fb = fa;
+    /* A figure decays towards its rival's, or its own last if that is lower, never below: below,
+     * its queue weighed at a near-0 figure, a worker with no answers coming took every request
+     * until its first came back (a herd: seconds of queue on a worker just recovered, session 28's
+     * live stragglers; or a hung one). Held there, the queues decide, as for a worker not measured
+     * yet, and one measured faster keeps its edge. */
+    double ga = fmax(fa, fmin(l->ns_per_token[a], fb)), gb = fmax(fb, fmin(l->ns_per_token[b], fa));
+    fa = ga;
+    fb = gb;
     double size = (double)rq->prompt_tokens + rq->max_output;
     double ca = fa * ((double)w->tokens[a] + size), cb = fb * ((double)w->tokens[b] + size);
     if (ca != cb)
