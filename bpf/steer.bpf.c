@@ -244,9 +244,15 @@ static __always_inline int ipv4_csum_ok(const struct iphdr *iph, const void *dat
 /* May the request be answered from here? Never to or from a group address (a broadcast or
  * multicast MAC or IP: a forged request answered to a whole segment, or a reply from an address
  * no host sends from), never to a source no host has (0/8, loopback, multicast and above; IPv6's
- * unspecified, loopback or multicast) nor from such a destination, and not over IPv4 options,
- * which the kernel would reverse or rewrite in a reply and this program would echo as they came.
- * The refusal is counted all the same. */
+ * unspecified, loopback or multicast) nor from such a destination. (An IPv4 request with options
+ * or such a source was dropped before: DP_DROP_IP_OPTIONS, DP_DROP_BAD_SOURCE.) The refusal is
+ * counted all the same. */
+/* An IPv6 address a host may have: not the unspecified one (::) nor loopback (::1). */
+static __always_inline int ip6_host(const __u32 *a)
+{
+    return (a[0] | a[1] | a[2]) || (a[3] && a[3] != bpf_htonl(1));
+}
+
 static __always_inline int may_reply(const struct ethhdr *eth, const struct iphdr *iph,
                                      const struct ipv6hdr *ip6h, int v6)
 {
@@ -255,13 +261,11 @@ static __always_inline int may_reply(const struct ethhdr *eth, const struct iphd
     if (!v6) {
         __u32 src = bpf_ntohl(iph->saddr), dst = bpf_ntohl(iph->daddr);
         /* the destination is the reply's source: not 0/8 or loopback either */
-        return iph->ihl == 5 && src >> 24 && src >> 24 != 127 && src < 0xe0000000u &&
+        return src >> 24 && src >> 24 != 127 && src < 0xe0000000u &&
                dst >> 24 && dst >> 24 != 127 && dst < 0xe0000000u;
     }
-    const __u32 *src6 = ip6h->saddr.in6_u.u6_addr32;
-    int loopback = !(src6[0] | src6[1] | src6[2]) && src6[3] == bpf_htonl(1);
     return ip6h->saddr.in6_u.u6_addr8[0] != 0xff && ip6h->daddr.in6_u.u6_addr8[0] != 0xff &&
-           (src6[0] | src6[1] | src6[2] | src6[3]) && !loopback;
+           ip6_host(ip6h->saddr.in6_u.u6_addr32) && ip6_host(ip6h->daddr.in6_u.u6_addr32);
 }
 
 /* Turn the request in place into a response to its sender with this status and no body. */
@@ -408,6 +412,22 @@ int xdp_steer(struct xdp_md *ctx)
     if (v6 ? ip6h->version != 6 || bpf_ntohs(ip6h->payload_len) < bpf_ntohs(udph->len)
            : iph->version != 4 || bpf_ntohs(iph->tot_len) < iph->ihl * 4 + bpf_ntohs(udph->len))
         return drop(DP_DROP_LENGTH);
+    /* ... and the frame must hold the IP datagram whole, as the kernel's IP input checks too */
+    if (v6 ? (void *)(ip6h + 1) + bpf_ntohs(ip6h->payload_len) > data_end
+           : (void *)iph + bpf_ntohs(iph->tot_len) > data_end)
+        return drop(DP_DROP_TRUNCATED);
+    if (!v6) {
+        __u32 src = bpf_ntohl(iph->saddr);
+        /* a request never needs IPv4 options: the kernel's input would refuse a source route or
+         * a malformed one, which this program would have to walk them to tell */
+        if (iph->ihl != 5)
+            return drop(DP_DROP_IP_OPTIONS);
+        /* the answer goes to the source (the egress's socket, later): never to one no host
+         * sends from, 0/8, loopback (a forged request answered to a local port), multicast and
+         * above (to a whole group), or this host's own address, which the kernel's input drops */
+        if (!(src >> 24) || src >> 24 == 127 || src >= 0xe0000000u || iph->saddr == iph->daddr)
+            return drop(DP_DROP_BAD_SOURCE);
+    }
 
     /* validation, in the order of datapath/wire.py's decoder */
     req = c.pos;

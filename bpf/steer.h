@@ -23,7 +23,7 @@
 
 /* Why a packet to the data path's port was dropped (index of the `drops` per-CPU array). */
 enum dp_drop {
-    DP_DROP_TRUNCATED = 0,       /* shorter than the request header or than UDP claims */
+    DP_DROP_TRUNCATED = 0,       /* shorter than the request header, or than UDP or IP claims */
     DP_DROP_BAD_MAGIC = 1,
     DP_DROP_BAD_VERSION = 2,
     DP_DROP_BAD_KIND = 3,
@@ -40,7 +40,9 @@ enum dp_drop {
     DP_DROP_UNKNOWN_TENANT = 13, /* tags required and the tenant has no key (tenant_keys): never answered */
     DP_DROP_BAD_TAG = 14,        /* tags required and the tag is not the header's under the tenant's key */
     DP_DROP_BAD_CHECKSUM = 15,   /* the IPv4 header's checksum is wrong, or an IPv6 UDP checksum is 0 */
-    DP_DROP_MAX = 16
+    DP_DROP_IP_OPTIONS = 16,     /* an IPv4 request with options (a request never needs them) */
+    DP_DROP_BAD_SOURCE = 17,     /* an IPv4 source no answer may go to: 0/8, 127/8, 224/3, the destination */
+    DP_DROP_MAX = 18
 };
 
 /* Other events (index of the `events` per-CPU array). Records queued are

@@ -86,7 +86,7 @@ struct dp_udp_rx {
     int rt_priority;
     uint64_t records;
     uint64_t bad;              /* datagrams that failed validation */
-    uint64_t drops[16];        /* by enum dp_drop */
+    uint64_t drops[18];        /* by enum dp_drop (DP_DROP_MAX) */
     struct dp_lat send_lat;    /* t_consumer - t_send */
     uint32_t reply_status;     /* answer each valid request with this status (0: never); measures
                                   the user-space alternative to the XDP_TX 429 */
