@@ -38,8 +38,8 @@ class TenantPolicy:
         if self.hi_entropy_factor and not 1.0 <= self.hi_entropy_factor <= 5.0:
             raise ValueError(f"hi_entropy_factor is on the entropy factor's scale 1.0..5.0 (or 0: off), "
                              f"not {self.hi_entropy_factor}")
-        if self.hi_per_second < 0:
-            raise ValueError(f"hi_per_second must be >= 0, not {self.hi_per_second}")
+        if not 0 <= self.hi_per_second < float("inf"):     # NaN too: it switched the throttle off
+            raise ValueError(f"hi_per_second must be a number >= 0, not {self.hi_per_second}")
         if self.hi_per_second and not self.hi_burst:
             # a burst of 0 keeps none on the primary whatever the rate: it sent them all to the secondary
             raise ValueError("hi_burst must be at least 1 with a hi_per_second rate")

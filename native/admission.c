@@ -406,6 +406,12 @@ static int fits(const struct dp_adm_decision *d, uint32_t chunks, uint32_t out)
         a_;                                                                                                    \
     })
 
+/* Whole seconds, rounded up: 0.4 s left of the day read "wait 0 s", and a retry then was refused again. */
+static uint64_t secs_up(uint64_t ns)
+{
+    return (ns + 999999999ull) / 1000000000ull;
+}
+
 static void breakdown(struct jw *w, const struct dp_tenant_cfg *cfg, const struct dp_adm_decision *d)
 {
     const struct dp_adm_price *p = &d->p;
@@ -418,7 +424,7 @@ static void breakdown(struct jw *w, const struct dp_tenant_cfg *cfg, const struc
     if (cfg->budget_per_day)
         put(w, ",\"budget_per_day_micro_usd\":%" PRIu64 ",\"spent_today_micro_usd\":%" PRIu64
                ",\"remaining_micro_usd\":%" PRIu64 ",\"budget_resets_in_s\":%" PRIu64 "}",
-            cfg->budget_per_day, d->spent, d->remaining, d->resets_in_ns / 1000000000ull);
+            cfg->budget_per_day, d->spent, d->remaining, secs_up(d->resets_in_ns));
     else
         put(w, ",\"budget_per_day_micro_usd\":null,\"remaining_micro_usd\":null}");
 }
@@ -433,9 +439,10 @@ static uint32_t token_limit(const struct dp_tenant_cfg *cfg)
 }
 
 /* "split into K requests of <= M prompt tokens", M a whole number of chunks under `limit` with
- * max_output, and no more chunks than the router holds for one tenant. */
+ * max_output, and no more chunks than the router holds for one tenant; with `with_output`, the
+ * max_output_tokens that then fits beside M too (max_output was not the request's own). */
 static void split_hint(struct jw *w, int *first, uint32_t limit, const struct dp_admission *a,
-                       const struct dp_adm_price *p)
+                       const struct dp_adm_price *p, int with_output)
 {
     if (limit <= p->max_output || limit - p->max_output < DP_MAX_CHUNK_TOKENS)
         return;
@@ -444,7 +451,11 @@ static void split_hint(struct jw *w, int *first, uint32_t limit, const struct dp
         m = a->max_chunks * DP_MAX_CHUNK_TOKENS;
     uint32_t k = (p->input_tokens + m - 1) / m;
     if (k > 1) {
-        put(w, "%s\"split into %" PRIu32 " requests of <= %" PRIu32 " prompt tokens\"", *first ? "" : ",", k, m);
+        put(w, "%s\"split into %" PRIu32 " requests of <= %" PRIu32 " prompt tokens", *first ? "" : ",", k, m);
+        if (with_output)
+            put(w, " with max_output_tokens <= %" PRIu32,
+                limit - m < DP_MAX_OUTPUT_TOKENS ? limit - m : DP_MAX_OUTPUT_TOKENS);
+        put(w, "\"");
         *first = 0;
     }
 }
@@ -470,12 +481,17 @@ static void suggestions(struct jw *w, const struct dp_admission *a, const struct
             HINT("lower max_output_tokens to %" PRIu32 " and ask for the rest in a further request on the session",
                  out);
         else
+            /* the prompt alone is over the limit: the parts' output must come down too (the hint
+             * named the split alone, and its retry was refused for the output, found by review) */
             split_hint(w, &first, limit, a, &(struct dp_adm_price){ .input_tokens = p->input_tokens,
-                                                                    .max_output = 1 });
+                                                                    .max_output = 1 }, 1);
     } else if (why == OVER_CHUNKS) {
         uint32_t chunks = a->max_chunks;
-        if (limit && limit > p->max_output && (limit - p->max_output) / DP_MAX_CHUNK_TOKENS < chunks)
-            chunks = (limit - p->max_output) / DP_MAX_CHUNK_TOKENS;
+        /* the chunks the limit leaves room for beside this output: none when the output alone is
+         * over it (the hint named max_chunks then, and its retry was refused, found by review) */
+        uint32_t room = limit > p->max_output ? (limit - p->max_output) / DP_MAX_CHUNK_TOKENS : 0;
+        if (limit && room < chunks)
+            chunks = room;
         if (chunks)
             HINT("split into requests of at most %" PRIu32 " chunks", chunks);
         else if (limit > DP_MAX_CHUNK_TOKENS) {   /* the output alone leaves no chunk room: both give */
@@ -484,18 +500,24 @@ static void suggestions(struct jw *w, const struct dp_admission *a, const struct
             HINT("split into requests of at most %" PRIu32 " chunks with max_output_tokens <= %" PRIu32, chunks,
                  limit - chunks * DP_MAX_CHUNK_TOKENS);
         } else
-            HINT("the limit is %" PRIu32 " tokens: send one chunk of at most %" PRIu32 " prompt tokens with fewer "
-                 "output tokens", limit, limit - 1);
+            HINT("the limit is %" PRIu32 " tokens, under one chunk's estimate (%d prompt tokens, whatever it "
+                 "carries) and its output: no request fits it, ask for a higher one", limit, DP_MAX_CHUNK_TOKENS);
     } else if (why == OVER_MINUTE || why == OVER_CONTEXT) {
-        split_hint(w, &first, limit, a, p);
+        split_hint(w, &first, limit, a, p, 0);
         if (p->input_tokens < limit && p->max_output > limit - p->input_tokens)
             HINT("lower max_output_tokens to %" PRIu32, limit - p->input_tokens);
         if (first && why == OVER_MINUTE)
             HINT("the tenant's limit is %" PRIu32 " tokens per minute: ask for a higher one",
                  cfg->tokens_per_minute);
+        else if (first && limit > DP_MAX_CHUNK_TOKENS)
+            /* several chunks, and this output leaves no chunk room: one chunk each, less output
+             * (it said "at most limit - 1 prompt tokens", which as chunks of 128 was over it) */
+            HINT("split into requests of one chunk (<= %d prompt tokens) with max_output_tokens <= %" PRIu32,
+                 DP_MAX_CHUNK_TOKENS, limit - DP_MAX_CHUNK_TOKENS < DP_MAX_OUTPUT_TOKENS
+                                      ? limit - DP_MAX_CHUNK_TOKENS : DP_MAX_OUTPUT_TOKENS);
         else if (first)
-            HINT("the limit is %" PRIu32 " tokens: send at most %" PRIu32 " prompt tokens with fewer output tokens",
-                 limit, limit > DP_MAX_CHUNK_TOKENS ? limit - 1 : limit);
+            HINT("the limit is %" PRIu32 " tokens, under one chunk's estimate (%d prompt tokens, whatever it "
+                 "carries) and its output: no request fits it, ask for a higher one", limit, DP_MAX_CHUNK_TOKENS);
     } else if (st == DP_STATUS_UNPROCESSABLE) {
         int64_t out = LARGEST(1, p->max_output ? p->max_output - 1 : 0, fits(d, p->chunk_count, x));
         if (out >= 1)
@@ -515,7 +537,7 @@ static void suggestions(struct jw *w, const struct dp_admission *a, const struct
             HINT("it costs more than a whole day's budget (%" PRIu64 " micro-USD): only a smaller request, or a "
                  "larger budget, fits", cfg->budget_per_day);
         else
-            HINT("wait %" PRIu64 " s for the daily budget to reset, or raise it", d->resets_in_ns / 1000000000ull);
+            HINT("wait %" PRIu64 " s for the daily budget to reset, or raise it", secs_up(d->resets_in_ns));
     } else if (st == DP_STATUS_RATE_LIMITED) {
         HINT("retry after %" PRIu64 " ms", (d->retry_after_ns + 999999) / 1000000);
     }

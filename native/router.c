@@ -428,29 +428,30 @@ static uint32_t pool_up(const struct pool *pl)
     return up;
 }
 
-/* The placement rule (router.h): the cheapest pool with an up worker and room, or, for a request
- * admission throttled (spill), the next one; else the cheapest with an up worker; the policy then
- * picks inside the pool. -1: none is up. */
+/* The placement rule (router.h): the cheapest pool with an up worker and room; for a request
+ * admission throttled (spill), the secondary (the next pool with an up worker after the cheapest)
+ * if it has room; else the cheapest with an up worker; the policy then picks inside the pool.
+ * -1: none is up. (A spill whose secondary was full went on to the next pool with room, a dearer
+ * third past a primary with room, found by review.) */
 static int choose_pool(const struct dp_router *rt, int spill, int *spilled)
 {
-    int first = -1, second = -1, healthy = -1;
+    int first = -1, secondary = -1, secondary_room = 0, healthy = -1;
     for (uint32_t i = 0; i < DP_MAX_POOLS; i++) {
         int p = rt->order[i];
         const struct pool *pl = &rt->pools[p];
         uint32_t up = pool_up(pl);
         if (!up)
             continue;
+        int room = !pl->room || pl->view.total_depth < (uint64_t)pl->room * up;
         if (healthy < 0)
             healthy = p;
-        if (pl->room && pl->view.total_depth >= (uint64_t)pl->room * up)
-            continue;                    /* full: the next pool takes it */
-        if (first < 0)
-            first = p;
-        else if (second < 0)
-            second = p;
+        else if (secondary < 0)
+            secondary = p, secondary_room = room;
+        if (room && first < 0)
+            first = p;                   /* a full pool's requests go to the next with room */
     }
-    *spilled = spill && second >= 0;
-    return *spilled ? second : first >= 0 ? first : healthy;
+    *spilled = spill && secondary >= 0 && secondary_room;
+    return *spilled ? secondary : first >= 0 ? first : healthy;
 }
 
 /* The policy's pick in pool pl, checked: a policy (the researchers' own code) that returns a worker

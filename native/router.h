@@ -193,7 +193,8 @@ int dp_router_replace_lane(struct dp_router *rt, uint32_t worker, struct dp_ring
 int dp_router_set_worker_budget(struct dp_router *rt, uint32_t worker, uint32_t token_budget);
 /* Pools: a request goes to the cheapest pool (price_per_1k) with an up worker and room (depth below
  * room_per_worker x up workers; if none has room, the cheapest with an up worker); one that admission
- * marks spill goes to the next such pool, the secondary, if there is one. The routing policy then picks
+ * marks spill goes to the secondary (the next pool with an up worker after the cheapest) if that has
+ * room, else by the first rule. The routing policy then picks
  * the worker inside the pool. Every worker starts in pool 0. */
 int dp_router_set_pool(struct dp_router *rt, uint32_t pool, uint32_t price_per_1k, uint32_t room_per_worker);
 int dp_router_set_worker_pool(struct dp_router *rt, uint32_t worker, uint32_t pool);

@@ -494,6 +494,53 @@ def test_every_400_hint_fits_every_limit_and_a_whole_day_s_budget_is_not_waited_
     assert any("more than a whole day's budget (4000 micro-USD)" in s for s in got[3].suggestions)
 
 
+def _adm_decide(adm, chunks, out, now=10**12):
+    """Tenant 1's decision on a request of `chunks` chunks (its first full: 128 distinct tokens)."""
+    d, body, toks = ffi.new("struct dp_adm_decision *"), ffi.new("char[]", 1024), ffi.new("uint32_t[]", list(range(128)))
+    n = lib.dp_adm_decide(adm, 1, toks, 128, chunks, out, 0, now, d, body, 1024)
+    return d, wire.decode_admission_body(bytes(ffi.buffer(body, n))) if n else None     # a 200 has no body
+
+
+@pytest.mark.parametrize("policy,max_chunks,chunks,out,hint,retry", [
+    # over the chunks, the output alone over the context: it named max_chunks (15), refused again
+    (TenantPolicy(max_request_tokens=200), 15, 37, 250,
+     "split into requests of at most 1 chunks with max_output_tokens <= 72", (1, 72)),
+    # over the output cap, the prompt alone over the context: it named the split alone
+    (TenantPolicy(max_request_tokens=4096), 2048, 33, 1000,
+     "split into 2 requests of <= 3968 prompt tokens with max_output_tokens <= 128", (31, 128)),
+    # several chunks, an output that leaves no chunk room: it said "at most 199 prompt tokens" (2 chunks)
+    (TenantPolicy(max_request_tokens=200), 0, 2, 100,
+     "split into requests of one chunk (<= 128 prompt tokens) with max_output_tokens <= 72", (1, 72)),
+], ids=["chunks, output over the context", "output, prompt over the context", "no chunk room"])
+def test_a_400_hint_that_changes_two_fields_is_admitted_on_its_retry(policy, max_chunks, chunks, out, hint, retry):
+    """Found by a review's fuzz (session 29): each of these hints, followed, was refused 400 again."""
+    adm = ffi.gc(lib.dp_adm_create(), lib.dp_adm_destroy)
+    lib.dp_adm_set_tenant(adm, 1, policy.cdata())
+    lib.dp_adm_set_max_chunks(adm, max_chunks)
+    d, doc = _adm_decide(adm, chunks, out)
+    assert d.status == 400 and doc.suggestions == [hint], doc.suggestions
+    assert _adm_decide(adm, *retry)[0].status == 200
+
+
+def test_a_limit_under_one_chunk_s_estimate_says_no_request_fits_and_a_day_s_wait_rounds_up():
+    """A context limit of 100 tokens refuses every request (a chunk is estimated at 128 tokens): its
+    hint said "send at most 100 prompt tokens", which a 10-token prompt already did. 0.4 s before
+    the day's end a 422 said "wait 0 s" (a retry then was refused again)."""
+    adm = ffi.gc(lib.dp_adm_create(), lib.dp_adm_destroy)
+    lib.dp_adm_set_tenant(adm, 1, TenantPolicy(max_request_tokens=100).cdata())
+    d, doc = _adm_decide(adm, 1, 5)
+    assert d.status == 400 and len(doc.suggestions) == 1
+    assert "no request fits it, ask for a higher one" in doc.suggestions[0], doc.suggestions
+    lib.dp_adm_set_tenant(adm, 1, TenantPolicy(price_per_1k=1000, budget_per_day=1000).cdata())
+    day0 = 10**12
+    first, _ = _adm_decide(adm, 1, 1, day0)
+    assert first.status == 200
+    lib.dp_adm_commit(adm, 1, first, day0)
+    d, doc = _adm_decide(adm, 1, 1, day0 + 86_400 * 10**9 - 400_000_000)
+    assert d.status == 422 and doc.cost_breakdown["budget_resets_in_s"] == 1
+    assert "wait 1 s for the daily budget to reset, or raise it" in doc.suggestions, doc.suggestions
+
+
 def test_a_request_of_more_chunks_than_the_router_holds_is_refused_400_not_503_forever(bench_factory):
     """chunk_count over a tenant's share of the router's chunk pool (a quarter) can never be held
     whole: it was answered 503 (pool full) at every try, as if waiting would help."""
@@ -831,6 +878,9 @@ def test_bad_tenant_settings_are_refused():
     with pytest.raises(ValueError, match="hi_burst"):     # it kept none on the primary, whatever the rate
         TenantPolicy(hi_entropy_factor=4, hi_per_second=10, hi_burst=0)
     assert TenantPolicy(hi_entropy_factor=4, hi_per_second=10).hi_burst == 1
+    for rate in (-1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="hi_per_second"):
+            TenantPolicy(hi_entropy_factor=4, hi_per_second=rate)
 
 
 def test_high_entropy_requests_at_the_rate_stay_on_the_primary():
@@ -929,6 +979,25 @@ def test_a_high_entropy_burst_spills_to_the_secondary_pool_and_others_keep_the_p
     assert st["to_secondary"] == 7 and st["admitted"] == 15
     assert b.router.pool_stats(1)["spilled"] == 7 and b.router.tenant_stats(7)["spilled"] == 7
     assert b.router.tenant_stats(1)["spilled"] == 0
+
+
+def test_a_spill_whose_secondary_is_full_stays_on_the_primary_not_a_dearer_third(bench_factory):
+    """Three pools, the secondary full: a throttled request goes by the first rule (the primary,
+    which has room), not on to the third pool, the dearest (it did, found by review)."""
+    b = bench_factory(n_workers=3)
+    b.router.set_pool(0, 100)
+    b.router.set_pool(1, 200, room_per_worker=1)
+    b.router.set_pool(2, 300)
+    b.router.set_worker_pool(1, 1)
+    b.router.set_worker_pool(2, 2)
+    b.router.set_default_tenant(TenantPolicy(hi_entropy_factor=4.5, hi_per_second=1e-6, hi_burst=1))
+    for i in range(3):
+        b.send(chunks_of(100 + i, list(range(i, i + 128)), max_out=2, tenant=7))
+    b.router.poll()
+    got = {k: b.workers[k].recv_batch(0) for k in range(3)}
+    where = {k: [] if g is None else sorted(set(g["request_id"].tolist())) for k, g in got.items()}
+    assert where == {0: [100, 102], 1: [101], 2: []}, "the first on the primary, one spilled, then the primary"
+    assert b.router.stats()["to_secondary"] == 1 and b.router.pool_stats(2)["requests"] == 0
 
 
 def test_a_close_goes_to_the_worker_a_spill_took_its_session_to(bench_factory):
