@@ -84,7 +84,8 @@ def _plot(rows: list[dict], path: pathlib.Path, stragglers: str):
         ax.bar([j + (i - 1) * width for j in range(len(rows))], [r[q] for r in rows], width, label=label)
     ax.set_xticks(range(len(rows)), [r["name"] for r in rows])
     ax.set_ylabel("send -> response (ms)")
-    ax.set_title(f"same load for each: {rows[0]['qps']:g} requests/s offered"
+    # the nominal rate: each round offers its seed's Poisson draws (the table has the offer as it was)
+    ax.set_title(f"same load for each: {rows[0]['qps']:g} requests/s nominal"
                  + (f"; straggler {stragglers}" if stragglers != "none" else ""))
     ax.legend()
     fig.tight_layout()

@@ -281,10 +281,14 @@ def _flatness(report, dynamic: list[dict], suffix: str, rates: list):
     if chord is not None and math.isfinite(chord):
         report.ratios[f"dynamic_p95_spread_at_80pct_interpolated{suffix}"] = chord
     verdict = "missed" if spread > 1.1 else "not decided by this sweep (no row at 80% itself)"
-    report.note(f"{goal}: {verdict}: {spread:.3f}x over the rows measured under 80%, "
-                + (f"{chord:.3f}x at 80% itself estimated between the rows either side (a chord, not a "
-                   f"bound: p95 is not convex in load there)" if chord is not None
-                   else "no row over it to estimate from"))
+    if chord is None:
+        estimate = "no row over it to estimate from"
+    elif not math.isfinite(chord):   # the row over it had no p95 to read (_goal_p95): no figure
+        estimate = "no estimate at 80% itself: the row over it answered too few to read a p95 from"
+    else:
+        estimate = (f"{chord:.3f}x at 80% itself estimated between the rows either side (a chord, not a "
+                    f"bound: p95 is not convex in load there)")
+    report.note(f"{goal}: {verdict}: {spread:.3f}x over the rows measured under 80%, {estimate}")
 
 
 STAMPS = ("t_xdp_in", "t_xdp", "t_consumer", "t_router", "t_lane", "t_pickup", "t_start")
@@ -349,7 +353,7 @@ def _sweep_row(rate: float, res: dict, trace: np.ndarray) -> dict:
             "p50_ms": pc["p50"], "p95_ms": pc["p95"], "p99_ms": pc["p99"],
             "step_p50_ms": float(np.median(steps)) / 1e6 if len(steps) else None,
             "requests": res["requests"], "errors": res["errors"], "unanswered": res["unanswered"],
-            "send_errors": res["send_errors"], "duplicates": res["duplicates"],
+            "send_errors": res["send_errors"], "duplicates": res["duplicates"], "unsent": res["unsent"],
             "late_mean_us": res["late_mean_us"], "late_max_ms": res["late_max_ms"], "steal_pct": res["steal_pct"]}
 
 
@@ -505,10 +509,12 @@ def _spread_to_80pct(rows: list[dict]) -> float | None:
 def _goal_p95(row: dict) -> float:
     """A row's p95 as the flatness goal may read it: infinite when a request was answered other
     than 200 (those are in no percentile, so the p95 of the rest reads low: 5% refused made it
-    the p90 of all) or more than 5% were unanswered (in the percentiles only at the time they had
-    waited, a lower bound)."""
+    the p90 of all), was never sent (the sender fell behind its schedule and stopped: in no count
+    but `unsent`, found by review) or more than 5% were unanswered (in the percentiles only at the
+    time they had waited, a lower bound)."""
     refused = row["errors"] - row["unanswered"]
-    return float("inf") if refused > 0 or row["unanswered"] > 0.05 * row["requests"] else row["p95_ms"]
+    left_out = refused > 0 or row.get("unsent", 0) > 0
+    return float("inf") if left_out or row["unanswered"] > 0.05 * row["requests"] else row["p95_ms"]
 
 
 def _spread_at_80pct_interpolated(rows: list[dict]) -> float | None:

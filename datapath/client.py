@@ -356,6 +356,8 @@ def send_from(netns: str, dst: str, packets: list[bytes], rate: float, count: in
     """The load generator in the client namespace, sending to dst:port (an address in 198.18.0.0/15)."""
     if ipaddress.ip_address(dst) not in topology.SUBNET:
         raise ValueError(f"{dst} is outside {topology.SUBNET}: the load generator only sends to test namespaces")
+    # the sender runs its schedule, then waits drain_ms for the last answers: both within the timeout
+    timeout = duration + kw.get("drain_ms", 50) / 1000 + 30
     return run_in_netns(netns, _send_to, dst, port, packets, rate=rate, count=count, duration=duration,
-                        cpu=cpu, rt_priority=rt_priority, timeout=duration + 30, **kw)
+                        cpu=cpu, rt_priority=rt_priority, timeout=timeout, **kw)
 

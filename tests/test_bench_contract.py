@@ -341,6 +341,9 @@ def test_the_flatness_figure_needs_a_saturated_sweep():
     # one answered other than 200 is in no percentile: the p95 of the rest reads low (5 refused of
     # 100 made it the p90 of all, and this row counted before, 1.04x)
     assert _spread_to_80pct([row(10, 10, 100), row(40, 40, 104, errors=1), row(160, 100, 900)]) == float("inf")
+    # one never sent (the sender fell behind and stopped) is in no count but unsent: the same
+    behind = [row(10, 10, 100), dict(row(40, 40, 104), unsent=3), row(160, 100, 900)]
+    assert _spread_to_80pct(behind) == float("inf")
 
 
 def test_the_flatness_at_80pct_is_interpolated_between_the_rows_either_side():
@@ -397,6 +400,11 @@ def test_a_row_aimed_at_80pct_decides_the_flatness_goal_as_measured():
     assert "not decided by this sweep" in verdict(rows[:3] + [short] + rows[3:])[0]
     over = dict(aimed, p95_ms=370.0)
     assert ": missed: 1.111x over the rows measured up to 80%, the last" in verdict(rows[:3] + [over] + rows[3:])[0]
+    # the row over the line past use (over 5% unanswered): no chord to quote ("infx" before, found by review)
+    past_use = dict(rows[3], unanswered=20, errors=20)
+    note, ratios = verdict(rows[:3] + [short, past_use])
+    assert "no estimate at 80% itself" in note and "inf" not in note, note
+    assert "dynamic_p95_spread_at_80pct_interpolated_l4" not in ratios
 
 
 @pytest.mark.root
