@@ -31,6 +31,17 @@ struct dp_trace {            /* one response's life, for the report */
     uint32_t n_out;
 };
 
+/* An answer the kernel refused for a reason that may pass (no route for the moment, a link down,
+ * a firewall's drop): kept aside and sent again at each pass until its deadline. Kept in the ring
+ * instead, one unroutable client's answers held every other answer back. */
+#define DP_EGRESS_HELD 32
+#define DP_EGRESS_HOLD_NS 200000000ull   /* 200 ms: a route being changed, a link flapping */
+
+struct dp_held_response {
+    uint64_t deadline;       /* now_ns() past which it is dropped (send_errors) */
+    struct dp_response_rec rec;
+};
+
 struct dp_responder {
     struct dp_ring *egress;  /* router -> here (this thread consumes) */
     int fd;                  /* UDP socket, not connected */
@@ -38,12 +49,17 @@ struct dp_responder {
     uint16_t dst_port;       /* network order */
     uint64_t sent, send_errors, by_status[DP_N_STATUSES];   /* of those sent (dp_status_slot) */
     uint64_t send_blocked;   /* passes that met a full send buffer (what was left is sent next pass) */
+    uint64_t send_held;      /* answers a refusal that may pass held aside (sent later, or send_errors) */
     struct dp_trace *trace;  /* the first trace_cap responses */
     uint64_t trace_cap, traced;
+    uint32_t n_held;
+    struct dp_held_response held[DP_EGRESS_HELD];
 };
 
-/* One pass: the records taken off the egress ring (sent, or refused by the socket and dropped);
- * a full send buffer leaves the rest there. It runs as a stage of a native poll loop (loop.h). */
+/* One pass: the answers held aside tried again, then the records taken off the egress ring (sent,
+ * held aside, or refused by the socket for good and dropped); a full send buffer leaves the rest
+ * there. Returns the records taken off the ring and the held answers settled (sent or dropped).
+ * It runs as a stage of a native poll loop (loop.h). */
 uint32_t dp_responder_poll(struct dp_responder *r);
 /* CDEF END */
 

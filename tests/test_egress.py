@@ -108,6 +108,59 @@ def test_a_response_the_socket_refuses_costs_only_itself(link):
     assert st["by_status"] == {200: 2} and resp.trace()["request_id"].tolist() == [1, 3]   # what went out
 
 
+@pytest.mark.root
+def test_an_answer_refused_for_want_of_a_route_is_held_and_sent_once_the_route_is_back(topology):
+    """ENETUNREACH (a route being changed, a link down) and EPERM (a firewall's drop) may pass: the
+    answer was dropped for good, its request already run and charged, and the client's retry of it
+    was a late duplicate (found by review). It is held aside, the others not held back, and sent
+    once the route is there; one whose route never comes is dropped at its deadline."""
+    import time
+
+    from pyroute2 import NetNS
+
+    from datapath.egress import Responder
+    from datapath.topology import socket_in
+    far, never = "198.19.77.7", "198.19.88.8"       # no route to either from the host namespace yet
+    with NetNS(topology.client_ns[0]) as ns:
+        ns.addr("add", index=ns.link_lookup(ifname="lo")[0], address=far, prefixlen=32)
+    name = f"eg{os.getpid()}-{next(_seq)}"
+    egress = Ring.create(name, records.RESPONSE.itemsize, 64, role="producer")
+    rx, near = socket_in(topology.client_ns[0]), socket_in(topology.client_ns[0])
+    tx = socket_in(topology.host_ns)
+    try:
+        rx.bind((far, 0))
+        near.bind((topology.client_ip[0], 0))
+        for sock in (rx, near):
+            sock.settimeout(5)
+        recs = np.zeros(3, dtype=records.RESPONSE)
+        recs["request_id"] = [1, 2, 3]
+        recs["status"] = 200
+        for i, (ip, port) in enumerate(((far, rx.getsockname()[1]), (topology.client_ip[0], near.getsockname()[1]),
+                                        (never, 9))):
+            recs[i]["client_ip"] = int.from_bytes(socket.inet_aton(ip), "little")
+            recs[i]["client_port"] = socket.htons(port)
+        egress.enqueue(recs.tobytes())
+        resp = Responder(Ring.attach(name, "consumer"), tx, topology.client_ip[0], 9)
+        assert resp.poll() == 3
+        assert wire.decode_response(near.recv(2048)).request_id == 2, "the others are not held back"
+        st = resp.stats()
+        assert st["sent"] == 1 and st["send_held"] == 2 and st["held"] == 2 and st["send_errors"] == 0
+        with NetNS(topology.host_ns) as ns:
+            ns.route("add", dst=f"{far}/32", gateway=topology.client_ip[0])
+        resp.poll()
+        assert wire.decode_response(rx.recv(2048)).request_id == 1
+        st = resp.stats()
+        assert st["sent"] == 2 and st["held"] == 1 and st["send_errors"] == 0
+        assert resp.trace()["request_id"].tolist() == [2, 1]
+        time.sleep(0.25)                              # past the hold (200 ms): the unroutable one goes
+        assert resp.poll() == 1
+        st = resp.stats()
+        assert st["held"] == 0 and st["send_errors"] == 1 and st["sent"] == 2
+    finally:
+        rx.close(), near.close(), tx.close(), egress.close()
+        unlink(name)
+
+
 def test_an_admission_body_reaches_the_client_whole(link):
     body = ('{"status":422,"cost_breakdown":{"estimate_micro_usd":12},"suggestions":["lower max_output_tokens'
             ' to 3"],"pad":"' + "x" * 900 + '"}').encode()
