@@ -7,6 +7,7 @@ import pytest
 
 from datapath import records, wire
 from datapath.serving.devices import SimulatedDevice, profile
+from datapath.serving import kvdelta
 from datapath.serving.model import KVCache, Model, ModelConfig, sample
 from datapath.serving.worker import Worker
 from snapshotstore.errors import DeviceError
@@ -89,6 +90,32 @@ def test_evict_restore_continue_equals_never_evicted(model, codec):
     assert b_done.restored_tokens == 200 + 5 and second.stats["restores"] == 1
     assert np.array_equal(b_done.logits, r_done.logits), "lossless restore continues bit for bit"
     assert [m["token_start"] for m in store.meta((0, 9))] == [0, 205]
+
+
+def test_a_session_restored_from_another_codec_s_chain_continues_it_in_that_codec(model, tmp_path):
+    """A worker started with another --codec (a restart, a pool whose workers differ) over the same
+    store: the store refuses a chain of mixed codecs, and every later turn of a session the other
+    codec began was answered 503 until its CLOSE (found by review). Its deltas now continue the
+    chain in the chain's codec; a session it begins is in its own."""
+    from snapshotstore import LogStore
+    from snapshotstore.api import WorkerStore
+    from snapshotstore.device import create_image
+    from snapshotstore.log import format_device
+    image = str(tmp_path / "store.img")
+    create_image(image, 4 << 20)
+    format_device(image)
+    with LogStore(image) as log:
+        store = WorkerStore(log, b"0123456789abcdef0123")
+        zstd = Worker(model, store, kv_budget_bytes=0, codec="zstd")
+        lz4 = Worker(model, store, kv_budget_bytes=0, codec="lz4")
+        drive(zstd.step, [(7, 1, prompt(1, 50), 1)])
+        for rid in (2, 3):
+            comp = lz4.step(as_batch([prefill_records(7, rid, prompt(rid, 20), 1, t_send=10 + rid)]))
+            assert comp["e"][0]["status"][0] == 200, lz4.last_store_error
+        drive(lz4.step, [(8, 1, prompt(4, 30), 1)])
+        assert lz4.stats["snapshot_failures"] == 0 and lz4.stats["restores"] == 2
+        assert [kvdelta.header(d)["codec"] for d in store.restore((0, 7))] == ["zstd"] * 3
+        assert [kvdelta.header(d)["codec"] for d in store.restore((0, 8))] == ["lz4"]
 
 
 def test_int8_restore_continues_with_bounded_logit_error(model):
@@ -439,6 +466,30 @@ def test_a_turn_whose_put_timed_out_is_taken_back_out_if_it_landed(model, lands)
     assert [(m["token_start"], m["token_end"]) for m in store.meta((0, 6))] == \
            ([(0, 41), (41, 71)] if lands else [(0, 41), (41, 71)])
     assert store.meta((0, 6))[-1]["request_id"] == 3 and w.stats["unsure_rolled_back"] == lands
+
+
+@pytest.mark.parametrize("lands", [False, True], ids=["not taken", "taken late"])
+def test_an_unsure_session_whose_client_never_returns_is_settled_and_evicted_over_budget(model, lands,
+                                                                                       monkeypatch):
+    """Only the session's own next request here settled it: one whose client never came back (or
+    whose retry went to another worker) stayed resident for good, over the budget (found by review).
+    Over budget with nothing else to evict, the worker settles one idle unsure session a second."""
+    import datapath.serving.worker as worker_mod
+    store = UnreachableAfterPut(lands)
+    w = Worker(model, store, kv_budget_bytes=1 << 30)
+    drive(w.step, [(6, 1, prompt(1, 40), 2)])
+    store.fail_next = True
+    assert w.step(as_batch([prefill_records(6, 2, prompt(2, 30), 1)]))["e"][0]["status"][0] == 503
+    assert w.sessions[(0, 6)].unsure is not None
+    w.kv_budget_bytes = 0
+    w.step(as_batch([prefill_records(7, 1, prompt(3, 10), 1)]))   # over budget, the store still down: kept
+    assert w.holds(6) and w.stats["unsure_settled_idle"] == 0 and w.stats["store_errors"] >= 1
+    store.down = False
+    monkeypatch.setattr(worker_mod, "SETTLE_EVERY_NS", 0)
+    w._next_settle_ns = 0
+    drive(w.step, [(8, 1, prompt(4, 10), 1)])
+    assert not w.holds(6) and w.stats["unsure_settled_idle"] == 1 and w.stats["unsure_rolled_back"] == lands
+    assert [(m["token_start"], m["token_end"]) for m in store.meta((0, 6))] == [(0, 41)], "the 503'd turn not kept"
 
 
 def test_a_retry_answered_200_on_another_worker_is_not_taken_back_as_the_unsure_turn(model):

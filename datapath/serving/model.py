@@ -91,6 +91,7 @@ class KVCache:
         self.length = 0
         self.snapshot_len = 0
         self.snapshot_seq = 0
+        self.snapshot_codec: str | None = None   # the codec of the store's chain it continues (None: none)
 
     @property
     def capacity(self) -> int:
@@ -129,6 +130,7 @@ class KVCache:
         c = KVCache(self.config, self.capacity)
         c.k[...], c.v[...] = self.k, self.v
         c.length, c.snapshot_len, c.snapshot_seq = self.length, self.snapshot_len, self.snapshot_seq
+        c.snapshot_codec = self.snapshot_codec
         return c
 
 

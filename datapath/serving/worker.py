@@ -70,6 +70,7 @@ SessionKey = tuple[int, int]   # (tenant, session_id): sessions of different ten
 # up on (_release_abandoned), and its later records, if any come, are refused.
 ABANDONED_NS = 60_000_000_000
 ABANDONED_KEPT = 4096      # released requests remembered (per session); the oldest forgotten first
+SETTLE_EVERY_NS = 1_000_000_000   # an idle unsure session settled to be evicted: one a second at most
 ANSWERED_KEPT = 8          # a session's answered requests a verbatim repeat of is refused 409
 
 
@@ -169,11 +170,13 @@ class Worker:
         self.stats = dict(steps=0, records=0, refused=0, snapshots=0, snapshot_failures=0, snapshot_replies_lost=0,
                           restores=0, evictions=0, over_budget_steps=0, stale_dropped=0, replay_restored=0,
                           moved_without_store=0, closed=0, whole_reputs=0, superseded=0, context_full=0,
-                          store_errors=0, replays_durable=0, abandoned=0, unsure_rolled_back=0, kv_full_refused=0,
+                          store_errors=0, replays_durable=0, abandoned=0, unsure_rolled_back=0, unsure_settled_idle=0,
+                          kv_full_refused=0,
                           duplicates_refused=0, cut_on_refusal=0, simulated_s=0.0, slowed_s=0.0)
         self.last_store_error: str | None = None
         self._abandoned: dict[SessionKey, tuple[int, int]] = {}   # the request (id, send stamp) released as
                                                                   # abandoned, per session
+        self._next_settle_ns = 0      # _settle_idle_unsure
 
     @property
     def kv_bytes_resident(self) -> int:
@@ -434,6 +437,10 @@ class Worker:
                 chain = chain[:-1]
         cache = kvdelta.restore(chain, self.model.config) if chain else KVCache(self.model.config)
         cache.snapshot_seq = seq
+        # its later deltas go in the chain's codec, which a worker started with another (a restart
+        # with --codec, a pool whose workers differ) does not choose: the store refuses a chain of
+        # mixed codecs, and every turn of the session was answered 503 (found by review)
+        cache.snapshot_codec = kvdelta.header(chain[0])["codec"] if chain else None
         if taken_back:
             self._rewrite_whole(key, cache)
             self.stats["replays_durable"] += 1
@@ -561,7 +568,7 @@ class Worker:
             self._put(key, cache, 0, 0, replace=True)
         else:
             self.store.delete(key)
-            cache.snapshot_seq = 0
+            cache.snapshot_seq, cache.snapshot_codec = 0, None
         cache.snapshot_len = cache.length
 
     def _put(self, key: SessionKey, cache: KVCache, start: int, request_id: int, end: int | None = None,
@@ -569,10 +576,13 @@ class Worker:
         """Put the session's entries [start, end or length) as one delta (replace: as the whole chain);
         its stored size once durable."""
         end = cache.length if end is None else end
-        blob = kvdelta.encode(kvdelta.export_delta(cache, start, end), self.model.config, self.codec, request_id,
+        # a delta continues its chain in the chain's codec; one from token 0 begins a chain in this worker's
+        codec = cache.snapshot_codec if start and cache.snapshot_codec else self.codec
+        blob = kvdelta.encode(kvdelta.export_delta(cache, start, end), self.model.config, codec, request_id,
                               sent_ns)
-        meta = dict(token_start=start, token_end=end, codec=self.codec, request_id=request_id)
+        meta = dict(token_start=start, token_end=end, codec=codec, request_id=request_id)
         cache.snapshot_seq = self.store.put(key, blob, {**meta, "replace": True} if replace else meta)
+        cache.snapshot_codec = codec
         return len(blob)
 
     def close(self, session_id: int, tenant: int = 0):
@@ -613,10 +623,32 @@ class Worker:
                            if s.request is None and s.unsure is None and s.cache.snapshot_len == s.cache.length),
                           None)
             if victim is None:
+                if self._settle_idle_unsure():
+                    continue
                 self.stats["over_budget_steps"] += 1
                 return
             self._drop(victim)
             self.stats["evictions"] += 1
+
+    def _settle_idle_unsure(self) -> bool:
+        """Over budget with nothing else to evict: the least recently used idle unsure session settled
+        with the store (_settle), after which it may be evicted (or it is gone, the store holding
+        another history of it). One a second at most: a store that still cannot say may take its
+        timeout to answer. Before, only the session's own next request here settled it, and one whose
+        client never came back (or whose retry went to another worker) stayed resident for good
+        (found by review). True if one was settled."""
+        now = time.monotonic_ns()
+        key = next((k for k, s in self.sessions.items() if s.request is None and s.unsure is not None), None)
+        if key is None or now < self._next_settle_ns:
+            return False
+        self._next_settle_ns = now + SETTLE_EVERY_NS
+        try:
+            self._settle(key, self.sessions[key])
+        except Exception as e:
+            self._store_failed(e)
+            return False
+        self.stats["unsure_settled_idle"] += 1
+        return True
 
     def _drop(self, key: SessionKey):
         s = self.sessions.pop(key, None)
