@@ -580,6 +580,17 @@ static void kv_home_drop(struct dp_router *rt, uint64_t sk)
     }
 }
 
+/* Session sk's entry as a request of it ends for good (its CLOSE answered, or a KV-full walk that
+ * found no worker): dropped, unless a later request of the session, `next`, is already placed
+ * (held behind it at the home, or carried along by kv_move): then it follows that request, which
+ * begins the session again where it runs. Dropped, the session's request after that went to the
+ * policy's pick, away from the copy that request made, its turn lost (found by review). */
+static void kv_home_follow(struct dp_router *rt, uint64_t sk, uint32_t next)
+{
+    if (next == NIL || !kv_home_set(rt, sk, rt->reqs[next].worker))
+        kv_home_drop(rt, sk);
+}
+
 /* Where a request of the session goes instead of wk, the policy's pick in pool p: the worker a
  * kv_move sent the session to, if it is up and in that pool. Else the request goes to wk, and so
  * does the entry: the session's newest copy will be there (a failover's replay, a request placed
@@ -977,13 +988,14 @@ static void finish(struct dp_router *rt, uint32_t ri)
         if (!silent)
             cut_at_xdp(rt, r->session_id, r->request_id, r->tenant);
     }
+    uint32_t next = r->in_session ? r->session_next : NIL;   /* (session_leave unlinks it) */
     session_leave(rt, ri);
     remember_done(rt, r->key);
     policy_done(rt, r);
     if (!r->status)
         w->st.answered++;
     if (r->close && !r->status && rt->st.kv_homes)   /* done with the session: its id starts afresh */
-        kv_home_drop(rt, session_key(rt, r->tenant, r->session_id));
+        kv_home_follow(rt, session_key(rt, r->tenant, r->session_id), next);
     /* the minute's bucket keeps what came and ran, unless the failure is the system's (503: no
      * worker, a store that failed), which must not rate-limit the tenant; a request whose replay
      * killed a second worker is counted its own (it went free, again and again: found by review) */
@@ -1596,7 +1608,7 @@ static void kv_move(struct dp_router *rt, int wk, uint32_t ri)
     r->kv_moving = 0;
     if (nk < 0 || !kv_home_set(rt, sk, nk)) {
         if (r->kv_moves)                 /* its walk made the entry, and no worker holds the session */
-            kv_home_drop(rt, sk);
+            kv_home_follow(rt, sk, r->session_next);
         rt->st.refused_by_worker++;
         r->kv_full = 1;
         fail_request(rt, wk, ri, DP_STATUS_UNAVAILABLE);
@@ -2080,16 +2092,17 @@ static void failover(struct dp_router *rt, uint32_t k)
     w->n_decoding = w->st.decoding = 0;
     w->n_set = 0;
     depth_add(rt, (int)k, -(int32_t)rt->view.depth[k], -(int32_t)rt->view.tokens[k]);
-    /* a session's earliest unfinished request first, then those held behind it, which go where the
-     * session now is (session_home), as close_session and kv_move place them: each picked anew, a
-     * held CLOSE ran on a worker that did not hold the session, which kept it for good (found by
-     * review, session 27) */
-    for (int pass = 0; pass < 2; pass++)
+    /* a session's earliest unfinished request first, then, pass by pass, each held behind one just
+     * placed, which goes where the session now is (session_home), as close_session and kv_move
+     * place them: each picked anew, a held CLOSE ran on a worker that did not hold the session,
+     * which kept it for good (found by review, session 27); and in slot order alone, one whose
+     * predecessor sat in a later slot (slots are reused) was placed before it, by the dead worker's
+     * stale entries, elsewhere (found by review, session 29) */
+    for (int pass = 0, placed = 1; placed; pass++) {
+    placed = pass == 0;                  /* the first pass runs whatever it places */
     for (uint32_t ri = 0; ri < rt->cfg.max_requests; ri++) {
         struct req *r = &rt->reqs[ri];
         if (r->state == REQ_FREE || r->worker != (int16_t)k)
-            continue;
-        if (pass == 0 && r->in_session && r->session_prev != NIL && r->state != REQ_DONE)
             continue;
         if (r->state == REQ_DONE) {      /* failed, waiting for records the dead worker will not answer */
             if (r->inflight) {
@@ -2098,6 +2111,12 @@ static void failover(struct dp_router *rt, uint32_t k)
             }
             continue;                    /* else already answered, waiting for egress room */
         }
+        if (r->in_session && r->session_prev != NIL) {   /* held: once its predecessor is placed */
+            const struct req *prev = &rt->reqs[r->session_prev];
+            if (pass == 0 || (prev->worker == (int16_t)k && prev->state != REQ_DONE))
+                continue;
+        }
+        placed = 1;
         r->inflight = r->in_fifo = r->in_set = 0;
         int spilled, ran = r->sent_head != NIL     /* the dead worker had some of it */
                            || (r->pending_head != NIL && rt->pool[r->pending_head].sent);
@@ -2137,6 +2156,7 @@ static void failover(struct dp_router *rt, uint32_t k)
         r->decode_left = 0;
         make_ready(rt, ri);
         rt->st.replayed += (uint64_t)ran;   /* a move of one it never had is no replay */
+    }
     }
 }
 

@@ -790,6 +790,82 @@ def test_a_failover_sends_a_held_close_where_its_session_went(bench_factory, pol
     assert ran_on[6] == ran_on[7] and len(ran_on[6]) == 1, ran_on
 
 
+def test_a_failover_places_held_requests_in_their_session_s_order_whatever_their_slots(bench_factory):
+    """A (session 9) runs on worker 0; B, held behind it, and then its CLOSE C wait on worker 1, C in
+    a slot freed before B's (slots are reused). Worker 1 dies: B follows A, and C follows B. In slot
+    order alone C was placed first, by the dead worker's stale entries, on worker 2, which never held
+    the session, while worker 0 kept it for good (found by review, session 29)."""
+    b = bench_factory(n_workers=3, policy="weighted")
+
+    def weights(*w):
+        for k, x in enumerate(w):
+            b.router.set_weight(k, x)
+    close = chunks_of(4, [], session=9)
+    close["kind"], close["n_tokens"] = wire.KIND_CLOSE, 0
+    weights(1, 0, 0)
+    b.send(chunks_of(1, [1, 2, 3], session=9, max_out=1))     # A: slot 0, worker 0
+    b.router.poll()
+    a_batch = b.workers[0].recv_batch(0)                       # taken, not answered yet
+    weights(0, 1, 0)
+    b.send(chunks_of(2, [4], session=50, max_out=1))           # X: slot 1, worker 1, another session
+    b.send(chunks_of(3, [5], session=9, max_out=1))            # B: slot 2, worker 1, held behind A
+    b.router.poll()
+    b.step(1)                                                  # X answered: slot 1 free again
+    b.send(close)                                              # C: slot 1, worker 1, held behind B
+    b.router.poll()
+    weights(0, 0, 1)
+    b.router.set_up(1, False)
+    b.workers[0].send_completion(lanes.completion_for(a_batch, [7] * len(a_batch)))
+    ran_on = {}
+    for _ in range(20):
+        for k in (0, 2):
+            if (batch := b.step(k)) is not None:
+                for r in batch:
+                    ran_on.setdefault(int(r["request_id"]), set()).add(k)
+    assert ran_on == {3: {0}, 4: {0}}, ran_on
+    assert {int(r["request_id"]): int(r["status"]) for r in b.responses} == {1: 200, 2: 200, 3: 200, 4: 200}
+
+
+def test_a_session_s_home_follows_the_request_held_behind_its_close(bench_factory):
+    """6 is refused for KV room and moves; its CLOSE 7 and the session's next life's first request
+    8, held behind it, move with it. Once the CLOSE is answered the home was dropped, and the
+    session's next request went to the policy's pick, away from the copy 8 began, its turn lost
+    (found by review): the home now follows 8."""
+    b = bench_factory(n_workers=2, policy="affinity")
+    close = chunks_of(7, [], session=9)
+    close["kind"], close["n_tokens"] = wire.KIND_CLOSE, 0
+    b.send(chunks_of(6, [1, 2], session=9, max_out=1), close, chunks_of(8, [3, 4], session=9, max_out=1))
+    b.router.poll()
+    (k,) = batches_waiting(b)
+    answer_kv_full(b, k)
+    got = b.run(1 - k)
+    assert [int(r["request_id"]) for x in got for r in x] == [6, 7, 8]
+    assert b.router.stats()["kv_homes"] == 1
+    b.send(chunks_of(10, [5], session=9, max_out=1))           # continues 8
+    b.router.poll()
+    assert batches_waiting(b) == [1 - k]
+
+
+def test_a_kv_full_walk_that_fails_leaves_the_home_where_the_held_request_went(bench_factory):
+    """Every worker refuses 6 (answered 503); 8, held behind it, was carried along the walk and runs
+    on the last worker tried, beginning the session there. The home was dropped, and the session's
+    next request went to the policy's pick, away from it (found by review): it now stays with 8."""
+    b = bench_factory(n_workers=3, policy="affinity")
+    b.send(chunks_of(6, [1, 2], session=9, max_out=1), chunks_of(8, [3, 4], session=9, max_out=1))
+    b.router.poll()
+    for _ in range(3):
+        (k,) = batches_waiting(b)
+        answer_kv_full(b, k)
+        b.collect()
+    assert [(int(r["request_id"]), int(r["status"])) for r in b.responses] == [(6, wire.STATUS_UNAVAILABLE)]
+    (last,) = batches_waiting(b)
+    b.run(last)
+    assert b.router.stats()["kv_homes"] == 1
+    b.send(chunks_of(10, [5], session=9, max_out=1))
+    b.router.poll()
+    assert batches_waiting(b) == [last]
+
+
 def test_a_request_every_worker_has_no_kv_room_for_is_refused_503_saying_why(bench_factory):
     """Each worker of the pool is tried once, from the one after the first to refuse it; then the
     client gets the 503 and its body."""
