@@ -8,8 +8,8 @@ Every lane has the same worker-side interface:
 
 `shm`: two rings in shared memory for a worker on the same host:
     <name>.lane (router -> worker, dp_chunk slots) and <name>.done (worker -> router).
-The router commits a batch with one index update, so a worker never sees
-half a batch.
+The router publishes a batch's slots last to first (each slot's sequence
+word), so a worker never sees half a batch.
 
 `zmq`: a DEALER socket the worker binds (tcp:// for another host, ipc:// for
 another process); the router's DEALER connects to it. One message per
@@ -71,8 +71,16 @@ class ShmWorkerLane:
         self._t_pickup, self.t_pickup = ffi.new("uint64_t *"), 0
         try:
             self.done = Ring.attach(done_name, "producer")
+            # each slot is read (and written) as a whole record: a lane of smaller slots was read
+            # across them, past the mapping at the last (found by review; the router checks its side)
+            for ring, rec in ((self.lane, records.CHUNK), (self.done, records.COMPLETION)):
+                if ring.slot_size < rec.itemsize:
+                    raise ValueError(f"ring {ring.name!r} has {ring.slot_size}-byte slots: a lane needs "
+                                     f"{rec.itemsize}")
         except BaseException:
             self.lane.close()
+            if hasattr(self, "done"):
+                self.done.close()
             raise
 
     def recv_batch(self, timeout_s: float) -> np.ndarray | None:

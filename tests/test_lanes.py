@@ -116,3 +116,20 @@ def test_a_zmq_worker_lane_without_its_router_neither_blocks_nor_dies():
             ctx.term()
     finally:
         lane.close()
+
+
+def test_a_worker_refuses_a_lane_whose_slots_are_smaller_than_a_chunk():
+    """Each slot is read as a whole dp_chunk: a lane of 64-byte slots was attached without a word and
+    read across its slots, past the mapping at the last (found by review)."""
+    name = f"lanes-small-{os.getpid()}"
+    lane_name, done_name = lanes.lane_names(name)
+    made = [Ring.create(lane_name, 64, 64, role="producer"),
+            Ring.create(done_name, records.COMPLETION.itemsize, 64, role="consumer")]
+    try:
+        with pytest.raises(ValueError, match="64-byte slots"):
+            lanes.ShmWorkerLane(name)
+        assert made[0].stats()["consumer_pid"] == 0, "the role it took is given back"
+    finally:
+        for r in made:
+            r.close()
+        lanes.unlink_shm_lane(name)
