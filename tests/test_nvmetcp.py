@@ -672,8 +672,15 @@ def test_command_errors_are_nvme_statuses_and_the_queue_goes_on(target):
 
 
 def _associate(target, digests=False) -> tuple[RawHost, RawHost]:
-    admin = RawHost(target.port)
-    assert admin.connect_admin()["status"] == 0
+    deadline = time.monotonic() + 10
+    while True:                 # busy until the target has seen an earlier association's admin queue go
+        admin = RawHost(target.port)
+        status = admin.connect_admin()["status"]
+        if P.status_code(status) != P.SC_CONNECT_CONTROLLER_BUSY or time.monotonic() > deadline:
+            break
+        admin.sock.close()
+        time.sleep(0.05)
+    assert status == 0
     sqe = P.pack(P.FABRICS_SQE, opc=P.OPC_FABRICS, cid=2, fctype=P.FCTYPE_PROPERTY_SET,
                  specific=P.pack(P.PROPERTY_SPECIFIC, ofst=P.PROP_CC, value=P.CC_EN))
     admin.ch.send(P.CAPSULE_CMD, sqe)
@@ -725,6 +732,42 @@ def test_a_data_digest_error_fails_the_command_not_the_queue(target):
     assert io.response()["status"] == 0
     io.rw(P.NVM_READ, 9, 0, 1)
     assert io.recv()[2] == b"e" * 4096
+
+
+def test_a_backend_failure_is_an_internal_error_not_a_bad_block(image):
+    """Only the medium's own EIO is a media status, which the store reads around as a bad block; a
+    backing file shrunk under the target (a short read) was one too, and a recovery over the wire
+    would have taken it for the log's end and written over the records after it (found by review).
+    A local device's short read stops the open; so does this now."""
+    path = image()
+    with Target(path, port=0) as t:
+        dev = NvmeTcpDevice(t.url)
+        try:
+            os.truncate(path, 2 << 20)                    # blocks 512 and on are gone under the target
+            with pytest.raises(NvmeError, match="Internal Error") as e:
+                dev.read_into(aligned_buffer(4096), 800, 1)
+            assert not isinstance(e.value, OSError) and e.value.sc == P.SC_INTERNAL
+        finally:
+            dev.close()
+
+
+def test_an_empty_h2cdata_and_a_read_carrying_data_are_refused(target):
+    """An H2CData with no data passed, and a host sending such PDUs kept its command waiting; a Read
+    carrying in-capsule data succeeded, the data dropped (both found by review)."""
+    admin, io = _associate(target)
+    io.rw(P.NVM_WRITE, 5, 0, 3)
+    t, r2t, _ = io.recv()
+    assert t == P.R2T
+    io.ch.send(P.H2C_DATA, P.psh(P.H2C_DATA_PDU, cccid=5, ttag=r2t["ttag"], datao=0, datal=0))
+    r = io.response()
+    assert (r["type"], r["fes"]) == (P.C2H_TERM_REQ, P.FES_DATA_OUT_OF_RANGE) and io.closed_by_peer()
+    admin.sock.close(), io.sock.close()                    # the association ends: a new one
+    admin, io = _associate(target)
+    sqe = P.pack(P.SQE, opc=P.NVM_READ, flags=P.PSDT_SGL, cid=6, nsid=1, sgl_len=4096, sgl_id=P.SGL_TRANSPORT)
+    io.ch.send(P.CAPSULE_CMD, sqe, bytes(4096))
+    assert P.status_code(io.response()["status"]) == P.SC_SGL_INVALID_DATA_LENGTH
+    io.rw(P.NVM_READ, 7, 0, 1)                              # the queue goes on
+    assert io.recv()[0] == P.C2H_DATA
 
 
 def test_connect_errors(target):

@@ -26,6 +26,7 @@ the target restarted.
 from __future__ import annotations
 
 import collections
+import errno
 import os
 import select
 import socket
@@ -413,13 +414,14 @@ class _Connection:
                 if h["cccid"] != cid or h["ttag"] != self.ttag:
                     raise ProtocolError("H2CData for a command or tag with no R2T outstanding",
                                         P.FES_INVALID_HEADER_FIELD, 8 if h["cccid"] != cid else 10, header)
-                if h["datao"] != r2to + got or h["datal"] != dlen or got + dlen > r2tl:
+                # an empty one too: it passed, and as many as a host sent kept the command waiting (review)
+                if h["datao"] != r2to + got or h["datal"] != dlen or not dlen or got + dlen > r2tl:
                     raise ProtocolError("H2CData outside the R2T's range", P.FES_DATA_OUT_OF_RANGE, 12, header)
                 if not self.channel.recv_data(view[r2to + got:r2to + got + dlen]):
                     sc = P.SC_TRANSIENT_TRANSPORT
                 got += dlen
-            if sc == P.SC_SUCCESS and not self._write(view, r2to, block + r2to // bs, r2tl // bs):
-                sc = P.SC_WRITE_FAULT
+            if sc == P.SC_SUCCESS:
+                sc = self._write(view, r2to, block + r2to // bs, r2tl // bs)
         return sc
 
     # --- commands -----------------------------------------------------------------------------
@@ -576,21 +578,25 @@ class _Connection:
         if sqe["nsid"] != NSID:
             return self._respond(cid, P.SC_INVALID_NAMESPACE)
         if opc == P.NVM_FLUSH:
-            return self._respond(cid, P.SC_SUCCESS if self._device(dev.sync) else P.SC_WRITE_FAULT)
+            return self._respond(cid, self._device(P.SC_WRITE_FAULT, dev.sync))
         slba, nlb = sqe["cdw10"] | sqe["cdw11"] << 32, (sqe["cdw12"] & 0xFFFF) + 1
         n = nlb * dev.block_size
         if slba + nlb > dev.blocks:
             return self._respond(cid, P.SC_LBA_OUT_OF_RANGE)
         if n > t.max_transfer:
             return self._respond(cid, P.SC_INVALID_FIELD)
+        # in-capsule data only with a Write, and only under its in-capsule SGL (a Read carrying some
+        # succeeded, the data dropped: found by review)
         if sqe["sgl_len"] != n or sqe["sgl_id"] not in (P.SGL_ICD, P.SGL_TRANSPORT) or \
-                (sqe["sgl_id"] == P.SGL_ICD) != (opc == P.NVM_WRITE and cmd.data is not None):
+                (sqe["sgl_id"] == P.SGL_ICD) != (opc == P.NVM_WRITE and cmd.data is not None) or \
+                (cmd.data is not None and opc != P.NVM_WRITE):
             return self._respond(cid, P.SC_SGL_INVALID_DATA_LENGTH)
         if sqe["sgl_id"] == P.SGL_ICD and sqe["sgl_addr"]:
             return self._respond(cid, P.SC_SGL_INVALID_OFFSET)   # the data is read from the capsule's start
         if opc == P.NVM_READ:
-            if not self._device(dev.read_into, self.buf, slba, nlb):
-                return self._respond(cid, P.SC_UNRECOVERED_READ)
+            sc = self._device(P.SC_UNRECOVERED_READ, dev.read_into, self.buf, slba, nlb)
+            if sc != P.SC_SUCCESS:
+                return self._respond(cid, sc)
             self._send_data(cid, memoryview(self.buf)[:n])
             return self._respond(cid)
         if cmd.data is not None:                      # in-capsule
@@ -598,24 +604,33 @@ class _Connection:
                 return self._respond(cid, P.SC_SGL_INVALID_DATA_LENGTH)
             if cmd.data.obj is not self.buf:          # queued during an R2T exchange: to aligned memory
                 self.buf[:n] = cmd.data
-            sc = P.SC_SUCCESS if self._write(self.buf, 0, slba, nlb) else P.SC_WRITE_FAULT
+            sc = self._write(self.buf, 0, slba, nlb)
         else:
             sc = self._pull(cmd, memoryview(self.buf)[:n], slba)
-        if sc == P.SC_SUCCESS and sqe["cdw12"] & P.RW_FUA and not self._device(dev.sync):
-            sc = P.SC_WRITE_FAULT
+        if sc == P.SC_SUCCESS and sqe["cdw12"] & P.RW_FUA:
+            sc = self._device(P.SC_WRITE_FAULT, dev.sync)
         self._respond(cid, sc)
 
-    def _write(self, buf, offset: int, block: int, nblocks: int) -> bool:
-        """A write to the device, only while this queue's association lasts (Target.association)."""
+    def _write(self, buf, offset: int, block: int, nblocks: int) -> int:
+        """A write to the device, only while this queue's association lasts (Target.association);
+        its status."""
         with self.t._write_lock:
-            return self.association == self.t.association and self._device(self.t.dev.write_from, buf, offset,
-                                                                            block, nblocks)
+            if self.association != self.t.association:
+                return P.SC_WRITE_FAULT
+            return self._device(P.SC_WRITE_FAULT, self.t.dev.write_from, buf, offset, block, nblocks)
 
     @staticmethod
-    def _device(fn, *args) -> bool:
-        """A device call; False if the device failed (answered with a media status, not fatal)."""
+    def _device(media: int, fn, *args) -> int:
+        """A device call's status (not fatal to the connection): `media` (an unrecovered read, a write
+        fault) only for the medium's own EIO, which the initiator's store reads around as a bad
+        block; any other failure (a short read of a shrunk image, a closed device) is an internal
+        error, which stops its recovery there as a local device's would. Both were a media status,
+        and a recovery over the wire took a backend fault for a bad block: the log's end, written
+        over with the acknowledged records after it (found by review)."""
         try:
             fn(*args)
-            return True
-        except (DeviceError, OSError):
-            return False
+            return P.SC_SUCCESS
+        except OSError as e:
+            return media if e.errno == errno.EIO else P.SC_INTERNAL
+        except DeviceError:
+            return P.SC_INTERNAL
