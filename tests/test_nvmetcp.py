@@ -770,6 +770,35 @@ def test_an_empty_h2cdata_and_a_read_carrying_data_are_refused(target):
     assert io.recv()[0] == P.C2H_DATA
 
 
+def test_a_read_whose_data_digest_fails_is_sent_again_and_the_queue_goes_on(target, monkeypatch):
+    """One bit of a C2HData flipped on the wire (its digest as sent): the read is sent again, as a
+    write whose H2CData digest fails is. It closed the I/O queue, and every later call failed
+    until the store was reopened (found by review)."""
+    from snapshotstore.nvmetcp import transport
+    sendall, flips = transport.Channel._sendall, [1]
+
+    def flip_one_c2h(self, parts, total):
+        if bytes(parts[0][:1])[0] == P.C2H_DATA and flips[0] and total > 4096:
+            flips[0] -= 1
+            parts = list(parts)
+            i = max(range(len(parts)), key=lambda i: len(parts[i]))
+            parts[i] = bytearray(parts[i])
+            parts[i][100] ^= 1
+        return sendall(self, parts, total)
+    dev = NvmeTcpDevice(target.url + "?digests")
+    try:
+        buf = aligned_buffer(4096)
+        buf[:] = b"q" * 4096
+        dev.write_from(buf, 0, 5, 1)
+        monkeypatch.setattr(transport.Channel, "_sendall", flip_one_c2h)
+        buf[:] = bytes(4096)
+        assert bytes(dev.read_into(buf, 5, 1)) == b"q" * 4096 and flips == [0]
+        assert dev.io.transient_retries == 1
+        dev.write_from(buf, 0, 6, 1)                       # the queue goes on
+    finally:
+        dev.close()
+
+
 def test_connect_errors(target):
     with pytest.raises(NvmeError, match="Connect Invalid Parameters"):
         NvmeTcpDevice(f"nvme-tcp://127.0.0.1:{target.port}/nqn.2026-12.io.zerolayer:nobody")

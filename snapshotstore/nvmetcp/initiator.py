@@ -176,6 +176,13 @@ class _Queue:
                     raise
                 self.transient_retries += 1
 
+    def _digest_checked(self, bad: bool):
+        """A command whose C2HData failed its data digest: a Transient Transport Error without Do Not
+        Retry, which command() sends again, as the target answers a bad H2CData digest."""
+        if bad:
+            raise NvmeError(f"the NVMe/TCP target at {self.url}: a C2HData's data digest did not match",
+                            P.SC_TRANSIENT_TRANSPORT, dnr=False)
+
     def _command(self, sqe_fields, data_out, data_in, layout) -> dict:
         self.cid = (self.cid + 1) & 0xFFFF
         n = len(data_out) if data_out is not None else len(data_in) if data_in is not None else 0
@@ -189,6 +196,7 @@ class _Queue:
         self.channel.send(P.CAPSULE_CMD, sqe, data_out if icd else None)
         self._expect = n if data_in is not None else 0
         received = pulled = 0
+        digest_bad = False
         while True:
             t, flags, header, dlen = self.channel.recv_header(
                 (P.CAPSULE_RESP, P.C2H_DATA, P.R2T, P.C2H_TERM_REQ), self._max_data)
@@ -215,14 +223,17 @@ class _Queue:
                     # a success before the target asked for all the data: not believed
                     raise ProtocolError(f"a completion after {pulled} of {n} bytes were asked for",
                                         P.FES_PDU_SEQUENCE_ERROR, 0, header)
+                self._digest_checked(digest_bad)
                 return cqe
             if t == P.C2H_DATA:
                 h = P.unpack(P.C2H_DATA_PDU, header)
                 if (data_in is None or h["cccid"] != self.cid or h["datao"] != received or h["datal"] != dlen
                         or dlen == 0):
                     raise ProtocolError("C2HData outside the command's buffer", P.FES_DATA_OUT_OF_RANGE, 12, header)
-                if not self.channel.recv_data(data_in[received:received + dlen]):
-                    raise ConnectionClosed("C2HData digest mismatch")
+                # a digest mismatch: the rest of the command is read as it comes, then the command is
+                # sent again (command(): reads are idempotent, as Linux's host retries). It closed the
+                # queue, and the device refused every later call until reopened (found by review)
+                digest_bad |= not self.channel.recv_data(data_in[received:received + dlen])
                 received += dlen
                 self._expect = n - received
                 if flags & P.FLAG_SUCCESS:
@@ -231,6 +242,7 @@ class _Queue:
                     if not flags & P.FLAG_LAST_PDU or received != n:
                         raise ProtocolError("C2HData with SUCCESS before the last of the command's data",
                                             P.FES_INVALID_HEADER_FIELD, 1, header)
+                    self._digest_checked(digest_bad)
                     return dict(dw0=0, dw1=0, sqhd=0, sqid=self.qid, cid=self.cid, status=0)
                 continue
             h = P.unpack(P.R2T_PDU, header)                 # R2T: send the requested range
