@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     p.add_argument("--policy", metavar="A,B,...",
                    help=f"compare: routing policies ({_policy_names()}; NAME:X gives the policy's parameter X) "
                         "and batching modes (dynamic, static) to run under the same load")
-    p.add_argument("--rate", type=float, default=40, help="compare: offered requests/s (default 40)")
+    p.add_argument("--rate", type=float, help="compare: offered requests/s (default 40)")
     p.add_argument("--repeat", type=int, metavar="N",
                    help="compare: rounds of every name, the order rotated by one each round, so N a multiple "
                         "of the names' count balances it (default 2; 1 with --quick)")
@@ -78,7 +78,7 @@ def main(argv=None) -> int:
                         "off it; K:F@T-U: back to normal at U, and how fast each came back to it")
     args = p.parse_args(argv)
     # a flag its suite does not read is refused, not ignored: `bench e2e --policy static` ran plain e2e
-    only = {"--policy": ("compare", args.policy is not None), "--rate": ("compare", args.rate != 40),
+    only = {"--policy": ("compare", args.policy is not None), "--rate": ("compare", args.rate is not None),
             "--repeat": ("compare", args.repeat is not None), "--device": ("compare", args.device is not None),
             "--straggler": ("compare", args.straggler is not None), "--workers": ("compare", args.workers is not None),
             "--soak": ("snapshot", args.soak)}

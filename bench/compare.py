@@ -254,18 +254,54 @@ def straggler_said(stragglers: dict[int, Straggler]) -> str:
                      for k, x in stragglers.items()) or "none"
 
 
+DEFAULT_RATE = 40.0
+
+
+def rate_of(args) -> float:
+    """--rate, or the default (None when not given, so other suites can refuse it given)."""
+    return DEFAULT_RATE if args.rate is None else args.rate
+
+
+def rounds(args) -> int:
+    return args.repeat or (1 if args.quick else 2)
+
+
 def check_args(args):
     """Everything compare can refuse, before it builds anything (ValueError)."""
     parse_names(args.policy or "")
     if args.workers is not None and not 1 <= args.workers <= MAX_WORKERS:
         raise ValueError(f"--workers must be 1..{MAX_WORKERS}, not {args.workers}")
-    parse_stragglers(args.straggler, args.workers or WORKERS, run_seconds(args.quick))
-    if not args.rate > 0:
-        raise ValueError(f"--rate must be > 0 requests/s, not {args.rate:g}")
+    stragglers = parse_stragglers(args.straggler, args.workers or WORKERS, run_seconds(args.quick))
+    rate = rate_of(args)
+    if not (rate > 0 and math.isfinite(rate)):      # inf passed, and failed after a pipeline was built
+        raise ValueError(f"--rate must be a finite number > 0 requests/s, not {rate:g}")
+    count = max(10, int(rate * run_seconds(args.quick)))
+    if count > client.MAX_COUNT:
+        raise ValueError(f"--rate {rate:g} makes {count:,} requests a run: at most {client.MAX_COUNT:,}")
     if args.device is not None and args.device not in PROFILES:
         raise ValueError(f"unknown device profile {args.device!r} (known: {', '.join(PROFILES)})")
     if args.repeat is not None and args.repeat < 1:
         raise ValueError(f"--repeat must be >= 1, not {args.repeat}")
+    _check_turn_fits(stragglers, rate, count, rounds(args))
+
+
+def _check_turn_fits(stragglers: dict[int, Straggler], rate: float, count: int, repeat: int):
+    """Each round's sends last MIN_WINDOWS whole seconds past the straggler's turn (and its recovery),
+    by its seed's schedule from its first send: the draws may end a round short of the run's
+    length (at 40 req/s, seed 2's 400 sends span 9.47 s), and a turn that left too little was
+    refused only after every run, the old report already removed (found by review)."""
+    turn = next((x for x in stragglers.values() if x.at_s is not None), None)
+    if turn is None:
+        return
+    last = turn.until_s if turn.until_s is not None else turn.at_s
+    for seed in range(1, repeat + 1):
+        sends = client.schedule_span_s(rate, count, seed) - client.schedule_span_s(rate, 1, seed)
+        if sends - last < MIN_WINDOWS * WINDOW_S:
+            raise ValueError(f"--straggler: round {seed}'s sends (its seeded schedule at {rate:g} req/s) end "
+                             f"{sends:.2f} s after its first, {sends - last:.2f} s after the "
+                             f"{'recovery' if turn.until_s is not None else 'turn'} at {last:g} s: fewer than "
+                             f"{MIN_WINDOWS} whole seconds to time (an earlier time after @, or fewer --repeat "
+                             f"rounds)")
 
 
 def run_seconds(quick: bool) -> float:
@@ -451,17 +487,17 @@ def run(report, args):
     live = [k for k, x in stragglers.items() if x.at_s is not None]     # those that turn slow mid-run
     # Rounds, the order rotated by one each (A B C, B C A, C A B, ...): on this shared machine a
     # slow spell that fell on one name's run alone moved its figures more than most policies differ.
-    repeat = args.repeat or (1 if args.quick else 2)
-    report.machine.update(device=device or "none (the tiny model's own step time)", rate_per_s=args.rate,
+    repeat, rate = rounds(args), rate_of(args)
+    report.machine.update(device=device or "none (the tiny model's own step time)", rate_per_s=rate,
                           seconds_per_run=seconds, sessions=SESSIONS, repeat=repeat, workers=workers,
                           stragglers=slow_said)
     runs = {label: [] for label, _, _ in names}
     for k in range(repeat):
         order = names[k % len(names):] + names[:k % len(names)]
         for i, (label, name, param) in enumerate(order):
-            _progress(f"compare {label}: {args.rate:g} req/s for {seconds:.0f} s, round {k + 1} of {repeat} "
+            _progress(f"compare {label}: {rate:g} req/s for {seconds:.0f} s, round {k + 1} of {repeat} "
                       f"({len(order) - i} left in the round)")
-            res = _one(label, name, param, device, args.rate, seconds, seed=k + 1,   # a round's own schedule
+            res = _one(label, name, param, device, rate, seconds, seed=k + 1,   # a round's own schedule
                        workers=workers, stragglers=stragglers)
             report.machine["xdp_mode"] = res["xdp_mode"]
             runs[label].append(res)
@@ -479,7 +515,7 @@ def run(report, args):
         pc = _pcts(np.concatenate([r["rtt_ns"] for r in rs]), 1e6)   # the rounds pooled
         st = {key: sum(r["router"][key] for r in rs) for key in rs[0]["router"]}
         placed, answered = (np.sum([r[f"{key}_per_worker"] for r in rs], axis=0) for key in ("placed", "answered"))
-        row = {"name": label, "qps": args.rate,
+        row = {"name": label, "qps": rate,
                "offered_qps": float(np.mean([r["offered_qps"] for r in rs])),
                "achieved_qps": float(np.mean([r["achieved_qps"] for r in rs])),
                "p50_ms": pc["p50"], "p95_ms": pc["p95"], "p99_ms": pc["p99"],

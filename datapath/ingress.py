@@ -334,8 +334,14 @@ class SigtermExit:
     @classmethod
     def install(cls) -> "SigtermExit | None":
         """One installed for SIGTERM, the handler it replaces kept; None off the main thread (where
-        Python runs no handler). signals_held(it) puts the old one back."""
+        Python runs no handler), or where this process's own is in place already (an Ingress inside
+        a Pipeline): the outer one restores the caller's. (Nested, the outer teardown restored the
+        inner one, stale, instead of the caller's handler: found by review.) signals_held(it) puts
+        the old one back."""
         if threading.current_thread() is not threading.main_thread():
+            return None
+        current = signal.getsignal(signal.SIGTERM)
+        if isinstance(current, SigtermExit) and current.pid == os.getpid():
             return None
         handler = cls()
         handler.old = signal.signal(signal.SIGTERM, handler)

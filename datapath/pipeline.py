@@ -703,7 +703,11 @@ class Pipeline:
         def one_pass(seen: dict) -> bool:
             """False once the pipeline is being torn down."""
             if not self._spawner.pending():
-                ready = wait([self._spawner.conn, wake_r], timeout=min(1.0, hang_s / 4) if hang_s > 0 else None)
+                # a replacement not yet serving is timed (START_TIMEOUT_S) whatever hang_s: with no
+                # timeout one stuck before its ready sent no event, and was never killed (review)
+                starting = any(not w.ready and w.replacing is not None for w in self.workers)
+                timeout = min(1.0, hang_s / 4) if hang_s > 0 else 1.0 if starting else None
+                ready = wait([self._spawner.conn, wake_r], timeout=timeout)
                 if wake_r in ready:
                     return False                   # teardown: the workers are being stopped
             events = self._spawner.events()

@@ -38,7 +38,10 @@ def test_bench_help_and_bad_suite():
                        ("1:4@x", "or WORKER:FACTOR@FROM-TO"), ("0:2@3,1:2@4", "every @T (and -U) must be the same"),
                        ("1:4@2-3", "(4 <= U <= 7.5 s)"), ("1:4@6-8", "before the recovery (0 < T <= 5.5 s)"),
                        ("1:4@2-x", "or WORKER:FACTOR@FROM-TO"), ("0:2@2-5,1:2@2-6", "every @T (and -U) must be"),
-                       ("1:4@0.2-0.4 --quick", "no room for a turn and a recovery")):
+                       ("1:4@0.2-0.4 --quick", "no room for a turn and a recovery"),
+                       # within the run's length, but round 2's seeded sends end 9.47 s after the first
+                       ("1:4@7.5", "round 2's sends (its seeded schedule at 40 req/s) end 9.47 s"),
+                       ("1:4@1 --rate inf", "--rate must be a finite number")):
         spec, *more = spec.split()
         r = subprocess.run([sys.executable, "-m", "bench", "compare", "--policy", "peak_ewma", "--straggler", spec,
                             *more, "--json", "/dev/null"], capture_output=True, text=True, timeout=60)
@@ -47,7 +50,8 @@ def test_bench_help_and_bad_suite():
     for args, said in ((["e2e", "--policy", "static"], "--policy is for the compare suite, not e2e"),
                        (["e2e", "--straggler", "1:4"], "--straggler is for the compare suite, not e2e"),
                        (["e2e", "--workers", "4"], "--workers is for the compare suite, not e2e"),
-                       (["ring", "--soak"], "--soak is for the snapshot suite, not ring")):
+                       (["ring", "--soak"], "--soak is for the snapshot suite, not ring"),
+                       (["e2e", "--rate", "40"], "--rate is for the compare suite, not e2e")):
         r = subprocess.run([sys.executable, "-m", "bench", *args], capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and said in r.stderr
 

@@ -190,6 +190,27 @@ def test_a_sigterm_while_the_pipeline_is_built_leaves_no_namespace():
                         "topology.netns.create = create", "pass", (128 + signal.SIGTERM,))
 
 
+def test_the_caller_s_sigterm_handler_is_back_after_nested_teardowns():
+    """A Pipeline installs its SIGTERM handler, then its Ingress (inside it) did too: the pipeline's
+    teardown then restored the Ingress's, stale, instead of the caller's (found by review). The
+    same calls as they nest there, without root."""
+    from datapath.ingress import SigtermExit, signals_held
+
+    def callers(signum, frame):
+        pass
+    before = signal.signal(signal.SIGTERM, callers)
+    try:
+        outer = SigtermExit.install()              # Pipeline.__enter__
+        inner = SigtermExit.install()              # Ingress.__enter__, inside it
+        assert outer is not None and inner is None, "this process's own is in place: the outer restores"
+        with signals_held(outer):                  # Pipeline._teardown
+            with signals_held(inner):              # Ingress.__exit__, in the pipeline's exit stack
+                pass
+        assert signal.getsignal(signal.SIGTERM) is callers
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 @pytest.mark.root
 @pytest.mark.bpf
 def test_a_second_sigterm_during_the_teardown_leaves_no_namespace():
