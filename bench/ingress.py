@@ -278,10 +278,9 @@ def socket_references(report, topo, pkts, segments):
         rx = UdpIngress(sock, out, cpu=RECEIVER_CPU, rt_priority=RT)
         for _ in range(segments):
             rx.reset()
-            rx.start()
-            sent += _send(topo, rate, SEGMENT_S, pkts)["sent"]
-            time.sleep(0.02)
-            rx.stop()
+            with rx:                                # stopped however the block ends (as xdp_at's)
+                sent += _send(topo, rate, SEGMENT_S, pkts)["sent"]
+                time.sleep(0.02)
             lat_c += rx.send_latency()
             time.sleep(GAP_S)
     report.reference("udp_socket_c_p50_us", _pct(lat_c, 50, 1e3), "us")
@@ -301,12 +300,13 @@ def xdp_at(ig, consumer, topo, pkts, rate, segments) -> dict:
     for _ in range(segments):
         consumer.reset()
         start, start_full = consumer.records, consumer.out_full
-        consumer.start()
-        res = _send(topo, rate, SEGMENT_S, pkts)
-        deadline = time.monotonic() + 1
-        while consumer.records - start < res["sent"] and time.monotonic() < deadline:
-            time.sleep(0.001)
-        consumer.stop()
+        # started and stopped by a with-block: a Ctrl-C between a bare start() and stop() left the
+        # thread writing the ring the caller's with-block then closed (a segfault, found by review)
+        with consumer:
+            res = _send(topo, rate, SEGMENT_S, pkts)
+            deadline = time.monotonic() + 1
+            while consumer.records - start < res["sent"] and time.monotonic() < deadline:
+                time.sleep(0.001)
         out["sent"] += res["sent"]
         # taken from the BPF rings, minus those the router's input ring refused
         out["got"] += (consumer.records - start) - (consumer.out_full - start_full)

@@ -432,7 +432,6 @@ class Consumer(_Thread):
 
     def __init__(self, ring_fds, out: Ring | None, samples: int = 1 << 20, cpu: int = -1, rt_priority: int = 0,
                  hist_fd: int = -1, cuts_fd: int = -1, buckets_fd: int = -1, others_fd: int = -1):
-        self.out = out   # kept open as long as the thread may write it
         self.cuts_fd = cuts_fd   # the program's cut requests (bpf/steer.h, dp_cut_key): Router.watch_cuts
         self.buckets_fd = buckets_fd   # and its tenants' buckets: the router cuts only theirs,
         self.others_fd = others_fd     # and every tenant's while the others' bucket is set
@@ -442,6 +441,9 @@ class Consumer(_Thread):
             raise OSError("cannot set up the ring-buffer consumer: a ring buffer could not be mapped, or the "
                           "output ring's slots are smaller than a chunk or this process is not its producer")
         self.ptr = ffi.gc(ptr, lib.dp_consumer_free)
+        # after ptr: an object's attributes go in the order they were set, and dp_consumer_free
+        # stops the thread, which must not outlive the ring it writes (found by review)
+        self.out = out
         self.cpu, self.rt_priority = cpu, rt_priority
 
     @property
@@ -484,12 +486,12 @@ class UdpIngress(_Thread):
                  reply_status: int = 0, rt_priority: int = 0):
         if sock.family != socket.AF_INET:   # a chunk carries an IPv4 address: where its answer goes
             raise ValueError("the UDP ingress answers IPv4 senders only: give it an AF_INET socket")
-        self.sock, self.out = sock, out   # kept open as long as the thread may use them
         ptr = lib.dp_udp_rx_new(sock.fileno(), queues, _ring_ptr(out), samples)
         if ptr == ffi.NULL:
             raise ValueError(f"cannot set up the UDP ingress (queues must be 1..{lib.DP_MAX_QUEUES}; the output "
                              "ring needs chunk-sized slots and this process as its producer)")
         self.ptr = ffi.gc(ptr, lib.dp_udp_rx_free)
+        self.sock, self.out = sock, out   # after ptr, as Consumer's: freed after the thread stops
         self.ptr.reply_status = reply_status   # answer instead of forwarding (the user-space 429 path)
         self.cpu, self.rt_priority = cpu, rt_priority
 

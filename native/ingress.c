@@ -157,8 +157,10 @@ static int on_record(struct dp_consumer *c, const void *data, size_t size)
     const struct dp_chunk *rec = data;   /* XDP wrote the header and n_tokens tokens (steer.h) */
     uint64_t now = dp_now_ns();
 
-    if (size < DP_CHUNK_HDR_LEN || size < DP_CHUNK_HDR_LEN + (size_t)rec->n_tokens * sizeof(uint32_t))
-        return 1;                        /* not one of steer.bpf.c's: never happens */
+    /* not one of steer.bpf.c's: never happens (and out_put copies n_tokens into a chunk's slot) */
+    if (size < DP_CHUNK_HDR_LEN || rec->n_tokens > DP_MAX_CHUNK_TOKENS ||
+        size < DP_CHUNK_HDR_LEN + (size_t)rec->n_tokens * sizeof(uint32_t))
+        return 1;
     if (c->take) {
         if (!c->take(c->take_arg, rec, now))
             return 0;
