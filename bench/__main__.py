@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import pathlib
 import signal
 import sys
 
@@ -98,6 +99,24 @@ def main(argv=None) -> int:
     names = IN_ALL if args.suite == "all" else [args.suite]
     if args.json and len(names) > 1:
         p.error("--json names one file: use it with a single suite")
+    # refused before anything runs or any earlier result is removed: a --json that cannot be written
+    # failed once the whole suite had run, and a run without root removed the last report's files
+    # before it said it needed root (both found by review)
+    if args.json:
+        where = pathlib.Path(args.json)
+        parent = where.parent if str(where.parent) else pathlib.Path(".")
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            p.error(f"--json {args.json}: cannot make its directory ({e.strerror})")
+        if where.is_dir() or not os.access(parent, os.W_OK) or (where.exists() and not os.access(where, os.W_OK)):
+            p.error(f"--json {args.json}: not a file this user can write")
+    if args.suite in ("e2e", "compare"):
+        try:
+            from .e2e import require_root_and_bcc
+            require_root_and_bcc(f"bench {args.suite}")
+        except RuntimeError as e:
+            p.error(str(e))
     # SIGTERM unwinds like Ctrl-C: every with-block (namespaces, images, processes) cleans up;
     # what a SIGKILLed run left (its pid dead) goes first
     from datapath.ingress import SigtermExit, Terminated

@@ -111,7 +111,11 @@ def _serve(args) -> int:
     import threading
 
     import zmq
-    from .server import serve
+    from .server import check_endpoint, serve
+    try:
+        check_endpoint(args.listen)
+    except ValueError as e:
+        raise SnapshotError(f"--listen {e}") from None
     path = args.device or default_image_path()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -134,6 +138,7 @@ def _serve(args) -> int:
 def _format(args) -> int:
     from .log import format_device
     path = args.device or default_image_path()
+    made = False
     if is_url(path):
         if args.size is not None:
             raise SnapshotError("--size creates an image file: a remote namespace has its size already")
@@ -144,10 +149,16 @@ def _format(args) -> int:
             raise SnapshotError(f"{path} does not exist: pass --size to create an image file there")
         size = DEFAULT_IMAGE_SIZE if args.size is None else args.size
         create_image(path, size)
+        made = True
         print(f"created {path} ({size >> 20} MiB sparse image)")
     elif args.size is not None:
         raise SnapshotError(f"{path} exists already: --size only applies to a new image file")
-    sb = format_device(path, force=args.force)
+    try:
+        sb = format_device(path, force=args.force)
+    except BaseException:
+        if made:
+            os.unlink(path)        # the image made here goes with the format that failed on it
+        raise
     print(f"formatted {path}: {sb.log_blocks} log blocks of {sb.block_size} bytes, store id {sb.store_id:016x}")
     return 0
 

@@ -19,7 +19,7 @@ import stat
 import struct
 
 from .errors import DeviceError
-from .format import FILE_BLOCK_SIZE
+from .format import FILE_BLOCK_SIZE, LOG_START, MIN_LOG_BLOCKS
 
 BLKSSZGET = 0x1268          # logical block size, int
 BLKPBSZGET = 0x127B         # physical block size, unsigned int
@@ -47,9 +47,11 @@ def default_image_path() -> str:
 
 
 def create_image(path: str, size: int) -> None:
-    """A sparse image file of size bytes (a multiple of 4 KiB); refuses to replace one."""
-    if size < 64 * FILE_BLOCK_SIZE or size % FILE_BLOCK_SIZE:
-        raise DeviceError(f"an image must be a multiple of 4 KiB and at least 256 KiB, not {size} bytes")
+    """A sparse image file of size bytes (a multiple of 4 KiB, as large as a store's smallest at
+    least: one of 256 KiB was made, then refused by the format); refuses to replace one."""
+    least = (LOG_START + MIN_LOG_BLOCKS) * FILE_BLOCK_SIZE
+    if size < least or size % FILE_BLOCK_SIZE:
+        raise DeviceError(f"an image must be a multiple of 4 KiB and at least {least >> 10} KiB, not {size} bytes")
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:

@@ -30,6 +30,7 @@ RECORD_MAGIC = b"ZLR1"
 VERSION = 1
 SB_COPIES = 2
 LOG_START = SB_COPIES          # first log block
+MIN_LOG_BLOCKS = 64            # a store's log is at least this long (format_device)
 # the index links a chain's records by their numbers' low 32 bits (native/snapindex.h), unique
 # while the log holds fewer than 2^32 records: each takes a block at least
 MAX_LOG_BLOCKS = (1 << 32) - 1

@@ -132,8 +132,8 @@ def format_device(path: str, force: bool = False, block_size: int | None = None)
                 raise FormatError(f"{path} holds data that is not a snapshot store (a file system? a "
                                   f"partition table?): pass --force to erase it")
         log_blocks = min(dev.blocks - fmt.LOG_START, fmt.MAX_LOG_BLOCKS)   # past it, unused
-        if log_blocks < 64:
-            raise DeviceError(f"{path} is too small: a store needs at least {64 + fmt.LOG_START} "
+        if log_blocks < fmt.MIN_LOG_BLOCKS:
+            raise DeviceError(f"{path} is too small: a store needs at least {fmt.MIN_LOG_BLOCKS + fmt.LOG_START} "
                               f"blocks of {dev.block_size} bytes")
         sb = Superblock(dev.block_size, random.getrandbits(64), dev.blocks, fmt.LOG_START, log_blocks,
                         head=0, tail=0, generation=1, last_seq=random.getrandbits(40))

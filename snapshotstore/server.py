@@ -60,6 +60,20 @@ def curve_keys(secret: bytes) -> dict[str, tuple[bytes, bytes]]:
     return out
 
 
+def check_endpoint(endpoint: str) -> str:
+    """A ZeroMQ endpoint as these tools bind and connect them: tcp://HOST:PORT, the port 1..65535,
+    or ipc://PATH; ValueError saying which part is wrong. (ZeroMQ took tcp://HOST:99999 and bound
+    port 34463, 99999 mod 65536, and tcp://HOST:0 bound a port no one was told: found by review.)"""
+    if endpoint.startswith("ipc://") and len(endpoint) > len("ipc://"):
+        return endpoint
+    if not endpoint.startswith("tcp://"):
+        raise ValueError(f"{endpoint!r}: give tcp://HOST:PORT or ipc://PATH")
+    host, sep, port = endpoint[len("tcp://"):].rpartition(":")
+    if not (sep and host and port.isdigit() and 1 <= int(port) <= 65535):
+        raise ValueError(f"{endpoint!r}: give tcp://HOST:PORT, the port a number from 1 to 65535")
+    return endpoint
+
+
 def _off_loopback(endpoint: str) -> bool:
     """A tcp:// endpoint bound on something other than loopback."""
     if not endpoint.startswith("tcp://"):

@@ -51,7 +51,9 @@ def test_bench_help_and_bad_suite():
                        (["e2e", "--straggler", "1:4"], "--straggler is for the compare suite, not e2e"),
                        (["e2e", "--workers", "4"], "--workers is for the compare suite, not e2e"),
                        (["ring", "--soak"], "--soak is for the snapshot suite, not ring"),
-                       (["e2e", "--rate", "40"], "--rate is for the compare suite, not e2e")):
+                       (["e2e", "--rate", "40"], "--rate is for the compare suite, not e2e"),
+                       # before the suite runs: it failed once the whole suite had run
+                       (["wire", "--quick", "--json", "/tmp"], "--json /tmp: not a file this user can write")):
         r = subprocess.run([sys.executable, "-m", "bench", *args], capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and said in r.stderr
 

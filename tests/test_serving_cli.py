@@ -29,8 +29,12 @@ def test_user_errors_are_one_sentence(capsys):
         "datapath worker: give one of --lane NAME, --zmq ENDPOINT or --demo N"
     assert main(["model", "info", "--heads", "3"]) == 2
     assert "must be a multiple of n_kv_heads" in capsys.readouterr().err
-    assert main(["worker", "--zmq", "nonsense"]) == 1
-    assert "cannot bind zmq lane at nonsense" in capsys.readouterr().err
+    assert main(["worker", "--zmq", "nonsense"]) == 2
+    assert "--zmq 'nonsense': give tcp://HOST:PORT or ipc://PATH" in capsys.readouterr().err
+    # ZeroMQ took a port over 65535 modulo 65536, and port 0 bound one no router was told of
+    for port in ("99999", "0"):
+        assert main(["worker", "--zmq", f"tcp://127.0.0.1:{port}"]) == 2
+        assert "the port a number from 1 to 65535" in capsys.readouterr().err
     assert main(["worker", "--lane", "zl-no-such-lane"]) == 1
     assert "no ring named 'zl-no-such-lane.lane'" in capsys.readouterr().err
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import signal
 import sys
 import time
@@ -180,6 +181,13 @@ def worker(args) -> int:
     if args.store and args.demo is not None:
         print("datapath worker: --demo runs without a store (--store is for --lane or --zmq)", file=sys.stderr)
         return 2
+    from snapshotstore.server import check_endpoint
+    for flag, endpoint in (("--zmq", args.zmq), ("--store", args.store)):
+        try:
+            endpoint and check_endpoint(endpoint)
+        except ValueError as e:
+            print(f"datapath worker: {flag} {e}", file=sys.stderr)
+            return 2
     secret = None
     if args.store_secret_file:
         from snapshotstore.errors import SnapshotError
@@ -189,6 +197,14 @@ def worker(args) -> int:
         except SnapshotError as e:
             print(f"datapath worker: {e}", file=sys.stderr)
             return 2
+    # the weights are float32 in this process: a shape past half the machine's memory (one of model
+    # info's Llama-sized examples asked ~32 GB) was built until it failed or filled the host (review)
+    weights, memory = ModelConfig(**_config(args)).n_params * 4, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if weights > memory // 2:
+        print(f"datapath worker: the model's weights would take {weights / 2**30:.1f} GiB, over half this "
+              f"machine's {memory / 2**30:.0f} GiB: a smaller shape (datapath model info prints its size)",
+              file=sys.stderr)
+        return 2
     # without a store nothing is evicted: over the budget, new sessions are refused 503
     budget = profile(args.device).kv_budget_bytes(ModelConfig(**_config(args))) if args.device else 256 << 20
     opts = WorkerOptions(config=_config(args), seed=args.seed, index=args.index, kv_budget_bytes=budget,
@@ -240,13 +256,15 @@ def _demo(opts, args) -> int:
     tag = f"zl-demo-{os.getpid()}"
     names = [f"{tag}.in", f"{tag}.out"]
     need = args.demo * -(-args.prompt_tokens // wire.MAX_CHUNK_TOKENS)   # every chunk, enqueued up front
-    inp = Ring.create(names[0], records.CHUNK.itemsize, max(1024, 1 << (need - 1).bit_length()), role="producer")
-    egress = Ring.create(names[1], records.RESPONSE.itemsize, 256, role="consumer")
-    router = Router()
-    # no store, and the demo's one-shot sessions are never closed: a budget would refuse them 503
+    # no store, and the demo's one-shot sessions are never closed: a budget would refuse them 503.
+    # The worker first, then the rings, inside the try: a model refused (a bad shape) left them in
+    # /dev/shm (found by review)
     w = dataclasses.replace(opts, kv_budget_bytes=1 << 62).build(None)
-    lane = None
+    router = Router()
+    lane = inp = egress = None
     try:
+        inp = Ring.create(names[0], records.CHUNK.itemsize, max(1024, 1 << (need - 1).bit_length()), role="producer")
+        egress = Ring.create(names[1], records.RESPONSE.itemsize, 256, role="consumer")
         router.add_input(inp)
         router.set_egress(egress)
         router.add_worker(*lanes.create_shm_lane(f"{tag}.w0"))
@@ -276,9 +294,9 @@ def _demo(opts, args) -> int:
         router.stop()
     finally:
         router.close()
-        if lane is not None:
-            lane.close()
-        inp.close(), egress.close()
+        for ring in (lane, inp, egress):
+            if ring is not None:
+                ring.close()
         for n in names:
             unlink(n)
         lanes.unlink_shm_lane(f"{tag}.w0")
