@@ -86,15 +86,20 @@ class Report:
     @contextlib.contextmanager
     def gated(self):
         """Figures written (or overwritten) in the block are taken back if it raises: a measurement
-        that failed part-way leaves no plausible number behind (the exception goes on)."""
+        that failed part-way leaves no plausible number behind (the exception goes on). Its notes
+        stay, for what they tell of the failure, each marked as the failed block's: a verdict among
+        them ("flatness goal ... met") read as the run's, its figure gone (found by review)."""
         kinds = ("references", "metrics", "ratios", "units")
         before = {kind: dict(getattr(self, kind)) for kind in kinds}
+        noted = len(self.notes)
         try:
             yield
         except BaseException:
             for kind in kinds:
                 getattr(self, kind).clear()
                 getattr(self, kind).update(before[kind])
+            self.notes[noted:] = [f"(of a part that then failed, its figures withdrawn) {n}"
+                                  for n in self.notes[noted:]]
             raise
 
     def as_dict(self) -> dict:

@@ -481,8 +481,10 @@ def test_a_failed_measurement_leaves_no_figure_and_json_writes_no_nan(tmp_path):
             r.metric("kept", 99.0, "ns")          # overwritten, then the block fails
             r.metric("partial", 4.0, "us")
             r.ratio("partial", "ref")
+            r.note("flatness goal: met: 1.050x")  # a verdict whose figure the failure takes back
             raise RuntimeError("the measurement failed part-way")
     assert r.metrics == {"kept": 1.0} and r.ratios == {} and "partial" not in r.units
+    assert r.notes == ["(of a part that then failed, its figures withdrawn) flatness goal: met: 1.050x"]
     r.metric("nan", float("nan"))
     r.reference("zero", 0.0, "ns")
     assert math.isnan(r.ratio("kept", "zero"))             # not a ZeroDivisionError that failed the suite
