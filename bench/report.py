@@ -9,7 +9,7 @@ writes
                        p50/p95/p99/p99.9 and log2 histogram; memory; the ratios
   latency_vs_load.png  p50/p95/p99 against offered load, one colour per mode
   stages.png           each stage's log2 histogram with its percentiles, on one log axis
-  memory.png           bytes per scenario or mode
+  memory.png           KV cache resident per mode of scenario 3
   results.json         the bench contract's object plus sweep, memory, scenarios and
                        each stage's summary (NaN written as null)
 
@@ -183,9 +183,9 @@ def _memory_section(memory: dict) -> list[str]:
     lines = ["", "## Memory", ""]
     if not memory:
         return lines + ["No memory figures in this run."]
-    lines += ["| scenario | bytes | size |", "|---|---:|---:|"]
+    lines += ["| scenario 3 mode (KV resident across workers, mean over steps) | bytes | size |", "|---|---:|---:|"]
     lines += [f"| {_cell(name)} | {_number(b)} | {_size(b)} |" for name, b in memory.items()]
-    return lines + ["", "![bytes per scenario](memory.png)"]
+    return lines + ["", "![KV cache resident per mode](memory.png)"]
 
 
 def _value_table(title: str, values: dict, units: dict) -> list[str]:
@@ -312,8 +312,8 @@ def _plot_memory(path: pathlib.Path, memory: dict) -> pathlib.Path:
     bars = ax.bar(list(memory), [b / scale for b in memory.values()],
                   color=list(itertools.islice(_colours(), len(memory))))
     ax.bar_label(bars, labels=[_size(b) for b in memory.values()], fontsize="small")
-    ax.set_ylabel(f"memory ({unit})")
-    ax.set_title("Memory per scenario")
+    ax.set_ylabel(f"KV cache ({unit})")
+    ax.set_title("KV cache resident across workers (mean over steps), scenario 3")
     ax.margins(y=0.15)
     fig.savefig(path)
     return path
