@@ -414,6 +414,7 @@ static void rebuild_pools(struct dp_router *rt)
         pv->total_tokens += pv->tokens[i];
         pv->weight[i] = rt->view.weight[k];
         pv->up[i] = rt->view.up[k];
+        pv->id[i] = (uint16_t)k;
         pv->total_depth += pv->depth[i];
     }
     for (uint32_t p = 0; p < DP_MAX_POOLS; p++)
@@ -1835,14 +1836,17 @@ static void add_prefill(struct dp_router *rt, struct builder *b, uint32_t ri, ui
 static void build_dynamic(struct dp_router *rt, struct builder *b)
 {
     struct worker *w = b->w;
-    /* decode first: one step per decoding request, fairly rotated when the budget is short */
-    for (uint32_t k = 0; k < w->n_decoding && b->n < b->cap && b->tokens < b->budget; k++) {
+    /* decode first: one step per decoding request, fairly rotated when the budget is short: the
+     * next step starts past the last one this one reached (moved on by one, each request got a
+     * run of steps, then waited ~n_decoding steps: found by review) */
+    uint32_t k = 0;
+    for (; k < w->n_decoding && b->n < b->cap && b->tokens < b->budget; k++) {
         uint32_t ri = w->decoding[(w->decode_cursor + k) % w->n_decoding];
         if (rt->reqs[ri].decode_left)
             add_decode(rt, b, ri);
     }
     if (w->n_decoding)
-        w->decode_cursor = (w->decode_cursor + 1) % w->n_decoding;
+        w->decode_cursor = (w->decode_cursor + (k ? k : 1)) % w->n_decoding;
     /* then prefill, first come first served: the oldest request's chunks until they run out, then
      * the next's (a long prompt holds the step's prefill budget until its queued chunks are in) */
     while (b->n < b->cap && b->tokens < b->budget && w->fifo_head != NIL) {
@@ -1870,13 +1874,18 @@ static void build_static(struct dp_router *rt, struct builder *b, uint64_t now)
             w->set[w->n_set++] = ri;
         }
     }
-    /* one step over the set: all its prefill (whole chunks, no budget), else a decode step each */
+    /* one step over the set: all its prefill (whole chunks, no budget), then a decode step each.
+     * Prefill first across the whole set: member by member, the decodes of the first members took
+     * a short chunk cap and the others' prefill waited for their whole answers (found by review) */
+    for (uint32_t s = 0; s < w->n_set && b->n < b->cap; s++) {
+        uint32_t ri = w->set[s];
+        while (rt->reqs[ri].pending_head != NIL && b->n < b->cap)
+            add_prefill(rt, b, ri, DP_MAX_CHUNK_TOKENS);
+    }
     for (uint32_t s = 0; s < w->n_set && b->n < b->cap; s++) {
         uint32_t ri = w->set[s];
         struct req *r = &rt->reqs[ri];
-        while (r->pending_head != NIL && b->n < b->cap)
-            add_prefill(rt, b, ri, DP_MAX_CHUNK_TOKENS);
-        if (r->state == REQ_DECODE && r->decode_left && !r->inflight && b->n < b->cap)
+        if (r->state == REQ_DECODE && r->decode_left && !r->inflight)
             add_decode(rt, b, ri);
     }
 }
@@ -2665,6 +2674,7 @@ static int add_worker(struct dp_router *rt, int kind, struct dp_ring *lane, stru
         w->st.up = 1;
         rt->view.up[k] = 1;
         rt->view.weight[k] = weight;
+        rt->view.id[k] = (uint16_t)k;
         rt->view.depth[k] = rt->view.tokens[k] = 0;
         rt->view.n++;
         rt->view.generation++;
@@ -3011,6 +3021,7 @@ double dp_policy_bench(const char *policy, uint32_t n_workers, uint64_t decision
     uint64_t x = 88172645463325252ull, sink = 0;
     for (uint32_t j = 0; j < n_workers; j++) {
         w.up[j] = 1;
+        w.id[j] = (uint16_t)j;
         w.weight[j] = 1 + j % 4;
         w.depth[j] = (uint32_t)(dp_hash64(j) % 64);
         w.total_depth += w.depth[j];

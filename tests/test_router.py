@@ -1611,3 +1611,47 @@ def test_a_peak_ewma_decay_time_over_a_day_is_refused_saying_what_the_parameter_
     with pytest.raises(ValueError, match="at most a day"):
         Router(policy="peak_ewma", policy_param=1e300)
     Router(policy="peak_ewma", policy_param=86400).close()
+
+
+def test_decodes_short_of_budget_are_served_in_turn(bench_factory):
+    """64 requests decoding, a step's budget cut to 16 tokens: each is served every 4th step. The
+    rotation moved on by one a step, so each got a run of steps and then waited ~49 (found by review)."""
+    b = bench_factory(n_workers=1, max_requests=1024)
+    b.send(*[chunks_of(i + 1, [5] * 4, max_out=200) for i in range(64)])
+    b.router.poll()
+    for _ in range(3):
+        b.step(0)
+    assert b.router.worker_stats(0)["decoding"] == 64
+    b.router.set_worker_budget(0, 16)
+    last, gaps, step = {}, {}, 0
+    for _ in range(100):
+        batch = b.step(0)
+        if batch is None:
+            continue
+        step += 1
+        for r in batch:
+            rid = int(r["request_id"])
+            if rid in last:
+                gaps[rid] = max(gaps.get(rid, 0), step - last[rid])
+            last[rid] = step
+    assert len(gaps) == 64 and max(gaps.values()) == 4, sorted(gaps.values())[-5:]
+
+
+def test_static_prefills_its_whole_set_before_decoding_under_a_short_chunk_cap(bench_factory):
+    """A set of 8 under a cap of 4 chunks a batch: the second half's prefill waited for the first
+    half's whole answers (step 21 of 20-token answers), member by member (found by review); prefill
+    goes first across the set."""
+    b = bench_factory(n_workers=1, batching="static", max_chunks=4, max_batch_size=8, batch_timeout_s=0.001)
+    b.send(*[chunks_of(i, [5] * 4, max_out=20) for i in range(1, 9)])
+    b.router.poll()
+    time.sleep(0.002)
+    first_prefill, step = {}, 0
+    for _ in range(200):
+        batch = b.step(0)
+        if batch is None:
+            continue
+        step += 1
+        for r in batch:
+            if r["kind"] != records.KIND_DECODE:
+                first_prefill.setdefault(int(r["request_id"]), step)
+    assert first_prefill == {1: 1, 2: 1, 3: 1, 4: 1, 5: 2, 6: 2, 7: 2, 8: 2}, first_prefill

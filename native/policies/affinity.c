@@ -42,7 +42,9 @@ static void rebuild(struct ring *r, const struct dp_workers *w)
     for (uint32_t j = 0; j < w->n; j++)
         if (w->up[j])
             for (uint32_t v = 0; v < VNODES; v++)
-                r->pts[r->n++] = (struct point){ dp_hash64(((uint64_t)j << 32) | v), j };
+                /* keyed on the worker's own id, not its index: one leaving the pool shifted every
+                 * later index, and moved most sessions, not only its own (found by review) */
+                r->pts[r->n++] = (struct point){ dp_hash64(((uint64_t)w->id[j] << 32) | v), j };
     qsort(r->pts, r->n, sizeof(r->pts[0]), cmp);
     uint32_t i = 0;
     for (uint64_t b = 0; b < (1u << BUCKET_BITS); b++) {
