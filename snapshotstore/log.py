@@ -359,18 +359,26 @@ class LogStore:
                     self.counters["damaged_chains_dropped"] += 1
                     self._dropped.add(key)
 
-    def _bury_dropped(self):
+    def _bury_dropped(self, one: bool = False):
         """A durable tombstone for each chain recovery dropped as damaged (a read-write open). The
         drop was the index's alone: a record of the chain that reclaim had copied past the damaged
         one came back on a later open, once the head had passed the damage, as the whole session,
         with a turn missing; and a delete of it found nothing to delete (found by review). A
         session begun again since is left alone: its new chain supersedes those records. DeviceFull:
-        those left wait in _dropped, tried again as reclaim frees blocks (_make_room)."""
+        those left wait in _dropped, tried again as reclaim frees blocks (_make_room). Each leaves
+        the room a relocation needs, as a delete's tombstone does (_floor): written into it, more
+        of them than the largest record's blocks left the head a live record it could neither
+        compact nor copy, and every later put and delete DeviceFull, for good (found by review).
+        Reclaim, whose head is on a dead record it then frees, writes one at a time (`one`), in any
+        room."""
         for key in sorted(self._dropped):
             if key not in self._ix:
-                self._write_tombstone(key, "a damaged session")
+                floor = 0 if one else self._floor(_Request(KIND_TOMBSTONE, key, block_size=self.block_size))
+                self._write_tombstone(key, "a damaged session", floor)
                 self.counters["damaged_tombstones"] += 1
             self._dropped.discard(key)
+            if one:
+                return
 
     def _read_salvaging(self, buf, block: int, n: int) -> memoryview:
         """Recovery's read: a window that fails (EIO: a bad sector) is read again block by block, and
@@ -702,7 +710,7 @@ class LogStore:
             if not e.live:
                 if self._dropped:                 # tombstones open had no room for: before the head
                     try:                          # passes more of what their chains left
-                        self._bury_dropped()
+                        self._bury_dropped(one=True)
                     except DeviceFull:
                         pass                      # still no room: at the next dead record
                 halving = self._halving.get(e.rid)
@@ -758,10 +766,11 @@ class LogStore:
         self._write_tombstone(key, "an evicted session")   # its link forgets the eviction
         self.counters["evicted_tombstones"] += 1
 
-    def _write_tombstone(self, key: bytes, whose: str):
-        """key's tombstone, durable, in what room reclaim has (the floor a put keeps is for this)."""
+    def _write_tombstone(self, key: bytes, whose: str, floor: int = 0):
+        """key's tombstone, durable, leaving `floor` blocks free (by default it may take what room
+        reclaim has: the floor a put or a delete keeps is for this)."""
         req = _Request(KIND_TOMBSTONE, key, block_size=self.block_size)
-        if not self._fits(req.nblocks, 0):
+        if not self._fits(req.nblocks, floor):
             raise DeviceFull(f"{self.path} has no room left for the tombstone of {whose} "
                              f"({self._ix.live_blocks} of {self.log_blocks} blocks live): delete sessions")
         self._stage(req)

@@ -1234,3 +1234,41 @@ def test_a_put_flushed_before_a_later_failure_in_its_batch_is_acknowledged(make_
         assert r1.error is None and r1.durable and isinstance(r2.error, SnapshotError)
     with LogStore(path) as s:
         assert s.restore(key(1)).payload == b"a" * 100 and s.restore(key(2)) is None
+
+
+def test_damaged_sessions_tombstones_leave_the_room_a_relocation_needs(tmp_path):
+    """Deletes took free room down to the reserve; a reopen then found 9 sessions damaged, more
+    than the head's live record has blocks (8). Their tombstones, written in any room, took the
+    room its relocation needs: every put and delete DeviceFull, on that open and every later one
+    (found by review). They now leave it, and wait for reclaim."""
+    path = str(tmp_path / "store.img")
+    create_image(path, 130 * 4096)
+    format_device(path)
+    k = lambda i: i.to_bytes(2, "big") * 16
+    s = LogStore(path)                                        # eviction "refuse"
+    s.put(k(1), Delta(b"B" * 32000, tokens=(0, 1)))           # an 8-block live record at the head
+    for i in range(9):                                        # chains of two one-block deltas
+        s.put(k(100 + i), Delta(b"a" * 1000, tokens=(0, 1)))
+        s.put(k(100 + i), Delta(b"b" * 1000, tokens=(1, 2)))
+    i = 0
+    while s.stats()["free_blocks"] - 1 >= 23:                 # one-block sessions while a put fits
+        s.put(k(1000 + i), Delta(b"f" * 1000, tokens=(0, 1)))
+        i += 1
+    j = 0
+    while s.stats()["free_blocks"] - 1 >= 16:                 # deletes may use the reserve
+        s.delete(k(1000 + j))
+        j += 1
+    seconds = [r.lpos for r in s.entries() if r.key[:2] in [k(100 + n)[:2] for n in range(9)] and r.tokens == (1, 2)]
+    s.close()
+    with open(path, "r+b") as f:                              # a bit flipped in each chain's second record
+        for lp in seconds:
+            f.seek((2 + lp) * 4096 + 600)
+            b = f.read(1)
+            f.seek((2 + lp) * 4096 + 600)
+            f.write(bytes([b[0] ^ 1]))
+    for _ in range(2):
+        with LogStore(path) as s:
+            s.put(k(5000 + _), Delta(b"x" * 100, tokens=(0, 1)))
+            s.delete(k(1))
+            s.delete(k(1000 + j + _))
+            assert not any(key == k(100) for key in s.list())
