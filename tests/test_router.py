@@ -1613,6 +1613,16 @@ def test_a_peak_ewma_decay_time_over_a_day_is_refused_saying_what_the_parameter_
     Router(policy="peak_ewma", policy_param=86400).close()
 
 
+def steps(b, k: int, tries: int):
+    """Worker k's batches as it steps them, numbered from 1, over `tries` steps tried."""
+    n = 0
+    for _ in range(tries):
+        batch = b.step(k)
+        if batch is not None:
+            n += 1
+            yield n, batch
+
+
 def test_decodes_short_of_budget_are_served_in_turn(bench_factory):
     """64 requests decoding, a step's budget cut to 16 tokens: each is served every 4th step. The
     rotation moved on by one a step, so each got a run of steps and then waited ~49 (found by review)."""
@@ -1623,12 +1633,8 @@ def test_decodes_short_of_budget_are_served_in_turn(bench_factory):
         b.step(0)
     assert b.router.worker_stats(0)["decoding"] == 64
     b.router.set_worker_budget(0, 16)
-    last, gaps, step = {}, {}, 0
-    for _ in range(100):
-        batch = b.step(0)
-        if batch is None:
-            continue
-        step += 1
+    last, gaps = {}, {}
+    for step, batch in steps(b, 0, 100):
         for r in batch:
             rid = int(r["request_id"])
             if rid in last:
@@ -1645,12 +1651,8 @@ def test_static_prefills_its_whole_set_before_decoding_under_a_short_chunk_cap(b
     b.send(*[chunks_of(i, [5] * 4, max_out=20) for i in range(1, 9)])
     b.router.poll()
     time.sleep(0.002)
-    first_prefill, step = {}, 0
-    for _ in range(200):
-        batch = b.step(0)
-        if batch is None:
-            continue
-        step += 1
+    first_prefill = {}
+    for step, batch in steps(b, 0, 200):
         for r in batch:
             if r["kind"] != records.KIND_DECODE:
                 first_prefill.setdefault(int(r["request_id"]), step)
