@@ -241,28 +241,26 @@ static __always_inline int ipv4_csum_ok(const struct iphdr *iph, const void *dat
     return dp_csum_fold((__u32)sum) == 0;
 }
 
-/* May the request be answered from here? Never to or from a group address (a broadcast or
- * multicast MAC or IP: a forged request answered to a whole segment, or a reply from an address
- * no host sends from), never to a source no host has (0/8, loopback, multicast and above; IPv6's
- * unspecified, loopback or multicast) nor from such a destination. (An IPv4 request with options
- * or such a source was dropped before: DP_DROP_IP_OPTIONS, DP_DROP_BAD_SOURCE.) The refusal is
- * counted all the same. */
 /* An IPv6 address a host may have: not the unspecified one (::) nor loopback (::1). */
 static __always_inline int ip6_host(const __u32 *a)
 {
     return (a[0] | a[1] | a[2]) || (a[3] && a[3] != bpf_htonl(1));
 }
 
+/* May the request be answered from here? Never to or from a group address (a broadcast or
+ * multicast MAC or IP: a forged request answered to a whole segment, or a reply from an address
+ * no host sends from), never to a source no host has (IPv6's unspecified, loopback or multicast;
+ * an IPv4 one, or IPv4 options, was dropped before: DP_DROP_BAD_SOURCE, DP_DROP_IP_OPTIONS) nor
+ * from such a destination. The refusal is counted all the same. */
 static __always_inline int may_reply(const struct ethhdr *eth, const struct iphdr *iph,
                                      const struct ipv6hdr *ip6h, int v6)
 {
     if ((eth->h_dest[0] | eth->h_source[0]) & 1)
         return 0;
     if (!v6) {
-        __u32 src = bpf_ntohl(iph->saddr), dst = bpf_ntohl(iph->daddr);
-        /* the destination is the reply's source: not 0/8 or loopback either */
-        return src >> 24 && src >> 24 != 127 && src < 0xe0000000u &&
-               dst >> 24 && dst >> 24 != 127 && dst < 0xe0000000u;
+        __u32 dst = bpf_ntohl(iph->daddr);
+        /* the destination is the reply's source: not 0/8, loopback, multicast or above */
+        return dst >> 24 && dst >> 24 != 127 && dst < 0xe0000000u;
     }
     return ip6h->saddr.in6_u.u6_addr8[0] != 0xff && ip6h->daddr.in6_u.u6_addr8[0] != 0xff &&
            ip6_host(ip6h->saddr.in6_u.u6_addr32) && ip6_host(ip6h->daddr.in6_u.u6_addr32);

@@ -69,6 +69,7 @@ class ShmWorkerLane:
         lane_name, done_name = lane_names(name)
         self.lane = Ring.attach(lane_name, "consumer")
         self._t_pickup, self.t_pickup = ffi.new("uint64_t *"), 0
+        self.done = None
         try:
             self.done = Ring.attach(done_name, "producer")
             # each slot is read (and written) as a whole record: a lane of smaller slots was read
@@ -79,7 +80,7 @@ class ShmWorkerLane:
                                      f"{rec.itemsize}")
         except BaseException:
             self.lane.close()
-            if hasattr(self, "done"):
+            if self.done is not None:
                 self.done.close()
             raise
 

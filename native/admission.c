@@ -460,6 +460,10 @@ static void split_hint(struct jw *w, int *first, uint32_t limit, const struct dp
     }
 }
 
+/* A limit under one chunk's estimate: every request is over it, whatever it carries. */
+#define NO_FIT "the limit is %" PRIu32 " tokens, under one chunk's estimate (%d prompt tokens, whatever it " \
+               "carries) and its output: no request fits it, ask for a higher one"
+
 static void suggestions(struct jw *w, const struct dp_admission *a, const struct dp_tenant_cfg *cfg,
                         const struct dp_adm_decision *d, uint16_t st)
 {
@@ -500,8 +504,7 @@ static void suggestions(struct jw *w, const struct dp_admission *a, const struct
             HINT("split into requests of at most %" PRIu32 " chunks with max_output_tokens <= %" PRIu32, chunks,
                  limit - chunks * DP_MAX_CHUNK_TOKENS);
         } else
-            HINT("the limit is %" PRIu32 " tokens, under one chunk's estimate (%d prompt tokens, whatever it "
-                 "carries) and its output: no request fits it, ask for a higher one", limit, DP_MAX_CHUNK_TOKENS);
+            HINT(NO_FIT, limit, DP_MAX_CHUNK_TOKENS);
     } else if (why == OVER_MINUTE || why == OVER_CONTEXT) {
         split_hint(w, &first, limit, a, p, 0);
         if (p->input_tokens < limit && p->max_output > limit - p->input_tokens)
@@ -516,8 +519,7 @@ static void suggestions(struct jw *w, const struct dp_admission *a, const struct
                  DP_MAX_CHUNK_TOKENS, limit - DP_MAX_CHUNK_TOKENS < DP_MAX_OUTPUT_TOKENS
                                       ? limit - DP_MAX_CHUNK_TOKENS : DP_MAX_OUTPUT_TOKENS);
         else if (first)
-            HINT("the limit is %" PRIu32 " tokens, under one chunk's estimate (%d prompt tokens, whatever it "
-                 "carries) and its output: no request fits it, ask for a higher one", limit, DP_MAX_CHUNK_TOKENS);
+            HINT(NO_FIT, limit, DP_MAX_CHUNK_TOKENS);
     } else if (st == DP_STATUS_UNPROCESSABLE) {
         int64_t out = LARGEST(1, p->max_output ? p->max_output - 1 : 0, fits(d, p->chunk_count, x));
         if (out >= 1)

@@ -199,14 +199,15 @@ def worker(args) -> int:
             return 2
     # the weights are float32 in this process: a shape past half the machine's memory (one of model
     # info's Llama-sized examples asked ~32 GB) was built until it failed or filled the host (review)
-    weights, memory = ModelConfig(**_config(args)).n_params * 4, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    config = ModelConfig(**_config(args))
+    weights, memory = config.n_params * 4, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if weights > memory // 2:
         print(f"datapath worker: the model's weights would take {weights / 2**30:.1f} GiB, over half this "
               f"machine's {memory / 2**30:.0f} GiB: a smaller shape (datapath model info prints its size)",
               file=sys.stderr)
         return 2
     # without a store nothing is evicted: over the budget, new sessions are refused 503
-    budget = profile(args.device).kv_budget_bytes(ModelConfig(**_config(args))) if args.device else 256 << 20
+    budget = profile(args.device).kv_budget_bytes(config) if args.device else 256 << 20
     opts = WorkerOptions(config=_config(args), seed=args.seed, index=args.index, kv_budget_bytes=budget,
                          codec=args.codec, temperature=args.temperature, device=args.device, sim_mode=args.sim,
                          slowdown=args.slowdown)
