@@ -463,12 +463,15 @@ static int crc_ok(const uint8_t *rec, const struct six_hdr *h)
 _Static_assert(sizeof(struct six_hdr) == SIX_HEADER_SIZE, "the record header is 128 bytes");
 
 /* The checks of snapshotstore/log.py's docstring (Recovery): this store's, at its own position,
- * an epoch no older than the record before it and no newer than the superblock, within the
- * lap and the log, its size what its payload takes (a pad: to the lap's end, no payload). */
+ * an epoch no older than the record before it (from the checkpoint on, than the checkpoint's
+ * writer: a resync past a damaged record has no record before it to compare) and no newer than
+ * the superblock, within the lap and the log, its size what its payload takes (a pad: to the
+ * lap's end, no payload). */
 static int valid(const struct six_scan *sc, const struct six_hdr *h)
 {
     uint64_t L = sc->log_blocks, phys = sc->pos % L;
-    if (!(sc->last_epoch <= h->epoch && h->epoch <= sc->generation && h->nblocks >= 1
+    uint64_t floor = sc->pos >= sc->tail && sc->tail_epoch > sc->last_epoch ? sc->tail_epoch : sc->last_epoch;
+    if (!(floor <= h->epoch && h->epoch <= sc->generation && h->nblocks >= 1
           && h->nblocks <= L - phys && sc->pos + h->nblocks - sc->head <= L))
         return 0;
     if (h->kind == SIX_KIND_PAD)

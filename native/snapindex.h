@@ -134,8 +134,9 @@ uint32_t six_crc32c_soft(uint32_t crc, const void *buf, size_t n);    /* without
 /* Recovery's scan of the log from the superblock's head (snapshotstore/log.py _recover). */
 struct six_found;               /* a record the scan found, until six_scan_link applied it */
 struct six_scan {
-    /* the caller's: the store, and the log from the superblock */
-    uint64_t store_id, generation, log_blocks, head;
+    /* the caller's: the store, and the log from the superblock (tail: its checkpoint, which
+     * tail_epoch's open wrote, so every record from tail on carries that epoch or a newer one) */
+    uint64_t store_id, generation, log_blocks, head, tail, tail_epoch;
     uint32_t block_size;
     /* where the scan is: the record at pos comes next */
     uint64_t pos, last_epoch;

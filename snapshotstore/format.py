@@ -14,7 +14,9 @@ atomic write on NVMe). Positions in the log are logical block numbers that
 only grow (lpos); the physical block is LOG_START + lpos % log_blocks. Every
 record carries its lpos, the store id and the epoch (the superblock
 generation when the store was opened), so a stale block from an earlier lap,
-an earlier format or an earlier crashed session never passes for a live one.
+an earlier format or an earlier crashed session never passes for a live one;
+the superblock carries its writer's epoch, which every record from its tail
+on has or exceeds (what a recovery that resyncs past damage checks).
 
 tests/test_snapshot_format.py pins every offset below.
 """
@@ -27,7 +29,7 @@ import crc32c as _crc32c
 
 SB_MAGIC = b"ZLSNAPSB"
 RECORD_MAGIC = b"ZLR1"
-VERSION = 1
+VERSION = 2                    # 2: the superblock records its writer's epoch
 SB_COPIES = 2
 LOG_START = SB_COPIES          # first log block
 MIN_LOG_BLOCKS = 64            # a store's log is at least this long (format_device)
@@ -98,6 +100,7 @@ SUPERBLOCK = Layout((
     ("tail", "Q"),              # lpos at the checkpoint: everything before it was durable
     ("generation", "Q"),        # +1 on every superblock write
     ("last_seq", "Q"),          # sequence numbers never go back, even when the log is empty
+    ("epoch", "Q"),             # the writing open's: every record from tail on carries it or a newer one
     ("checksum", "I"),          # CRC32C of every byte before it
     ("reserved", "I"),
 ))
@@ -139,6 +142,7 @@ class Superblock(NamedTuple):
     tail: int
     generation: int
     last_seq: int
+    epoch: int
 
 
 class RecordHeader(NamedTuple):
@@ -164,7 +168,7 @@ class RecordHeader(NamedTuple):
 def pack_superblock(sb: Superblock) -> bytes:
     body = SUPERBLOCK.struct.pack(SB_MAGIC, VERSION, sb.block_size, sb.store_id, sb.capacity_blocks,
                                   sb.log_start, sb.log_blocks, sb.head, sb.tail, sb.generation,
-                                  sb.last_seq, 0, 0)
+                                  sb.last_seq, sb.epoch, 0, 0)
     crc = crc32c(body[:_SB_CRC_OFF])
     return body[:_SB_CRC_OFF] + struct.pack("<I", crc) + body[_SB_CRC_OFF + 4:]
 
@@ -172,9 +176,16 @@ def pack_superblock(sb: Superblock) -> bytes:
 def unpack_superblock(buf) -> Superblock | None:
     """The superblock in buf, or None if it is not a valid one (magic, version, checksum)."""
     f = SUPERBLOCK.struct.unpack_from(buf)
-    if f[0] != SB_MAGIC or f[1] != VERSION or f[11] != crc32c(bytes(buf[:_SB_CRC_OFF])):
+    if f[0] != SB_MAGIC or f[1] != VERSION or f[12] != crc32c(bytes(buf[:_SB_CRC_OFF])):
         return None
-    return Superblock(*f[2:11])
+    return Superblock(*f[2:12])
+
+
+def superblock_version(buf) -> int | None:
+    """The format version a block with the superblock's magic says it was written in, else None:
+    how a store of another version is told from no store at all."""
+    magic, version = SUPERBLOCK.struct.unpack_from(buf)[:2]
+    return version if magic == SB_MAGIC else None
 
 
 def record_blocks(stored_len: int, block_size: int) -> int:

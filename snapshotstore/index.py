@@ -182,8 +182,9 @@ class Index:
             raise MemoryError("no memory to grow the snapshot store's index")
         return r
 
-    def scan(self, *, store_id: int, generation: int, log_blocks: int, head: int, block_size: int) -> "Scan":
-        return Scan(self, store_id, generation, log_blocks, head, block_size)
+    def scan(self, *, store_id: int, generation: int, log_blocks: int, head: int, block_size: int,
+             tail: int, tail_epoch: int) -> "Scan":
+        return Scan(self, store_id, generation, log_blocks, head, block_size, tail, tail_epoch)
 
     def swap(self, old: int, new: int):
         """The live record old is replaced in its chain by its copy new."""
@@ -206,10 +207,11 @@ class Scan:
     windows of the log, act on the bad records it stops at, then link(). A context manager:
     what it found is freed at the end."""
 
-    def __init__(self, index: Index, store_id, generation, log_blocks, head, block_size):
+    def __init__(self, index: Index, store_id, generation, log_blocks, head, block_size, tail, tail_epoch):
         self._index = index
         self.state = st = ffi.new("struct six_scan *")
         st.store_id, st.generation, st.log_blocks, st.head = store_id, generation, log_blocks, head
+        st.tail, st.tail_epoch = tail, tail_epoch
         st.block_size, st.pos = block_size, head
 
     def run(self, view, pos: int, nblocks: int) -> int:

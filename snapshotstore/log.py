@@ -14,9 +14,11 @@ a bad block there is corruption: counted, skipped, and the scan resyncs on
 the next block whose header names its own position. Past the checkpoint the
 first bad record is the torn end of the last, unacknowledged batch: counted,
 and the log ends there. A record must carry this store's id, its own
-position and an epoch no older than the record before it, so a stale block
-(an earlier lap, an earlier format, an unacknowledged record left beyond a
-torn one by an earlier crash) never passes for a live one. The records found
+position and an epoch no older than the record before it and, from the
+checkpoint on, than the superblock's writer (a resync past damage has no
+record before it), so a stale block (an earlier lap, an earlier format, an
+unacknowledged record left beyond a torn one by an earlier crash) never
+passes for a live one. The records found
 are then applied in sequence-number order, the order they were first written:
 a copied record keeps its number, so it takes its old place in its chain
 wherever it now lies.
@@ -125,7 +127,7 @@ def format_device(path: str, force: bool = False, block_size: int | None = None)
         if dev.blocks >= fmt.SB_COPIES and not force:
             view = dev.read_into(buf, 0, fmt.SB_COPIES)
             bs = dev.block_size
-            if any(fmt.unpack_superblock(view[i * bs:(i + 1) * bs]) for i in range(fmt.SB_COPIES)):
+            if any(fmt.superblock_version(view[i * bs:(i + 1) * bs]) for i in range(fmt.SB_COPIES)):
                 raise FormatError(f"{path} already holds a snapshot store: pass --force to erase it")
             n = min(dev.blocks, FORMAT_CHECK_BYTES // bs)
             if dev.read_into(aligned_buffer(n * bs), 0, n).tobytes() != bytes(n * bs):
@@ -136,7 +138,7 @@ def format_device(path: str, force: bool = False, block_size: int | None = None)
             raise DeviceError(f"{path} is too small: a store needs at least {fmt.MIN_LOG_BLOCKS + fmt.LOG_START} "
                               f"blocks of {dev.block_size} bytes")
         sb = Superblock(dev.block_size, random.getrandbits(64), dev.blocks, fmt.LOG_START, log_blocks,
-                        head=0, tail=0, generation=1, last_seq=random.getrandbits(40))
+                        head=0, tail=0, generation=1, last_seq=random.getrandbits(40), epoch=1)
         # (sequence numbers start at a random point: a worker holding a number of the store this
         # format erases (held(), the worker's stale-copy check) is unlikely to meet it again)
         # Both old copies go first: a crash between the new copies' writes left the old store's
@@ -230,6 +232,11 @@ class LogStore:
             copies = [c if c is None or i == 0 or c.block_size == bs else None for i, c in enumerate(copies)]
         self.superblocks_valid = sum(c is not None for c in copies)
         if not self.superblocks_valid:
+            versions = {self._superblock_version(i) for i in range(min(fmt.SB_COPIES, self.dev.blocks))} - {None}
+            if versions and fmt.VERSION not in versions:
+                raise FormatError(f"{self.path} holds a snapshot store of format version {min(versions)}; this "
+                                  f"version reads {fmt.VERSION}: copy what it holds elsewhere if you need it, then "
+                                  f"`snapshotstore format {self.path} --force` makes a new, empty one")
             raise FormatError(f"{self.path} holds no snapshot store (both superblock copies are missing "
                               f"or corrupt): `snapshotstore format {self.path} --force` makes a new, empty one")
         sb = max((c for c in copies if c), key=lambda c: c.generation)
@@ -275,9 +282,9 @@ class LogStore:
         self._durable_tail = self._tail
         self._wbuf = aligned_buffer(1 << 20)
         self._woff, self._segments = 0, []
+        self._epoch = self._generation + 1        # this open's: the generation of its first superblock
         if not self.readonly:
             self._write_superblock()              # the checkpoint: this session's epoch starts here
-        self._epoch = self._generation
         self._checkpointed = time.monotonic()
         if not self.readonly:
             try:
@@ -298,6 +305,12 @@ class LogStore:
             return None
         return fmt.unpack_superblock(view[:self.dev.block_size])
 
+    def _superblock_version(self, i: int) -> int | None:
+        try:
+            return fmt.superblock_version(self.dev.read_into(self._sbuf, i, 1))
+        except OSError:
+            return None
+
     def _read_buf(self, nbytes: int):
         if len(self._rbuf) < nbytes:
             self._rbuf = aligned_buffer(nbytes)
@@ -309,7 +322,7 @@ class LogStore:
         window = _Window(self, self._read_salvaging)
         holes = []                                # (key, seq, newest seq before it) of damaged records
         with self._ix.scan(store_id=self.store_id, generation=sb.generation, log_blocks=self.log_blocks,
-                           head=sb.head, block_size=self.block_size) as scan:
+                           head=sb.head, block_size=self.block_size, tail=ckpt, tail_epoch=sb.epoch) as scan:
             st = scan.state
             while True:
                 status = scan.run(window.view, window.pos, window.n)
@@ -902,7 +915,7 @@ class LogStore:
         self._generation += 1
         self._checkpointed = time.monotonic()
         return Superblock(self.block_size, self.store_id, self.capacity_blocks, self.log_start, self.log_blocks,
-                          head, self._durable_tail, self._generation, self._last_seq)
+                          head, self._durable_tail, self._generation, self._last_seq, self._epoch)
 
     def _write_superblock(self):
         _write_superblocks(self.dev, self._sbuf, self._next_superblock(self._head))

@@ -5,7 +5,8 @@ from snapshotstore import format as fmt
 
 SUPERBLOCK_OFFSETS = {
     "magic": 0, "version": 8, "block_size": 12, "store_id": 16, "capacity_blocks": 24, "log_start": 32,
-    "log_blocks": 40, "head": 48, "tail": 56, "generation": 64, "last_seq": 72, "checksum": 80, "reserved": 84,
+    "log_blocks": 40, "head": 48, "tail": 56, "generation": 64, "last_seq": 72, "epoch": 80, "checksum": 88,
+    "reserved": 92,
 }
 RECORD_OFFSETS = {
     "magic": 0, "kind": 4, "flags": 5, "reserved0": 6, "store_id": 8, "lpos": 16, "epoch": 24, "seq": 32,
@@ -16,7 +17,7 @@ RECORD_OFFSETS = {
 
 def test_superblock_offsets_are_pinned():
     assert fmt.SUPERBLOCK.offsets == SUPERBLOCK_OFFSETS
-    assert fmt.SUPERBLOCK.size == 88
+    assert fmt.SUPERBLOCK.size == 96
 
 
 def test_record_header_offsets_are_pinned():
@@ -25,7 +26,7 @@ def test_record_header_offsets_are_pinned():
 
 
 def test_constants():
-    assert (fmt.SB_MAGIC, fmt.RECORD_MAGIC, fmt.VERSION, fmt.LOG_START) == (b"ZLSNAPSB", b"ZLR1", 1, 2)
+    assert (fmt.SB_MAGIC, fmt.RECORD_MAGIC, fmt.VERSION, fmt.LOG_START) == (b"ZLSNAPSB", b"ZLR1", 2, 2)
     assert (fmt.KIND_DELTA, fmt.KIND_BASE, fmt.KIND_TOMBSTONE, fmt.KIND_PAD) == (1, 2, 3, 4)
 
 
@@ -35,18 +36,19 @@ def test_crc32c_is_castagnoli():
 
 def _sb():
     return fmt.Superblock(block_size=4096, store_id=0x1122334455667788, capacity_blocks=1000, log_start=2,
-                          log_blocks=998, head=17, tail=40, generation=9, last_seq=123)
+                          log_blocks=998, head=17, tail=40, generation=9, last_seq=123,
+                          epoch=8)
 
 
 def test_superblock_round_trip_and_bytes():
     raw = fmt.pack_superblock(_sb())
     assert len(raw) == fmt.SUPERBLOCK.size and raw[:8] == b"ZLSNAPSB"
     assert int.from_bytes(raw[48:56], "little") == 17                    # head, little-endian
-    assert int.from_bytes(raw[80:84], "little") == fmt.crc32c(raw[:80])
+    assert int.from_bytes(raw[88:92], "little") == fmt.crc32c(raw[:88])
     assert fmt.unpack_superblock(raw) == _sb()
 
 
-@pytest.mark.parametrize("byte", [0, 12, 48, 79, 81])
+@pytest.mark.parametrize("byte", [0, 12, 48, 81, 87, 89])
 def test_superblock_with_a_flipped_bit_is_rejected(byte):
     raw = bytearray(fmt.pack_superblock(_sb()))
     raw[byte] ^= 0x10

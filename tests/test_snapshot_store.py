@@ -14,6 +14,7 @@ import pytest
 from snapshotstore import (BadKey, Delta, DeviceError, DeviceFull, FormatError, LogStore, SessionChanged,
                            SnapshotError, SnapshotStore, TooLarge, WorkerStore, format_device, session_key)
 from snapshotstore import format as fmt
+from snapshotstore import log as log_mod
 from snapshotstore.device import BlockDevice, aligned_buffer, create_image
 from snapshotstore.log import _write_superblocks
 from snapshotstore.loop import loop_device
@@ -575,6 +576,41 @@ def test_a_dead_record_whose_number_is_damaged_does_not_drop_a_live_chain(make_d
         assert s.restore(key(1)).payload == want and s.stats()["damaged_chains_dropped"] == 0
 
 
+def test_a_torn_batch_s_record_stays_dead_after_the_record_written_over_its_gap_is_damaged(make_device, monkeypatch):
+    """Two faults: a crash tears a batch (its later record, a delete, lands; the earlier does not),
+    the next open writes and acknowledges a record of the same size into the gap, then that
+    record is damaged. Recovery resynced past it onto the torn batch's record, whose epoch is no
+    older than the record before the damage, and took it for the store's: the session its
+    unacknowledged delete named was gone (found by review in session 29). The superblock now
+    records its writer's epoch, which every record from its checkpoint on carries or exceeds."""
+    path = make_device()
+    with LogStore(path) as s:
+        kept = put_all(s, key(1), deltas(2, 2000, seed=1))
+    monkeypatch.setattr(log_mod, "CHECKPOINT_EVERY_S", 3600.0)   # the batch stays past the checkpoint
+    write_and_die(path, lambda s: (s.put(key(2), Delta(os.urandom(9000))), s.delete(key(1))))
+    monkeypatch.undo()
+    with LogStore(path, readonly=True) as s:
+        a, b = s.entries()[-2:]
+        st = s.stats()
+    assert (a.key, b.key, b.kind) == (key(2), key(1), fmt.KIND_TOMBSTONE) and a.nblocks > 1
+    rewrite_blocks(path, phys_block(st, a.lpos), lambda blk: bytes(len(blk)))    # the torn batch
+    with LogStore(path) as s:
+        assert s.restore(key(1)).payload == kept and s.restore(key(2)) is None
+        c_payload = os.urandom(9000)
+        s.put(key(3), Delta(c_payload))                       # acknowledged, into the gap
+        c = s.entries()[-1]
+        assert (c.lpos, c.nblocks) == (a.lpos, a.nblocks), "it ends where the torn delete begins"
+    with LogStore(path) as s:
+        assert s.restore(key(1)).payload == kept and s.restore(key(3)).payload == c_payload
+    rewrite_blocks(path, phys_block(st, c.lpos + 1), lambda blk: blk[:100] + bytes([blk[100] ^ 1]) + blk[101:])
+    with LogStore(path) as s:
+        assert s.stats()["corrupt_blocks_skipped"] >= 1
+        assert s.restore(key(3)) is None                       # the damaged record: lost, and said
+        assert s.restore(key(1)).payload == kept, "the torn batch's delete was never acknowledged"
+    with LogStore(path) as s:
+        assert s.restore(key(1)).payload == kept
+
+
 def test_a_pad_is_written_whole_so_nothing_under_it_comes_back(make_device):
     """A pad (the log's end of a lap no record fits) wrote its first block alone: records a power
     cut had left under the rest of it (never acknowledged, whole, at their own positions) came
@@ -1112,6 +1148,24 @@ def test_unformatted_device_and_second_opener(tmp_path):
     with LogStore(image):
         with pytest.raises(DeviceError, match="in use by another"):
             LogStore(image)
+
+
+def test_a_store_of_another_format_version_is_named_as_such_not_as_no_store(tmp_path):
+    """Version 2 added the superblock's epoch: a version 1 store is refused with its version named
+    (not "holds no snapshot store"), and format will not erase it without --force."""
+    image = str(tmp_path / "v1.img")
+    create_image(image, 1 << 20)
+    format_device(image)
+    at = fmt.SUPERBLOCK.offsets["version"]
+    for copy in range(fmt.SB_COPIES):
+        rewrite_blocks(image, copy, lambda blk: blk[:at] + (1).to_bytes(4, "little") + blk[at + 4:])
+    with pytest.raises(FormatError, match=r"format version 1; this version reads 2.*--force"):
+        LogStore(image)
+    with pytest.raises(FormatError, match="already holds a snapshot store"):
+        format_device(image)
+    format_device(image, force=True)
+    with LogStore(image) as s:
+        assert s.list() == []
 
 
 def test_default_store_is_a_sparse_image_in_the_state_dir(tmp_path, monkeypatch, capsys):
