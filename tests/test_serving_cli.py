@@ -39,6 +39,44 @@ def test_user_errors_are_one_sentence(capsys):
     assert "no ring named 'zl-no-such-lane.lane'" in capsys.readouterr().err
 
 
+def test_a_worker_whose_store_nobody_serves_says_so_at_start(tmp_path, capsys):
+    """A store nobody serves was found only by the first session's put, as a 503 (review)."""
+    from datapath import lanes
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"a master secret of the test's own")
+    assert main(["worker", "--zmq", lanes.free_tcp_endpoint(), "--store", f"ipc://{tmp_path}/nobody",
+                 "--store-secret-file", str(secret)]) == 1
+    err = capsys.readouterr().err
+    assert "datapath worker: --store: the snapshot store at ipc://" in err and "could not be reached" in err
+
+
+def test_ctrl_c_stops_the_demo_with_what_was_answered_and_its_rings_removed():
+    """Ctrl-C in the demo printed a KeyboardInterrupt traceback (review)."""
+    import glob
+    import signal
+    import subprocess
+    import sys
+    import time
+    p = subprocess.Popen([sys.executable, "-m", "datapath", "worker", "--demo", "400", "--prompt-tokens", "512",
+                          "--output-tokens", "64"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    rings = f"/dev/shm/dp-zl-demo-{p.pid}.*"
+    try:
+        deadline = time.monotonic() + 60
+        while not glob.glob(rings) and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert glob.glob(rings), "the demo made its rings"
+        time.sleep(0.3)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 130 and "Traceback" not in err, err
+    assert "datapath worker: interrupted, " in err and " of 400 requests answered" in err
+    assert not glob.glob(rings)
+
+
 @pytest.mark.parametrize("args,says", [
     (["model", "info", "--kv-heads", "0"], "--kv-heads: 0 must be positive"),      # was a ZeroDivisionError
     (["model", "info", "--layers", "-1"], "--layers: -1 must be positive"),        # printed -131,200 parameters

@@ -212,18 +212,32 @@ def worker(args) -> int:
                          codec=args.codec, temperature=args.temperature, device=args.device, sim_mode=args.sim,
                          slowdown=args.slowdown)
     if args.demo is not None:
-        return _demo(opts, args)
+        try:
+            return _demo(opts, args)
+        except KeyboardInterrupt:     # (the demo's rings are gone: its finally)
+            print("datapath worker: interrupted", file=sys.stderr)
+            return 130
     spec = ("shm", args.lane) if args.lane else ("zmq", args.zmq)
     store = None
     if args.store:
         import zmq
         from snapshotstore.api import WorkerStore
         from snapshotstore.server import RemoteStore
+        from snapshotstore.errors import SnapshotError
         try:
-            store = WorkerStore(RemoteStore(args.store, secret=secret), secret)   # (the connection keyed by it too)
+            remote = RemoteStore(args.store, secret=secret)   # (the connection keyed by it too)
         except zmq.ZMQError as e:
             print(f"datapath worker: --store {args.store}: {e} (tcp://HOST:PORT or ipc://PATH)", file=sys.stderr)
             return 2
+        try:
+            # asked once now: a store nobody serves, or one keyed by another secret, was found only
+            # by the first session's put, as a 503 (found by review)
+            remote.stats()
+        except SnapshotError as e:
+            remote.close()
+            print(f"datapath worker: --store: {e}", file=sys.stderr)
+            return 1
+        store = WorkerStore(remote, secret)
     print(f"worker {args.index}: {spec[0]} lane {spec[1]}, codec {args.codec}"
           + (f", simulating {args.device} ({args.sim})" if args.device else "")
           + (f", slowed {args.slowdown:g}x" if args.slowdown > 1 else "")
@@ -283,15 +297,18 @@ def _demo(opts, args) -> int:
             if inp.enqueue(recs.tobytes()) != len(recs):
                 raise RuntimeError("the demo's input ring is full")   # sized above: cannot happen
         router.start()
-        got = []
+        got, interrupted = [], False
         deadline = time.monotonic() + 600
-        with one_blas_thread():
-            while len(got) < args.demo and time.monotonic() < deadline:
-                batch = lane.recv_batch(0.01)
-                if batch is not None:
-                    while not lane.send_completion(w.step(batch)):
-                        time.sleep(1e-4)
-                got += list(np.frombuffer(egress.dequeue(256), dtype=records.RESPONSE))
+        try:
+            with one_blas_thread():
+                while len(got) < args.demo and time.monotonic() < deadline:
+                    batch = lane.recv_batch(0.01)
+                    if batch is not None:
+                        while not lane.send_completion(w.step(batch)):
+                            time.sleep(1e-4)
+                    got += list(np.frombuffer(egress.dequeue(256), dtype=records.RESPONSE))
+        except KeyboardInterrupt:     # Ctrl-C: what was answered, then the code a shell expects
+            interrupted = True
         router.stop()
     finally:
         router.close()
@@ -308,4 +325,7 @@ def _demo(opts, args) -> int:
     st = w.stats
     print(f"worker: {st['steps']} model steps for {st['records']} records, KV resident {w.kv_bytes_resident / 2**10:.0f} KiB"
           + (f", {st['simulated_s']:.3f} s simulated on {opts.device}" if opts.device else ""))
+    if interrupted:
+        print(f"datapath worker: interrupted, {len(got)} of {args.demo} requests answered", file=sys.stderr)
+        return 130
     return 0 if len(got) == args.demo else 1
