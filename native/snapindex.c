@@ -511,10 +511,15 @@ int six_scan(struct six *ix, struct six_scan *sc, const uint8_t *win, uint64_t w
         int ok = h.magic == SIX_RECORD_MAGIC && h.store_id == sc->store_id && h.lpos == sc->pos;
         sc->named = (uint8_t)ok;
         ok = ok && valid(sc, &h);
-        if (ok && h.kind != SIX_KIND_PAD && sc->pos + h.nblocks > end) {
+        if (ok && sc->pos + h.nblocks > end) {
             sc->need = h.nblocks;
             return SIX_SCAN_MORE;
         }
+        /* a pad is written whole, zeros after its header (its CRC covers the header alone): one
+         * whose write tore after the header would hide what a torn batch left under it, and a
+         * resync past the pad's damaged header took that for the store's (found by review) */
+        for (uint64_t i = SIX_HEADER_SIZE; ok && h.kind == SIX_KIND_PAD && i < h.nblocks * bs; i++)
+            ok = rec[i] == 0;
         if (!ok || !crc_ok(rec, &h)) {
             memcpy(sc->bad_key, h.key, SIX_KEY_LEN);
             sc->bad_seq = h.seq;

@@ -29,7 +29,7 @@ import crc32c as _crc32c
 
 SB_MAGIC = b"ZLSNAPSB"
 RECORD_MAGIC = b"ZLR1"
-VERSION = 2                    # 2: the superblock records its writer's epoch
+VERSION = 2                    # 2: the superblock records its writer's epoch (1 is read too)
 SB_COPIES = 2
 LOG_START = SB_COPIES          # first log block
 MIN_LOG_BLOCKS = 64            # a store's log is at least this long (format_device)
@@ -79,6 +79,7 @@ class Layout:
 
     def __init__(self, fields: tuple[tuple[str, str], ...]):
         self.fields = fields
+        self.fields = fields
         self.struct = struct.Struct("<" + "".join(f for _, f in fields))
         self.size = self.struct.size
         self.offsets, off = {}, 0
@@ -105,6 +106,10 @@ SUPERBLOCK = Layout((
     ("reserved", "I"),
 ))
 
+# Version 1 (before session 30): the same superblock without the epoch. Read as epoch 0 (no
+# floor: the check it lacked), and the first read-write open writes version 2; records are alike.
+SUPERBLOCK_V1 = Layout(tuple(f for f in SUPERBLOCK.fields if f[0] != "epoch"))
+
 RECORD = Layout((
     ("magic", "4s"),
     ("kind", "B"),
@@ -130,6 +135,7 @@ RECORD = Layout((
 HEADER_SIZE = RECORD.size
 _CRC_OFF = RECORD.offsets["crc"]
 _SB_CRC_OFF = SUPERBLOCK.offsets["checksum"]
+_SB_V1_CRC_OFF = SUPERBLOCK_V1.offsets["checksum"]
 
 
 class Superblock(NamedTuple):
@@ -176,6 +182,11 @@ def pack_superblock(sb: Superblock) -> bytes:
 def unpack_superblock(buf) -> Superblock | None:
     """The superblock in buf, or None if it is not a valid one (magic, version, checksum)."""
     f = SUPERBLOCK.struct.unpack_from(buf)
+    if f[0] == SB_MAGIC and f[1] == 1:
+        f = SUPERBLOCK_V1.struct.unpack_from(buf)
+        if f[11] != crc32c(bytes(buf[:_SB_V1_CRC_OFF])):
+            return None
+        return Superblock(*f[2:11], epoch=0)
     if f[0] != SB_MAGIC or f[1] != VERSION or f[12] != crc32c(bytes(buf[:_SB_CRC_OFF])):
         return None
     return Superblock(*f[2:12])

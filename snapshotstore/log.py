@@ -127,7 +127,7 @@ def format_device(path: str, force: bool = False, block_size: int | None = None)
         if dev.blocks >= fmt.SB_COPIES and not force:
             view = dev.read_into(buf, 0, fmt.SB_COPIES)
             bs = dev.block_size
-            if any(fmt.superblock_version(view[i * bs:(i + 1) * bs]) for i in range(fmt.SB_COPIES)):
+            if any(fmt.superblock_version(view[i * bs:(i + 1) * bs]) is not None for i in range(fmt.SB_COPIES)):
                 raise FormatError(f"{path} already holds a snapshot store: pass --force to erase it")
             n = min(dev.blocks, FORMAT_CHECK_BYTES // bs)
             if dev.read_into(aligned_buffer(n * bs), 0, n).tobytes() != bytes(n * bs):
@@ -232,11 +232,11 @@ class LogStore:
             copies = [c if c is None or i == 0 or c.block_size == bs else None for i, c in enumerate(copies)]
         self.superblocks_valid = sum(c is not None for c in copies)
         if not self.superblocks_valid:
-            versions = {self._superblock_version(i) for i in range(min(fmt.SB_COPIES, self.dev.blocks))} - {None}
-            if versions and fmt.VERSION not in versions:
-                raise FormatError(f"{self.path} holds a snapshot store of format version {min(versions)}; this "
-                                  f"version reads {fmt.VERSION}: copy what it holds elsewhere if you need it, then "
-                                  f"`snapshotstore format {self.path} --force` makes a new, empty one")
+            versions = {self._superblock_version(i) for i in range(min(fmt.SB_COPIES, self.dev.blocks))}
+            newer = [v for v in versions if v is not None and v > fmt.VERSION]
+            if newer:
+                raise FormatError(f"{self.path} holds a snapshot store of format version {max(newer)}, written by a "
+                                  f"newer version of zerolayer; this one reads versions 1 to {fmt.VERSION}: upgrade")
             raise FormatError(f"{self.path} holds no snapshot store (both superblock copies are missing "
                               f"or corrupt): `snapshotstore format {self.path} --force` makes a new, empty one")
         sb = max((c for c in copies if c), key=lambda c: c.generation)
@@ -308,7 +308,9 @@ class LogStore:
     def _superblock_version(self, i: int) -> int | None:
         try:
             return fmt.superblock_version(self.dev.read_into(self._sbuf, i, 1))
-        except OSError:
+        except OSError as e:
+            if e.errno != errno.EIO:
+                raise
             return None
 
     def _read_buf(self, nbytes: int):

@@ -634,6 +634,44 @@ def test_a_pad_is_written_whole_so_nothing_under_it_comes_back(make_device):
         dev.close()
 
 
+def test_a_pad_torn_after_its_header_ends_the_log_and_hides_nothing(make_device, monkeypatch):
+    """A pad's CRC covers its header alone: one whose write tore after the header was taken whole,
+    the torn batch under it passed below the checkpoint, and once the pad's header was damaged a
+    resync took that batch's unacknowledged delete for the store's (found by review). Recovery
+    now reads a pad's blocks and wants zeros after its header."""
+    path = make_device(1 << 20)
+    with LogStore(path) as s:
+        L, bs = s.stats()["log_blocks"], s.stats()["block_size"]
+        s.put(key(1), Delta(b"k" * 100))
+        while s.stats()["tail"] % L != L - 10:
+            s.put(key(9), Delta(b"f" * 100), replace=True)
+    monkeypatch.setattr(log_mod, "CHECKPOINT_EVERY_S", 3600.0)   # what follows stays past the checkpoint
+    write_and_die(path, lambda s: (s.put(key(2), Delta(os.urandom(3 * bs))), s.delete(key(1))))
+    with LogStore(path, readonly=True) as s:
+        a, b = s.entries()[-2:]
+        st = s.stats()
+    assert b.kind == fmt.KIND_TOMBSTONE and b.lpos + b.nblocks < L * (a.lpos // L + 1)
+    dev = BlockDevice(path)
+    try:
+        tombstone = bytes(dev.read_into(aligned_buffer(dev.block_size), phys_block(st, b.lpos), 1))
+    finally:
+        dev.close()
+    rewrite_blocks(path, phys_block(st, a.lpos), lambda blk: bytes(len(blk)))      # the torn batch
+    write_and_die(path, lambda s: s.put(key(3), Delta(os.urandom(11 * bs))))      # a pad, then the record
+    with LogStore(path, readonly=True) as s:
+        assert [e.kind for e in s.entries()][-2] == fmt.KIND_PAD and s.entries()[-2].lpos == a.lpos
+    # that write torn: the pad's header landed, not the rest of it, nor the record
+    rewrite_blocks(path, phys_block(st, b.lpos), lambda blk: tombstone)
+    rewrite_blocks(path, phys_block(st, L * (a.lpos // L + 1)), lambda blk: bytes(len(blk)))
+    monkeypatch.undo()
+    with LogStore(path) as s:
+        assert s.stats()["tail"] == a.lpos, "the torn pad is the log's end"
+        assert s.restore(key(1)) is not None
+    rewrite_blocks(path, phys_block(st, a.lpos), lambda blk: blk[:40] + bytes([blk[40] ^ 1]) + blk[41:])
+    with LogStore(path) as s:
+        assert s.restore(key(1)) is not None, "the torn batch's delete was never acknowledged"
+
+
 def test_a_damaged_record_the_head_reaches_drops_its_chain_not_the_store(make_device):
     """A record of a live chain goes bad while the store is open; when the head reaches the
     chain, it cannot be moved. It is dropped durably, as recovery would drop it, and the store
@@ -1150,16 +1188,47 @@ def test_unformatted_device_and_second_opener(tmp_path):
             LogStore(image)
 
 
-def test_a_store_of_another_format_version_is_named_as_such_not_as_no_store(tmp_path):
-    """Version 2 added the superblock's epoch: a version 1 store is refused with its version named
-    (not "holds no snapshot store"), and format will not erase it without --force."""
+def read_block(path, block):
+    dev = BlockDevice(path)
+    try:
+        return bytes(dev.read_into(aligned_buffer(dev.block_size), block, 1))
+    finally:
+        dev.close()
+
+
+def test_a_version_1_store_opens_and_its_first_write_makes_it_version_2(tmp_path):
+    """Version 2 added the superblock's epoch; records are alike. A version 1 store (its
+    superblock without the epoch, the CRC at byte 80) opens as it was, read-only too, and a
+    read-write open writes version 2 superblocks."""
     image = str(tmp_path / "v1.img")
+    create_image(image, 1 << 20)
+    format_device(image)
+    with LogStore(image) as s:
+        want = put_all(s, key(1), deltas(2, 2000))
+    assert fmt.SUPERBLOCK_V1.offsets["checksum"] == 80
+    for copy in range(fmt.SB_COPIES):
+        sb = fmt.unpack_superblock(read_block(image, copy))
+        body = fmt.SUPERBLOCK_V1.struct.pack(fmt.SB_MAGIC, 1, *sb[:-1], 0, 0)[:80]
+        v1 = body + fmt.crc32c(body).to_bytes(4, "little")
+        rewrite_blocks(image, copy, lambda blk: v1 + blk[len(v1):])
+    with LogStore(image, readonly=True) as s:
+        assert s.restore(key(1)).payload == want
+    assert {fmt.superblock_version(read_block(image, c)) for c in range(fmt.SB_COPIES)} == {1}
+    with LogStore(image) as s:
+        assert s.restore(key(1)).payload == want
+    assert {fmt.superblock_version(read_block(image, c)) for c in range(fmt.SB_COPIES)} == {2}
+    with LogStore(image) as s:
+        assert s.restore(key(1)).payload == want
+
+
+def test_a_store_of_a_newer_format_version_is_named_as_such_not_as_no_store(tmp_path):
+    image = str(tmp_path / "v3.img")
     create_image(image, 1 << 20)
     format_device(image)
     at = fmt.SUPERBLOCK.offsets["version"]
     for copy in range(fmt.SB_COPIES):
-        rewrite_blocks(image, copy, lambda blk: blk[:at] + (1).to_bytes(4, "little") + blk[at + 4:])
-    with pytest.raises(FormatError, match=r"format version 1; this version reads 2.*--force"):
+        rewrite_blocks(image, copy, lambda blk: blk[:at] + (3).to_bytes(4, "little") + blk[at + 4:])
+    with pytest.raises(FormatError, match=r"format version 3, written by a newer version.*reads versions 1 to 2: upgrade"):
         LogStore(image)
     with pytest.raises(FormatError, match="already holds a snapshot store"):
         format_device(image)
