@@ -26,6 +26,8 @@
 #define DP_MAX_OUTPUT_TOKENS 256          /* output tokens a response carries (1 KiB body) */
 #define DP_CE_EOS 1                       /* completion entry: the model ended the sequence */
 #define DP_CE_KV_FULL 2                   /* ... with 503: a worker without a store, its KV full, took no new session */
+#define DP_CE_NO_STORE 4                  /* ... from a worker without a snapshot store: what it runs of a
+                                             session lives only there (the router's kv_homes, failover) */
 
 struct dp_chunk {
     __u64 session_id;          /*  0 */

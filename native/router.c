@@ -106,6 +106,7 @@ struct worker {
     uint32_t n_set;
     uint32_t busy, batch_seq, batch_len;
     uint32_t budget;                    /* its own token budget per step; 0: the router's */
+    uint8_t no_store;                   /* its answers say it has no snapshot store (DP_CE_NO_STORE) */
     struct batch_meta meta[DP_MAX_BATCH_CHUNKS];
     struct dp_worker_stats st;
 };
@@ -1630,6 +1631,7 @@ static void complete_entry(struct dp_router *rt, int wk, const struct batch_meta
     struct req *r = &rt->reqs[m->req];
     struct worker *w = &rt->w[wk];
     int ended = 0;
+    w->no_store = (e->flags & DP_CE_NO_STORE) != 0;
     r->inflight--;
     if (m->releases)
         depth_add(rt, wk, -1, -(int32_t)m->tokens);
@@ -2095,6 +2097,7 @@ static uint32_t expire_stalled(struct dp_router *rt)
 static void failover(struct dp_router *rt, uint32_t k)
 {
     struct worker *w = &rt->w[k];
+    w->no_store = 0;                     /* its replacement's answers tell */
     w->busy = w->st.busy = 0;
     w->batch_len = w->unsent = 0;
     w->fifo_head = w->fifo_tail = NIL;
@@ -2156,6 +2159,13 @@ static void failover(struct dp_router *rt, uint32_t k)
         requeue_all(rt, r, nk);
         r->worker = (int16_t)nk;
         note_run(rt, sk, nk);
+        /* a worker without a store: the session lives where this runs, and only the router knows
+         * it, as after a kv_move. Left to the policy, its next request went to the dead worker's
+         * replacement, which began it again, and this copy stayed here, never closed (found by
+         * review, session 29). (With a store, the policy's pick restores it: no entry.) A full
+         * table takes none: as before. */
+        if (rt->w[nk].no_store)
+            kv_home_set(rt, sk, nk);
         r->kv_moves = 0;                 /* a KV-full walk begins again: the pool it walked has changed */
         r->moved = 1;                    /* replayed elsewhere: its session moved for sure */
         r->replayed |= (uint8_t)ran;     /* its turn may be in the store (DP_CHUNK_F_REPLAY) */

@@ -129,8 +129,8 @@ struct dp_router_stats {
     uint64_t kv_moved;          /* requests a store-less worker refused for want of KV room, moved to
                                  * the next worker of their pool (router.c, kv_move) */
     uint32_t active_requests, pool_free;
-    uint32_t kv_homes;          /* sessions a kv_move sent to another worker, placed there until their
-                                 * CLOSE (router.c, KV_HOMES of them at most) */
+    uint32_t kv_homes;          /* sessions a kv_move sent to another worker, or a failover to one without
+                                 * a store, placed there until their CLOSE (router.c, KV_HOMES at most) */
 };
 
 struct dp_pool_stats {

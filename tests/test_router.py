@@ -39,6 +39,7 @@ class Bench:
             self.lanes.append(name)
             self.workers.append(lanes.ShmWorkerLane(name))
         self.responses = []
+        self.no_store = set()    # workers whose answers say they have no snapshot store, as worker.py's do
 
     def send(self, *chunks):
         arr = np.concatenate(chunks)
@@ -49,7 +50,10 @@ class Bench:
         batch = self.workers[k].recv_batch(0)
         if batch is not None:
             tokens = [sample(r) for r in batch]
-            assert self.workers[k].send_completion(lanes.completion_for(batch, tokens, worker=k, eos=eos))
+            comp = lanes.completion_for(batch, tokens, worker=k, eos=eos)
+            if k in self.no_store:
+                comp["e"][0]["flags"][:len(batch)] |= records.CE_NO_STORE
+            assert self.workers[k].send_completion(comp)
         self.router.poll()
         self.collect()
         return batch
@@ -762,6 +766,46 @@ def test_a_moved_session_replayed_by_failover_is_closed_where_it_ran_again(bench
     assert batches_waiting(b) == [nk]
     b.run(nk)
     assert {int(r["request_id"]): int(r["status"]) for r in b.responses} == {6: 200, 8: 200, 9: 200, 10: 200}
+    assert b.router.stats()["kv_homes"] == 0
+
+
+@pytest.mark.parametrize("store", [False, True])
+def test_a_session_a_failover_moved_to_a_store_less_worker_stays_there_until_its_close(bench_factory, store):
+    """Session 9's worker dies with its request taken; the failover replays the request on another
+    worker. Without a store there (its answers say so, CE_NO_STORE) the session lives only where
+    the replay ran: its later request and its CLOSE go there once the dead worker's replacement is
+    up. Before, the policy sent them to the replacement, which began the session again, and the
+    replay's copy stayed on the other worker, never closed (found by review, session 29). With a
+    store the policy's pick restores it: nothing is remembered."""
+    b = bench_factory(n_workers=3, policy="affinity")
+    b.no_store = set() if store else {0, 1, 2}
+    for s in range(100, 130):                              # every worker has answered something
+        b.send(chunks_of(s, [1], session=s, max_out=1))
+        for j in range(3):
+            b.run(j)
+    b.send(chunks_of(6, [1, 2], session=9, max_out=1))
+    b.router.poll()
+    (k,) = batches_waiting(b)
+    b.run(k)
+    b.send(chunks_of(8, [3, 4], session=9, max_out=1))
+    b.router.poll()
+    assert batches_waiting(b) == [k]
+    b.workers[k].recv_batch(0)                             # taken, then the worker dies
+    b.router.set_up(k, False)
+    b.router.poll()
+    (nk,) = batches_waiting(b)
+    b.run(nk)
+    assert b.router.stats()["kv_homes"] == (0 if store else 1)
+    b.router.set_up(k, True)                               # its replacement
+    close = chunks_of(10, [], session=9)
+    close["kind"], close["n_tokens"] = wire.KIND_CLOSE, 0
+    for req in (chunks_of(9, [5], session=9, max_out=1), close):
+        b.send(req)
+        b.router.poll()
+        assert batches_waiting(b) == [k if store else nk]
+        b.run(k if store else nk)
+    assert {int(r["request_id"]): int(r["status"]) for r in b.responses if r["session_id"] == 9} == \
+        {6: 200, 8: 200, 9: 200, 10: 200}
     assert b.router.stats()["kv_homes"] == 0
 
 

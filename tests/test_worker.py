@@ -210,7 +210,7 @@ def test_without_a_store_a_worker_over_its_budget_refuses_new_sessions_and_serve
     drive(w.step, [(1, 1, prompt(1, 40), 2), (2, 2, prompt(2, 40), 2)])
     comp = w.step(as_batch([prefill_records(3, 3, prompt(3, 40), 2)]))
     assert comp["e"][0]["status"][0] == wire.STATUS_UNAVAILABLE and not w.holds(3)
-    assert comp["e"][0]["flags"][0] == records.CE_KV_FULL     # the router's body says why (test_router)
+    assert comp["e"][0]["flags"][0] == records.CE_KV_FULL | records.CE_NO_STORE   # the router's body says why
     assert w.stats["kv_full_refused"] == 1 and w.kv_bytes_resident == 2 * one_session
     drive(w.step, [(1, 4, prompt(4, 10), 2)])                  # a held session goes on
     close = np.zeros(1, dtype=records.CHUNK)

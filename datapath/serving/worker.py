@@ -216,6 +216,8 @@ class Worker:
         self.stats["records"] += n
         if segments:
             self._run(list(segments.values()), entries, t_start)
+        if self.store is None:        # the router keeps such a worker's moved sessions where they run
+            entries["flags"][:n] |= records.CE_NO_STORE
         comp["batch_seq"] = batch["batch_seq"][0] if n else 0
         comp["worker"], comp["n"], comp["t_start"] = self.index, n, t_start
         self._evict()
