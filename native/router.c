@@ -158,7 +158,8 @@ struct dp_router {
     struct req *reqs;                   /* slab of cfg.max_requests */
     uint32_t req_free;                  /* free slots, linked through fifo_next */
     struct index by_id, by_session;     /* request key -> slot; session key -> its latest request */
-    struct index kv_homes;              /* session key -> the worker a kv_move sent it to (its slot) */
+    struct index kv_homes;              /* session key -> the worker a kv_move (or a failover, one without
+                                         * a store) sent it to (its slot) */
     struct pooled *pool;
     uint32_t pool_free;                 /* free list head */
     uint32_t done_head, done_tail;      /* finished requests waiting for egress room (via fifo_next) */
@@ -536,8 +537,10 @@ static struct last_run *last_run_of(struct dp_router *rt, uint64_t sk)
  * router knows: its held requests follow the request, and its later ones are placed there, not
  * at the policy's pick, remembered in `kv_homes` (not in the lossy last-run table: a session that
  * lost its entry to another would begin again, without its turns, on a worker with room) until
- * its CLOSE is answered 200, or the request that made the entry found no worker at all. Full, it
- * takes no more: a request that would need an entry is answered 503 as if every worker were full. */
+ * its CLOSE is answered 200, or the request that made the entry found no worker at all, or the
+ * worker dies (kv_homes_forget). A failover that replays a request on a worker without a store
+ * makes an entry too (failover). Full, it takes no more: a request that would need an entry is
+ * answered 503 as if every worker were full (a failover makes none then). */
 #define KV_HOMES 4096
 
 /* The worker kv_homes holds for session sk, NIL if none. */
@@ -1609,7 +1612,9 @@ static void kv_move(struct dp_router *rt, int wk, uint32_t ri)
     int nk = kv_next(rt, wk, r);
     r->kv_moving = 0;
     if (nk < 0 || !kv_home_set(rt, sk, nk)) {
-        if (r->kv_moves)                 /* its walk made the entry, and no worker holds the session */
+        /* its walk made the entry, or a failover did at the worker that has just said it does not
+         * hold the session: no worker holds it (a failover's entry stayed, found by review) */
+        if (r->kv_moves || kv_home_of(rt, sk) == (uint32_t)wk)
             kv_home_follow(rt, sk, r->session_next);
         rt->st.refused_by_worker++;
         r->kv_full = 1;
@@ -1631,7 +1636,6 @@ static void complete_entry(struct dp_router *rt, int wk, const struct batch_meta
     struct req *r = &rt->reqs[m->req];
     struct worker *w = &rt->w[wk];
     int ended = 0;
-    w->no_store = (e->flags & DP_CE_NO_STORE) != 0;
     r->inflight--;
     if (m->releases)
         depth_add(rt, wk, -1, -(int32_t)m->tokens);
@@ -1744,6 +1748,8 @@ static uint32_t take_completions(struct dp_router *rt)
             w->batch_len = 0;  /* meta stays valid below: nothing reuses it before the next batch */
             /* a record the completion does not cover was not answered: it fails, not succeeds */
             const struct dp_completion_entry missing = { .status = DP_STATUS_UNAVAILABLE };
+            if (c->n)                  /* (from its own entry: the filler says nothing) */
+                w->no_store = (c->e[0].flags & DP_CE_NO_STORE) != 0;
             for (uint32_t i = 0; i < len; i++)
                 complete_entry(rt, (int)k, &w->meta[i], i < c->n ? &c->e[i] : &missing);
             w->st.completions++;
@@ -2094,10 +2100,27 @@ static uint32_t expire_stalled(struct dp_router *rt)
  * hangs them) must not go round the pool killing every one. One still queued,
  * none of it sent, had no part in the death: it moves on however often (it was
  * answered 503 at a second death before). Nothing is dropped silently. */
+/* Worker k is gone with the sessions kv_homes placed there: their entries go (a replay of one of
+ * their requests makes its own again). Kept, each drew its session's next request to k's
+ * replacement, where it began again anyway, and held its place in the table for good if the
+ * session never closed: failovers filled it, and a KV-full move was then answered 503 (review). */
+static void kv_homes_forget(struct dp_router *rt, uint32_t k)
+{
+    for (uint32_t i = 0; rt->st.kv_homes && i <= rt->kv_homes.mask;) {
+        if (rt->kv_homes.e[i].slot == k) {
+            index_move(&rt->kv_homes, rt->kv_homes.e[i].key, k, NIL);   /* may shift another into i */
+            rt->st.kv_homes--;
+        } else {
+            i++;
+        }
+    }
+}
+
 static void failover(struct dp_router *rt, uint32_t k)
 {
     struct worker *w = &rt->w[k];
     w->no_store = 0;                     /* its replacement's answers tell */
+    kv_homes_forget(rt, k);
     w->busy = w->st.busy = 0;
     w->batch_len = w->unsent = 0;
     w->fifo_head = w->fifo_tail = NIL;

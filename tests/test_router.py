@@ -809,6 +809,72 @@ def test_a_session_a_failover_moved_to_a_store_less_worker_stays_there_until_its
     assert b.router.stats()["kv_homes"] == 0
 
 
+def store_less_bench(bench_factory, n, policy="affinity"):
+    """n workers without a store, each of which has answered something (so the router knows)."""
+    b = bench_factory(n_workers=n, policy=policy)
+    b.no_store = set(range(n))
+    for s in range(100, 100 + 10 * n):
+        b.send(chunks_of(s, [1], session=s, max_out=1))
+        for j in range(n):
+            b.run(j)
+    return b
+
+
+def fail_over(b, session, rid):
+    """Session's request rid, taken by its worker, which dies: returns (that worker, the replay's)."""
+    b.send(chunks_of(rid, [1, 2], session=session, max_out=1))
+    b.router.poll()
+    (k,) = batches_waiting(b)
+    b.workers[k].recv_batch(0)
+    b.router.set_up(k, False)
+    b.router.poll()
+    (nk,) = batches_waiting(b)
+    return k, nk
+
+
+def test_a_failover_s_entry_goes_when_its_worker_refuses_the_session_or_dies(bench_factory):
+    """The replay's worker refuses the session for want of KV room and no other has any: the
+    request is answered 503 and the entry goes (a failover's walk counts no moves, so it stayed,
+    drawing the session's next request to the worker that had refused it). And an entry whose
+    worker dies goes with it: kept, failovers of sessions never closed filled the table for good,
+    and a KV-full move was then answered 503 (both found by review)."""
+    b = store_less_bench(bench_factory, 2)
+    k, nk = fail_over(b, 9, 6)
+    assert b.router.stats()["kv_homes"] == 1
+    answer_kv_full(b, nk)
+    b.collect()
+    assert {int(r["request_id"]): int(r["status"]) for r in b.responses if r["session_id"] == 9} == {6: 503}
+    assert b.router.stats()["kv_homes"] == 0
+    b = store_less_bench(bench_factory, 3)
+    k, nk = fail_over(b, 9, 6)
+    b.run(nk)
+    assert b.router.stats()["kv_homes"] == 1
+    b.router.set_up(k, True)
+    b.router.set_up(nk, False)                             # the session's copy dies with nk
+    b.router.poll()
+    assert b.router.stats()["kv_homes"] == 0
+
+
+def test_a_completion_shorter_than_its_batch_does_not_unsay_the_worker_s_lack_of_a_store(bench_factory):
+    """The router fills in a record a completion does not cover (503, no flags): read as the
+    worker's own answer, it cleared what the worker had said, and a failover made no entry."""
+    b = store_less_bench(bench_factory, 2, policy="weighted")
+    b.router.set_weight(0, 0)                              # everything to worker 1 first
+    b.send(chunks_of(20, [1], session=20, max_out=1), chunks_of(21, [1], session=21, max_out=1))
+    b.router.poll()
+    batch = b.workers[1].recv_batch(0)
+    assert len(batch) == 2
+    comp = lanes.completion_for(batch, [1, 1], worker=1)
+    comp["e"][0]["flags"][:2] |= records.CE_NO_STORE
+    comp["n"] = 1
+    assert b.workers[1].send_completion(comp)
+    b.router.poll()
+    b.router.set_weight(0, 1)
+    b.router.set_weight(1, 0)
+    k, nk = fail_over(b, 9, 6)
+    assert (k, nk) == (0, 1) and b.router.stats()["kv_homes"] == 1
+
+
 @pytest.mark.parametrize("policy", ["round_robin", "affinity", "least_loaded"])
 def test_a_failover_sends_a_held_close_where_its_session_went(bench_factory, policy):
     """Request 6 runs on a worker and its session's CLOSE (7) waits behind it there; the worker
