@@ -104,8 +104,9 @@ static void out_flush(struct dp_out *o)
 
 /* The one place records leave a consumer. Copies the header and the tokens the
  * record carries into a reserved slot (never the unused tail) and stamps
- * t_consumer in the copy (libbpf maps ring-buffer data read-only). */
-static void out_put(struct dp_out *o, const struct dp_chunk *c, uint64_t now)
+ * t_consumer in the copy (libbpf maps ring-buffer data read-only). 0: the ring
+ * was full and the record is dropped (counted in `full`, and in no latency). */
+static int out_put(struct dp_out *o, const struct dp_chunk *c, uint64_t now)
 {
     struct dp_chunk *slot;
     if (o->pending == o->reserved) {
@@ -114,7 +115,7 @@ static void out_put(struct dp_out *o, const struct dp_chunk *c, uint64_t now)
         if (!o->reserved) {
             dp_ring_note_full(o->ring, 1, 0);
             o->full++;
-            return;
+            return 0;
         }
     }
     slot = dp_ring_prod_slot(o->ring, o->pending++);
@@ -122,6 +123,7 @@ static void out_put(struct dp_out *o, const struct dp_chunk *c, uint64_t now)
     slot->t_consumer = now;
     if (o->pending == o->reserved)
         out_flush(o);
+    return 1;
 }
 
 static int out_init(struct dp_out *o, struct dp_ring *ring)
@@ -164,9 +166,10 @@ static int on_record(struct dp_consumer *c, const void *data, size_t size)
     if (c->take) {
         if (!c->take(c->take_arg, rec, now))
             return 0;
-    } else if (c->out.ring)
-        out_put(&c->out, rec, now);
-    else
+    } else if (c->out.ring) {
+        if (!out_put(&c->out, rec, now))
+            return 1;                    /* dropped (out.full): no record taken, no latency of one */
+    } else
         return 0;
     if (c->n_pend == DP_INGRESS_BURST)   /* a long pass: count the earlier ones now */
         lat_flush(c);
@@ -519,10 +522,11 @@ static void udp_record(struct dp_udp_rx *r, const uint8_t *buf, uint32_t len, ui
         c.client_port = sin->sin_port;
     }
     memcpy(c.tokens, buf + sizeof(*h), h->n_tokens * 4u);
+    if (!out_put(&r->out, &c, now))
+        return;                          /* dropped (out.full): no record taken, no latency of one */
     if (c.t_send)
         dp_lat_add(&r->send_lat, now - c.t_send);
     r->records++;
-    out_put(&r->out, &c, now);
 }
 
 static void *udp_rx_main(void *arg)

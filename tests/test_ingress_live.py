@@ -257,6 +257,39 @@ def test_udp_ingress_has_the_same_downstream(topology):
     assert all(int(r["client_ip"]) == client_ip and r["client_port"] != 0 for r in recs)
 
 
+def test_records_a_full_output_ring_drops_are_counted_and_measured_in_no_latency():
+    """With the router's input ring full a consumer thread drops the record (out.full); the
+    ring-buffer consumer and the UDP receiver still counted it taken and kept its latency, a
+    sample of a record that went nowhere (found by review)."""
+    pkts = sessions(8, 25)                         # 200 records into a 64-slot ring nobody drains
+    with Topology(clients=1) as topo:
+        with Ingress(queues=QUEUES) as ig, rings(64) as (out, rd):
+            ig.attach(topo.host_if[0], topo.host_ns, veth_peer=(topo.client_if[0], topo.client_ns[0]))
+            with ig.consumer(out) as consumer:
+                res = client.send_from(topo.client_ns[0], topo.host_ip[0], pkts, rate=20_000, count=len(pkts),
+                                       duration=10)
+                deadline = time.monotonic() + 5
+                while consumer.records + consumer.out_full < len(pkts) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                consumer.stop()
+                assert res["sent"] == len(pkts) and consumer.out_full > 0
+                assert consumer.records + consumer.out_full == len(pkts)
+                assert consumer.ptr.xdp_lat.count == consumer.ptr.send_lat.count == consumer.records
+                assert len(take(rd)) == consumer.records
+        sock = socket_in(topo.host_ns)
+        sock.bind((topo.host_ip[0], wire.DEFAULT_PORT))
+        with sock, rings(64) as (out, rd), UdpIngress(sock, out, queues=QUEUES) as rx:
+            res = client.send_from(topo.client_ns[0], topo.host_ip[0], pkts, rate=20_000, count=len(pkts),
+                                   duration=10)
+            deadline = time.monotonic() + 5
+            while rx.records + rx.ptr.out.full < len(pkts) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            rx.stop()
+            assert res["sent"] == len(pkts) and rx.ptr.out.full > 0
+            assert rx.records + rx.ptr.out.full == len(pkts) and rx.ptr.send_lat.count == rx.records
+            assert len(take(rd)) == rx.records
+
+
 def test_udp_ingress_can_answer_instead(topology):
     """The user-space 429 path the benchmark compares XDP_TX with."""
     sock = socket_in(topology.host_ns)
