@@ -734,6 +734,46 @@ def test_a_close_held_behind_a_moved_request_moves_with_it_and_ends_its_home(ben
     assert b.router.stats()["kv_homes"] == 0
 
 
+def store_less_bench(bench_factory, n, policy="affinity", no_store=True):
+    """n workers, without a store unless no_store is False, each of which has answered something
+    (so the router knows)."""
+    b = bench_factory(n_workers=n, policy=policy)
+    b.no_store = set(range(n)) if no_store else set()
+    for s in range(100, 100 + 10 * n):
+        b.send(chunks_of(s, [1], session=s, max_out=1))
+        for j in range(n):
+            b.run(j)
+    return b
+
+
+def kill_taken(b, k):
+    """Worker k takes its batch, then dies: returns the worker its request was replayed on."""
+    b.workers[k].recv_batch(0)
+    b.router.set_up(k, False)
+    b.router.poll()
+    (nk,) = batches_waiting(b)
+    return nk
+
+
+def then_request_and_close_on(b, worker):
+    """Session 9's request 9, then its CLOSE (10): each placed on `worker`, and run there."""
+    close = chunks_of(10, [], session=9)
+    close["kind"], close["n_tokens"] = wire.KIND_CLOSE, 0
+    for req in (chunks_of(9, [5], session=9, max_out=1), close):
+        b.send(req)
+        b.router.poll()
+        assert batches_waiting(b) == [worker]
+        b.run(worker)
+
+
+def fail_over(b, session, rid):
+    """Session's request rid, taken by its worker, which dies: returns (that worker, the replay's)."""
+    b.send(chunks_of(rid, [1, 2], session=session, max_out=1))
+    b.router.poll()
+    (k,) = batches_waiting(b)
+    return k, kill_taken(b, k)
+
+
 def test_a_moved_session_replayed_by_failover_is_closed_where_it_ran_again(bench_factory):
     """A session's home (a KV-full move) dies with its request in flight; the failover replays the
     request on another worker, where the session (store-less) begins again. The home's
@@ -749,22 +789,10 @@ def test_a_moved_session_replayed_by_failover_is_closed_where_it_ran_again(bench
     b.send(chunks_of(8, [3, 4], session=9, max_out=1))
     b.router.poll()
     assert batches_waiting(b) == [home]
-    b.workers[home].recv_batch(0)                          # taken, then the worker dies
-    b.router.set_up(home, False)
-    b.router.poll()
-    (nk,) = batches_waiting(b)
+    nk = kill_taken(b, home)
     b.run(nk)
     b.router.set_up(home, True)                            # its replacement
-    close = chunks_of(10, [], session=9)
-    close["kind"], close["n_tokens"] = wire.KIND_CLOSE, 0
-    b.send(chunks_of(9, [5], session=9, max_out=1))
-    b.router.poll()
-    assert batches_waiting(b) == [nk]
-    b.run(nk)
-    b.send(close)
-    b.router.poll()
-    assert batches_waiting(b) == [nk]
-    b.run(nk)
+    then_request_and_close_on(b, nk)
     assert {int(r["request_id"]): int(r["status"]) for r in b.responses} == {6: 200, 8: 200, 9: 200, 10: 200}
     assert b.router.stats()["kv_homes"] == 0
 
@@ -777,12 +805,7 @@ def test_a_session_a_failover_moved_to_a_store_less_worker_stays_there_until_its
     up. Before, the policy sent them to the replacement, which began the session again, and the
     replay's copy stayed on the other worker, never closed (found by review, session 29). With a
     store the policy's pick restores it: nothing is remembered."""
-    b = bench_factory(n_workers=3, policy="affinity")
-    b.no_store = set() if store else {0, 1, 2}
-    for s in range(100, 130):                              # every worker has answered something
-        b.send(chunks_of(s, [1], session=s, max_out=1))
-        for j in range(3):
-            b.run(j)
+    b = store_less_bench(bench_factory, 3, no_store=not store)
     b.send(chunks_of(6, [1, 2], session=9, max_out=1))
     b.router.poll()
     (k,) = batches_waiting(b)
@@ -790,46 +813,14 @@ def test_a_session_a_failover_moved_to_a_store_less_worker_stays_there_until_its
     b.send(chunks_of(8, [3, 4], session=9, max_out=1))
     b.router.poll()
     assert batches_waiting(b) == [k]
-    b.workers[k].recv_batch(0)                             # taken, then the worker dies
-    b.router.set_up(k, False)
-    b.router.poll()
-    (nk,) = batches_waiting(b)
+    nk = kill_taken(b, k)
     b.run(nk)
     assert b.router.stats()["kv_homes"] == (0 if store else 1)
     b.router.set_up(k, True)                               # its replacement
-    close = chunks_of(10, [], session=9)
-    close["kind"], close["n_tokens"] = wire.KIND_CLOSE, 0
-    for req in (chunks_of(9, [5], session=9, max_out=1), close):
-        b.send(req)
-        b.router.poll()
-        assert batches_waiting(b) == [k if store else nk]
-        b.run(k if store else nk)
+    then_request_and_close_on(b, k if store else nk)
     assert {int(r["request_id"]): int(r["status"]) for r in b.responses if r["session_id"] == 9} == \
         {6: 200, 8: 200, 9: 200, 10: 200}
     assert b.router.stats()["kv_homes"] == 0
-
-
-def store_less_bench(bench_factory, n, policy="affinity"):
-    """n workers without a store, each of which has answered something (so the router knows)."""
-    b = bench_factory(n_workers=n, policy=policy)
-    b.no_store = set(range(n))
-    for s in range(100, 100 + 10 * n):
-        b.send(chunks_of(s, [1], session=s, max_out=1))
-        for j in range(n):
-            b.run(j)
-    return b
-
-
-def fail_over(b, session, rid):
-    """Session's request rid, taken by its worker, which dies: returns (that worker, the replay's)."""
-    b.send(chunks_of(rid, [1, 2], session=session, max_out=1))
-    b.router.poll()
-    (k,) = batches_waiting(b)
-    b.workers[k].recv_batch(0)
-    b.router.set_up(k, False)
-    b.router.poll()
-    (nk,) = batches_waiting(b)
-    return k, nk
 
 
 def test_a_failover_s_entry_goes_when_its_worker_refuses_the_session_or_dies(bench_factory):
