@@ -373,8 +373,14 @@ def signals_held(sigterm: SigtermExit | None = None):
     try:
         yield
     finally:
-        for s, handler in restore.items():
-            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+        # both put back before either can run: one landing between the two left the other's hold
+        # installed, and every later SIGTERM was swallowed (found by review)
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, set(restore))
+        try:
+            for s, handler in restore.items():
+                signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         if held:
             signal.raise_signal(held[0])
 

@@ -159,14 +159,18 @@ class TracingLane:
         self.lane.close()
 
 
-def child_of_this_process():
-    """In a forked child: die with the parent (even a SIGKILLed one), and leave Ctrl-C to it."""
+def child_of_this_process(parent: int):
+    """In a forked child of process `parent`: die with it (even a SIGKILLed one), and leave Ctrl-C
+    to it."""
     import ctypes
     import signal
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
-    if os.getppid() == 1:
-        os._exit(1)          # the parent died before prctl took effect
+    if os.getppid() != parent:
+        # the parent died before prctl took effect. (Asked as "is my parent init?" before: a
+        # pipeline that is PID 1, in a container, lost every child at once, and under a subreaper
+        # an orphan went on; found by review)
+        os._exit(1)
 
 
 START_TIMEOUT_S = 120.0   # a worker process builds its model and attaches its lane in this, or is given up
@@ -189,11 +193,12 @@ class SharedFlag:
         return self._byte[0] == 1
 
 
-def _worker_main(lane_name: str, options, store_factory, trace_buf, slowdown_slot, stop, cpu, nice, ready):
+def _worker_main(lane_name: str, options, store_factory, trace_buf, slowdown_slot, stop, cpu, nice, ready,
+                 parent: int):
     """Worker process: build the worker, attach its lane, say ready(), serve until stop is set; its
     slowdown read from the pipeline's shared slot (set_slowdown)."""
     from .serving.worker import one_blas_thread, serve
-    child_of_this_process()
+    child_of_this_process(parent)
     if cpu is not None:
         os.sched_setaffinity(0, {cpu})
     if nice:
@@ -214,7 +219,7 @@ def _worker_main(lane_name: str, options, store_factory, trace_buf, slowdown_slo
             store.close()
 
 
-def _spawner_main(conn, parent_end, specs, store_factory, traces, slowdowns, stop):
+def _spawner_main(conn, parent_end, specs, store_factory, traces, slowdowns, stop, parent):
     """The process that forks the workers (WorkerSpawner), itself forked while the pipeline had one
     thread: a worker forked later from the pipeline (a replacement) would copy a process whose poll
     loop, watcher and client threads may hold locks (stdio's, the allocator's) that no thread of
@@ -227,7 +232,8 @@ def _spawner_main(conn, parent_end, specs, store_factory, traces, slowdowns, sto
     from multiprocessing.connection import wait
     from multiprocessing.reduction import send_handle
     parent_end.close()                               # else the pipeline's close() is no EOF here
-    child_of_this_process()
+    child_of_this_process(parent)
+    me = os.getpid()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)    # not the pipeline's unwinding handler
     children: dict[int, tuple[int, int]] = {}        # pidfd -> (sid, pid)
     waiting: dict[int, int] = {}                     # a child's ready pipe -> sid
@@ -270,7 +276,7 @@ def _spawner_main(conn, parent_end, specs, store_factory, traces, slowdowns, sto
                             os.close(ready_w)
                         opts, cpu, nice = specs[k]
                         _worker_main(lane_name, opts, store_factory, traces[k], slowdowns[k:k + 1], stop, cpu,
-                                     nice, ready)
+                                     nice, ready, me)
                         code = 0
                     except Exception as e:           # one sentence (the pipeline says which worker)
                         print(f"pipeline: worker {k} ({lane_name}): {type(e).__name__}: {e}", file=sys.stderr)
@@ -338,7 +344,8 @@ class WorkerSpawner:
     def __init__(self, specs, store_factory, traces, slowdowns, stop):
         self.conn, child_conn = ctx.Pipe()           # a socketpair: it carries the pidfds too
         self.proc = ctx.Process(target=_spawner_main,
-                                args=(child_conn, self.conn, specs, store_factory, traces, slowdowns, stop),
+                                args=(child_conn, self.conn, specs, store_factory, traces, slowdowns, stop,
+                                      os.getpid()),
                                 name="worker-spawner", daemon=True)
         try:
             self.proc.start()
@@ -349,13 +356,20 @@ class WorkerSpawner:
 
     def spawn(self, k: int, lane_name: str, timeout_s: float = 30.0) -> WorkerProcess:
         sid = next(self._sids)
-        self.conn.send((sid, k, lane_name))
         deadline = time.monotonic() + timeout_s
-        while self.conn.poll(max(0.0, deadline - time.monotonic())):
-            got = self._read(sid, k)
-            if got is not None:
-                return got
+        try:
+            self.conn.send((sid, k, lane_name))
+            while self.conn.poll(max(0.0, deadline - time.monotonic())):
+                got = self._read(sid, k)
+                if got is not None:
+                    return got
+        except (EOFError, BrokenPipeError, ConnectionResetError):
+            raise self.died(f"forking worker {k}") from None   # a bare EOFError('') was all it said (review)
         raise RuntimeError(f"the worker spawner did not fork worker {k} in {timeout_s:g} s")
+
+    def died(self, doing: str) -> RuntimeError:
+        self.proc.join(1)
+        return RuntimeError(f"the worker spawner exited while {doing} (code {self.proc.exitcode})")
 
     def _read(self, sid: int | None = None, k: int | None = None) -> WorkerProcess | None:
         """One message: spawn sid's handle, or its failure raised; another spawn's (late: its own
@@ -396,11 +410,11 @@ class WorkerSpawner:
 MASTER_SECRET = b"pipeline-master-secret-0123456789"   # tenants get HMAC(master, tenant) (WorkerStore)
 
 
-def _store_main(path, endpoint, stop, ready):
+def _store_main(path, endpoint, stop, ready, parent):
+    child_of_this_process(parent)                   # first: a Ctrl-C in the imports is the parent's
+    import zmq
     from snapshotstore.errors import SnapshotError
     from snapshotstore.server import serve
-    child_of_this_process()
-    import zmq
     try:
         serve(path, endpoint, stop, ready=ready)
     except (SnapshotError, zmq.ZMQError) as e:   # one sentence, not a traceback
@@ -457,9 +471,13 @@ class Pipeline:
     def _teardown(self):
         """Everything built, undone in reverse, with Ctrl-C and SIGTERM held until the end (a second
         one landing in a step left its namespaces and processes behind), then SIGTERM's handler
-        as it was before the pipeline."""
-        with signals_held(self._sigterm):
-            self._stack.close()
+        as it was before the pipeline. One landing before the hold takes hold still leaves the
+        rest to the finally (it skipped the whole teardown: found by review)."""
+        try:
+            with signals_held(self._sigterm):
+                self._stack.close()
+        finally:
+            self._stack.close()                      # nothing left to do once the first one ran
 
     def _ring(self, suffix, slot, capacity, role):
         name = f"{self.tag}.{suffix}"
@@ -572,7 +590,8 @@ class Pipeline:
         self._stack.callback(shutil.rmtree, sockdir, ignore_errors=True)
         endpoint = f"ipc://{sockdir}/store"
         stop, ready = SharedFlag(), SharedFlag()
-        server = ctx.Process(target=_store_main, args=(path, endpoint, stop, ready), name="store", daemon=True)
+        server = ctx.Process(target=_store_main, args=(path, endpoint, stop, ready, os.getpid()), name="store",
+                             daemon=True)
 
         def halt():
             stop.set()
@@ -600,7 +619,11 @@ class Pipeline:
             if not self._spawner.pending() and not self._spawner.conn.poll(max(0.0, deadline - time.monotonic())):
                 slow = ", ".join(str(w.k) for w in self.workers if not w.ready)
                 raise RuntimeError(f"worker(s) {slow} did not start in {timeout_s:g} s")
-            for kind, sid, *rest in self._spawner.events():
+            try:
+                events = self._spawner.events()
+            except EOFError:
+                raise self._spawner.died("the workers were starting") from None
+            for kind, sid, *rest in events:
                 if kind == "ready":
                     by_sid[sid].t_ready = time.monotonic()
                 else:
@@ -755,17 +778,20 @@ class Pipeline:
                     print(f"pipeline: worker watcher: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
                     time.sleep(0.1)
         watcher = threading.Thread(target=watch, name="worker-watch", daemon=True)
-        watcher.start()
 
         def halt():        # before the workers are reaped and the router is closed (LIFO)
             stopping.set()
             os.write(wake_w, b"x")
             # unbounded: what it waits on is (a spawn, 30 s at most), and left running past a
             # timeout it went on calling into the router the teardown then freed (found by review)
-            watcher.join()
+            if watcher.ident is not None:
+                watcher.join()
             os.close(wake_r)
             os.close(wake_w)
+        # registered before it starts: an interrupt between the two left it running through the
+        # teardown, replacing the workers being stopped, then calling into the freed router (review)
         self._stack.callback(halt)
+        watcher.start()
 
     def kill_worker(self, k: int, timeout_s: float = 5.0):
         """SIGKILL worker k, as a crash would (the failover scenario): nobody tells the router; the

@@ -211,6 +211,52 @@ def test_the_caller_s_sigterm_handler_is_back_after_nested_teardowns():
         signal.signal(signal.SIGTERM, before)
 
 
+def test_a_signal_before_the_teardown_s_hold_still_leaves_the_teardown_done(monkeypatch):
+    """A second Ctrl-C landing as the teardown began, before its signals were held, skipped the
+    whole teardown: namespaces, XDP attachments and rings left behind (found by review)."""
+    import contextlib
+
+    from datapath import pipeline
+
+    @contextlib.contextmanager
+    def interrupted(sigterm=None):
+        raise KeyboardInterrupt
+        yield
+    monkeypatch.setattr(pipeline, "signals_held", interrupted)
+    p = Pipeline.__new__(Pipeline)
+    p._stack, p._sigterm, done = contextlib.ExitStack(), None, []
+    p._stack.callback(done.append, "removed")
+    with pytest.raises(KeyboardInterrupt):
+        p._teardown()
+    assert done == ["removed"]
+
+
+def test_a_child_whose_parent_is_not_the_one_it_was_given_exits_at_once():
+    """child_of_this_process asked whether the parent was init: a pipeline that is PID 1 (in a
+    container) lost every child at once, and under a subreaper an orphan went on (review)."""
+    from datapath.pipeline import child_of_this_process
+    for parent, code in ((os.getpid(), 0), (os.getpid() + 1_000_000, 1)):
+        pid = os.fork()
+        if pid == 0:
+            try:
+                child_of_this_process(parent)
+            finally:
+                os._exit(0)
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == code
+
+
+def test_a_spawner_that_died_is_named_not_a_bare_eoferror():
+    from datapath.pipeline import SharedFlag, WorkerSpawner
+    spawner = WorkerSpawner([], None, [], None, SharedFlag())
+    try:
+        spawner.proc.kill()
+        spawner.proc.join(10)
+        with pytest.raises(RuntimeError, match=r"the worker spawner exited while forking worker 0 \(code -9\)"):
+            spawner.spawn(0, "no-lane", timeout_s=5)
+    finally:
+        spawner.close()
+
+
 @pytest.mark.root
 @pytest.mark.bpf
 def test_a_second_sigterm_during_the_teardown_leaves_no_namespace():
