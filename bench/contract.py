@@ -31,7 +31,8 @@ def machine() -> dict:
                 break
     except OSError:
         pass
-    return {"cores": os.cpu_count(), "kernel": platform.release(), "cpu_model": cpu,
+    # cores: the ones this run may use (taskset, a cpuset), which the pinning uses too
+    return {"cores": len(os.sched_getaffinity(0)), "kernel": platform.release(), "cpu_model": cpu,
             "python": platform.python_version(), "commit": _commit()}
 
 

@@ -406,6 +406,11 @@ def test_a_row_aimed_at_80pct_decides_the_flatness_goal_as_measured():
     assert "not decided by this sweep" in verdict(rows[:3] + [short] + rows[3:])[0]
     over = dict(aimed, p95_ms=370.0)
     assert ": missed: 1.111x over the rows measured up to 80%, the last" in verdict(rows[:3] + [over] + rows[3:])[0]
+    # within 10% both ways: a row 15% under the lightest's p95 was read as flat (found by review)
+    low = dict(rows[1], p95_ms=0.85 * 332.9)
+    note, ratios = verdict(rows[:1] + [low] + rows[2:3] + [aimed] + rows[3:])
+    assert ": missed: 1.087x (and down to 0.850x) over the rows measured up to 80%" in note, note
+    assert ratios["dynamic_p95_dip_to_80pct_saturation_l4"] == pytest.approx(0.85)
     # the row over the line past use (over 5% unanswered): no chord to quote ("infx" before, found by review)
     past_use = dict(rows[3], unanswered=20, errors=20)
     note, ratios = verdict(rows[:3] + [short, past_use])
