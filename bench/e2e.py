@@ -763,8 +763,7 @@ def _one_offer_each(ratio: str, *offers: dict) -> str:
     sides are alike, not which is faster."""
     return (f"{ratio}: one offer a side, in a fixed order, of {' / '.join(str(len(o['rtt_ns'])) for o in offers)} "
             f"samples: read a ratio within ~0.7-1.4x as no difference (a lognormal model of two offers under "
-            f"the same load puts their p95s 0.76-1.30x apart at 80 samples, 0.65-1.53x at 30: README, Known "
-            f"limits)")
+            f"the same load puts their p95s 0.76-1.30x apart at 80 samples, 0.65-1.53x at 30)")
 
 
 def oversized(report, quick: bool) -> dict:

@@ -471,13 +471,15 @@ class Pipeline:
     def _teardown(self):
         """Everything built, undone in reverse, with Ctrl-C and SIGTERM held until the end (a second
         one landing in a step left its namespaces and processes behind), then SIGTERM's handler
-        as it was before the pipeline. One landing before the hold takes hold still leaves the
-        rest to the finally (it skipped the whole teardown: found by review)."""
+        as it was before the pipeline. One landing before the hold takes hold leaves the rest to a
+        second pass, held too (it skipped the whole teardown: found by review)."""
         try:
             with signals_held(self._sigterm):
                 self._stack.close()
-        finally:
-            self._stack.close()                      # nothing left to do once the first one ran
+        except BaseException:
+            with signals_held(self._sigterm):
+                self._stack.close()                  # nothing left to do once the first one ran
+            raise
 
     def _ring(self, suffix, slot, capacity, role):
         name = f"{self.tag}.{suffix}"

@@ -538,7 +538,7 @@ static struct last_run *last_run_of(struct dp_router *rt, uint64_t sk)
  * at the policy's pick, remembered in `kv_homes` (not in the lossy last-run table: a session that
  * lost its entry to another would begin again, without its turns, on a worker with room) until
  * its CLOSE is answered 200, or the request that made the entry found no worker at all, or the
- * worker dies (kv_homes_forget). A failover that replays a request on a worker without a store
+ * worker dies (kv_homes_forget; not a zmq worker that only timed out, which may come back). A failover that replays a request on a worker without a store
  * makes an entry too (failover). Full, it takes no more: a request that would need an entry is
  * answered 503 as if every worker were full (a failover makes none then). */
 #define KV_HOMES 4096
@@ -2116,11 +2116,13 @@ static void kv_homes_forget(struct dp_router *rt, uint32_t k)
     }
 }
 
-static void failover(struct dp_router *rt, uint32_t k)
+static void failover(struct dp_router *rt, uint32_t k, int alive)
 {
     struct worker *w = &rt->w[k];
-    w->no_store = 0;                     /* its replacement's answers tell */
-    kv_homes_forget(rt, k);
+    if (!alive) {                        /* (a zmq worker that only timed out may come back, holding them) */
+        w->no_store = 0;                 /* its replacement's answers tell */
+        kv_homes_forget(rt, k);
+    }
     w->busy = w->st.busy = 0;
     w->batch_len = w->unsent = 0;
     w->fifo_head = w->fifo_tail = NIL;
@@ -2845,7 +2847,7 @@ static void set_up(struct dp_router *rt, uint32_t k, int up, int probe)
     rt->view.generation++;
     rebuild_pools(rt);
     if (was_up && !up) {
-        failover(rt, k);
+        failover(rt, k, probe);
         /* A zmq worker's socket is replaced (linger 0 drops what it held): a connecting socket
          * keeps its queue, so the batch just replayed elsewhere reached the worker once it was
          * back (restarted, or its link healed), which ran it on the store's newer copy of the

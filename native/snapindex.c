@@ -516,9 +516,14 @@ int six_scan(struct six *ix, struct six_scan *sc, const uint8_t *win, uint64_t w
             return SIX_SCAN_MORE;
         }
         /* a pad is written whole, zeros after its header (its CRC covers the header alone): one
-         * whose write tore after the header would hide what a torn batch left under it, and a
-         * resync past the pad's damaged header took that for the store's (found by review) */
-        for (uint64_t i = SIX_HEADER_SIZE; ok && h.kind == SIX_KIND_PAD && i < h.nblocks * bs; i++)
+         * whose write tore after the header, taken whole, left what a torn batch had put under it
+         * to pass below the checkpoint, where a resync past the pad's damaged header took it for
+         * the store's (found by review). So past the checkpoint of a version 2 superblock, whose
+         * writer zero-fills its pads, one must be zeros: else it is the torn end. (Not below it,
+         * nor in a version 1 store: written by code before session 29's, whose pads kept what
+         * the blocks held, a whole one read as torn cut off the acknowledged records after it.) */
+        for (uint64_t i = SIX_HEADER_SIZE; ok && h.kind == SIX_KIND_PAD && sc->pos >= sc->tail && sc->tail_epoch
+                                           && i < h.nblocks * bs; i++)
             ok = rec[i] == 0;
         if (!ok || !crc_ok(rec, &h)) {
             memcpy(sc->bad_key, h.key, SIX_KEY_LEN);

@@ -79,7 +79,6 @@ class Layout:
 
     def __init__(self, fields: tuple[tuple[str, str], ...]):
         self.fields = fields
-        self.fields = fields
         self.struct = struct.Struct("<" + "".join(f for _, f in fields))
         self.size = self.struct.size
         self.offsets, off = {}, 0

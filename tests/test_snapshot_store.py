@@ -672,6 +672,33 @@ def test_a_pad_torn_after_its_header_ends_the_log_and_hides_nothing(make_device,
         assert s.restore(key(1)) is not None, "the torn batch's delete was never acknowledged"
 
 
+def test_a_version_1_pad_that_kept_what_its_blocks_held_is_no_torn_end(make_device):
+    """Code before session 29's wrote a pad's header block alone, the rest of it as the blocks
+    were. Read as torn, such a pad past a version 1 store's checkpoint (a crash) cut off the
+    acknowledged record after it (found by review): a pad's zeros are asked for only past a
+    version 2 checkpoint."""
+    path = make_device(1 << 20)
+    with LogStore(path) as s:
+        L, bs = s.stats()["log_blocks"], s.stats()["block_size"]
+        s.put(key(1), Delta(b"k" * 100))
+        while s.stats()["tail"] % L != L - 3:
+            s.put(key(9), Delta(b"f" * 100), replace=True)
+        want = os.urandom(4 * bs)
+        s.put(key(2), Delta(want))                   # a pad to the lap's end, then the record
+        pad = s.entries()[-2]
+        assert pad.kind == fmt.KIND_PAD
+        st = s.stats()
+    for i in range(1, pad.nblocks):                  # what an earlier writer left under it
+        rewrite_blocks(path, phys_block(st, pad.lpos + i), lambda blk: b"\xab" * len(blk))
+    for copy in range(fmt.SB_COPIES):                # a version 1 store that crashed with them unchecked
+        sb = fmt.unpack_superblock(read_block(path, copy))._replace(tail=pad.lpos)
+        body = fmt.SUPERBLOCK_V1.struct.pack(fmt.SB_MAGIC, 1, *sb[:-1], 0, 0)[:80]
+        v1 = body + fmt.crc32c(body).to_bytes(4, "little")
+        rewrite_blocks(path, copy, lambda blk: v1 + blk[len(v1):])
+    with LogStore(path) as s:
+        assert s.restore(key(2)).payload == want and s.stats()["torn_records_skipped"] == 0
+
+
 def test_a_damaged_record_the_head_reaches_drops_its_chain_not_the_store(make_device):
     """A record of a live chain goes bad while the store is open; when the head reaches the
     chain, it cannot be moved. It is dropped durably, as recovery would drop it, and the store
