@@ -104,6 +104,30 @@ def phys_block(store_or_stats, lpos):
     return fmt.LOG_START + lpos % store_or_stats["log_blocks"]
 
 
+def fill_to_short_of_the_lap(s, short: int):
+    """One-block records until the log's tail is `short` blocks before the lap's end."""
+    L = s.stats()["log_blocks"]
+    while s.stats()["tail"] % L != L - short:
+        s.put(key(9), Delta(b"f" * 100), replace=True)
+
+
+def read_block(path, block):
+    dev = BlockDevice(path)
+    try:
+        return bytes(dev.read_into(aligned_buffer(dev.block_size), block, 1))
+    finally:
+        dev.close()
+
+
+def as_version_1(path, **changes):
+    """Both superblock copies rewritten as a version 1 store's (no epoch, the CRC at byte 80)."""
+    for copy in range(fmt.SB_COPIES):
+        sb = fmt.unpack_superblock(read_block(path, copy))._replace(**changes)
+        body = fmt.SUPERBLOCK_V1.struct.pack(fmt.SB_MAGIC, 1, *sb[:-1], 0, 0)[:fmt.SUPERBLOCK_V1.offsets["checksum"]]
+        v1 = body + fmt.crc32c(body).to_bytes(4, "little")
+        rewrite_blocks(path, copy, lambda blk: v1 + blk[len(v1):])
+
+
 def test_put_restore_chain_bit_exact_and_durable(make_device):
     path = make_device()
     with LogStore(path) as s:
@@ -643,19 +667,14 @@ def test_a_pad_torn_after_its_header_ends_the_log_and_hides_nothing(make_device,
     with LogStore(path) as s:
         L, bs = s.stats()["log_blocks"], s.stats()["block_size"]
         s.put(key(1), Delta(b"k" * 100))
-        while s.stats()["tail"] % L != L - 10:
-            s.put(key(9), Delta(b"f" * 100), replace=True)
+        fill_to_short_of_the_lap(s, 10)
     monkeypatch.setattr(log_mod, "CHECKPOINT_EVERY_S", 3600.0)   # what follows stays past the checkpoint
     write_and_die(path, lambda s: (s.put(key(2), Delta(os.urandom(3 * bs))), s.delete(key(1))))
     with LogStore(path, readonly=True) as s:
         a, b = s.entries()[-2:]
         st = s.stats()
     assert b.kind == fmt.KIND_TOMBSTONE and b.lpos + b.nblocks < L * (a.lpos // L + 1)
-    dev = BlockDevice(path)
-    try:
-        tombstone = bytes(dev.read_into(aligned_buffer(dev.block_size), phys_block(st, b.lpos), 1))
-    finally:
-        dev.close()
+    tombstone = read_block(path, phys_block(st, b.lpos))
     rewrite_blocks(path, phys_block(st, a.lpos), lambda blk: bytes(len(blk)))      # the torn batch
     write_and_die(path, lambda s: s.put(key(3), Delta(os.urandom(11 * bs))))      # a pad, then the record
     with LogStore(path, readonly=True) as s:
@@ -679,10 +698,9 @@ def test_a_version_1_pad_that_kept_what_its_blocks_held_is_no_torn_end(make_devi
     version 2 checkpoint."""
     path = make_device(1 << 20)
     with LogStore(path) as s:
-        L, bs = s.stats()["log_blocks"], s.stats()["block_size"]
+        bs = s.stats()["block_size"]
         s.put(key(1), Delta(b"k" * 100))
-        while s.stats()["tail"] % L != L - 3:
-            s.put(key(9), Delta(b"f" * 100), replace=True)
+        fill_to_short_of_the_lap(s, 3)
         want = os.urandom(4 * bs)
         s.put(key(2), Delta(want))                   # a pad to the lap's end, then the record
         pad = s.entries()[-2]
@@ -690,11 +708,7 @@ def test_a_version_1_pad_that_kept_what_its_blocks_held_is_no_torn_end(make_devi
         st = s.stats()
     for i in range(1, pad.nblocks):                  # what an earlier writer left under it
         rewrite_blocks(path, phys_block(st, pad.lpos + i), lambda blk: b"\xab" * len(blk))
-    for copy in range(fmt.SB_COPIES):                # a version 1 store that crashed with them unchecked
-        sb = fmt.unpack_superblock(read_block(path, copy))._replace(tail=pad.lpos)
-        body = fmt.SUPERBLOCK_V1.struct.pack(fmt.SB_MAGIC, 1, *sb[:-1], 0, 0)[:80]
-        v1 = body + fmt.crc32c(body).to_bytes(4, "little")
-        rewrite_blocks(path, copy, lambda blk: v1 + blk[len(v1):])
+    as_version_1(path, tail=pad.lpos)                # a version 1 store that crashed with them unchecked
     with LogStore(path) as s:
         assert s.restore(key(2)).payload == want and s.stats()["torn_records_skipped"] == 0
 
@@ -1215,14 +1229,6 @@ def test_unformatted_device_and_second_opener(tmp_path):
             LogStore(image)
 
 
-def read_block(path, block):
-    dev = BlockDevice(path)
-    try:
-        return bytes(dev.read_into(aligned_buffer(dev.block_size), block, 1))
-    finally:
-        dev.close()
-
-
 def test_a_version_1_store_opens_and_its_first_write_makes_it_version_2(tmp_path):
     """Version 2 added the superblock's epoch; records are alike. A version 1 store (its
     superblock without the epoch, the CRC at byte 80) opens as it was, read-only too, and a
@@ -1233,11 +1239,7 @@ def test_a_version_1_store_opens_and_its_first_write_makes_it_version_2(tmp_path
     with LogStore(image) as s:
         want = put_all(s, key(1), deltas(2, 2000))
     assert fmt.SUPERBLOCK_V1.offsets["checksum"] == 80
-    for copy in range(fmt.SB_COPIES):
-        sb = fmt.unpack_superblock(read_block(image, copy))
-        body = fmt.SUPERBLOCK_V1.struct.pack(fmt.SB_MAGIC, 1, *sb[:-1], 0, 0)[:80]
-        v1 = body + fmt.crc32c(body).to_bytes(4, "little")
-        rewrite_blocks(image, copy, lambda blk: v1 + blk[len(v1):])
+    as_version_1(image)
     with LogStore(image, readonly=True) as s:
         assert s.restore(key(1)).payload == want
     assert {fmt.superblock_version(read_block(image, c)) for c in range(fmt.SB_COPIES)} == {1}
