@@ -538,9 +538,10 @@ static struct last_run *last_run_of(struct dp_router *rt, uint64_t sk)
  * at the policy's pick, remembered in `kv_homes` (not in the lossy last-run table: a session that
  * lost its entry to another would begin again, without its turns, on a worker with room) until
  * its CLOSE is answered 200, or the request that made the entry found no worker at all, or the
- * worker dies (kv_homes_forget; not a zmq worker that only timed out, which may come back). A failover that replays a request on a worker without a store
- * makes an entry too (failover). Full, it takes no more: a request that would need an entry is
- * answered 503 as if every worker were full (a failover makes none then). */
+ * worker dies (kv_homes_forget; not a zmq worker that only timed out, which may come back). A
+ * failover that replays a request on a worker without a store makes an entry too (failover).
+ * Full, it takes no more: a request that would need an entry is answered 503 as if every worker
+ * were full (a failover makes none then). */
 #define KV_HOMES 4096
 
 /* The worker kv_homes holds for session sk, NIL if none. */

@@ -1257,7 +1257,7 @@ def test_a_store_of_a_newer_format_version_is_named_as_such_not_as_no_store(tmp_
     at = fmt.SUPERBLOCK.offsets["version"]
     for copy in range(fmt.SB_COPIES):
         rewrite_blocks(image, copy, lambda blk: blk[:at] + (3).to_bytes(4, "little") + blk[at + 4:])
-    with pytest.raises(FormatError, match=r"format version 3, written by a newer version.*reads versions 1 to 2: upgrade"):
+    with pytest.raises(FormatError, match=r"format version 3, written by a newer version.*versions 1 to 2: upgrade"):
         LogStore(image)
     with pytest.raises(FormatError, match="already holds a snapshot store"):
         format_device(image)
