@@ -468,7 +468,7 @@ def _sweep_metric(report, name: str, row: dict):
     """A row's p95, and, beside it, the requests answered other than 200, which are in no
     percentile (the p95 of the rest reads low; found by review)."""
     report.metric(name, row["p95_ms"], "ms")
-    refused = row["errors"] - row["unanswered"]
+    refused = _refused(row)
     if refused:
         report.note(f"{name}: {refused:,} of its {row['requests']:,} requests were answered other than 200 and "
                     f"are in no percentile")
@@ -522,15 +522,24 @@ def _spread_to_80pct(rows: list[dict]) -> float | None:
     mode: the same configuration, warmed alike.)"""
     if not _reached_saturation(rows):
         return None
-    within = [_goal_p95(r) for r in rows[1:] if r["offered_qps"] <= GOAL_FRACTION * _saturation(rows)]
+    within = [_goal_p95(r) for r in _past_lightest_to_80pct(rows)]
     return max(within) / rows[0]["p95_ms"] if within else None
 
 
 def _dip_to_80pct(rows: list[dict]) -> float:
     """The lowest p95 at a rate past the lightest up to 80% of saturation over the lightest's: the
     other side of "within 10%". Only where _spread_to_80pct gave a finite figure."""
-    within = [r["p95_ms"] for r in rows[1:] if r["offered_qps"] <= GOAL_FRACTION * _saturation(rows)]
-    return min(within) / rows[0]["p95_ms"]
+    return min(r["p95_ms"] for r in _past_lightest_to_80pct(rows)) / rows[0]["p95_ms"]
+
+
+def _past_lightest_to_80pct(rows: list[dict]) -> list[dict]:
+    """The rows past the lightest whose offered rate is within 80% of saturation."""
+    return [r for r in rows[1:] if r["offered_qps"] <= GOAL_FRACTION * _saturation(rows)]
+
+
+def _refused(row: dict) -> int:
+    """A row's requests answered other than 200 (errors counts the unanswered too): in no percentile."""
+    return row["errors"] - row["unanswered"]
 
 
 def _goal_p95(row: dict) -> float:
@@ -539,7 +548,7 @@ def _goal_p95(row: dict) -> float:
     the p90 of all), was never sent (the sender fell behind its schedule and stopped: in no count
     but `unsent`, found by review) or more than 5% were unanswered (in the percentiles only at the
     time they had waited, a lower bound)."""
-    refused = row["errors"] - row["unanswered"]
+    refused = _refused(row)
     left_out = refused > 0 or row.get("unsent", 0) > 0
     return float("inf") if left_out or row["unanswered"] > 0.05 * row["requests"] else row["p95_ms"]
 

@@ -365,30 +365,31 @@ def signals_held(sigterm: SigtermExit | None = None):
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    held = []
-    # installed with both blocked, as they are put back: one landing between the two left the
-    # first's hold in place for good (found by review); blocked, it comes to the hold
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-    try:
-        restore = {s: signal.signal(s, lambda signum, frame: held.append(signum))
-                   for s in (signal.SIGINT, signal.SIGTERM)}
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    held, both = [], (signal.SIGINT, signal.SIGTERM)
+    # both handlers swapped with both signals blocked, in and out: one landing between the two
+    # swaps left a hold in place for good, and every later signal of its kind was swallowed (found
+    # by review); blocked, it waits for the handler the swaps leave
+    with _blocked(both):
+        restore = {s: signal.signal(s, lambda signum, frame: held.append(signum)) for s in both}
     if sigterm is not None and restore[signal.SIGTERM] is sigterm:
         restore[signal.SIGTERM] = sigterm.old
     try:
         yield
     finally:
-        # both put back before either can run: one landing between the two left the other's hold
-        # installed, and every later SIGTERM was swallowed (found by review)
-        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, set(restore))
-        try:
+        with _blocked(both):
             for s, handler in restore.items():
                 signal.signal(s, handler if handler is not None else signal.SIG_DFL)
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         if held:
             signal.raise_signal(held[0])
+
+
+@contextlib.contextmanager
+def _blocked(signals):
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, set(signals))
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def output_ring(name: str, capacity: int = 1 << 14) -> Ring:

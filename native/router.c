@@ -2092,15 +2092,6 @@ static uint32_t expire_stalled(struct dp_router *rt)
 
 /* --- failover ----------------------------------------------------------------------------- */
 
-/* Worker k is gone (its process died): whatever it held is lost with it, so
- * each of its unfinished requests is replayed on another worker from its
- * first chunk (kept for that until the request ends); the new worker restores
- * the session from the snapshot store and runs the prompt again. With no
- * worker left, the request is answered 503, and so is one whose replay's worker
- * died too with some of it: a request that kills workers (a bug, a store that
- * hangs them) must not go round the pool killing every one. One still queued,
- * none of it sent, had no part in the death: it moves on however often (it was
- * answered 503 at a second death before). Nothing is dropped silently. */
 /* Worker k is gone with the sessions kv_homes placed there: their entries go (a replay of one of
  * their requests makes its own again). Kept, each drew its session's next request to k's
  * replacement, where it began again anyway, and held its place in the table for good if the
@@ -2117,6 +2108,15 @@ static void kv_homes_forget(struct dp_router *rt, uint32_t k)
     }
 }
 
+/* Worker k is gone (its process died): whatever it held is lost with it, so
+ * each of its unfinished requests is replayed on another worker from its
+ * first chunk (kept for that until the request ends); the new worker restores
+ * the session from the snapshot store and runs the prompt again. With no
+ * worker left, the request is answered 503, and so is one whose replay's worker
+ * died too with some of it: a request that kills workers (a bug, a store that
+ * hangs them) must not go round the pool killing every one. One still queued,
+ * none of it sent, had no part in the death: it moves on however often (it was
+ * answered 503 at a second death before). Nothing is dropped silently. */
 static void failover(struct dp_router *rt, uint32_t k, int alive)
 {
     struct worker *w = &rt->w[k];

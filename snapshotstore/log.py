@@ -224,16 +224,17 @@ class LogStore:
     def _open(self):
         bs = self.dev.block_size
         self._sbuf = aligned_buffer(fmt.SB_COPIES * bs)
-        copies = [None] * fmt.SB_COPIES
+        blocks = [None] * fmt.SB_COPIES
         if self.dev.blocks >= fmt.SB_COPIES:
-            copies = [self._superblock_copy(i) for i in range(fmt.SB_COPIES)]
-            # a copy past the first is where it says only in its own block size: one of a store
-            # formatted in other blocks is not this store's (a reformat left it; the 512e vm check)
-            copies = [c if c is None or i == 0 or c.block_size == bs else None for i, c in enumerate(copies)]
+            blocks = [self._superblock_block(i) for i in range(fmt.SB_COPIES)]
+        copies = [fmt.unpack_superblock(b) if b is not None else None for b in blocks]
+        # a copy past the first is where it says only in its own block size: one of a store
+        # formatted in other blocks is not this store's (a reformat left it; the 512e vm check)
+        copies = [c if c is None or i == 0 or c.block_size == bs else None for i, c in enumerate(copies)]
         self.superblocks_valid = sum(c is not None for c in copies)
         if not self.superblocks_valid:
-            versions = {self._superblock_version(i) for i in range(min(fmt.SB_COPIES, self.dev.blocks))}
-            newer = [v for v in versions if v is not None and v > fmt.VERSION]
+            newer = [v for b in blocks if b is not None and (v := fmt.superblock_version(b)) is not None
+                     and v > fmt.VERSION]
             if newer:
                 raise FormatError(f"{self.path} holds a snapshot store of format version {max(newer)}, written by a "
                                   f"newer version of zerolayer; this one reads versions 1 to {fmt.VERSION}: upgrade")
@@ -292,10 +293,10 @@ class LogStore:
             except DeviceFull as e:               # opened all the same: said once, here
                 print(f"snapshotstore: {e}", file=sys.stderr)
 
-    def _superblock_copy(self, i: int) -> Superblock | None:
-        """Copy i, or None if it is missing, corrupt, or cannot be read (EIO: a bad sector, which is
-        what the second copy is for; one read of both made either copy's bad sector a store, and
-        an fsck, that could not open: found by review)."""
+    def _superblock_block(self, i: int) -> bytes | None:
+        """Copy i's block, or None if it cannot be read (EIO: a bad sector, which is what the second
+        copy is for; one read of both made either copy's bad sector a store, and an fsck, that
+        could not open: found by review)."""
         try:
             view = self.dev.read_into(self._sbuf, i, 1)
         except OSError as e:
@@ -303,15 +304,7 @@ class LogStore:
                 raise
             self.counters["unreadable_blocks"] += 1
             return None
-        return fmt.unpack_superblock(view[:self.dev.block_size])
-
-    def _superblock_version(self, i: int) -> int | None:
-        try:
-            return fmt.superblock_version(self.dev.read_into(self._sbuf, i, 1))
-        except OSError as e:
-            if e.errno != errno.EIO:
-                raise
-            return None
+        return bytes(view[:self.dev.block_size])
 
     def _read_buf(self, nbytes: int):
         if len(self._rbuf) < nbytes:
