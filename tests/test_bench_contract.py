@@ -425,7 +425,8 @@ def test_a_saturated_dynamic_sweep_measures_a_row_aimed_at_80pct_of_saturation()
     80% of the most it answered: where the flatness goal ends, not where the draws put a round
     rate. A worker slowed 40x saturates the tiny model at a few requests a second."""
     from bench.contract import Report
-    from bench.e2e import _config, _sweep_mode, _sweep_rate, _warm_up
+    from bench.e2e import SWEEP_SEED, _config, _sweep_mode, _sweep_rate, _warm_up
+    from datapath import client
     from datapath.pipeline import Pipeline
     report = Report("e2e", quick=True)
     with Pipeline(_config(batching="dynamic", workers=1, stragglers={0: 40})) as p:
@@ -435,8 +436,12 @@ def test_a_saturated_dynamic_sweep_measures_a_row_aimed_at_80pct_of_saturation()
     aimed = [r for r in rows if r.get("aimed_at_saturation_fraction")]
     assert len(aimed) == 1, rows
     line = 0.8 * max(r["achieved_qps"] for r in rows)
-    # it offered the line: a hair under it, counted within; lag could only lower it
-    assert 0.99 * line < aimed[0]["offered_qps"] <= line
+    # aimed at the line by its seeded schedule, a hair under it (counted within); what it offered as
+    # sent is at most that: the sender's lag only lowers it (on a busy machine 3.8% lower once, so
+    # the measured rate is no test of the aim)
+    a = aimed[0]
+    scheduled = a["requests"] / client.schedule_span_s(a["qps"], a["requests"], seed=SWEEP_SEED)
+    assert 0.99 * line < scheduled <= line and a["offered_qps"] <= line
     assert rows[0] is first and [r["offered_qps"] for r in rows[1:]] == sorted(r["offered_qps"] for r in rows[1:])
     assert report.metrics["sweep_t_p95_ms_dynamic_at_80pct"] == aimed[0]["p95_ms"]
 
