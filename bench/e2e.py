@@ -23,6 +23,7 @@ import numpy as np
 
 from bench.report import report_dir, write_report
 from datapath import client
+from datapath.ingress import signals_held
 from datapath.pipeline import Pipeline, PipelineConfig
 from datapath.records import KIND_DECODE
 from datapath.serving.devices import profile
@@ -698,15 +699,18 @@ def fresh_store():
     from snapshotstore.device import create_image, state_dir
     from snapshotstore.log import format_device
     os.makedirs(state_dir(), exist_ok=True)
-    # the pid in the name: a SIGKILLed run's image is swept by datapath.topology.sweep_stale
-    tmp = tempfile.mkdtemp(prefix=f"e2e-store-{os.getpid()}-", dir=state_dir())
+    tmp = None
     try:
+        with signals_held():     # made and named to the finally as one (a Ctrl-C between left it)
+            # the pid in the name: a SIGKILLed run's image is swept by datapath.topology.sweep_stale
+            tmp = tempfile.mkdtemp(prefix=f"e2e-store-{os.getpid()}-", dir=state_dir())
         path = f"{tmp}/store.img"
         create_image(path, 256 << 20)
         format_device(path)
         yield path
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def snapshot_evict(report, quick: bool, memory: dict, stages: dict) -> dict:

@@ -336,6 +336,23 @@ class WorkerProcess:
         os.close(self.pidfd)
 
 
+def join_all(procs: list[WorkerProcess], timeout: float) -> list[WorkerProcess]:
+    """Wait up to `timeout` s in all for every one of procs to exit; those still running."""
+    import math
+    import select
+    deadline, left = time.monotonic() + timeout, list(procs)
+    while left:
+        remaining = deadline - time.monotonic()
+        poll = select.poll()
+        for p in left:
+            poll.register(p.pidfd, select.POLLIN)
+        exited = {fd for fd, _ in poll.poll(max(0, math.ceil(remaining * 1000)))}
+        left = [p for p in left if p.pidfd not in exited]
+        if remaining <= 0:
+            break
+    return left
+
+
 class WorkerSpawner:
     """The pipeline's end of _spawner_main. spawn() forks worker k (its spec, trace buffer and
     the stop flag inherited) on a lane; events() are the ("ready", sid) and ("exit", sid, code)
@@ -588,8 +605,9 @@ class Pipeline:
         import functools
         import shutil
         import tempfile
-        sockdir = tempfile.mkdtemp(prefix=f"zl-{self.tag}-")     # topology.sweep_stale knows the name
-        self._stack.callback(shutil.rmtree, sockdir, ignore_errors=True)
+        with signals_held():     # made and its removal registered as one (a Ctrl-C between left it)
+            sockdir = tempfile.mkdtemp(prefix=f"zl-{self.tag}-")     # topology.sweep_stale knows the name
+            self._stack.callback(shutil.rmtree, sockdir, ignore_errors=True)
         endpoint = f"ipc://{sockdir}/store"
         stop, ready = SharedFlag(), SharedFlag()
         server = ctx.Process(target=_store_main, args=(path, endpoint, stop, ready, os.getpid()), name="store",
@@ -634,10 +652,12 @@ class Pipeline:
 
     def _reap_workers(self):
         self._stop_workers.set()
-        for p in self.workers:
-            if not p.join(5):
-                p.kill()
-                p.join(5)
+        # all under one deadline: one after another, each worker that did not stop cost its own
+        # 5 s, and 5 more for its kill
+        left = join_all(self.workers, 5)
+        for p in left:
+            p.kill()
+        join_all(left, 5)
         for p in self.workers + self._retired:
             p.close()
         if self._spawner is not None:

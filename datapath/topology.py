@@ -113,14 +113,19 @@ def enter(name: str):
 
 
 def socket_in(name: str, family=socket.AF_INET, type=socket.SOCK_DGRAM) -> socket.socket:
-    """A socket that lives in netns `name` (sockets keep the namespace they were made in)."""
-    if name not in netns.listnetns():   # pushns would create a missing one
-        raise FileNotFoundError(f"no network namespace {name!r}")
-    netns.pushns(name)
+    """A socket that lives in netns `name` (sockets keep the namespace they were made in). Only the
+    calling thread moves, and it comes back to its own namespace (pyroute2's pushns went back to
+    the main thread's, and kept its saved fd on a stack shared by every thread); a missing
+    namespace is FileNotFoundError, never created."""
+    back = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
     try:
-        return socket.socket(family, type)
+        netns.setns(name, flags=0)
+        try:
+            return socket.socket(family, type)
+        finally:
+            netns.setns(back, flags=0)
     finally:
-        netns.popns()
+        os.close(back)
 
 
 def ours() -> list[str]:

@@ -261,6 +261,29 @@ def test_a_spawner_that_died_is_named_not_a_bare_eoferror():
         spawner.close()
 
 
+def test_workers_that_do_not_stop_are_waited_for_under_one_deadline_not_one_each():
+    """The teardown joined its workers one after another, 5 s each (and 5 more each for the kill):
+    four that ignored the stop held it 20 s before the first kill (review)."""
+    import subprocess
+    from datapath.pipeline import WorkerProcess, join_all
+    kids = [subprocess.Popen(["sleep", "60"]) for _ in range(4)]
+    procs = [WorkerProcess(k, k, c.pid, os.pidfd_open(c.pid)) for k, c in enumerate(kids)]
+    try:
+        t = time.monotonic()
+        assert join_all(procs, 0.5) == procs
+        assert time.monotonic() - t < 1.5, "one after another, 0.5 s each, takes 2 s"
+        procs[0].kill()
+        assert join_all(procs, 0.3) == procs[1:]
+        for p in procs[1:]:
+            p.kill()
+        assert join_all(procs, 10) == []
+    finally:
+        for c, p in zip(kids, procs):
+            c.kill()
+            c.wait()
+            p.close()
+
+
 @pytest.mark.root
 @pytest.mark.bpf
 def test_a_second_sigterm_during_the_teardown_leaves_no_namespace():

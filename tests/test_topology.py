@@ -6,11 +6,14 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 
 import pytest
+from pyroute2 import netns
 
 from datapath import topology
+from datapath import topology as topology_mod   # (tests below take a fixture of the module's name)
 from datapath.topology import Topology, socket_in
 from snapshotstore.device import state_dir
 
@@ -153,3 +156,32 @@ def test_socket_in_a_namespace_from_an_unmoved_process(topology):
         tx.close()
     finally:
         rx.close()
+
+
+def _thread_netns() -> int:
+    return os.stat("/proc/thread-self/ns/net").st_ino
+
+
+def test_socket_in_brings_a_thread_back_to_its_own_namespace_not_the_main_threads(topology):
+    """A thread living in the client namespace makes a socket in the host's and is back in the
+    client's after (pyroute2's pushns took it to the main thread's)."""
+    client = os.stat(f"/var/run/netns/{topology.client_ns[0]}").st_ino
+    seen = {}
+
+    def in_client():
+        topology_mod.enter(topology.client_ns[0])
+        sock = socket_in(topology.host_ns)
+        sock.close()
+        seen["after"] = _thread_netns()
+    t = threading.Thread(target=in_client)
+    t.start()
+    t.join()
+    assert seen["after"] == client != _thread_netns()
+
+
+def test_socket_in_a_missing_namespace_is_refused_and_creates_none(topology):
+    missing = topology.host_ns + "x"
+    before = _thread_netns()
+    with pytest.raises(FileNotFoundError):
+        socket_in(missing)
+    assert missing not in netns.listnetns() and _thread_netns() == before
