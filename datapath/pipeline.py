@@ -556,6 +556,7 @@ class Pipeline:
         for k, (pool, device, nice) in enumerate(self.placement):
             self._lane_names[k] = name = self._lane_name(k, 0)   # first: an interrupt in the create leaks nothing
             self.router.add_worker(*lanes.create_shm_lane(name, wait=cfg.lane_wait), pool=pool)
+            self.router.set_worker_store(k, store_factory is not None)
             if device and cfg.budget_at_knee:
                 self.router.set_worker_budget(k, profile(device).knee_tokens)
             self.traces.append(mmap.mmap(-1, 64 + cfg.trace_records * TRACE.itemsize))

@@ -186,6 +186,12 @@ class Router:
             raise ValueError(f"token_budget must be 1..{1 << 20}, got {token_budget}")
         _check(lib.dp_router_set_worker_budget(self._rt, worker, token_budget or 0), f"budget of worker {worker}")
 
+    def set_worker_store(self, worker: int, has_store: bool):
+        """Declare whether a worker (and each replacement on its lane) has a snapshot store. Its
+        answers say so anyway; declared, a session a failover replays on it before its first
+        answer stays there too (native/router.h)."""
+        _check(lib.dp_router_set_worker_store(self._rt, worker, int(bool(has_store))), f"store of worker {worker}")
+
     # --- pools: placement by price, health and room (native/router.h) -------------------------
     def set_pool(self, pool: int, price_per_1k: int, room_per_worker: int = 0):
         """Pool `pool` (0..MAX_POOLS-1) costs price_per_1k micro-USD per 1,000 tokens (the placement

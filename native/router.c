@@ -106,7 +106,9 @@ struct worker {
     uint32_t n_set;
     uint32_t busy, batch_seq, batch_len;
     uint32_t budget;                    /* its own token budget per step; 0: the router's */
-    uint8_t no_store;                   /* its answers say it has no snapshot store (DP_CE_NO_STORE) */
+    uint8_t no_store;                   /* its answers say it has no snapshot store (DP_CE_NO_STORE), or
+                                         * the control plane did, before its first answer */
+    uint8_t no_store_said;              /* the control plane's word (dp_router_set_worker_store) */
     struct batch_meta meta[DP_MAX_BATCH_CHUNKS];
     struct dp_worker_stats st;
 };
@@ -2121,7 +2123,7 @@ static void failover(struct dp_router *rt, uint32_t k, int alive)
 {
     struct worker *w = &rt->w[k];
     if (!alive) {                        /* (a zmq worker that only timed out may come back, holding them) */
-        w->no_store = 0;                 /* its replacement's answers tell */
+        w->no_store = w->no_store_said;  /* its replacement's answers tell (till then, the control plane) */
         kv_homes_forget(rt, k);
     }
     w->busy = w->st.busy = 0;
@@ -2903,6 +2905,16 @@ int dp_router_set_worker_budget(struct dp_router *rt, uint32_t worker, uint32_t 
         return -EINVAL;
     pthread_mutex_lock(&rt->lock);
     rt->w[worker].budget = token_budget;
+    pthread_mutex_unlock(&rt->lock);
+    return 0;
+}
+
+int dp_router_set_worker_store(struct dp_router *rt, uint32_t worker, int has_store)
+{
+    if (worker >= rt->view.n)
+        return -EINVAL;
+    pthread_mutex_lock(&rt->lock);
+    rt->w[worker].no_store = rt->w[worker].no_store_said = !has_store;
     pthread_mutex_unlock(&rt->lock);
     return 0;
 }

@@ -823,6 +823,25 @@ def test_a_session_a_failover_moved_to_a_store_less_worker_stays_there_until_its
     assert b.router.stats()["kv_homes"] == 0
 
 
+def test_a_worker_declared_store_less_keeps_a_session_replayed_there_before_its_first_answer(bench_factory):
+    """Nothing answered yet, so no answer has said that the workers have no store: the control
+    plane did (set_worker_store, as the pipeline does). Session 9's worker dies with its first
+    request taken; the replay's worker keeps the session until its CLOSE. Before, only answers
+    told: the policy sent the session's next request to the dead worker's replacement, which began
+    it again (a known limit since session 30)."""
+    b = bench_factory(n_workers=3, policy="affinity")
+    for k in range(3):
+        b.router.set_worker_store(k, False)
+    b.no_store = {0, 1, 2}
+    k, nk = fail_over(b, 9, 6)
+    assert b.router.stats()["kv_homes"] == 1, "placed there before it had answered anything"
+    b.run(nk)
+    b.router.set_up(k, True)                               # its replacement
+    then_request_and_close_on(b, nk)
+    assert {int(r["request_id"]): int(r["status"]) for r in b.responses} == {6: 200, 9: 200, 10: 200}
+    assert b.router.stats()["kv_homes"] == 0
+
+
 def test_a_failover_s_entry_goes_when_its_worker_refuses_the_session_or_dies(bench_factory):
     """The replay's worker refuses the session for want of KV room and no other has any: the
     request is answered 503 and the entry goes (a failover's walk counts no moves, so it stayed,
