@@ -99,6 +99,75 @@ class _Window:
         return self.view, (pos - self.pos) * self.store.block_size
 
 
+class _ReadAhead(_Window):
+    """Recovery's _Window, reading the next window while the scan (C, without the GIL) reads this
+    one, so an open costs about its reads rather than its reads and its scan (the scan of 50,000
+    one-block records took 28 ms of a 111 ms open, its reads 70). From the third window on: a
+    store whose log ends in the first two reads nothing past its end. A record across a window's
+    end is carried: its blocks in this window are copied before the next one's (which is read
+    past room kept for them), unless it crosses the lap's end or more than a window of it lies
+    here. A read-ahead that fails, or a request it does not cover, is read as before, with the
+    EIO salvage; the device is never used by both at once (close() waits for the read)."""
+
+    def __init__(self, store: "LogStore", read):
+        super().__init__(store, read)
+        self._windows = 0
+        self._bufs = [aligned_buffer(2 * self.size * store.block_size) for _ in range(2)]
+        self._next = None                 # (position, blocks, buffer index, future) being read
+        self._pool = None
+
+    def at(self, pos: int, n: int):
+        if self.pos <= pos and pos + n <= self.pos + self.n:
+            return super().at(pos, n)
+        got = self._take(pos, n)
+        if got is None:
+            super().at(pos, n)
+        self._windows += 1
+        if self._windows >= 2:
+            self._read_next()
+        return self.view, (pos - self.pos) * self.store.block_size
+
+    def _take(self, pos: int, n: int):
+        """The window from the read-ahead, with this window's part of a record carried; None if it
+        does not cover [pos, pos + n)."""
+        if self._next is None:
+            return None
+        start, count, b, future = self._next
+        self._next = None
+        try:
+            future.result()
+        except Exception:
+            return None                   # read again, salvaging an EIO as recovery always has
+        carry = start - pos
+        if not (0 <= carry <= self.size and pos + n <= start + count
+                and (not carry or (self.pos <= pos and start % self.store.log_blocks))):
+            return None
+        bs, buf = self.store.block_size, self._bufs[b]
+        if carry:                         # (self.view is the other buffer, or the store's)
+            off = (pos - self.pos) * bs
+            buf[(self.size - carry) * bs:self.size * bs] = self.view[off:off + carry * bs]
+        self.view = memoryview(buf)[(self.size - carry) * bs:(self.size + count) * bs]
+        self.pos, self.n = pos, carry + count
+        return self.view
+
+    def _read_next(self):
+        import concurrent.futures
+        st, L = self.store, self.store.log_blocks
+        start = self.pos + self.n
+        count = min(self.size, L - start % L)
+        # the buffer the current view is not in
+        b = 1 if self.view is not None and self.view.obj is self._bufs[0] else 0
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="recovery-read")
+        dest = memoryview(self._bufs[b])[self.size * st.block_size:]
+        self._next = (start, count, b, self._pool.submit(st.dev.read_into, dest, st.log_start + start % L, count))
+
+    def close(self):
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        self._next = None
+
+
 class _Request:
     """A record on its way through the group commit."""
     __slots__ = ("kind", "key", "payload", "flags", "raw_len", "tokens", "layers", "codec",
@@ -313,8 +382,14 @@ class LogStore:
 
     def _recover(self, sb: Superblock):
         """The scan and the linking run in C (Index.scan); the rare bad record is handled here."""
+        window = _ReadAhead(self, self._read_salvaging)
+        try:
+            self._scan(sb, window)
+        finally:
+            window.close()
+
+    def _scan(self, sb: Superblock, window: _ReadAhead):
         ckpt = sb.tail
-        window = _Window(self, self._read_salvaging)
         holes = []                                # (key, seq, newest seq before it) of damaged records
         with self._ix.scan(store_id=self.store_id, generation=sb.generation, log_blocks=self.log_blocks,
                            head=sb.head, block_size=self.block_size, tail=ckpt, tail_epoch=sb.epoch) as scan:

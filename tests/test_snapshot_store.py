@@ -169,6 +169,7 @@ def test_recovery_reads_records_across_its_windows(make_device, monkeypatch, win
     however many windows it spans; every record comes back, across the lap's end too."""
     import snapshotstore.log as log
     path = make_device(3 << 20)
+    taken = spy_read_ahead(monkeypatch)
     with LogStore(path, compact_after=1000) as s:
         monkeypatch.setattr(log, "SCAN_WINDOW_BYTES", window_blocks * s.block_size)
         sizes = [100, 3 * s.block_size + 5, 70, 9 * s.block_size, 1, s.max_payload // 3]
@@ -190,6 +191,25 @@ def test_recovery_reads_records_across_its_windows(make_device, monkeypatch, win
         again = s.stats()
         assert (again["head"], again["tail"], again["records"]) == (st["head"], st["tail"], st["records"])
         assert again["corrupt_blocks_skipped"] == again["torn_records_skipped"] == 0
+    if window_blocks == 3:        # windows read ahead were taken, records carried into them too
+        assert {"taken", "carried"} <= set(taken), taken
+
+
+def spy_read_ahead(monkeypatch) -> list[str]:
+    """What recovery did with each window it read ahead: taken whole, carried (a record's blocks
+    in the window before copied in front of it), or not taken (read again)."""
+    import snapshotstore.log as log
+    real, seen = log._ReadAhead._take, []
+
+    def take(self, pos, n):
+        if self._next is None:
+            return real(self, pos, n)     # nothing read ahead
+        start = self._next[0]
+        got = real(self, pos, n)
+        seen.append("not taken" if got is None else "carried" if start != pos else "taken")
+        return got
+    monkeypatch.setattr(log._ReadAhead, "_take", take)
+    return seen
 
 
 def test_one_block_delta_is_written_as_one_block(make_device):
@@ -802,15 +822,22 @@ def test_a_corrupt_acknowledged_record_after_a_crash_cuts_off_only_its_chain(mak
             assert s.restore(key(k)).payload == model[key(k)], k
 
 
-def test_an_unreadable_block_is_damage_not_a_store_that_cannot_open(make_device, monkeypatch):
+@pytest.mark.parametrize("window_blocks", [None, 2], ids=["1 MiB windows", "2-block windows, read ahead"])
+def test_an_unreadable_block_is_damage_not_a_store_that_cannot_open(make_device, monkeypatch, window_blocks):
     """A bad sector (EIO) under one record: recovery reads around it, counts it, drops that
     record's chain and serves the others; a restore that meets it says so. Before, the OSError
-    left the store (and fsck) unable to open."""
+    left the store (and fsck) unable to open. In small windows the bad one is read ahead first:
+    its failure is read again, salvaged, as before."""
     import errno
+    import snapshotstore.log as log
     from snapshotstore import device
     from snapshotstore.errors import SnapshotError
     path = make_device()
+    taken = spy_read_ahead(monkeypatch)
     with LogStore(path) as s:
+        if window_blocks:
+            monkeypatch.setattr(log, "SCAN_WINDOW_BYTES", window_blocks * s.block_size)
+        c = put_all(s, key(3), deltas(6, 300, seed=3))   # so the bad block lies past two windows
         a = put_all(s, key(1), deltas(3, 300, seed=1))
         b = put_all(s, key(2), deltas(3, 300, seed=2))
         assert s.restore(key(1)).payload == a
@@ -823,10 +850,12 @@ def test_an_unreadable_block_is_damage_not_a_store_that_cannot_open(make_device,
             raise OSError(errno.EIO, os.strerror(errno.EIO))
         return real(self, buf, block, nblocks)
     monkeypatch.setattr(device.BlockDevice, "read_into", read_into)
+    taken.clear()
     with LogStore(path, readonly=True) as s:
         st = s.stats()
         assert st["unreadable_blocks"] == 1 and st["corrupt_blocks_skipped"] >= 1
-        assert s.restore(key(1)) is None and s.restore(key(2)).payload == b
+        assert s.restore(key(1)) is None and s.restore(key(2)).payload == b and s.restore(key(3)).payload == c
+    assert ("not taken" in taken) == bool(window_blocks), taken
     monkeypatch.setattr(device.BlockDevice, "read_into", real)
     with LogStore(path) as s:
         e = next(e for e in s.entries() if e.key == key(2))
