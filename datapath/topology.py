@@ -20,6 +20,7 @@ import re
 import shutil
 import socket
 import tempfile
+import threading
 
 from pyroute2 import NetNS, netns
 
@@ -113,19 +114,25 @@ def enter(name: str):
 
 
 def socket_in(name: str, family=socket.AF_INET, type=socket.SOCK_DGRAM) -> socket.socket:
-    """A socket that lives in netns `name` (sockets keep the namespace they were made in). Only the
-    calling thread moves, and it comes back to its own namespace (pyroute2's pushns went back to
-    the main thread's, and kept its saved fd on a stack shared by every thread); a missing
-    namespace is FileNotFoundError, never created."""
-    back = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
-    try:
-        netns.setns(name, flags=0)
+    """A socket that lives in netns `name` (sockets keep the namespace they were made in), made by
+    a short-lived thread that moves there, so the caller never moves: moving it there and back
+    (pyroute2's pushns) took a thread back to the main thread's namespace, and a Ctrl-C between
+    the two moves left the main thread in `name`. A missing namespace is FileNotFoundError, never
+    created."""
+    out = {}
+
+    def make():
         try:
-            return socket.socket(family, type)
-        finally:
-            netns.setns(back, flags=0)
-    finally:
-        os.close(back)
+            netns.setns(name, flags=0)
+            out["sock"] = socket.socket(family, type)
+        except BaseException as e:      # raised again in the caller
+            out["error"] = e
+    maker = threading.Thread(target=make, name=f"socket-in-{name}")
+    maker.start()
+    maker.join()
+    if "error" in out:
+        raise out["error"]
+    return out["sock"]
 
 
 def ours() -> list[str]:

@@ -2914,7 +2914,9 @@ int dp_router_set_worker_store(struct dp_router *rt, uint32_t worker, int has_st
     if (worker >= rt->view.n)
         return -EINVAL;
     pthread_mutex_lock(&rt->lock);
-    rt->w[worker].no_store = rt->w[worker].no_store_said = !has_store;
+    rt->w[worker].no_store_said = !has_store;
+    if (!has_store)
+        rt->w[worker].no_store = 1;      /* (declared with one: what its answers said stands) */
     pthread_mutex_unlock(&rt->lock);
     return 0;
 }

@@ -842,6 +842,16 @@ def test_a_worker_declared_store_less_keeps_a_session_replayed_there_before_its_
     assert b.router.stats()["kv_homes"] == 0
 
 
+def test_declaring_a_worker_has_a_store_does_not_unsay_what_its_answers_said(bench_factory):
+    """Its answers said it has none (CE_NO_STORE): a declaration of one does not erase that before
+    its next answer, so a failover onto it still remembers the session (review)."""
+    b = store_less_bench(bench_factory, 2)
+    for k in range(2):
+        b.router.set_worker_store(k, True)
+    fail_over(b, 9, 6)
+    assert b.router.stats()["kv_homes"] == 1
+
+
 def test_a_failover_s_entry_goes_when_its_worker_refuses_the_session_or_dies(bench_factory):
     """The replay's worker refuses the session for want of KV room and no other has any: the
     request is answered 503 and the entry goes (a failover's walk counts no moves, so it stayed,

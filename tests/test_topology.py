@@ -162,16 +162,17 @@ def _thread_netns() -> int:
     return os.stat("/proc/thread-self/ns/net").st_ino
 
 
-def test_socket_in_brings_a_thread_back_to_its_own_namespace_not_the_main_threads(topology):
-    """A thread living in the client namespace makes a socket in the host's and is back in the
-    client's after (pyroute2's pushns took it to the main thread's)."""
+def test_socket_in_leaves_the_calling_thread_in_its_own_namespace_not_the_main_threads(topology):
+    """A thread living in the client namespace makes a socket in the host's (bound to the host's
+    address, which exists only there) and is still in the client's after (pyroute2's pushns took
+    it to the main thread's)."""
     client = os.stat(f"/var/run/netns/{topology.client_ns[0]}").st_ino
     seen = {}
 
     def in_client():
         topology_mod.enter(topology.client_ns[0])
-        sock = socket_in(topology.host_ns)
-        sock.close()
+        with socket_in(topology.host_ns) as sock:
+            sock.bind((topology.host_ip[0], 0))
         seen["after"] = _thread_netns()
     t = threading.Thread(target=in_client)
     t.start()
