@@ -103,51 +103,71 @@ class _ReadAhead(_Window):
     """Recovery's _Window, reading the next window while the scan (C, without the GIL) reads this
     one, so an open costs about its reads rather than its reads and its scan (the scan of 50,000
     one-block records took 28 ms of a 111 ms open, its reads 70). From the third window on: a
-    store whose log ends in the first two reads nothing past its end. A record across a window's
+    store whose log ends in the first two reads no more than before. A record across a window's
     end is carried: its blocks in this window are copied before the next one's (which is read
-    past room kept for them), unless it crosses the lap's end or more than a window of it lies
-    here. A read-ahead that fails, or a request it does not cover, is read as before, with the
-    EIO salvage; the device is never used by both at once (close() waits for the read)."""
+    past room kept for them), and one longer than that reads only the rest. A read-ahead that
+    fails with EIO is read again as before, salvaged; any other error is the open's, as it was.
+    The device is never read by both at once (close() waits for the read, Ctrl-C or not); with
+    no thread to be had, windows are read as before."""
 
     def __init__(self, store: "LogStore", read):
         super().__init__(store, read)
         self._windows = 0
         self._bufs = [aligned_buffer(2 * self.size * store.block_size) for _ in range(2)]
         self._next = None                 # (position, blocks, buffer index, future) being read
+        self._pending = None              # the last read's future, until close() has seen it done
         self._pool = None
+        self._off = False                 # no thread could be started: read as _Window does
 
     def at(self, pos: int, n: int):
         if self.pos <= pos and pos + n <= self.pos + self.n:
             return super().at(pos, n)
-        got = self._take(pos, n)
-        if got is None:
+        if self._take(pos, n) is None:
             super().at(pos, n)
         self._windows += 1
-        if self._windows >= 2:
+        if self._windows >= 2 and not self._off:
             self._read_next()
         return self.view, (pos - self.pos) * self.store.block_size
 
     def _take(self, pos: int, n: int):
-        """The window from the read-ahead, with this window's part of a record carried; None if it
-        does not cover [pos, pos + n)."""
+        """The window from the read-ahead, with this window's part of a record carried and, for a
+        record longer than both, the rest read; None if it does not begin where the scan asks."""
         if self._next is None:
             return None
         start, count, b, future = self._next
         self._next = None
         try:
             future.result()
-        except Exception:
-            return None                   # read again, salvaging an EIO as recovery always has
+        except OSError as e:
+            if e.errno != errno.EIO:
+                raise                     # not the medium: as the read would have said it
+            return None                   # read again, salvaging the EIO as recovery always has
+        st, bs, L = self.store, self.store.block_size, self.store.log_blocks
         carry = start - pos
-        if not (0 <= carry <= self.size and pos + n <= start + count
-                and (not carry or (self.pos <= pos and start % self.store.log_blocks))):
+        if not (0 <= carry <= self.size and (not carry or (self.pos <= pos and start % L))):
             return None
-        bs, buf = self.store.block_size, self._bufs[b]
-        if carry:                         # (self.view is the other buffer, or the store's)
-            off = (pos - self.pos) * bs
+        off = (pos - self.pos) * bs
+        if pos + n <= start + count:
+            buf = self._bufs[b]           # (self.view is in the other buffer, or the store's)
             buf[(self.size - carry) * bs:self.size * bs] = self.view[off:off + carry * bs]
-        self.view = memoryview(buf)[(self.size - carry) * bs:(self.size + count) * bs]
-        self.pos, self.n = pos, carry + count
+            self.view = memoryview(buf)[(self.size - carry) * bs:(self.size + count) * bs]
+            self.pos, self.n = pos, carry + count
+            return self.view
+        # a record past the read-ahead: what is in memory kept, the rest read into the store's
+        # buffer behind it (the record never crosses the lap's end; a damaged header that says it
+        # does is read short, as _Window reads it)
+        total = min(max(n, self.size), L - pos % L)
+        have = carry + count
+        if total <= have:
+            return None
+        kept = bytes(self.view[off:off + carry * bs]) + bytes(memoryview(self._bufs[b])[self.size * bs:
+                                                                                      (self.size + count) * bs])
+        self.n = 0                        # no window until the read succeeds
+        buf = st._read_buf(total * bs)
+        buf[:have * bs] = kept
+        self.read(memoryview(buf)[have * bs:], st.log_start + (pos + have) % L, total - have)
+        self.view = memoryview(buf)[:total * bs]
+        self.pos, self.n = pos, total
         return self.view
 
     def _read_next(self):
@@ -155,17 +175,33 @@ class _ReadAhead(_Window):
         st, L = self.store, self.store.log_blocks
         start = self.pos + self.n
         count = min(self.size, L - start % L)
-        # the buffer the current view is not in
-        b = 1 if self.view is not None and self.view.obj is self._bufs[0] else 0
-        if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="recovery-read")
+        b = 1 if self.view is not None and self.view.obj is self._bufs[0] else 0   # the one not in view
         dest = memoryview(self._bufs[b])[self.size * st.block_size:]
-        self._next = (start, count, b, self._pool.submit(st.dev.read_into, dest, st.log_start + start % L, count))
+        try:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="recovery-read")
+            self._pending = self._pool.submit(st.dev.read_into, dest, st.log_start + start % L, count)
+            self._next = (start, count, b, self._pending)
+        except RuntimeError:              # no thread (a limit, or the interpreter shutting down)
+            self._off = True
 
     def close(self):
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        """Once the last read is done (the device may close right after): waited for on its future,
+        not by joining the thread, which a Ctrl-C can cut short for good."""
+        import concurrent.futures
+        interrupted = None
+        while self._pending is not None:
+            try:
+                concurrent.futures.wait([self._pending])
+                self._pending = None
+            except BaseException as e:    # a Ctrl-C: waited out all the same, raised after
+                interrupted = interrupted or e
         self._next = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)   # its thread has nothing left to do but exit
+            self._pool = None
+        if interrupted is not None:
+            raise interrupted
 
 
 class _Request:
@@ -481,8 +517,9 @@ class LogStore:
                     if e.errno != errno.EIO:
                         raise
                     view[i * bs:(i + 1) * bs] = bytes(bs)
-                    self.counters["unreadable_blocks"] += 1
-                    self._unreadable.add(block + i)
+                    if block + i not in self._unreadable:     # (a window read again reads it again)
+                        self.counters["unreadable_blocks"] += 1
+                        self._unreadable.add(block + i)
             return view
 
     # --- the public API -----------------------------------------------------------------

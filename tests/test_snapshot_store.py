@@ -191,13 +191,14 @@ def test_recovery_reads_records_across_its_windows(make_device, monkeypatch, win
         again = s.stats()
         assert (again["head"], again["tail"], again["records"]) == (st["head"], st["tail"], st["records"])
         assert again["corrupt_blocks_skipped"] == again["torn_records_skipped"] == 0
-    if window_blocks == 3:        # windows read ahead were taken, records carried into them too
-        assert {"taken", "carried"} <= set(taken), taken
+    if window_blocks == 3:        # windows read ahead were taken, records carried into them too,
+        assert {"taken", "carried", "rest read"} <= set(taken), taken     # and past them
 
 
 def spy_read_ahead(monkeypatch) -> list[str]:
     """What recovery did with each window it read ahead: taken whole, carried (a record's blocks
-    in the window before copied in front of it), or not taken (read again)."""
+    in the window before copied in front of it), the rest of a longer record read behind it, or
+    not taken (read again)."""
     import snapshotstore.log as log
     real, seen = log._ReadAhead._take, []
 
@@ -206,7 +207,8 @@ def spy_read_ahead(monkeypatch) -> list[str]:
             return real(self, pos, n)     # nothing read ahead
         start = self._next[0]
         got = real(self, pos, n)
-        seen.append("not taken" if got is None else "carried" if start != pos else "taken")
+        seen.append("not taken" if got is None else "rest read" if got.obj is self.store._rbuf
+                    else "carried" if start != pos else "taken")
         return got
     monkeypatch.setattr(log._ReadAhead, "_take", take)
     return seen
@@ -863,6 +865,49 @@ def test_an_unreadable_block_is_damage_not_a_store_that_cannot_open(make_device,
         monkeypatch.setattr(device.BlockDevice, "read_into", read_into)
         with pytest.raises(SnapshotError, match="cannot be read"):
             s.restore(key(2))
+
+
+def fill_six_windows(make_device, monkeypatch) -> tuple[str, dict]:
+    """A store of 12 one-block sessions, read by recovery in 2-block windows (so from the third
+    on, read ahead): its path and what it holds."""
+    import snapshotstore.log as log
+    path = make_device()
+    with LogStore(path) as s:
+        monkeypatch.setattr(log, "SCAN_WINDOW_BYTES", 2 * s.block_size)
+        model = {key(i): put_all(s, key(i), deltas(1, 300, seed=i)) for i in range(12)}
+    return path, model
+
+
+def test_a_read_ahead_that_fails_other_than_eio_fails_the_open_with_its_own_error(make_device, monkeypatch):
+    """Not the medium (a device gone, a target timed out): the open says so, as the read would
+    have. The read-ahead took it for a bad sector and read again, which said something else (an
+    NVMe/TCP exchange timed out read as a closed connection: review)."""
+    import errno
+    import threading
+    from snapshotstore import device
+    path, _ = fill_six_windows(make_device, monkeypatch)
+    real = device.BlockDevice.read_into
+
+    def read_into(self, buf, block, nblocks):
+        if threading.current_thread() is not threading.main_thread():
+            raise OSError(errno.ENODEV, "the device went away")
+        return real(self, buf, block, nblocks)
+    monkeypatch.setattr(device.BlockDevice, "read_into", read_into)
+    with pytest.raises(OSError, match="the device went away"):
+        LogStore(path, readonly=True)
+
+
+def test_an_open_with_no_thread_to_be_had_reads_its_windows_as_before(make_device, monkeypatch):
+    """A thread limit, or an open after the interpreter began to shut down: recovery reads its
+    windows itself (it failed to open: review)."""
+    import concurrent.futures
+    path, model = fill_six_windows(make_device, monkeypatch)
+
+    def submit(*a, **k):
+        raise RuntimeError("can't start new thread")
+    monkeypatch.setattr(concurrent.futures.ThreadPoolExecutor, "submit", submit)
+    with LogStore(path, readonly=True) as s:
+        holds(s, model, exactly=True)
 
 
 def put_six_sessions(s):
