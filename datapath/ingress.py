@@ -355,7 +355,8 @@ class SigtermExit:
 
 @contextlib.contextmanager
 def signals_held(sigterm: SigtermExit | None = None):
-    """SIGINT and SIGTERM held while a teardown runs and delivered once it is done. A second Ctrl-C
+    """SIGINT and SIGTERM held while a teardown runs (or a resource is made and its cleanup
+    registered, which must not be parted) and delivered once it is done. A second Ctrl-C
     or SIGTERM landing in a teardown left the step it hit half done (an XDP attachment taken off
     the list and never detached, a namespace forgotten before it was removed) or, between steps,
     skipped every later one (found by review). sigterm: the teardown's own SigtermExit.install(),

@@ -324,10 +324,7 @@ class WorkerProcess:
 
     def join(self, timeout: float | None = None) -> bool:
         """True once the process has exited (its pidfd reads ready)."""
-        import select
-        poll = select.poll()
-        poll.register(self.pidfd, select.POLLIN)
-        return bool(poll.poll(None if timeout is None else int(timeout * 1000)))
+        return not join_all([self], timeout)
 
     def is_alive(self) -> bool:
         return not self.join(0)
@@ -336,19 +333,23 @@ class WorkerProcess:
         os.close(self.pidfd)
 
 
-def join_all(procs: list[WorkerProcess], timeout: float) -> list[WorkerProcess]:
-    """Wait up to `timeout` s in all for every one of procs to exit; those still running."""
+REAP_WAIT_S = 5.0     # a teardown waits this long for its workers to stop, then as long for the killed
+
+
+def join_all(procs: list[WorkerProcess], timeout: float | None) -> list[WorkerProcess]:
+    """Wait up to `timeout` s in all (None: for good) for every one of procs to exit (its pidfd
+    reads ready); those still running."""
     import math
     import select
-    deadline, left = time.monotonic() + timeout, list(procs)
+    deadline, left = None if timeout is None else time.monotonic() + timeout, list(procs)
     while left:
-        remaining = deadline - time.monotonic()
+        remaining = None if deadline is None else deadline - time.monotonic()
         poll = select.poll()
         for p in left:
             poll.register(p.pidfd, select.POLLIN)
-        exited = {fd for fd, _ in poll.poll(max(0, math.ceil(remaining * 1000)))}
+        exited = {fd for fd, _ in poll.poll(None if remaining is None else max(0, math.ceil(remaining * 1000)))}
         left = [p for p in left if p.pidfd not in exited]
-        if remaining <= 0:
+        if remaining is not None and remaining <= 0:
             break
     return left
 
@@ -653,12 +654,12 @@ class Pipeline:
 
     def _reap_workers(self):
         self._stop_workers.set()
-        # all under one deadline: one after another, each worker that did not stop cost its own
-        # 5 s, and 5 more for its kill
-        left = join_all(self.workers, 5)
+        # one deadline for all (joined one at a time, each worker that ignored the stop cost 5 s,
+        # and 5 more for its kill)
+        left = join_all(self.workers, REAP_WAIT_S)
         for p in left:
             p.kill()
-        join_all(left, 5)
+        join_all(left, REAP_WAIT_S)
         for p in self.workers + self._retired:
             p.close()
         if self._spawner is not None:

@@ -2916,7 +2916,7 @@ int dp_router_set_worker_store(struct dp_router *rt, uint32_t worker, int has_st
     pthread_mutex_lock(&rt->lock);
     rt->w[worker].no_store_said = !has_store;
     if (!has_store)
-        rt->w[worker].no_store = 1;      /* (declared with one: what its answers said stands) */
+        rt->w[worker].no_store = 1;      /* (declared with one: what was said stands till its next answer) */
     pthread_mutex_unlock(&rt->lock);
     return 0;
 }

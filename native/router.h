@@ -195,7 +195,8 @@ int dp_router_set_worker_budget(struct dp_router *rt, uint32_t worker, uint32_t 
  * runs without a snapshot store, so a session replayed there at a failover stays there (its
  * answers say so too, DP_CE_NO_STORE, but one replayed before its first answer was left to the
  * policy, which began it again elsewhere). 1 (the default): only its answers tell, from its next
- * one (what they said already stands), and a replacement's after a death. */
+ * one (what they, or an earlier declaration of none, said stands until then), and a replacement's
+ * after a death. */
 int dp_router_set_worker_store(struct dp_router *rt, uint32_t worker, int has_store);
 /* Pools: a request goes to the cheapest pool (price_per_1k) with an up worker and room (depth below
  * room_per_worker x up workers; if none has room, the cheapest with an up worker); one that admission

@@ -100,66 +100,67 @@ class _Window:
 
 
 class _ReadAhead(_Window):
-    """Recovery's _Window, reading the next window while the scan (C, without the GIL) reads this
-    one, so an open costs about its reads rather than its reads and its scan (the scan of 50,000
-    one-block records took 28 ms of a 111 ms open, its reads 70). From the third window on: a
-    store whose log ends in the first two reads no more than before. A record across a window's
-    end is carried: its blocks in this window are copied before the next one's (which is read
-    past room kept for them), and one longer than that reads only the rest. A read-ahead that
-    fails with EIO is read again as before, salvaged; any other error is the open's, as it was.
-    The device is never read by both at once (close() waits for the read, Ctrl-C or not); with
-    no thread to be had, windows are read as before."""
+    """Recovery's _Window, reading the next window while the scan (C, without the GIL) checks this
+    one, which hides part of the scan behind the reads (50,000 one-block records, opens in turn in
+    one process: 66 ms against 86 ms, the raw reads 45). From the fourth window on, so a store whose
+    log ends in its first two reads no more than before. A record across a window's end is
+    carried: its blocks in this window are copied before the next one's (which is read past room
+    kept for them), and one longer than that reads only the rest. A read-ahead that fails with EIO
+    is read again as before, salvaged; any other error is the open's, as it was. The device is
+    never read by both at once (close() waits for the read, Ctrl-C or not); with no thread to be
+    had, windows are read as before."""
 
     def __init__(self, store: "LogStore", read):
         super().__init__(store, read)
         self._windows = 0
         self._bufs = [aligned_buffer(2 * self.size * store.block_size) for _ in range(2)]
-        self._next = None                 # (position, blocks, buffer index, future) being read
+        self._next = None                 # (position, blocks, buffer index) being read, by _pending
         self._pending = None              # the last read's future, until close() has seen it done
         self._pool = None
-        self._off = False                 # no thread could be started: read as _Window does
+        self._no_thread = False           # none could be started: read as _Window does
 
     def at(self, pos: int, n: int):
         if self.pos <= pos and pos + n <= self.pos + self.n:
             return super().at(pos, n)
-        if self._take(pos, n) is None:
+        if not self._take(pos, n):
             super().at(pos, n)
         self._windows += 1
-        if self._windows >= 2 and not self._off:
+        if self._windows >= 3 and not self._no_thread:
             self._read_next()
         return self.view, (pos - self.pos) * self.store.block_size
 
-    def _take(self, pos: int, n: int):
+    def _take(self, pos: int, n: int) -> bool:
         """The window from the read-ahead, with this window's part of a record carried and, for a
-        record longer than both, the rest read; None if it does not begin where the scan asks."""
+        record longer than both, the rest read; False if it does not begin where the scan asks."""
         if self._next is None:
-            return None
-        start, count, b, future = self._next
+            return False
+        start, count, b = self._next
         self._next = None
         try:
-            future.result()
+            self._pending.result()
         except OSError as e:
             if e.errno != errno.EIO:
                 raise                     # not the medium: as the read would have said it
-            return None                   # read again, salvaging the EIO as recovery always has
+            return False                  # read again, salvaging the EIO as recovery always has
         st, bs, L = self.store, self.store.block_size, self.store.log_blocks
         carry = start - pos
         if not (0 <= carry <= self.size and (not carry or (self.pos <= pos and start % L))):
-            return None
+            return False
         off = (pos - self.pos) * bs
         if pos + n <= start + count:
             buf = self._bufs[b]           # (self.view is in the other buffer, or the store's)
             buf[(self.size - carry) * bs:self.size * bs] = self.view[off:off + carry * bs]
             self.view = memoryview(buf)[(self.size - carry) * bs:(self.size + count) * bs]
             self.pos, self.n = pos, carry + count
-            return self.view
+            return True
         # a record past the read-ahead: what is in memory kept, the rest read into the store's
         # buffer behind it (the record never crosses the lap's end; a damaged header that says it
         # does is read short, as _Window reads it)
         total = min(max(n, self.size), L - pos % L)
         have = carry + count
         if total <= have:
-            return None
+            return False
+        # copied out first: self.view may lie in the store's buffer, which the read below fills
         kept = bytes(self.view[off:off + carry * bs]) + bytes(memoryview(self._bufs[b])[self.size * bs:
                                                                                       (self.size + count) * bs])
         self.n = 0                        # no window until the read succeeds
@@ -168,7 +169,7 @@ class _ReadAhead(_Window):
         self.read(memoryview(buf)[have * bs:], st.log_start + (pos + have) % L, total - have)
         self.view = memoryview(buf)[:total * bs]
         self.pos, self.n = pos, total
-        return self.view
+        return True
 
     def _read_next(self):
         import concurrent.futures
@@ -181,9 +182,9 @@ class _ReadAhead(_Window):
             if self._pool is None:
                 self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="recovery-read")
             self._pending = self._pool.submit(st.dev.read_into, dest, st.log_start + start % L, count)
-            self._next = (start, count, b, self._pending)
+            self._next = (start, count, b)
         except RuntimeError:              # no thread (a limit, or the interpreter shutting down)
-            self._off = True
+            self._no_thread = True
 
     def close(self):
         """Once the last read is done (the device may close right after): waited for on its future,

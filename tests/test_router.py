@@ -842,6 +842,27 @@ def test_a_worker_declared_store_less_keeps_a_session_replayed_there_before_its_
     assert b.router.stats()["kv_homes"] == 0
 
 
+def test_a_declared_store_less_worker_s_replacement_is_taken_to_have_none_before_it_answers(bench_factory):
+    """Worker 0 dies and its replacement comes up (the same declaration, nothing answered yet);
+    then worker 1 dies with session 9's request taken, which the failover replays on worker 0's
+    replacement: the session stays there (a death reset the worker to "has a store" until its
+    answers said otherwise)."""
+    b = bench_factory(n_workers=2, policy="weighted")
+    for k in range(2):
+        b.router.set_worker_store(k, False)
+    b.no_store = {0, 1}
+    b.router.set_up(0, False)
+    b.router.poll()
+    b.router.set_up(0, True)                               # its replacement
+    b.router.set_weight(0, 0)                              # session 9 to worker 1
+    b.send(chunks_of(6, [1, 2], session=9, max_out=1))
+    b.router.poll()
+    assert batches_waiting(b) == [1]
+    b.router.set_weight(0, 1)
+    assert kill_taken(b, 1) == 0
+    assert b.router.stats()["kv_homes"] == 1
+
+
 def test_declaring_a_worker_has_a_store_does_not_unsay_what_its_answers_said(bench_factory):
     """Its answers said it has none (CE_NO_STORE): a declaration of one does not erase that before
     its next answer, so a failover onto it still remembers the session (review)."""
