@@ -50,7 +50,7 @@ def _policy_names() -> str:
 
 
 def main(argv=None) -> int:
-    from .contract import Report
+    from .contract import Report, error_text
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
     p.add_argument("suite", choices=[*SUITES, "all"], help="suite to run")
@@ -137,8 +137,8 @@ def main(argv=None) -> int:
             report.finish(args.json)
             return e.code if isinstance(e, Terminated) else 130
         except Exception as e:  # one suite's failure is reported; the others still run
-            report.note(f"FAILED: {type(e).__name__}: {e}")
-            report.status = f"failed: {type(e).__name__}: {e}"
+            report.note(f"FAILED: {error_text(e)}")
+            report.status = f"failed: {error_text(e)}"
             failed.append(name)
         report.finish(args.json)
     if failed:

@@ -49,6 +49,12 @@ def _commit() -> str:
     return (head + ("+changes" if dirty else "")) if head else "unknown"
 
 
+def error_text(e: BaseException) -> str:
+    """An error in one line: its type, its message, and its notes (the stage a pipeline's build
+    was at, when the error itself does not say)."""
+    return f"{type(e).__name__}: {e}" + "".join(f" ({n})" for n in getattr(e, "__notes__", ()))
+
+
 class Report:
     def __init__(self, suite: str, quick: bool = False):
         self.suite, self.quick = suite, quick

@@ -21,6 +21,7 @@ import time
 
 import numpy as np
 
+from bench.contract import error_text
 from bench.report import report_dir, write_report
 from datapath import client
 from datapath.ingress import signals_held
@@ -936,9 +937,9 @@ def run(report, args):
             for d, keys in had:                   # nor histograms, sweep rows or memory plots (they stayed)
                 for k in set(d) - keys:
                     del d[k]
-            scenarios[name] = {"status": "failed", "reason": f"{type(e).__name__}: {e}", "figures": {}}
+            scenarios[name] = {"status": "failed", "reason": error_text(e), "figures": {}}
             failed.append(name)
-            _progress(f"scenario {name}: FAILED after {time.monotonic() - t:.0f} s: {e}")
+            _progress(f"scenario {name}: FAILED after {time.monotonic() - t:.0f} s: {error_text(e)}")
             _RUN["scenario"] = ""
             return None
 

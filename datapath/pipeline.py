@@ -470,6 +470,7 @@ class Pipeline:
         self._store_endpoint = None      # the shared store server's, when shared_store is given
         self.traces: list = []
         self._untraced_said = 0
+        self._building = ""              # the build's stage, named on an error that does not say it
 
     def __enter__(self):
         # SIGTERM unwinds the whole pipeline (namespaces, rings, processes) from here on, not only
@@ -478,7 +479,10 @@ class Pipeline:
         self._sigterm = SigtermExit.install()
         try:
             self._build()
-        except BaseException:
+        except BaseException as e:
+            if isinstance(e, Exception) and self._building:
+                # a netlink errno or an EADDRINUSE says nothing of which part it was
+                e.add_note(f"while building the pipeline: {self._building}")
             self._teardown()
             raise
         return self
@@ -518,10 +522,12 @@ class Pipeline:
             if isinstance(k, bool) or not (isinstance(k, numbers.Integral) and 0 <= k < n):
                 raise ValueError(f"stragglers: worker {k!r} is not one of the {n} workers (0-based)")
             check_slowdown(factor)
+        self._building = "its network namespaces and veths"
         self.topo = es.enter_context(Topology(clients=1))
         es.callback(client.stop_spawned, self.topo.client_ns[0])   # before the namespaces go: an offer
                                                                    # another thread runs
         topo = self.topo
+        self._building = "the XDP program (compiled by bcc, attached to the host's veth)"
         self.ingress = es.enter_context(Ingress(queues=cfg.queues))
         self.ingress.stamp_validated()   # the trace's t_xdp_in (bench e2e's "xdp steer + ring write")
         self._tag_master, self._tag_keys = os.urandom(32), {}   # (require_tags) this run's: issue_tenant_key
@@ -529,6 +535,7 @@ class Pipeline:
         self.ingress.accept_only(topo.host_ip)    # the service's addresses: nothing else to its port is ours
         self.xdp_mode = self.ingress.attach(topo.host_if[0], topo.host_ns, cfg.xdp_mode,
                                             veth_peer=(topo.client_if[0], topo.client_ns[0]))
+        self._building = "the router and its rings"
         out_name, out_ring = self._ring("out", records.RESPONSE.itemsize, 1 << 12, "producer")
         self.consumer = self.ingress.consumer(None)   # the router's feed: no input ring between them
         self.router = Router(policy=cfg.policy, policy_param=cfg.policy_param, batching=cfg.batching,
@@ -542,11 +549,14 @@ class Pipeline:
         self._stop_workers = SharedFlag()
         store_factory = cfg.store_factory
         if cfg.shared_store:
+            self._building = f"the snapshot store server on {cfg.shared_store}"
             store_factory = self._start_store_server(cfg.shared_store)
         # before any worker starts (a half-built pipeline reaps what it started), and after the
         # store server's halt, so it runs first: the workers stop while their store still answers
         es.callback(self._reap_workers)
+        self._building = "the pools' and tenants' admission settings"
         self._admission(cfg)
+        self._building = "the workers and their lanes"
         self._lane_names: dict[int, str] = {}       # worker -> its current lane's name
         es.callback(lambda: [lanes.unlink_shm_lane(n) for n in self._lane_names.values()])
         # each worker's slowdown, shared: a worker reads its own at every step (and a replacement
@@ -570,6 +580,7 @@ class Pipeline:
         self._await_ready()
         self._watch_workers()
         # the response socket is made after the workers are forked, so none of them holds it
+        self._building = f"the response socket on {topo.host_ip[0]}:{wire.DEFAULT_PORT}"
         sock = socket_in(topo.host_ns)
         es.callback(sock.close)
         # the responder never blocks on it (what a full buffer holds back waits in the egress ring):
@@ -578,11 +589,13 @@ class Pipeline:
         sock.setsockopt(socket.SOL_SOCKET, getattr(socket, "SO_SNDBUFFORCE", 32), 4 << 20)
         sock.bind((topo.host_ip[0], wire.DEFAULT_PORT))   # answers come from where the requests went
         self.responder = Responder(Ring.attach(out_name, "consumer"), sock, topo.client_ip[0], wire.DEFAULT_PORT)
+        self._building = "the data path's polling thread"
         self.loop = PollLoop(cpu=cfg.datapath_cpu, yield_after=cfg.loop_yield_after)
         self.loop.add(_dataplane, "dp_router_poll", self.router.handle, owner=self.router)   # (runs the consumer)
         self.loop.add(_dataplane, "dp_responder_poll", self.responder.handle, owner=self.responder)
         es.callback(self.loop.stop)       # first: the thread must never outlive what it polls
         self.loop.start()
+        self._building = ""
 
     def _lane_name(self, k: int, replacement: int) -> str:
         """Worker k's shm lane; a replacement's is a fresh one (the old may hold a replayed batch)."""

@@ -157,6 +157,19 @@ def test_a_worker_that_cannot_start_fails_the_build_in_one_sentence():
             pass
 
 
+@pytest.mark.root
+@pytest.mark.bpf
+def test_an_error_building_the_pipeline_names_the_stage_it_was_at():
+    """A build error that does not say where it came from (a netlink errno, an EADDRINUSE) was all
+    bench's FAILED line said: it now carries the stage, as a note, shown by error_text."""
+    from bench.contract import error_text
+    with pytest.raises(ValueError) as got:
+        with Pipeline(_config(workers=1, queues=0)):     # refused where the XDP program is built
+            pass
+    assert "while building the pipeline: the XDP program" in error_text(got.value)
+    assert error_text(got.value).startswith("ValueError: queues must be")
+
+
 def _signalled_pipeline(patch: str, body: str, codes: tuple[int, ...]):
     """A pipeline in a child process, topology.netns.<patch's name> patched to send it SIGTERM, its
     with-block running `body`: it must exit by the signal and leave no namespace or /dev/shm file."""
