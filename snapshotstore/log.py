@@ -89,10 +89,15 @@ class _Window:
         self.store, self.read, self.pos, self.n, self.view = store, read, 0, 0, None
         self.size = max(1, SCAN_WINDOW_BYTES // store.block_size)
 
+    def span(self, pos: int, n: int) -> int:
+        """The blocks a window read at pos for n of them holds: a window at least, never past the
+        lap's end (a damaged header that says a record crosses it is read short)."""
+        return min(max(n, self.size), self.store.log_blocks - pos % self.store.log_blocks)
+
     def at(self, pos: int, n: int):
         if not (self.pos <= pos and pos + n <= self.pos + self.n):
             st, L = self.store, self.store.log_blocks
-            count = min(max(n, self.size), L - pos % L)
+            count = self.span(pos, n)
             self.n = 0               # no window until a read succeeds: a failed one may have written part
             self.view = self.read(st._read_buf(count * st.block_size), st.log_start + pos % L, count)
             self.pos, self.n = pos, count
@@ -154,9 +159,8 @@ class _ReadAhead(_Window):
             self.pos, self.n = pos, carry + count
             return True
         # a record past the read-ahead: what is in memory kept, the rest read into the store's
-        # buffer behind it (the record never crosses the lap's end; a damaged header that says it
-        # does is read short, as _Window reads it)
-        total = min(max(n, self.size), L - pos % L)
+        # buffer behind it, as much as _Window would read
+        total = self.span(pos, n)
         have = carry + count
         if total <= have:
             return False
