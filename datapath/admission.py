@@ -3,7 +3,7 @@
 The decisions themselves are C (native/admission.h, called by the router once
 per request); this module states the settings Python hands in and derives a
 pool's price from its device profile. The pricing formula is written once, in
-native/admission.h; the README repeats it with an example body.
+native/admission.h; docs/admission.md repeats it with an example body.
 
     router.set_tenant(7, TenantPolicy(price_per_1k=2000, budget_per_day=50_000, tokens_per_minute=20_000,
                                       max_request_tokens=4096))

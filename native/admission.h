@@ -46,7 +46,7 @@
  *        cost breakdown and suggestions;
  *   429  the request's tokens (input + max_output) exceed what is left of
  *        tokens_per_minute, a GCRA bucket of one minute's worth (request level, per key; the XDP
- *        program's bucket is per chunk, see README);
+ *        program's bucket is per chunk, see docs/admission.md);
  *   200  admitted: ceil(cost) is charged to the day's budget and the tokens to
  *        the minute's bucket. A high-entropy request (entropy_factor >=
  *        hi_entropy_factor) beyond the tenant's hi_per_second rate (GCRA,

@@ -2855,7 +2855,7 @@ static void set_up(struct dp_router *rt, uint32_t k, int up, int probe)
          * keeps its queue, so the batch just replayed elsewhere reached the worker once it was
          * back (restarted, or its link healed), which ran it on the store's newer copy of the
          * sessions (found by review). A batch already in the worker's own buffers is not
-         * reached: a stalled worker that wakes still runs it (README, left open). */
+         * reached: a stalled worker that wakes still runs it (docs/known-limits.md, left open). */
         if (w->kind == DP_LANE_ZMQ) {
             if (w->zsock)
                 zmq_close(w->zsock);

@@ -376,7 +376,7 @@ class LogStore:
         # pad, so the head always moves on (compactions taken at floor 0 left a large live
         # record fitting neither way: DeviceFull at 70 of 254 blocks live). Under "lru" it may
         # use all of it: a stuck head evicts instead, and compaction first wrote a third of the
-        # blocks that copying did under a cache's churn (README, snapshot store).
+        # blocks that copying did under a cache's churn (docs/snapshot-store.md).
         self._compaction_floor = 0 if self.eviction == "lru" else 2 * self.max_record_blocks - 1
         self._generation, self._last_seq = sb.generation, sb.last_seq
         self._rbuf = aligned_buffer(SCAN_WINDOW_BYTES)

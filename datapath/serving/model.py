@@ -68,7 +68,7 @@ def kv_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int, bytes_per_
     return 2 * n_layers * n_kv_heads * head_dim * bytes_per_elem
 
 
-# The figure the README quotes, so nobody takes "< 4 KiB per delta" for a big model.
+# The figure docs/workers.md quotes, so nobody takes "< 4 KiB per delta" for a big model.
 LLAMA3_8B_KV_BYTES_PER_TOKEN = kv_bytes_per_token(n_layers=32, n_kv_heads=8, head_dim=128)
 
 
