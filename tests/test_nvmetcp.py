@@ -4,6 +4,7 @@ protocol errors, and tshark's dissector as an independent judge of the framing.
 Targets run in-process (Target) or as a child process (TargetProcess, to SIGKILL it), on
 image files in tmp_path (the real disk: O_DIRECT works there), on 127.0.0.1 only.
 """
+import contextlib
 import dataclasses
 import os
 import random
@@ -722,6 +723,61 @@ def test_a_command_arriving_during_an_r2t_exchange_waits_its_turn(target):
     assert got[1][2] == data[:4096] and got[0][1]["status"] == got[2][1]["status"] == 0
 
 
+@pytest.mark.parametrize("split, last_on", [(1, ()), (2, (0,)), (2, (0, 1)), (2, (1,))])
+def test_h2cdata_s_last_pdu_flag_marks_the_end_of_the_r2t_s_data(target, split, last_on):
+    """LAST_PDU is set on the H2CData that ends an R2T's range and on no other (NVMe/TCP 7.4.6.1;
+    FreeBSD's nvmf checks it, Linux's nvmet does not): a host that flags its first part last, or
+    its last part not, disagrees on where its data ends, a PDU sequence error that ends the
+    connection. Before, the target took any flags."""
+    admin, io = _associate(target)
+    data = os.urandom(3 * 4096)
+    io.rw(P.NVM_WRITE, 5, 0, 3)
+    t, r2t, _ = io.recv()
+    assert (t, r2t["r2tl"]) == (P.R2T, len(data))
+    cut = [0, 4096, len(data)] if split == 2 else [0, len(data)]
+    for i in range(split):
+        part = data[cut[i]:cut[i + 1]]
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):   # cut off after a wrong first
+            io.ch.send(P.H2C_DATA, P.psh(P.H2C_DATA_PDU, cccid=5, ttag=r2t["ttag"], datao=cut[i],
+                                         datal=len(part)), part, P.FLAG_LAST_PDU if i in last_on else 0)
+    r = io.response()
+    if last_on == (split - 1,):
+        assert (r["type"], r["status"], r["cid"]) == (P.CAPSULE_RESP, 0, 5)
+        io.rw(P.NVM_READ, 6, 0, 3)
+        assert io.recv()[2] == data
+    else:
+        assert (r["type"], r["fes"]) == (P.C2H_TERM_REQ, P.FES_PDU_SEQUENCE_ERROR) and io.closed_by_peer()
+
+
+@pytest.mark.parametrize("last_on", [(1,), (0,), (0, 1), ()])
+def test_c2hdata_s_last_pdu_flag_marks_the_end_of_the_command_s_data(target, last_on):
+    """The initiator's side of the same rule: a read's data in two C2HData PDUs, LAST_PDU on the
+    second only, is read; flagged on the first, or on neither, the target broke the protocol."""
+    dev = NvmeTcpDevice(target.url)
+    try:
+        (io_conn,) = [c for c in list(target._conns) if c.qid == 1]
+
+        def send_in_two(cid, data):
+            half = len(data) // 2
+            for i, (off, part) in enumerate(((0, data[:half]), (half, data[half:]))):
+                io_conn.channel.send(P.C2H_DATA, P.psh(P.C2H_DATA_PDU, cccid=cid, datao=off, datal=len(part)),
+                                     part, P.FLAG_LAST_PDU if i in last_on else 0)
+        buf = aligned_buffer(2 * 4096)
+        buf[:] = b"t" * 8192
+        dev.write_from(buf, 0, 2, 2)
+        buf[:] = bytes(8192)
+        io_conn._send_data = send_in_two
+        if last_on == (1,):
+            assert bytes(dev.read_into(buf, 2, 2)) == b"t" * 8192
+            assert bytes(dev.read_into(buf, 2, 1)) == b"t" * 4096       # the queue goes on in step
+        else:
+            with pytest.raises(DeviceError, match="broke the protocol.*LAST_PDU flag "
+                                                  + ("before the end" if 0 in last_on else "missing")):
+                dev.read_into(buf, 2, 2)
+    finally:
+        dev.close()
+
+
 def test_a_data_digest_error_fails_the_command_not_the_queue(target):
     admin, io = _associate(target, digests=True)
     sqe = P.pack(P.SQE, opc=P.NVM_WRITE, flags=P.PSDT_SGL, cid=7, nsid=1, sgl_len=4096, sgl_id=P.SGL_ICD)
@@ -1246,7 +1302,8 @@ def test_a_data_digest_error_is_retried_by_the_initiator_not_the_end_of_the_stor
 def test_a_c2h_data_with_success_completes_the_read_as_spdk_s_target_sends_it(target, last):
     """SPDK's target ends a read by a C2HData flagged SUCCESS (and LAST_PDU), with no CapsuleResp
     after it. The initiator waited for one until its timeout (found by review). SUCCESS without
-    LAST_PDU breaks the protocol (NVMe/TCP 7.4.5.2): the queue is torn down, not hung."""
+    LAST_PDU breaks the protocol (NVMe/TCP 7.4.5.2; the last data without LAST_PDU does too): the
+    queue is torn down, not hung."""
     dev = NvmeTcpDevice(target.url)
     try:
         (io_conn,) = [c for c in list(target._conns) if c.qid == 1]
@@ -1272,7 +1329,7 @@ def test_a_c2h_data_with_success_completes_the_read_as_spdk_s_target_sends_it(ta
             assert bytes(dev.read_into(buf, 2, 2)) == b"s" * 8192
             assert bytes(dev.read_into(buf, 2, 1)) == b"s" * 4096       # the queue goes on in step
         else:
-            with pytest.raises(DeviceError, match="broke the protocol.*SUCCESS before the last"):
+            with pytest.raises(DeviceError, match="broke the protocol.*LAST_PDU flag missing"):
                 dev.read_into(buf, 2, 2)
     finally:
         dev.close()

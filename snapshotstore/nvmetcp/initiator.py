@@ -230,6 +230,10 @@ class _Queue:
                 if (data_in is None or h["cccid"] != self.cid or h["datao"] != received or h["datal"] != dlen
                         or dlen == 0):
                     raise ProtocolError("C2HData outside the command's buffer", P.FES_DATA_OUT_OF_RANGE, 12, header)
+                if bool(flags & P.FLAG_LAST_PDU) != (received + dlen == n):   # on the last data and no other
+                    raise ProtocolError("C2HData's LAST_PDU flag " + ("before the end of the command's data"
+                                        if flags & P.FLAG_LAST_PDU else "missing on the command's last data"),
+                                        P.FES_PDU_SEQUENCE_ERROR, 0, header)
                 # a digest mismatch: the rest of the command is read as it comes, then the command is
                 # sent again (command(): reads are idempotent, as Linux's host retries). It closed the
                 # queue, and the device refused every later call until reopened (found by review)

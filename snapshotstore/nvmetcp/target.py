@@ -417,6 +417,12 @@ class _Connection:
                 # an empty one too: it passed, and as many as a host sent kept the command waiting (review)
                 if h["datao"] != r2to + got or h["datal"] != dlen or not dlen or got + dlen > r2tl:
                     raise ProtocolError("H2CData outside the R2T's range", P.FES_DATA_OUT_OF_RANGE, 12, header)
+                # LAST_PDU on the PDU that ends the R2T's range and on no other, as FreeBSD's nvmf
+                # checks (Linux's nvmet does not): a host that disagrees on where its data ends
+                if bool(flags & P.FLAG_LAST_PDU) != (got + dlen == r2tl):
+                    raise ProtocolError("H2CData's LAST_PDU flag " + ("before the end of the R2T's data"
+                                        if flags & P.FLAG_LAST_PDU else "missing on the R2T's last data"),
+                                        P.FES_PDU_SEQUENCE_ERROR, 0, header)
                 if not self.channel.recv_data(view[r2to + got:r2to + got + dlen]):
                     sc = P.SC_TRANSIENT_TRANSPORT
                 got += dlen
