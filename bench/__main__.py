@@ -1,7 +1,9 @@
 """python -m bench SUITE [--quick] [--json PATH]: run a benchmark suite.
 
 Each suite measures its references in the same run (these machines are shared
-and noisy, so only ratios travel), prints a table and writes JSON.
+and noisy, so only ratios travel), prints a table and writes JSON, with the
+issues' goals of the suite judged from its figures (bench.goals);
+`python -m bench goals [DIR ...]` judges them from a run's JSON files.
 """
 from __future__ import annotations
 
@@ -28,7 +30,8 @@ IN_ALL = [name for name in SUITES if name != "compare"]   # compare needs --poli
 EPILOG = """examples:
     python -m bench wire --quick            # a short run, table + bench-results/wire.json
     python -m bench wire --json out/wire.json
-    python -m bench all                     # every suite, in full
+    python -m bench all                     # every suite, in full, then every goal's verdict
+    python -m bench goals figures/run-6f35c4c   # the goals judged from a run's JSON files
     sudo python -m bench snapshot --soak    # the snapshot store, and 1,000 SIGKILLed writers
     sudo python -m bench nvmetcp            # the store on an NVMe/TCP target (loopback) against a local one
     sudo python -m bench e2e --quick        # the whole pipeline, every scenario briefly, report in bench-results/e2e/
@@ -51,9 +54,13 @@ def _policy_names() -> str:
 
 def main(argv=None) -> int:
     from .contract import Report, error_text
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["goals"]:
+        from . import goals
+        return goals.main(argv[1:])
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
-    p.add_argument("suite", choices=[*SUITES, "all"], help="suite to run")
+    p.add_argument("suite", choices=[*SUITES, "all"], help="suite to run (or: goals [DIR ...], see below)")
     p.add_argument("--quick", action="store_true", help="short run (a suite in about 2 minutes or less)")
     p.add_argument("--json", metavar="PATH", help="where to write the JSON (default bench-results/SUITE.json)")
     p.add_argument("--soak", action="store_true", help="snapshot: also run the 1,000-iteration crash soak")
@@ -126,7 +133,7 @@ def main(argv=None) -> int:
         swept = sweep_stale()
         if swept:
             print(f"bench: removed what killed runs left: {', '.join(swept)}", file=sys.stderr)
-    failed = []
+    failed, judged = [], []
     for name in names:
         report = Report(name, quick=args.quick)
         try:
@@ -140,7 +147,12 @@ def main(argv=None) -> int:
             report.note(f"FAILED: {error_text(e)}")
             report.status = f"failed: {error_text(e)}"
             failed.append(name)
-        report.finish(args.json)
+        judged += [(name, j) for j in report.finish(args.json)["goals"]]
+    if len(names) > 1 and judged:           # every suite's goals in one place, at the end of the run
+        from . import goals
+        print("goals (bench.goals, from this run's figures):")
+        for name, j in judged:
+            print("  " + goals.lines([j], suite=name)[0])
     if failed:
         print(f"bench: {', '.join(failed)} failed (see the notes above)", file=sys.stderr)
         return 1

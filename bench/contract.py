@@ -6,9 +6,10 @@ A suite fills a Report: references (figures measured in the same run to
 compare against), metrics (ours) and ratios (a metric over its reference, named
 <metric>_vs_<reference> by ratio(); e2e also sets a few of one mode's figure over
 another's, named for both). finish() prints a table and writes one JSON object:
-{suite, quick, status, machine, references, metrics, ratios, notes}; status is
+{suite, quick, status, machine, references, metrics, ratios, notes, goals}; status is
 "ok", "failed: why" or "interrupted", and a figure that is not a finite number
-is written as null (JSON has no NaN), named in a note.
+is written as null (JSON has no NaN), named in a note. goals: the issues' goals of the suite,
+each judged from these figures by bench.goals (the one definition of each).
 """
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ import pathlib
 import platform
 import subprocess
 import time
+
+from . import goals
 
 
 def machine() -> dict:
@@ -113,10 +116,12 @@ class Report:
         bad = [k for d in (self.references, self.metrics, self.ratios) for k, v in d.items() if not math.isfinite(v)]
         notes = self.notes + ([f"not finite, written as null: {', '.join(bad)}"] if bad else [])
         clean = lambda d: {k: (v if math.isfinite(v) else None) for k, v in d.items()}
-        return {"suite": self.suite, "quick": self.quick, "status": self.status, "machine": self.machine,
+        data = {"suite": self.suite, "quick": self.quick, "status": self.status, "machine": self.machine,
                 "references": clean(self.references), "metrics": clean(self.metrics),
                 "ratios": clean(self.ratios), "units": self.units, "notes": notes,
                 "duration_s": round(time.time() - self.started, 3)}
+        data["goals"] = goals.judge(data)
+        return data
 
     def table(self) -> str:
         m = self.machine
@@ -128,6 +133,7 @@ class Report:
         for k, v in self.ratios.items():
             lines.append(f"  {'ratio':<9} {k:<40} {v:>14.3f} x")
         lines += [f"  note: {n}" for n in self.notes]
+        lines += [f"  goal {line}" for line in goals.lines(self.as_dict()["goals"])]
         return "\n".join(lines)
 
     def finish(self, json_path: str | os.PathLike | None) -> dict:

@@ -90,11 +90,21 @@ def write_report(outdir, results: dict, stages: dict, sweep: dict, memory: dict,
 
 # --- report.md ----------------------------------------------------------------------
 
+def _goals_section(judged: list[dict]) -> list[str]:
+    if not judged:
+        return []
+    lines = ["## Goals", "", "Issue 7's, each judged from this run's figures by `bench.goals`.", "",
+             "| goal | measured | verdict |", "|---|---|---|"]
+    lines += [f"| {j['goal']} | {j['measured']} | **{j['verdict']}** |" for j in judged]
+    return lines + [""]
+
+
 def _markdown(results, distributions, sweep, memory, scenarios, plots) -> str:
     units = results.get("units", {})
     title = f"# zerolayer {results.get('suite', 'e2e')} benchmark{' (quick run)' if results.get('quick') else ''}"
     lines = [title, "", f"Written {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
              + (f", the run took {results['duration_s']:.0f} s." if "duration_s" in results else "."), ""]
+    lines += _goals_section(results.get("goals", []))
     lines += _machine_section(results.get("machine", {}))
     lines += _scenario_section(scenarios, units)
     lines += ["", "## References, measured in the same run", ""]

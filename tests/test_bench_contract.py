@@ -395,15 +395,19 @@ def test_a_row_aimed_at_80pct_decides_the_flatness_goal_as_measured():
         report = Report("e2e", quick=True)
         _flatness(report, rows, "_l4", [10, 40, 45, 70])
         note = next(n for n in report.notes if n.startswith("flatness goal_l4"))
+        # the goals table reads the same verdict from the figures alone
+        (judged,) = [j for j in report.as_dict()["goals"] if "flat" in j["goal"] and "L4" in j["goal"]]
+        assert note.startswith(f"flatness goal_l4 (dynamic p95 within 10% up to 80% of saturation): "
+                               f"{judged['verdict']}: "), (note, judged)
         return note, report.ratios
     note, ratios = verdict(rows[:3] + [aimed] + rows[3:])
     assert ": met: 1.087x over the rows measured up to 80%, the last of them aimed at 80% itself" in note, note
     assert ratios["dynamic_p95_spread_to_80pct_saturation_l4"] == pytest.approx(362.0 / 332.9)
     assert "dynamic_p95_spread_at_80pct_interpolated_l4" not in ratios
     note, ratios = verdict(rows)                  # no aimed row: the chord to 5 s decides nothing
-    assert "not decided by this sweep" in note and ratios["dynamic_p95_spread_at_80pct_interpolated_l4"] > 1.1
+    assert "not decided: no row at 80%" in note and ratios["dynamic_p95_spread_at_80pct_interpolated_l4"] > 1.1
     short = dict(aimed, offered_qps=0.97 * 0.8 * 55.6)   # fell 3% short of the line: not at it
-    assert "not decided by this sweep" in verdict(rows[:3] + [short] + rows[3:])[0]
+    assert "not decided: no row at 80%" in verdict(rows[:3] + [short] + rows[3:])[0]
     over = dict(aimed, p95_ms=370.0)
     assert ": missed: 1.111x over the rows measured up to 80%, the last" in verdict(rows[:3] + [over] + rows[3:])[0]
     # within 10% both ways: a row 15% under the lightest's p95 was read as flat (found by review)
