@@ -21,7 +21,7 @@ NO_FIGURE = "no figure"
 FLAT_WITHIN = 1.1          # e2e: dynamic's p95 within 10% of its p95 at 10 req/s ...
 FLAT_UP_TO = 0.8           # ... up to 80% of saturation
 STATIC_OVER_DYNAMIC = 5.0  # e2e: dynamic's p95 at 10 req/s at most 1/5 of static's
-XDP_TO_LANE_NS = 800.0
+XDP_P50_NS = 800.0
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,8 @@ def _flatness(suffix: str):
         dip = _get(r, "ratios", f"dynamic_p95_dip_to_80pct_saturation{suffix}")
         # e2e writes this only for a row aimed at 80% of saturation that offered 99-100% of that
         aimed = _get(r, "metrics", f"sweep{suffix}_decided_at_fraction_of_saturation") is not None
-        return flatness_verdict(spread, dip, aimed), f"{spread:.3f}x" + (f" (down to {dip:.3f}x)" if dip is not None and dip < 0.9 else "")
+        low = f" (down to {dip:.3f}x)" if dip is not None and dip < 2 - FLAT_WITHIN else ""
+        return flatness_verdict(spread, dip, aimed), f"{spread:.3f}x{low}"
     return judge
 
 
@@ -128,13 +129,14 @@ def _static_over_dynamic(suffix: str):
 def _xdp_to_worker(r):
     m = r.get("machine", {})
     cores, workers = m.get("cores", 0), m.get("sweep_workers", 1)
-    v = _get(r, "metrics", "e2e_xdp_to_worker_polling_p50_ns") or _get(r, "metrics", "e2e_xdp_to_worker_p50_ns")
+    polling = _get(r, "metrics", "e2e_xdp_to_worker_polling_p50_ns")
+    v = polling if polling is not None else _get(r, "metrics", "e2e_xdp_to_worker_p50_ns")
     if v is None:
         return NO_FIGURE, ""
-    seen = f"{v / 1000:,.1f} us with the worker polling"
+    seen = f"{v / 1000:,.1f} us " + ("with the worker polling" if polling is not None else "(the worker asleep)")
     if cores < workers + 2:            # the poll loop, the load generator and each worker
         return f"not judged: {cores} cores for {workers + 2} pollers", seen
-    return ("met" if v <= XDP_TO_LANE_NS else "missed"), seen
+    return ("met" if v <= XDP_P50_NS else "missed"), seen
 
 
 GOALS = [
@@ -156,12 +158,13 @@ GOALS = [
     Goal("worker", 4, "decode-step delta <= 4096 bytes stored", _decode_delta),
     Goal("worker", 4, "restore at 2K context at least 10x faster than recompute",
          _ratio("restore_ms_ctx2048_vs_recompute_ms_ctx2048", 0.1)),
-    Goal("snapshot", 5, "put within 1.2x the raw write + sync (p50)", _ratio("put_4k_p50_us_vs_raw_write_sync_p50_us", 1.2)),
+    Goal("snapshot", 5, "put within 1.2x the raw write + sync (p50)",
+         _ratio("put_4k_p50_us_vs_raw_write_sync_p50_us", 1.2)),
     Goal("snapshot", 5, "restore within 1.2x the raw reads (chains of 1 / 8 / 64 deltas, p50)",
          _all_ratios([f"restore_chain{n}_p50_us_vs_raw_read_chain{n}_p50_us" for n in (1, 8, 64)], 1.2)),
     Goal("snapshot", 5, "index <= 64 bytes per session", _metric("index_bytes_per_session", 64, "bytes")),
-    Goal("e2e", 7, f"XDP-to-lane p50 <= {XDP_TO_LANE_NS:.0f} ns", _metric("e2e_xdp_to_lane_p50_ns", XDP_TO_LANE_NS, "ns")),
-    Goal("e2e", 7, f"XDP-to-worker p50 <= {XDP_TO_LANE_NS:.0f} ns where a core per poller is available",
+    Goal("e2e", 7, f"XDP-to-lane p50 <= {XDP_P50_NS:.0f} ns", _metric("e2e_xdp_to_lane_p50_ns", XDP_P50_NS, "ns")),
+    Goal("e2e", 7, f"XDP-to-worker p50 <= {XDP_P50_NS:.0f} ns where a core per poller is available",
          _xdp_to_worker),
     Goal("e2e", 7, "dynamic's p95 at 10 req/s <= 1/5 of static's (tiny model)", _static_over_dynamic("")),
     Goal("e2e", 7, "dynamic's p95 at 10 req/s <= 1/5 of static's (simulated L4)", _static_over_dynamic("_l4")),

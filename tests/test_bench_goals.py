@@ -71,3 +71,14 @@ def test_bench_goals_judges_a_committed_run_and_says_when_a_directory_has_none(t
     assert counted.startswith("goals: ") and sum(int(part.split()[0]) for part in counted[7:].split(", ")) == judged
     (tmp_path / "empty").mkdir()
     assert bench_main(["goals", str(tmp_path / "empty")]) == 2
+
+
+def test_the_readme_s_goals_table_is_bench_goals_output_for_the_run_it_names(capsys):
+    """The README says its table is `python -m bench goals --markdown figures/run-6f35c4c`: so it
+    stays, a goal's wording or reading changed here and not there fails."""
+    readme = (FIGURES.parent.parent / "README.md").read_text().splitlines()
+    start = readme.index("| suite (issue) | goal | measured | verdict |")
+    table = readme[start:readme.index("", start)]
+    assert bench_main(["goals", "--markdown", str(FIGURES)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[:len(table)] == table and out[len(table)] == ""
