@@ -123,7 +123,7 @@ class Report:
         data["goals"] = goals.judge(data)
         return data
 
-    def table(self) -> str:
+    def table(self, data: dict | None = None) -> str:
         m = self.machine
         lines = [f"suite {self.suite}{' (quick)' if self.quick else ''} on {m['cores']} cores, "
                  f"{m['cpu_model']}, kernel {m['kernel']}" + (f", XDP {m['xdp_mode']}" if "xdp_mode" in m else "")]
@@ -133,12 +133,12 @@ class Report:
         for k, v in self.ratios.items():
             lines.append(f"  {'ratio':<9} {k:<40} {v:>14.3f} x")
         lines += [f"  note: {n}" for n in self.notes]
-        lines += [f"  goal {line}" for line in goals.lines(self.as_dict()["goals"])]
+        lines += [f"  goal {line}" for line in goals.lines((data or self.as_dict())["goals"])]
         return "\n".join(lines)
 
     def finish(self, json_path: str | os.PathLike | None) -> dict:
         data = self.as_dict()
-        print(self.table())
+        print(self.table(data))
         path = pathlib.Path(json_path or f"bench-results/{self.suite}.json")
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(data, indent=2) + "\n")

@@ -259,6 +259,7 @@ def _flatness(report, dynamic: list[dict], suffix: str, rates: list):
     chord to the first row over it an estimate."""
     spread = _spread_to_80pct(dynamic)
     if spread == float("inf"):
+        report.ratios[f"dynamic_p95_spread_to_80pct_saturation{suffix}"] = spread   # null: bench.goals reads missed
         report.note(f"dynamic_p95_spread_to_80pct_saturation{suffix}: no figure, the goal missed: a rate "
                     f"within 80% of saturation answered a request other than 200, or left more than 5% "
                     f"unanswered")

@@ -127,7 +127,6 @@ def _run(report, args):
     _int8_accuracy(report, model, n_prompts=100, decode_steps=8)
 
 
-
 def _int8_accuracy(report, model: Model, n_prompts: int, decode_steps: int):
     """Greedy tokens from an int8-restored cache against the exact one, teacher-forced on the exact outputs."""
     cfg = model.config

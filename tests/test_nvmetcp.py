@@ -1302,8 +1302,9 @@ def test_a_data_digest_error_is_retried_by_the_initiator_not_the_end_of_the_stor
 def test_a_c2h_data_with_success_completes_the_read_as_spdk_s_target_sends_it(target, last):
     """SPDK's target ends a read by a C2HData flagged SUCCESS (and LAST_PDU), with no CapsuleResp
     after it. The initiator waited for one until its timeout (found by review). SUCCESS without
-    LAST_PDU breaks the protocol (NVMe/TCP 7.4.5.2; the last data without LAST_PDU does too): the
-    queue is torn down, not hung."""
+    LAST_PDU breaks the protocol (NVMe/TCP 7.4.5.2): the queue is torn down, not hung. On the
+    command's last data that is now the missing LAST_PDU's error, a PDU sequence error, where it was
+    an invalid header field before session 32."""
     dev = NvmeTcpDevice(target.url)
     try:
         (io_conn,) = [c for c in list(target._conns) if c.qid == 1]

@@ -989,7 +989,7 @@ def test_a_reused_session_id_grown_to_the_stale_copy_s_length_is_not_taken_for_i
     """Turn 1 on A (resident, durable, 42 tokens), the client's CLOSE on B, the reused id's first
     turn on B to exactly 42 tokens too, then the session back on A, flagged moved: the store's
     chain ends at A's length but in a record A did not put or restore, so A drops its copy and
-    restores B's. Before, the length alone was compared (docs/known-limits.md, session 18):
+    restores B's. Before, the length alone was compared (docs/workers.md, session 18):
     A answered from the closed session's context."""
     store = MemoryStore()
     a, b = Worker(model, store, kv_budget_bytes=BIG), Worker(model, store, kv_budget_bytes=BIG)

@@ -243,7 +243,7 @@ class _Queue:
                 if flags & P.FLAG_SUCCESS:
                     # the command succeeded and no CapsuleResp follows: SPDK's target does this by
                     # default, and a read waited for the response until its timeout (found by review)
-                    if not flags & P.FLAG_LAST_PDU or received != n:
+                    if not flags & P.FLAG_LAST_PDU:      # (LAST_PDU said the data is all here, above)
                         raise ProtocolError("C2HData with SUCCESS before the last of the command's data",
                                             P.FES_INVALID_HEADER_FIELD, 1, header)
                     self._digest_checked(digest_bad)
