@@ -150,7 +150,8 @@ def main(argv=None) -> int:
         judged += [(name, j) for j in report.finish(args.json)["goals"]]
     if len(names) > 1 and judged:           # every suite's goals in one place, at the end of the run
         from . import goals
-        print("goals (bench.goals, from this run's figures" + (", a quick run's: short samples" if args.quick else "") + "):")
+        quick = ", a quick run's: short samples" if args.quick else ""
+        print(f"goals (bench.goals, from this run's figures{quick}):")
         for name, j in judged:
             print("  " + goals.lines([j], suite=name)[0])
     if failed:

@@ -2,6 +2,7 @@
 import json
 import pathlib
 import shutil
+import signal
 
 import pytest
 
@@ -101,3 +102,39 @@ def test_the_readme_s_goals_table_is_bench_goals_output_for_the_run_it_names(cap
     assert bench_main(["goals", "--markdown", str(FIGURES)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[:len(table)] == table and out[len(table)] == ""
+
+
+def test_bench_all_ends_with_every_suite_s_goals(tmp_path, monkeypatch, capsys):
+    """`make bench` (bench all) prints each suite's goals with its table, then all of them at the
+    end, a quick run's said to be one; here with two stand-in suites, one without goals."""
+    import sys
+    import types
+    import bench.__main__ as bench_cli
+
+    def fake(name, fill):
+        mod = types.ModuleType(f"fake_{name}")
+        mod.run = lambda report, args: fill(report)
+        monkeypatch.setitem(sys.modules, mod.__name__, mod)
+        return mod.__name__
+
+    def snapshot_figures(report):
+        report.ratios.update(snapshot(put=1.3)["ratios"])
+        report.metric("index_bytes_per_session", 60.0, "bytes")
+    monkeypatch.setattr(bench_cli, "SUITES", {"wire": fake("wire", lambda r: r.metric("x", 1.0)),
+                                              "snapshot": fake("snapshot", snapshot_figures)})
+    monkeypatch.setattr(bench_cli, "IN_ALL", ["wire", "snapshot"])
+    monkeypatch.chdir(tmp_path)
+    sigterm = signal.getsignal(signal.SIGTERM)           # bench's main installs its own
+    try:
+        assert bench_main(["all", "--quick"]) == 0
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+    out = capsys.readouterr().out
+    summary = out[out.index("goals (bench.goals, from this run's figures, a quick run's: short samples):"):]
+    assert summary.splitlines()[1:] == [
+        "  [missed]     snapshot: put within 1.2x the raw write + sync (p50): 1.300x",
+        "  [met]        snapshot: restore within 1.2x the raw reads (chains of 1 / 8 / 64 deltas, p50): "
+        "1.100x / 1.100x / 1.100x",
+        "  [met]        snapshot: index <= 64 bytes per session: 60.0 bytes"]
+    written = json.loads((tmp_path / "bench-results" / "snapshot.json").read_text())
+    assert [j["verdict"] for j in written["goals"]] == ["missed", "met", "met"]
