@@ -319,6 +319,8 @@ class WorkerProcess:
         return self.t_ready is not None
 
     def kill(self):
+        if self.pidfd < 0:
+            return                                   # closed: reaped, nothing to signal
         with contextlib.suppress(ProcessLookupError):
             signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
 
@@ -330,7 +332,10 @@ class WorkerProcess:
         return not self.join(0)
 
     def close(self):
-        os.close(self.pidfd)
+        """Once: a second close would close whatever file has the number by then."""
+        fd, self.pidfd = self.pidfd, -1
+        if fd >= 0:
+            os.close(fd)
 
 
 REAP_WAIT_S = 5.0     # a teardown waits this long for its workers to stop, then as long for the killed
@@ -341,7 +346,8 @@ def join_all(procs: list[WorkerProcess], timeout: float | None) -> list[WorkerPr
     reads ready); those still running."""
     import math
     import select
-    deadline, left = None if timeout is None else time.monotonic() + timeout, list(procs)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    left = [p for p in procs if p.pidfd >= 0]        # a closed one cannot be waited for: gone
     while left:
         remaining = None if deadline is None else deadline - time.monotonic()
         poll = select.poll()
@@ -670,13 +676,23 @@ class Pipeline:
         # one deadline for all (joined one at a time, each worker that ignored the stop cost 5 s,
         # and 5 more for its kill)
         left = join_all(self.workers, REAP_WAIT_S)
+        errors = []
         for p in left:
-            p.kill()
+            try:
+                p.kill()
+            except OSError as e:
+                errors.append(e)
         join_all(left, REAP_WAIT_S)
+        # every pidfd and the spawner, whatever one of them raises (it stopped the teardown there)
         for p in self.workers + self._retired:
-            p.close()
+            try:
+                p.close()
+            except OSError as e:
+                errors.append(e)
         if self._spawner is not None:
             self._spawner.close()
+        if errors:
+            raise errors[0]
 
     def _watch_workers(self):
         """A worker process that exits while the pipeline runs (a crash, the OOM killer, a SIGKILL)

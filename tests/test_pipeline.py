@@ -1,5 +1,6 @@
 """The assembled pipeline (datapath.pipeline: netns, XDP, the native loop, worker processes), as
 bench e2e builds it, checked on its own."""
+import errno
 import os
 import signal
 import threading
@@ -444,3 +445,41 @@ def test_a_straggler_that_is_not_one_of_the_workers_is_refused_before_anything_i
     with pytest.raises(ValueError, match="stragglers: worker True is not one of"):
         with Pipeline(_config(workers=2, stragglers={True: 4})):
             pass
+
+
+def test_the_teardown_closes_every_pidfd_whatever_one_of_them_raises(monkeypatch):
+    """A close that raised stopped the teardown there: the later workers' pidfds and the spawner
+    stayed open (session 31's review). Now each is closed, the first error raised after; and a
+    WorkerProcess closes its pidfd once (a second close would close whatever file has the number
+    by then), a closed one neither signalled nor waited for."""
+    import subprocess
+    from datapath import pipeline
+    from datapath.pipeline import SharedFlag, WorkerProcess, join_all
+    monkeypatch.setattr(pipeline, "REAP_WAIT_S", 0.5)
+    kids = [subprocess.Popen(["sleep", "60"]) for _ in range(3)]
+    procs = [WorkerProcess(k, k, c.pid, os.pidfd_open(c.pid)) for k, c in enumerate(kids)]
+    first = procs[0].pidfd
+    p = Pipeline.__new__(Pipeline)
+    p._stop_workers, p.workers, p._retired, p._spawner = SharedFlag(), procs[:2], procs[2:], None
+    real_close = os.close
+
+    def close(fd):
+        if fd == first:
+            real_close(fd)
+            raise OSError(errno.EIO, "a close that fails")
+        real_close(fd)
+    monkeypatch.setattr(os, "close", close)
+    try:
+        with pytest.raises(OSError, match="a close that fails"):
+            p._reap_workers()
+        monkeypatch.setattr(os, "close", real_close)
+        assert [w.pidfd for w in procs] == [-1, -1, -1]
+        assert kids[0].wait(10) == kids[1].wait(10) == -signal.SIGKILL    # ignored the stop: killed
+        procs[0].close()                                  # again: nothing closed
+        procs[0].kill()                                   # closed: nothing signalled
+        assert join_all(procs, None) == [] and not procs[0].is_alive()
+    finally:
+        monkeypatch.setattr(os, "close", real_close)
+        for c in kids:
+            c.kill()
+            c.wait()
