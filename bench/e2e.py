@@ -275,7 +275,7 @@ def _flatness(report, dynamic: list[dict], suffix: str, rates: list):
     # lightest is measured in its own pipeline: one high there hid a climb; found by review)
     dip = _dip_to_80pct(dynamic)
     report.ratios[f"dynamic_p95_dip_to_80pct_saturation{suffix}"] = dip
-    span = f"{spread:.3f}x" + (f" (and down to {dip:.3f}x)" if dip < 0.9 else "")
+    span = f"{spread:.3f}x" + (f" (and down to {dip:.3f}x)" if dip < goals.FLAT_FLOOR else "")
     goal = f"flatness goal{suffix} (dynamic p95 within 10% up to 80% of saturation)"
     line = GOAL_FRACTION * _saturation(dynamic)
     aimed = [r for r in dynamic if r.get("aimed_at_saturation_fraction") and 0.99 * line <= r["offered_qps"] <= line]
