@@ -3,6 +3,11 @@
 Python creates rings, attaches to them, reads their counters and, in tests,
 moves records in bulk; the data path itself moves records in C. Names map to
 /dev/shm/dp-<name>.
+
+One process produces and one consumes. A handle that enqueues acts as the
+producer, one that dequeues or waits as the consumer: it takes the role if
+it is free or its holder died, and raises RingBusy if another live process
+holds it (two producers would write the same slots).
 """
 from __future__ import annotations
 
@@ -95,7 +100,10 @@ class Ring:
         n = len(buf) // rec_len
         if n > MAX_BURST:
             raise ValueError(f"{n} records in one call exceeds {MAX_BURST}")
-        return lib.dp_ring_enqueue_copy(self.ptr, buf, n, rec_len, rec_len)
+        k = lib.dp_ring_enqueue_copy(self.ptr, buf, n, rec_len, rec_len)
+        if k < 0:
+            _raise(k, self.name, "producer")
+        return k
 
     def dequeue(self, max_records: int) -> bytes:
         """Up to max_records records, as slot_size-byte records back to back."""
@@ -103,10 +111,15 @@ class Ring:
             raise ValueError(f"max_records must be 0..{MAX_BURST}, not {max_records}")
         out = ffi.new("uint8_t[]", max_records * self.slot_size or 1)
         k = lib.dp_ring_dequeue_copy(self.ptr, out, max_records)
+        if k < 0:
+            _raise(k, self.name, "consumer")
         return bytes(ffi.buffer(out, k * self.slot_size))
 
     def wait(self, timeout_s: float) -> int:
         """Block (per the ring's wait mode) until a record is readable; readable count or 0."""
+        rc = lib.dp_ring_act(self.ptr, lib.DP_ROLE_CONSUMER)
+        if rc:
+            _raise(rc, self.name, "consumer")
         return lib.dp_ring_wait(self.ptr, int(timeout_s * 1e9) if timeout_s >= 0 else -1)
 
     def stats(self) -> dict:

@@ -113,8 +113,22 @@ static int take_role(struct dp_ring *r, int role)
 int dp_ring_claim(struct dp_ring *r, int role)
 {
     int rc = take_role(r, role);
-    if (rc == 0)
+    if (rc == 0) {
         r->role = role;
+        r->acts |= 1u << role;
+    }
+    return rc;
+}
+
+int dp_ring_act(struct dp_ring *r, int role)
+{
+    if (role != DP_ROLE_PRODUCER && role != DP_ROLE_CONSUMER)
+        return -EINVAL;
+    if (r->acts & (1u << role))     /* held since it was taken: no live process takes it from us */
+        return 0;
+    int rc = take_role(r, role);
+    if (rc == 0)
+        r->acts |= 1u << role;
     return rc;
 }
 
@@ -212,6 +226,8 @@ struct dp_ring *dp_ring_attach(const char *name, int role, int *err)
         dp_ring_close(r);
         return NULL;
     }
+    if (role != DP_ROLE_OBSERVER)
+        r->acts = 1u << role;
     return r;
 }
 
@@ -219,11 +235,11 @@ void dp_ring_close(struct dp_ring *r)
 {
     if (!r)
         return;
-    int32_t me = getpid();
-    if (r->role == DP_ROLE_PRODUCER)
+    int32_t me = getpid(), also = me;
+    if (r->acts & (1u << DP_ROLE_PRODUCER))
         __atomic_compare_exchange_n(&r->h->producer_pid, &me, 0, 0, __ATOMIC_RELEASE, __ATOMIC_RELAXED);
-    else if (r->role == DP_ROLE_CONSUMER)
-        __atomic_compare_exchange_n(&r->h->consumer_pid, &me, 0, 0, __ATOMIC_RELEASE, __ATOMIC_RELAXED);
+    if (r->acts & (1u << DP_ROLE_CONSUMER))
+        __atomic_compare_exchange_n(&r->h->consumer_pid, &also, 0, 0, __ATOMIC_RELEASE, __ATOMIC_RELAXED);
     munmap(r->h, r->map_len);
     close(r->fd);
     free(r);
@@ -274,13 +290,19 @@ void dp_ring_get_stats(const struct dp_ring *r, struct dp_ring_stats *s)
     s->consumer_pid = h->consumer_pid;
 }
 
-uint32_t dp_ring_enqueue_copy(struct dp_ring *r, const void *recs, uint32_t n, uint32_t rec_len, uint32_t stride)
+int64_t dp_ring_enqueue_copy(struct dp_ring *r, const void *recs, uint32_t n, uint32_t rec_len, uint32_t stride)
 {
+    int rc = dp_ring_act(r, DP_ROLE_PRODUCER);
+    if (rc)
+        return rc;   /* (in a ?: with the uint32_t count, -EBUSY came back as 2^32 - 16) */
     return dp_ring_enqueue_burst(r, recs, n, rec_len, stride);
 }
 
-uint32_t dp_ring_dequeue_copy(struct dp_ring *r, void *out, uint32_t max)
+int64_t dp_ring_dequeue_copy(struct dp_ring *r, void *out, uint32_t max)
 {
+    int rc = dp_ring_act(r, DP_ROLE_CONSUMER);
+    if (rc)
+        return rc;   /* (in a ?: with the uint32_t count, -EBUSY came back as 2^32 - 16) */
     return dp_ring_dequeue_burst(r, out, max);
 }
 

@@ -227,6 +227,54 @@ def test_a_producer_killed_after_publishing_a_commit_whole_leaves_it_standing(ri
         assert st["enqueued"] == st["dequeued"] == 4 + 18 + 8 and st["depth"] == 0
 
 
+def hold(name, role, q, release):
+    with Ring.attach(name, role):
+        q.put("holding")
+        release.wait(30)
+
+
+def try_attach(name, role, q):
+    try:
+        Ring.attach(name, role).close()
+        q.put("took it")
+    except RingBusy:
+        q.put("busy")
+
+
+@pytest.mark.parametrize("role", ["producer", "consumer"])
+def test_a_handle_cannot_act_in_a_role_another_live_process_holds(ring_name, role):
+    """An observer handle that enqueues (dequeues, waits) acts as the producer (consumer): with a
+    live process holding that role it is refused, RingBusy, and moves nothing; once the holder
+    has died it takes the role over, and holds it until it closes. Unchecked, a second producer
+    wrote the slots the first was writing."""
+    q, release = ctx.Queue(), ctx.Event()
+    with Ring.create(ring_name, 16, 8) as obs:
+        act = (lambda: obs.enqueue(b"x" * 16)) if role == "producer" else (lambda: obs.dequeue(8))
+        p = ctx.Process(target=hold, args=(ring_name, role, q, release))
+        p.start()
+        try:
+            assert q.get(timeout=10) == "holding"
+            with pytest.raises(RingBusy, match=role):
+                act()
+            if role == "consumer":
+                with pytest.raises(RingBusy, match=role):
+                    obs.wait(0)
+            st = obs.stats()
+            assert (st["enqueued"], st["dequeued"], st[f"{role}_pid"]) == (0, 0, p.pid)
+        finally:
+            release.set()
+            p.join(10)
+        assert p.exitcode == 0
+        act()                                     # its holder gone: taken over
+        assert obs.stats()[f"{role}_pid"] == os.getpid()
+        other = ctx.Process(target=try_attach, args=(ring_name, role, q))
+        other.start()
+        assert q.get(timeout=10) == "busy"
+        other.join(10)
+    with Ring.attach(ring_name) as obs:
+        assert obs.stats()[f"{role}_pid"] == 0, "released at close"
+
+
 def sleeper(name, q):
     with Ring.attach(name, "consumer") as r:
         q.put("waiting")
