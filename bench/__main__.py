@@ -31,7 +31,7 @@ EPILOG = """examples:
     python -m bench wire --quick            # a short run, table + bench-results/wire.json
     python -m bench wire --json out/wire.json
     python -m bench all                     # every suite, in full, then every goal's verdict
-    python -m bench goals figures/run-cfbf254   # the goals judged from a committed run's JSON files
+    python -m bench goals figures/run-19c00b8   # the goals judged from a committed run's JSON files
     sudo python -m bench snapshot --soak    # the snapshot store, and 1,000 SIGKILLed writers
     sudo python -m bench nvmetcp            # the store on an NVMe/TCP target (loopback) against a local one
     sudo python -m bench e2e --quick        # the whole pipeline, every scenario briefly, report in bench-results/e2e/
