@@ -124,9 +124,13 @@ int dp_ring_act(struct dp_ring *r, int role)
 {
     if (role != DP_ROLE_PRODUCER && role != DP_ROLE_CONSUMER)
         return -EINVAL;
-    if (r->acts & (1u << role))     /* held since it was taken: no live process takes it from us */
+    int32_t *slot = role == DP_ROLE_PRODUCER ? &r->h->producer_pid : &r->h->consumer_pid;
+    /* this process's already, through this handle or another: act under it, and neither settle a
+     * live role (claim's take-over steps would run under the other handle's feet) nor take its
+     * release at close; getpid each call, not a cached bit, so a forked child is not its parent */
+    if (__atomic_load_n(slot, __ATOMIC_ACQUIRE) == getpid())
         return 0;
-    int rc = take_role(r, role);
+    int rc = take_role(r, role);    /* free, or its holder dead: taken over */
     if (rc == 0)
         r->acts |= 1u << role;
     return rc;

@@ -76,11 +76,10 @@ void dp_ring_wake_consumer(struct dp_ring *r);
 /* Wait until at least one record is readable or timeout_ns passes (0: no wait,
  * < 0: forever); returns the readable count. Spins/yields/sleeps per wait_mode. */
 uint32_t dp_ring_wait(struct dp_ring *r, int64_t timeout_ns);
-/* This handle may act as role (producer or consumer): the role is its own already, or free, or
- * held by a dead process, and is now its own (taken over as claim does); -EBUSY: a live process
- * holds it. The inline calls below do not check (the data path's loops hold their roles from
- * attach); the copying ones do, and Python's wait asks first. A handle is its process's own:
- * a forked child attaches its own. */
+/* This handle may act as role (producer or consumer): the role is this process's already
+ * (through this handle or another), or free, or held by a dead process, and then taken over as
+ * claim does (released at this handle's close); -EBUSY: another live process holds it. The
+ * inline calls below do not check; the copying ones do, and Python's wait asks first. */
 int dp_ring_act(struct dp_ring *r, int role);
 /* copying versions of the burst calls, for callers that cannot inline (Python): the count moved,
  * or -EBUSY when another live process holds the role (dp_ring_act) */
@@ -120,7 +119,7 @@ struct dp_ring {             /* a process's handle (not shared) */
     uint8_t *slots;
     size_t map_len;          /* what this process mapped (never trust the shared header for it) */
     int role;
-    unsigned acts;           /* the roles this handle holds, 1 << role each (released at close) */
+    unsigned acts;           /* the roles this handle took, 1 << role each (released at close) */
     int fd;
 };
 

@@ -228,9 +228,10 @@ def test_a_producer_killed_after_publishing_a_commit_whole_leaves_it_standing(ri
 
 
 def hold(name, role, q, release):
-    with Ring.attach(name, role):
-        q.put("holding")
-        release.wait(30)
+    r = Ring.attach(name, role)        # noqa: F841 (held, never closed)
+    q.put("holding")
+    release.wait(30)
+    os._exit(0)                        # dies holding the role: its successor takes it over
 
 
 def try_attach(name, role, q):
@@ -245,8 +246,8 @@ def try_attach(name, role, q):
 def test_a_handle_cannot_act_in_a_role_another_live_process_holds(ring_name, role):
     """An observer handle that enqueues (dequeues, waits) acts as the producer (consumer): with a
     live process holding that role it is refused, RingBusy, and moves nothing; once the holder
-    has died it takes the role over, and holds it until it closes. Unchecked, a second producer
-    wrote the slots the first was writing."""
+    has died (the role still naming it) it takes the role over, and holds it until it closes.
+    Unchecked, a second producer wrote the slots the first was writing."""
     q, release = ctx.Queue(), ctx.Event()
     with Ring.create(ring_name, 16, 8) as obs:
         act = (lambda: obs.enqueue(b"x" * 16)) if role == "producer" else (lambda: obs.dequeue(8))
@@ -273,6 +274,25 @@ def test_a_handle_cannot_act_in_a_role_another_live_process_holds(ring_name, rol
         other.join(10)
     with Ring.attach(ring_name) as obs:
         assert obs.stats()[f"{role}_pid"] == 0, "released at close"
+
+
+def test_acting_under_a_role_this_process_holds_neither_takes_nor_releases_it(ring_name):
+    """An observer handle that enqueues while another handle of this process is the producer acts
+    under that handle's role: it moves records, and its close leaves the role held (taken as its
+    own, its close released the role under the live producer handle, and another process could
+    attach as a second producer)."""
+    q, release = ctx.Queue(), ctx.Event()
+    with Ring.create(ring_name, 16, 8, role="producer") as prod:
+        with Ring.attach(ring_name) as obs:
+            assert obs.enqueue(b"a" * 16) == 1
+            assert obs.dequeue(8) == b"a" * 16
+        st = prod.stats()
+        assert (st["producer_pid"], st["consumer_pid"]) == (os.getpid(), 0), "the producer's role stays; the consumer's, taken, was released"
+        other = ctx.Process(target=try_attach, args=(ring_name, "producer", q))
+        other.start()
+        assert q.get(timeout=10) == "busy"
+        other.join(10)
+        assert prod.enqueue(b"b" * 16) == 1
 
 
 def sleeper(name, q):
