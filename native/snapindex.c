@@ -1,8 +1,10 @@
 /* snapindex.c - the snapshot store's packed index (snapindex.h). */
 #include "snapindex.h"
 
+#include <errno.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #define REC_MIN 256
 #define SESS_MIN 256
@@ -456,6 +458,46 @@ static int crc_ok(const uint8_t *rec, const struct six_hdr *h)
     c = six_crc32c(c, zero, sizeof(zero));
     c = six_crc32c(c, rec + at + 4, SIX_HEADER_SIZE - at - 4 + (size_t)h->stored_len);
     return c == h->crc;
+}
+
+/* --- restore's read ------------------------------------------------------------------- */
+
+int64_t six_read_chain(struct six *ix, uint32_t s, int fd, uint64_t log_start, uint64_t log_blocks,
+                       uint32_t block_size, uint8_t *buf, uint64_t cap, struct six_part *parts,
+                       uint32_t max_parts, uint64_t *at, int *err)
+{
+    const struct six_session *e = &ix->sess[s];
+    uint64_t need = 0;
+    uint32_t low = e->first;
+    for (uint32_t i = 0; i < e->nrec; i++) {
+        const struct six_rec *r = six_rec(ix, six_rid(ix, low));
+        need += (uint64_t)r->nblocks * block_size;
+        low = r->next;
+    }
+    if (need > cap || e->nrec > max_parts) {
+        *at = need > cap ? need : e->nrec;
+        return SIX_READ_ROOM;
+    }
+    uint64_t off = 0;
+    low = e->first;
+    for (uint32_t i = 0; i < e->nrec; i++) {
+        const struct six_rec *r = six_rec(ix, six_rid(ix, low));
+        size_t n = (size_t)r->nblocks * block_size;
+        *at = i;
+        ssize_t got = pread(fd, buf + off, n, (off_t)((log_start + r->lpos % log_blocks) * block_size));
+        if (got != (ssize_t)n) {
+            *err = got < 0 ? errno : 0;
+            return SIX_READ_IO;
+        }
+        const struct six_hdr *h = (const struct six_hdr *)(buf + off);
+        if (h->magic != SIX_RECORD_MAGIC || h->lpos != r->lpos || h->seq != r->seq
+            || memcmp(h->key, e->key, SIX_KEY_LEN) || h->stored_len > n - SIX_HEADER_SIZE || !crc_ok(buf + off, h))
+            return SIX_READ_DAMAGED;
+        parts[i] = (struct six_part){ off + SIX_HEADER_SIZE, h->stored_len, h->flags, r->kind, 0 };
+        off += n;
+        low = r->next;
+    }
+    return e->nrec;
 }
 
 /* --- recovery's scan ------------------------------------------------------------------- */

@@ -127,6 +127,28 @@ uint32_t six_codec(struct six *ix, const uint8_t *name);
  * and a recovered one follow. */
 int six_apply_header(struct six *ix, uint64_t rid, const struct six_hdr *hdr);
 
+/* Restore's read of session s's chain from the device's fd (snapshotstore/log.py _read_chain):
+ * its records, oldest first, each read whole with one pread into buf at its own block-aligned
+ * offset (so buf and the offsets suit O_DIRECT), and checked as the index expects it (magic,
+ * position, sequence number, the session's key, the payload within the record, the CRC).
+ * parts[i] says where record i's stored payload lies in buf. Returns the record count; or
+ * SIX_READ_ROOM: buf holds fewer than *at bytes, or parts fewer than *at records;
+ * SIX_READ_IO: the read of record *at failed (*err: its errno, 0 if short);
+ * SIX_READ_DAMAGED: record *at is not the record the index expects there.
+ * The caller holds the index's lock (this runs without the GIL). */
+struct six_part {
+    uint64_t off;               /* in buf */
+    uint32_t len;               /* stored bytes (compressed if flags say so) */
+    uint8_t flags, kind;        /* the header's flags; the index's kind (delta or base) */
+    uint16_t reserved;
+};
+#define SIX_READ_ROOM -2
+#define SIX_READ_IO -3
+#define SIX_READ_DAMAGED -4
+int64_t six_read_chain(struct six *ix, uint32_t s, int fd, uint64_t log_start, uint64_t log_blocks,
+                       uint32_t block_size, uint8_t *buf, uint64_t cap, struct six_part *parts,
+                       uint32_t max_parts, uint64_t *at, int *err);
+
 /* CRC32C (Castagnoli) of n bytes continuing from crc (0 to start), as the crc32c package */
 uint32_t six_crc32c(uint32_t crc, const void *buf, size_t n);
 uint32_t six_crc32c_soft(uint32_t crc, const void *buf, size_t n);    /* without SSE 4.2 */

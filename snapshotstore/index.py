@@ -49,6 +49,8 @@ class Index:
         self._ix = ffi.gc(ix, lib.six_free)
         self._lock = threading.Lock()
         self._codec_names: list[str] = []       # six.codec's names, decoded once
+        # six_read_chain's outputs, kept (under the lock) rather than allocated for each restore
+        self._parts, self._at, self._err = ffi.new("struct six_part[]", 16), ffi.new("uint64_t *"), ffi.new("int *")
 
     # --- counts (fields of the fixed struct: read without the lock) -------------------------
 
@@ -137,6 +139,34 @@ class Index:
                 low = lib.six_rec(self._ix, rid).next
             return out
 
+    def read_chain(self, chain: Chain, fd: int, log_start: int, log_blocks: int, block_size: int,
+                   buf) -> tuple[int, int, int, list[tuple[int, int, int, int]]]:
+        """Restore's read of chain from fd into the aligned buf, in C (six_read_chain): (rc, at,
+        err, parts), parts (offset in buf, stored length, flags, kind) per record, oldest first,
+        when rc is the record count; else rc a SIX_READ_* code, at and err what it says."""
+        with self._lock:
+            return self._read(chain.sid, fd, log_start, log_blocks, block_size, buf)
+
+    def find_and_read(self, key: bytes, fd: int, log_start: int, log_blocks: int, block_size: int, buf):
+        """A restore's whole index work under one hold of the lock: key's chain (None: not held),
+        made the most recently used, and read_chain's answer for it."""
+        with self._lock:
+            s = lib.six_find(self._ix, key)
+            if s == lib.SIX_NONE:
+                return None, 0, 0, 0, []
+            lib.six_touch(self._ix, s)
+            return (self._chain(s), *self._read(s, fd, log_start, log_blocks, block_size, buf))
+
+    def _read(self, s: int, fd: int, log_start: int, log_blocks: int, block_size: int, buf):
+        nrec = self._ix.sess[s].nrec
+        if len(self._parts) < nrec:
+            self._parts = ffi.new("struct six_part[]", nrec)
+        rc = lib.six_read_chain(self._ix, s, fd, log_start, log_blocks, block_size, ffi.from_buffer(buf),
+                                len(buf), self._parts, len(self._parts), self._at, self._err)
+        if rc < 0:
+            return rc, self._at[0], self._err[0], []
+        return rc, self._at[0], self._err[0], [(p.off, p.len, p.flags, p.kind) for p in self._parts[0:rc]]
+
     def key_of(self, rec: Rec) -> bytes:
         """The session key of a live record."""
         with self._lock:
@@ -200,6 +230,7 @@ class Index:
 
 LINKED = lib.SIX_LINKED
 SCAN_END, SCAN_MORE, SCAN_BAD = lib.SIX_SCAN_END, lib.SIX_SCAN_MORE, lib.SIX_SCAN_BAD
+SIX_READ_ROOM, SIX_READ_IO, SIX_READ_DAMAGED = lib.SIX_READ_ROOM, lib.SIX_READ_IO, lib.SIX_READ_DAMAGED
 
 
 class Scan:

@@ -54,7 +54,7 @@ from .device import DEFAULT_IMAGE_SIZE, BlockDevice, aligned_buffer, create_imag
 from .errors import DamagedRecord, DeviceError, DeviceFull, FormatError, SessionChanged, SnapshotError, TooLarge
 from .format import (HEADER_SIZE, KIND_BASE, KIND_DELTA, KIND_PAD, KIND_TOMBSTONE, RecordHeader,
                      Superblock, record_blocks)
-from .index import LINKED, SCAN_END, SCAN_MORE, Chain, Index, Rec
+from .index import LINKED, SCAN_END, SCAN_MORE, SIX_READ_DAMAGED, SIX_READ_IO, SIX_READ_ROOM, Chain, Index, Rec
 
 RESERVE_BLOCKS = 8               # at least, and 1/32 of the log: kept for tombstones (deletes on a full log)
 MAX_RECORD_BYTES = 16 << 20      # and at most 1/16 of the log
@@ -582,11 +582,19 @@ class LogStore:
         key = check_key(key)
         with self._lock:
             self._check_usable()
-            chain = self._ix.find(key)
-            if chain is None:
-                return None
-            self._ix.touch(chain)
-            parts = self._read_chain(chain, key)
+            fd = getattr(self.dev, "fd", None)
+            if fd is not None:            # a local device: find, touch and read in one hold of the index
+                chain, *got = self._ix.find_and_read(key, fd, self.log_start, self.log_blocks, self.block_size,
+                                                     self._rbuf)
+                if chain is None:
+                    return None
+                parts = self._parts_read(chain, *got)
+            else:
+                chain = self._ix.find(key)
+                if chain is None:
+                    return None
+                self._ix.touch(chain)
+                parts = self._read_chain(chain, key)
             self.counters["restores"] += 1
             return Snapshot(b"".join(parts), chain.tokens, chain.layers, chain.codec, chain.records, tuple(parts),
                             chain.last_seq)
@@ -1051,7 +1059,45 @@ class LogStore:
 
     def _read_chain(self, chain: Chain, key: bytes) -> list[bytes]:
         """The chain's deltas, oldest first (a base gives back the ones it merged), each
-        record's CRC and identity checked."""
+        record's CRC and identity checked. On a local device the reads and checks run in C, one
+        call for the chain (in Python each record cost ~8 us over its read: 1.26x the raw reads
+        of 8 deltas, 1.05-1.07x in C); on a remote namespace (no fd) record by record here."""
+        fd = getattr(self.dev, "fd", None)
+        if fd is None:
+            return self._read_chain_records(chain, key)
+        return self._parts_read(chain, *self._ix.read_chain(chain, fd, self.log_start, self.log_blocks,
+                                                            self.block_size, self._rbuf))
+
+    def _parts_read(self, chain: Chain, rc: int, at: int, err: int, found) -> list[bytes]:
+        """The deltas of what Index.read_chain read into the read buffer; a buffer too small for
+        the chain grown and the chain read again; a record that could not be read or is not the
+        one expected raised, named."""
+        if rc == SIX_READ_ROOM and at > len(self._rbuf):
+            self._rbuf = aligned_buffer(at)
+            rc, at, err, found = self._ix.read_chain(chain, self.dev.fd, self.log_start, self.log_blocks,
+                                                     self.block_size, self._rbuf)
+        if rc < 0:
+            where = self._ix.records(chain)[at].lpos % self.log_blocks if rc != SIX_READ_ROOM else 0
+            if rc == SIX_READ_IO and err:
+                raise DamagedRecord(f"the record at block {where} of {self.path} cannot be read "
+                                    f"({os.strerror(err)}): run `snapshotstore fsck {self.path}`")
+            if rc == SIX_READ_IO:
+                raise DeviceError(f"short read at block {self.log_start + where} of {self.path}")
+            if rc == SIX_READ_DAMAGED:
+                raise DamagedRecord(f"the record at block {where} of {self.path} is damaged "
+                                    f"(run `snapshotstore fsck {self.path}`)")
+            raise SnapshotError(f"restore's read of a chain of {chain.records} records found no room: a bug")
+        view, parts = memoryview(self._rbuf), []
+        for off, n, flags, kind in found:
+            body = zlib.decompress(view[off:off + n]) if flags & fmt.FLAG_ZLIB else bytes(view[off:off + n])
+            if kind == KIND_BASE:
+                parts += fmt.unpack_parts(body)
+            else:
+                parts.append(body)
+        return parts
+
+    def _read_chain_records(self, chain: Chain, key: bytes) -> list[bytes]:
+        """_read_chain record by record, each through the device's read_into."""
         parts = []
         for e in self._ix.records(chain):
             h, body = self._read_record(e, key)

@@ -111,6 +111,19 @@ def fill_to_short_of_the_lap(s, short: int):
         s.put(key(9), Delta(b"f" * 100), replace=True)
 
 
+class WithoutFd:
+    """A store's device as a remote namespace looks to it: every call but no fd, so the store
+    reads a chain record by record through read_into."""
+
+    def __init__(self, dev):
+        self._dev = dev
+
+    def __getattr__(self, name):
+        if name == "fd":
+            raise AttributeError(name)
+        return getattr(self._dev, name)
+
+
 def read_block(path, block):
     dev = BlockDevice(path)
     try:
@@ -870,8 +883,18 @@ def test_an_unreadable_block_is_damage_not_a_store_that_cannot_open(make_device,
         e = next(e for e in s.entries() if e.key == key(2))
         bad = phys_block(s.stats(), e.lpos)
         monkeypatch.setattr(device.BlockDevice, "read_into", read_into)
-        with pytest.raises(SnapshotError, match="cannot be read"):
-            s.restore(key(2))
+        real_dev, real_fd = s.dev, s.dev.fd
+        try:
+            s.dev = WithoutFd(real_dev)     # read record by record, through read_into (a remote namespace's way)
+            with pytest.raises(SnapshotError, match="cannot be read"):
+                s.restore(key(2))
+            s.dev = real_dev
+            s.dev.fd = os.open(os.path.dirname(path), os.O_RDONLY)   # in C: its pread fails, EISDIR
+            with pytest.raises(SnapshotError, match="cannot be read .Is a directory"):
+                s.restore(key(2))
+            os.close(s.dev.fd)
+        finally:
+            s.dev, s.dev.fd = real_dev, real_fd
 
 
 def fill_six_windows(make_device, monkeypatch) -> tuple[str, dict]:
@@ -1531,3 +1554,45 @@ def test_damaged_sessions_tombstones_leave_the_room_a_relocation_needs(tmp_path)
             s.delete(k(1))
             s.delete(k(1000 + j + _))
             assert not any(key == k(100) for key in s.list())
+
+
+@pytest.mark.parametrize("field", ["magic", "lpos", "seq", "key", "stored_len", "crc", "payload"])
+@pytest.mark.parametrize("reader", ["c", "records"])
+def test_a_restore_checks_each_record_it_reads(make_device, field, reader):
+    """A record gone bad under an open store fails its chain's restore, DamagedRecord naming its
+    block, whichever way the chain is read: in one C call on a local device (six_read_chain) or
+    record by record (a remote namespace's way, the device without an fd). The identity fields
+    (magic, position, sequence number, key) are changed with the CRC made whole again, as a
+    misdirected or stale write would leave them, so each check is the only one that can catch
+    its field; the length, the CRC and a payload byte are changed under the CRC. The other
+    sessions restore, and the record put back restores again."""
+    from snapshotstore.errors import DamagedRecord
+    from snapshotstore.index import ffi as six_ffi
+    at = {f: six_ffi.offsetof("struct six_hdr", f) for f in ("magic", "lpos", "seq", "key", "crc", "stored_len")}
+    at["stored_len"] += 3                # its top byte: 1 GiB past the record, past any buffer
+    at["payload"] = fmt.HEADER_SIZE + 5
+    path = make_device()
+    with LogStore(path) as s:
+        a = put_all(s, key(1), deltas(3, 300, seed=1))
+        b = put_all(s, key(2), deltas(2, 300, seed=2))
+        real_dev = s.dev
+        if reader == "records":
+            s.dev = WithoutFd(real_dev)
+        try:
+            victim = [e for e in s.entries() if e.key == key(1)][1]
+            block = phys_block(s.stats(), victim.lpos)
+            old = read_block(path, block)
+            damaged = bytearray(old)
+            damaged[at[field]] ^= 0x40
+            if field in ("magic", "lpos", "seq", "key"):
+                end, c = fmt.HEADER_SIZE + len(a) // 3, at["crc"]
+                crc = fmt.crc32c(bytes(damaged[c + 4:end]), fmt.crc32c(b"\0" * 4, fmt.crc32c(bytes(damaged[:c]))))
+                damaged[c:c + 4] = crc.to_bytes(4, "little")
+            rewrite_blocks(path, block, lambda _: damaged)
+            with pytest.raises(DamagedRecord, match=f"record at block {victim.lpos % s.stats()['log_blocks']} .*damaged"):
+                s.restore(key(1))
+            assert s.restore(key(2)).payload == b
+            rewrite_blocks(path, block, lambda _: old)
+            assert s.restore(key(1)).payload == a
+        finally:
+            s.dev = real_dev
