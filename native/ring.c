@@ -294,11 +294,13 @@ void dp_ring_get_stats(const struct dp_ring *r, struct dp_ring_stats *s)
     s->consumer_pid = h->consumer_pid;
 }
 
+/* The role's check, then the burst; an if, not a ?: (in one with the uint32_t count, -EBUSY came
+ * back as 2^32 - 16). */
 int64_t dp_ring_enqueue_copy(struct dp_ring *r, const void *recs, uint32_t n, uint32_t rec_len, uint32_t stride)
 {
     int rc = dp_ring_act(r, DP_ROLE_PRODUCER);
     if (rc)
-        return rc;   /* (in a ?: with the uint32_t count, -EBUSY came back as 2^32 - 16) */
+        return rc;
     return dp_ring_enqueue_burst(r, recs, n, rec_len, stride);
 }
 
@@ -306,7 +308,7 @@ int64_t dp_ring_dequeue_copy(struct dp_ring *r, void *out, uint32_t max)
 {
     int rc = dp_ring_act(r, DP_ROLE_CONSUMER);
     if (rc)
-        return rc;   /* (in a ?: with the uint32_t count, -EBUSY came back as 2^32 - 16) */
+        return rc;
     return dp_ring_dequeue_burst(r, out, max);
 }
 
