@@ -124,6 +124,23 @@ uint32_t six_find(const struct six *ix, const uint8_t *key)
     return v ? v - 1 : SIX_NONE;
 }
 
+uint32_t six_lookup(struct six *ix, const uint8_t *key, int touch, struct six_chain *c)
+{
+    uint32_t s = six_find(ix, key);
+    if (s == SIX_NONE)
+        return s;
+    if (touch)
+        six_touch(ix, s);
+    const struct six_session *e = &ix->sess[s];
+    *c = (struct six_chain){
+        .last_seq = e->nrec ? six_rec(ix, six_rid(ix, e->last))->seq : 0,
+        .sid = s, .gen = e->gen, .nrec = e->nrec,
+        .token_start = e->token_start, .token_end = e->token_end, .raw_len = e->raw_len, .codec = e->codec,
+        .layer_start = e->layer_start, .layer_end = e->layer_end,
+    };
+    return s;
+}
+
 /* At most 3/4 full; doubled (slots are 4 bytes: a few per session). */
 static int grow_hash(struct six *ix)
 {
@@ -498,6 +515,15 @@ int64_t six_read_chain(struct six *ix, uint32_t s, int fd, uint64_t log_start, u
         low = r->next;
     }
     return e->nrec;
+}
+
+int64_t six_restore(struct six *ix, const uint8_t *key, struct six_chain *c, int fd, uint64_t log_start,
+                    uint64_t log_blocks, uint32_t block_size, uint8_t *buf, uint64_t cap, struct six_part *parts,
+                    uint32_t max_parts, uint64_t *at, int *err)
+{
+    if (six_lookup(ix, key, 1, c) == SIX_NONE)
+        return SIX_READ_NONE;
+    return six_read_chain(ix, c->sid, fd, log_start, log_blocks, block_size, buf, cap, parts, max_parts, at, err);
 }
 
 /* --- recovery's scan ------------------------------------------------------------------- */

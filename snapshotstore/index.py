@@ -10,6 +10,7 @@ Scan): one rule, in C, for a record staged by a put and one found by recovery.
 """
 from __future__ import annotations
 
+import struct
 import threading
 from typing import Iterator, NamedTuple
 
@@ -17,6 +18,25 @@ from ._snapindex import ffi, lib
 from .format import CODEC_LEN, HEADER_SIZE, KEY_LEN
 
 assert (lib.SIX_KEY_LEN, lib.SIX_CODEC_LEN, lib.SIX_HEADER_SIZE) == (KEY_LEN, CODEC_LEN, HEADER_SIZE)
+
+
+def _layout(ctype: str, names: tuple[str, ...]) -> struct.Struct:
+    """The C struct ctype (snapindex.h defines it) as a struct.Struct, read from cffi: one call
+    unpacks what field by field through cffi cost ~35 ns a field. names: its fields in order,
+    as the caller unpacks them."""
+    fields = ffi.typeof(ctype).fields
+    assert tuple(n for n, _ in fields) == names, f"{ctype}'s fields moved: {fields}"
+    codes = {"uint64_t": "Q", "uint32_t": "I", "uint16_t": "H", "uint8_t": "B"}
+    fmt, at = "=", 0
+    for _, f in fields:
+        fmt += "x" * (f.offset - at) + codes[f.type.cname]
+        at = f.offset + ffi.sizeof(f.type)
+    return struct.Struct(fmt + "x" * (ffi.sizeof(ctype) - at))
+
+
+_CHAIN = _layout("struct six_chain", ("last_seq", "sid", "gen", "nrec", "token_start", "token_end", "raw_len",
+                                      "codec", "layer_start", "layer_end"))
+_PART = _layout("struct six_part", ("off", "len", "flags", "kind", "reserved"))
 
 
 class Rec(NamedTuple):
@@ -51,6 +71,9 @@ class Index:
         self._codec_names: list[str] = []       # six.codec's names, decoded once
         # six_read_chain's outputs, kept (under the lock) rather than allocated for each restore
         self._parts, self._at, self._err = ffi.new("struct six_part[]", 16), ffi.new("uint64_t *"), ffi.new("int *")
+        self._buf = self._cbuf = None        # the last read buffer and its cffi view
+        self._found = ffi.new("struct six_chain *")     # six_lookup's answer
+        self._found_bytes = ffi.buffer(self._found)
 
     # --- counts (fields of the fixed struct: read without the lock) -------------------------
 
@@ -98,8 +121,7 @@ class Index:
 
     def find(self, key: bytes) -> Chain | None:
         with self._lock:
-            s = lib.six_find(self._ix, key)
-            return None if s == lib.SIX_NONE else self._chain(s)
+            return self._lookup(key, False)
 
     def __contains__(self, key: bytes) -> bool:
         with self._lock:
@@ -111,17 +133,22 @@ class Index:
             s = lib.six_find(self._ix, key)
             return 0 if s == lib.SIX_NONE else self._ix.sess[s].gen
 
-    def _chain(self, s: int) -> Chain:
-        e = self._ix.sess[s]
-        last = lib.six_rec(self._ix, lib.six_rid(self._ix, e.last)).seq if e.nrec else 0
-        return Chain(s, e.gen, e.nrec, (e.token_start, e.token_end), (e.layer_start, e.layer_end),
-                     e.raw_len, self._codec_name(e.codec), last)
+    def _lookup(self, key: bytes, touch: bool) -> Chain | None:
+        if lib.six_lookup(self._ix, key, touch, self._found) == lib.SIX_NONE:
+            return None
+        return self._found_chain()
+
+    def _found_chain(self) -> Chain:
+        """The Chain of the struct six_chain six_lookup or six_restore last filled in."""
+        last, sid, gen, nrec, t0, t1, raw_len, codec, l0, l1 = _CHAIN.unpack(self._found_bytes)
+        return Chain(sid, gen, nrec, (t0, t1), (l0, l1), raw_len, self._codec_name(codec), last)
 
     def _codec_name(self, n: int) -> str:
-        while len(self._codec_names) <= n:   # as format.unpack_header decodes it
-            raw = bytes(ffi.buffer(self._ix.codec[len(self._codec_names)], CODEC_LEN))
-            self._codec_names.append(raw.rstrip(b"\0").decode("ascii", "replace"))
-        return self._codec_names[n]
+        names = self._codec_names
+        while len(names) <= n:   # as format.unpack_header decodes it
+            raw = bytes(ffi.buffer(self._ix.codec[len(names)], CODEC_LEN))
+            names.append(raw.rstrip(b"\0").decode("ascii", "replace"))
+        return names[n]
 
     def first_seq(self, chain: Chain) -> int:
         with self._lock:
@@ -142,30 +169,40 @@ class Index:
     def read_chain(self, chain: Chain, fd: int, log_start: int, log_blocks: int, block_size: int,
                    buf) -> tuple[int, int, int, list[tuple[int, int, int, int]]]:
         """Restore's read of chain from fd into the aligned buf, in C (six_read_chain): (rc, at,
-        err, parts), parts (offset in buf, stored length, flags, kind) per record, oldest first,
+        err, parts), parts (offset in buf, stored length, flags, kind, 0) per record, oldest first,
         when rc is the record count; else rc a SIX_READ_* code, at and err what it says."""
         with self._lock:
-            return self._read(chain.sid, fd, log_start, log_blocks, block_size, buf)
+            return self._read(chain.sid, self._ix.sess[chain.sid].nrec, fd, log_start, log_blocks, block_size, buf)
 
     def find_and_read(self, key: bytes, fd: int, log_start: int, log_blocks: int, block_size: int, buf):
-        """A restore's whole index work under one hold of the lock: key's chain (None: not held),
-        made the most recently used, and read_chain's answer for it."""
+        """A restore's whole index work in one C call under one hold of the lock (six_restore):
+        key's chain (None: not held), made the most recently used, and read_chain's answer for it."""
         with self._lock:
-            s = lib.six_find(self._ix, key)
-            if s == lib.SIX_NONE:
+            parts = self._parts
+            rc = lib.six_restore(self._ix, key, self._found, fd, log_start, log_blocks, block_size, self._c(buf),
+                                 len(buf), parts, len(parts), self._at, self._err)
+            if rc == lib.SIX_READ_NONE:
                 return None, 0, 0, 0, []
-            lib.six_touch(self._ix, s)
-            return (self._chain(s), *self._read(s, fd, log_start, log_blocks, block_size, buf))
+            chain = self._found_chain()
+            if rc == SIX_READ_ROOM and chain.records > len(parts):
+                return (chain, *self._read(chain.sid, chain.records, fd, log_start, log_blocks, block_size, buf))
+            return chain, rc, self._at[0], self._err[0], self._found_parts(rc)
 
-    def _read(self, s: int, fd: int, log_start: int, log_blocks: int, block_size: int, buf):
-        nrec = self._ix.sess[s].nrec
+    def _read(self, s: int, nrec: int, fd: int, log_start: int, log_blocks: int, block_size: int, buf):
         if len(self._parts) < nrec:
             self._parts = ffi.new("struct six_part[]", nrec)
-        rc = lib.six_read_chain(self._ix, s, fd, log_start, log_blocks, block_size, ffi.from_buffer(buf),
-                                len(buf), self._parts, len(self._parts), self._at, self._err)
-        if rc < 0:
-            return rc, self._at[0], self._err[0], []
-        return rc, self._at[0], self._err[0], [(p.off, p.len, p.flags, p.kind) for p in self._parts[0:rc]]
+        rc = lib.six_read_chain(self._ix, s, fd, log_start, log_blocks, block_size, self._c(buf), len(buf),
+                                self._parts, len(self._parts), self._at, self._err)
+        return rc, self._at[0], self._err[0], self._found_parts(rc)
+
+    def _c(self, buf):
+        """buf's cffi view: the store's read buffer, the same one but when it grows."""
+        if buf is not self._buf:
+            self._buf, self._cbuf = buf, ffi.from_buffer(buf)
+        return self._cbuf
+
+    def _found_parts(self, rc: int) -> list[tuple[int, int, int, int, int]]:
+        return list(_PART.iter_unpack(ffi.buffer(self._parts, rc * _PART.size))) if rc > 0 else []
 
     def key_of(self, rec: Rec) -> bytes:
         """The session key of a live record."""

@@ -584,11 +584,11 @@ class LogStore:
             self._check_usable()
             fd = getattr(self.dev, "fd", None)
             if fd is not None:            # a local device: find, touch and read in one hold of the index
-                chain, *got = self._ix.find_and_read(key, fd, self.log_start, self.log_blocks, self.block_size,
-                                                     self._rbuf)
+                chain, rc, at, err, found = self._ix.find_and_read(key, fd, self.log_start, self.log_blocks,
+                                                                   self.block_size, self._rbuf)
                 if chain is None:
                     return None
-                parts = self._parts_read(chain, *got)
+                parts = self._parts_read(chain, rc, at, err, found)
             else:
                 chain = self._ix.find(key)
                 if chain is None:
@@ -1088,7 +1088,7 @@ class LogStore:
                                     f"(run `snapshotstore fsck {self.path}`)")
             raise SnapshotError(f"restore's read of a chain of {chain.records} records found no room: a bug")
         view, parts = memoryview(self._rbuf), []
-        for off, n, flags, kind in found:
+        for off, n, flags, kind, _ in found:
             body = zlib.decompress(view[off:off + n]) if flags & fmt.FLAG_ZLIB else bytes(view[off:off + n])
             if kind == KIND_BASE:
                 parts += fmt.unpack_parts(body)

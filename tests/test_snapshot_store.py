@@ -1556,6 +1556,25 @@ def test_damaged_sessions_tombstones_leave_the_room_a_relocation_needs(tmp_path)
             assert not any(key == k(100) for key in s.list())
 
 
+def test_a_restore_grows_what_it_reads_into(make_device):
+    """A chain of more records than the read keeps room for (16 parts), and one of more bytes
+    than its buffer (1 MiB), each restore whole: the first restore of either grows what it
+    lacks and reads again, and so does compaction's read of a long chain."""
+    path = make_device(24 << 20)                      # a record, so a chain, may hold 1.5 MiB
+    with LogStore(path, compact_after=1000) as s:
+        many = put_all(s, key(1), deltas(20, 100))
+        big = put_all(s, key(2), [Delta(os.urandom(60_000), tokens=(i * 10, i * 10 + 10)) for i in range(20)])
+        for _ in range(2):
+            assert s.restore(key(1)).parts == tuple(d.payload for d in deltas(20, 100))
+            assert s.restore(key(2)).payload == big
+    with LogStore(path, compact_after=1000) as s:     # each grows on its own: the parts, then the bytes
+        assert s.restore(key(1)).payload == many and s.restore(key(2)).payload == big
+    with LogStore(path, compact_after=20) as s:       # the next put compacts the 20 read in C into a base
+        s.put(key(1), deltas(1, 100, start=2000)[0])
+        snap = s.restore(key(1))
+        assert snap.records == 1 and snap.payload == many + deltas(1, 100, start=2000)[0].payload
+
+
 @pytest.mark.parametrize("field", ["magic", "lpos", "seq", "key", "stored_len", "crc", "payload"])
 @pytest.mark.parametrize("reader", ["c", "records"])
 def test_a_restore_checks_each_record_it_reads(make_device, field, reader):
