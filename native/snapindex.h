@@ -166,6 +166,37 @@ int64_t six_restore(struct six *ix, const uint8_t *key, struct six_chain *c, int
                     uint64_t log_blocks, uint32_t block_size, uint8_t *buf, uint64_t cap, struct six_part *parts,
                     uint32_t max_parts, uint64_t *at, int *err);
 
+/* A put's staging (snapshotstore/log.py _stage, _copy): records laid out at the log's tail in
+ * the write buffer, header, payload, zeros to the block's end and CRC, and appended to the index,
+ * in one call (in Python a staged record cost ~10 us, a tenth of a put). The tail's state is the
+ * caller's struct: the store moves it here and reads it (its flush writes what is staged). */
+struct six_tail {
+    uint64_t store_id, epoch;   /* the store's, and this open's: every record carries them */
+    uint64_t log_blocks;
+    uint32_t block_size;
+    uint64_t tail;              /* lpos where the next record goes */
+    uint64_t last_seq;          /* the last sequence number handed out */
+    uint8_t *wbuf;              /* the write buffer: the blocks from the last flush's tail on */
+    uint64_t wcap, woff;        /* its size, and the bytes staged in it */
+    uint64_t need;              /* after SIX_STAGE_ROOM: the bytes it must hold */
+    uint64_t parent;            /* the last record six_stage staged: its parent (0: it begins its chain) */
+};
+#define SIX_STAGE_ROOM -2       /* nothing staged: the write buffer must hold t->need bytes */
+#define SIX_STAGE_REFUSED -3    /* staged, but the index did not link it: a bug */
+/* key's record staged: the next sequence number, its parent (its chain's end, for a delta that
+ * does not begin it afresh), its header, payload, zeros and CRC at the tail (after a pad to the
+ * lap's end if it would not fit before it: records never wrap), appended to the index and
+ * applied to its chain (six_apply_header: most recently used). Its rid; SIX_STAGE_ROOM,
+ * SIX_NOMEM (the index may then hold a pad more than the buffer's flush will write: the caller
+ * stops using the store) or SIX_STAGE_REFUSED. codec: CODEC_LEN bytes, NUL-padded. */
+int64_t six_stage(struct six *ix, struct six_tail *t, uint8_t kind, uint8_t flags, const uint8_t *key,
+                  const uint8_t *payload, uint32_t stored_len, uint32_t raw_len, uint32_t token_start,
+                  uint32_t token_end, uint16_t layer_start, uint16_t layer_end, const uint8_t *codec, int fresh);
+/* A copy of the record rec (header and payload, as read and checked) staged at the tail as it is
+ * but for its position and epoch (key, sequence number, parent kept) and appended to the index,
+ * not applied (six_swap puts it in its original's place). Its rid; SIX_STAGE_ROOM or SIX_NOMEM. */
+int64_t six_stage_copy(struct six *ix, struct six_tail *t, const uint8_t *rec);
+
 /* CRC32C (Castagnoli) of n bytes continuing from crc (0 to start), as the crc32c package */
 uint32_t six_crc32c(uint32_t crc, const void *buf, size_t n);
 uint32_t six_crc32c_soft(uint32_t crc, const void *buf, size_t n);    /* without SSE 4.2 */

@@ -249,6 +249,41 @@ class Index:
             raise MemoryError("no memory to grow the snapshot store's index")
         return r
 
+    # --- staging (six_stage): a put's records at the log's tail ---------------------------------
+
+    @staticmethod
+    def new_tail() -> "ffi.CData":
+        """A log's tail for six_stage to move (struct six_tail): the store sets its fields."""
+        return ffi.new("struct six_tail *")
+
+    @staticmethod
+    def tail_buffer(t, buf) -> "ffi.CData":
+        """buf, aligned, becomes t's write buffer (what is staged in it kept by the caller); the
+        cffi view returned keeps it exported while t points into it: hold it as long."""
+        view = ffi.from_buffer("uint8_t[]", buf)
+        t.wbuf, t.wcap = view, len(buf)
+        return view
+
+    def stage(self, t, kind: int, flags: int, key: bytes, payload: bytes, raw_len: int, tokens: tuple[int, int],
+              layers: tuple[int, int], codec: str, fresh: bool) -> int:
+        """The record staged at t's tail and linked to key's chain (six_stage): its rid, or
+        STAGE_ROOM (t.need: the bytes the write buffer must hold) or STAGE_REFUSED (a bug)."""
+        with self._lock:
+            rid = lib.six_stage(self._ix, t, kind, flags, key, payload, len(payload), raw_len, tokens[0], tokens[1],
+                                layers[0], layers[1], codec.encode("ascii").ljust(CODEC_LEN, b"\0"), fresh)
+        if rid == lib.SIX_NOMEM:
+            raise MemoryError("no memory to grow the snapshot store's index")
+        return rid
+
+    def stage_copy(self, t, record) -> int:
+        """A copy of record (header and payload as read) staged at t's tail (six_stage_copy), not
+        yet in its chain (swap): its rid, or STAGE_ROOM."""
+        with self._lock:
+            rid = lib.six_stage_copy(self._ix, t, ffi.from_buffer(record))
+        if rid == lib.SIX_NOMEM:
+            raise MemoryError("no memory to grow the snapshot store's index")
+        return rid
+
     def scan(self, *, store_id: int, generation: int, log_blocks: int, head: int, block_size: int,
              tail: int, tail_epoch: int) -> "Scan":
         return Scan(self, store_id, generation, log_blocks, head, block_size, tail, tail_epoch)
@@ -268,6 +303,7 @@ class Index:
 LINKED = lib.SIX_LINKED
 SCAN_END, SCAN_MORE, SCAN_BAD = lib.SIX_SCAN_END, lib.SIX_SCAN_MORE, lib.SIX_SCAN_BAD
 SIX_READ_ROOM, SIX_READ_IO, SIX_READ_DAMAGED = lib.SIX_READ_ROOM, lib.SIX_READ_IO, lib.SIX_READ_DAMAGED
+STAGE_ROOM, STAGE_REFUSED = lib.SIX_STAGE_ROOM, lib.SIX_STAGE_REFUSED
 
 
 class Scan:

@@ -54,7 +54,8 @@ from .device import DEFAULT_IMAGE_SIZE, BlockDevice, aligned_buffer, create_imag
 from .errors import DamagedRecord, DeviceError, DeviceFull, FormatError, SessionChanged, SnapshotError, TooLarge
 from .format import (HEADER_SIZE, KIND_BASE, KIND_DELTA, KIND_PAD, KIND_TOMBSTONE, RecordHeader,
                      Superblock, record_blocks)
-from .index import LINKED, SCAN_END, SCAN_MORE, SIX_READ_DAMAGED, SIX_READ_IO, SIX_READ_ROOM, Chain, Index, Rec
+from .index import (SCAN_END, SCAN_MORE, SIX_READ_DAMAGED, SIX_READ_IO, SIX_READ_ROOM, STAGE_REFUSED, STAGE_ROOM,
+                    Chain, Index, Rec)
 
 RESERVE_BLOCKS = 8               # at least, and 1/32 of the log: kept for tombstones (deletes on a full log)
 MAX_RECORD_BYTES = 16 << 20      # and at most 1/16 of the log
@@ -309,6 +310,7 @@ class LogStore:
         self._leading = False
         self._key_locks = [threading.Lock() for _ in range(KEY_LOCKS)]
         self._ix = Index()                       # the log's records and the sessions' chains, LRU first
+        self._t = self._ix.new_tail()            # the log's tail, where six_stage lays records out
         # sessions LRU eviction dropped from the index (not logged) whose records recovery would
         # still replay, each with its chain's first record (seq, lpos): a delete of one writes a
         # tombstone, or the next open would bring it back. Forgotten once the log supersedes it,
@@ -328,6 +330,11 @@ class LogStore:
         except BaseException:
             self.dev.close()
             raise
+
+    # The log's tail and the last sequence number handed out live in the tail's struct, which
+    # six_stage moves as it lays records out.
+    _tail = property(lambda self: self._t.tail, lambda self, v: setattr(self._t, "tail", v))
+    _last_seq = property(lambda self: self._t.last_seq, lambda self, v: setattr(self._t, "last_seq", v))
 
     # --- open and recovery ---------------------------------------------------------
 
@@ -391,9 +398,11 @@ class LogStore:
             # block at least, so a lap's worth of numbers covers them.
             self._last_seq += self.log_blocks
         self._durable_tail = self._tail
-        self._wbuf = aligned_buffer(1 << 20)
-        self._woff, self._segments = 0, []
         self._epoch = self._generation + 1        # this open's: the generation of its first superblock
+        t = self._t
+        t.store_id, t.epoch, t.log_blocks, t.block_size = self.store_id, self._epoch, self.log_blocks, bs
+        self._wbuf = aligned_buffer(1 << 20)      # the blocks [durable tail, tail), staged
+        self._wbuf_view = self._ix.tail_buffer(t, self._wbuf)
         if not self.readonly:
             self._write_superblock()              # the checkpoint: this session's epoch starts here
         self._checkpointed = time.monotonic()
@@ -934,69 +943,33 @@ class LogStore:
     def _copy(self, e: Rec, key: bytes):
         """Copy the live record e to the tail as it is (its header but for a new position and
         epoch: key, sequence number and parent kept), durably, into its place in its chain."""
-        h, body = self._read_record(e, key)
-        rid, _, _ = self._append(h._replace(epoch=self._epoch), body)
+        _, _, record = self._read_record(e, key)
+        while (rid := self._ix.stage_copy(self._t, record)) == STAGE_ROOM:
+            self._grow_wbuf()
         self._ix.swap(e.rid, rid)
         self._flush()
 
     # --- staging and flushing ------------------------------------------------------------
 
     def _stage(self, req: _Request):
-        """Lay req out at the tail in the write buffer and link it into the index."""
-        chain = self._ix.find(req.key)
-        parent = chain.last_seq if req.kind == KIND_DELTA and chain is not None and not req.fresh else 0
-        self._last_seq += 1
-        h = RecordHeader(req.kind, req.flags, self.store_id, 0, self._epoch, self._last_seq, parent,
-                         req.key, req.tokens[0], req.tokens[1], req.layers[0], req.layers[1], req.nblocks,
-                         req.raw_len, len(req.payload), req.codec, 0)
+        """Lay req out at the tail in the write buffer and link it into the index (six_stage: its
+        sequence number, its parent, a pad before it if it would cross the lap's end)."""
+        while (rid := self._ix.stage(self._t, req.kind, req.flags, req.key, req.payload, req.raw_len, req.tokens,
+                                     req.layers, req.codec, req.fresh)) == STAGE_ROOM:
+            self._grow_wbuf()
+        if rid == STAGE_REFUSED:
+            raise SnapshotError(f"the index did not take the record staged for sequence number {self._last_seq}: a bug")
         req.seq = self._last_seq
-        rid, h, off = self._append(h, req.payload)
-        if h.kind == KIND_TOMBSTONE or h.parent_seq == 0:
-            self._evicted.pop(h.key, None)        # what the log held of it is superseded now
-        if self._ix.apply(rid, memoryview(self._wbuf)[off:off + HEADER_SIZE]) != LINKED:   # and most recently used
-            raise SnapshotError(f"the index did not take the record staged for sequence number {h.seq}: a bug")
+        if self._evicted and self._t.parent == 0:
+            self._evicted.pop(req.key, None)      # what the log held of it is superseded now
 
-    def _append(self, h: RecordHeader, payload) -> tuple[int, RecordHeader, int]:
-        """Place the record h at the tail (after a pad to the lap's end if it would not fit
-        before it: records never wrap), in the write buffer and the index's log; its rid,
-        its header with its position, and where it lies in the write buffer."""
-        L = self.log_blocks
-        phys = self._tail % L
-        if phys + h.nblocks > L:
-            pad = RecordHeader(KIND_PAD, 0, self.store_id, self._tail, self._epoch, 0, 0, bytes(fmt.KEY_LEN),
-                               0, 0, 0, 0, L - phys, 0, 0, "", 0)
-            self._place(pad, b"")
-            self._ix.append(pad.lpos, 0, pad.nblocks, KIND_PAD)
-            self._tail += L - phys
-        h = h._replace(lpos=self._tail)
-        off = self._place(h, payload)
-        rid = self._ix.append(h.lpos, h.seq, h.nblocks, h.kind)
-        self._tail += h.nblocks
-        return rid, h, off
-
-    def _place(self, h: RecordHeader, payload) -> int:
-        """Copy all the record's blocks into the write buffer (a pad's zeros too); where. A pad
-        wrote its first block alone, and a torn batch's records persisted under the rest of it
-        (never acknowledged, at their right positions, their CRCs whole): once the pad's header was
-        damaged, recovery's resync past it took them for the store's (found by review; a pad is
-        shorter than a record, at most one a lap)."""
-        bs = self.block_size
-        n = h.nblocks
-        if self._woff + n * bs > len(self._wbuf):
-            bigger = aligned_buffer(2 * (self._woff + n * bs))
-            bigger[:self._woff] = self._wbuf[:self._woff]
-            self._wbuf = bigger
-        off = self._woff
-        fmt.pack_record_into(self._wbuf, off, h, payload)
-        end = off + HEADER_SIZE + len(payload)
-        self._wbuf[end:off + n * bs] = bytes(off + n * bs - end)
-        # one run per physically contiguous stretch: a record at the start of a lap begins a new one
-        if self._segments and self._segments[-1][0] + self._segments[-1][2] == h.lpos and h.lpos % self.log_blocks:
-            self._segments[-1][2] += n
-        else:
-            self._segments.append([h.lpos, off, n])
-        self._woff += n * bs
-        return off
+    def _grow_wbuf(self):
+        """The write buffer made twice what the next record needs (six_stage's t.need), what is
+        staged in it kept."""
+        t = self._t
+        bigger = aligned_buffer(2 * t.need)
+        bigger[:t.woff] = self._wbuf[:t.woff]
+        self._wbuf, self._wbuf_view = bigger, self._ix.tail_buffer(t, bigger)
 
     def _count_puts(self, flushed: list[_Request]):
         # each flush's own: puts flushed before a batch made room were not counted before
@@ -1005,17 +978,23 @@ class LogStore:
             r.durable = True      # an error later in the batch is not theirs
 
     def _flush(self):
-        """Write what is staged (one pwritev per contiguous run), then one fdatasync."""
-        if not self._segments:
+        """Write what is staged, the blocks from the durable tail to the tail, in order in the write
+        buffer (one pwritev per physically contiguous run: the lap's end splits it), then one
+        fdatasync."""
+        lpos, end = self._durable_tail, self._tail
+        if lpos == end:
             return
         if self._tail - self.log_blocks > self._sb_head:
             self._write_superblock()                      # the head moves before its blocks are reused
-        for lpos, off, n in self._segments:
-            self.dev.write_from(self._wbuf, off, self.log_start + lpos % self.log_blocks, n)
+        L, off = self.log_blocks, 0
+        while lpos < end:
+            n = min(end - lpos, L - lpos % L)
+            self.dev.write_from(self._wbuf, off, self.log_start + lpos % L, n)
+            lpos, off = lpos + n, off + n * self.block_size
         if time.monotonic() - self._checkpointed >= CHECKPOINT_EVERY_S:
             self._checkpoint()
         self.dev.sync()
-        self._segments, self._woff = [], 0
+        self._t.woff = 0
         self._durable_tail = self._tail
         self.counters["flushes"] += 1
 
@@ -1043,8 +1022,9 @@ class LogStore:
         self._evicted = {k: start for k, start in self._evicted.items() if start[1] >= self._sb_head}
         self.superblocks_valid = fmt.SB_COPIES
 
-    def _read_record(self, e: Rec, key: bytes) -> tuple[RecordHeader, bytes]:
-        """The record's header and stored payload, its CRC and identity checked."""
+    def _read_record(self, e: Rec, key: bytes) -> tuple[RecordHeader, bytes, memoryview]:
+        """The record's header and stored payload, its CRC and identity checked, and the whole
+        record as read."""
         bs, L = self.block_size, self.log_blocks
         try:
             view = self.dev.read_into(self._read_buf(e.nblocks * bs), self.log_start + e.lpos % L, e.nblocks)
@@ -1055,7 +1035,7 @@ class LogStore:
         if got is None:
             raise DamagedRecord(f"the record at block {e.lpos % L} of {self.path} is damaged "
                                 f"(run `snapshotstore fsck {self.path}`)")
-        return got
+        return (*got, view)
 
     def _read_chain(self, chain: Chain, key: bytes) -> list[bytes]:
         """The chain's deltas, oldest first (a base gives back the ones it merged), each
@@ -1100,7 +1080,7 @@ class LogStore:
         """_read_chain record by record, each through the device's read_into."""
         parts = []
         for e in self._ix.records(chain):
-            h, body = self._read_record(e, key)
+            h, body, _ = self._read_record(e, key)
             body = zlib.decompress(body) if h.flags & fmt.FLAG_ZLIB else body
             if e.kind == KIND_BASE:
                 parts += fmt.unpack_parts(body)

@@ -1556,6 +1556,45 @@ def test_damaged_sessions_tombstones_leave_the_room_a_relocation_needs(tmp_path)
             assert not any(key == k(100) for key in s.list())
 
 
+def test_a_put_lays_its_records_out_as_the_format_defines_them(make_device):
+    """What a put stages, laid out in C (six_stage), is byte for byte format.pack_record_into's
+    record for the header the put implies and its payload, with zeros to its last block's end:
+    a compressed delta over two blocks, the next delta of its chain, and the pad before a
+    record that would cross the lap's end."""
+    import zlib
+    path = make_device()
+    with LogStore(path, compress=True) as s:
+        bs = s.block_size
+        fill_to_short_of_the_lap(s, 1)
+        raws = [bytes(range(256)) * 8 + os.urandom(bs), b"tail of the chain" * 3]
+        seqs = [s.put(key(1), Delta(raw, tokens=(9 * i, 9 * i + 9), layers=(1, 3), codec="f16"))
+                for i, raw in enumerate(raws)]
+        pad, first, second = s.entries()[-3:]
+        dev = BlockDevice(path)
+        try:
+            def blocks(e):
+                return bytes(dev.read_into(aligned_buffer(e.nblocks * bs), phys_block(s.stats(), e.lpos),
+                                           e.nblocks))
+            want = [(pad, fmt.RecordHeader(fmt.KIND_PAD, 0, s.store_id, pad.lpos, s._epoch, 0, 0,
+                                           bytes(fmt.KEY_LEN), 0, 0, 0, 0, 1, 0, 0, "", 0), b"")]
+            for e, raw, seq, parent in ((first, raws[0], seqs[0], 0), (second, raws[1], seqs[1], seqs[0])):
+                stored = zlib.compress(raw, 1)
+                flags = fmt.FLAG_ZLIB if len(stored) < len(raw) else 0
+                stored = stored if flags else raw
+                h = fmt.RecordHeader(fmt.KIND_DELTA, flags, s.store_id, e.lpos, s._epoch, seq, parent, key(1),
+                                     *e.tokens, 1, 3,
+                                     fmt.record_blocks(len(stored), bs), len(raw), len(stored), "f16", 0)
+                want.append((e, h, stored))
+            assert first.lpos % s.stats()["log_blocks"] == 0 and first.nblocks == 2      # the pad before it
+            assert (first.tokens, second.tokens) == ((0, 9), (9, 18))
+            for e, h, payload in want:
+                expect = bytearray(h.nblocks * bs)
+                fmt.pack_record_into(expect, 0, h, payload)
+                assert blocks(e) == bytes(expect), (e.lpos, h)
+        finally:
+            dev.close()
+
+
 def test_a_restore_grows_what_it_reads_into(make_device):
     """A chain of more records than the read keeps room for (16 parts), and one of more bytes
     than its buffer (1 MiB), each restore whole: the first restore of either grows what it
