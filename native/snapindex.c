@@ -465,12 +465,15 @@ static int64_t place(struct six *ix, struct six_tail *t, struct six_hdr *h, cons
 
 int64_t six_stage(struct six *ix, struct six_tail *t, uint8_t kind, uint8_t flags, const uint8_t *key,
                   const uint8_t *payload, uint32_t stored_len, uint32_t raw_len, uint32_t token_start,
-                  uint32_t token_end, uint16_t layer_start, uint16_t layer_end, const uint8_t *codec, int fresh)
+                  uint32_t token_end, uint16_t layer_start, uint16_t layer_end, const uint8_t *codec, int fresh,
+                  uint32_t expect)
 {
     uint64_t parent = 0;
-    if (kind == SIX_KIND_DELTA && !fresh) {
+    if (kind != SIX_KIND_TOMBSTONE && !fresh) {
         uint32_t s = six_find(ix, key);
-        if (s != SIX_NONE && ix->sess[s].nrec)
+        if ((s == SIX_NONE ? 0 : ix->sess[s].gen) != expect)
+            return SIX_STAGE_CHANGED;
+        if (kind == SIX_KIND_DELTA && s != SIX_NONE && ix->sess[s].nrec)
             parent = six_rec(ix, six_rid(ix, ix->sess[s].last))->seq;
     }
     struct six_hdr h = {

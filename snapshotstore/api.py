@@ -77,16 +77,20 @@ def check_delta(delta) -> Delta:
     # no NUL: the device pads the name with them, so one at its end would not come back
     if not codec or len(codec) > CODEC_LEN or not delta.codec.isascii() or "\0" in delta.codec:
         raise ValueError(f"a codec name is 1 to {CODEC_LEN} ASCII characters (no NUL), not {delta.codec!r}")
-    for name, rng, top in (("tokens", delta.tokens, 1 << 32), ("layers", delta.layers, 1 << 16)):
-        # whole numbers only: a float passed every check here and failed the record's packing in
-        # the middle of a group commit, which failed the store for every other writer
-        if (not isinstance(rng, tuple) or len(rng) != 2 or
-                not all(isinstance(x, int) and not isinstance(x, bool) for x in rng)):
-            raise TypeError(f"a delta's {name} range is a tuple of two ints, not {rng!r}")
-        lo, hi = rng
-        if not (0 <= lo <= hi < top):
-            raise ValueError(f"a delta's {name} range must be 0 <= start <= end < {top}, not ({lo}, {hi})")
+    _check_range("tokens", delta.tokens, 1 << 32)
+    _check_range("layers", delta.layers, 1 << 16)
     return delta
+
+
+def _check_range(name: str, rng, top: int) -> None:
+    # whole numbers only: a float passed every check here and failed the record's packing in
+    # the middle of a group commit, which failed the store for every other writer
+    if (not isinstance(rng, tuple) or len(rng) != 2 or not isinstance(rng[0], int) or not isinstance(rng[1], int)
+            or isinstance(rng[0], bool) or isinstance(rng[1], bool)):
+        raise TypeError(f"a delta's {name} range is a tuple of two ints, not {rng!r}")
+    lo, hi = rng
+    if not (0 <= lo <= hi < top):
+        raise ValueError(f"a delta's {name} range must be 0 <= start <= end < {top}, not ({lo}, {hi})")
 
 
 class Deltas(list):

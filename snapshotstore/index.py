@@ -265,12 +265,13 @@ class Index:
         return view
 
     def stage(self, t, kind: int, flags: int, key: bytes, payload: bytes, raw_len: int, tokens: tuple[int, int],
-              layers: tuple[int, int], codec: str, fresh: bool) -> int:
-        """The record staged at t's tail and linked to key's chain (six_stage): its rid, or
-        STAGE_ROOM (t.need: the bytes the write buffer must hold) or STAGE_REFUSED (a bug)."""
+              layers: tuple[int, int], codec: str, fresh: bool, expect: int) -> int:
+        """The record staged at t's tail and linked to key's chain, if that chain is still numbered
+        expect (six_stage): its rid, or STAGE_CHANGED, STAGE_ROOM (t.need: the bytes the write
+        buffer must hold) or STAGE_REFUSED (a bug)."""
         with self._lock:
             rid = lib.six_stage(self._ix, t, kind, flags, key, payload, len(payload), raw_len, tokens[0], tokens[1],
-                                layers[0], layers[1], codec.encode("ascii").ljust(CODEC_LEN, b"\0"), fresh)
+                                layers[0], layers[1], codec.encode("ascii").ljust(CODEC_LEN, b"\0"), fresh, expect)
         if rid == lib.SIX_NOMEM:
             raise MemoryError("no memory to grow the snapshot store's index")
         return rid
@@ -303,7 +304,7 @@ class Index:
 LINKED = lib.SIX_LINKED
 SCAN_END, SCAN_MORE, SCAN_BAD = lib.SIX_SCAN_END, lib.SIX_SCAN_MORE, lib.SIX_SCAN_BAD
 SIX_READ_ROOM, SIX_READ_IO, SIX_READ_DAMAGED = lib.SIX_READ_ROOM, lib.SIX_READ_IO, lib.SIX_READ_DAMAGED
-STAGE_ROOM, STAGE_REFUSED = lib.SIX_STAGE_ROOM, lib.SIX_STAGE_REFUSED
+STAGE_ROOM, STAGE_REFUSED, STAGE_CHANGED = lib.SIX_STAGE_ROOM, lib.SIX_STAGE_REFUSED, lib.SIX_STAGE_CHANGED
 
 
 class Scan:

@@ -52,13 +52,14 @@ from . import format as fmt
 from .api import Delta, Snapshot, check_delta, check_key
 from .device import DEFAULT_IMAGE_SIZE, BlockDevice, aligned_buffer, create_image, default_image_path, open_device
 from .errors import DamagedRecord, DeviceError, DeviceFull, FormatError, SessionChanged, SnapshotError, TooLarge
-from .format import (HEADER_SIZE, KIND_BASE, KIND_DELTA, KIND_PAD, KIND_TOMBSTONE, RecordHeader,
+from .format import (HEADER_SIZE, KIND_BASE, KIND_DELTA, KIND_TOMBSTONE, RecordHeader,
                      Superblock, record_blocks)
-from .index import (SCAN_END, SCAN_MORE, SIX_READ_DAMAGED, SIX_READ_IO, SIX_READ_ROOM, STAGE_REFUSED, STAGE_ROOM,
-                    Chain, Index, Rec)
+from .index import (SCAN_END, SCAN_MORE, SIX_READ_DAMAGED, SIX_READ_IO, SIX_READ_ROOM, STAGE_CHANGED, STAGE_REFUSED,
+                    STAGE_ROOM, Chain, Index, Rec)
 
 RESERVE_BLOCKS = 8               # at least, and 1/32 of the log: kept for tombstones (deletes on a full log)
 MAX_RECORD_BYTES = 16 << 20      # and at most 1/16 of the log
+_CHAIN_CHANGED = "the session was evicted or deleted while this put was in flight: put its whole context again"
 SCAN_WINDOW_BYTES = 1 << 20      # recovery reads the log in windows this large
 FORMAT_CHECK_BYTES = 1 << 20     # format without force wants this much zeroed (or a store): a btrfs
                                  # superblock is at 64 KiB, ISO9660's at 32 KiB, and so on
@@ -305,7 +306,8 @@ class LogStore:
             self.dev.close()
             raise
         self._lock = threading.Lock()            # the index, the log state, the device
-        self._cv = threading.Condition()         # the commit queue and the leader flag
+        self._queue_lock = threading.Lock()      # the commit queue and the leader flag (held by
+        self._cv = threading.Condition(self._queue_lock)    # itself: a Condition's `with` is Python)
         self._queue: list[_Request] = []
         self._leading = False
         self._key_locks = [threading.Lock() for _ in range(KEY_LOCKS)]
@@ -721,7 +723,7 @@ class LogStore:
         return _Request(kind, key, payload, flags, len(raw), tokens, layers, codec, expect, self.block_size)
 
     def _commit(self, req: _Request):
-        with self._cv:
+        with self._queue_lock:
             self._queue.append(req)
             try:
                 while not req.done and self._leading:
@@ -741,11 +743,11 @@ class LogStore:
             try:
                 if self.group_commit_us:
                     time.sleep(self.group_commit_us / 1e6)   # let more writers join this flush
-                with self._cv:
+                with self._queue_lock:
                     batch, self._queue, taken = self._queue, [], True
                 self._write_batch(batch)
             finally:
-                with self._cv:
+                with self._queue_lock:
                     if not taken:
                         # interrupted before taking the batch (a signal in the wait): its own record
                         # leaves the queue: the next flush wrote the put its caller saw fail, and
@@ -768,14 +770,13 @@ class LogStore:
                     if req.kind == KIND_TOMBSTONE and not self._in_log(req.key):
                         continue                  # deleted meanwhile: nothing to write
                     try:
-                        self._check_chain(req)
                         if not self._fits(req.nblocks, self._floor(req)):
+                            self._check_chain(req)    # no room made for a put refused anyway
                             self._flush()
                             self._count_puts(staged)
                             staged = []
                             self._make_room(req, protect)
-                            self._check_chain(req)    # make_room may have evicted it
-                        self._stage(req)
+                        self._stage(req)              # refused if its chain changed (make_room may evict it)
                         if req.kind == KIND_BASE:     # a put that compacted: a use (a rebase keeps the
                             self._ix.touch(self._ix.find(req.key))   # LRU place, for relocation's)
                         staged.append(req)
@@ -808,10 +809,10 @@ class LogStore:
             raise SnapshotError(f"{self.path} is open read-only")
 
     def _check_chain(self, req: _Request):
-        # (a replacing put depends on no chain: one evicted meanwhile is no reason to refuse it)
+        # (a replacing put depends on no chain: one evicted meanwhile is no reason to refuse it;
+        # six_stage checks the same)
         if req.kind != KIND_TOMBSTONE and not req.fresh and self._ix.gen(req.key) != req.expect:
-            raise SessionChanged("the session was evicted or deleted while this put was in flight: "
-                                 "put its whole context again")
+            raise SessionChanged(_CHAIN_CHANGED)
 
     # --- space --------------------------------------------------------------------------
 
@@ -955,8 +956,10 @@ class LogStore:
         """Lay req out at the tail in the write buffer and link it into the index (six_stage: its
         sequence number, its parent, a pad before it if it would cross the lap's end)."""
         while (rid := self._ix.stage(self._t, req.kind, req.flags, req.key, req.payload, req.raw_len, req.tokens,
-                                     req.layers, req.codec, req.fresh)) == STAGE_ROOM:
+                                     req.layers, req.codec, req.fresh, req.expect)) == STAGE_ROOM:
             self._grow_wbuf()
+        if rid == STAGE_CHANGED:
+            raise SessionChanged(_CHAIN_CHANGED)
         if rid == STAGE_REFUSED:
             raise SnapshotError(f"the index did not take the record staged for sequence number {self._last_seq}: a bug")
         req.seq = self._last_seq
@@ -973,20 +976,22 @@ class LogStore:
 
     def _count_puts(self, flushed: list[_Request]):
         # each flush's own: puts flushed before a batch made room were not counted before
-        self.counters["puts"] += sum(r.kind != KIND_TOMBSTONE for r in flushed)
+        puts = 0
         for r in flushed:
             r.durable = True      # an error later in the batch is not theirs
+            puts += r.kind != KIND_TOMBSTONE
+        self.counters["puts"] += puts
 
     def _flush(self):
         """Write what is staged, the blocks from the durable tail to the tail, in order in the write
         buffer (one pwritev per physically contiguous run: the lap's end splits it), then one
         fdatasync."""
-        lpos, end = self._durable_tail, self._tail
+        lpos, end, L = self._durable_tail, self._t.tail, self.log_blocks
         if lpos == end:
             return
-        if self._tail - self.log_blocks > self._sb_head:
+        if end - L > self._sb_head:
             self._write_superblock()                      # the head moves before its blocks are reused
-        L, off = self.log_blocks, 0
+        off = 0
         while lpos < end:
             n = min(end - lpos, L - lpos % L)
             self.dev.write_from(self._wbuf, off, self.log_start + lpos % L, n)
@@ -995,7 +1000,7 @@ class LogStore:
             self._checkpoint()
         self.dev.sync()
         self._t.woff = 0
-        self._durable_tail = self._tail
+        self._durable_tail = end
         self.counters["flushes"] += 1
 
     def _checkpoint(self):

@@ -1556,6 +1556,32 @@ def test_damaged_sessions_tombstones_leave_the_room_a_relocation_needs(tmp_path)
             assert not any(key == k(100) for key in s.list())
 
 
+def test_a_put_whose_chain_changed_in_flight_is_refused(make_device):
+    """A put checks, as it stages its record (six_stage), that the chain it extends is still the
+    one it looked up: one evicted or deleted in between is refused SessionChanged, nothing is
+    written, and a put from token 0 begins the session again. A replacing put depends on no chain."""
+    path = make_device()
+    with LogStore(path) as s:
+        put_all(s, key(1), deltas(2, 100))
+        real = s._write_batch
+
+        def evicted_first(batch):               # as an eviction between the put's look-up and its staging
+            s._ix.drop(s._ix.find(key(1)))
+            real(batch)
+
+        s._write_batch = evicted_first
+        tail = s.stats()["tail"]
+        with pytest.raises(SessionChanged, match="in flight"):
+            s.put(key(1), deltas(1, 100, start=200)[0])
+        assert s.stats()["tail"] == tail and s.restore(key(1)) is None
+        s._write_batch = real
+        put_all(s, key(1), deltas(2, 100))
+        s._write_batch = evicted_first
+        s.put(key(1), Delta(b"r" * 30, tokens=(0, 30)), replace=True)
+        s._write_batch = real
+        assert s.restore(key(1)).payload == b"r" * 30
+
+
 def test_a_put_lays_its_records_out_as_the_format_defines_them(make_device):
     """What a put stages, laid out in C (six_stage), is byte for byte format.pack_record_into's
     record for the header the put implies and its payload, with zeros to its last block's end:
