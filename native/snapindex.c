@@ -493,10 +493,15 @@ int64_t six_stage(struct six *ix, struct six_tail *t, uint8_t kind, uint8_t flag
     return r == SIX_LINKED ? rid : r == SIX_NOMEM ? SIX_NOMEM : SIX_STAGE_REFUSED;
 }
 
-int64_t six_stage_copy(struct six *ix, struct six_tail *t, const uint8_t *rec)
+int64_t six_stage_copy(struct six *ix, struct six_tail *t, const uint8_t *rec, size_t len)
 {
     struct six_hdr h;
+    if (len < sizeof(h))
+        return SIX_STAGE_REFUSED;
     memcpy(&h, rec, sizeof(h));
+    if (SIX_HEADER_SIZE + (uint64_t)h.stored_len > len
+        || SIX_HEADER_SIZE + (uint64_t)h.stored_len > (uint64_t)h.nblocks * t->block_size)
+        return SIX_STAGE_REFUSED;
     return place(ix, t, &h, rec + SIX_HEADER_SIZE);
 }
 

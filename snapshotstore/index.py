@@ -167,7 +167,7 @@ class Index:
             return out
 
     def read_chain(self, chain: Chain, fd: int, log_start: int, log_blocks: int, block_size: int,
-                   buf) -> tuple[int, int, int, list[tuple[int, int, int, int]]]:
+                   buf) -> tuple[int, int, int, list[tuple[int, int, int, int, int]]]:
         """Restore's read of chain from fd into the aligned buf, in C (six_read_chain): (rc, at,
         err, parts), parts (offset in buf, stored length, flags, kind, 0) per record, oldest first,
         when rc is the record count; else rc a SIX_READ_* code, at and err what it says."""
@@ -278,9 +278,9 @@ class Index:
 
     def stage_copy(self, t, record) -> int:
         """A copy of record (header and payload as read) staged at t's tail (six_stage_copy), not
-        yet in its chain (swap): its rid, or STAGE_ROOM."""
+        yet in its chain (swap): its rid, or STAGE_ROOM or STAGE_REFUSED (its sizes do not fit)."""
         with self._lock:
-            rid = lib.six_stage_copy(self._ix, t, ffi.from_buffer(record))
+            rid = lib.six_stage_copy(self._ix, t, ffi.from_buffer(record), len(record))
         if rid == lib.SIX_NOMEM:
             raise MemoryError("no memory to grow the snapshot store's index")
         return rid

@@ -947,6 +947,9 @@ class LogStore:
         _, _, record = self._read_record(e, key)
         while (rid := self._ix.stage_copy(self._t, record)) == STAGE_ROOM:
             self._grow_wbuf()
+        if rid == STAGE_REFUSED:      # a header whose CRC held but whose sizes do not: never written so
+            raise SnapshotError(f"the record at block {e.lpos % self.log_blocks} of {self.path} could not be copied: "
+                                f"its sizes do not fit its blocks")
         self._ix.swap(e.rid, rid)
         self._flush()
 

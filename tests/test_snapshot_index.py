@@ -247,3 +247,25 @@ def test_inspect_reads_around_a_bad_sector(tmp_path, monkeypatch):
         monkeypatch.setattr(s.dev, "read_into", read_into)
         got = s.entries()
         assert [e.key for e in got] == [keys[0], bytes(32), keys[2]] and got[1].codec == "?"
+
+
+def test_a_copy_whose_header_does_not_fit_its_record_is_refused():
+    """six_stage_copy lays out what the record's header says; a header (CRC whole) whose payload
+    runs past what was read, or past its own blocks, is refused with nothing staged."""
+    from snapshotstore.device import aligned_buffer
+    from snapshotstore.index import STAGE_REFUSED
+    ix, t = Index(), Index.new_tail()
+    t.log_blocks, t.block_size = 64, 4096
+    keep = Index.tail_buffer(t, aligned_buffer(1 << 16))
+    record = bytearray(4096)
+
+    def with_sizes(stored_len, nblocks):
+        fmt.pack_record_into(record, 0, RecordHeader(KIND_DELTA, 0, 0, 0, 0, 5, 0, b"k" * 32, 0, 1, 0, 1, nblocks,
+                                                     stored_len, stored_len, "f16", 0), b"")
+        return bytes(record)
+
+    assert ix.stage_copy(t, with_sizes(100, 1)) == 0 and (t.tail, t.woff) == (1, 4096)
+    for stored_len, nblocks in ((4096, 1), (5000, 2), (10, 0)):       # past what was read; past its blocks
+        assert ix.stage_copy(t, with_sizes(stored_len, nblocks)) == STAGE_REFUSED
+    assert (t.tail, t.woff, len(ix)) == (1, 4096, 1)
+    del keep
