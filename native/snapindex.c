@@ -428,7 +428,8 @@ static void lay_out(struct six_tail *t, struct six_hdr *h, const uint8_t *payloa
     h->reserved0 = 0;
     h->crc = h->reserved1 = 0;
     memcpy(at, h, SIX_HEADER_SIZE);
-    memcpy(at + SIX_HEADER_SIZE, payload, h->stored_len);
+    if (h->stored_len)              /* (a pad has no payload: no memcpy from NULL) */
+        memcpy(at + SIX_HEADER_SIZE, payload, h->stored_len);
     memset(at + end, 0, n - end);
     uint32_t crc = six_crc32c(0, at, end);
     memcpy(at + offsetof(struct six_hdr, crc), &crc, sizeof(crc));
@@ -436,7 +437,9 @@ static void lay_out(struct six_tail *t, struct six_hdr *h, const uint8_t *payloa
 }
 
 /* h (its nblocks set) placed at the tail, a pad first if it would cross the lap's end; its rid.
- * Nothing is staged when the buffer is short (SIX_STAGE_ROOM). */
+ * Nothing is staged when the buffer is short (SIX_STAGE_ROOM). Each goes into the index before
+ * the buffer, so one the index has no memory for is not laid out either: the buffer holds the
+ * blocks [flushed tail, tail) whatever fails. */
 static int64_t place(struct six *ix, struct six_tail *t, struct six_hdr *h, const uint8_t *payload)
 {
     uint64_t L = t->log_blocks, phys = t->tail % L;
@@ -449,16 +452,16 @@ static int64_t place(struct six *ix, struct six_tail *t, struct six_hdr *h, cons
     if (pad) {
         struct six_hdr p = { .kind = SIX_KIND_PAD, .store_id = t->store_id, .lpos = t->tail,
                              .epoch = t->epoch, .nblocks = (uint32_t)pad };
-        lay_out(t, &p, NULL);
         if (six_append(ix, p.lpos, 0, p.nblocks, SIX_KIND_PAD))
             return SIX_NOMEM;
+        lay_out(t, &p, NULL);
         t->tail += pad;
     }
     h->lpos = t->tail;
     h->epoch = t->epoch;
-    lay_out(t, h, payload);
     if (six_append(ix, h->lpos, h->seq, h->nblocks, h->kind))
         return SIX_NOMEM;
+    lay_out(t, h, payload);
     t->tail += h->nblocks;
     return (int64_t)ix->tail - 1;
 }
@@ -499,8 +502,7 @@ int64_t six_stage_copy(struct six *ix, struct six_tail *t, const uint8_t *rec, s
     if (len < sizeof(h))
         return SIX_STAGE_REFUSED;
     memcpy(&h, rec, sizeof(h));
-    if (SIX_HEADER_SIZE + (uint64_t)h.stored_len > len
-        || SIX_HEADER_SIZE + (uint64_t)h.stored_len > (uint64_t)h.nblocks * t->block_size)
+    if ((uint64_t)h.nblocks * t->block_size != len || SIX_HEADER_SIZE + (uint64_t)h.stored_len > len)
         return SIX_STAGE_REFUSED;
     return place(ix, t, &h, rec + SIX_HEADER_SIZE);
 }

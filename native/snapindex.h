@@ -183,24 +183,26 @@ struct six_tail {
     uint64_t parent;            /* the last record six_stage staged: its parent (0: it begins its chain) */
 };
 #define SIX_STAGE_ROOM -2       /* nothing staged: the write buffer must hold t->need bytes */
-#define SIX_STAGE_REFUSED -3    /* staged, but the index did not link it: a bug */
+#define SIX_STAGE_REFUSED -3    /* six_stage: staged, but the index did not link it (a bug);
+                                 * six_stage_copy: nothing staged, the record's sizes are not what was read */
 #define SIX_STAGE_CHANGED -4    /* nothing staged: key's chain is not the one the put saw */
 /* key's record staged: unless it is a tombstone or begins its chain afresh, only if key's chain
  * is still numbered expect (0: none; an eviction or a delete since changes it); the next sequence
  * number, its parent (its chain's end, for a delta), its header, payload, zeros and CRC at the
  * tail (after a pad to the lap's end if it would not fit before it: records never wrap),
  * appended to the index and applied to its chain (six_apply_header: most recently used). Its
- * rid; SIX_STAGE_CHANGED, SIX_STAGE_ROOM, SIX_NOMEM (the index may then hold a pad more than
- * the buffer's flush will write: the caller stops using the store) or SIX_STAGE_REFUSED.
+ * rid; SIX_STAGE_CHANGED, SIX_STAGE_ROOM, SIX_NOMEM (the record not staged, a pad before it
+ * perhaps: the caller stops using the store) or SIX_STAGE_REFUSED.
  * codec: CODEC_LEN bytes, NUL-padded. */
 int64_t six_stage(struct six *ix, struct six_tail *t, uint8_t kind, uint8_t flags, const uint8_t *key,
                   const uint8_t *payload, uint32_t stored_len, uint32_t raw_len, uint32_t token_start,
                   uint32_t token_end, uint16_t layer_start, uint16_t layer_end, const uint8_t *codec, int fresh,
                   uint32_t expect);
-/* A copy of the record rec (its len bytes as read and checked) staged at the tail as it is but
- * for its position and epoch (key, sequence number, parent kept) and appended to the index, not
- * applied (six_swap puts it in its original's place). Its rid; SIX_STAGE_ROOM, SIX_NOMEM, or
- * SIX_STAGE_REFUSED: its header's sizes do not fit what was read. */
+/* A copy of the record rec (its len bytes, its blocks as read and checked) staged at the tail as
+ * it is but for its position and epoch (key, sequence number, parent kept) and appended to the
+ * index, not applied (six_swap puts it in its original's place). Its rid; SIX_STAGE_ROOM,
+ * SIX_NOMEM, or SIX_STAGE_REFUSED: its header's blocks are not those read, or its payload
+ * runs past them. */
 int64_t six_stage_copy(struct six *ix, struct six_tail *t, const uint8_t *rec, size_t len);
 
 /* CRC32C (Castagnoli) of n bytes continuing from crc (0 to start), as the crc32c package */

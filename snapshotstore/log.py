@@ -949,7 +949,7 @@ class LogStore:
             self._grow_wbuf()
         if rid == STAGE_REFUSED:      # a header whose CRC held but whose sizes do not: never written so
             raise SnapshotError(f"the record at block {e.lpos % self.log_blocks} of {self.path} could not be copied: "
-                                f"its sizes do not fit its blocks")
+                                f"its header's sizes are not its blocks'")
         self._ix.swap(e.rid, rid)
         self._flush()
 

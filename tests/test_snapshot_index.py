@@ -250,8 +250,8 @@ def test_inspect_reads_around_a_bad_sector(tmp_path, monkeypatch):
 
 
 def test_a_copy_whose_header_does_not_fit_its_record_is_refused():
-    """six_stage_copy lays out what the record's header says; a header (CRC whole) whose payload
-    runs past what was read, or past its own blocks, is refused with nothing staged."""
+    """six_stage_copy lays out what the record's header says; a header (CRC whole) whose blocks
+    are not those read, or whose payload runs past them, is refused with nothing staged."""
     from snapshotstore.device import aligned_buffer
     from snapshotstore.index import STAGE_REFUSED
     ix, t = Index(), Index.new_tail()
@@ -265,7 +265,7 @@ def test_a_copy_whose_header_does_not_fit_its_record_is_refused():
         return bytes(record)
 
     assert ix.stage_copy(t, with_sizes(100, 1)) == 0 and (t.tail, t.woff) == (1, 4096)
-    for stored_len, nblocks in ((4096, 1), (5000, 2), (10, 0)):       # past what was read; past its blocks
+    for stored_len, nblocks in ((4096, 1), (100, 2), (10, 0)):        # past its blocks; not the blocks read
         assert ix.stage_copy(t, with_sizes(stored_len, nblocks)) == STAGE_REFUSED
     assert (t.tail, t.woff, len(ix)) == (1, 4096, 1)
     del keep
