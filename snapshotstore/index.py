@@ -5,8 +5,10 @@ Every call on the index holds its own lock: the C code runs without the GIL, and
 chain without the store's lock (so writers queue up while a flush is in progress) while
 another thread's batch may be growing the tables under it.
 
-Records join the index by their headers as the device holds them (apply, and recovery's
-Scan): one rule, in C, for a record staged by a put and one found by recovery.
+Records join the index by their headers as the device holds them: one rule, in C
+(six_apply_header), for a record a put stages (stage: six_stage lays it out and links it in one
+call) and one recovery finds (Scan). append and apply are that rule's single steps, which
+tests/test_snapshot_index.py drives op by op against its model.
 """
 from __future__ import annotations
 
@@ -240,7 +242,7 @@ class Index:
 
     def apply(self, rid: int, header) -> int:
         """The record rid, whose header (packed as on the device) is in the buffer header,
-        applied to its chain (six_apply_header): LINKED, lib.SIX_UNLINKED or SIX_DAMAGED."""
+        applied to its chain (six_apply_header): lib.SIX_LINKED, SIX_UNLINKED or SIX_DAMAGED."""
         if len(header) < HEADER_SIZE:
             raise ValueError(f"a record header is {HEADER_SIZE} bytes, not {len(header)}")
         with self._lock:
@@ -301,7 +303,6 @@ class Index:
                 yield key, chain
 
 
-LINKED = lib.SIX_LINKED
 SCAN_END, SCAN_MORE, SCAN_BAD = lib.SIX_SCAN_END, lib.SIX_SCAN_MORE, lib.SIX_SCAN_BAD
 SIX_READ_ROOM, SIX_READ_IO, SIX_READ_DAMAGED = lib.SIX_READ_ROOM, lib.SIX_READ_IO, lib.SIX_READ_DAMAGED
 STAGE_ROOM, STAGE_REFUSED, STAGE_CHANGED = lib.SIX_STAGE_ROOM, lib.SIX_STAGE_REFUSED, lib.SIX_STAGE_CHANGED
