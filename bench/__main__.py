@@ -26,6 +26,10 @@ SUITES = {
     "compare": "bench.compare",
 }
 IN_ALL = [name for name in SUITES if name != "compare"]   # compare needs --policy
+# a run of one of these alone is refused up front without root or bcc, leaving its last JSON as it
+# was (`bench ingress` without sudo wrote a failed ingress.json over it: found by review); under
+# `all`, each says so in its own JSON and the others run
+NEED_ROOT = ("ingress", "e2e", "compare")
 
 EPILOG = """examples:
     python -m bench wire --quick            # a short run, table + bench-results/wire.json
@@ -67,7 +71,7 @@ def main(argv=None) -> int:
     p.add_argument("--policy", metavar="A,B,...",
                    help=f"compare: routing policies ({_policy_names()}; NAME:X gives the policy's parameter X) "
                         "and batching modes (dynamic, static) to run under the same load")
-    p.add_argument("--rate", type=float, help="compare: offered requests/s (default 40)")
+    p.add_argument("--rate", type=float, help="compare: offered requests/s (default 40, at least 1)")
     p.add_argument("--repeat", type=int, metavar="N",
                    help="compare: rounds of every name, the order rotated by one each round, so N a multiple "
                         "of the names' count balances it (default 2; 1 with --quick)")
@@ -118,7 +122,7 @@ def main(argv=None) -> int:
             p.error(f"--json {args.json}: cannot make its directory ({e.strerror})")
         if where.is_dir() or not os.access(parent, os.W_OK) or (where.exists() and not os.access(where, os.W_OK)):
             p.error(f"--json {args.json}: not a file this user can write")
-    if args.suite in ("e2e", "compare"):
+    if args.suite in NEED_ROOT:
         try:
             from .e2e import require_root_and_bcc
             require_root_and_bcc(f"bench {args.suite}")

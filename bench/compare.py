@@ -59,13 +59,13 @@ from typing import NamedTuple
 
 import numpy as np
 
-from bench.e2e import (OUTPUT, PROMPT, _config, _idle, _left_out, _offer, _pcts, _progress, _warm_up, drain_s,
-                       fresh_store, require_root_and_bcc)
+from bench.e2e import (MIN_REQUESTS, OUTPUT, PROMPT, _config, _idle, _left_out, _offer, _pcts, _progress, _warm_up,
+                       drain_s, fresh_store, require_root_and_bcc)
 from bench.report import _jsonable, report_dir
 from datapath import client
 from datapath.pipeline import Pipeline
 from datapath.records import KIND_DECODE
-from datapath.router import policy_params, refuse_unread_param
+from datapath.router import check_policy, policy_params
 from datapath.serving.devices import PROFILES
 
 # Sessions the offer cycles through: a prime, so that a session's next request does not land on
@@ -174,7 +174,7 @@ def parse_names(spec: str) -> list[tuple[str, str, float | None]]:
         if value is not None and not (math.isfinite(value) and value > 0):
             raise ValueError(f"{label!r}: the parameter after ':' must be a number > 0 (leave it off for the policy's default)")
         if name in params and value is not None:
-            refuse_unread_param(name, value)
+            check_policy(name, value)
         out.append((label, name, value))
     if not out:
         raise ValueError("--policy names nothing")
@@ -255,6 +255,7 @@ def straggler_said(stragglers: dict[int, Straggler]) -> str:
 
 
 DEFAULT_RATE = 40.0
+MIN_RATE = 1.0     # requests/s: a run sends MIN_REQUESTS at least, so lasts at most MIN_REQUESTS / MIN_RATE s
 
 
 def rate_of(args) -> float:
@@ -273,9 +274,10 @@ def check_args(args):
         raise ValueError(f"--workers must be 1..{MAX_WORKERS}, not {args.workers}")
     stragglers = parse_stragglers(args.straggler, args.workers or WORKERS, run_seconds(args.quick))
     rate = rate_of(args)
-    if not (rate > 0 and math.isfinite(rate)):      # inf passed, and failed after a pipeline was built
-        raise ValueError(f"--rate must be a finite number > 0 requests/s, not {rate:g}")
-    count = max(10, int(rate * run_seconds(args.quick)))
+    if not (rate >= MIN_RATE and math.isfinite(rate)):      # inf passed, and failed after a pipeline was built
+        raise ValueError(f"--rate must be a finite number >= {MIN_RATE:g} requests/s, not {rate:g} (a run sends "
+                         f"{MIN_REQUESTS} requests at least: at 0.001 req/s, one run lasted hours)")
+    count = max(MIN_REQUESTS, int(rate * run_seconds(args.quick)))
     if count > client.MAX_COUNT:
         raise ValueError(f"--rate {rate:g} makes {count:,} requests a run: at most {client.MAX_COUNT:,}")
     if args.device is not None and args.device not in PROFILES:

@@ -92,8 +92,11 @@ def _steal_pct(before: tuple[int, int], after: tuple[int, int]) -> float:
     return 100.0 * (after[0] - before[0]) / max(1, after[1] - before[1])
 
 
+MIN_REQUESTS = 10      # an offer sends this many at least, whatever its rate and length
+
+
 def _offer(p: Pipeline, rate: float, seconds: float, count: int | None = None, **kw) -> dict:
-    count = count or max(10, int(rate * seconds))
+    count = count or max(MIN_REQUESTS, int(rate * seconds))
     t, steal = time.monotonic(), _cpu_steal()
     r = p.offer(rate, count, **kw)
     # open-loop latency: from each request's scheduled send (a late sender's lag counted), per 200,

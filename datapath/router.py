@@ -31,15 +31,19 @@ def policy_params() -> dict[str, str | None]:
     return out
 
 
-def refuse_unread_param(policy: str, param: float):
-    """ValueError if the parameter is not a finite number >= 0 (0: the policy's default), or if
-    policy reads none and one is given. The C side refuses both too (EINVAL); this says why, and
-    lets bench compare refuse before it builds anything. (NaN or inf made affinity's load cap NaN
-    or inf, its bound off, and -1 its default, silently: found by review.)"""
+def check_policy(policy: str, param: float):
+    """ValueError unless policy is known and takes param: a finite number >= 0 (0: the policy's
+    default), none for a policy that reads none, and within what the policy's own init takes
+    (dp_policy_check runs it: peak_ewma's decay time of a day at most). Before anything is built,
+    so bench compare refuses a setting before it removes the last report or builds a pipeline (a
+    decay time over a day was refused only by the pipeline's router, after both: found by
+    review). (NaN or inf made affinity's load cap NaN or inf, its bound off, and -1 its default,
+    silently: found by review.)"""
     if not math.isfinite(param) or param < 0:
         raise ValueError(f"a policy parameter is a finite number >= 0 (0: the policy's default), not {param!r}")
     if param and policy_params().get(policy, "") is None:
         raise ValueError(f"policy {policy!r} takes no parameter (it would be ignored), not {param:g}")
+    _check(lib.dp_policy_check(policy.encode(), param), f"policy {policy!r}" + _param_said(policy, param))
 
 
 def _param_said(policy: str, param: float) -> str:
@@ -84,7 +88,7 @@ class Router:
             raise ValueError(f"split_slack must be 0..128 tokens, not {split_slack}")
         if max_requests < 8 or max_requests & (max_requests - 1):
             raise ValueError(f"max_requests must be a power of two >= 8, not {max_requests}")
-        refuse_unread_param(policy, policy_param)
+        check_policy(policy, policy_param)
         cfg = ffi.new("struct dp_router_config *", dict(
             batching=BATCHING[batching], token_budget=token_budget, max_chunks=max_chunks,
             max_batch_size=max_batch_size, batch_timeout_ns=max(1, int(batch_timeout_s * 1e9)),
@@ -149,7 +153,7 @@ class Router:
         _check(lib.dp_router_set_egress(self._rt, ring.ptr), f"egress ring {ring.name!r}")
 
     def set_policy(self, policy: str, param: float = 0.0):
-        refuse_unread_param(policy, param)
+        check_policy(policy, param)
         _check(lib.dp_router_set_policy(self._rt, policy.encode(), param),
                f"policy {policy!r}" + _param_said(policy, param))
         self.policy = policy

@@ -1148,6 +1148,26 @@ static struct req *req_init(struct dp_router *rt, uint32_t ri, const struct dp_c
     return r;
 }
 
+/* Why the router answers 503 without running a request: said in its body, so a client can tell a
+ * router that is full for now from a pool with no worker to take it (these were answered with no
+ * body at all) */
+enum why_unavailable { WHY_POOL, WHY_TABLE, WHY_NO_WORKER, WHY_BAD_PICK, WHY_SHARE };
+
+static const char *const unavailable_said[] = {
+    [WHY_POOL] = "the router's chunk pool is full: retry shortly",
+    [WHY_TABLE] = "the router's request table is full: retry shortly",
+    [WHY_NO_WORKER] = "no worker is up to take the request",
+    [WHY_BAD_PICK] = "the routing policy picked no worker that is up (bad_picks: a fault of the policy)",
+    [WHY_SHARE] = "the tenant's requests still arriving hold its share of the router",
+};
+
+static int unavailable(struct dp_router *rt, const struct dp_chunk *c, enum why_unavailable why)
+{
+    char body[160];
+    int n = snprintf(body, sizeof(body), "{\"status\":503,\"error\":\"%s\"}", unavailable_said[why]);
+    return answer(rt, c, DP_STATUS_UNAVAILABLE, body, (uint32_t)n);
+}
+
 /* A request seen for the first time (its first chunk, or its OPEN): admission, then a pool and a
  * worker. Returns 0 if its refusal found no egress room (nothing changed: the record is tried again),
  * else 1 with *out its new slot, or NIL if it was answered. */
@@ -1183,9 +1203,9 @@ static int admit(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, uin
     int shared = !whole || before != NIL;
     const struct arriving *e;
     if (shared && over_share(rt, c->tenant, c->chunk_count, &e)) {
-        int n = snprintf(body, sizeof(body), "{\"status\":503,\"error\":\"the tenant's requests still arriving hold "
-                         "its share of the router\",\"requests_arriving\":%u,\"their_chunks\":%u,"
-                         "\"share_chunks\":%u,\"share_requests\":%u}", e->requests, e->chunks, share_chunks(&rt->cfg),
+        int n = snprintf(body, sizeof(body), "{\"status\":503,\"error\":\"%s\",\"requests_arriving\":%u,"
+                         "\"their_chunks\":%u,\"share_chunks\":%u,\"share_requests\":%u}", unavailable_said[WHY_SHARE],
+                         e->requests, e->chunks, share_chunks(&rt->cfg),
                          rt->cfg.max_requests / TENANT_SHARE);
         if (!answer(rt, c, DP_STATUS_UNAVAILABLE, body, (uint32_t)n))
             return 0;
@@ -1201,7 +1221,8 @@ static int admit(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, uin
     int wk = room && rt->req_free != NIL ? pick_worker(rt, &rq, d.spill, &pool, &spilled) : -1;
     uint32_t ri = wk < 0 ? NIL : req_insert(rt, key);   /* a free slot was checked: cannot fail */
     if (ri == NIL) {
-        if (!answer(rt, c, DP_STATUS_UNAVAILABLE, NULL, 0))
+        if (!unavailable(rt, c, !room ? WHY_POOL : rt->req_free == NIL ? WHY_TABLE
+                                : wk == -2 ? WHY_BAD_PICK : WHY_NO_WORKER))
             return 0;
         remember_done(rt, key);
         if (!room)
@@ -1275,7 +1296,8 @@ static int close_session(struct dp_router *rt, const struct dp_chunk *c, uint64_
         }
     }
     if (wk < 0) {
-        if (!answer(rt, c, DP_STATUS_UNAVAILABLE, NULL, 0))
+        if (!unavailable(rt, c, over ? WHY_SHARE : rt->st.pool_free <= rt->reserved ? WHY_POOL
+                                    : rt->req_free == NIL ? WHY_TABLE : wk == -2 ? WHY_BAD_PICK : WHY_NO_WORKER))
             return 0;
         remember_done(rt, key);
         rt->st.tenant_share_refused += (uint64_t)over;

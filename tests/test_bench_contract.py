@@ -41,11 +41,18 @@ def test_bench_help_and_bad_suite():
                        ("1:4@0.2-0.4 --quick", "no room for a turn and a recovery"),
                        # within the run's length, but round 2's seeded sends end 9.47 s after the first
                        ("1:4@7.5", "round 2's sends (its seeded schedule at 40 req/s) end 9.47 s"),
-                       ("1:4@1 --rate inf", "--rate must be a finite number")):
+                       ("1:4@1 --rate inf", "--rate must be a finite number"),
+                       # 10 requests at least: a run at 0.001 req/s lasted hours
+                       ("1:4@1 --rate 0.5", "--rate must be a finite number >= 1 requests/s")):
         spec, *more = spec.split()
         r = subprocess.run([sys.executable, "-m", "bench", "compare", "--policy", "peak_ewma", "--straggler", spec,
                             *more, "--json", "/dev/null"], capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and said in r.stderr, (spec, r.stderr)
+    # a setting only the policy's own init refuses, refused before anything is built (found by review: the
+    # pipeline's router refused it, after the last report was removed and the namespaces built)
+    r = subprocess.run([sys.executable, "-m", "bench", "compare", "--policy", "round_robin,peak_ewma:1e5", "--json",
+                        "/dev/null"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "parameter 100000" in r.stderr and "at most a day" in r.stderr, r.stderr
     # a flag its suite does not read is refused: `bench e2e --policy static` ran plain e2e
     for args, said in ((["e2e", "--policy", "static"], "--policy is for the compare suite, not e2e"),
                        (["e2e", "--straggler", "1:4"], "--straggler is for the compare suite, not e2e"),
@@ -522,3 +529,17 @@ def test_a_suite_that_needs_root_says_so_in_one_sentence_and_the_others_still_ru
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     with pytest.raises(RuntimeError, match=f"bench {suite}: needs root"):
         importlib.import_module(f"bench.{suite}").run(None, argparse.Namespace(quick=True, json=str(tmp_path / "x.json")))
+
+
+@pytest.mark.parametrize("suite", ["ingress", "e2e"])
+def test_a_suite_run_alone_without_root_is_refused_before_its_last_json_is_touched(monkeypatch, tmp_path, suite):
+    """`bench ingress` without sudo wrote a failed ingress.json over the last good one, which
+    `bench goals` then read (found by review)."""
+    import os
+    from bench.__main__ import main
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    last = tmp_path / f"{suite}.json"
+    last.write_text('{"kept": 1}')
+    with pytest.raises(SystemExit) as refused:
+        main([suite, "--json", str(last)])
+    assert refused.value.code == 2 and last.read_text() == '{"kept": 1}'

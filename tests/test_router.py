@@ -112,6 +112,11 @@ def place_on(b, flags, up, *chunks):
             flags[int(r["request_id"])] = bool(r["flags"] & records.CHUNK_F_MOVED)
 
 
+def refusal(r) -> str:
+    """The error a refusal's JSON body gives."""
+    return json.loads(bytes(r["body"][:r["body_len"]]))["error"]
+
+
 def prefill_seen(batches):
     """{request_id: tokens in the order the worker received them}."""
     out = {}
@@ -330,6 +335,7 @@ def test_malformed_chunks_and_full_table_are_answered(bench_factory):
     statuses = sorted(int(r["status"]) for r in b.responses)
     assert statuses.count(400) == 2
     assert statuses.count(503) == 20 - 8                          # 8 slots; the rest refused, not lost
+    assert {refusal(r) for r in b.responses if r["status"] == 503} == {"the router's request table is full: retry shortly"}
     st = b.router.stats()
     assert st["bad_chunks"] == 2 and st["table_full"] == 12 and st["active_requests"] == 8
 
@@ -1182,8 +1188,15 @@ def test_a_new_request_with_no_worker_up_is_counted_as_such_not_as_a_full_table(
     b.router.poll()
     b.collect()
     assert [int(r["status"]) for r in b.responses] == [503]
+    assert refusal(b.responses[0]) == "no worker is up to take the request", "said, as a full router is (a 503 without a body)"
     st = b.router.stats()
     assert st["no_worker"] == 1 and st["table_full"] == 0 and st["bad_picks"] == 0
+    close = chunks_of(2, [], session=5)
+    close["kind"], close["n_tokens"] = wire.KIND_CLOSE, 0
+    b.send(close)
+    b.router.poll()
+    b.collect()
+    assert [int(r["status"]) for r in b.responses] == [503, 503] and refusal(b.responses[1]) == refusal(b.responses[0])
 
 
 def test_a_parameter_for_a_policy_that_reads_none_is_refused():
@@ -1381,6 +1394,7 @@ def test_a_pool_full_of_half_arrived_requests_refuses_new_ones_instead_of_stalli
         by_status.setdefault(int(r["status"]), []).append(int(r["request_id"]))
     assert sorted(by_status[200]) == [1, 2, 3, 4], "the admitted requests complete: nothing waits on a stall"
     assert sorted(by_status[503]) == [5, 6, 7, 8], "the rest are refused once, not expired later"
+    assert {refusal(r) for r in b.responses if r["status"] == 503} == {"the router's chunk pool is full: retry shortly"}
     assert len(b.responses) == 8
     st = b.router.stats()
     assert st["pool_refused"] == 4 and st["late_duplicates"] == 4 and st["input_stalls"] == 0

@@ -47,6 +47,15 @@ int dp_policy_init(struct dp_policy *p, const char *name, uint64_t seed, double 
     return -ENOENT;
 }
 
+int dp_policy_check(const char *name, double param)
+{
+    struct dp_policy p;
+    int rc = dp_policy_init(&p, name, 0, param);
+    if (rc == 0)
+        dp_policy_fini(&p);
+    return rc;
+}
+
 void dp_policy_fini(struct dp_policy *p)
 {
     if (p->ops && p->ops->fini)
