@@ -8,11 +8,13 @@ issues' goals of the suite judged from its figures (bench.goals);
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
 import os
 import pathlib
 import signal
 import sys
+import textwrap
 
 # suite name -> module in bench/ with run(report, args)
 SUITES = {
@@ -48,6 +50,21 @@ EPILOG = """examples:
 """
 
 
+def _suites_said() -> str:
+    """A line per suite for -h: its module docstring's first paragraph (read, not imported: -h
+    works before the extensions are built), and whether it needs root."""
+    lines = ["suites:"]
+    for name, module in SUITES.items():
+        source = pathlib.Path(__file__).with_name(module.split(".")[-1] + ".py")
+        doc = ast.get_docstring(ast.parse(source.read_text())) if source.exists() else None
+        what = " ".join((doc or "").split("\n\n")[0].split())
+        what = what.partition(": ")[2] or what
+        what += " Needs root and bcc." if name in NEED_ROOT else ""
+        lines.append(textwrap.fill(what, 79, initial_indent=f"  {name:10s}", subsequent_indent=" " * 12))
+    lines.append(f"  {'all':10s}every suite but compare, in turn (what `make bench` runs)")
+    return "\n".join(lines) + "\n\n"
+
+
 def _policy_names() -> str:
     try:
         from datapath.router import policy_params
@@ -63,7 +80,7 @@ def main(argv=None) -> int:
         from . import goals
         return goals.main(argv[1:])
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[1],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_suites_said() + EPILOG)
     p.add_argument("suite", choices=[*SUITES, "all"], help="suite to run (or: goals [DIR ...], see below)")
     p.add_argument("--quick", action="store_true", help="short run (a suite in about 2 minutes or less)")
     p.add_argument("--json", metavar="PATH", help="where to write the JSON (default bench-results/SUITE.json)")

@@ -204,6 +204,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     order = list(dict.fromkeys(g.suite for g in GOALS))
     for d in args.dirs:
+        if not pathlib.Path(d).is_dir():
+            p.error(f"{d}: no such directory (a run's results: bench-results, or figures/run-COMMIT)")
         found, count = {}, {}
         # SUITE.json first (a directory may hold another run of a suite, e.g. snapshot-soak.json)
         for path in sorted(pathlib.Path(d).glob("*.json"), key=lambda q: (q.stem not in order, q.name)):

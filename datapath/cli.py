@@ -28,12 +28,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
     sub.add_parser("doctor", help="check root, kernel, BPF features, bcc, headers, extensions, loop, kvm, qemu",
                    description="One line per check: OK, WARN (optional) or FAIL with a fix. "
-                               "Exit 0 only when the data path can run. Cleans up all it creates.")
+                               "Exit 0 only when the data path can run. Run it as root: it compiles and loads "
+                               "a BPF program, and attaches XDP on a throwaway veth pair in a namespace of its "
+                               "own, all removed before it exits.")
     ing = sub.add_parser("ingress", help="the XDP ingress").add_subparsers(dest="ingress_command", metavar="WHAT")
     ing.required = True
     st = ing.add_parser("stats", help="per-queue packets, drops by reason, log2 histogram of XDP-to-consumer latency",
                         description="Reports on the running steering program (found by name, read-only) every "
-                                    "interval seconds, count times (default: until Ctrl-C).",
+                                    "interval seconds, count times (default: until Ctrl-C). Needs root (it reads "
+                                    "the program's BPF maps).",
                         formatter_class=argparse.RawDescriptionHelpFormatter,
                         epilog="examples:\n    datapath ingress stats\n    datapath ingress stats 5 3\n"
                                "    datapath ingress stats -p 42 1\n")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # setup.sh - install what the data path needs, idempotently, then get out of the way.
 #
-#   Debian packages   bcc (python3-bpfcc), bpftool, libbpf, iproute2, build tools, tshark
+#   Debian packages   bcc (python3-bpfcc), bpftool, libbpf, iproute2, build tools, libzmq3-dev, tshark
 #                     (its NVMe/TCP dissector checks the snapshot target's framing)
 #   kernel headers    the running kernel's; else Debian's linux-headers-<arch>,
 #                     linked where bcc looks (/lib/modules/$(uname -r)/build)
@@ -13,6 +13,12 @@
 # the package is reinstalled only when its build inputs changed (stamp file).
 # USAGE: sudo scripts/setup.sh
 set -euo pipefail
+
+case "${1:-}" in
+    -h|--help) sed -n '2,/^# USAGE/s/^# \{0,1\}//p' "$0"; exit 0 ;;
+    "") ;;
+    *) echo "setup: takes no arguments, not '$1' (scripts/setup.sh -h says what it does)" >&2; exit 2 ;;
+esac
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 VENV="$ROOT/.venv"

@@ -68,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    device = dict(nargs="?", help=f"block device or image file (default: {default_image_path()})")
+    device = dict(nargs="?", help=f"block device, image file or nvme-tcp://HOST:PORT/SUBNQN (default: "
+                                  f"{default_image_path()})")
     f = sub.add_parser("format", help="make an empty store (creates an image file with --size)")
     f.add_argument("device", **device)
     f.add_argument("--size", type=parse_size, help="create the image file with this size, in bytes or with a "

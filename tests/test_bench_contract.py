@@ -25,6 +25,9 @@ def test_wire_suite_follows_the_contract(tmp_path):
 def test_bench_help_and_bad_suite():
     r = subprocess.run([sys.executable, "-m", "bench", "-h"], capture_output=True, text=True)
     assert r.returncode == 0 and "examples" in r.stdout
+    # each suite said, from its module's docstring, and which need root
+    assert "  ingress   the XDP steering path" in r.stdout and "  snapshot  the snapshot store against raw" in r.stdout
+    assert r.stdout.count("root and bcc.") == 3
     r = subprocess.run([sys.executable, "-m", "bench", "nope"], capture_output=True, text=True)
     assert r.returncode == 2 and "invalid choice" in r.stderr
     r = subprocess.run([sys.executable, "-m", "bench", "compare", "--policy", "dynamic", "--device", "tpu", "--json",

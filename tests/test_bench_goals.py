@@ -92,6 +92,10 @@ def test_bench_goals_judges_a_committed_run_and_says_when_a_directory_has_none(t
     assert counted.startswith("goals: ") and sum(int(part.split()[0]) for part in counted[7:].split(", ")) == judged
     (tmp_path / "empty").mkdir()
     assert bench_main(["goals", str(tmp_path / "empty")]) == 2
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as refused:            # it read as an empty directory
+        bench_main(["goals", str(tmp_path / "nowhere")])
+    assert refused.value.code == 2 and "nowhere: no such directory" in capsys.readouterr().err
 
 
 def test_the_readme_s_goals_table_is_bench_goals_output_for_the_run_it_names(capsys):

@@ -37,3 +37,12 @@ def test_setup_on_a_non_debian_host_prints_what_to_install(tmp_path):
                        env={"PATH": str(tmp_path)})
     assert r.returncode == 1
     assert "not a Debian/Ubuntu host" in r.stderr and "kernel headers" in r.stderr
+
+
+def test_setup_h_says_what_it_installs_and_installs_nothing():
+    """-h ran the whole install (found by review), as any argument did."""
+    r = subprocess.run([SETUP, "-h"], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0 and "Debian packages" in r.stdout and "USAGE: sudo scripts/setup.sh" in r.stdout
+    assert "setup:" not in r.stdout, "no install step ran"
+    r = subprocess.run([SETUP, "--bogus"], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2 and "takes no arguments, not '--bogus'" in r.stderr
