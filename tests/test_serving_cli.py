@@ -29,6 +29,8 @@ def test_user_errors_are_one_sentence(capsys):
         "datapath worker: give one of --lane NAME, --zmq ENDPOINT or --demo N"
     assert main(["model", "info", "--heads", "3"]) == 2
     assert "must be a multiple of n_kv_heads" in capsys.readouterr().err
+    assert main(["model", "info", "--vocab", str(10 ** 23)]) == 2      # was accepted: 4.8e16 GiB said
+    assert "vocab must be at most 2**32" in capsys.readouterr().err
     assert main(["worker", "--zmq", "nonsense"]) == 2
     assert "--zmq 'nonsense': give tcp://HOST:PORT or ipc://PATH" in capsys.readouterr().err
     # ZeroMQ took a port over 65535 modulo 65536, and port 0 bound one no router was told of

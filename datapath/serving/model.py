@@ -43,6 +43,8 @@ class ModelConfig:
         for name in ("vocab", "n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "d_ff", "max_context"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, not {getattr(self, name)}")
+        if self.vocab > 1 << 32:
+            raise ValueError(f"vocab must be at most 2**32 (token ids are u32 on the wire), not {self.vocab}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
         if self.head_dim % 2:
