@@ -507,6 +507,79 @@ int64_t six_stage_copy(struct six *ix, struct six_tail *t, const uint8_t *rec, s
     return place(ix, t, &h, rec + SIX_HEADER_SIZE);
 }
 
+/* --- a put in one call ----------------------------------------------------------------- */
+
+static int write_at(int fd, const uint8_t *buf, size_t bytes, uint64_t at, int *err)
+{
+    ssize_t done;
+    do
+        done = pwrite(fd, buf, bytes, (off_t)at);
+    while (done < 0 && errno == EINTR);
+    if (done == (ssize_t)bytes)
+        return 0;
+    *err = done < 0 ? errno : 0;
+    return -1;
+}
+
+/* The write buffer's blocks [t->durable, t->tail) written where they go in the log, one pwrite
+ * per physically contiguous run, and the checkpoint if one is due, then one fdatasync
+ * (snapshotstore/log.py _flush's, for a local device). 0, or -1 with *err: errno, 0 for a short
+ * write. */
+static int write_staged(const struct six_tail *t, const struct six_room *r, int *err)
+{
+    uint64_t L = t->log_blocks, off = 0;
+    if (r->checkpoint >= 0 && write_at(r->fd, r->sbuf, t->block_size, (uint64_t)r->checkpoint * t->block_size, err))
+        return -1;
+    for (uint64_t lpos = t->durable; lpos < t->tail;) {
+        uint64_t n = t->tail - lpos, left = L - lpos % L;
+        if (n > left)
+            n = left;
+        size_t bytes = (size_t)n * t->block_size;
+        if (write_at(r->fd, t->wbuf + off, bytes, (r->log_start + lpos % L) * t->block_size, err))
+            return -1;
+        lpos += n;
+        off += bytes;
+    }
+    int rc;
+    do
+        rc = fdatasync(r->fd);
+    while (rc && errno == EINTR);
+    if (rc)
+        *err = errno;
+    return rc ? -1 : 0;
+}
+
+int64_t six_put(struct six *ix, struct six_tail *t, const struct six_room *r, const uint8_t *key,
+                const uint8_t *payload, uint32_t len, uint32_t token_start, uint32_t token_end,
+                uint16_t layer_start, uint16_t layer_end, const uint8_t *codec, int fresh, int *err)
+{
+    /* put's checks (log.py put), each a decline: put's own path raises what it finds */
+    uint32_t s = six_find(ix, key);
+    const struct six_session *c = s == SIX_NONE || fresh ? NULL : &ix->sess[s];
+    uint64_t total = (uint64_t)len + (c ? c->raw_len + 4 * ((uint64_t)c->nrec + 2) : 8);
+    if (token_start != (c ? c->token_end : 0) || total > r->max_payload || t->woff || t->durable != t->tail)
+        return SIX_PUT_DECLINED;
+    if (c && (c->nrec >= r->compact_after || memcmp(ix->codec[c->codec], codec, SIX_CODEC_LEN)))
+        return SIX_PUT_DECLINED;
+    /* room (_fits, with _floor's floor) and the superblocks (_flush), as the tail would move */
+    uint64_t L = t->log_blocks, phys = t->tail % L;
+    uint64_t nblocks = (SIX_HEADER_SIZE + (uint64_t)len + t->block_size - 1) / t->block_size;
+    uint64_t pad = phys + nblocks > L ? L - phys : 0, end = t->tail + pad + nblocks;
+    if (end - r->head > L || L - (end - r->head) < r->floor || end > r->sb_head + L)
+        return SIX_PUT_DECLINED;
+    int64_t rid = six_stage(ix, t, SIX_KIND_DELTA, 0, key, payload, len, len, token_start, token_end, layer_start,
+                            layer_end, codec, fresh, s == SIX_NONE ? 0 : ix->sess[s].gen);
+    if (rid == SIX_STAGE_ROOM)
+        return SIX_PUT_DECLINED;
+    if (rid < 0)                    /* (not SIX_STAGE_CHANGED: the chain was looked up under the same lock) */
+        return rid;
+    if (write_staged(t, r, err))
+        return SIX_PUT_IO;
+    t->woff = 0;
+    t->durable = t->tail;
+    return rid;
+}
+
 /* --- CRC32C -------------------------------------------------------------------------- */
 
 static uint32_t crc_table[256];

@@ -176,8 +176,9 @@ struct six_tail {
     uint64_t log_blocks;
     uint32_t block_size;
     uint64_t tail;              /* lpos where the next record goes */
+    uint64_t durable;           /* lpos: the last flush's tail (records before it are on the device) */
     uint64_t last_seq;          /* the last sequence number handed out */
-    uint8_t *wbuf;              /* the write buffer: the blocks from the last flush's tail on */
+    uint8_t *wbuf;              /* the write buffer: the blocks [durable, tail) */
     uint64_t wcap, woff;        /* its size, and the bytes staged in it */
     uint64_t need;              /* after SIX_STAGE_ROOM: the bytes it must hold */
     uint64_t parent;            /* the last record six_stage staged: its parent (0: it begins its chain) */
@@ -204,6 +205,37 @@ int64_t six_stage(struct six *ix, struct six_tail *t, uint8_t kind, uint8_t flag
  * SIX_NOMEM, or SIX_STAGE_REFUSED: its header's blocks are not those read, or its payload
  * runs past them. */
 int64_t six_stage_copy(struct six *ix, struct six_tail *t, const uint8_t *rec, size_t len);
+
+/* A put whole in one call when nothing stands in its way (snapshotstore/log.py _put_at_once):
+ * in Python a put cost ~16 us over its I/O, run cold after it, against a goal of 1.2x a raw write
+ * + fdatasync (~80-140 us). Python's put stays the rule and takes every case this declines. What
+ * the store's put must respect is the caller's struct, kept up to date by it: */
+struct six_room {
+    int fd;                     /* the device (O_DIRECT) */
+    uint64_t log_start;         /* the log's first block on it */
+    uint64_t head;              /* lpos: the log's head, which the tail may not lap */
+    uint64_t sb_head;           /* the head the superblocks record: a tail a lap past it needs new ones first */
+    uint64_t floor;             /* blocks a put leaves free: the reserve, and room to relocate */
+    uint64_t max_payload;       /* the bytes one record holds */
+    uint32_t compact_after;     /* a chain of as many records is compacted by its next put */
+    const uint8_t *sbuf;        /* a block: the superblock copy the caller laid out there ... */
+    int64_t checkpoint;         /* ... written with the record, at this block (-1: none is due) */
+};
+#define SIX_PUT_DECLINED -6     /* nothing done: the put takes Python's path */
+#define SIX_PUT_IO -7           /* staged, not durable: the write or the sync failed (*err: errno, 0: short) */
+/* key's delta (payload, len bytes, stored as it is) checked against its chain as put checks it,
+ * staged as six_stage stages it, written (a pad before it too, one pwrite per run: the lap's end
+ * splits them; and r->checkpoint's superblock copy) and made durable (fdatasync; t->durable moves
+ * with it). The caller holds the store's lock, with nothing staged unflushed and no other put
+ * committing. Its rid; SIX_PUT_DECLINED, nothing changed, when put's own path must decide: the
+ * delta does not start where its chain ends or has another codec, the chain is due to be
+ * compacted, the record is too large or has no room above the floor, the superblocks must move
+ * first, or the write buffer is too small; SIX_NOMEM or SIX_STAGE_REFUSED as six_stage's;
+ * SIX_PUT_IO. Either of those three: the caller stops using the store. fresh: the delta replaces
+ * key's chain (from token 0). */
+int64_t six_put(struct six *ix, struct six_tail *t, const struct six_room *r, const uint8_t *key,
+                const uint8_t *payload, uint32_t len, uint32_t token_start, uint32_t token_end,
+                uint16_t layer_start, uint16_t layer_end, const uint8_t *codec, int fresh, int *err);
 
 /* CRC32C (Castagnoli) of n bytes continuing from crc (0 to start), as the crc32c package */
 uint32_t six_crc32c(uint32_t crc, const void *buf, size_t n);

@@ -12,6 +12,7 @@ tests/test_snapshot_index.py drives op by op against its model.
 """
 from __future__ import annotations
 
+import os
 import struct
 import threading
 from typing import Iterator, NamedTuple
@@ -259,6 +260,16 @@ class Index:
         return ffi.new("struct six_tail *")
 
     @staticmethod
+    def new_room() -> "ffi.CData":
+        """What a store's put must respect, for six_put (struct six_room): the store sets its fields."""
+        return ffi.new("struct six_room *")
+
+    @staticmethod
+    def from_buffer(buf) -> "ffi.CData":
+        """buf's cffi view, for a pointer field (six_room.sbuf): hold it as long as the field."""
+        return ffi.from_buffer("uint8_t[]", buf)
+
+    @staticmethod
     def tail_buffer(t, buf) -> "ffi.CData":
         """buf, aligned, becomes t's write buffer (what is staged in it kept by the caller); the
         cffi view returned keeps it exported while t points into it: hold it as long."""
@@ -277,6 +288,23 @@ class Index:
         if rid == lib.SIX_NOMEM:
             raise MemoryError("no memory to grow the snapshot store's index")
         return rid
+
+    def put(self, t, room, key: bytes, payload: bytes, tokens: tuple[int, int], layers: tuple[int, int], codec: str,
+            fresh: bool) -> int:
+        """key's delta put whole, durable on return (six_put): its rid, or PUT_DECLINED (nothing
+        done: the store's own path takes it). MemoryError, or OSError for a write or a sync that
+        failed (the record staged, not durable)."""
+        with self._lock:
+            rid = lib.six_put(self._ix, t, room, key, payload, len(payload), tokens[0], tokens[1], layers[0], layers[1],
+                              codec.encode("ascii").ljust(CODEC_LEN, b"\0"), fresh, self._err)
+        if rid >= 0 or rid == PUT_DECLINED:
+            return rid
+        if rid == lib.SIX_PUT_IO:
+            err = self._err[0]
+            raise OSError(err, os.strerror(err)) if err else OSError("a short write")
+        if rid == lib.SIX_NOMEM:
+            raise MemoryError("no memory to grow the snapshot store's index")
+        raise RuntimeError(f"the index did not take the record six_put staged ({rid}): a bug")
 
     def stage_copy(self, t, record) -> int:
         """A copy of record (header and payload as read) staged at t's tail (six_stage_copy), not
@@ -306,6 +334,7 @@ class Index:
 SCAN_END, SCAN_MORE, SCAN_BAD = lib.SIX_SCAN_END, lib.SIX_SCAN_MORE, lib.SIX_SCAN_BAD
 SIX_READ_ROOM, SIX_READ_IO, SIX_READ_DAMAGED = lib.SIX_READ_ROOM, lib.SIX_READ_IO, lib.SIX_READ_DAMAGED
 STAGE_ROOM, STAGE_REFUSED, STAGE_CHANGED = lib.SIX_STAGE_ROOM, lib.SIX_STAGE_REFUSED, lib.SIX_STAGE_CHANGED
+PUT_DECLINED = lib.SIX_PUT_DECLINED
 
 
 class Scan:

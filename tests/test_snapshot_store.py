@@ -1470,6 +1470,46 @@ def test_concurrent_writers_readers_under_relocation_and_eviction(make_device):
     assert st["relocations"] > 0 and st["compactions"] > 0
 
 
+def test_puts_that_come_while_one_goes_at_once_queue_and_commit_together(make_device):
+    """A put at once (six_put) holds the commit while it writes: puts that come meanwhile queue,
+    and the first of them leads their group commit once it is done. Writers about (a commit of
+    several) send the puts after through the queue, until one finds itself alone; then a put
+    goes at once again. All land."""
+    path = make_device()
+    with LogStore(path) as s:
+        real, inside, go = s._ix.put, threading.Event(), threading.Event()
+
+        def held_put(*args):
+            inside.set()
+            go.wait(10)
+            return real(*args)
+
+        s._ix.put = held_put
+        flushes = s.stats()["flushes"]
+        first = threading.Thread(target=s.put, args=(key(1), Delta(b"a" * 100, tokens=(0, 1))))
+        first.start()
+        assert inside.wait(10)
+        others = [threading.Thread(target=s.put, args=(key(k), Delta(b"b" * 100, tokens=(0, 1)))) for k in (2, 3)]
+        for th in others:
+            th.start()
+        deadline = time.monotonic() + 10
+        while s._waiting < 2 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert s._waiting == 2, "both queued behind the put at once"
+        go.set()
+        for th in (first, *others):
+            th.join(10)
+        s._ix.put = real
+        st = s.stats()
+        assert (st["puts"], st["puts_at_once"], st["flushes"]) == (3, 1, flushes + 2), "one, then the two together"
+        s.put(key(4), Delta(b"c" * 100, tokens=(0, 1)))      # writers were about: through the queue, alone
+        s.put(key(5), Delta(b"d" * 100, tokens=(0, 1)))      # then at once again
+        assert s.stats()["puts_at_once"] == 2
+    with LogStore(path) as s:
+        assert [s.restore(key(k)).payload for k in range(1, 6)] == [b"a" * 100, b"b" * 100, b"b" * 100, b"c" * 100,
+                                                                    b"d" * 100]
+
+
 def test_worker_interface_chain_of_blobs(make_device):
     """WorkerStore: the worker's put(key, delta, meta) / restore(key) -> [blobs] / delete(key)."""
     path = make_device()
@@ -1562,6 +1602,7 @@ def test_a_put_whose_chain_changed_in_flight_is_refused(make_device):
     written, and a put from token 0 begins the session again. A replacing put depends on no chain."""
     path = make_device()
     with LogStore(path) as s:
+        s._at_once = False          # (a put in one C call, six_put, looks its chain up under the store's lock)
         put_all(s, key(1), deltas(2, 100))
         real = s._write_batch
 
@@ -1619,6 +1660,71 @@ def test_a_put_lays_its_records_out_as_the_format_defines_them(make_device):
                 assert blocks(e) == bytes(expect), (e.lpos, h)
         finally:
             dev.close()
+
+
+def test_a_put_at_once_writes_what_the_format_defines_and_declines_to_put_s_own_path(make_device):
+    """A put with nothing in its way goes whole in one C call (six_put): checks, staging, its
+    write (a pad before it in its own run, at the lap's end) and its fdatasync. Its records are
+    byte for byte format.pack_record_into's, durable across a reopen; and what put's own path
+    must decide (a delta that does not follow its chain, another codec, a compaction, no room,
+    the superblocks to move, a checkpoint due) is declined with nothing done and decided there."""
+    path = make_device()
+    with LogStore(path) as s:
+        fill_to_short_of_the_lap(s, 1)
+    with LogStore(path, compact_after=2) as s:          # its superblocks' head is the log's now
+        bs, L = s.block_size, s.stats()["log_blocks"]
+        raws = [os.urandom(bs), b"tail of the chain" * 3]
+        before = s.stats()["puts_at_once"]
+        seqs = [s.put(key(1), Delta(raw, tokens=(9 * i, 9 * i + 9), layers=(1, 3), codec="f16"))
+                for i, raw in enumerate(raws)]
+        assert s.stats()["puts_at_once"] == before + 2
+        pad, first, second = s.entries()[-3:]
+        assert first.lpos % L == 0 and first.nblocks == 2 and pad.kind == fmt.KIND_PAD
+        dev = BlockDevice(path)
+        try:
+            want = [(pad, fmt.RecordHeader(fmt.KIND_PAD, 0, s.store_id, pad.lpos, s._epoch, 0, 0, bytes(fmt.KEY_LEN),
+                                           0, 0, 0, 0, 1, 0, 0, "", 0), b"")]
+            for e, raw, seq, parent in ((first, raws[0], seqs[0], 0), (second, raws[1], seqs[1], seqs[0])):
+                want.append((e, fmt.RecordHeader(fmt.KIND_DELTA, 0, s.store_id, e.lpos, s._epoch, seq, parent, key(1),
+                                                 *e.tokens, 1, 3, fmt.record_blocks(len(raw), bs), len(raw), len(raw),
+                                                 "f16", 0), raw))
+            for e, h, payload in want:
+                expect = bytearray(h.nblocks * bs)
+                fmt.pack_record_into(expect, 0, h, payload)
+                got = dev.read_into(aligned_buffer(e.nblocks * bs), phys_block(s.stats(), e.lpos), e.nblocks)
+                assert bytes(got) == bytes(expect), (e.lpos, h)
+        finally:
+            dev.close()
+        s.put(key(5), Delta(b"a" * (s.max_payload - 40), tokens=(0, 1)))   # a chain of one, all but full
+        at_once = s.stats()["puts_at_once"]
+        with pytest.raises(SessionChanged):                 # not where its chain ends
+            s.put(key(5), Delta(b"x", tokens=(5, 6)))
+        with pytest.raises(ValueError, match="codec"):
+            s.put(key(5), Delta(b"x", tokens=(1, 2), codec="f16"))
+        with pytest.raises(TooLarge):                       # its chain would outgrow a record
+            s.put(key(5), Delta(b"x" * 40, tokens=(1, 2)))
+        s.put(key(1), Delta(b"third", tokens=(18, 19), layers=(1, 3), codec="f16"))   # a chain of 2: compacted
+        st = s.stats()
+        assert st["puts_at_once"] == at_once and st["compactions"] == 1
+        s._checkpointed -= 3600                             # a checkpoint due: written with the record
+        gen, tail = st["generation"], st["tail"]
+        s.put(key(3), Delta(b"due", tokens=(0, 1)))
+        st = s.stats()
+        assert st["puts_at_once"] == at_once + 1 and st["generation"] == gen + 1
+        sb = fmt.unpack_superblock(read_block(path, (gen + 1) % fmt.SB_COPIES))
+        assert (sb.generation, sb.tail, sb.head) == (gen + 1, tail, s._sb_head)   # the head both copies hold
+        while s.stats()["tail"] + 1 <= s._room.sb_head + L:  # on to where a record needs new superblocks
+            s.put(key(9), Delta(b"f" * 100), replace=True)
+        s._checkpointed -= 3600                             # (the checkpoint it prepared withdrawn)
+        gen, at_once = s.stats()["generation"], s.stats()["puts_at_once"]
+        s.put(key(4), Delta(b"y" * 100, tokens=(0, 1)))
+        assert s.stats()["puts_at_once"] == at_once and s.stats()["generation"] == gen + 1
+        s.put(key(3), Delta(b"then", tokens=(1, 2)))
+        assert s.stats()["puts_at_once"] == at_once + 1
+    with LogStore(path) as s:
+        assert s.restore(key(1)).payload == b"".join(raws) + b"third" and s.restore(key(1)).tokens == (0, 19)
+        assert s.restore(key(3)).payload == b"duethen" and s.restore(key(4)).payload == b"y" * 100
+        assert s.verify() == []
 
 
 def test_a_restore_grows_what_it_reads_into(make_device):
