@@ -143,6 +143,8 @@ def main(argv=None) -> int:
         try:
             from .e2e import require_root_and_bcc
             require_root_and_bcc(f"bench {args.suite}")
+        except ImportError as e:
+            p.error(f"the native extensions are not built ({e}): run `sudo make setup`")
         except RuntimeError as e:
             p.error(str(e))
     # SIGTERM unwinds like Ctrl-C: every with-block (namespaces, images, processes) cleans up;

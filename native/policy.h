@@ -75,8 +75,8 @@ struct dp_outcome {                      /* a request the policy's pool placed, 
 };
 const char *dp_policy_name(unsigned i);  /* registry walk; NULL past the end */
 const char *dp_policy_param(unsigned i); /* what policy i's parameter means; NULL: it takes none */
-/* 0 if policy `name` takes param (its own init run and undone), or -ENOENT / -EINVAL: so a
- * caller can refuse a setting before it builds anything */
+/* 0 if policy `name` takes param (its own init run and undone), or -ENOENT / -EINVAL (or
+ * -ENOMEM): so a caller can refuse a setting before it builds anything */
 int dp_policy_check(const char *name, double param);
 /* CDEF END */
 

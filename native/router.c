@@ -1161,11 +1161,17 @@ static const char *const unavailable_said[] = {
     [WHY_SHARE] = "the tenant's requests still arriving hold its share of the router",
 };
 
-static int unavailable(struct dp_router *rt, const struct dp_chunk *c, enum why_unavailable why)
+/* e: for WHY_SHARE, the tenant's requests arriving, said too */
+static int unavailable(struct dp_router *rt, const struct dp_chunk *c, enum why_unavailable why,
+                       const struct arriving *e)
 {
-    char body[160];
-    int n = snprintf(body, sizeof(body), "{\"status\":503,\"error\":\"%s\"}", unavailable_said[why]);
-    return answer(rt, c, DP_STATUS_UNAVAILABLE, body, (uint32_t)n);
+    char body[DP_MAX_RESP_BODY];
+    int n = why == WHY_SHARE
+        ? snprintf(body, sizeof(body), "{\"status\":503,\"error\":\"%s\",\"requests_arriving\":%u,"
+                   "\"their_chunks\":%u,\"share_chunks\":%u,\"share_requests\":%u}", unavailable_said[why],
+                   e->requests, e->chunks, share_chunks(&rt->cfg), rt->cfg.max_requests / TENANT_SHARE)
+        : snprintf(body, sizeof(body), "{\"status\":503,\"error\":\"%s\"}", unavailable_said[why]);
+    return answer(rt, c, DP_STATUS_UNAVAILABLE, body, (uint32_t)(n < (int)sizeof(body) ? n : (int)sizeof(body) - 1));
 }
 
 /* A request seen for the first time (its first chunk, or its OPEN): admission, then a pool and a
@@ -1203,11 +1209,7 @@ static int admit(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, uin
     int shared = !whole || before != NIL;
     const struct arriving *e;
     if (shared && over_share(rt, c->tenant, c->chunk_count, &e)) {
-        int n = snprintf(body, sizeof(body), "{\"status\":503,\"error\":\"%s\",\"requests_arriving\":%u,"
-                         "\"their_chunks\":%u,\"share_chunks\":%u,\"share_requests\":%u}", unavailable_said[WHY_SHARE],
-                         e->requests, e->chunks, share_chunks(&rt->cfg),
-                         rt->cfg.max_requests / TENANT_SHARE);
-        if (!answer(rt, c, DP_STATUS_UNAVAILABLE, body, (uint32_t)n))
+        if (!unavailable(rt, c, WHY_SHARE, e))
             return 0;
         remember_done(rt, key);
         rt->st.tenant_share_refused++;
@@ -1222,7 +1224,7 @@ static int admit(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, uin
     uint32_t ri = wk < 0 ? NIL : req_insert(rt, key);   /* a free slot was checked: cannot fail */
     if (ri == NIL) {
         if (!unavailable(rt, c, !room ? WHY_POOL : rt->req_free == NIL ? WHY_TABLE
-                                : wk == -2 ? WHY_BAD_PICK : WHY_NO_WORKER))
+                                : wk == -2 ? WHY_BAD_PICK : WHY_NO_WORKER, NULL))
             return 0;
         remember_done(rt, key);
         if (!room)
@@ -1282,7 +1284,7 @@ static int close_session(struct dp_router *rt, const struct dp_chunk *c, uint64_
     int spilled;
     uint16_t pool = 0;
     uint32_t before = session_latest(rt, c);
-    const struct arriving *e;
+    const struct arriving *e = NULL;
     int over = before != NIL && over_share(rt, c->tenant, 1, &e);     /* held: in the tenant's share */
     int wk = -1;
     if (!over && rt->st.pool_free > rt->reserved && rt->req_free != NIL) {
@@ -1297,7 +1299,7 @@ static int close_session(struct dp_router *rt, const struct dp_chunk *c, uint64_
     }
     if (wk < 0) {
         if (!unavailable(rt, c, over ? WHY_SHARE : rt->st.pool_free <= rt->reserved ? WHY_POOL
-                                    : rt->req_free == NIL ? WHY_TABLE : wk == -2 ? WHY_BAD_PICK : WHY_NO_WORKER))
+                                    : rt->req_free == NIL ? WHY_TABLE : wk == -2 ? WHY_BAD_PICK : WHY_NO_WORKER, e))
             return 0;
         remember_done(rt, key);
         rt->st.tenant_share_refused += (uint64_t)over;

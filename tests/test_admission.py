@@ -655,6 +655,10 @@ def test_requests_held_behind_their_session_count_in_the_tenant_s_share(bench_fa
     b.send(chunks_of(800, [1, 2], session=8, max_out=1, tenant=3), closes)
     got = polled()
     assert sorted(rid for rid, st in got.items() if st == 503 and rid >= 900) == list(range(916, 930))
+    # a CLOSE so refused says why, as a request does (it had no body)
+    (doc,) = {r["body"][:r["body_len"]].tobytes() for r in b.responses if r["request_id"] == 929}
+    doc = json.loads(doc)
+    assert doc["error"].startswith("the tenant's requests still arriving") and doc["share_requests"] == 16
     b.run()
     got = polled()
     assert got[800] == 200 and [got[rid] for rid in range(900, 916)] == [200] * 16
