@@ -1470,6 +1470,27 @@ def test_concurrent_writers_readers_under_relocation_and_eviction(make_device):
     assert st["relocations"] > 0 and st["compactions"] > 0
 
 
+def test_a_put_at_once_whose_write_fails_fails_the_store_until_reopened(make_device):
+    """six_put staged the record and its write failed: the index is ahead of the device, so the
+    put raises and the store refuses every call until reopened, as after a failed flush; the
+    reopened store holds what was durable."""
+    path = make_device()
+    with LogStore(path) as s:
+        s.put(key(1), Delta(b"a" * 100, tokens=(0, 1)))
+        read_only = os.open(path, os.O_RDONLY)
+        try:
+            s._room.fd = read_only                          # its pwrite fails: EBADF
+            with pytest.raises(SnapshotError, match="writing to .* failed .*: reopen the store"):
+                s.put(key(1), Delta(b"b" * 100, tokens=(1, 2)))
+            with pytest.raises(SnapshotError, match="hit an error"):
+                s.restore(key(1))
+            assert s.stats()["puts_at_once"] == 1
+        finally:
+            os.close(read_only)
+    with LogStore(path) as s:
+        assert s.restore(key(1)).payload == b"a" * 100 and s.verify() == []
+
+
 def test_puts_that_come_while_one_goes_at_once_queue_and_commit_together(make_device):
     """A put at once (six_put) holds the commit while it writes: puts that come meanwhile queue,
     and the first of them leads their group commit once it is done. Writers about (a commit of
