@@ -420,7 +420,7 @@ class LogStore:
         self._wbuf_view = self._ix.tail_buffer(t, self._wbuf)
         room, fd = self._room, getattr(self.dev, "fd", None)
         room.fd, room.log_start, room.floor = -1 if fd is None else fd, self.log_start, self._floor(KIND_DELTA)
-        room.max_payload, room.compact_after = self.max_payload, self.compact_after
+        room.max_payload, room.compact_after = self.max_payload, min(self.compact_after, 0xFFFFFFFF)
         self._sbuf_view, room.checkpoint = self._ix.from_buffer(self._sbuf), -1
         room.sbuf = self._sbuf_view
         self._at_once = fd is not None           # a put may go in one C call (_put_at_once)
@@ -749,8 +749,8 @@ class LogStore:
         0 when six_put declined, nothing done: put's own path takes it, and raises what six_put
         found. (Through that path a lone put cost ~16 us over its I/O, run cold after it:
         1.27-1.35x a raw write + fdatasync, against a goal of 1.2x.)"""
-        if self._crowded or self.compress or self.group_commit_us:
-            return 0
+        if self._crowded or self.compress or self.group_commit_us or len(raw) > self.max_payload:
+            return 0                              # (a payload too large: TooLarge, from put's own path)
         with self._queue_lock:
             if self._leading or self._queue:
                 return 0
@@ -758,22 +758,21 @@ class LogStore:
         try:
             with self._lock:
                 self._check_usable(write=True)
-                due = time.monotonic() - self._checkpointed >= CHECKPOINT_EVERY_S
-                if due:                           # written with the record, as _flush writes it
-                    before = self._generation, self._checkpointed
-                    self._room.checkpoint = self._checkpoint_block()
+                before = self._generation, self._checkpointed
                 try:
+                    if time.monotonic() - self._checkpointed >= CHECKPOINT_EVERY_S:
+                        self._room.checkpoint = self._checkpoint_block()   # written with the record
                     rid = self._ix.put(self._t, self._room, key, raw, delta.tokens, delta.layers, delta.codec, fresh)
-                except BaseException as e:
-                    self._fail(e)
+                    if rid != PUT_DECLINED:
+                        self._staged(key)
+                except BaseException as e:        # (an interrupt too: the index may be ahead of the
+                    self._fail(e)                 # device, or _evicted of the log, as in _write_batch)
                     raise self._write_error(e) from e
                 finally:
                     self._room.checkpoint = -1
                 if rid == PUT_DECLINED:
-                    if due:
-                        self._generation, self._checkpointed = before   # not written: still due
+                    self._generation, self._checkpointed = before   # a checkpoint laid out, not written
                     return 0
-                self._staged(key)
                 self.counters["puts"] += 1
                 self.counters["puts_at_once"] += 1
                 self.counters["flushes"] += 1
