@@ -553,7 +553,7 @@ int64_t six_put(struct six *ix, struct six_tail *t, const struct six_room *r, co
                 const uint8_t *payload, uint32_t len, uint32_t token_start, uint32_t token_end,
                 uint16_t layer_start, uint16_t layer_end, const uint8_t *codec, int fresh, int *err)
 {
-    /* put's checks (log.py put), each a decline: put's own path raises what it finds */
+    /* put's checks (log.py _put), each a decline: put's own path raises what it finds */
     uint32_t s = six_find(ix, key);
     const struct six_session *c = s == SIX_NONE || fresh ? NULL : &ix->sess[s];
     uint64_t total = (uint64_t)len + (c ? c->raw_len + 4 * ((uint64_t)c->nrec + 2) : 8);
