@@ -273,7 +273,7 @@ class Index:
     def tail_buffer(t, buf) -> "ffi.CData":
         """buf, aligned, becomes t's write buffer (what is staged in it kept by the caller); the
         cffi view returned keeps it exported while t points into it: hold it as long."""
-        view = ffi.from_buffer("uint8_t[]", buf)
+        view = Index.from_buffer(buf)
         t.wbuf, t.wcap = view, len(buf)
         return view
 

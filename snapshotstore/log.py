@@ -900,13 +900,14 @@ class LogStore:
     # --- space --------------------------------------------------------------------------
 
     def _floor(self, kind: int) -> int:
-        """Free blocks that must remain after a record of this kind. A put leaves the reserve and room to relocate
-        the largest record (a chain's base is one) with the pad it may need before the lap's end
-        (records never wrap). A tombstone may use the reserve (a delete is how room is made) but
-        not that room, and leaves one block more for the tombstone reclaim may have to write
-        first (_bury). Deletes that used that room (a floor of 1) left a live record at the head
-        that could be neither compacted nor copied: every later put and delete DeviceFull, for
-        good, reopened or not; with one block left, the same for _bury's tombstone."""
+        """Free blocks that must remain after a record of this kind. A put leaves the reserve
+        and room to relocate the largest record (a chain's base is one) with the pad it may need
+        before the lap's end (records never wrap). A tombstone may use the reserve (a delete is
+        how room is made) but not that room, and leaves one block more for the tombstone reclaim
+        may have to write first (_bury). Deletes that used that room (a floor of 1) left a live
+        record at the head that could be neither compacted nor copied: every later put and
+        delete DeviceFull, for good, reopened or not; with one block left, the same for _bury's
+        tombstone."""
         relocation = 2 * self.max_record_blocks - 1
         if kind == KIND_TOMBSTONE:
             return relocation + 1
