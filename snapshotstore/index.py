@@ -73,7 +73,8 @@ class Index:
         self._lock = threading.Lock()
         self._codec_names: list[str] = []       # six.codec's names, decoded once
         # six_read_chain's outputs, kept (under the lock) rather than allocated for each restore
-        self._parts, self._at, self._err = ffi.new("struct six_part[]", 16), ffi.new("uint64_t *"), ffi.new("int *")
+        self._at, self._err = ffi.new("uint64_t *"), ffi.new("int *")
+        self._parts_room(16)
         self._buf = self._cbuf = None        # the last read buffer and its cffi view
         self._found = ffi.new("struct six_chain *")     # six_lookup's answer
         self._found_bytes = ffi.buffer(self._found)
@@ -193,7 +194,7 @@ class Index:
 
     def _read(self, s: int, nrec: int, fd: int, log_start: int, log_blocks: int, block_size: int, buf):
         if len(self._parts) < nrec:
-            self._parts = ffi.new("struct six_part[]", nrec)
+            self._parts_room(nrec)
         rc = lib.six_read_chain(self._ix, s, fd, log_start, log_blocks, block_size, self._c(buf), len(buf),
                                 self._parts, len(self._parts), self._at, self._err)
         return rc, self._at[0], self._err[0], self._found_parts(rc)
@@ -204,8 +205,12 @@ class Index:
             self._buf, self._cbuf = buf, ffi.from_buffer(buf)
         return self._cbuf
 
+    def _parts_room(self, n: int):
+        self._parts = ffi.new("struct six_part[]", n)
+        self._parts_bytes = memoryview(ffi.buffer(self._parts))   # kept: a restore makes no view of its own
+
     def _found_parts(self, rc: int) -> list[tuple[int, int, int, int, int]]:
-        return list(_PART.iter_unpack(ffi.buffer(self._parts, rc * _PART.size))) if rc > 0 else []
+        return list(_PART.iter_unpack(self._parts_bytes[:rc * _PART.size])) if rc > 0 else []
 
     def key_of(self, rec: Rec) -> bytes:
         """The session key of a live record."""

@@ -5,7 +5,6 @@ Targets run in-process (Target) or as a child process (TargetProcess, to SIGKILL
 image files in tmp_path (the real disk: O_DIRECT works there), on 127.0.0.1 only.
 """
 import contextlib
-import dataclasses
 import os
 import random
 import signal
@@ -260,7 +259,7 @@ def test_logstore_over_nvmetcp_equals_local_byte_for_byte(image):
 def _same(snaps):
     """Restores as two stores can agree on: all but the record numbers, which each format starts
     at a random point."""
-    return [s and dataclasses.replace(s, seq=0) for s in snaps]
+    return [s and s._replace(seq=0) for s in snaps]
 
 
 def _layout(store):
