@@ -28,6 +28,7 @@
 #define DP_CE_KV_FULL 2                   /* ... with 503: a worker without a store, its KV full, took no new session */
 #define DP_CE_NO_STORE 4                  /* ... from a worker without a snapshot store: what it runs of a
                                              session lives only there (the router's kv_homes, failover) */
+#define DP_CE_STORE 8                     /* ... with 503: the worker's snapshot store failed on the session */
 
 struct dp_chunk {
     __u64 session_id;          /*  0 */

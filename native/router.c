@@ -26,6 +26,7 @@
 #define RECENT_WAYS 8               /* 512 sets of 8 (a set is one cache line), first in first out */
 #define LAST_RUN_BITS 12            /* sessions whose last worker is remembered (DP_CHUNK_F_MOVED) */
 #define EXPIRY_SCAN_NS 10000000ull  /* look for stalled reassemblies every 10 ms */
+#define CE_UNANSWERED 0x8000        /* the router's own completion flag: an entry its completion did not cover */
 
 enum { REQ_FREE = 0, REQ_PREFILL, REQ_DECODE, REQ_DONE };
 
@@ -65,7 +66,7 @@ struct req {
     uint8_t moved;                               /* its session last ran elsewhere: DP_CHUNK_F_MOVED */
     uint8_t replayed;                            /* failover replayed it once already (see failover) */
     uint8_t replay_refused;                      /* its replay's worker died too: answered 503, its own doing */
-    uint8_t kv_full;                             /* every worker tried refused it for want of KV room (DP_CE_KV_FULL) */
+    uint8_t why;                                 /* enum why: what its failure's body says (WHY_NONE: no body) */
     uint8_t kv_moving;                           /* refused so: its other records in that batch are ignored,
                                                     then it moves on (kv_move) */
     uint16_t kv_moves;                           /* workers it moved on from so (kv_move) */
@@ -691,18 +692,76 @@ static int emit(struct dp_router *rt, const struct req *r, uint16_t status, uint
     return 1;
 }
 
-/* A finished request's answer: its tokens, or its failure's status. Two of a worker's refusals get a
- * body, as the client could not tell them from others: a 409 (its request was taken for a repeat of
- * one that already ran) and a 503 for want of KV room (another session's CLOSE makes some). */
+/* Why the router answers an error that admission did not decide: said in its body, so a client can
+ * tell a router full for now from a pool with no worker, a retry worth making from a request that
+ * will never run (all these were answered with no body at all once; a 503 a worker gives no
+ * reason for still is: WHY_NONE). */
+enum why {
+    WHY_NONE,
+    WHY_POOL, WHY_TABLE, WHY_NO_WORKER, WHY_BAD_PICK, WHY_SHARE,     /* 503 at the request's first sight */
+    WHY_BAD_CHUNK,                                                  /* 400 */
+    WHY_WORKER_DIED, WHY_REPLAY_DIED,                               /* a failover's 503 */
+    WHY_KV_FULL, WHY_STORE, WHY_UNANSWERED,                         /* 503 for a worker's reason */
+    WHY_CONFLICT, WHY_CONTEXT, WHY_TOKENS, WHY_ORDER,               /* a worker's 409, 413, 400, 422 */
+};
+
+#define SAID_NUMBER(n) SAID_DIGITS(n)   /* a macro's value in a string */
+#define SAID_DIGITS(n) #n
+static const char *const said[] = {
+    [WHY_POOL] = "the router's chunk pool is full: retry shortly",
+    [WHY_TABLE] = "the router's request table is full: retry shortly",
+    [WHY_NO_WORKER] = "no worker is up to take the request",
+    [WHY_BAD_PICK] = "the routing policy picked no worker that is up (bad_picks: a fault of the policy)",
+    [WHY_SHARE] = "the tenant's requests still arriving hold its share of the router",
+    [WHY_BAD_CHUNK] = "a chunk of the request is malformed (its token count is not 1 to " SAID_NUMBER(DP_MAX_CHUNK_TOKENS)
+                      ", or its index is not below its chunk count)",
+    [WHY_WORKER_DIED] = "the request's worker died and no other worker is up to run it again",
+    [WHY_REPLAY_DIED] = "the request's worker died, and so did the one it was run again on: not tried a third time",
+    [WHY_KV_FULL] = "the worker's KV cache is full and it has no snapshot store to evict sessions to: no new "
+                    "session until a CLOSE frees one",
+    [WHY_STORE] = "the worker's snapshot store failed on this request's session (a restore, the put of its "
+                  "turn, a CLOSE's delete): retry it",
+    [WHY_UNANSWERED] = "the worker's completion did not answer this request (a fault of the worker)",
+    [WHY_CONFLICT] = "this request (its id and send stamp) already ran on its session and was answered: not run "
+                     "again",
+    [WHY_CONTEXT] = "the session's context and this prompt would pass the model's context length: start a new "
+                    "session, or send less",
+    [WHY_TOKENS] = "a token of the prompt is outside the model's vocabulary",
+    [WHY_ORDER] = "the worker found this request's records out of order (a fault of the data path, not of the "
+                  "request)",
+};
+
+/* {"status": status, "error": said[why]} in body (DP_MAX_RESP_BODY bytes); its length */
+static int error_body(char *body, uint16_t status, enum why why)
+{
+    int n = snprintf(body, DP_MAX_RESP_BODY, "{\"status\":%u,\"error\":\"%s\"}", status, said[why]);
+    return n < DP_MAX_RESP_BODY ? n : DP_MAX_RESP_BODY - 1;
+}
+
+/* A finished request's answer: its tokens, or its failure's status with a body saying why if the
+ * router knows. */
 static int emit_done(struct dp_router *rt, const struct req *r)
 {
-    static const char conflict[] = "{\"status\":409,\"error\":\"this request (its id and send stamp) already ran on "
-                                   "its session and was answered: not run again\"}";
-    static const char kv_full[] = "{\"status\":503,\"error\":\"the worker's KV cache is full and it has no snapshot "
-                                  "store to evict sessions to: no new session until a CLOSE frees one\"}";
-    const char *body = r->status == DP_STATUS_CONFLICT ? conflict : r->kv_full ? kv_full : NULL;
-    uint32_t len = body == conflict ? sizeof(conflict) - 1 : body == kv_full ? sizeof(kv_full) - 1 : 0;
-    return emit(rt, r, r->status ? r->status : DP_STATUS_OK, r->request_id, r->session_id, r->tenant, NULL, body, len);
+    char body[DP_MAX_RESP_BODY];
+    int len = r->status && r->why ? error_body(body, r->status, (enum why)r->why) : 0;
+    return emit(rt, r, r->status ? r->status : DP_STATUS_OK, r->request_id, r->session_id, r->tenant, NULL,
+                len ? body : NULL, (uint32_t)len);
+}
+
+/* Why a worker refused a record, from its entry: its status tells, or for a 503 its flags (a 503
+ * whose reason the worker did not flag: WHY_NONE). */
+static enum why worker_why(const struct dp_completion_entry *e)
+{
+    switch (e->status) {
+    case DP_STATUS_CONFLICT: return WHY_CONFLICT;
+    case DP_STATUS_TOO_LARGE: return WHY_CONTEXT;
+    case DP_STATUS_BAD_REQUEST: return WHY_TOKENS;
+    case DP_STATUS_UNPROCESSABLE: return WHY_ORDER;
+    case DP_STATUS_UNAVAILABLE:
+        return e->flags & DP_CE_KV_FULL ? WHY_KV_FULL : e->flags & DP_CE_STORE ? WHY_STORE
+               : e->flags & CE_UNANSWERED ? WHY_UNANSWERED : WHY_NONE;
+    default: return WHY_NONE;
+    }
 }
 
 /* Keys are 64-bit hashes: a false match needs two live keys to collide in all 64 bits. A key is
@@ -1095,7 +1154,7 @@ static int bad_chunk(const struct dp_chunk *c)
            c->chunk_index >= c->chunk_count;
 }
 
-static void fail_request(struct dp_router *rt, int wk, uint32_t ri, uint16_t status);
+static void fail_request(struct dp_router *rt, int wk, uint32_t ri, uint16_t status, enum why why);
 
 /* Answered without a request slot: a refusal at first sight (with admission's body), or a price.
  * A refused request of several chunks is answered once: not at all if the XDP bucket has cut it
@@ -1148,29 +1207,15 @@ static struct req *req_init(struct dp_router *rt, uint32_t ri, const struct dp_c
     return r;
 }
 
-/* Why the router answers 503 without running a request: said in its body, so a client can tell a
- * router that is full for now from a pool with no worker to take it (these were answered with no
- * body at all) */
-enum why_unavailable { WHY_POOL, WHY_TABLE, WHY_NO_WORKER, WHY_BAD_PICK, WHY_SHARE };
-
-static const char *const unavailable_said[] = {
-    [WHY_POOL] = "the router's chunk pool is full: retry shortly",
-    [WHY_TABLE] = "the router's request table is full: retry shortly",
-    [WHY_NO_WORKER] = "no worker is up to take the request",
-    [WHY_BAD_PICK] = "the routing policy picked no worker that is up (bad_picks: a fault of the policy)",
-    [WHY_SHARE] = "the tenant's requests still arriving hold its share of the router",
-};
-
 /* e: for WHY_SHARE, the tenant's requests arriving, said too */
-static int unavailable(struct dp_router *rt, const struct dp_chunk *c, enum why_unavailable why,
-                       const struct arriving *e)
+static int unavailable(struct dp_router *rt, const struct dp_chunk *c, enum why why, const struct arriving *e)
 {
     char body[DP_MAX_RESP_BODY];
     int n = why == WHY_SHARE
         ? snprintf(body, sizeof(body), "{\"status\":503,\"error\":\"%s\",\"requests_arriving\":%u,"
-                   "\"their_chunks\":%u,\"share_chunks\":%u,\"share_requests\":%u}", unavailable_said[why],
+                   "\"their_chunks\":%u,\"share_chunks\":%u,\"share_requests\":%u}", said[why],
                    e->requests, e->chunks, share_chunks(&rt->cfg), rt->cfg.max_requests / TENANT_SHARE)
-        : snprintf(body, sizeof(body), "{\"status\":503,\"error\":\"%s\"}", unavailable_said[why]);
+        : error_body(body, DP_STATUS_UNAVAILABLE, why);
     return answer(rt, c, DP_STATUS_UNAVAILABLE, body, (uint32_t)(n < (int)sizeof(body) ? n : (int)sizeof(body) - 1));
 }
 
@@ -1356,12 +1401,14 @@ static int ingest(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, in
         rt->st.bad_chunks++;
         if (ri != NIL) {
             if (rt->reqs[ri].state != REQ_DONE)
-                fail_request(rt, rt->reqs[ri].worker, ri, DP_STATUS_BAD_REQUEST);
+                fail_request(rt, rt->reqs[ri].worker, ri, DP_STATUS_BAD_REQUEST, WHY_BAD_CHUNK);
             return 1;
         }
         if (recently_done(rt, key))
             return 1;
-        if (!answer(rt, c, DP_STATUS_BAD_REQUEST, NULL, 0))
+        char body[DP_MAX_RESP_BODY];
+        if (!answer(rt, c, DP_STATUS_BAD_REQUEST, body, (uint32_t)error_body(body, DP_STATUS_BAD_REQUEST,
+                                                                             WHY_BAD_CHUNK)))
             return 0;
         remember_done(rt, key);
         return 1;
@@ -1550,13 +1597,15 @@ static void drop_pending(struct dp_router *rt, struct req *r)
 
 /* The worker refused a record of this request: it ends with that status once
  * nothing of it is in flight; chunks still to come count as late duplicates. */
-static void fail_request(struct dp_router *rt, int wk, uint32_t ri, uint16_t status)
+static void fail_request(struct dp_router *rt, int wk, uint32_t ri, uint16_t status, enum why why)
 {
     price_admitted(rt);                 /* (before its chunks go back to the pool) */
     struct req *r = &rt->reqs[ri];
     struct worker *w = &rt->w[wk];
-    if (!r->status)
+    if (!r->status) {
         r->status = status;
+        r->why = (uint8_t)why;
+    }
     if (r->in_fifo)
         fifo_remove(rt, w, ri);
     drop_pending(rt, r);
@@ -1644,8 +1693,7 @@ static void kv_move(struct dp_router *rt, int wk, uint32_t ri)
         if (r->kv_moves || kv_home_of(rt, sk) == (uint32_t)wk)
             kv_home_follow(rt, sk, r->session_next);
         rt->st.refused_by_worker++;
-        r->kv_full = 1;
-        fail_request(rt, wk, ri, DP_STATUS_UNAVAILABLE);
+        fail_request(rt, wk, ri, DP_STATUS_UNAVAILABLE, WHY_KV_FULL);
         return;
     }
     if (!r->kv_moves++)
@@ -1683,7 +1731,7 @@ static void complete_entry(struct dp_router *rt, int wk, const struct batch_meta
     }
     if (e->status && e->status != DP_STATUS_OK) {
         rt->st.refused_by_worker++;
-        fail_request(rt, wk, m->req, e->status);
+        fail_request(rt, wk, m->req, e->status, worker_why(e));
         return;
     }
     if (m->kind == DP_KIND_CHUNK && !m->final)
@@ -1774,7 +1822,7 @@ static uint32_t take_completions(struct dp_router *rt)
             w->busy = 0;
             w->batch_len = 0;  /* meta stays valid below: nothing reuses it before the next batch */
             /* a record the completion does not cover was not answered: it fails, not succeeds */
-            const struct dp_completion_entry missing = { .status = DP_STATUS_UNAVAILABLE };
+            const struct dp_completion_entry missing = { .status = DP_STATUS_UNAVAILABLE, .flags = CE_UNANSWERED };
             if (c->n)                  /* (from its own entry: the filler says nothing) */
                 w->no_store = (c->e[0].flags & DP_CE_NO_STORE) != 0;
             for (uint32_t i = 0; i < len; i++)
@@ -2205,6 +2253,7 @@ static void failover(struct dp_router *rt, uint32_t k, int alive)
             early_drop(rt, ri);
             r->pending_head = r->pending_tail = NIL;
             r->status = DP_STATUS_UNAVAILABLE;
+            r->why = r->replay_refused ? WHY_REPLAY_DIED : nk == -2 ? WHY_BAD_PICK : WHY_WORKER_DIED;
             finish(rt, ri);
             continue;
         }

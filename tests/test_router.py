@@ -334,10 +334,27 @@ def test_malformed_chunks_and_full_table_are_answered(bench_factory):
     b.collect()
     statuses = sorted(int(r["status"]) for r in b.responses)
     assert statuses.count(400) == 2
+    assert {refusal(r) for r in b.responses if r["status"] == 400} == {
+        "a chunk of the request is malformed (its token count is not 1 to 128, or its index is not below its "
+        "chunk count)"}, "said (it had no body)"
     assert statuses.count(503) == 20 - 8                          # 8 slots; the rest refused, not lost
     assert {refusal(r) for r in b.responses if r["status"] == 503} == {"the router's request table is full: retry shortly"}
     st = b.router.stats()
     assert st["bad_chunks"] == 2 and st["table_full"] == 12 and st["active_requests"] == 8
+
+
+def test_a_malformed_chunk_of_a_request_under_way_fails_it_400_saying_so(bench_factory):
+    b = bench_factory(n_workers=1)
+    arr = chunks_of(1, list(range(300)), max_out=1)
+    b.send(arr[[0]])
+    b.router.poll()
+    bad = arr[[1]]
+    bad["n_tokens"] = 0
+    b.send(bad)
+    b.run()
+    (r,) = b.responses
+    assert r["status"] == 400 and b.router.stats()["bad_chunks"] == 1
+    assert refusal(r).startswith("a chunk of the request is malformed"), "said (it had no body)"
 
 
 def test_requests_spread_over_workers(bench_factory):
@@ -626,13 +643,18 @@ def test_every_record_of_a_request_carries_its_send_stamp_not_its_packet_s(bench
 @pytest.mark.parametrize("status, flags, says", [
     (wire.STATUS_CONFLICT, 0, "already ran"),                       # a repeat of an answered request
     (wire.STATUS_UNAVAILABLE, records.CE_KV_FULL, "KV cache is full"),   # a store-less worker with no room
+    (wire.STATUS_UNAVAILABLE, records.CE_STORE, "snapshot store failed"),   # a restore or a put failed
+    (wire.STATUS_TOO_LARGE, 0, "context length"),                   # the session's context is full
+    (wire.STATUS_BAD_REQUEST, 0, "vocabulary"),                     # a token the model has not
+    (wire.STATUS_UNPROCESSABLE, 0, "out of order"),                 # the worker found the data path's fault
     (wire.STATUS_UNAVAILABLE, 0, None),                             # any other 503: no reason known
 ])
 def test_a_worker_s_refusal_whose_reason_the_client_cannot_guess_comes_with_a_body(bench_factory, status, flags,
                                                                                     says):
-    """A worker refuses a verbatim repeat of its session's last answered request 409, and a store-less
-    worker whose KV is full a new session 503 flagged CE_KV_FULL (test_worker): the client gets
-    the status and a body that says why."""
+    """A worker's refusals (worker.py _take: a verbatim repeat 409, a store-less worker's full KV
+    503 CE_KV_FULL, its store's failure 503 CE_STORE, the context full 413, a token past the
+    vocabulary 400, records out of order 422): the client gets the status and a body that says
+    why, none of which it could tell from the status alone. (Only the first two had one before.)"""
     b = bench_factory(n_workers=1)
     b.send(chunks_of(6, [1, 2], max_out=2))
     b.router.poll()
@@ -1069,6 +1091,7 @@ def test_a_record_the_worker_refuses_ends_its_request_with_that_status(bench_fac
     b.run()
     by_id = {int(r["request_id"]): r for r in b.responses}
     assert by_id[6]["status"] == 503 and by_id[7]["status"] == 200 and by_id[7]["n_out"] == 2
+    assert by_id[6]["body_len"] == 0, "a 503 the worker gave no reason for: none made up"
     st = b.router.stats()
     assert st["refused_by_worker"] == 1 and st["active_requests"] == 0 and st["pool_free"] == 8192
     b.send(chunks_of(6, list(range(300)), max_out=5)[[2]])   # a straggler of the failed request
@@ -1157,8 +1180,42 @@ def test_a_request_whose_replay_kills_its_worker_too_is_answered_503_not_replaye
     b.run(k=2)
     got = {int(r["request_id"]): int(r["status"]) for r in b.responses}
     assert got == {1: 503, 2: 200, 3: 200}, got
+    (refused,) = [r for r in b.responses if r["status"] == 503]
+    assert refusal(refused) == ("the request's worker died, and so did the one it was run again on: not tried a "
+                                "third time"), "said (it had no body)"
     st = b.router.stats()
     assert st["replay_refused"] == 1 and st["replayed"] == 1 and st["active_requests"] == 0   # 3 only moved
+
+
+def test_a_request_whose_worker_dies_with_no_other_up_is_answered_503_saying_so(bench_factory):
+    """A failover with nowhere to go: the client is told its worker died (before, a bare 503)."""
+    b = bench_factory(n_workers=1)
+    b.send(chunks_of(1, [1, 2, 3], max_out=2))
+    b.router.poll()
+    assert b.workers[0].recv_batch(0)["request_id"].tolist() == [1]
+    b.router.set_up(0, False)
+    b.router.poll()
+    b.collect()
+    (r,) = b.responses
+    assert r["status"] == 503 and r["n_out"] == 0
+    assert refusal(r) == "the request's worker died and no other worker is up to run it again"
+
+
+def test_a_record_a_worker_s_completion_leaves_out_fails_its_request_saying_so(bench_factory):
+    """A completion of fewer entries than its batch's records: the rest are refused 503 (never taken
+    as answered), with a body naming the worker's fault."""
+    b = bench_factory(n_workers=1)
+    b.send(chunks_of(1, [1], max_out=1), chunks_of(2, [2], max_out=1))
+    b.router.poll()
+    batch = b.workers[0].recv_batch(0)
+    assert batch["request_id"].tolist() == [1, 2]
+    comp = lanes.completion_for(batch, [7, 7])
+    comp["n"] = 1                                # the worker answered request 1 only
+    b.workers[0].send_completion(comp)
+    b.run()
+    got = {int(r["request_id"]): r for r in b.responses}
+    assert got[1]["status"] == 200 and got[2]["status"] == 503
+    assert refusal(got[2]) == "the worker's completion did not answer this request (a fault of the worker)"
 
 
 def test_a_request_a_dead_worker_never_had_moves_on_at_every_death(bench_factory):

@@ -359,9 +359,12 @@ def test_a_store_that_fails_costs_the_request_a_503_not_the_worker(model, exc):
     assert w.stats["store_errors"] == 1 and type(exc).__name__ in w.last_store_error
     close = np.zeros(1, dtype=records.CHUNK)
     close["session_id"], close["request_id"], close["kind"] = 1, 2, wire.KIND_CLOSE
-    assert w.step(as_batch([close]))["e"][0]["status"][0] == wire.STATUS_UNAVAILABLE
+    closed = w.step(as_batch([close]))
+    assert closed["e"][0]["status"][0] == wire.STATUS_UNAVAILABLE
     ok = w.step(as_batch([prefill_records(2, 3, prompt(2, 20), 1)]))   # the worker goes on
     assert ok["e"][0]["status"][0] == wire.STATUS_UNAVAILABLE and w.stats["store_errors"] == 3
+    # each flagged: the router's body says the store failed (test_router)
+    assert all(c["e"][0]["flags"][0] & records.CE_STORE for c in (comp, closed, ok))
 
 
 class PutFailsOnce(MemoryStore):
@@ -400,8 +403,10 @@ def test_a_turn_the_store_did_not_take_is_answered_503_and_cut_back(model, lands
         assert finished(w)[-1].snapshot_error is None
         # counted as what it was (it was a failure and a snapshot both)
         assert (w.stats["snapshots"], w.stats["snapshot_replies_lost"], w.stats["snapshot_failures"]) == (2, 1, 0)
+        assert not comp["e"][0]["flags"].any()
     else:
         assert status == wire.STATUS_UNAVAILABLE and store.held((0, 3))[0] == 41
+        assert comp["e"][0]["flags"][0] & records.CE_STORE, "its body says the store failed"
         assert w.stats["store_errors"] == 1 and "did not answer" in w.last_store_error
         assert w.holds(3) and w.sessions[(0, 3)].cache.length == 41
         assert drive(w.step, [t2]) == drive(ref.step, [t2]), "the retry runs on the context before the turn"

@@ -247,6 +247,7 @@ class Worker:
                 self.close(key[1], key[0])
             except Exception as e:           # dropped here, but the store may still hold it: say so
                 self._store_failed(e)
+                entries["flags"][i] |= records.CE_STORE
                 return wire.STATUS_UNAVAILABLE
             self.stats["closed"] += 1
             return wire.STATUS_OK
@@ -287,6 +288,7 @@ class Worker:
                 s = self._restore(key, (rid, int(rec["t_send"])) if rec["flags"] & records.CHUNK_F_REPLAY else None)
         except Exception as e:               # kvdelta.DeltaError (a corrupt delta) among them
             self._store_failed(e)
+            entries["flags"][i] |= records.CE_STORE
             return wire.STATUS_UNAVAILABLE
         replay = bool(rec["flags"] & records.CHUNK_F_REPLAY)
         if (not replay and (s.request is None or not s.request.is_(attempt)) and rec["t_send"]
@@ -394,6 +396,7 @@ class Worker:
             done = self._finish(seg.key, s, t_step)
             if done.snapshot_error is not None:
                 entries["status"][seg.answer] = wire.STATUS_UNAVAILABLE    # its turn is in no store
+                entries["flags"][seg.answer] |= records.CE_STORE
             else:
                 s.answered = (s.answered + (req.attempt,))[-ANSWERED_KEPT:]
             self.finished.append(done)
