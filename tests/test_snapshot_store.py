@@ -1832,3 +1832,48 @@ def test_a_restore_checks_each_record_it_reads(make_device, field, reader):
             assert s.restore(key(1)).payload == a
         finally:
             s.dev = real_dev
+
+
+def _blocks(s, n, blocks=1):
+    """A delta whose record fills `blocks` blocks of s, whatever its block size."""
+    return Delta(bytes([n % 251]) * (blocks * s.block_size - fmt.HEADER_SIZE), tokens=(0, 1))
+
+
+def _wrap_on_dead_records(s, blocks=1):
+    """Replace one session's record until the log's next put must pass dead records at the head (all
+    but the session's last are dead: a replace owes no tombstone); the puts it took."""
+    for n in range(s.log_blocks):
+        if not s._fits(blocks, s._floor(fmt.KIND_DELTA)):
+            assert not s._ix.rec(s._ix.head).live
+            return n
+        s.put(key(0), _blocks(s, n, blocks), replace=True)
+    raise AssertionError("the log never filled")
+
+
+def test_reclaim_passes_dead_records_past_its_need_so_later_puts_go_at_once(make_device):
+    """Room made for a put also passes the dead records after its need, up to a reserve's worth
+    (free, nothing to write): the puts after it find room at once (six_put), instead of each
+    making its own through put's own path, as every put on a wrapped log did."""
+    with LogStore(make_device(1 << 20)) as s:
+        n = _wrap_on_dead_records(s)
+        s.put(key(0), _blocks(s, 0), replace=True)             # makes room
+        assert s._fits(s._reserve, s._floor(fmt.KIND_DELTA)), "a reserve's worth passed (the put's record in)"
+        at_once = s.stats()["puts_at_once"]
+        for i in range(s._reserve):
+            s.put(key(0), _blocks(s, i), replace=True)
+        assert s.stats()["puts_at_once"] == at_once + s._reserve and n > s._reserve
+
+
+def test_reclaim_passes_no_dead_record_past_its_need_while_a_tombstone_is_owed(make_device):
+    """A damaged chain whose tombstone open had no room for (_dropped) is buried as reclaim passes
+    dead records, one at each. Past the put's need, reclaim passes none while one is still owed:
+    a head past the damaged chain's records, its tombstone unwritten, could let a later open find
+    a copy of the chain's first record alone and serve it as the whole session. (Each dead record
+    passed frees 3 blocks here and its tombstone takes 1: the need is met with some still owed.)"""
+    with LogStore(make_device(1 << 20)) as s:
+        _wrap_on_dead_records(s, blocks=3)
+        s._dropped = {key(n) for n in range(100, 130)}    # owed, as an open that had no room leaves them
+        s.put(key(0), _blocks(s, 0, blocks=3), replace=True)
+        assert 1 <= s.stats()["damaged_tombstones"] < 30 and len(s._dropped) == 30 - s.stats()["damaged_tombstones"]
+        assert not s._fits(s._reserve, s._floor(fmt.KIND_DELTA)), "it stopped at its need"
+        assert not s._ix.rec(s._ix.head).live
