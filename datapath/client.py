@@ -8,7 +8,8 @@ bounded by `count` and `duration`, each packet stamped with send_ns just
 before it leaves, optionally its sequence number in request_id (every chunk
 of a request gets its first chunk's); it reads the responses between sends,
 counting them by status and keeping the first refusal's body (an admission
-answer, datapath.wire.decode_admission_body). send_from runs it
+answer, datapath.wire.decode_admission_body, or the router's {"status",
+"error"} saying why: docs/wire.md). send_from runs it
 in a forked child that enters the client namespace, so the parent (the
 ingress, the consumer) stays where it is.
 """

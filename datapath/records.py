@@ -22,6 +22,7 @@ CE_EOS = lib.DP_CE_EOS
 CE_KV_FULL = lib.DP_CE_KV_FULL
 CE_NO_STORE = lib.DP_CE_NO_STORE
 CE_STORE = lib.DP_CE_STORE
+CE_KV_LOST = lib.DP_CE_KV_LOST
 
 _SCALARS = {"uint8_t": np.uint8, "uint16_t": np.uint16, "uint32_t": np.uint32, "uint64_t": np.uint64}
 

@@ -29,6 +29,10 @@
 #define DP_CE_NO_STORE 4                  /* ... from a worker without a snapshot store: what it runs of a
                                              session lives only there (the router's kv_homes, failover) */
 #define DP_CE_STORE 8                     /* ... with 503: the worker's snapshot store failed on the session */
+#define DP_CE_KV_LOST 16                  /* ... with 503: the session's stored KV cannot be used (a corrupt or
+                                             foreign delta, a damaged record, a chain too large for a record) */
+#define DP_CE_UNANSWERED 0x8000           /* the router's own: an entry a completion did not cover (no worker
+                                             sets it) */
 
 struct dp_chunk {
     __u64 session_id;          /*  0 */

@@ -163,7 +163,8 @@ struct dp_send_stats {
     uint64_t by_status[DP_N_STATUSES];   /* responses by status (dp_status_slot) */
     uint16_t sample_status;    /* the first response other than 200 ... */
     uint16_t sample_len;
-    uint8_t sample_body[DP_MAX_RESP_BODY];   /* ... and its body (an admission answer's JSON) */
+    uint8_t sample_body[DP_MAX_RESP_BODY];   /* ... and its body (an admission answer's JSON, or the
+                                                router's {"status", "error"}; docs/wire.md) */
     uint64_t late_ns_sum;      /* each packet's lag behind its scheduled send, summed (merge 1) */
     uint64_t duplicates;       /* answers to a request already answered (stamp_seq): in no other count */
     uint64_t strays;           /* answers to no request this run sent (stamp_seq: another run's late

@@ -26,7 +26,6 @@
 #define RECENT_WAYS 8               /* 512 sets of 8 (a set is one cache line), first in first out */
 #define LAST_RUN_BITS 12            /* sessions whose last worker is remembered (DP_CHUNK_F_MOVED) */
 #define EXPIRY_SCAN_NS 10000000ull  /* look for stalled reassemblies every 10 ms */
-#define CE_UNANSWERED 0x8000        /* the router's own completion flag: an entry its completion did not cover */
 
 enum { REQ_FREE = 0, REQ_PREFILL, REQ_DECODE, REQ_DONE };
 
@@ -186,6 +185,7 @@ struct dp_router {
                                            slot of the chunk it was decided on (its t_router: when) */
     struct shadow *shadow;              /* the live router's rehearsal stage (NULL in a shadow) */
     struct dp_router_stats st;
+    char done_body[DP_MAX_RESP_BODY];   /* emit_done's (not on the stack of the path every response takes) */
 };
 
 /* The router's state (request slab, index, chunk pool): faulted in at create,
@@ -701,7 +701,7 @@ enum why {
     WHY_POOL, WHY_TABLE, WHY_NO_WORKER, WHY_BAD_PICK, WHY_SHARE,     /* 503 at the request's first sight */
     WHY_BAD_CHUNK,                                                  /* 400 */
     WHY_WORKER_DIED, WHY_REPLAY_DIED,                               /* a failover's 503 */
-    WHY_KV_FULL, WHY_STORE, WHY_UNANSWERED,                         /* 503 for a worker's reason */
+    WHY_KV_FULL, WHY_STORE, WHY_KV_LOST, WHY_UNANSWERED,            /* 503 for a worker's reason */
     WHY_CONFLICT, WHY_CONTEXT, WHY_TOKENS, WHY_ORDER,               /* a worker's 409, 413, 400, 422 */
 };
 
@@ -715,12 +715,16 @@ static const char *const said[] = {
     [WHY_SHARE] = "the tenant's requests still arriving hold its share of the router",
     [WHY_BAD_CHUNK] = "a chunk of the request is malformed (its token count is not 1 to " SAID_NUMBER(DP_MAX_CHUNK_TOKENS)
                       ", or its index is not below its chunk count)",
-    [WHY_WORKER_DIED] = "the request's worker died and no other worker is up to run it again",
-    [WHY_REPLAY_DIED] = "the request's worker died, and so did the one it was run again on: not tried a third time",
+    [WHY_WORKER_DIED] = "the request's worker died or stopped answering, and no other worker is up to run it "
+                        "again",
+    [WHY_REPLAY_DIED] = "the request's worker died or stopped answering, and so did the one it was run again on: "
+                        "not tried a third time",
     [WHY_KV_FULL] = "the worker's KV cache is full and it has no snapshot store to evict sessions to: no new "
                     "session until a CLOSE frees one",
     [WHY_STORE] = "the worker's snapshot store failed on this request's session (a restore, the put of its "
                   "turn, a CLOSE's delete): retry it",
+    [WHY_KV_LOST] = "the session's KV in the snapshot store cannot be used (a corrupt or foreign delta, a damaged "
+                    "record, or a chain too large for one record): a retry meets it again, start a new session",
     [WHY_UNANSWERED] = "the worker's completion did not answer this request (a fault of the worker)",
     [WHY_CONFLICT] = "this request (its id and send stamp) already ran on its session and was answered: not run "
                      "again",
@@ -742,15 +746,17 @@ static int error_body(char *body, uint16_t status, enum why why)
  * router knows. */
 static int emit_done(struct dp_router *rt, const struct req *r)
 {
-    char body[DP_MAX_RESP_BODY];
-    int len = r->status && r->why ? error_body(body, r->status, (enum why)r->why) : 0;
+    int len = r->status && r->why ? error_body(rt->done_body, r->status, (enum why)r->why) : 0;
     return emit(rt, r, r->status ? r->status : DP_STATUS_OK, r->request_id, r->session_id, r->tenant, NULL,
-                len ? body : NULL, (uint32_t)len);
+                len ? rt->done_body : NULL, (uint32_t)len);
 }
 
-/* Why a worker refused a record, from its entry: its status tells, or for a 503 its flags (a 503
- * whose reason the worker did not flag: WHY_NONE). */
-static enum why worker_why(const struct dp_completion_entry *e)
+/* Why a worker refused a record of r, from its entry: its status tells, or for a 503 its flags (a
+ * 503 whose reason the worker did not flag: WHY_NONE). A 400 is about the vocabulary: the router
+ * never sends the worker's other 400s (a record not a chunk, a token count out of range). A KV-full
+ * refusal of a decode step breaks the worker's contract (the session is there already): no reason
+ * said, as "no new session" would be false. */
+static enum why worker_why(const struct req *r, const struct dp_completion_entry *e)
 {
     switch (e->status) {
     case DP_STATUS_CONFLICT: return WHY_CONFLICT;
@@ -758,8 +764,9 @@ static enum why worker_why(const struct dp_completion_entry *e)
     case DP_STATUS_BAD_REQUEST: return WHY_TOKENS;
     case DP_STATUS_UNPROCESSABLE: return WHY_ORDER;
     case DP_STATUS_UNAVAILABLE:
-        return e->flags & DP_CE_KV_FULL ? WHY_KV_FULL : e->flags & DP_CE_STORE ? WHY_STORE
-               : e->flags & CE_UNANSWERED ? WHY_UNANSWERED : WHY_NONE;
+        return e->flags & DP_CE_KV_FULL ? (r->state == REQ_DECODE ? WHY_NONE : WHY_KV_FULL)
+               : e->flags & DP_CE_STORE ? WHY_STORE : e->flags & DP_CE_KV_LOST ? WHY_KV_LOST
+               : e->flags & DP_CE_UNANSWERED ? WHY_UNANSWERED : WHY_NONE;
     default: return WHY_NONE;
     }
 }
@@ -1731,7 +1738,7 @@ static void complete_entry(struct dp_router *rt, int wk, const struct batch_meta
     }
     if (e->status && e->status != DP_STATUS_OK) {
         rt->st.refused_by_worker++;
-        fail_request(rt, wk, m->req, e->status, worker_why(e));
+        fail_request(rt, wk, m->req, e->status, worker_why(r, e));
         return;
     }
     if (m->kind == DP_KIND_CHUNK && !m->final)
@@ -1822,7 +1829,7 @@ static uint32_t take_completions(struct dp_router *rt)
             w->busy = 0;
             w->batch_len = 0;  /* meta stays valid below: nothing reuses it before the next batch */
             /* a record the completion does not cover was not answered: it fails, not succeeds */
-            const struct dp_completion_entry missing = { .status = DP_STATUS_UNAVAILABLE, .flags = CE_UNANSWERED };
+            const struct dp_completion_entry missing = { .status = DP_STATUS_UNAVAILABLE, .flags = DP_CE_UNANSWERED };
             if (c->n)                  /* (from its own entry: the filler says nothing) */
                 w->no_store = (c->e[0].flags & DP_CE_NO_STORE) != 0;
             for (uint32_t i = 0; i < len; i++)

@@ -601,6 +601,7 @@ def test_a_kv_full_flag_on_a_decode_step_is_a_refusal_not_a_move(bench_factory):
         b.step(0)
         b.step(1)
     assert [(int(r["request_id"]), int(r["status"])) for r in b.responses] == [(1, wire.STATUS_UNAVAILABLE)]
+    assert b.responses[0]["body_len"] == 0, "not the KV-full body: its session is there, a new one is not refused"
     st = b.router.stats()
     assert st["active_requests"] == 0 and st["pool_free"] == 8192 and st["kv_moved"] == 0
     assert [(b.router.worker_stats(x)["depth"], b.router.worker_stats(x)["queued_tokens"]) for x in (0, 1)] == \
@@ -644,6 +645,7 @@ def test_every_record_of_a_request_carries_its_send_stamp_not_its_packet_s(bench
     (wire.STATUS_CONFLICT, 0, "already ran"),                       # a repeat of an answered request
     (wire.STATUS_UNAVAILABLE, records.CE_KV_FULL, "KV cache is full"),   # a store-less worker with no room
     (wire.STATUS_UNAVAILABLE, records.CE_STORE, "snapshot store failed"),   # a restore or a put failed
+    (wire.STATUS_UNAVAILABLE, records.CE_KV_LOST, "start a new session"),   # its stored KV is unusable
     (wire.STATUS_TOO_LARGE, 0, "context length"),                   # the session's context is full
     (wire.STATUS_BAD_REQUEST, 0, "vocabulary"),                     # a token the model has not
     (wire.STATUS_UNPROCESSABLE, 0, "out of order"),                 # the worker found the data path's fault
@@ -652,8 +654,8 @@ def test_every_record_of_a_request_carries_its_send_stamp_not_its_packet_s(bench
 def test_a_worker_s_refusal_whose_reason_the_client_cannot_guess_comes_with_a_body(bench_factory, status, flags,
                                                                                     says):
     """A worker's refusals (worker.py _take: a verbatim repeat 409, a store-less worker's full KV
-    503 CE_KV_FULL, its store's failure 503 CE_STORE, the context full 413, a token past the
-    vocabulary 400, records out of order 422): the client gets the status and a body that says
+    503 CE_KV_FULL, its store's failure 503 CE_STORE, its stored KV unusable 503 CE_KV_LOST, the
+    context full 413, a token past the vocabulary 400, records out of order 422): the client gets the status and a body that says
     why, none of which it could tell from the status alone. (Only the first two had one before.)"""
     b = bench_factory(n_workers=1)
     b.send(chunks_of(6, [1, 2], max_out=2))
@@ -1181,8 +1183,8 @@ def test_a_request_whose_replay_kills_its_worker_too_is_answered_503_not_replaye
     got = {int(r["request_id"]): int(r["status"]) for r in b.responses}
     assert got == {1: 503, 2: 200, 3: 200}, got
     (refused,) = [r for r in b.responses if r["status"] == 503]
-    assert refusal(refused) == ("the request's worker died, and so did the one it was run again on: not tried a "
-                                "third time"), "said (it had no body)"
+    assert refusal(refused) == ("the request's worker died or stopped answering, and so did the one it was run "
+                                "again on: not tried a third time"), "said (it had no body)"
     st = b.router.stats()
     assert st["replay_refused"] == 1 and st["replayed"] == 1 and st["active_requests"] == 0   # 3 only moved
 
@@ -1198,7 +1200,8 @@ def test_a_request_whose_worker_dies_with_no_other_up_is_answered_503_saying_so(
     b.collect()
     (r,) = b.responses
     assert r["status"] == 503 and r["n_out"] == 0
-    assert refusal(r) == "the request's worker died and no other worker is up to run it again"
+    assert refusal(r) == ("the request's worker died or stopped answering, and no other worker is up to run it "
+                          "again")
 
 
 def test_a_record_a_worker_s_completion_leaves_out_fails_its_request_saying_so(bench_factory):

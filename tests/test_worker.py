@@ -878,6 +878,16 @@ def test_corrupted_store_delta_is_refused(model):
     w = Worker(model, store)
     comp = w.step(as_batch([prefill_records(1, 2, prompt(2, 5), 1)]))
     assert comp["e"][0]["status"][0] == wire.STATUS_UNAVAILABLE and not w.holds(1)
+    # a retry meets the same delta: the client's body says to start a new session, not to retry
+    assert comp["e"][0]["flags"][0] == records.CE_KV_LOST
+
+
+def test_a_store_error_the_worker_cannot_place_costs_a_503_that_says_no_reason(model):
+    """Neither the store's failure nor its data's (a bug in a store, or here): no flag, so the
+    client's body claims no reason it cannot stand behind."""
+    w = Worker(model, FailingStore(RuntimeError("a bug")))
+    comp = w.step(as_batch([prefill_records(1, 1, prompt(1, 20), 2)]))
+    assert comp["e"][0]["status"][0] == wire.STATUS_UNAVAILABLE and comp["e"][0]["flags"][0] == 0
 
 
 def test_zero_output_tokens_snapshots_the_prompt_only(model):

@@ -56,7 +56,7 @@ from typing import Callable, Protocol
 
 import numpy as np
 
-from snapshotstore.errors import SessionChanged
+from snapshotstore.errors import DamagedRecord, SessionChanged, SnapshotError, TooLarge
 
 from .. import records, wire
 from . import kvdelta
@@ -98,6 +98,7 @@ class RequestDone:
     restored_tokens: int              # KV tokens this request's session got from the store
     snapshot_bytes: int = 0           # stored size of the delta written at completion
     snapshot_error: str | None = None
+    snapshot_flag: int = 0            # with snapshot_error: its 503's CE_STORE or CE_KV_LOST (_store_failed)
     stamps: dict[str, int] = field(default_factory=dict)  # CLOCK_MONOTONIC ns
     logits: np.ndarray | None = None  # (tokens, vocab) the outputs were sampled from, if asked for
 
@@ -246,8 +247,7 @@ class Worker:
             try:
                 self.close(key[1], key[0])
             except Exception as e:           # dropped here, but the store may still hold it: say so
-                self._store_failed(e)
-                entries["flags"][i] |= records.CE_STORE
+                entries["flags"][i] |= self._store_failed(e)
                 return wire.STATUS_UNAVAILABLE
             self.stats["closed"] += 1
             return wire.STATUS_OK
@@ -287,8 +287,7 @@ class Worker:
             if s is None:
                 s = self._restore(key, (rid, int(rec["t_send"])) if rec["flags"] & records.CHUNK_F_REPLAY else None)
         except Exception as e:               # kvdelta.DeltaError (a corrupt delta) among them
-            self._store_failed(e)
-            entries["flags"][i] |= records.CE_STORE
+            entries["flags"][i] |= self._store_failed(e)
             return wire.STATUS_UNAVAILABLE
         replay = bool(rec["flags"] & records.CHUNK_F_REPLAY)
         if (not replay and (s.request is None or not s.request.is_(attempt)) and rec["t_send"]
@@ -396,7 +395,7 @@ class Worker:
             done = self._finish(seg.key, s, t_step)
             if done.snapshot_error is not None:
                 entries["status"][seg.answer] = wire.STATUS_UNAVAILABLE    # its turn is in no store
-                entries["flags"][seg.answer] |= records.CE_STORE
+                entries["flags"][seg.answer] |= done.snapshot_flag
             else:
                 s.answered = (s.answered + (req.attempt,))[-ANSWERED_KEPT:]
             self.finished.append(done)
@@ -416,9 +415,16 @@ class Worker:
         return (self.store is not None and bool(rec["flags"] & records.CHUNK_F_MOVED)
                 and self.store.held(key) != (s.cache.snapshot_len, s.cache.snapshot_seq))
 
-    def _store_failed(self, e: Exception):
+    def _store_failed(self, e: Exception) -> int:
+        """Counted; the flag of the 503 it costs a record, which the client's body says: the
+        session's stored KV cannot be used (a corrupt or foreign delta, a damaged record, a chain
+        too large for one record), which a retry meets again (CE_KV_LOST); or the store failed (a
+        device, a timeout: CE_STORE); or neither is known (a bug here: no flag, no body)."""
         self.stats["store_errors"] += 1
         self.last_store_error = f"{type(e).__name__}: {e}"
+        if isinstance(e, (kvdelta.DeltaError, TooLarge, DamagedRecord)):
+            return records.CE_KV_LOST
+        return records.CE_STORE if isinstance(e, (SnapshotError, OSError)) else 0
 
     def _restore(self, key: SessionKey, replay: tuple[int, int] | None = None) -> _Session:
         """The session from the store. replay: (request id, client send stamp) of the request it is
@@ -478,7 +484,7 @@ class Worker:
                     s.cache.snapshot_seq = seq
                 else:
                     self.stats["snapshot_failures"] += 1
-                    self._store_failed(e)
+                    done.snapshot_flag = self._store_failed(e)
                     done.snapshot_error = f"{type(e).__name__}: {e}"
                     self._unwind(key, s, req, held)
                     return done
