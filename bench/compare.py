@@ -612,6 +612,8 @@ def _all_compared(runs: dict[str, list[dict]]):
     bad = []
     for label, rs in runs.items():
         total = {k: sum(r[k] for r in rs) for k in ("errors", "unanswered", "duplicates", "send_errors", "unsent")}
+        first = next((r for r in rs if r.get("sample_status")), {})    # its body says why, if it has one
+        total.update(sample_status=first.get("sample_status", 0), sample_body=first.get("sample_body", ""))
         what = _left_out(total, unanswered_ok=True)
         if not sum(len(r["rtt_ns"]) for r in rs):
             what.append("no latency measured")

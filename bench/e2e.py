@@ -120,7 +120,8 @@ def _offer(p: Pipeline, rate: float, seconds: float, count: int | None = None, *
             "unanswered": r["unanswered"], "late_mean_us": r["late_mean_ns"] / 1e3,
             "late_max_ms": r["max_late_ns"] / 1e6,
             "wall_s": time.monotonic() - t, "sending_s": r["elapsed_s"], "rtt_ns": rtt, "by_status": r["by_status"],
-            "sample_body": r["sample_body"], "seq_base": r["seq_base"], "packets": r["sent"],
+            "sample_status": r["sample_status"], "sample_body": r["sample_body"], "seq_base": r["seq_base"],
+            "packets": r["sent"],
             "merge_wait_ns_mean": r["merge_wait_ns_mean"], "steal_pct": _steal_pct(steal, _cpu_steal()),
             "send_errors": r["send_errors"], "duplicates": r["duplicates"], "strays": r["strays"],
             # packets the sender never came to: it fell 3x behind its schedule and its deadline ended it
@@ -158,8 +159,12 @@ def _left_out(r: dict, unanswered_ok: bool = False) -> list[str]:
     they had waited (compare's rule), so only answers other than 200 count against it."""
     not_200 = r["errors"] - (r["unanswered"] if unanswered_ok else 0)
     not_sent = r["send_errors"] + r["unsent"]
+    # the first refusal as answered, whose body says why (the router's and admission's do)
+    why = (f" (the first: {r['sample_status']} {r.get('sample_body') or 'without a body'})"
+           if r.get("sample_status") else "")
     return [f"{n} {what}" for n, what in (
-        (not_200, "answered other than 200" if unanswered_ok else f"of {r['requests']} requests not answered 200"),
+        (not_200, ("answered other than 200" if unanswered_ok else f"of {r['requests']} requests not answered 200")
+         + why),
         (r["duplicates"], "answered twice"),
         (not_sent, "packets not sent" + (f" ({r['unsent']} never: the sender fell behind)" if r["unsent"] else "")),
     ) if n]

@@ -476,6 +476,22 @@ def test_compare_fails_a_name_whose_figures_would_leave_requests_out():
         _all_compared({"a": [run(), run(errors=2)], "b": [run(duplicates=1, send_errors=3, unsent=1)]})
 
 
+def test_an_offer_with_refusals_fails_saying_the_first_and_its_body():
+    """The refusal the client kept (its first) is in the error, with its body: the router's and
+    admission's say why (a user saw "3 of 40 requests not answered 200" and nothing more)."""
+    from bench.compare import _all_compared
+    from bench.e2e import _all_answered
+    body = '{"status":503,"error":"no worker is up to take the request"}'
+    res = {"requests": 40, "errors": 3, "unanswered": 0, "duplicates": 0, "send_errors": 0, "unsent": 0,
+           "sample_status": 503, "sample_body": body, "rtt_ns": [1] * 37}
+    with pytest.raises(RuntimeError, match=r"3 of 40 requests not answered 200 \(the first: 503 \{.*no worker is up"):
+        _all_answered("failover", res)
+    with pytest.raises(RuntimeError, match=r"a: 6 answered other than 200 \(the first: 503 \{.*no worker is up"):
+        _all_compared({"a": [dict(res, sample_status=0, sample_body=""), res]})
+    with pytest.raises(RuntimeError, match="the first: 413 without a body"):
+        _all_answered("oversized", dict(res, sample_status=413, sample_body=""))
+
+
 def test_e2e_stages_need_records_that_came_through_xdp_with_every_stamp():
     """A trace whose records lack the XDP stamps left all six e2e_xdp_* figures null (and a p99
     of a handful would have passed for one), status ok: the scenario fails instead."""
