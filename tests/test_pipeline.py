@@ -1,6 +1,7 @@
 """The assembled pipeline (datapath.pipeline: netns, XDP, the native loop, worker processes), as
 bench e2e builds it, checked on its own."""
 import errno
+import json
 import os
 import signal
 import threading
@@ -331,6 +332,19 @@ def test_new_sessions_a_store_less_worker_has_no_kv_room_for_run_on_the_next_wor
         st = p.router.stats()
     assert r["resp_ok"] == 12 and r["unanswered"] == 0, r["by_status"]
     assert st["kv_moved"] >= 1 and st["refused_by_worker"] == 0
+
+
+@pytest.mark.root
+@pytest.mark.bpf
+def test_a_worker_s_refusal_reaches_the_client_with_a_body_saying_why():
+    """Through XDP, the router, a worker process and egress: a prompt with a token past the model's
+    vocabulary is refused 400 by the worker, and the client's answer says why (it was a bare 400)."""
+    vocab = ModelConfig().vocab
+    with Pipeline(_config(workers=1)) as p:
+        r = p.offer(50, 1, prompts=[[1, 2, vocab + 7, 3]], sessions=1)
+    assert r["by_status"] == {400: 1} and r["sample_status"] == 400, r
+    assert json.loads(r["sample_body"]) == {"status": 400,
+                                            "error": "a token of the prompt is outside the model's vocabulary"}
 
 
 @pytest.mark.root
