@@ -50,6 +50,15 @@ EPILOG = """examples:
 """
 
 
+def _number(arg: str) -> bool:
+    """A negative number is a flag's value (argparse reads it so), not a flag."""
+    try:
+        float(arg)
+        return True
+    except ValueError:
+        return False
+
+
 def _suites_said() -> str:
     """A line per suite for -h: its module docstring's first paragraph (read, not imported: -h
     works before the extensions are built), and whether it needs root."""
@@ -105,6 +114,13 @@ def main(argv=None) -> int:
                         "K:F@T: it turns slow T seconds after each run's first request (runs are 10 s, 3 with "
                         "--quick; T leaves two whole seconds), and a timeline shows how fast each policy moved "
                         "off it; K:F@T-U: back to normal at U, and how fast each came back to it")
+    # a flag nobody reads is named first: argparse said only that the suite was missing (`bench --bogus`)
+    flags = {o for a in p._actions for o in a.option_strings}
+    unknown = [a for a in (sys.argv[1:] if argv is None else argv)   # (a prefix of one is argparse's to read)
+               if a.startswith("-") and a != "-" and not _number(a)
+               and not any(f.startswith(a.split("=", 1)[0]) for f in flags)]
+    if unknown:
+        p.error(f"unrecognized arguments: {' '.join(unknown)}")
     args = p.parse_args(argv)
     # a flag its suite does not read is refused, not ignored: `bench e2e --policy static` ran plain e2e
     only = {"--policy": ("compare", args.policy is not None), "--rate": ("compare", args.rate is not None),

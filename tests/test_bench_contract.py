@@ -30,6 +30,10 @@ def test_bench_help_and_bad_suite():
     assert r.stdout.count("root and bcc.") == 3
     r = subprocess.run([sys.executable, "-m", "bench", "nope"], capture_output=True, text=True)
     assert r.returncode == 2 and "invalid choice" in r.stderr
+    # an unknown flag is named, with or without a suite (without one, argparse said the suite was missing)
+    for argv in (["--bogus"], ["wire", "--bogus=3"]):
+        r = subprocess.run([sys.executable, "-m", "bench", *argv], capture_output=True, text=True)
+        assert r.returncode == 2 and f"unrecognized arguments: {argv[-1]}" in r.stderr, r.stderr
     r = subprocess.run([sys.executable, "-m", "bench", "compare", "--policy", "dynamic", "--device", "tpu", "--json",
                         "/dev/null"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "unknown device profile 'tpu' (known: cpu, l4, h100, dpu)" in r.stderr
