@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print JSON")
     t = sub.add_parser("target", help="serve DEVICE as an NVMe/TCP namespace until SIGTERM or Ctrl-C")
     t.add_argument("device", help="block device or image file (opened with O_DIRECT, held exclusively)")
-    t.add_argument("--listen", default=f"127.0.0.1:{DEFAULT_PORT}", metavar="HOST:PORT",
+    t.add_argument("--listen", default=f"127.0.0.1:{DEFAULT_PORT}", metavar="HOST:PORT", type=_host_port,
                    help=f"address to listen on (default 127.0.0.1:{DEFAULT_PORT}; port 0 picks a free one)")
     t.add_argument("--nqn", default=DEFAULT_NQN, help=f"subsystem NQN (default {DEFAULT_NQN})")
     t.add_argument("--maxh2cdata", type=parse_size, default=128 << 10, metavar="SIZE",
@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "size, in bytes or with a K/M suffix (default 128K)")
     v = sub.add_parser("serve", help="serve the store to worker processes over ZeroMQ until SIGTERM or Ctrl-C")
     v.add_argument("device", **device)
-    v.add_argument("--listen", required=True, metavar="ENDPOINT",
+    v.add_argument("--listen", required=True, metavar="ENDPOINT", type=_endpoint,
                    help="ZeroMQ endpoint to bind: tcp://HOST:PORT or ipc://PATH (datapath worker --store ENDPOINT)")
     v.add_argument("--eviction", choices=["lru", "refuse"], default="lru",
                    help="when the log is full: evict the least recently used sessions (default), or refuse puts")
@@ -105,6 +105,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _host_port(s: str) -> str:
+    """--listen of target: a usage error (exit 2) as argparse's own, not a device's (1)."""
+    host, _, port = s.rpartition(":")
+    if not host or not port.isdigit() or int(port) > 65535:
+        raise argparse.ArgumentTypeError(f"takes HOST:PORT, not {s!r} (for example 127.0.0.1:4420)")
+    return s
+
+
+def _endpoint(s: str) -> str:
+    """--listen of serve: tcp://HOST:PORT or ipc://PATH (server.check_endpoint)."""
+    from .server import check_endpoint
+    try:
+        check_endpoint(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return s
+
+
 def _serve(args) -> int:
     """One process holds the device; workers restore each other's sessions through it
     (snapshotstore/server.py): what the pipeline starts for its workers, by hand."""
@@ -112,11 +130,7 @@ def _serve(args) -> int:
     import threading
 
     import zmq
-    from .server import check_endpoint, serve
-    try:
-        check_endpoint(args.listen)
-    except ValueError as e:
-        raise SnapshotError(f"--listen {e}") from None
+    from .server import serve
     path = args.device or default_image_path()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -225,8 +239,6 @@ def _target(args) -> int:
     import threading
     from .nvmetcp.target import Target
     host, _, port = args.listen.rpartition(":")
-    if not host or not port.isdigit() or int(port) > 65535:
-        raise SnapshotError(f"--listen takes HOST:PORT, not {args.listen!r} (for example 127.0.0.1:4420)")
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

@@ -287,7 +287,7 @@ def test_the_cli_takes_the_url(image):
         r = run("target", path, "--listen", "127.0.0.1:0")                 # the file is served already
         assert r.returncode == 1 and "in use" in r.stderr and "Traceback" not in r.stderr
     r = run("target", path, "--listen", "nowhere")
-    assert r.returncode == 1 and "HOST:PORT" in r.stderr
+    assert r.returncode == 2 and "HOST:PORT" in r.stderr and "usage:" in r.stderr
 
 
 # --- what Linux's peers require (each found in the VM, tests/test_vm_nvmeof.py) -----------------------

@@ -90,6 +90,9 @@ def test_help_has_examples_and_bad_size_is_a_usage_error():
         assert r.returncode == 2 and "is not a size" in r.stderr, (bad, r.stderr)
     r = cli("inspect", "x.img", "--limit", "-1")
     assert r.returncode == 2 and "is not a count" in r.stderr
+    # a bad --listen is a usage error too (exit 1 before, as a device's error), the file never touched
+    r = cli("serve", "x.img", "--listen", "tcp://127.0.0.1:99999")
+    assert r.returncode == 2 and "the port a number from 1 to 65535" in r.stderr and "usage:" in r.stderr
 
 
 def test_format_refuses_data_that_is_not_a_store_without_force(tmp_path):
