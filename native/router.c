@@ -64,8 +64,8 @@ struct req {
     uint8_t spill;                               /* admission throttled it to the secondary pool */
     uint8_t moved;                               /* its session last ran elsewhere: DP_CHUNK_F_MOVED */
     uint8_t replayed;                            /* failover replayed it once already (see failover) */
-    uint8_t replay_refused;                      /* its replay's worker died too: answered 503, its own doing */
-    uint8_t why;                                 /* enum why: what its failure's body says (WHY_NONE: no body) */
+    uint8_t why;                                 /* enum why: what its failure's body says (WHY_NONE: no body);
+                                                    WHY_REPLAY_DIED: its replay's worker died too, its own doing */
     uint8_t kv_moving;                           /* refused so: its other records in that batch are ignored,
                                                     then it moves on (kv_move) */
     uint16_t kv_moves;                           /* workers it moved on from so (kv_move) */
@@ -1073,7 +1073,7 @@ static void finish(struct dp_router *rt, uint32_t ri)
     /* the minute's bucket keeps what came and ran, unless the failure is the system's (503: no
      * worker, a store that failed), which must not rate-limit the tenant; a request whose replay
      * killed a second worker is counted its own (it went free, again and again: found by review) */
-    int theirs = r->status != DP_STATUS_UNAVAILABLE || r->replay_refused;
+    int theirs = r->status != DP_STATUS_UNAVAILABLE || r->why == WHY_REPLAY_DIED;
     dp_adm_settle(rt->adm, r->tenant, &r->adm, theirs ? r->tokens_in : 0, theirs ? r->generated : 0, r->status == 0);
     rt->reserved -= r->chunk_count - r->received;   /* a failed request's missing chunks need no room now */
     arriving_done(rt, r);
@@ -2255,12 +2255,11 @@ static void failover(struct dp_router *rt, uint32_t k, int alive)
         if (nk < 0) {
             rt->st.bad_picks += nk == -2;
             rt->st.replay_refused += r->replayed && ran;
-            r->replay_refused = r->replayed && ran;
             free_list(rt, r->pending_head);
             early_drop(rt, ri);
             r->pending_head = r->pending_tail = NIL;
             r->status = DP_STATUS_UNAVAILABLE;
-            r->why = r->replay_refused ? WHY_REPLAY_DIED : nk == -2 ? WHY_BAD_PICK : WHY_WORKER_DIED;
+            r->why = r->replayed && ran ? WHY_REPLAY_DIED : nk == -2 ? WHY_BAD_PICK : WHY_WORKER_DIED;
             finish(rt, ri);
             continue;
         }
