@@ -51,21 +51,30 @@ def _ratio(key: str, limit: float, also: tuple[str, str] | None = None):
     return judge
 
 
-def _metric(key: str, limit: float, unit: str, at_least: bool = False):
+def _metric(key: str, limit: float, unit: str, at_least: bool = False, also: tuple[str, str] | None = None):
+    """A metric of the run within limit; `also`: (metric key, its name) shown beside it."""
     def judge(r):
         v = _get(r, "metrics", key)
         if v is None:
             return NO_FIGURE, ""
-        return ("met" if (v >= limit if at_least else v <= limit) else "missed"), f"{v:,.1f} {unit}"
+        extra = ""
+        if also and _get(r, "metrics", also[0]) is not None:
+            extra = f"; {_get(r, 'metrics', also[0]):,.1f} {unit} {also[1]}"
+        return ("met" if (v >= limit if at_least else v <= limit) else "missed"), f"{v:,.1f} {unit}{extra}"
     return judge
 
 
-def _all_ratios(keys: list[str], limit: float):
+def _all_ratios(keys: list[str], limit: float, also: tuple[list[str], str] | None = None):
+    """Ratios of the run each at most limit; `also`: (ratio keys, their name) shown beside them,
+    those the run has."""
     def judge(r):
         vs = [_get(r, "ratios", k) for k in keys]
         if any(v is None for v in vs):
             return NO_FIGURE, ""
-        return ("met" if max(vs) <= limit else "missed"), " / ".join(f"{v:.3f}x" for v in vs)
+        extra = ""
+        if also and (seen := [v for v in (_get(r, "ratios", k) for k in also[0]) if v is not None]):
+            extra = f"; {' / '.join(f'{v:.3f}x' for v in seen)} {also[1]}"
+        return ("met" if max(vs) <= limit else "missed"), " / ".join(f"{v:.3f}x" for v in vs) + extra
     return judge
 
 
@@ -161,7 +170,11 @@ GOALS = [
                 also=("xdp_to_consumer_p50_ns_vs_handoff_oneway_p50_ns", "the stamped bare hand-off"))),
     Goal("ingress", 3, "sender-to-consumer at least 3x better than the UDP socket at p50 and p99",
          _all_ratios(["sender_to_consumer_p50_us_vs_udp_socket_p50_us",
-                      "sender_to_consumer_p99_us_vs_udp_socket_p99_us"], 1 / 3)),
+                      "sender_to_consumer_p99_us_vs_udp_socket_p99_us"], 1 / 3,
+                     # the socket the issue names is Python's, a wake-up per packet; the C one busy-polls
+                     also=(["sender_to_consumer_p50_us_vs_udp_socket_c_p50_us",
+                            "sender_to_consumer_p99_us_vs_udp_socket_c_p99_us"],
+                           "the busy-polling C recvmmsg receiver"))),
     Goal("worker", 4, "decode-step delta <= 4096 bytes stored", _decode_delta),
     Goal("worker", 4, "restore at 2K context at least 10x faster than recompute",
          _ratio("restore_ms_ctx2048_vs_recompute_ms_ctx2048", 0.1)),
@@ -170,7 +183,12 @@ GOALS = [
     Goal("snapshot", 5, "restore within 1.2x the raw reads (chains of 1 / 8 / 64 deltas, p50)",
          _all_ratios([f"restore_chain{n}_p50_us_vs_raw_read_chain{n}_p50_us" for n in (1, 8, 64)], 1.2)),
     Goal("snapshot", 5, "index <= 64 bytes per session", _metric("index_bytes_per_session", 64, "bytes")),
-    Goal("e2e", 7, f"XDP-to-lane p50 <= {XDP_P50_NS:.0f} ns", _metric("e2e_xdp_to_lane_p50_ns", XDP_P50_NS, "ns")),
+    # the issue's XDP stamp is the program's hand-off; the program's live part before it (its
+    # steering and its write into a ring buffer gone cold between requests) is shown beside it
+    Goal("e2e", 7, f"XDP-to-lane p50 <= {XDP_P50_NS:.0f} ns",
+         _metric("e2e_xdp_to_lane_p50_ns", XDP_P50_NS, "ns",
+                 also=("e2e_xdp_validated_to_lane_p50_ns", "from the request validated, before the program's "
+                                                           "steering and ring write"))),
     Goal("e2e", 7, f"XDP-to-worker p50 <= {XDP_P50_NS:.0f} ns where a core per poller is available",
          _xdp_to_worker),
     Goal("e2e", 7, "dynamic's p95 at 10 req/s <= 1/5 of static's (tiny model)", _static_over_dynamic("")),

@@ -392,4 +392,5 @@ def _run(report, quick):
     report.ratio("sender_to_consumer_p50_us", "udp_socket_p50_us")
     report.ratio("sender_to_consumer_p99_us", "udp_socket_p99_us")
     report.ratio("sender_to_consumer_p50_us", "udp_socket_c_p50_us")
+    report.ratio("sender_to_consumer_p99_us", "udp_socket_c_p99_us")
     report.ratio("reply_429_xdp_tx_rtt_p50_us", "reply_429_user_rtt_p50_us")

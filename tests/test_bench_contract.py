@@ -248,7 +248,7 @@ def test_ring_suite_reports_every_figure(tmp_path):
 
 
 INGRESS_REFERENCES = ["xdp_count_ns", "xdp_count_128_ns", "xdp_ring_floor_ns", "pingpong_oneway_ns", "handoff_oneway_p50_ns", "udp_socket_p50_us", "udp_socket_p99_us",
-                      "udp_socket_c_p50_us"]
+                      "udp_socket_c_p50_us", "udp_socket_c_p99_us"]
 INGRESS_METRICS = ["steer_ns", "steer_128_ns", "steer_tagged_ns", "xdp_to_consumer_p50_ns", "xdp_to_consumer_p99_ns", "xdp_to_consumer_p50_ns_100k",
                    "xdp_to_consumer_p99_ns_100k", "xdp_to_consumer_p50_ns_max", "xdp_to_consumer_p99_ns_max",
                    "sender_to_consumer_p50_us", "sender_to_consumer_p99_us", "max_pps_no_loss"]
@@ -266,7 +266,8 @@ def test_ingress_suite_reports_every_figure(tmp_path):
         assert data["metrics"][key] > 0, key
     for ratio in ("steer_ns_vs_xdp_count_ns", "steer_128_ns_vs_xdp_count_128_ns", "steer_ns_vs_xdp_ring_floor_ns",
                   "steer_tagged_ns_vs_xdp_count_ns", "xdp_to_consumer_p50_ns_vs_pingpong_oneway_ns",
-                  "sender_to_consumer_p50_us_vs_udp_socket_p50_us", "sender_to_consumer_p99_us_vs_udp_socket_p99_us"):
+                  "sender_to_consumer_p50_us_vs_udp_socket_p50_us", "sender_to_consumer_p99_us_vs_udp_socket_p99_us",
+                  "sender_to_consumer_p50_us_vs_udp_socket_c_p50_us", "sender_to_consumer_p99_us_vs_udp_socket_c_p99_us"):
         metric, ref = ratio.split("_vs_")
         assert data["ratios"][ratio] == pytest.approx(data["metrics"][metric] / data["references"][ref])
 
