@@ -213,6 +213,9 @@ CASES = [
     # body; a CLOSE stays free (refused, the session would stay held)
     case("open, over the token bucket", frame(req(tokens=(), kind=wire.KIND_OPEN, chunk_count=3)), XDP_TX,
          "drop_rate_limited", setup=limited),
+    # ... but a one-chunk request's OPEN draws none: its chunk gets the request's one answer
+    case("open of a one-chunk request, over the token bucket", frame(req(tokens=(), kind=wire.KIND_OPEN)),
+         XDP_DROP, "drop_rate_limited_silent", setup=limited),
     case("close, over the token bucket", frame(req(tokens=(), kind=wire.KIND_CLOSE)), XDP_DROP, "queued", HASHED,
          limited),
     case("count_tokens, over the token bucket", frame(req(kind=wire.KIND_COUNT_TOKENS)), XDP_TX,
