@@ -422,8 +422,13 @@ int xdp_steer(struct xdp_md *ctx)
             return drop(DP_DROP_IP_OPTIONS);
         /* the answer goes to the source (the egress's socket, later): never to one no host
          * sends from, 0/8, loopback (a forged request answered to a local port), multicast and
-         * above (to a whole group), or this host's own address, which the kernel's input drops */
+         * above (to a whole group), or this host's own address or a broadcast of its subnets,
+         * which the kernel's input drops: the destination's, or any the host has (host_sources) */
         if (!(src >> 24) || src >> 24 == 127 || src >= 0xe0000000u || iph->saddr == iph->daddr)
+            return drop(DP_DROP_BAD_SOURCE);
+        __u32 saddr = iph->saddr;
+        if ((pol->host_source_bits >> ((__u32)(saddr * DP_SOURCE_HASH_MUL) >> 26) & 1) &&
+            host_sources.lookup(&saddr))
             return drop(DP_DROP_BAD_SOURCE);
     }
 

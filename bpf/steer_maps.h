@@ -45,6 +45,10 @@ BPF_HASH(tenant_queue, __u32, __u32, 4096);   /* tenant -> queue */
  * list, and another tenant's new bucket could take it under that CPU's compare-and-swap */
 BPF_F_TABLE("hash", __u32, struct dp_bucket, buckets, 4096, BPF_F_NO_PREALLOC);
 BPF_HASH(tenant_keys, __u32, struct dp_tenant_key, 65536);   /* tenant -> its tag key (require_tags) */
+/* this host's own IPv4 addresses and broadcasts (network order -> 1), refused as a source: the
+ * kernel's input drops them, and a request from one would be answered to a local port
+ * (Ingress.refuse_sources; looked up only for a source whose bit policy.host_source_bits has) */
+BPF_HASH(host_sources, __u32, __u8, DP_MAX_HOST_ADDRS);
 /* the one bucket every tenant without a bucket of its own shares (ns_per_token 0: none), so made-up
  * tenant ids are not a way past the limits */
 BPF_ARRAY(others_bucket, struct dp_bucket, 1);

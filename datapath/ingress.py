@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import ipaddress
+import operator
 import os
 import signal
 import socket
@@ -51,6 +53,26 @@ EVENTS = [name[len("DP_EV_"):].lower() for value, name in
           sorted(ffi.typeof("enum dp_event").elements.items()) if name != "DP_EV_MAX"]
 NS_PER_MINUTE = 60_000_000_000
 LOCAL_ADDRS = lib.DP_MAX_LOCAL_ADDRS   # accept_only's addresses at most (bpf/steer.h, dp_policy)
+HOST_ADDRS = lib.DP_MAX_HOST_ADDRS     # refuse_sources' addresses at most (the same)
+
+
+def namespace_sources(netns: str | None = None) -> set[str]:
+    """The IPv4 addresses of netns (None: this process's) a request must not come from: each
+    interface address and its broadcast (0/8, loopback and 224/3 aside: the program refuses them anyway)."""
+    found = set()
+    with xdp._iproute(netns) as ipr:
+        for msg in ipr.get_addr(family=socket.AF_INET):
+            # IFA_LOCAL, not IFA_ADDRESS: on a point-to-point link that is the peer's
+            for attr in ("IFA_LOCAL", "IFA_BROADCAST"):
+                if (a := msg.get_attr(attr)) and 0 < int(a.split(".")[0]) < 224 and not a.startswith("127."):
+                    found.add(a)
+    return found
+
+
+def source_bit(address: str) -> int:
+    """An IPv4 address's bit in the policy's host_source_bits (the program's hash of it)."""
+    addr = struct.unpack("=I", ipaddress.IPv4Address(address).packed)[0]   # as read there
+    return 1 << ((addr * lib.DP_SOURCE_HASH_MUL) % (1 << 32) >> 26)
 
 
 def session_queue(session_id: int, queues: int) -> int:
@@ -82,6 +104,7 @@ class Ingress:
         self.attachments: list[xdp.XdpAttachment] = []
         self._peer_prog = None
         self._sigterm: SigtermExit | None = None
+        self._host_sources: set[str] = set()
 
     # --- life cycle -----------------------------------------------------------------
     def load(self):
@@ -106,11 +129,16 @@ class Ingress:
                veth_peer: tuple[str, str | None] | None = None) -> str:
         """Attach to ifname in netns (a veth this process made); returns the mode in use.
 
+        The namespace's own IPv4 addresses are refused as a source from then on (refuse_sources).
         veth_peer (ifname, netns): the other end of that veth. In native mode a
         veth delivers XDP_TX frames (the 429s) only to a peer running NAPI, which
         it does once an XDP program is attached there, so the pass-everything
         count program goes on the peer. A physical NIC needs nothing of the kind.
         """
+        # the namespace's own addresses are refused as a source from the first packet on: read
+        # first, so a namespace with more than the program holds attaches nothing
+        sources = self._host_sources | namespace_sources(netns)
+        self.refuse_sources(sorted(sources))
         # listed before they attach, so close() detaches one that an error (or a signal) interrupts
         # after the attach, in attached_mode() (detach of one whose mode is unset does nothing)
         att = xdp.XdpAttachment(self.fn.fd, ifname, netns, mode)
@@ -212,6 +240,28 @@ class Ingress:
             leaf.local_addrs[i] = packed[i] if i < len(packed) else 0
         t[t.Key(0)] = leaf
         self._set_policy_field("local_only", len(packed))   # the count of them, 0: off
+
+    def refuse_sources(self, addresses: list[str]):
+        """Refuse requests from these IPv4 addresses (bad_source), HOST_ADDRS at most: this host's
+        own addresses and subnet broadcasts, which the kernel's input drops as a source. A request
+        from one would be run and its answer sent there by the egress, to a local port. attach()
+        sets those of its interface's namespace; call again with the namespace's addresses
+        (namespace_sources) after they change. The destination's own address is refused anyway."""
+        if isinstance(addresses, str):
+            raise TypeError("refuse_sources takes a list of addresses, not one string")
+        addresses = sorted({str(ipaddress.IPv4Address(a)) for a in addresses})
+        if len(addresses) > HOST_ADDRS:
+            raise ValueError(f"at most {HOST_ADDRS} addresses refused as a source, not {len(addresses)} "
+                             f"({', '.join(addresses)})")
+        def key(a):
+            return struct.unpack("=I", ipaddress.IPv4Address(a).packed)[0]   # as read there
+        for a in self._host_sources - set(addresses):   # those in both stay in throughout
+            self._forget("host_sources", key(a))
+        t = self.table("host_sources")
+        for a in addresses:
+            t[t.Key(key(a))] = t.Leaf(1)
+        self._set_policy_field("host_source_bits", functools.reduce(operator.or_, map(source_bit, addresses), 0))
+        self._host_sources = set(addresses)
 
     def set_tenant_key(self, tenant: int, key: bytes):
         """Tenant's 16-byte tag key (datapath.wire.tenant_key), live."""

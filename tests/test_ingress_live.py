@@ -146,6 +146,23 @@ def test_records_cross_the_ring_buffers_end_whole():
             assert consumer.records == 400
 
 
+def test_an_attach_refuses_the_namespace_s_own_addresses_as_a_source():
+    """A request from another of the host's addresses (the kernel's input would drop it) would be
+    run and answered there, to a local port: attach reads the namespace's addresses, and the
+    program refuses them as a source; a client's address still passes."""
+    from datapath import packet
+    from datapath.ingress import namespace_sources
+    from datapath.xdp import prog_test_run
+    with Topology(clients=2) as topo, Ingress(queues=1) as ig:
+        assert namespace_sources(topo.host_ns) == set(topo.host_ip)
+        ig.attach(topo.host_if[0], topo.host_ns)
+        payload = wire.pack_request_raw((1, 2, 3), session_id=5, tenant=1)
+        for src, counter in ((topo.host_ip[1], "drop_bad_source"), (topo.client_ip[0], "queued")):
+            before = ig.counters()[counter]
+            prog_test_run(ig.fn.fd, packet.udp_frame(payload, wire.DEFAULT_PORT, src=src, dst=topo.host_ip[0]))
+            assert ig.counters()[counter] == before + 1, src
+
+
 def test_generic_mode_steers_and_answers_too():
     """The fallback mode: XDP after the skb is built, XDP_TX through the generic path (no peer program)."""
     with Topology(clients=1) as topo, Ingress(queues=QUEUES) as ig, rings() as (out, rd):

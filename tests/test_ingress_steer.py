@@ -14,7 +14,7 @@ import pytest
 
 from datapath import packet, wire
 from datapath import ring
-from datapath.ingress import Ingress, lib, output_ring, session_queue, take
+from datapath.ingress import HOST_ADDRS, Ingress, lib, output_ring, session_queue, source_bit, take
 from datapath.xdp import XDP_DROP, XDP_PASS, XDP_TX, prog_test_run
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf]
@@ -67,6 +67,10 @@ def limited(ig):  # an empty bucket: 1 token a minute, burst of one chunk, alrea
 
 def local_only(ig):  # the service's address named: datagrams to others are transit traffic
     ig.accept_only(["198.18.0.1"])
+
+
+def host_has_others(ig):  # the host's other addresses, as an attach reads them from its namespace
+    ig.refuse_sources(["198.18.1.1", "198.18.0.255", "10.9.8.7"])
 
 
 def others_limited(ig):  # the bucket the tenants without one share, spent by another such tenant
@@ -183,6 +187,11 @@ CASES = [
     case("from 224.0.0.1", frame(src="224.0.0.1"), XDP_DROP, "drop_bad_source"),
     case("from 255.255.255.255", frame(src="255.255.255.255"), XDP_DROP, "drop_bad_source"),
     case("from its own destination", frame(src="198.18.0.1", dst="198.18.0.1"), XDP_DROP, "drop_bad_source"),
+    case("from another of the host's addresses", frame(src="198.18.1.1"), XDP_DROP, "drop_bad_source",
+         setup=host_has_others),
+    case("from a broadcast of the host's", frame(src="198.18.0.255"), XDP_DROP, "drop_bad_source",
+         setup=host_has_others),
+    case("from a client, the host's others refused", VALID, XDP_DROP, "queued", HASHED, host_has_others),
     case("from 223.255.255.255, the last below 224: a host", frame(src="223.255.255.255"), XDP_DROP, "queued",
          HASHED),
     # the IP header's checksum, as the kernel's IP input checks it (and UDP's 0 over IPv6)
@@ -297,6 +306,7 @@ def ig(ingress):
     ig.require_tags(False)
     ig.table("tenant_keys").clear()
     ig.accept_only(None)
+    ig.refuse_sources([])
     settle(ig, consumer)
     return ig, consumer
 
@@ -579,6 +589,33 @@ def test_two_cpus_admitting_one_tenant_cannot_both_take_the_same_room(ig):
     refused = after["drop_rate_limited"] - before["drop_rate_limited"]
     assert after["drop_ring_full"] == before["drop_ring_full"]
     assert refused >= 1 and admitted <= 5_000, (admitted, refused)
+    settle(ig, consumer)
+
+
+def test_a_source_sharing_a_host_address_s_bit_is_looked_up_and_passes(ig):
+    """The policy's bits only spare most sources the lookup: one whose bit a host address also
+    has is looked up, and taken since the map has it not. Sources refused are forgotten when the
+    host no longer has them."""
+    ig, consumer = ig
+    host = "198.18.1.1"
+    twin = next(a for a in (f"198.18.{i >> 8}.{i & 255}" for i in range(2, 1 << 16))
+                if a != host and source_bit(a) == source_bit(host))
+    ig.refuse_sources([host])
+    before = ig.counters()["queued"]
+    assert prog_test_run(ig.fn.fd, frame(src=twin))[0] == XDP_DROP
+    assert ig.counters()["queued"] == before + 1
+    assert wait_records(consumer, 1)
+    counts = ig.counters()
+    prog_test_run(ig.fn.fd, frame(src=host))
+    assert ig.counters()["drop_bad_source"] == counts["drop_bad_source"] + 1
+    ig.refuse_sources([twin])     # the host's addresses changed: `host` is a client's again
+    before = ig.counters()
+    prog_test_run(ig.fn.fd, frame(src=host))
+    prog_test_run(ig.fn.fd, frame(src=twin))
+    after = ig.counters()
+    assert (after["queued"] - before["queued"], after["drop_bad_source"] - before["drop_bad_source"]) == (1, 1)
+    with pytest.raises(ValueError, match="at most"):
+        ig.refuse_sources([f"10.0.{i >> 8}.{i & 255}" for i in range(HOST_ADDRS + 1)])
     settle(ig, consumer)
 
 
