@@ -71,6 +71,7 @@ struct req {
     uint16_t kv_moves;                           /* workers it moved on from so (kv_move) */
     int16_t kv_first;                            /* the first of them, where the walk stops */
     uint8_t close;                               /* a CLOSE record's (close_session) */
+    uint8_t by_open;                             /* its first record here was an OPEN (recently_done) */
     uint32_t arr;                                /* its tenant's entry in `arr` while it misses chunks (NIL:
                                                     none missing) */
     uint32_t tokens_in, generated;               /* what ran: settled against the admission's charge */
@@ -167,6 +168,7 @@ struct dp_router {
     uint32_t done_head, done_tail;      /* finished requests waiting for egress room (via fifo_next) */
     uint64_t key_secret;                /* random per router: req_key, session_key */
     _Alignas(64) uint64_t recent[(1u << RECENT_SET_BITS) * RECENT_WAYS];   /* keys of requests that finished lately */
+    uint64_t recent_sent[(1u << RECENT_SET_BITS) * RECENT_WAYS];           /* ... each one's DP_SENT */
     uint8_t recent_next[1u << RECENT_SET_BITS];                             /* each set's oldest way */
     struct last_run last_run[1u << LAST_RUN_BITS];   /* direct-mapped, by session key */
     uint32_t reserved;                  /* pool slots promised to chunks of admitted requests not here yet */
@@ -774,21 +776,31 @@ static enum why worker_why(const struct req *r, const struct dp_completion_entry
 /* Keys are 64-bit hashes: a false match needs two live keys to collide in all 64 bits. A key is
  * forgotten once 8 newer ones landed in its set. Direct-mapped (4096 entries), any one finishing
  * request with the same 12 bits made it forget: a refused request's later chunks were then taken
- * for a new request, admitted or refused again, its client answered twice. */
-static void remember_done(struct dp_router *rt, uint64_t key)
+ * for a new request, admitted or refused again, its client answered twice. Each key keeps its
+ * try's DP_SENT, to tell a client's retry from a straggler (recently_done). */
+static void remember_done(struct dp_router *rt, uint64_t key, uint64_t sent)
 {
-    uint32_t set = (key >> 32) & ((1u << RECENT_SET_BITS) - 1);
-    rt->recent[set * RECENT_WAYS + rt->recent_next[set]] = key;
+    uint32_t set = (key >> 32) & ((1u << RECENT_SET_BITS) - 1), way = set * RECENT_WAYS + rt->recent_next[set];
+    rt->recent[way] = key;
+    rt->recent_sent[way] = sent;
     rt->recent_next[set] = (uint8_t)((rt->recent_next[set] + 1) % RECENT_WAYS);
 }
 
-static int recently_done(const struct dp_router *rt, uint64_t key)
+/* Record c's request (key) finished lately, and c is one of its stragglers or repeats, not a
+ * client's retry of it under the same ids (DP_RETRY, against the latest try remembered). Without
+ * the retry's exception, a retry the answer asked for (a 429's retry_after, a 503's "retry") was
+ * dropped unanswered as a late duplicate for thousands of requests more (found by review). */
+static int recently_done(const struct dp_router *rt, uint64_t key, const struct dp_chunk *c)
 {
-    const uint64_t *ways = &rt->recent[((key >> 32) & ((1u << RECENT_SET_BITS) - 1)) * RECENT_WAYS];
+    uint32_t base = ((key >> 32) & ((1u << RECENT_SET_BITS) - 1)) * RECENT_WAYS;
+    uint64_t latest = 0;
     int hit = 0;
     for (uint32_t i = 0; i < RECENT_WAYS; i++)
-        hit |= ways[i] == key;
-    return hit;
+        if (rt->recent[base + i] == key) {
+            hit = 1;
+            latest = rt->recent_sent[base + i] > latest ? rt->recent_sent[base + i] : latest;
+        }
+    return hit && !DP_RETRY(c->kind, c->chunk_index, c->t_send, latest);
 }
 
 static void free_list(struct dp_router *rt, uint32_t p)
@@ -1024,7 +1036,8 @@ static void price_admitted(struct dp_router *rt)
 
 static int xdp_cut(const struct dp_router *rt, uint64_t session_id, uint64_t request_id, uint32_t tenant,
                    uint64_t t_xdp);
-static void cut_at_xdp(const struct dp_router *rt, uint64_t session_id, uint64_t request_id, uint32_t tenant);
+static void cut_at_xdp(const struct dp_router *rt, uint64_t session_id, uint64_t request_id, uint32_t tenant,
+                       uint64_t sent);
 static int bucketed(const struct dp_router *rt, uint32_t tenant);
 
 /* Request r ends without having run whole (failed, expired): its worker's copy of the session may
@@ -1060,11 +1073,11 @@ static void finish(struct dp_router *rt, uint32_t ri)
     if (r->status && r->received < r->chunk_count && bucketed(rt, r->tenant)) {
         silent = xdp_cut(rt, r->session_id, r->request_id, r->tenant, r->t_xdp);
         if (!silent)
-            cut_at_xdp(rt, r->session_id, r->request_id, r->tenant);
+            cut_at_xdp(rt, r->session_id, r->request_id, r->tenant, DP_SENT(r->t_send, r->by_open));
     }
     uint32_t next = r->in_session ? r->session_next : NIL;   /* (session_leave unlinks it) */
     session_leave(rt, ri);
-    remember_done(rt, r->key);
+    remember_done(rt, r->key, DP_SENT(r->t_send, r->by_open));
     policy_done(rt, r);
     if (!r->status)
         w->st.answered++;
@@ -1179,7 +1192,7 @@ static int answer(struct dp_router *rt, const struct dp_chunk *c, uint16_t statu
         return 0;
     rt->st.responses++;
     if (several)
-        cut_at_xdp(rt, c->session_id, c->request_id, c->tenant);
+        cut_at_xdp(rt, c->session_id, c->request_id, c->tenant, DP_SENT(c->t_send, c->kind == DP_KIND_OPEN));
     return 1;
 }
 
@@ -1206,6 +1219,7 @@ static struct req *req_init(struct dp_router *rt, uint32_t ri, const struct dp_c
     r->pending_head = r->pending_tail = r->ooo = r->fifo_next = NIL;
     r->sent_head = r->sent_tail = NIL;
     r->t_send = c->t_send;
+    r->by_open = c->kind == DP_KIND_OPEN;
     r->t_xdp = c->t_xdp;
     r->t_last = t;
     r->t_in = t;
@@ -1242,7 +1256,7 @@ static int admit(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, uin
         if (!answer(rt, c, d.status, body, len))
             return 0;
         dp_adm_commit(rt->adm, c->tenant, &d, t);
-        remember_done(rt, key);   /* its other chunks are not a new request */
+        remember_done(rt, key, DP_SENT(c->t_send, c->kind == DP_KIND_OPEN));   /* its other chunks are not a new request */
         if (d.status == DP_STATUS_BAD_REQUEST)
             rt->st.adm_oversized++;
         else if (d.status == DP_STATUS_UNPROCESSABLE)
@@ -1263,7 +1277,7 @@ static int admit(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, uin
     if (shared && over_share(rt, c->tenant, c->chunk_count, &e)) {
         if (!unavailable(rt, c, WHY_SHARE, e))
             return 0;
-        remember_done(rt, key);
+        remember_done(rt, key, DP_SENT(c->t_send, c->kind == DP_KIND_OPEN));
         rt->st.tenant_share_refused++;
         return 1;
     }
@@ -1278,7 +1292,7 @@ static int admit(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, uin
         if (!unavailable(rt, c, !room ? WHY_POOL : rt->req_free == NIL ? WHY_TABLE
                                 : wk == -2 ? WHY_BAD_PICK : WHY_NO_WORKER, NULL))
             return 0;
-        remember_done(rt, key);
+        remember_done(rt, key, DP_SENT(c->t_send, c->kind == DP_KIND_OPEN));
         if (!room)
             rt->st.pool_refused++;
         else if (rt->req_free == NIL)
@@ -1329,7 +1343,7 @@ static int count_tokens(struct dp_router *rt, const struct dp_chunk *c, uint64_t
 static int close_session(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, uint64_t key, uint32_t ri,
                          int fed)
 {
-    if (ri != NIL || recently_done(rt, key)) {
+    if (ri != NIL || recently_done(rt, key, c)) {
         rt->st.control_in++;
         return 1;
     }
@@ -1353,7 +1367,7 @@ static int close_session(struct dp_router *rt, const struct dp_chunk *c, uint64_
         if (!unavailable(rt, c, over ? WHY_SHARE : rt->st.pool_free <= rt->reserved ? WHY_POOL
                                     : rt->req_free == NIL ? WHY_TABLE : wk == -2 ? WHY_BAD_PICK : WHY_NO_WORKER, e))
             return 0;
-        remember_done(rt, key);
+        remember_done(rt, key, DP_SENT(c->t_send, c->kind == DP_KIND_OPEN));
         rt->st.tenant_share_refused += (uint64_t)over;
         rt->st.bad_picks += wk == -2;
         return 1;
@@ -1397,7 +1411,7 @@ static int ingest(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, in
     if (c->kind == DP_KIND_CLOSE)
         return close_session(rt, c, t, key, ri, fed);
     if (c->kind == DP_KIND_OPEN) {       /* admits the request before its chunks come */
-        if (ri != NIL || recently_done(rt, key) || c->chunk_count < 1) {
+        if (ri != NIL || recently_done(rt, key, c) || c->chunk_count < 1) {
             rt->st.control_in++;         /* a repeat, or too late: its chunks decided already */
             return 1;
         }
@@ -1411,16 +1425,16 @@ static int ingest(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, in
                 fail_request(rt, rt->reqs[ri].worker, ri, DP_STATUS_BAD_REQUEST, WHY_BAD_CHUNK);
             return 1;
         }
-        if (recently_done(rt, key))
+        if (recently_done(rt, key, c))
             return 1;
         char body[DP_MAX_RESP_BODY];
         if (!answer(rt, c, DP_STATUS_BAD_REQUEST, body, (uint32_t)error_body(body, DP_STATUS_BAD_REQUEST,
                                                                              WHY_BAD_CHUNK)))
             return 0;
-        remember_done(rt, key);
+        remember_done(rt, key, DP_SENT(c->t_send, c->kind == DP_KIND_OPEN));
         return 1;
     }
-    if (ri == NIL && recently_done(rt, key)) {
+    if (ri == NIL && recently_done(rt, key, c)) {
         rt->st.late_duplicates++;        /* a repeat of a request already answered (or refused) */
         return 1;
     }
@@ -2074,21 +2088,22 @@ static int xdp_cut(const struct dp_router *rt, uint64_t session_id, uint64_t req
     if (rt->cuts_fd < 0 || !t_xdp)
         return 0;
     struct dp_cut_key key = { .session_id = session_id, .request_id = request_id, .tenant = tenant };
-    uint64_t when;
-    return map_op(BPF_MAP_LOOKUP_ELEM, rt->cuts_fd, &key, &when) && when + DP_CUT_TTL_NS >= t_xdp;
+    struct dp_cut cut;
+    return map_op(BPF_MAP_LOOKUP_ELEM, rt->cuts_fd, &key, &cut) && cut.t_cut + DP_CUT_TTL_NS >= t_xdp;
 }
 
 /* A request the router answered before all its chunks came (a refusal, an expiry, a failure):
  * the rest is cut at XDP as its bucket would (dropped, uncharged, unanswered, for DP_CUT_TTL_NS;
  * only for tenants with a bucket, whose chunks XDP checks), so the bucket running dry on one of
  * them does not answer the request again with a 429. Both sides stamp CLOCK_MONOTONIC. */
-static void cut_at_xdp(const struct dp_router *rt, uint64_t session_id, uint64_t request_id, uint32_t tenant)
+static void cut_at_xdp(const struct dp_router *rt, uint64_t session_id, uint64_t request_id, uint32_t tenant,
+                       uint64_t sent)
 {
     if (rt->cuts_fd < 0)
         return;
     struct dp_cut_key key = { .session_id = session_id, .request_id = request_id, .tenant = tenant };
-    uint64_t now = now_ns();
-    map_op(BPF_MAP_UPDATE_ELEM, rt->cuts_fd, &key, &now);
+    struct dp_cut cut = { .t_cut = now_ns(), .sent = sent };
+    map_op(BPF_MAP_UPDATE_ELEM, rt->cuts_fd, &key, &cut);
 }
 
 /* Has the tenant an XDP bucket, its own or the one the others share while it is set? Only then
@@ -2140,7 +2155,7 @@ static uint32_t expire_stalled(struct dp_router *rt)
                           body, (uint32_t)len))
             break;                       /* egress full: try again at the next scan */
         if (!cut && bucketed(rt, r->tenant))
-            cut_at_xdp(rt, r->session_id, r->request_id, r->tenant);
+            cut_at_xdp(rt, r->session_id, r->request_id, r->tenant, DP_SENT(r->t_send, r->by_open));
         dp_adm_settle(rt->adm, r->tenant, &r->adm, r->tokens_in, 0, 0);
         if (r->in_fifo)
             fifo_remove(rt, &rt->w[r->worker], ri);
@@ -2152,7 +2167,7 @@ static uint32_t expire_stalled(struct dp_router *rt)
          * passed XDP and was dropped as a late duplicate, unanswered (found by review). A straggler
          * that passed XDP before the cut begins a request whose own expiry finds the cut again. */
         if (!cut)
-            remember_done(rt, r->key);
+            remember_done(rt, r->key, DP_SENT(r->t_send, r->by_open));
         not_run(rt, r);
         session_leave(rt, ri);
         r->status = DP_STATUS_BAD_REQUEST;
@@ -2398,7 +2413,7 @@ static void rehearse(struct dp_router *rt)
     uint64_t key = chunk_key(rt, c);
     rt->st.rehearsals++;
     warm_sink = index_find(rt, &rt->by_id, key, c, 1) + index_find(rt, &rt->by_session,
-                      session_key(rt, c->tenant, c->session_id), c, 0) + (uint32_t)recently_done(rt, key);
+                      session_key(rt, c->tenant, c->session_id), c, 0) + (uint32_t)recently_done(rt, key, c);
     char body[DP_MAX_RESP_BODY];
     struct dp_adm_decision d;
     dp_adm_decide(rt->adm, c->tenant, c->tokens, c->n_tokens, c->chunk_count, c->max_output_tokens,
