@@ -277,9 +277,10 @@ def check_args(args):
     if not (rate >= MIN_RATE and math.isfinite(rate)):      # inf passed, and failed after a pipeline was built
         raise ValueError(f"--rate must be a finite number >= {MIN_RATE:g} requests/s, not {rate:g} (a run sends "
                          f"{MIN_REQUESTS} requests at least: at 0.001 req/s, one run lasted hours)")
-    count = max(MIN_REQUESTS, int(rate * run_seconds(args.quick)))
-    if count > client.MAX_COUNT:
-        raise ValueError(f"--rate {rate:g} makes {count:,} requests a run: at most {client.MAX_COUNT:,}")
+    wanted = rate * run_seconds(args.quick)          # (a float: 1e308 req/s made int() of inf raise)
+    if wanted > client.MAX_COUNT:
+        raise ValueError(f"--rate {rate:g} makes {wanted:,.0f} requests a run: at most {client.MAX_COUNT:,}")
+    count = max(MIN_REQUESTS, int(wanted))
     if args.device is not None and args.device not in PROFILES:
         raise ValueError(f"unknown device profile {args.device!r} (known: {', '.join(PROFILES)})")
     if args.repeat is not None and args.repeat < 1:

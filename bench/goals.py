@@ -99,7 +99,7 @@ def _decode_delta(r):
     if not vs:
         return NO_FIGURE, ""
     codec = max(vs, key=vs.get)
-    return ("met" if vs[codec] <= 4096 else "missed"), f"{vs[codec]:,.0f} B at most ({codec})"
+    return ("met" if vs[codec] <= 4096 else "missed"), f"{vs[codec]:,.0f} B a step, the largest codec's mean ({codec})"
 
 
 def flatness_verdict(spread: float, dip: float | None, aimed: bool) -> str:

@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--listen", default=f"127.0.0.1:{DEFAULT_PORT}", metavar="HOST:PORT", type=_host_port,
                    help=f"address to listen on (default 127.0.0.1:{DEFAULT_PORT}; port 0 picks a free one)")
     t.add_argument("--nqn", default=DEFAULT_NQN, help=f"subsystem NQN (default {DEFAULT_NQN})")
-    t.add_argument("--maxh2cdata", type=parse_size, default=128 << 10, metavar="SIZE",
+    t.add_argument("--maxh2cdata", type=_maxh2cdata, default=128 << 10, metavar="SIZE",
                    help="largest H2CData PDU, and R2T chunk, the target accepts: a multiple of the block "
                         "size, in bytes or with a K/M suffix (default 128K)")
     v = sub.add_parser("serve", help="serve the store to worker processes over ZeroMQ until SIGTERM or Ctrl-C")
@@ -111,6 +111,16 @@ def _host_port(s: str) -> str:
     if not host or not port.isdigit() or int(port) > 65535:
         raise argparse.ArgumentTypeError(f"takes HOST:PORT, not {s!r} (for example 127.0.0.1:4420)")
     return s
+
+
+def _maxh2cdata(s: str) -> int:
+    """--maxh2cdata of target: under the spec's floor is a usage error (exit 2); not a multiple of
+    the device's block size is the device's (1), known once it is open."""
+    from .nvmetcp.target import MIN_MAXH2CDATA
+    n = parse_size(s)
+    if n < MIN_MAXH2CDATA:
+        raise argparse.ArgumentTypeError(f"is at least {MIN_MAXH2CDATA} bytes (NVMe/TCP), not {s!r}")
+    return n
 
 
 def _endpoint(s: str) -> str:
@@ -216,7 +226,10 @@ def _fsck(args) -> int:
         print(f"{store.path}: {st['sessions']} sessions, {st['records']} live records, every CRC read: "
               f"{st['log_records']} records from head {st['head']} to tail {st['tail']}")
         if st["torn_records_skipped"]:
-            print(f"  a torn record at the end of the log (an unacknowledged write cut by a crash): ignored")
+            # past the checkpoint (the last <= 10 ms of flushes) a torn write and a damaged one read alike
+            print("  a torn record ends the log: a write a crash cut, unacknowledged (ignored); or, if the "
+                  "device damaged an acknowledged one of the last flushes before the checkpoint, it and "
+                  "any after it are lost (snapshot-store.md, The checkpoint)")
         for p in problems:
             print(f"  damage: {p}")
         print("  clean" if not problems else f"  {len(problems)} problems")

@@ -864,7 +864,7 @@ def test_every_body_is_valid_json_within_1024_bytes_at_extreme_values(policy, ch
             continue
         doc = json.loads(ffi.unpack(body, n))
         assert n <= wire.MAX_RESP_BODY and "body too long" not in doc.get("error", "")
-        assert wire.decode_admission_body(ffi.unpack(body, n)).status == 200 if count_only else d.status
+        assert wire.decode_admission_body(ffi.unpack(body, n)).status == (200 if count_only else d.status)
 
 
 def test_a_body_that_is_not_an_admission_answer_is_a_wire_error():

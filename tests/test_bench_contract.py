@@ -67,7 +67,9 @@ def test_bench_help_and_bad_suite():
                        (["ring", "--soak"], "--soak is for the snapshot suite, not ring"),
                        (["e2e", "--rate", "40"], "--rate is for the compare suite, not e2e"),
                        # before the suite runs: it failed once the whole suite had run
-                       (["wire", "--quick", "--json", "/tmp"], "--json /tmp: not a file this user can write")):
+                       (["wire", "--quick", "--json", "/tmp"], "--json /tmp: not a file this user can write"),
+                       # root may write to /proc as os.access sees it; the write itself fails
+                       (["wire", "--quick", "--json", "/proc/x.json"], "--json /proc/x.json: not a file")):
         r = subprocess.run([sys.executable, "-m", "bench", *args], capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and said in r.stderr
 
@@ -326,6 +328,7 @@ def test_compare_runs_each_policy_under_the_same_load(tmp_path):
     for args, says in ((["--policy", "nope"], "unknown policy"), (["--policy", "affinity:x"], "must be a number"), (["--policy", "affinity:-1"], "> 0"),
                        (["--policy", "static:1"], "takes no parameter"),
                        (["--policy", "round_robin:3"], "'round_robin' takes no parameter"), (["--policy", "affinity", "--rate", "0"], "--rate"),
+                       (["--policy", "affinity", "--rate", "1e308"], "requests a run: at most"),
                        (["--policy", "affinity", "--device", "tpu"], "unknown device"), ([], "needs --policy")):
         json_path = tmp_path / "bad.json"
         bad = subprocess.run([sys.executable, "-m", "bench", "compare", "--json", str(json_path), *args],

@@ -93,6 +93,8 @@ def test_help_has_examples_and_bad_size_is_a_usage_error():
     # a bad --listen is a usage error too (exit 1 before, as a device's error), the file never touched
     r = cli("serve", "x.img", "--listen", "tcp://127.0.0.1:99999")
     assert r.returncode == 2 and "the port a number from 1 to 65535" in r.stderr and "usage:" in r.stderr
+    r = cli("target", "x.img", "--maxh2cdata", "3")            # under the spec's floor: exit 1 before
+    assert r.returncode == 2 and "at least 4096 bytes" in r.stderr and "usage:" in r.stderr
 
 
 def test_format_refuses_data_that_is_not_a_store_without_force(tmp_path):
