@@ -72,6 +72,8 @@ struct req {
     int16_t kv_first;                            /* the first of them, where the walk stops */
     uint8_t close;                               /* a CLOSE record's (close_session) */
     uint8_t by_open;                             /* its first record here was an OPEN (recently_done) */
+    int16_t was_on;                              /* the worker its session's request before it went to, as it
+                                                    was placed (-1: none known): its CLOSE's home if it fails */
     uint32_t arr;                                /* its tenant's entry in `arr` while it misses chunks (NIL:
                                                     none missing) */
     uint32_t tokens_in, generated;               /* what ran: settled against the admission's charge */
@@ -1039,6 +1041,7 @@ static int xdp_cut(const struct dp_router *rt, uint64_t session_id, uint64_t req
 static void cut_at_xdp(const struct dp_router *rt, uint64_t session_id, uint64_t request_id, uint32_t tenant,
                        uint64_t sent);
 static int bucketed(const struct dp_router *rt, uint32_t tenant);
+static void move_unrun(struct dp_router *rt, uint32_t ri, int nk);
 
 /* Request r ends without having run whole (failed, expired): its worker's copy of the session may
  * lack turns run elsewhere, and the session's later requests were flagged as if r had run there.
@@ -1047,7 +1050,23 @@ static void not_run(struct dp_router *rt, const struct req *r)
 {
     for (uint32_t n = r->session_next; n != NIL; n = rt->reqs[n].session_next)
         rt->reqs[n].moved = 1;
-    forget_run(rt, session_key(rt, r->tenant, r->session_id), r->worker);
+    uint64_t sk = session_key(rt, r->tenant, r->session_id);
+    forget_run(rt, sk, r->worker);
+    /* a CLOSE held behind it went where it was to run (close_session): it goes where the session
+     * is now, as a failover's does: where its request before is, or was before it (was_on). It
+     * ran on a worker that never held the session, whose holder kept it (found by review). */
+    uint32_t ci = r->in_session ? r->session_next : NIL;
+    /* (on a worker down, failover places it, whose pass has taken that worker's depth back) */
+    if (ci != NIL && rt->reqs[ci].close && rt->reqs[ci].held && rt->reqs[ci].worker == r->worker &&
+        rt->view.up[r->worker]) {
+        int home = session_home(rt, sk, r->session_prev);
+        if (home < 0 && r->was_on >= 0 && rt->view.up[r->was_on])
+            home = r->was_on;
+        if (home >= 0 && home != r->worker) {
+            rt->reqs[ci].pool = rt->w[home].pool;
+            move_unrun(rt, ci, home);
+        }
+    }
 }
 
 /* static batching: ri leaves worker w's running batch */
@@ -1212,6 +1231,8 @@ static struct req *req_init(struct dp_router *rt, uint32_t ri, const struct dp_c
     r->chunk_count = c->chunk_count;
     r->worker = (int16_t)wk;
     r->pool = pool;
+    const struct last_run *e = last_run_of(rt, session_key(rt, c->tenant, c->session_id));
+    r->was_on = (int16_t)(e->session == session_key(rt, c->tenant, c->session_id) ? e->worker : -1);
     r->moved = note_run(rt, session_key(rt, c->tenant, c->session_id), wk);
     rt->w[wk].st.placed++;
     r->state = REQ_PREFILL;

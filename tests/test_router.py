@@ -1939,3 +1939,32 @@ def test_a_retry_of_a_request_begun_with_an_open_is_an_open(bench_factory):
     b.run()
     assert [(int(r["request_id"]), int(r["status"])) for r in b.responses][10:] == [(10, 200)]
     assert b.router.stats()["late_duplicates"] == 2
+
+
+@pytest.mark.parametrize("how", ["expires", "bad chunk"])
+def test_a_close_held_behind_a_request_that_fails_runs_where_the_session_is(bench_factory, how):
+    """A runs on worker 0; B, held behind it, is placed on worker 1 (round robin), and the CLOSE
+    behind B with it. B fails without running (its chunks never all come, or one is malformed):
+    the CLOSE goes where the session is, worker 0. It ran on worker 1, which never held the
+    session, and worker 0 kept it (found by review)."""
+    b = bench_factory(n_workers=2, policy="round_robin", reassembly_timeout_s=0.05)
+    close = chunks_of(3, [], session=9)
+    close["kind"], close["n_tokens"] = wire.KIND_CLOSE, 0
+    second = chunks_of(2, list(range(200)), session=9, max_out=1)
+    b.send(chunks_of(1, [1, 2, 3], session=9, max_out=1), second[[0]], close)
+    b.router.poll()
+    if how == "bad chunk":
+        bad = second[[1]].copy()
+        bad["n_tokens"] = 0
+        b.send(bad)
+    ran = {0: [], 1: []}
+    deadline = time.monotonic() + 5
+    while len(b.responses) < 3 and time.monotonic() < deadline:
+        for k in (0, 1):
+            got = b.step(k)
+            if got is not None:
+                ran[k] += [(int(r["request_id"]), int(r["kind"])) for r in got]
+        time.sleep(0.005)
+    assert sorted((int(r["request_id"]), int(r["status"])) for r in b.responses) == [(1, 200), (2, 400), (3, 200)]
+    assert (3, wire.KIND_CLOSE) in ran[0] and (3, wire.KIND_CLOSE) not in ran[1], ran
+    assert [b.router.worker_stats(k)["depth"] for k in (0, 1)] == [0, 0]
