@@ -1440,18 +1440,21 @@ static int ingest(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, in
         return admit(rt, c, t, key, &ri);
     }
     if (bad_chunk(c)) {                  /* the whole request is refused, once */
-        rt->st.bad_chunks++;
         if (ri != NIL) {
+            rt->st.bad_chunks++;
             if (rt->reqs[ri].state != REQ_DONE)
                 fail_request(rt, rt->reqs[ri].worker, ri, DP_STATUS_BAD_REQUEST, WHY_BAD_CHUNK);
             return 1;
         }
-        if (recently_done(rt, key, c))
+        if (recently_done(rt, key, c)) {
+            rt->st.bad_chunks++;
             return 1;
+        }
         char body[DP_MAX_RESP_BODY];
         if (!answer(rt, c, DP_STATUS_BAD_REQUEST, body, (uint32_t)error_body(body, DP_STATUS_BAD_REQUEST,
                                                                              WHY_BAD_CHUNK)))
-            return 0;
+            return 0;                    /* tried again, and counted then */
+        rt->st.bad_chunks++;
         remember_done(rt, key, DP_SENT(c->t_send, c->kind == DP_KIND_OPEN));
         return 1;
     }

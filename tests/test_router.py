@@ -23,11 +23,11 @@ _seq = itertools.count()
 class Bench:
     """Rings around one router: an input ring, n worker lanes, an egress ring."""
 
-    def __init__(self, n_workers=1, **router_kw):
+    def __init__(self, n_workers=1, egress_slots=1024, **router_kw):
         tag = f"rt{os.getpid()}-{next(_seq)}"
         self.names = [f"{tag}.in", f"{tag}.out"]
         self.input = Ring.create(self.names[0], records.CHUNK.itemsize, 1024, role="producer")
-        self.egress = Ring.create(self.names[1], records.RESPONSE.itemsize, 1024, role="consumer")
+        self.egress = Ring.create(self.names[1], records.RESPONSE.itemsize, egress_slots, role="consumer")
         self.router = Router(**router_kw)
         self.router.add_input(self.input)
         self.router.set_egress(self.egress)
@@ -1968,3 +1968,29 @@ def test_a_close_held_behind_a_request_that_fails_runs_where_the_session_is(benc
     assert sorted((int(r["request_id"]), int(r["status"])) for r in b.responses) == [(1, 200), (2, 400), (3, 200)]
     assert (3, wire.KIND_CLOSE) in ran[0] and (3, wire.KIND_CLOSE) not in ran[1], ran
     assert [b.router.worker_stats(k)["depth"] for k in (0, 1)] == [0, 0]
+
+
+def test_a_malformed_chunk_that_waits_for_egress_room_is_counted_once(bench_factory):
+    """Its refusal found the egress full: the record stays in its ring and is taken again once
+    there is room, and counted then, not at each try."""
+    b = bench_factory(egress_slots=8)
+    b.send(*[chunks_of(rid, [1], max_out=1) for rid in range(100, 108)])
+    b.router.poll()
+    for _ in range(50):                       # run, the answers left unread: 8 fill the egress
+        batch = b.workers[0].recv_batch(0)
+        if batch is not None:
+            b.workers[0].send_completion(lanes.completion_for(batch, [7] * len(batch)))
+        b.router.poll()
+        if b.router.stats()["responses"] == 8:
+            break
+    assert b.router.stats()["responses"] == 8
+    bad = chunks_of(1, [1, 2])
+    bad["n_tokens"] = 0
+    b.send(bad)
+    for _ in range(5):
+        b.router.poll()
+    assert b.router.stats()["bad_chunks"] == 0, "not taken yet: no room for its answer"
+    b.collect()
+    b.router.poll()
+    b.collect()
+    assert [int(r["status"]) for r in b.responses].count(400) == 1 and b.router.stats()["bad_chunks"] == 1
