@@ -430,8 +430,11 @@ class LogStore:
         if not self.readonly:
             try:
                 self._bury_dropped()
-            except DeviceFull as e:               # opened all the same: said once, here
-                print(f"snapshotstore: {e}", file=sys.stderr)
+            except DeviceFull:                    # opened all the same: said once, here
+                # not "delete sessions": dead records hold the room, and reclaim frees it
+                print(f"snapshotstore: {self.path}: the tombstones of {len(self._dropped)} damaged sessions "
+                      f"wait for room ({self._ix.live_blocks} of {self.log_blocks} blocks live): the next "
+                      f"puts' reclaim writes them as it frees blocks", file=sys.stderr)
 
     def _superblock_block(self, i: int) -> bytes | None:
         """Copy i's block, or None if it cannot be read (EIO: a bad sector, which is what the second
