@@ -155,7 +155,7 @@ def main(argv=None) -> int:
             p.error(f"--json {args.json}: cannot make its directory ({e.strerror})")
         # tried, not asked of os.access, which says yes to root wherever the write then fails (/proc)
         try:
-            existed = where.exists()
+            existed = os.path.lexists(where)       # (a dangling link: its target made, then the link unlinked)
             with open(where, "a"):
                 pass
             if not existed:

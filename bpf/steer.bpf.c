@@ -504,15 +504,10 @@ int xdp_steer(struct xdp_md *ctx)
         ck = (struct dp_cut_key){ .session_id = req->session_id, .request_id = req->request_id,
                                   .tenant = tenant };
         more_to_come = DP_CUTTABLE(kind, req->chunk_count);
-        struct dp_cut *cut = b && more_to_come ? cuts.lookup(&ck) : NULL;
+        __u64 *cut = b && more_to_come ? cuts.lookup(&ck) : NULL;
         /* signed: a cut another CPU stamped after this one read its clock is live, not 2^64 ns old */
-        if (cut && (__s64)(now - cut->t_cut) < (__s64)DP_CUT_TTL_NS) {
-            /* a client's retry under the same ids is the request anew: its own chunks pass (they
-             * were dropped with the cut try's for 2 s, unanswered; found by review) */
-            if (!DP_RETRY(kind, req->chunk_index, req->send_ns, cut->sent))
-                return drop(DP_DROP_CUT_REQUEST);
-            cuts.delete(&ck);
-        }
+        if (cut && (__s64)(now - *cut) < (__s64)DP_CUT_TTL_NS)
+            return drop(DP_DROP_CUT_REQUEST);
         /* every other record costs its tokens, one at least: an OPEN or COUNT_TOKENS draws an
          * answer with a body, and free they let a sender past its rate (reflected, with a
          * forged source) */
@@ -563,10 +558,8 @@ int xdp_steer(struct xdp_md *ctx)
     return XDP_DROP;
 
 over:
-    if (more_to_come) {
-        struct dp_cut cut_now = { .t_cut = now, .sent = DP_SENT(req->send_ns, kind == DP_KIND_OPEN) };
-        cuts.update(&ck, &cut_now);
-    }
+    if (more_to_come)
+        cuts.update(&ck, &now);
     drop(DP_DROP_RATE_LIMITED);
     /* the OPEN of a one-chunk request draws no 429: its chunk, which follows it and carries the
      * request whole, gets the one answer (a 429, or run if the bucket has room by then); a 429

@@ -100,7 +100,9 @@ def open_packet(tenant: int, session_id: int, request_id: int, tokens, max_outpu
     """The OPEN record announcing a request of `tokens` (its chunk count; no tokens of its own): the
     router admits it, and reserves room for its chunks, before they come. Send it first, then the
     request's chunks (request_packets) with the same ids. trace: the record that opens a request
-    decides whether its answer carries the stamps (the chunks' flag comes too late for it)."""
+    decides whether its answer carries the stamps (the chunks' flag comes too late for it). For a
+    request of several chunks: a one-chunk request's chunk says all an OPEN would, and with the
+    XDP bucket set the two may draw two answers (docs/admission.md, "Cut requests")."""
     return wire.encode_request(wire.Request(kind=wire.KIND_OPEN, tenant=tenant, session_id=session_id,
                                             request_id=request_id, chunk_index=0, chunk_count=len(_chunks(tokens)),
                                             tokens=(), max_output_tokens=max_output_tokens,
@@ -125,7 +127,8 @@ def send(sock: socket.socket, packets: list[bytes], rate: float, count: int, dur
     several packets, spread by the gaps between them, and its latency (from its first chunk)
     includes that spread. `seq_base` numbers the requests (stamp_seq): a router remembers
     finished requests' keys, so a second run against the same router with the same packets and
-    base has its requests dropped as late duplicates (unanswered): give each run its own base.
+    base has those answered 200 dropped as late duplicates (unanswered), and those refused run
+    again as retries (their new stamps): give each run its own base.
 
     merge > 1 is client-side batching: requests arrive at `rate`, every `merge` of them leave
     as one packet (each packet must carry that many requests' prompts) once the last has

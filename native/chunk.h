@@ -113,12 +113,6 @@ struct dp_cut_key {
     __u32 tenant;
     __u32 pad;                   /* 0: the key is hashed as bytes */
 };
-/* What `cuts` holds of a cut request. */
-struct dp_cut {
-    __u64 t_cut;                 /* when it was cut (CLOCK_MONOTONIC ns, XDP's and the router's) */
-    __u64 sent;                  /* DP_SENT of the record it was cut at (of its request's first, when the
-                                    router cut it): a client's retry is told from its stragglers by it */
-};
 #define DP_CUTS 16384            /* cut requests remembered; the oldest go first */
 #define DP_CUT_TTL_NS 2000000000ull   /* how long a cut stands: past it, the same ids are a new request */
 /* LAYOUT END */
@@ -127,18 +121,6 @@ struct dp_cut {
  * its OPEN; a CLOSE or a COUNT_TOKENS never is. The steering program and the router both ask. */
 #define DP_CUTTABLE(kind, chunk_count) \
     ((chunk_count) > 1 && ((kind) == DP_KIND_CHUNK || (kind) == DP_KIND_OPEN))
-
-/* A try of a request, as the router's done cache and XDP's cuts remember it: its first record's send
- * stamp, the low bit 1 if that record was an OPEN. */
-#define DP_SENT(t_send, by_open) (((t_send) & ~1ull) | (__u64)!!(by_open))
-/* Record (kind, chunk_index, t_send) under the ids of a try remembered as `sent` is a client's retry,
- * the request anew, not one of the try's stragglers or repeats: it opens the request again (an OPEN;
- * or, unless the try began with one, a first chunk or a CLOSE) and was sent later (to the even ns).
- * A client that stamps nothing (0) cannot retry under the same ids. */
-#define DP_RETRY(kind, chunk_index, t_send, sent) \
-    (((kind) == DP_KIND_OPEN || (!((sent) & 1) && ((kind) == DP_KIND_CLOSE || \
-                                                   ((kind) == DP_KIND_CHUNK && !(chunk_index))))) && \
-     ((t_send) & ~1ull) > ((sent) & ~1ull))
 
 _Static_assert(sizeof(struct dp_chunk) == DP_CHUNK_LEN, "chunk record size");
 _Static_assert(__builtin_offsetof(struct dp_chunk, tokens) == DP_CHUNK_HDR_LEN, "tokens follow the header");

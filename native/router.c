@@ -170,7 +170,7 @@ struct dp_router {
     uint32_t done_head, done_tail;      /* finished requests waiting for egress room (via fifo_next) */
     uint64_t key_secret;                /* random per router: req_key, session_key */
     _Alignas(64) uint64_t recent[(1u << RECENT_SET_BITS) * RECENT_WAYS];   /* keys of requests that finished lately */
-    uint64_t recent_sent[(1u << RECENT_SET_BITS) * RECENT_WAYS];           /* ... each one's DP_SENT */
+    uint64_t recent_sent[(1u << RECENT_SET_BITS) * RECENT_WAYS];           /* ... each one's try (try_of) */
     uint8_t recent_next[1u << RECENT_SET_BITS];                             /* each set's oldest way */
     struct last_run last_run[1u << LAST_RUN_BITS];   /* direct-mapped, by session key */
     uint32_t reserved;                  /* pool slots promised to chunks of admitted requests not here yet */
@@ -779,19 +779,31 @@ static enum why worker_why(const struct req *r, const struct dp_completion_entry
  * forgotten once 8 newer ones landed in its set. Direct-mapped (4096 entries), any one finishing
  * request with the same 12 bits made it forget: a refused request's later chunks were then taken
  * for a new request, admitted or refused again, its client answered twice. Each key keeps its
- * try's DP_SENT, to tell a client's retry from a straggler (recently_done). */
-static void remember_done(struct dp_router *rt, uint64_t key, uint64_t sent)
+ * try (try_of), to tell a client's retry from a straggler (recently_done). */
+static void remember_done(struct dp_router *rt, uint64_t key, uint64_t try)
 {
     uint32_t set = (key >> 32) & ((1u << RECENT_SET_BITS) - 1), way = set * RECENT_WAYS + rt->recent_next[set];
     rt->recent[way] = key;
-    rt->recent_sent[way] = sent;
+    rt->recent_sent[way] = try;
     rt->recent_next[set] = (uint8_t)((rt->recent_next[set] + 1) % RECENT_WAYS);
 }
 
+#define TRY_SPENT UINT64_MAX   /* a try answered 200: its turn ran, so its ids admit no retry */
+
+/* A try that ended without its turn run (refused, failed, expired), as the done cache keeps it:
+ * its first record's send stamp, the low bit 1 if that record was an OPEN. */
+static uint64_t try_of(uint64_t t_send, int by_open)
+{
+    return (t_send & ~1ull) | (uint64_t)!!by_open;
+}
+
 /* Record c's request (key) finished lately, and c is one of its stragglers or repeats, not a
- * client's retry of it under the same ids (DP_RETRY, against the latest try remembered). Without
- * the retry's exception, a retry the answer asked for (a 429's retry_after, a 503's "retry") was
- * dropped unanswered as a late duplicate for thousands of requests more (found by review). */
+ * client's retry of it under the same ids. A retry opens the request again (an OPEN; or, unless
+ * the try began with one, a first chunk or a CLOSE) and was sent later than the latest try's
+ * first record (to the even ns), which ended without running: a retry the answer asked for (a
+ * 429's retry_after, a 503's "retry") was dropped unanswered as a late duplicate for thousands of
+ * requests more (found by review). One after a 200 is a repeat: run again, it would put its turn
+ * in the session twice. A client that stamps nothing (0) cannot retry under the same ids. */
 static int recently_done(const struct dp_router *rt, uint64_t key, const struct dp_chunk *c)
 {
     uint32_t base = ((key >> 32) & ((1u << RECENT_SET_BITS) - 1)) * RECENT_WAYS;
@@ -802,7 +814,9 @@ static int recently_done(const struct dp_router *rt, uint64_t key, const struct 
             hit = 1;
             latest = rt->recent_sent[base + i] > latest ? rt->recent_sent[base + i] : latest;
         }
-    return hit && !DP_RETRY(c->kind, c->chunk_index, c->t_send, latest);
+    int opens = c->kind == DP_KIND_OPEN ||
+                (!(latest & 1) && (c->kind == DP_KIND_CLOSE || (c->kind == DP_KIND_CHUNK && !c->chunk_index)));
+    return hit && !(opens && latest != TRY_SPENT && (c->t_send & ~1ull) > (latest & ~1ull));
 }
 
 static void free_list(struct dp_router *rt, uint32_t p)
@@ -1038,8 +1052,7 @@ static void price_admitted(struct dp_router *rt)
 
 static int xdp_cut(const struct dp_router *rt, uint64_t session_id, uint64_t request_id, uint32_t tenant,
                    uint64_t t_xdp);
-static void cut_at_xdp(const struct dp_router *rt, uint64_t session_id, uint64_t request_id, uint32_t tenant,
-                       uint64_t sent);
+static void cut_at_xdp(const struct dp_router *rt, uint64_t session_id, uint64_t request_id, uint32_t tenant);
 static int bucketed(const struct dp_router *rt, uint32_t tenant);
 static void move_unrun(struct dp_router *rt, uint32_t ri, int nk);
 
@@ -1052,18 +1065,20 @@ static void not_run(struct dp_router *rt, const struct req *r)
         rt->reqs[n].moved = 1;
     uint64_t sk = session_key(rt, r->tenant, r->session_id);
     forget_run(rt, sk, r->worker);
-    /* a CLOSE held behind it went where it was to run (close_session): it goes where the session
-     * is now, as a failover's does: where its request before is, or was before it (was_on). It
-     * ran on a worker that never held the session, whose holder kept it (found by review). */
+    /* r never reached its worker's lane: a CLOSE held behind it went where r was to run
+     * (close_session), a worker that never held the session, whose holder kept it (found by
+     * review). It goes where the session is, as a failover's does: where the request before r is,
+     * or was before r was placed (was_on). (On a worker down, failover places it, its pass having
+     * taken that worker's depth back; one that ran some of r there may hold the session too.) */
     uint32_t ci = r->in_session ? r->session_next : NIL;
-    /* (on a worker down, failover places it, whose pass has taken that worker's depth back) */
-    if (ci != NIL && rt->reqs[ci].close && rt->reqs[ci].held && rt->reqs[ci].worker == r->worker &&
+    if (ci != NIL && !r->t_worker && rt->reqs[ci].close && rt->reqs[ci].held && rt->reqs[ci].worker == r->worker &&
         rt->view.up[r->worker]) {
         int home = session_home(rt, sk, r->session_prev);
         if (home < 0 && r->was_on >= 0 && rt->view.up[r->was_on])
             home = r->was_on;
         if (home >= 0 && home != r->worker) {
             rt->reqs[ci].pool = rt->w[home].pool;
+            rt->pools[rt->reqs[ci].pool].requests++;
             move_unrun(rt, ci, home);
         }
     }
@@ -1092,11 +1107,11 @@ static void finish(struct dp_router *rt, uint32_t ri)
     if (r->status && r->received < r->chunk_count && bucketed(rt, r->tenant)) {
         silent = xdp_cut(rt, r->session_id, r->request_id, r->tenant, r->t_xdp);
         if (!silent)
-            cut_at_xdp(rt, r->session_id, r->request_id, r->tenant, DP_SENT(r->t_send, r->by_open));
+            cut_at_xdp(rt, r->session_id, r->request_id, r->tenant);
     }
     uint32_t next = r->in_session ? r->session_next : NIL;   /* (session_leave unlinks it) */
     session_leave(rt, ri);
-    remember_done(rt, r->key, DP_SENT(r->t_send, r->by_open));
+    remember_done(rt, r->key, r->status ? try_of(r->t_send, r->by_open) : TRY_SPENT);
     policy_done(rt, r);
     if (!r->status)
         w->st.answered++;
@@ -1211,7 +1226,7 @@ static int answer(struct dp_router *rt, const struct dp_chunk *c, uint16_t statu
         return 0;
     rt->st.responses++;
     if (several)
-        cut_at_xdp(rt, c->session_id, c->request_id, c->tenant, DP_SENT(c->t_send, c->kind == DP_KIND_OPEN));
+        cut_at_xdp(rt, c->session_id, c->request_id, c->tenant);
     return 1;
 }
 
@@ -1277,7 +1292,7 @@ static int admit(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, uin
         if (!answer(rt, c, d.status, body, len))
             return 0;
         dp_adm_commit(rt->adm, c->tenant, &d, t);
-        remember_done(rt, key, DP_SENT(c->t_send, c->kind == DP_KIND_OPEN));   /* its other chunks are not a new request */
+        remember_done(rt, key, try_of(c->t_send, c->kind == DP_KIND_OPEN));   /* its other chunks are not a new request */
         if (d.status == DP_STATUS_BAD_REQUEST)
             rt->st.adm_oversized++;
         else if (d.status == DP_STATUS_UNPROCESSABLE)
@@ -1298,7 +1313,7 @@ static int admit(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, uin
     if (shared && over_share(rt, c->tenant, c->chunk_count, &e)) {
         if (!unavailable(rt, c, WHY_SHARE, e))
             return 0;
-        remember_done(rt, key, DP_SENT(c->t_send, c->kind == DP_KIND_OPEN));
+        remember_done(rt, key, try_of(c->t_send, c->kind == DP_KIND_OPEN));
         rt->st.tenant_share_refused++;
         return 1;
     }
@@ -1313,7 +1328,7 @@ static int admit(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, uin
         if (!unavailable(rt, c, !room ? WHY_POOL : rt->req_free == NIL ? WHY_TABLE
                                 : wk == -2 ? WHY_BAD_PICK : WHY_NO_WORKER, NULL))
             return 0;
-        remember_done(rt, key, DP_SENT(c->t_send, c->kind == DP_KIND_OPEN));
+        remember_done(rt, key, try_of(c->t_send, c->kind == DP_KIND_OPEN));
         if (!room)
             rt->st.pool_refused++;
         else if (rt->req_free == NIL)
@@ -1388,7 +1403,7 @@ static int close_session(struct dp_router *rt, const struct dp_chunk *c, uint64_
         if (!unavailable(rt, c, over ? WHY_SHARE : rt->st.pool_free <= rt->reserved ? WHY_POOL
                                     : rt->req_free == NIL ? WHY_TABLE : wk == -2 ? WHY_BAD_PICK : WHY_NO_WORKER, e))
             return 0;
-        remember_done(rt, key, DP_SENT(c->t_send, c->kind == DP_KIND_OPEN));
+        remember_done(rt, key, try_of(c->t_send, c->kind == DP_KIND_OPEN));
         rt->st.tenant_share_refused += (uint64_t)over;
         rt->st.bad_picks += wk == -2;
         return 1;
@@ -1455,7 +1470,7 @@ static int ingest(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, in
                                                                              WHY_BAD_CHUNK)))
             return 0;                    /* tried again, and counted then */
         rt->st.bad_chunks++;
-        remember_done(rt, key, DP_SENT(c->t_send, c->kind == DP_KIND_OPEN));
+        remember_done(rt, key, try_of(c->t_send, c->kind == DP_KIND_OPEN));
         return 1;
     }
     if (ri == NIL && recently_done(rt, key, c)) {
@@ -2112,22 +2127,21 @@ static int xdp_cut(const struct dp_router *rt, uint64_t session_id, uint64_t req
     if (rt->cuts_fd < 0 || !t_xdp)
         return 0;
     struct dp_cut_key key = { .session_id = session_id, .request_id = request_id, .tenant = tenant };
-    struct dp_cut cut;
-    return map_op(BPF_MAP_LOOKUP_ELEM, rt->cuts_fd, &key, &cut) && cut.t_cut + DP_CUT_TTL_NS >= t_xdp;
+    uint64_t when;
+    return map_op(BPF_MAP_LOOKUP_ELEM, rt->cuts_fd, &key, &when) && when + DP_CUT_TTL_NS >= t_xdp;
 }
 
 /* A request the router answered before all its chunks came (a refusal, an expiry, a failure):
  * the rest is cut at XDP as its bucket would (dropped, uncharged, unanswered, for DP_CUT_TTL_NS;
  * only for tenants with a bucket, whose chunks XDP checks), so the bucket running dry on one of
  * them does not answer the request again with a 429. Both sides stamp CLOCK_MONOTONIC. */
-static void cut_at_xdp(const struct dp_router *rt, uint64_t session_id, uint64_t request_id, uint32_t tenant,
-                       uint64_t sent)
+static void cut_at_xdp(const struct dp_router *rt, uint64_t session_id, uint64_t request_id, uint32_t tenant)
 {
     if (rt->cuts_fd < 0)
         return;
     struct dp_cut_key key = { .session_id = session_id, .request_id = request_id, .tenant = tenant };
-    struct dp_cut cut = { .t_cut = now_ns(), .sent = sent };
-    map_op(BPF_MAP_UPDATE_ELEM, rt->cuts_fd, &key, &cut);
+    uint64_t now = now_ns();
+    map_op(BPF_MAP_UPDATE_ELEM, rt->cuts_fd, &key, &now);
 }
 
 /* Has the tenant an XDP bucket, its own or the one the others share while it is set? Only then
@@ -2179,7 +2193,7 @@ static uint32_t expire_stalled(struct dp_router *rt)
                           body, (uint32_t)len))
             break;                       /* egress full: try again at the next scan */
         if (!cut && bucketed(rt, r->tenant))
-            cut_at_xdp(rt, r->session_id, r->request_id, r->tenant, DP_SENT(r->t_send, r->by_open));
+            cut_at_xdp(rt, r->session_id, r->request_id, r->tenant);
         dp_adm_settle(rt->adm, r->tenant, &r->adm, r->tokens_in, 0, 0);
         if (r->in_fifo)
             fifo_remove(rt, &rt->w[r->worker], ri);
@@ -2191,7 +2205,7 @@ static uint32_t expire_stalled(struct dp_router *rt)
          * passed XDP and was dropped as a late duplicate, unanswered (found by review). A straggler
          * that passed XDP before the cut begins a request whose own expiry finds the cut again. */
         if (!cut)
-            remember_done(rt, r->key, DP_SENT(r->t_send, r->by_open));
+            remember_done(rt, r->key, try_of(r->t_send, r->by_open));
         not_run(rt, r);
         session_leave(rt, ri);
         r->status = DP_STATUS_BAD_REQUEST;

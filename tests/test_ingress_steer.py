@@ -467,44 +467,6 @@ def test_an_open_over_the_bucket_cuts_its_request_and_a_count_does_not(ig):
     settle(ig, consumer)
 
 
-def test_a_retry_passes_its_first_try_s_cut_and_the_cut_try_s_stragglers_do_not(ig):
-    """Within a cut's 2 s, a record that opens the request again, sent later than the record it was
-    cut at, is the client's retry: it passes, and its later chunks with it (the cut is gone). The cut
-    try's stragglers, and a first chunk sent before the cut record, are still dropped. After a cut
-    at an OPEN, its first chunk (sent after it) is a straggler: only an OPEN opens it again. Until
-    session 37 a retry within the 2 s was dropped whole, unanswered (found by review)."""
-    ig, consumer = ig
-
-    def sent(i, at, rid=90, **kw):
-        return frame(req(request_id=rid, chunk_count=3, chunk_index=i, send_ns=at, **kw))
-
-    def room():
-        ig.clear_rate(7)
-        ig.set_rate(7, tokens_per_minute=1_000_000, burst_tokens=100_000)
-
-    def seen(*frames):
-        before = ig.counters()
-        for f in frames:
-            prog_test_run(ig.fn.fd, f)
-        after = ig.counters()
-        return {k: after[k] - before[k] for k in after if after[k] != before[k] and not k[5:].isdigit()}   # (queue<n>)
-
-    limited(ig)
-    settle(ig, consumer)
-    assert prog_test_run(ig.fn.fd, sent(1, 1000))[0] == XDP_TX       # cut at its second chunk: 429
-    room()
-    assert seen(sent(2, 1001), sent(0, 999)) == {"drop_cut_request": 2}
-    assert seen(sent(0, 2000), sent(1, 2001), sent(2, 2002)) == {"queued": 3}
-    assert [int(r["chunk_index"]) for r in wait_records(consumer, 3)] == [0, 1, 2]
-    ig.clear_rate(7)
-    limited(ig)
-    assert prog_test_run(ig.fn.fd, sent(0, 3000, rid=91, tokens=(), kind=wire.KIND_OPEN))[0] == XDP_TX
-    room()
-    assert seen(sent(0, 3001, rid=91)) == {"drop_cut_request": 1}
-    assert seen(sent(0, 4000, rid=91, tokens=(), kind=wire.KIND_OPEN), sent(0, 4001, rid=91)) == {"queued": 2}
-    settle(ig, consumer)
-
-
 # a record is the chunk's header and its tokens rounded up to 16, 32, 64 or 128 (steer.h)
 SIZES = (1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128)
 
