@@ -69,10 +69,14 @@ def namespace_sources(netns: str | None = None) -> set[str]:
     return found
 
 
+def _as_read(address: str) -> int:
+    """An IPv4 address in network order, as the program reads it into a u32."""
+    return struct.unpack("=I", ipaddress.IPv4Address(address).packed)[0]
+
+
 def source_bit(address: str) -> int:
     """An IPv4 address's bit in the policy's host_source_bits (the program's hash of it)."""
-    addr = struct.unpack("=I", ipaddress.IPv4Address(address).packed)[0]   # as read there
-    return 1 << ((addr * lib.DP_SOURCE_HASH_MUL) % (1 << 32) >> 26)
+    return 1 << ((_as_read(address) * lib.DP_SOURCE_HASH_MUL) % (1 << 32) >> 26)
 
 
 def session_queue(session_id: int, queues: int) -> int:
@@ -230,7 +234,7 @@ class Ingress:
         addresses = list(addresses or ())
         if len(addresses) > LOCAL_ADDRS:
             raise ValueError(f"at most {LOCAL_ADDRS} addresses, not {len(addresses)}")
-        packed = [struct.unpack("=I", ipaddress.IPv4Address(a).packed)[0] for a in addresses]   # as read there
+        packed = [_as_read(a) for a in addresses]
         # two updates: the program reads the entry meanwhile, and one update is a plain copy, so it
         # could see the count with the old addresses; with the count 0 first it takes every datagram
         t = self.table("policy")
@@ -253,13 +257,11 @@ class Ingress:
         if len(addresses) > HOST_ADDRS:
             raise ValueError(f"at most {HOST_ADDRS} addresses refused as a source, not {len(addresses)} "
                              f"({', '.join(addresses)})")
-        def key(a):
-            return struct.unpack("=I", ipaddress.IPv4Address(a).packed)[0]   # as read there
         for a in self._host_sources - set(addresses):   # those in both stay in throughout
-            self._forget("host_sources", key(a))
+            self._forget("host_sources", _as_read(a))
         t = self.table("host_sources")
         for a in addresses:
-            t[t.Key(key(a))] = t.Leaf(1)
+            t[t.Key(_as_read(a))] = t.Leaf(1)
         self._set_policy_field("host_source_bits", functools.reduce(operator.or_, map(source_bit, addresses), 0))
         self._host_sources = set(addresses)
 
