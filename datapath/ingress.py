@@ -141,8 +141,7 @@ class Ingress:
         """
         # the namespace's own addresses are refused as a source from the first packet on: read
         # first, so a namespace with more than the program holds attaches nothing
-        sources = self._host_sources | namespace_sources(netns)
-        self.refuse_sources(sorted(sources))
+        self.refuse_sources(list(self._host_sources | namespace_sources(netns)))
         # listed before they attach, so close() detaches one that an error (or a signal) interrupts
         # after the attach, in attached_mode() (detach of one whose mode is unset does nothing)
         att = xdp.XdpAttachment(self.fn.fd, ifname, netns, mode)

@@ -804,6 +804,12 @@ static uint64_t try_of(uint64_t t_send, int by_open)
  * 429's retry_after, a 503's "retry") was dropped unanswered as a late duplicate for thousands of
  * requests more (found by review). One after a 200 is a repeat: run again, it would put its turn
  * in the session twice. A client that stamps nothing (0) cannot retry under the same ids. */
+/* A request refused at its record c, before it had a slot: remembered as its try. */
+static void remember_refused(struct dp_router *rt, uint64_t key, const struct dp_chunk *c)
+{
+    remember_done(rt, key, try_of(c->t_send, c->kind == DP_KIND_OPEN));
+}
+
 static int recently_done(const struct dp_router *rt, uint64_t key, const struct dp_chunk *c)
 {
     uint32_t base = ((key >> 32) & ((1u << RECENT_SET_BITS) - 1)) * RECENT_WAYS;
@@ -1246,9 +1252,10 @@ static struct req *req_init(struct dp_router *rt, uint32_t ri, const struct dp_c
     r->chunk_count = c->chunk_count;
     r->worker = (int16_t)wk;
     r->pool = pool;
-    const struct last_run *e = last_run_of(rt, session_key(rt, c->tenant, c->session_id));
-    r->was_on = (int16_t)(e->session == session_key(rt, c->tenant, c->session_id) ? e->worker : -1);
-    r->moved = note_run(rt, session_key(rt, c->tenant, c->session_id), wk);
+    uint64_t sk = session_key(rt, c->tenant, c->session_id);
+    const struct last_run *e = last_run_of(rt, sk);
+    r->was_on = (int16_t)(e->session == sk ? e->worker : -1);
+    r->moved = note_run(rt, sk, wk);
     rt->w[wk].st.placed++;
     r->state = REQ_PREFILL;
     r->arr = NIL;
@@ -1292,7 +1299,7 @@ static int admit(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, uin
         if (!answer(rt, c, d.status, body, len))
             return 0;
         dp_adm_commit(rt->adm, c->tenant, &d, t);
-        remember_done(rt, key, try_of(c->t_send, c->kind == DP_KIND_OPEN));   /* its other chunks are not a new request */
+        remember_refused(rt, key, c);   /* its other chunks are not a new request */
         if (d.status == DP_STATUS_BAD_REQUEST)
             rt->st.adm_oversized++;
         else if (d.status == DP_STATUS_UNPROCESSABLE)
@@ -1313,7 +1320,7 @@ static int admit(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, uin
     if (shared && over_share(rt, c->tenant, c->chunk_count, &e)) {
         if (!unavailable(rt, c, WHY_SHARE, e))
             return 0;
-        remember_done(rt, key, try_of(c->t_send, c->kind == DP_KIND_OPEN));
+        remember_refused(rt, key, c);
         rt->st.tenant_share_refused++;
         return 1;
     }
@@ -1328,7 +1335,7 @@ static int admit(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, uin
         if (!unavailable(rt, c, !room ? WHY_POOL : rt->req_free == NIL ? WHY_TABLE
                                 : wk == -2 ? WHY_BAD_PICK : WHY_NO_WORKER, NULL))
             return 0;
-        remember_done(rt, key, try_of(c->t_send, c->kind == DP_KIND_OPEN));
+        remember_refused(rt, key, c);
         if (!room)
             rt->st.pool_refused++;
         else if (rt->req_free == NIL)
@@ -1403,7 +1410,7 @@ static int close_session(struct dp_router *rt, const struct dp_chunk *c, uint64_
         if (!unavailable(rt, c, over ? WHY_SHARE : rt->st.pool_free <= rt->reserved ? WHY_POOL
                                     : rt->req_free == NIL ? WHY_TABLE : wk == -2 ? WHY_BAD_PICK : WHY_NO_WORKER, e))
             return 0;
-        remember_done(rt, key, try_of(c->t_send, c->kind == DP_KIND_OPEN));
+        remember_refused(rt, key, c);
         rt->st.tenant_share_refused += (uint64_t)over;
         rt->st.bad_picks += wk == -2;
         return 1;
@@ -1470,7 +1477,7 @@ static int ingest(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, in
                                                                              WHY_BAD_CHUNK)))
             return 0;                    /* tried again, and counted then */
         rt->st.bad_chunks++;
-        remember_done(rt, key, try_of(c->t_send, c->kind == DP_KIND_OPEN));
+        remember_refused(rt, key, c);
         return 1;
     }
     if (ri == NIL && recently_done(rt, key, c)) {
