@@ -101,8 +101,8 @@ def open_packet(tenant: int, session_id: int, request_id: int, tokens, max_outpu
     router admits it, and reserves room for its chunks, before they come. Send it first, then the
     request's chunks (request_packets) with the same ids. trace: the record that opens a request
     decides whether its answer carries the stamps (the chunks' flag comes too late for it). For a
-    request of several chunks: a one-chunk request's chunk says all an OPEN would, and with the
-    XDP bucket set the two may draw two answers (docs/admission.md, "Cut requests")."""
+    request of several chunks: the router takes a one-chunk request's OPEN without effect, its
+    chunk saying all the OPEN would (docs/admission.md, "Cut requests")."""
     return wire.encode_request(wire.Request(kind=wire.KIND_OPEN, tenant=tenant, session_id=session_id,
                                             request_id=request_id, chunk_index=0, chunk_count=len(_chunks(tokens)),
                                             tokens=(), max_output_tokens=max_output_tokens,

@@ -797,6 +797,12 @@ static uint64_t try_of(uint64_t t_send, int by_open)
     return (t_send & ~1ull) | (uint64_t)!!by_open;
 }
 
+/* A request refused at its record c, before it had a slot: remembered as its try. */
+static void remember_refused(struct dp_router *rt, uint64_t key, const struct dp_chunk *c)
+{
+    remember_done(rt, key, try_of(c->t_send, c->kind == DP_KIND_OPEN));
+}
+
 /* Record c's request (key) finished lately, and c is one of its stragglers or repeats, not a
  * client's retry of it under the same ids. A retry opens the request again (an OPEN; or, unless
  * the try began with one, a first chunk or a CLOSE) and was sent later than the latest try's
@@ -804,12 +810,6 @@ static uint64_t try_of(uint64_t t_send, int by_open)
  * 429's retry_after, a 503's "retry") was dropped unanswered as a late duplicate for thousands of
  * requests more (found by review). One after a 200 is a repeat: run again, it would put its turn
  * in the session twice. A client that stamps nothing (0) cannot retry under the same ids. */
-/* A request refused at its record c, before it had a slot: remembered as its try. */
-static void remember_refused(struct dp_router *rt, uint64_t key, const struct dp_chunk *c)
-{
-    remember_done(rt, key, try_of(c->t_send, c->kind == DP_KIND_OPEN));
-}
-
 static int recently_done(const struct dp_router *rt, uint64_t key, const struct dp_chunk *c)
 {
     uint32_t base = ((key >> 32) & ((1u << RECENT_SET_BITS) - 1)) * RECENT_WAYS;
@@ -1454,8 +1454,12 @@ static int ingest(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, in
     if (c->kind == DP_KIND_CLOSE)
         return close_session(rt, c, t, key, ri, fed);
     if (c->kind == DP_KIND_OPEN) {       /* admits the request before its chunks come */
-        if (ri != NIL || recently_done(rt, key, c) || c->chunk_count < 1) {
-            rt->st.control_in++;         /* a repeat, or too late: its chunks decided already */
+        /* a one-chunk request's OPEN is taken without effect: its chunk carries the request whole
+         * and decides it. Admitted or refused here, the request could draw two answers: the
+         * OPEN's refusal and the XDP bucket's 429 to its chunk, or that 429 and a 400 at the
+         * reassembly timeout (found by review) */
+        if (c->chunk_count < 2 || ri != NIL || recently_done(rt, key, c)) {
+            rt->st.control_in++;         /* that, a repeat, or too late: its chunks decided already */
             return 1;
         }
         rt->st.opened++;

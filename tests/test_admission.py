@@ -252,9 +252,30 @@ def test_an_open_record_is_priced_at_the_highest_entropy_and_admits_its_chunks(b
     assert resp["status"] == 200 and resp["n_out"] == 4
     # a refused OPEN makes its chunks late duplicates: nothing runs
     b.router.set_tenant(3, TenantPolicy(price_per_1k=1000, budget_per_day=1))
-    b.send(open_record(2, 1, 4, tenant=3), chunks_of(2, [1], max_out=4, tenant=3))
+    b.send(open_record(2, 2, 4, tenant=3), chunks_of(2, [1] * 200, max_out=4, tenant=3))
     b.run()
-    assert by_id(b.responses)[2]["status"] == 422 and b.router.stats()["late_duplicates"] == 1
+    assert by_id(b.responses)[2]["status"] == 422 and b.router.stats()["late_duplicates"] == 2
+
+
+def test_a_one_chunk_request_s_open_is_taken_without_effect(bench_factory):
+    """Its chunk carries the request whole and decides it alone. Admitting or refusing the request
+    at the OPEN gave two answers whenever XDP's bucket refused the chunk (429): the OPEN's own
+    refusal, or a 400 when the request it admitted expired without its chunk (found by review)."""
+    b = bench_factory(reassembly_timeout_s=0.05)
+    b.router.set_tenant(3, TenantPolicy(price_per_1k=1000, budget_per_day=1))
+    b.send(open_record(1, 1, 4, tenant=3),      # over its budget: was refused 422 at the OPEN
+           open_record(2, 1, 4, tenant=4))      # was admitted, then expired (its chunk cut by XDP)
+    b.router.poll()
+    time.sleep(0.1)
+    b.router.poll()
+    b.collect()
+    st = b.router.stats()
+    assert b.responses == [] and (st["opened"], st["admitted"], st["control_in"]) == (0, 0, 2)
+    assert b.router.tenant_stats(3)["charged"] == 0
+    b.send(chunks_of(1, [1], max_out=4, tenant=3), chunks_of(2, [1], max_out=4, tenant=4))
+    b.run()
+    assert {rid: int(r["status"]) for rid, r in by_id(b.responses).items()} == {1: 422, 2: 200}
+    assert len(b.responses) == 2
 
 
 # --- 429 -------------------------------------------------------------------------------------------------
@@ -593,20 +614,20 @@ def test_one_tenant_s_requests_that_never_arrive_whole_cannot_hold_the_router(be
     promised) and of the request table; the others still get in, and the share comes back as its
     requests complete or expire."""
     b = bench_factory(pool_chunks=64, max_requests=16, reassembly_timeout_s=0.3)
-    held = chunks_of(99, list(range(15 * 128)), max_out=1, tenant=5)[:14]      # 15 chunks, all but one sent
+    held = chunks_of(99, list(range(14 * 128)), max_out=1, tenant=5)[:13]      # 14 chunks, all but one sent
     hog = [open_record(100 + i, 8, 1, tenant=5) for i in range(6)]             # 8 chunks each, none sent
     b.send(held, *hog)
     b.router.poll()
     b.collect()
     refused = [int(r["request_id"]) for r in b.responses if int(r["status"]) == 503]
-    assert refused == list(range(100, 106)), "15 + 8 > 16: the chunks it holds count, not only the missing one"
+    assert refused == list(range(100, 106)), "14 + 8 > 16: the chunks it holds count, not only the missing one"
     doc = json.loads(body_of(b.responses[0]))
-    assert (doc["requests_arriving"], doc["their_chunks"], doc["share_chunks"]) == (1, 15, 16)
-    b.send(open_record(106, 1, 1, tenant=5))                                   # 15 + 1 fits
+    assert (doc["requests_arriving"], doc["their_chunks"], doc["share_chunks"]) == (1, 14, 16)
+    b.send(open_record(106, 2, 1, tenant=5))                                   # 14 + 2 fits
     b.router.poll()
     b.collect()
     assert all(int(r["request_id"]) != 106 for r in b.responses)
-    few = [open_record(200 + i, 1, 1, tenant=6) for i in range(5)]            # a table's quarter: 4 requests
+    few = [open_record(200 + i, 2, 1, tenant=6) for i in range(5)]            # a table's quarter: 4 requests
     b.send(*few, *[chunks_of(300 + t, [t, t + 1], max_out=1, tenant=t) for t in (1, 2, 3)])
     b.router.poll()
     b.collect()
