@@ -266,6 +266,26 @@ static __always_inline int may_reply(const struct ethhdr *eth, const struct iphd
            ip6_host(ip6h->saddr.in6_u.u6_addr32) && ip6_host(ip6h->daddr.in6_u.u6_addr32);
 }
 
+/* Is this record, under a live cut, a client's retry of the cut request, or one of the retry's
+ * records? The rule is the router's done cache's (router.c, recently_done): a retry opens the
+ * request again (an OPEN; or, unless the cut try began with one, a first chunk) and was sent
+ * later than the cut try. Its records pass from its stamp on; the try's stragglers, sent before,
+ * are still dropped. Before, a retry that a 429's retry_after or a 503's "retry" asked for was
+ * dropped, unanswered, for DP_CUT_TTL_NS (found by review). A client that stamps nothing (0)
+ * cannot retry under the same ids. */
+static __always_inline int cut_retry(struct dp_cut *cut, const struct dp_req_hdr *req, __u8 kind)
+{
+    __u64 sent = req->send_ns & ~1ull, retry = cut->retry_sent, tried = cut->try_sent;
+    if (retry && sent >= retry)
+        return 1;
+    if (kind != DP_KIND_OPEN && (req->chunk_index || (tried & 1)))
+        return 0;
+    if (sent <= (tried & ~1ull))
+        return 0;
+    cut->retry_sent = sent;   /* (another CPU's retry of it may race: either stamp lets the later records by) */
+    return 1;
+}
+
 /* Turn the request in place into a response to its sender with this status and no body. */
 static __always_inline int reply(struct xdp_md *ctx, struct ethhdr *eth, struct iphdr *iph, struct ipv6hdr *ip6h,
                                  int v6, struct udphdr *udph, struct dp_req_hdr *req, __u16 status)
@@ -504,9 +524,9 @@ int xdp_steer(struct xdp_md *ctx)
         ck = (struct dp_cut_key){ .session_id = req->session_id, .request_id = req->request_id,
                                   .tenant = tenant };
         more_to_come = DP_CUTTABLE(kind, req->chunk_count);
-        __u64 *cut = b && more_to_come ? cuts.lookup(&ck) : NULL;
+        struct dp_cut *cut = b && more_to_come ? cuts.lookup(&ck) : NULL;
         /* signed: a cut another CPU stamped after this one read its clock is live, not 2^64 ns old */
-        if (cut && (__s64)(now - *cut) < (__s64)DP_CUT_TTL_NS)
+        if (cut && (__s64)(now - cut->t_cut) < (__s64)DP_CUT_TTL_NS && !cut_retry(cut, req, kind))
             return drop(DP_DROP_CUT_REQUEST);
         /* every other record costs its tokens, one at least: an OPEN or COUNT_TOKENS draws an
          * answer with a body, and free they let a sender past its rate (reflected, with a
@@ -558,8 +578,10 @@ int xdp_steer(struct xdp_md *ctx)
     return XDP_DROP;
 
 over:
-    if (more_to_come)
-        cuts.update(&ck, &now);
+    if (more_to_come) {
+        struct dp_cut c = { .t_cut = now, .try_sent = (req->send_ns & ~1ull) | (kind == DP_KIND_OPEN) };
+        cuts.update(&ck, &c);
+    }
     drop(DP_DROP_RATE_LIMITED);
     /* the OPEN of a one-chunk request draws no 429: its chunk, which follows it and carries the
      * request whole, gets the one answer (a 429, or run if the bucket has room by then); a 429

@@ -52,7 +52,7 @@ BPF_HASH(host_sources, __u32, __u8, DP_MAX_HOST_ADDRS);
 /* the one bucket every tenant without a bucket of its own shares (ns_per_token 0: none), so made-up
  * tenant ids are not a way past the limits */
 BPF_ARRAY(others_bucket, struct dp_bucket, 1);
-BPF_TABLE("lru_hash", struct dp_cut_key, __u64, cuts, DP_CUTS);   /* requests the bucket cut (chunk.h, dp_cut_key) */
+BPF_TABLE("lru_hash", struct dp_cut_key, struct dp_cut, cuts, DP_CUTS);   /* requests the bucket cut (chunk.h, dp_cut_key) */
 
 /* the queues: one ring buffer each (bcc needs one declaration per map) */
 BPF_RINGBUF_OUTPUT(ring0, DP_RING_PAGES);

@@ -102,16 +102,26 @@ struct dp_response_rec {
     };
 };
 
-/* Key of the steering program's `cuts` LRU map (value: the cut's bpf_ktime_get_ns), written
- * by XDP, read by the router: a request of several chunks whose chunk, or OPEN, the tenant's
- * bucket refused. That record is answered 429; the request's later chunks, for DP_CUT_TTL_NS, are
- * dropped uncharged and unanswered; and the router, finding the key when what did pass of it
- * expires, drops that without a 400 (router.c, expire_stalled). */
+/* Key of the steering program's `cuts` LRU map (value: struct dp_cut), written by XDP, read by
+ * the router: a request of several chunks whose chunk, or OPEN, the tenant's bucket refused. That
+ * record is answered 429; the request's later chunks, for DP_CUT_TTL_NS, are dropped uncharged
+ * and unanswered, but for a client's retry of it; and the router, finding the key when what did
+ * pass of it expires, drops that without a 400 (router.c, expire_stalled). The router writes
+ * cuts too, for a request it answered before all its chunks came (router.c, cut_at_xdp). */
 struct dp_cut_key {
     __u64 session_id;
     __u64 request_id;
     __u32 tenant;
     __u32 pad;                   /* 0: the key is hashed as bytes */
+};
+struct dp_cut {
+    __u64 t_cut;                 /* CLOCK_MONOTONIC of the cut (bpf_ktime_get_ns) */
+    __u64 try_sent;              /* the try it cut: the client's send stamp of its record (XDP) or of
+                                  * its first (the router), the low bit 1 if that record was an OPEN */
+    __u64 retry_sent;            /* 0, or the send stamp (even) of the retry that passed: a record that
+                                  * opens the request again, sent later than the try (an OPEN; or,
+                                  * unless the try began with one, a first chunk). The retry's records,
+                                  * sent from then on, pass; the try's stragglers are still dropped */
 };
 #define DP_CUTS 16384            /* cut requests remembered; the oldest go first */
 #define DP_CUT_TTL_NS 2000000000ull   /* how long a cut stands: past it, the same ids are a new request */

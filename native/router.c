@@ -56,6 +56,8 @@ struct req {
     uint32_t inflight;                           /* records in the worker's current batch */
     uint32_t session_prev, session_next;         /* the session's unfinished requests, in arrival order */
     uint64_t t_send, t_xdp, t_first_lane, t_ready, t_last;
+    uint64_t t_send_max;                         /* the latest send stamp of its records, repeats too: a
+                                                    retry's, once one passed XDP's cut (xdp_cut) */
     uint64_t t_in;                               /* the router's first sight of it (its policy's latency) */
     uint64_t t_worker;                           /* its first record in its current worker's lane (0: none yet) */
     uint32_t client_ip;                          /* where the response goes (from the first chunk) */
@@ -1057,8 +1059,9 @@ static void price_admitted(struct dp_router *rt)
 }
 
 static int xdp_cut(const struct dp_router *rt, uint64_t session_id, uint64_t request_id, uint32_t tenant,
-                   uint64_t t_xdp);
-static void cut_at_xdp(const struct dp_router *rt, uint64_t session_id, uint64_t request_id, uint32_t tenant);
+                   uint64_t t_xdp, uint64_t sent);
+static void cut_at_xdp(const struct dp_router *rt, uint64_t session_id, uint64_t request_id, uint32_t tenant,
+                       uint64_t try);
 static int bucketed(const struct dp_router *rt, uint32_t tenant);
 static void move_unrun(struct dp_router *rt, uint32_t ri, int nk);
 
@@ -1111,9 +1114,9 @@ static void finish(struct dp_router *rt, uint32_t ri)
      * bucket's 429 was its answer), not answered again (found by review) */
     int silent = 0;
     if (r->status && r->received < r->chunk_count && bucketed(rt, r->tenant)) {
-        silent = xdp_cut(rt, r->session_id, r->request_id, r->tenant, r->t_xdp);
+        silent = xdp_cut(rt, r->session_id, r->request_id, r->tenant, r->t_xdp, r->t_send_max);
         if (!silent)
-            cut_at_xdp(rt, r->session_id, r->request_id, r->tenant);
+            cut_at_xdp(rt, r->session_id, r->request_id, r->tenant, try_of(r->t_send, r->by_open));
     }
     uint32_t next = r->in_session ? r->session_next : NIL;   /* (session_leave unlinks it) */
     session_leave(rt, ri);
@@ -1224,7 +1227,7 @@ static int answer(struct dp_router *rt, const struct dp_chunk *c, uint16_t statu
 {
     /* as XDP's: a CLOSE or a COUNT_TOKENS is never cut there (found by review) */
     int several = status != DP_STATUS_OK && DP_CUTTABLE(c->kind, c->chunk_count) && bucketed(rt, c->tenant);
-    if (several && xdp_cut(rt, c->session_id, c->request_id, c->tenant, c->t_xdp)) {
+    if (several && xdp_cut(rt, c->session_id, c->request_id, c->tenant, c->t_xdp, c->t_send)) {
         rt->st.xdp_cut++;
         return 1;
     }
@@ -1232,7 +1235,7 @@ static int answer(struct dp_router *rt, const struct dp_chunk *c, uint16_t statu
         return 0;
     rt->st.responses++;
     if (several)
-        cut_at_xdp(rt, c->session_id, c->request_id, c->tenant);
+        cut_at_xdp(rt, c->session_id, c->request_id, c->tenant, try_of(c->t_send, c->kind == DP_KIND_OPEN));
     return 1;
 }
 
@@ -1261,7 +1264,7 @@ static struct req *req_init(struct dp_router *rt, uint32_t ri, const struct dp_c
     r->arr = NIL;
     r->pending_head = r->pending_tail = r->ooo = r->fifo_next = NIL;
     r->sent_head = r->sent_tail = NIL;
-    r->t_send = c->t_send;
+    r->t_send = r->t_send_max = c->t_send;
     r->by_open = c->kind == DP_KIND_OPEN;
     r->t_xdp = c->t_xdp;
     r->t_last = t;
@@ -1439,6 +1442,14 @@ static int close_session(struct dp_router *rt, const struct dp_chunk *c, uint64_
     return 1;
 }
 
+/* Record c, one of r's (repeats too), was sent at: kept for xdp_cut, which tells by it whether r
+ * holds a retry that passed XDP's cut. */
+static inline void sent_by(struct req *r, const struct dp_chunk *c)
+{
+    if (c->t_send > r->t_send_max)
+        r->t_send_max = c->t_send;
+}
+
 /* Returns 0 if the router has no room for it now (the record stays in its ring). fed: from a feed,
  * whose take stamped it once for both stages (t is its t_consumer too). */
 static int ingest(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, int fed)
@@ -1460,6 +1471,8 @@ static int ingest(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, in
          * reassembly timeout (found by review) */
         if (c->chunk_count < 2 || ri != NIL || recently_done(rt, key, c)) {
             rt->st.control_in++;         /* that, a repeat, or too late: its chunks decided already */
+            if (c->chunk_count > 1 && ri != NIL)
+                sent_by(&rt->reqs[ri], c);
             return 1;
         }
         rt->st.opened++;
@@ -1495,6 +1508,7 @@ static int ingest(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, in
             return rc;
     }
     struct req *r = &rt->reqs[ri];
+    sent_by(r, c);
     if (r->state != REQ_PREFILL || c->chunk_count != r->chunk_count || c->chunk_index < r->next_index ||
         r->received >= r->chunk_count) {
         rt->st.duplicate_chunks++;       /* a repeat or a chunk of a request already past prefill */
@@ -2133,26 +2147,31 @@ static int map_op(int cmd, int fd, const void *key, void *value)
  * request's, not one of the same ids long before: no earlier than DP_CUT_TTL_NS before its first
  * record reached XDP (t_xdp). A syscall, on the refusal and expiry paths only. */
 static int xdp_cut(const struct dp_router *rt, uint64_t session_id, uint64_t request_id, uint32_t tenant,
-                   uint64_t t_xdp)
+                   uint64_t t_xdp, uint64_t sent)
 {
     if (rt->cuts_fd < 0 || !t_xdp)
         return 0;
     struct dp_cut_key key = { .session_id = session_id, .request_id = request_id, .tenant = tenant };
-    uint64_t when;
-    return map_op(BPF_MAP_LOOKUP_ELEM, rt->cuts_fd, &key, &when) && when + DP_CUT_TTL_NS >= t_xdp;
+    struct dp_cut cut;
+    if (!map_op(BPF_MAP_LOOKUP_ELEM, rt->cuts_fd, &key, &cut) || cut.t_cut + DP_CUT_TTL_NS < t_xdp)
+        return 0;
+    /* a client's retry passed the cut (chunk.h, dp_cut): the request is the retry's, or holds its
+     * records (sent: its latest record's stamp), and owes the retry its answer */
+    return !cut.retry_sent || (sent & ~1ull) < cut.retry_sent;
 }
 
 /* A request the router answered before all its chunks came (a refusal, an expiry, a failure):
  * the rest is cut at XDP as its bucket would (dropped, uncharged, unanswered, for DP_CUT_TTL_NS;
  * only for tenants with a bucket, whose chunks XDP checks), so the bucket running dry on one of
  * them does not answer the request again with a 429. Both sides stamp CLOCK_MONOTONIC. */
-static void cut_at_xdp(const struct dp_router *rt, uint64_t session_id, uint64_t request_id, uint32_t tenant)
+static void cut_at_xdp(const struct dp_router *rt, uint64_t session_id, uint64_t request_id, uint32_t tenant,
+                       uint64_t try)
 {
     if (rt->cuts_fd < 0)
         return;
     struct dp_cut_key key = { .session_id = session_id, .request_id = request_id, .tenant = tenant };
-    uint64_t now = now_ns();
-    map_op(BPF_MAP_UPDATE_ELEM, rt->cuts_fd, &key, &now);
+    struct dp_cut cut = { .t_cut = now_ns(), .try_sent = try };
+    map_op(BPF_MAP_UPDATE_ELEM, rt->cuts_fd, &key, &cut);
 }
 
 /* Has the tenant an XDP bucket, its own or the one the others share while it is set? Only then
@@ -2194,7 +2213,7 @@ static uint32_t expire_stalled(struct dp_router *rt)
         if (r->state != REQ_PREFILL || r->received == r->chunk_count || r->inflight ||
             now - r->t_last < rt->cfg.reassembly_timeout_ns)
             continue;
-        int cut = xdp_cut(rt, r->session_id, r->request_id, r->tenant, r->t_xdp);
+        int cut = xdp_cut(rt, r->session_id, r->request_id, r->tenant, r->t_xdp, r->t_send_max);
         char body[128];
         int len = snprintf(body, sizeof(body), "{\"status\":400,\"error\":\"chunks missing after the reassembly "
                            "timeout\",\"received\":%u,\"chunk_count\":%u}", r->received, r->chunk_count);
@@ -2204,7 +2223,7 @@ static uint32_t expire_stalled(struct dp_router *rt)
                           body, (uint32_t)len))
             break;                       /* egress full: try again at the next scan */
         if (!cut && bucketed(rt, r->tenant))
-            cut_at_xdp(rt, r->session_id, r->request_id, r->tenant);
+            cut_at_xdp(rt, r->session_id, r->request_id, r->tenant, try_of(r->t_send, r->by_open));
         dp_adm_settle(rt->adm, r->tenant, &r->adm, r->tokens_in, 0, 0);
         if (r->in_fifo)
             fifo_remove(rt, &rt->w[r->worker], ri);

@@ -158,7 +158,8 @@ int dp_router_add_feed(struct dp_router *rt, uintptr_t feed, uintptr_t src);
 /* The XDP program's `cuts` map (chunk.h, dp_cut_key), as an fd (duplicated, kept): a request
  * still missing chunks at the reassembly timeout whose key is there was cut by the bucket and
  * answered 429 in the kernel, so it is dropped without the 400 (counted xdp_cut), and one refused
- * at first sight is not answered again. The router writes it too, for a request of several
+ * at first sight is not answered again (unless it holds a client's retry that passed the cut:
+ * chunk.h, dp_cut). The router writes it too, for a request of several
  * chunks it answered before the last came, so XDP drops the rest unanswered and uncharged; both
  * only for tenants with a bucket in buckets_fd, the program's `buckets` map (-1: all), or, while
  * others_fd's one bucket is set (the program's `others_bucket`; -1: none), for every tenant. One

@@ -467,6 +467,62 @@ def test_an_open_over_the_bucket_cuts_its_request_and_a_count_does_not(ig):
     settle(ig, consumer)
 
 
+def test_a_client_s_retry_of_a_cut_request_passes_and_the_cut_try_s_stragglers_do_not(ig):
+    """A retry under the cut request's ids (a record that opens it again, sent later than the
+    cut try) passes the cut, and so do its later records; the cut try's stragglers (sent before,
+    or not opening it) are still dropped. A cut OPEN's try is opened again by an OPEN only (its
+    own first chunk follows it). Before, a retry the 429 asked for was dropped unanswered for
+    DP_CUT_TTL_NS (found by review)."""
+    ig, consumer = ig
+
+    def chunk(i, sent, rid=77, kind=wire.KIND_CHUNK):
+        tokens = () if kind == wire.KIND_OPEN else tuple(range(128))
+        return frame(req(tokens, kind=kind, request_id=rid, chunk_count=3, chunk_index=i, send_ns=sent))
+
+    def verdicts(*frames):
+        before = ig.counters()
+        for f in frames:
+            assert prog_test_run(ig.fn.fd, f)[0] in (XDP_DROP, XDP_TX)
+        after = ig.counters()
+        return {k: after[k] - before[k] for k in ("queued", "drop_cut_request", "drop_rate_limited")}
+
+    ig.set_rate(7, tokens_per_minute=1, burst_tokens=256)
+    assert verdicts(chunk(0, 1000), chunk(1, 1100), chunk(2, 1200)) == {
+        "queued": 2, "drop_cut_request": 0, "drop_rate_limited": 1}               # chunk 2 cut: the 429
+    ig.clear_rate(7)
+    ig.set_rate(7, tokens_per_minute=1, burst_tokens=1024)                       # room again (a new bucket)
+    assert verdicts(chunk(0, 1000), chunk(2, 1300), chunk(1, 1400), chunk(0, 1200)) == {
+        "queued": 0, "drop_cut_request": 4, "drop_rate_limited": 0}, "stragglers and repeats"
+    assert verdicts(chunk(1, 2000)) == {"queued": 0, "drop_cut_request": 1, "drop_rate_limited": 0}
+    assert verdicts(chunk(0, 2100), chunk(1, 2200), chunk(2, 2300)) == {
+        "queued": 3, "drop_cut_request": 0, "drop_rate_limited": 0}, "the retry, whole"
+    assert verdicts(chunk(2, 1250)) == {"queued": 0, "drop_cut_request": 1, "drop_rate_limited": 0}
+    settle(ig, consumer)
+    # an OPEN cut: its own first chunk, sent after it, is its straggler; a later OPEN its retry
+    ig.clear_rate(7)
+    ig.set_rate(7, tokens_per_minute=1, burst_tokens=128)
+    assert verdicts(frame(req(tuple(range(128)), request_id=78))) == {                # the bucket emptied
+        "queued": 1, "drop_cut_request": 0, "drop_rate_limited": 0}
+    assert verdicts(chunk(0, 5100, rid=79, kind=wire.KIND_OPEN)) == {
+        "queued": 0, "drop_cut_request": 0, "drop_rate_limited": 1}
+    ig.clear_rate(7)
+    ig.set_rate(7, tokens_per_minute=1, burst_tokens=1024)
+    assert verdicts(chunk(0, 5200, rid=79), chunk(1, 5300, rid=79)) == {
+        "queued": 0, "drop_cut_request": 2, "drop_rate_limited": 0}
+    assert verdicts(chunk(0, 6000, rid=79, kind=wire.KIND_OPEN), chunk(0, 6100, rid=79)) == {
+        "queued": 2, "drop_cut_request": 0, "drop_rate_limited": 0}
+    settle(ig, consumer)
+    # a client that stamps nothing cannot retry under the same ids
+    ig.clear_rate(7)
+    ig.set_rate(7, tokens_per_minute=1, burst_tokens=128)
+    assert verdicts(chunk(0, 0, rid=80), chunk(1, 0, rid=80)) == {
+        "queued": 1, "drop_cut_request": 0, "drop_rate_limited": 1}
+    ig.clear_rate(7)
+    ig.set_rate(7, tokens_per_minute=1, burst_tokens=1024)
+    assert verdicts(chunk(0, 0, rid=80)) == {"queued": 0, "drop_cut_request": 1, "drop_rate_limited": 0}
+    settle(ig, consumer)
+
+
 # a record is the chunk's header and its tokens rounded up to 16, 32, 64 or 128 (steer.h)
 SIZES = (1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128)
 
