@@ -1603,11 +1603,11 @@ def test_a_put_flushed_before_a_later_failure_in_its_batch_is_acknowledged(make_
         assert s.restore(key(1)).payload == b"a" * 100 and s.restore(key(2)) is None
 
 
-def test_damaged_sessions_tombstones_leave_the_room_a_relocation_needs(tmp_path):
+def test_damaged_sessions_tombstones_leave_the_room_a_relocation_needs(tmp_path, capfd):
     """Deletes took free room down to the reserve; a reopen then found 9 sessions damaged, more
     than the head's live record has blocks (8). Their tombstones, written in any room, took the
     room its relocation needs: every put and delete DeviceFull, on that open and every later one
-    (found by review). They now leave it, and wait for reclaim."""
+    (found by review). They now leave it, and wait for reclaim; the open says so, once."""
     path = str(tmp_path / "store.img")
     create_image(path, 130 * 4096)
     format_device(path)
@@ -1635,6 +1635,9 @@ def test_damaged_sessions_tombstones_leave_the_room_a_relocation_needs(tmp_path)
             f.write(bytes([b[0] ^ 1]))
     for _ in range(2):
         with LogStore(path) as s:
+            if not _:
+                said = capfd.readouterr().err
+                assert said.count("snapshotstore: ") == 1 and "the tombstones of 9 damaged sessions wait for room" in said
             s.put(k(5000 + _), Delta(b"x" * 100, tokens=(0, 1)))
             s.delete(k(1))
             s.delete(k(1000 + j + _))
