@@ -23,6 +23,29 @@ def test_worker_demo_runs_requests_through_the_native_router(capsys):
     assert out.count(": status 200, 3 tokens") == 2 and "KV resident 512 KiB" in out
 
 
+def test_the_demo_sends_a_completion_the_full_ring_refused_again_without_running_its_batch_again(
+        capsys, monkeypatch):
+    """A completion the ring had no room for was retried by stepping the worker on its batch
+    again: the prompt went into the KV cache twice (a 422) and the decode steps were sampled
+    again (other tokens) (found by review)."""
+    from datapath import lanes
+    assert main(["worker", "--demo", "2", "--prompt-tokens", "300", "--output-tokens", "4"]) == 0
+    clean = [line for line in capsys.readouterr().out.splitlines() if ": status " in line]   # (less its time)
+    sent, refused = lanes.ShmWorkerLane.send_completion, []
+
+    def full_once(self, completion):
+        if not refused:
+            refused.append(1)
+            return False
+        return sent(self, completion)
+    monkeypatch.setattr(lanes.ShmWorkerLane, "send_completion", full_once)
+    assert main(["worker", "--demo", "2", "--prompt-tokens", "300", "--output-tokens", "4"]) == 0
+    out = capsys.readouterr().out
+    again = [line for line in out.splitlines() if ": status " in line]
+    assert refused and [line.rsplit(",", 1)[0] for line in again] == [line.rsplit(",", 1)[0] for line in clean]
+    assert "5 model steps for 13 records" in out
+
+
 def test_user_errors_are_one_sentence(capsys):
     assert main(["worker"]) == 2
     assert capsys.readouterr().err.strip() == \

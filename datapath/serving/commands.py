@@ -304,7 +304,8 @@ def _demo(opts, args) -> int:
                 while len(got) < args.demo and time.monotonic() < deadline:
                     batch = lane.recv_batch(0.01)
                     if batch is not None:
-                        while not lane.send_completion(w.step(batch)):
+                        done = w.step(batch)          # once: a step changes the sessions' KV
+                        while not lane.send_completion(done):
                             time.sleep(1e-4)
                     got += list(np.frombuffer(egress.dequeue(256), dtype=records.RESPONSE))
         except KeyboardInterrupt:     # Ctrl-C: what was answered, then the code a shell expects
