@@ -134,6 +134,33 @@ def test_prefill_chunks_of_128_equal_forward_in_same_order(model):
     assert np.array_equal(la, lb) and np.array_equal(a.k, b.k)
 
 
+def test_a_long_segment_attends_in_blocks_its_memory_linear_and_its_result_the_chunks(model):
+    """A session's pieces in one worker step are one segment, up to the step's token budget. Its
+    attention took the whole (heads, n, n) scores and an (n, n) mask: 60 MiB at 1,024 tokens,
+    ~1 GiB at 4,096 (found by review). In blocks of 128 queries it is what prefill's 128-token
+    chunks give, bit for bit, and the step's peak is what the activations take."""
+    import tracemalloc
+    toks = prompt(11, 1024)
+    one, chunks = KVCache(model.config), KVCache(model.config)
+    one.reserve(toks.size)
+    tracemalloc.start()
+    try:
+        got = model.forward([(one, toks)])[0]
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 24 << 20, f"{peak / 2**20:.1f} MiB for a 1,024-token segment"
+    want = model.prefill(chunks, toks, chunk=128)
+    assert np.array_equal(got, want) and np.array_equal(one.k[:, :, :1024], chunks.k[:, :, :1024])
+
+
+def test_n_params_counts_every_weight(model):
+    """The embedding and the head are separate matrices: the count (which `model info` prints and
+    the worker's memory guard multiplies) had the head left out, 7% short here (found by review)."""
+    arrays = [model.embed, model.head, model.final_norm] + [a for layer in model.layers for a in layer.values()]
+    assert model.config.n_params == sum(a.size for a in arrays) == 918_656
+
+
 def test_batched_step_over_sessions_with_different_contexts(model):
     caches = []
     for n in (1, 50, 129, 300):
@@ -168,6 +195,7 @@ def test_sampling(model):
     assert len(set(draws)) > 1, "temperature 1 does not always pick the argmax"
     cold = [sample(lg, 1e-3, (5, 1, i)) for i in range(50)]
     assert set(cold) == {int(np.argmax(lg))}
+    assert sample(lg, 1e-308, (5, 1, 0)) == int(np.argmax(lg)), "a temperature the CLI takes (it drew from NaN)"
 
 
 def test_config_rejects_bad_shapes():

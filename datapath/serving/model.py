@@ -19,11 +19,13 @@ element: 1 KiB for the default below, 128 KiB for Llama-3-8B (32 x 8 x 128, fp16
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
 KV_DTYPE = np.dtype(np.float16)
+ATTEND_ROWS = 128   # a segment's queries attend this many at a time: its scores grow with it, not its square
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,7 @@ class ModelConfig:
         d, hd = self.d_model, self.head_dim
         attn = d * hd * (self.n_heads * 2 + self.n_kv_heads * 2)
         mlp = 3 * d * self.d_ff
-        return self.vocab * d + self.n_layers * (attn + mlp + 2 * d) + d
+        return 2 * self.vocab * d + self.n_layers * (attn + mlp + 2 * d) + d   # embedding and head: untied
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -136,6 +138,14 @@ class KVCache:
         return c
 
 
+@functools.lru_cache(maxsize=ATTEND_ROWS)
+def _causal(n: int) -> np.ndarray:
+    """(n, n): 0 on and below the diagonal, -inf above (a query's later keys). Read-only: shared."""
+    m = np.triu(np.full((n, n), -np.inf, np.float32), k=1)
+    m.flags.writeable = False
+    return m
+
+
 def _rmsnorm(x, w, eps):
     return x * (1.0 / np.sqrt((x * x).sum(axis=-1, keepdims=True) / np.float32(x.shape[-1]) + eps)) * w
 
@@ -151,7 +161,10 @@ class Model:
         rng = np.random.default_rng(seed)
 
         def w(fan_in, *shape):
-            return (rng.standard_normal(shape, dtype=np.float32) / np.sqrt(fan_in)).astype(np.float32)
+            # divided in place (in float64, rounded to float32, as ever): through a float64
+            # temporary of the whole matrix, a vocab-heavy shape took ~4x its weights to build
+            a = rng.standard_normal(shape, dtype=np.float32)
+            return np.divide(a, np.sqrt(fan_in), out=a, casting="same_kind")
 
         self.embed = rng.standard_normal((c.vocab, c.d_model), dtype=np.float32)
         self.layers = []
@@ -174,25 +187,33 @@ class Model:
         self.final_norm = np.ones(c.d_model, np.float32)
         # A separate head (tied, a random model mostly repeats its input token), scaled so
         # logits spread by a few units, as peaked as a trained model's rather than near-uniform.
-        self.head = w(c.d_model, c.d_model, c.vocab) * np.float32(4.0)
+        self.head = w(c.d_model, c.d_model, c.vocab)
+        self.head *= np.float32(4.0)
         inv_freq = 1.0 / (c.rope_theta ** (np.arange(0, c.head_dim, 2, dtype=np.float64) / c.head_dim))
         angles = np.outer(np.arange(c.max_context, dtype=np.float64), inv_freq)
         # rotate-half RoPE as x * cos + swap_halves(x) * sin, with the sign in the sine's first half
         self.rope_cos = np.tile(np.cos(angles), 2).astype(np.float32)
         self.rope_sin = np.concatenate([-np.sin(angles), np.sin(angles)], axis=1).astype(np.float32)
 
-    def _attend(self, q, cache: KVCache, layer: int, start: int, causal):
-        """GQA attention of q (n, heads, hd) at positions start.. over cache[:start + n]; `causal`
-        (n, n) masks the chunk's later keys from its earlier queries (None for one token)."""
+    def _attend(self, q, cache: KVCache, layer: int, start: int):
+        """GQA attention of q (n, heads, hd) at positions start.. over cache[:start + n], each
+        query masked from the later keys of its own segment. ATTEND_ROWS queries at a time: a
+        session's pieces in one step are one segment (up to the step's token budget, 8,192 tokens
+        at most), and its whole (heads, n, start + n) scores and (n, n) mask took ~1 GiB at 4,096
+        tokens (found by review)."""
+        n = q.shape[0]
+        if n > ATTEND_ROWS:
+            return np.concatenate([self._attend(q[i:i + ATTEND_ROWS], cache, layer, start + i)
+                                   for i in range(0, n, ATTEND_ROWS)])
         c = self.config
-        n, g = q.shape[0], c.n_heads // c.n_kv_heads
+        g = c.n_heads // c.n_kv_heads
         s = start + n
         k = cache.k[layer, :, :s].astype(np.float32)                      # (kvh, s, hd)
         v = cache.v[layer, :, :s].astype(np.float32)
         qg = q.reshape(n, c.n_kv_heads, g, c.head_dim).transpose(1, 2, 0, 3).reshape(c.n_kv_heads, g * n, c.head_dim)
         scores = (qg @ k.transpose(0, 2, 1)).reshape(c.n_kv_heads, g, n, s) * np.float32(1.0 / np.sqrt(c.head_dim))
-        if causal is not None:  # only the chunk's own keys can be in the future
-            scores[..., start:] += causal
+        if n > 1:               # only the block's own keys can be in the future
+            scores[..., start:] += _causal(n)
         scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
         scores /= scores.sum(axis=-1, keepdims=True)
         out = scores.reshape(c.n_kv_heads, g * n, s) @ v                  # (kvh, g*n, hd)
@@ -219,10 +240,8 @@ class Model:
             cache.reserve(t.size)
         bounds = np.cumsum([0] + [t.size for t in toks])
         positions = np.concatenate([st + np.arange(t.size) for st, t in zip(starts, toks)])
-        # once a step, not once a layer: each row's rotation, each segment's causal mask
+        # once a step, not once a layer: each row's rotation
         cos, sin = self.rope_cos[positions][:, None, :], self.rope_sin[positions][:, None, :]
-        causal = [np.triu(np.full((t.size, t.size), -np.inf, np.float32), k=1) if t.size > 1 else None
-                  for t in toks]
         x = self.embed[np.concatenate(toks)]
         n_all, nq, nkv, half = x.shape[0], c.n_heads, c.n_kv_heads, c.head_dim // 2
         for li, w in enumerate(self.layers):
@@ -237,7 +256,7 @@ class Model:
                 # Write first, then attend: the chunk reads its own K/V back as fp16, like any later step.
                 cache.k[li, :, st:st + b - a] = k[a:b].transpose(1, 0, 2)
                 cache.v[li, :, st:st + b - a] = v[a:b].transpose(1, 0, 2)
-                attn[a:b] = self._attend(q[a:b], cache, li, st, causal[i])
+                attn[a:b] = self._attend(q[a:b], cache, li, st)
             x = x + attn @ w["wo"]
             h = _rmsnorm(x, w["mlp_norm"], c.norm_eps)
             gate_up = h @ w["w_gate_up"]
@@ -270,6 +289,9 @@ def sample(logits: np.ndarray, temperature: float = 0.0, seed: tuple[int, ...] =
     """
     if temperature <= 0:
         return int(np.argmax(logits))
-    z = logits.astype(np.float64) / temperature
-    p = np.exp(z - z.max())
+    z = logits.astype(np.float64)
+    # the maximum taken out before dividing: a tiny temperature (1e-308 is accepted) made the
+    # logits inf, then inf - inf NaN, and the draw raised out of the worker's step (found by review)
+    with np.errstate(over="ignore"):     # (-inf, whose exp is 0: as greedy)
+        p = np.exp((z - z.max()) / temperature)
     return int(np.random.default_rng(list(seed)).choice(p.size, p=p / p.sum()))
