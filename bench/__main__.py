@@ -207,4 +207,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except BrokenPipeError:     # `python -m bench goals DIR | head`: the reader left; no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # (nor one at exit's flush)
+        sys.exit(141)           # as a shell reports a command SIGPIPE ended

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 
 EPILOG = """examples:
@@ -68,7 +69,14 @@ def positive(kind, zero_ok: bool = False, most=None):
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        return _run(build_parser().parse_args(argv))
+    except BrokenPipeError:     # `datapath model info | head`: the reader left; no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # (nor one at exit's flush)
+        return 141              # as a shell reports a command SIGPIPE ended
+
+
+def _run(args) -> int:
     if args.command == "doctor":
         from . import doctor
         return doctor.run()

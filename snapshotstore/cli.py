@@ -278,8 +278,9 @@ def main(argv=None) -> int:
     except SnapshotError as e:
         print(f"snapshotstore: {e}", file=sys.stderr)
         return 1
-    except BrokenPipeError:       # `snapshotstore inspect | head`
-        return 0
+    except BrokenPipeError:       # `snapshotstore inspect | head`: the reader left; no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # (nor one at exit's flush)
+        return 141                # as a shell reports a command SIGPIPE ended
     except OSError as e:          # the device itself (a traceback said no more)
         print(f"snapshotstore: {getattr(args, 'device', '')}: {e.strerror or e}", file=sys.stderr)
         return 1

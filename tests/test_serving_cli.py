@@ -1,4 +1,6 @@
 """`datapath model info` and `datapath worker`: sizes printed, user errors in one sentence."""
+import sys
+
 import numpy as np
 import pytest
 
@@ -44,6 +46,13 @@ def test_the_demo_sends_a_completion_the_full_ring_refused_again_without_running
     again = [line for line in out.splitlines() if ": status " in line]
     assert refused and [line.rsplit(",", 1)[0] for line in again] == [line.rsplit(",", 1)[0] for line in clean]
     assert "5 model steps for 13 records" in out
+
+
+def test_a_reader_that_leaves_ends_model_info_quietly():
+    """`datapath model info | head`: a BrokenPipeError traceback; now status 141, as a shell
+    reports SIGPIPE, and nothing on stderr."""
+    from test_snapshot_cli import reader_gone
+    assert reader_gone([sys.executable, "-m", "datapath", "model", "info"]) == (141, "")
 
 
 def test_user_errors_are_one_sentence(capsys):

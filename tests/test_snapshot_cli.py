@@ -26,6 +26,23 @@ def store_image(tmp_path):
     return image
 
 
+def reader_gone(argv):
+    """argv run with its stdout a pipe whose reader left before it wrote (`... | head`): (exit
+    status, stderr)."""
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()
+    try:
+        return p.wait(timeout=60), p.stderr.read().decode()
+    finally:
+        p.stderr.close()
+
+
+def test_a_reader_that_leaves_ends_inspect_quietly(store_image):
+    """`snapshotstore inspect | head`: a BrokenPipeError traceback at exit's flush, status 0 (as
+    if all was written); now 141, as a shell reports SIGPIPE, and nothing on stderr."""
+    assert reader_gone([sys.executable, "-m", "snapshotstore", "inspect", store_image]) == (141, "")
+
+
 def test_format_creates_a_sparse_image(tmp_path):
     image = tmp_path / "new.img"
     r = cli("format", str(image), "--size", "8M")
