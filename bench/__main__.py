@@ -83,7 +83,7 @@ def _policy_names() -> str:
 
 
 def main(argv=None) -> int:
-    from .contract import Report, error_text
+    from .contract import Report, SuiteFailed, error_text
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["goals"]:
         from . import goals
@@ -162,6 +162,18 @@ def main(argv=None) -> int:
                 where.unlink()
         except OSError as e:
             p.error(f"--json {args.json}: not a file this user can write ({e.strerror})")
+    if args.suite in ("e2e", "compare", "all"):
+        # and its report's directory: a file of that name failed the write once the whole run had
+        # run, 9 minutes for e2e, and the report was lost (found by review)
+        from .report import REPORT_DEFAULTS, report_path
+        for suite in ("e2e",) if args.suite == "all" else (args.suite,):
+            out = report_path(args.json, REPORT_DEFAULTS[suite])
+            try:
+                out.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                what = "a file of that name is in the way" if out.exists() else e.strerror
+                p.error(f"the report's directory {out} (beside --json PATH, PATH without its suffix): "
+                        f"cannot make it ({what})")
     if args.suite in NEED_ROOT:
         try:
             from .e2e import require_root_and_bcc
@@ -189,6 +201,8 @@ def main(argv=None) -> int:
             report.status = "interrupted"
             report.finish(args.json)
             return e.code if isinstance(e, Terminated) else 130
+        except SuiteFailed:     # its report says what failed already
+            failed.append(name)
         except Exception as e:  # one suite's failure is reported; the others still run
             report.note(f"FAILED: {error_text(e)}")
             report.status = f"failed: {error_text(e)}"

@@ -61,7 +61,7 @@ import numpy as np
 
 from bench.e2e import (MIN_REQUESTS, OUTPUT, PROMPT, _config, _idle, _left_out, _offer, _pcts, _progress, _warm_up,
                        drain_s, fresh_store, require_root_and_bcc)
-from bench.report import _jsonable, report_dir
+from bench.report import REPORT_DEFAULTS, _jsonable, report_dir
 from datapath import client
 from datapath.pipeline import Pipeline
 from datapath.records import KIND_DECODE
@@ -480,7 +480,7 @@ def _windows(timelines: list[dict], slow: list[int], even_share: float, counts: 
 def run(report, args):
     check_args(args)
     names = parse_names(args.policy)
-    out = report_dir(args.json, "bench-results/compare", ("compare.md", "rows.json", "compare.png", "timeline.png"))
+    out = report_dir(args.json, REPORT_DEFAULTS["compare"], ("compare.md", "rows.json", "compare.png", "timeline.png"))
     require_root_and_bcc("bench compare")
     device = args.device
     workers = args.workers or WORKERS

@@ -58,6 +58,11 @@ def error_text(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}" + "".join(f" ({n})" for n in getattr(e, "__notes__", ()))
 
 
+class SuiteFailed(RuntimeError):
+    """A suite ran to its end, wrote its report, and some part of it failed: its status and a
+    FAILED note say which already (python -m bench only counts it failed)."""
+
+
 class Report:
     def __init__(self, suite: str, quick: bool = False):
         self.suite, self.quick = suite, quick

@@ -22,8 +22,8 @@ import time
 import numpy as np
 
 from bench import goals
-from bench.contract import error_text
-from bench.report import report_dir, write_report
+from bench.contract import SuiteFailed, error_text
+from bench.report import REPORT_DEFAULTS, report_dir, write_report
 from datapath import client
 from datapath.ingress import signals_held
 from datapath.pipeline import Pipeline, PipelineConfig
@@ -908,7 +908,7 @@ def entropy_burst(report, quick: bool) -> dict:
 def run(report, args):
     from bench.ring import pingpong_oneway_ns
     quick = args.quick
-    outdir = report_dir(args.json, "bench-results/e2e", ("report.md", "results.json", "latency_vs_load.png",
+    outdir = report_dir(args.json, REPORT_DEFAULTS["e2e"], ("report.md", "results.json", "latency_vs_load.png",
                                                          "stages.png", "memory.png"))
     require_root_and_bcc("bench e2e")
     _RUN.update(t0=time.monotonic(), scenario="")
@@ -971,9 +971,10 @@ def run(report, args):
         report.note(f"scenario {name}: {sc['status']}" + (f" ({sc['reason']})" if sc["reason"] else ""))
     # this machine is a guest on a shared host: a run with much steal is a slow spell, not the code
     report.machine["host_steal_pct"] = round(_steal_pct(steal, _cpu_steal()), 2)
-    if failed:
-        report.status = f"failed: scenario(s) {', '.join(failed)}"     # results.json says so too
+    if failed:    # set here, so results.json says what e2e.json will (it said less: found by review)
+        report.status = f"failed: scenario(s) {', '.join(failed)}"
+        report.note(f"FAILED: scenario(s) {', '.join(failed)}")
     paths = write_report(outdir, report.as_dict(), stages, sweep_rows, memory, scenarios)
     print(f"  report: {paths['report.md']}")
     if failed:
-        raise RuntimeError(f"scenario(s) failed: {', '.join(failed)}")
+        raise SuiteFailed(report.status)

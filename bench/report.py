@@ -43,17 +43,23 @@ MACHINE_FIRST = ["cores", "cpu_model", "kernel", "xdp_mode", "xdp_tags_required"
 DPI = 110
 
 
-def report_dir(json_path, default: str, files: tuple) -> pathlib.Path:
+REPORT_DEFAULTS = {"e2e": "bench-results/e2e", "compare": "bench-results/compare"}   # the suites with one
+
+
+def report_path(json_path, default: str) -> pathlib.Path:
     """A suite's report directory: beside --json PATH (PATH without its suffix; PATH_report when
-    it has none, since the JSON is written at PATH itself), else default. What a run before left
-    there of these files is removed first, so a run interrupted or failed before its report
-    leaves no older one behind to pass for its own (only these files: the directory may be the
-    user's)."""
+    it has none, since the JSON is written at PATH itself), else default."""
     if json_path:
         p = pathlib.Path(json_path)
-        out = p.with_suffix("") if p.suffix else p.with_name(p.name + "_report")
-    else:
-        out = pathlib.Path(default)
+        return p.with_suffix("") if p.suffix else p.with_name(p.name + "_report")
+    return pathlib.Path(default)
+
+
+def report_dir(json_path, default: str, files: tuple) -> pathlib.Path:
+    """report_path, with what a run before left there of these files removed first, so a run
+    interrupted or failed before its report leaves no older one behind to pass for its own (only
+    these files: the directory may be the user's)."""
+    out = report_path(json_path, default)
     for name in files:
         if (out / name).is_file():
             (out / name).unlink()

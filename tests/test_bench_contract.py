@@ -22,7 +22,7 @@ def test_wire_suite_follows_the_contract(tmp_path):
     assert "encode_chunk128_ns_vs_struct_pack_chunk128_ns" in r.stdout
 
 
-def test_bench_help_and_bad_suite():
+def test_bench_help_and_bad_suite(tmp_path):
     r = subprocess.run([sys.executable, "-m", "bench", "-h"], capture_output=True, text=True)
     assert r.returncode == 0 and "examples" in r.stdout
     # each suite said, from its module's docstring, and which need root
@@ -72,6 +72,12 @@ def test_bench_help_and_bad_suite():
                        (["wire", "--quick", "--json", "/proc/x.json"], "--json /proc/x.json: not a file")):
         r = subprocess.run([sys.executable, "-m", "bench", *args], capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and said in r.stderr
+    # nor the report's directory beside it (a file in its way failed the write once e2e had run)
+    (tmp_path / "in_the_way").write_text("")
+    for suite in (["e2e", "--quick"], ["compare", "--policy", "dynamic,static"]):
+        r = subprocess.run([sys.executable, "-m", "bench", *suite, "--json", str(tmp_path / "in_the_way.json")],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and "a file of that name is in the way" in r.stderr, r.stderr
 
 
 @pytest.mark.root

@@ -1,5 +1,6 @@
 """bench.report writes report.md, readable PNGs and a results.json that round-trips, whatever is missing."""
 import json
+import signal
 import struct
 
 import numpy as np
@@ -148,3 +149,28 @@ def test_report_dir_sits_beside_the_json_and_clears_what_an_older_run_left(tmp_p
     assert sorted(p.name for p in old.iterdir()) == ["mine.png", "notes.txt"]
     assert report_dir(str(tmp_path / "out"), "unused", ()) == tmp_path / "out_report"
     assert report_dir(None, str(tmp_path / "default"), ()) == tmp_path / "default"
+
+
+def test_a_failed_scenario_s_run_says_the_same_in_both_its_jsons(tmp_path, monkeypatch):
+    """e2e.json said `failed: RuntimeError: scenario(s) failed: ...` with a FAILED note, and the
+    report's results.json `failed: scenario(s) ...` without it (found by review). The scenarios
+    are stubbed: what is checked is how the run reports one that fails."""
+    import bench.__main__ as bench_main
+    import bench.e2e as e2e
+    monkeypatch.setattr(e2e, "require_root_and_bcc", lambda what: None)
+    for name in ("sweep", "client_batching", "snapshot_evict", "oversized", "entropy_burst"):
+        monkeypatch.setattr(e2e, name, lambda *a: None)
+
+    def failover(*a):
+        raise RuntimeError("the stub's failure")
+    monkeypatch.setattr(e2e, "failover", failover)
+    monkeypatch.setattr(bench_main, "NEED_ROOT", ())
+    sigterm = signal.getsignal(signal.SIGTERM)        # (main sets its own)
+    try:
+        assert bench_main.main(["e2e", "--quick", "--json", str(tmp_path / "e2e.json")]) == 1
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+    suite = json.loads((tmp_path / "e2e.json").read_text())
+    results = json.loads((tmp_path / "e2e" / "results.json").read_text())
+    assert suite["status"] == results["status"] == "failed: scenario(s) 6 worker killed mid-run (failover)"
+    assert suite["notes"] == results["notes"] and sum(n.startswith("FAILED:") for n in suite["notes"]) == 1
