@@ -162,13 +162,13 @@ def parse_names(spec: str) -> list[tuple[str, str, float | None]]:
     for label in (n.strip() for n in spec.split(",")):
         if not label:
             continue
-        name, _, param = label.partition(":")
+        name, colon, param = label.partition(":")
         if name not in known:
             raise ValueError(f"unknown policy or batching mode {name!r} (known: {', '.join(sorted(known))})")
-        if param and name in ("dynamic", "static"):
+        if colon and name in ("dynamic", "static"):
             raise ValueError(f"{label!r}: a batching mode takes no parameter")
         try:
-            value = float(param) if param else None
+            value = float(param) if colon else None
         except ValueError:
             value = float("nan")
         if value is not None and not (math.isfinite(value) and value > 0):
@@ -178,7 +178,9 @@ def parse_names(spec: str) -> list[tuple[str, str, float | None]]:
         out.append((label, name, value))
     if not out:
         raise ValueError("--policy names nothing")
-    if len({label for label, _, _ in out}) != len(out):
+    # by what runs, not how it is spelled: affinity,affinity: and affinity:0.1,affinity:0.10 ran one
+    # configuration twice (found by review)
+    if len({(name, value) for _, name, value in out}) != len(out):
         raise ValueError("--policy names one twice")
     return out
 
@@ -263,6 +265,9 @@ def rate_of(args) -> float:
     return DEFAULT_RATE if args.rate is None else args.rate
 
 
+MAX_REPEAT = 20   # rounds: each runs every name once, 10 s a run (3 with --quick)
+
+
 def rounds(args) -> int:
     return args.repeat or (1 if args.quick else 2)
 
@@ -272,19 +277,19 @@ def check_args(args):
     parse_names(args.policy or "")
     if args.workers is not None and not 1 <= args.workers <= MAX_WORKERS:
         raise ValueError(f"--workers must be 1..{MAX_WORKERS}, not {args.workers}")
-    stragglers = parse_stragglers(args.straggler, args.workers or WORKERS, run_seconds(args.quick))
     rate = rate_of(args)
     if not (rate >= MIN_RATE and math.isfinite(rate)):      # inf passed, and failed after a pipeline was built
         raise ValueError(f"--rate must be a finite number >= {MIN_RATE:g} requests/s, not {rate:g} (a run sends "
                          f"{MIN_REQUESTS} requests at least: at 0.001 req/s, one run lasted hours)")
-    wanted = rate * run_seconds(args.quick)          # (a float: 1e308 req/s made int() of inf raise)
+    stragglers = parse_stragglers(args.straggler, args.workers or WORKERS, run_seconds(args.quick, rate))
+    wanted = rate * run_seconds(args.quick, rate)    # (a float: 1e308 req/s made int() of inf raise)
     if wanted > client.MAX_COUNT:
         raise ValueError(f"--rate {rate:g} makes {wanted:,.0f} requests a run: at most {client.MAX_COUNT:,}")
     count = max(MIN_REQUESTS, int(wanted))
     if args.device is not None and args.device not in PROFILES:
         raise ValueError(f"unknown device profile {args.device!r} (known: {', '.join(PROFILES)})")
-    if args.repeat is not None and args.repeat < 1:
-        raise ValueError(f"--repeat must be >= 1, not {args.repeat}")
+    if args.repeat is not None and not 1 <= args.repeat <= MAX_REPEAT:    # (1e8 was taken, and ran for days)
+        raise ValueError(f"--repeat must be 1..{MAX_REPEAT}, not {args.repeat}")
     _check_turn_fits(stragglers, rate, count, rounds(args))
 
 
@@ -307,9 +312,11 @@ def _check_turn_fits(stragglers: dict[int, Straggler], rate: float, count: int, 
                              f"rounds)")
 
 
-def run_seconds(quick: bool) -> float:
-    """Each run's offer: long enough for 400 requests at the default 40 req/s."""
-    return 3.0 if quick else 10.0
+def run_seconds(quick: bool, rate: float) -> float:
+    """Each run's offer: long enough for 400 requests at the default 40 req/s, and for the
+    MIN_REQUESTS an offer sends at least (at 1 req/s a --quick run said 3 s and lasted 10: found
+    by review)."""
+    return max(3.0 if quick else 10.0, MIN_REQUESTS / rate)
 
 
 def _one(label: str, name: str, param: float | None, device: str | None, rate: float, seconds: float,
@@ -484,13 +491,13 @@ def run(report, args):
     require_root_and_bcc("bench compare")
     device = args.device
     workers = args.workers or WORKERS
-    seconds = run_seconds(args.quick)
-    stragglers = parse_stragglers(args.straggler, workers, seconds)
-    slow_said = straggler_said(stragglers)
-    live = [k for k, x in stragglers.items() if x.at_s is not None]     # those that turn slow mid-run
     # Rounds, the order rotated by one each (A B C, B C A, C A B, ...): on this shared machine a
     # slow spell that fell on one name's run alone moved its figures more than most policies differ.
     repeat, rate = rounds(args), rate_of(args)
+    seconds = run_seconds(args.quick, rate)
+    stragglers = parse_stragglers(args.straggler, workers, seconds)
+    slow_said = straggler_said(stragglers)
+    live = [k for k, x in stragglers.items() if x.at_s is not None]     # those that turn slow mid-run
     report.machine.update(device=device or "none (the tiny model's own step time)", rate_per_s=rate,
                           seconds_per_run=seconds, sessions=SESSIONS, repeat=repeat, workers=workers,
                           stragglers=slow_said)

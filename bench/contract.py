@@ -6,7 +6,8 @@ A suite fills a Report: references (figures measured in the same run to
 compare against), metrics (ours) and ratios (a metric over its reference, named
 <metric>_vs_<reference> by ratio(); e2e also sets a few of one mode's figure over
 another's, named for both). finish() prints a table and writes one JSON object:
-{suite, quick, status, machine, references, metrics, ratios, notes, goals}; status is
+{suite, quick, status, machine, references, metrics, ratios, units, notes, duration_s,
+goals}; status is
 "ok", "failed: why" or "interrupted", and a figure that is not a finite number
 is written as null (JSON has no NaN), named in a note. goals: the issues' goals of the suite,
 each judged from these figures by bench.goals (the one definition of each).

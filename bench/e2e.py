@@ -454,8 +454,9 @@ def _sweep_mode(report, p: Pipeline, mode: str, device: str | None, rates: list,
                         f"{', '.join(str(r) for r in rates[i:])} req/s")
             break
         seconds = duration(rate)
+        left = len(rates) - i - 1
         _progress(f"sweep {label}: offering {rate} req/s for {seconds:.0f} s "
-                  f"({len(rates) - i} rates left in this mode)")
+                  f"({left} more rate{'' if left == 1 else 's'} in this mode, unless it saturates first)")
         rows.append(_sweep_rate(p, rate, max(10, int(rate * seconds)), device))
         _sweep_metric(report, f"sweep{suffix}_p95_ms_{mode}_{rate}", rows[-1])
     if mode == "dynamic" and _reached_saturation(rows):

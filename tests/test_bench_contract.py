@@ -22,6 +22,32 @@ def test_wire_suite_follows_the_contract(tmp_path):
     assert "encode_chunk128_ns_vs_struct_pack_chunk128_ns" in r.stdout
 
 
+def test_compare_refuses_a_configuration_named_twice_however_spelled():
+    """`affinity,affinity:` and `affinity:0.1,affinity:0.10` ran one configuration twice (found
+    by review): an empty ':' is refused, and names are told apart by what runs."""
+    from bench.compare import parse_names
+    for spec, said in (("affinity,affinity:", "'affinity:': the parameter after ':' must be a number > 0"),
+                       ("affinity:0.1,affinity:0.10", "--policy names one twice"),
+                       ("dynamic:", "'dynamic:': a batching mode takes no parameter")):
+        with pytest.raises(ValueError) as e:
+            parse_names(spec)
+        assert said in str(e.value), spec
+    assert [n[1:] for n in parse_names("affinity,affinity:0.1")] == [("affinity", None), ("affinity", 0.1)]
+
+
+def test_compare_s_run_length_holds_its_ten_requests_and_its_rounds_are_bounded():
+    """At 1 req/s a --quick run said (and its straggler limits took) 3 s, and lasted 10: it sends
+    10 requests at least. --repeat 100000000 was taken (found by review)."""
+    import argparse
+    from bench.compare import check_args, run_seconds
+    assert (run_seconds(True, 40), run_seconds(True, 1), run_seconds(False, 2), run_seconds(False, 40)) == (3, 10, 10, 10)
+    args = argparse.Namespace(policy="dynamic", workers=None, straggler="1:4@3", quick=True, rate=1.0,
+                              device=None, repeat=1)
+    check_args(args)                       # @3 s fits the 10 s a --quick run at 1 req/s lasts (0.5 s did)
+    with pytest.raises(ValueError, match="--repeat must be 1..20"):
+        check_args(argparse.Namespace(**{**vars(args), "straggler": None, "repeat": 10 ** 8}))
+
+
 def test_bench_help_and_bad_suite(tmp_path):
     r = subprocess.run([sys.executable, "-m", "bench", "-h"], capture_output=True, text=True)
     assert r.returncode == 0 and "examples" in r.stdout
