@@ -369,6 +369,22 @@ def test_compare_runs_each_policy_under_the_same_load(tmp_path):
         assert not json_path.exists(), "refused before any result is written"
 
 
+def test_answers_falling_behind_count_only_over_a_span_of_many_latencies():
+    """A --quick run's rows on the simulated L4 answer over ~1 s, each answer ~330 ms: the first
+    and last latencies moved the rate of answers by tens of percent, and rows with every request
+    answered at once read saturated (0.79x, 0.87x; found by review). The rate test now needs the
+    answers to span 10 of the lightest row's p95s; past use still counts at any span."""
+    from bench.e2e import _reached_saturation
+
+    def row(qps, achieved, p95, span):
+        return {"qps": qps, "offered_qps": qps, "achieved_qps": achieved, "p95_ms": p95, "answer_span_s": span,
+                "requests": 20, "errors": 0, "unanswered": 0}
+    first = row(10, 10, 330, 1.0)
+    assert not _reached_saturation([first, row(40, 34.8, 360, 1.8)]), "a short span: latencies, not a backlog"
+    assert _reached_saturation([first, row(40, 34.8, 360, 3.3)]), "10 p95s of answers: behind"
+    assert _reached_saturation([first, row(40, 39, 330 * 21, 1.8)]), "past use, whatever the span"
+
+
 def test_the_flatness_figure_needs_a_saturated_sweep():
     from bench.e2e import _spread_to_80pct
 
