@@ -70,7 +70,9 @@ def positive(kind, zero_ok: bool = False, most=None):
 
 def main(argv=None) -> int:
     try:
-        return _run(build_parser().parse_args(argv))
+        rc = _run(build_parser().parse_args(argv))
+        sys.stdout.flush()      # here, not at exit: buffered, a pipe's end fails its flush
+        return rc
     except BrokenPipeError:     # `datapath model info | head`: the reader left; no traceback
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # (nor one at exit's flush)
         return 141              # as a shell reports a command SIGPIPE ended

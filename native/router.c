@@ -1443,9 +1443,28 @@ static int close_session(struct dp_router *rt, const struct dp_chunk *c, uint64_
 }
 
 /* Record c, one of r's (repeats too), was sent at: kept for xdp_cut, which tells by it whether r
- * holds a retry that passed XDP's cut. */
-static inline void sent_by(struct req *r, const struct dp_chunk *c)
+ * holds a retry that passed XDP's cut. A record that opens r again, sent later than r's try (the
+ * done cache's rule, recently_done), is a client's retry of it while r still waits for chunks or
+ * runs: XDP's cut let it by, or the client gave up waiting. Its repeats of what r holds are
+ * dropped as duplicates and its other chunks complete r, which is now the retry's try: answered
+ * to the retry's address under its stamp, remembered (and cut) as its try, and given the
+ * reassembly timeout from now. The answer went to the first try's address (a retry from a new
+ * socket, a new port, never had it), under a stamp that made its round trip the first try's; a
+ * repeat of the retry then passed as a retry of the first try; and a retry whose chunks were all
+ * repeats until r's expiry was answered 400 (found by review). */
+static void sent_by(struct dp_router *rt, struct req *r, const struct dp_chunk *c, uint64_t t)
 {
+    int opens = c->kind == DP_KIND_OPEN || (!r->by_open && c->kind == DP_KIND_CHUNK && !c->chunk_index);
+    if (opens && c->chunk_count == r->chunk_count && (c->t_send & ~1ull) > (r->t_send & ~1ull)) {
+        r->t_send = c->t_send;
+        r->by_open = c->kind == DP_KIND_OPEN;
+        r->t_xdp = c->t_xdp;
+        r->client_ip = c->client_ip;
+        r->client_port = c->client_port;
+        r->flags = c->flags & DP_FLAG_TRACE;
+        r->t_last = t;
+        rt->st.retries_taken++;
+    }
     if (c->t_send > r->t_send_max)
         r->t_send_max = c->t_send;
 }
@@ -1472,7 +1491,7 @@ static int ingest(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, in
         if (c->chunk_count < 2 || ri != NIL || recently_done(rt, key, c)) {
             rt->st.control_in++;         /* that, a repeat, or too late: its chunks decided already */
             if (c->chunk_count > 1 && ri != NIL)
-                sent_by(&rt->reqs[ri], c);
+                sent_by(rt, &rt->reqs[ri], c, t);
             return 1;
         }
         rt->st.opened++;
@@ -1508,7 +1527,7 @@ static int ingest(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, in
             return rc;
     }
     struct req *r = &rt->reqs[ri];
-    sent_by(r, c);
+    sent_by(rt, r, c, t);
     if (r->state != REQ_PREFILL || c->chunk_count != r->chunk_count || c->chunk_index < r->next_index ||
         r->received >= r->chunk_count) {
         rt->st.duplicate_chunks++;       /* a repeat or a chunk of a request already past prefill */

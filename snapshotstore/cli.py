@@ -273,8 +273,10 @@ def _target(args) -> int:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"format": _format, "inspect": _inspect, "fsck": _fsck, "stats": _stats,
-                "target": _target, "serve": _serve}[args.command](args)
+        rc = {"format": _format, "inspect": _inspect, "fsck": _fsck, "stats": _stats,
+              "target": _target, "serve": _serve}[args.command](args)
+        sys.stdout.flush()        # here, not at exit: buffered, a pipe's end fails its flush
+        return rc
     except SnapshotError as e:
         print(f"snapshotstore: {e}", file=sys.stderr)
         return 1

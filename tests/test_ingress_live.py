@@ -460,13 +460,17 @@ def test_a_retry_of_a_cut_request_is_answered_once_whoever_cut_it():
         got, ran = f.serve(lambda got: router.stats()["chunks_in"] == 1)
         assert got == [] and router.stats()["active_requests"] == 1, "the part that passed, held"
         ig.set_rate(7, tokens_per_minute=1_000_000, burst_tokens=100_000)
+        retried = time.monotonic_ns()
         res = client.send_from(topo.client_ns[0], topo.host_ip[0], cut, rate=1_000, count=3, duration=5,
                                stamp_seq=False, drain_ms=100)
         assert res["sent"] == 3 and res["resp_429"] == 0, res
         got, _ = f.serve(lambda got: got and not router.stats()["active_requests"], token=5)
         assert [(int(r["session_id"]), int(r["status"])) for r in got] == [(900, 200)]
+        # the retry's answer, under its stamp (and to its socket's port, a new one:
+        # test_a_retry_that_reaches_its_live_request_becomes_its_try); it went to the first try's
+        assert got[0]["t_send"] > retried
         st = router.stats()
-        assert (st["duplicate_chunks"], st["xdp_cut"], st["expired"]) == (1, 0, 0)
+        assert (st["duplicate_chunks"], st["xdp_cut"], st["expired"], st["retries_taken"]) == (1, 0, 0, 1)
         assert ig.counters()["drop_cut_request"] == 1, "the first try's third chunk only"
 
         router.set_tenant(7, TenantPolicy(max_request_tokens=200))            # 3 x 128 + 1 is over it

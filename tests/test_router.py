@@ -1941,6 +1941,39 @@ def test_a_retry_of_a_request_begun_with_an_open_is_an_open(bench_factory):
     assert len(b.responses) == 10 and b.router.stats()["late_duplicates"] == 2 + 2
 
 
+def test_a_retry_that_reaches_its_live_request_becomes_its_try(bench_factory):
+    """The first try's first two chunks of three came (from port 1111, sent at 100 and 101; its
+    last was cut by XDP's bucket); the client's retry comes from a new socket (port 2222, sent
+    from 500): its first two chunks are repeats, its last completes the request. One answer, to
+    the retry's port and under its stamp, and the request is remembered as the retry's try (a
+    repeat of the retry is dropped). The answer went to port 1111, under stamp 100, and the
+    retry's repeats left the timeout running from the first try's last chunk: a retry that came
+    near it was answered 400 (found by review)."""
+    b = bench_factory(reassembly_timeout_s=0.4)
+    first = chunks_of(2, list(range(300)), max_out=1, t_send=100)
+    first["client_port"], first["t_send"] = 1111, [100, 101, 102]
+    b.send(first[:2])
+    b.run()
+    time.sleep(0.3)                                   # most of the timeout gone
+    retry = first.copy()
+    retry["client_port"], retry["t_send"] = 2222, [500, 501, 502]
+    b.send(retry[:2])                                 # repeats of what the router holds
+    b.router.poll()
+    time.sleep(0.2)                                   # past the first try's timeout, not the retry's
+    b.router.poll()
+    b.collect()
+    assert b.responses == [] and b.router.stats()["expired"] == 0
+    b.send(retry[2:])
+    b.run()
+    (resp,) = b.responses
+    assert (int(resp["status"]), int(resp["client_port"]), int(resp["t_send"])) == (200, 2222, 500)
+    st = b.router.stats()
+    assert (st["retries_taken"], st["duplicate_chunks"], st["active_requests"]) == (1, 2, 0)
+    b.send(retry[:1])                                 # the retry again: a repeat, no second answer
+    b.run()
+    assert len(b.responses) == 1 and b.router.stats()["late_duplicates"] == 1
+
+
 @pytest.mark.parametrize("how", ["expires", "bad chunk"])
 def test_a_close_held_behind_a_request_that_fails_runs_where_the_session_is(bench_factory, how):
     """A runs on worker 0; B, held behind it, is placed on worker 1 (round robin), and the CLOSE

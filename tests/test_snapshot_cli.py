@@ -1,5 +1,6 @@
 """The snapshotstore command: format, inspect, fsck, stats; user errors in one sentence."""
 import json
+import os
 import subprocess
 import sys
 
@@ -29,7 +30,8 @@ def store_image(tmp_path):
 def reader_gone(argv):
     """argv run with its stdout a pipe whose reader left before it wrote (`... | head`): (exit
     status, stderr)."""
-    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}   # buffered, as from a shell
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     p.stdout.close()
     try:
         return p.wait(timeout=60), p.stderr.read().decode()
