@@ -55,7 +55,10 @@ struct req {
     uint32_t fifo_next;                          /* worker's prefill (dynamic) or ready (static) FIFO */
     uint32_t inflight;                           /* records in the worker's current batch */
     uint32_t session_prev, session_next;         /* the session's unfinished requests, in arrival order */
-    uint64_t t_send, t_xdp, t_first_lane, t_ready, t_last;
+    uint64_t t_send, t_xdp, t_first_lane, t_ready, t_last;   /* t_send: its first record's, on every record
+                                                    to its worker (which tells a request by id and stamp) */
+    uint64_t t_try;                              /* the client's try: its first record's stamp, or its
+                                                    retry's (sent_by); the answer carries it */
     uint64_t t_send_max;                         /* the latest send stamp of its records, repeats too: a
                                                     retry's, once one passed XDP's cut (xdp_cut) */
     uint64_t t_in;                               /* the router's first sight of it (its policy's latency) */
@@ -677,7 +680,7 @@ static int emit(struct dp_router *rt, const struct req *r, uint16_t status, uint
     o->tenant = tenant;
     o->status = status;
     o->n_out = n;
-    o->t_send = r ? r->t_send : c->t_send;
+    o->t_send = r ? r->t_try : c->t_send;
     o->t_xdp = r ? r->t_xdp : c->t_xdp;
     o->t_first_lane = r ? r->t_first_lane : 0;
     o->t_done = now_ns();
@@ -1116,11 +1119,11 @@ static void finish(struct dp_router *rt, uint32_t ri)
     if (r->status && r->received < r->chunk_count && bucketed(rt, r->tenant)) {
         silent = xdp_cut(rt, r->session_id, r->request_id, r->tenant, r->t_xdp, r->t_send_max);
         if (!silent)
-            cut_at_xdp(rt, r->session_id, r->request_id, r->tenant, try_of(r->t_send, r->by_open));
+            cut_at_xdp(rt, r->session_id, r->request_id, r->tenant, try_of(r->t_try, r->by_open));
     }
     uint32_t next = r->in_session ? r->session_next : NIL;   /* (session_leave unlinks it) */
     session_leave(rt, ri);
-    remember_done(rt, r->key, r->status ? try_of(r->t_send, r->by_open) : TRY_SPENT);
+    remember_done(rt, r->key, r->status ? try_of(r->t_try, r->by_open) : TRY_SPENT);
     policy_done(rt, r);
     if (!r->status)
         w->st.answered++;
@@ -1264,7 +1267,7 @@ static struct req *req_init(struct dp_router *rt, uint32_t ri, const struct dp_c
     r->arr = NIL;
     r->pending_head = r->pending_tail = r->ooo = r->fifo_next = NIL;
     r->sent_head = r->sent_tail = NIL;
-    r->t_send = r->t_send_max = c->t_send;
+    r->t_send = r->t_try = r->t_send_max = c->t_send;
     r->by_open = c->kind == DP_KIND_OPEN;
     r->t_xdp = c->t_xdp;
     r->t_last = t;
@@ -1455,8 +1458,8 @@ static int close_session(struct dp_router *rt, const struct dp_chunk *c, uint64_
 static void sent_by(struct dp_router *rt, struct req *r, const struct dp_chunk *c, uint64_t t)
 {
     int opens = c->kind == DP_KIND_OPEN || (!r->by_open && c->kind == DP_KIND_CHUNK && !c->chunk_index);
-    if (opens && c->chunk_count == r->chunk_count && (c->t_send & ~1ull) > (r->t_send & ~1ull)) {
-        r->t_send = c->t_send;
+    if (opens && c->chunk_count == r->chunk_count && (c->t_send & ~1ull) > (r->t_try & ~1ull)) {
+        r->t_try = c->t_send;            /* (not t_send: the worker has had some of it under that) */
         r->by_open = c->kind == DP_KIND_OPEN;
         r->t_xdp = c->t_xdp;
         r->client_ip = c->client_ip;
@@ -2237,12 +2240,12 @@ static uint32_t expire_stalled(struct dp_router *rt)
         int len = snprintf(body, sizeof(body), "{\"status\":400,\"error\":\"chunks missing after the reassembly "
                            "timeout\",\"received\":%u,\"chunk_count\":%u}", r->received, r->chunk_count);
         if (!cut && !emit(rt, NULL, DP_STATUS_BAD_REQUEST, r->request_id, r->session_id, r->tenant,
-                          &(struct dp_chunk){ .t_send = r->t_send, .t_xdp = r->t_xdp, .client_ip = r->client_ip,
+                          &(struct dp_chunk){ .t_send = r->t_try, .t_xdp = r->t_xdp, .client_ip = r->client_ip,
                                               .client_port = r->client_port, .flags = r->flags },
                           body, (uint32_t)len))
             break;                       /* egress full: try again at the next scan */
         if (!cut && bucketed(rt, r->tenant))
-            cut_at_xdp(rt, r->session_id, r->request_id, r->tenant, try_of(r->t_send, r->by_open));
+            cut_at_xdp(rt, r->session_id, r->request_id, r->tenant, try_of(r->t_try, r->by_open));
         dp_adm_settle(rt->adm, r->tenant, &r->adm, r->tokens_in, 0, 0);
         if (r->in_fifo)
             fifo_remove(rt, &rt->w[r->worker], ri);
@@ -2254,7 +2257,7 @@ static uint32_t expire_stalled(struct dp_router *rt)
          * passed XDP and was dropped as a late duplicate, unanswered (found by review). A straggler
          * that passed XDP before the cut begins a request whose own expiry finds the cut again. */
         if (!cut)
-            remember_done(rt, r->key, try_of(r->t_send, r->by_open));
+            remember_done(rt, r->key, try_of(r->t_try, r->by_open));
         not_run(rt, r);
         session_leave(rt, ri);
         r->status = DP_STATUS_BAD_REQUEST;

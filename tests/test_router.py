@@ -1964,7 +1964,10 @@ def test_a_retry_that_reaches_its_live_request_becomes_its_try(bench_factory):
     b.collect()
     assert b.responses == [] and b.router.stats()["expired"] == 0
     b.send(retry[2:])
-    b.run()
+    batches = b.run()
+    # its worker, which had the first chunks under stamp 100, has the rest under it too: it tells a
+    # request by (id, stamp), and under the retry's the last chunk would have begun another
+    assert {int(rec["t_send"]) for batch in batches for rec in batch} == {100}
     (resp,) = b.responses
     assert (int(resp["status"]), int(resp["client_port"]), int(resp["t_send"])) == (200, 2222, 500)
     st = b.router.stats()
