@@ -225,6 +225,6 @@ if __name__ == "__main__":
         rc = main()
         sys.stdout.flush()      # here, not at exit: buffered, a pipe's end fails its flush
         sys.exit(rc)
-    except BrokenPipeError:     # `python -m bench goals DIR | head`: the reader left; no traceback
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # (nor one at exit's flush)
-        sys.exit(141)           # as a shell reports a command SIGPIPE ended
+    except BrokenPipeError:     # `python -m bench goals DIR | head`
+        from datapath.cli import reader_left
+        sys.exit(reader_left())

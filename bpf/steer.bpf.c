@@ -267,20 +267,16 @@ static __always_inline int may_reply(const struct ethhdr *eth, const struct iphd
 }
 
 /* Is this record, under a live cut, a client's retry of the cut request, or one of the retry's
- * records? The rule is the router's done cache's (router.c, recently_done): a retry opens the
- * request again (an OPEN; or, unless the cut try began with one, a first chunk) and was sent
- * later than the cut try. Its records pass from its stamp on; the try's stragglers, sent before,
- * are still dropped. Before, a retry that a 429's retry_after or a 503's "retry" asked for was
- * dropped, unanswered, for DP_CUT_TTL_NS (found by review). A client that stamps nothing (0)
- * cannot retry under the same ids. */
+ * records? The rule is the router's (chunk.h, DP_REOPENS), against the try the cut keeps. A
+ * retry's records pass from its stamp on; the try's stragglers, sent before, are still dropped.
+ * Before, a retry that a 429's retry_after or a 503's "retry" asked for was dropped, unanswered,
+ * for DP_CUT_TTL_NS (found by review). */
 static __always_inline int cut_retry(struct dp_cut *cut, const struct dp_req_hdr *req, __u8 kind)
 {
-    __u64 sent = req->send_ns & ~1ull, retry = cut->retry_sent, tried = cut->try_sent;
+    __u64 sent = req->send_ns & ~1ull, retry = cut->retry_sent;
     if (retry && sent >= retry)
         return 1;
-    if (kind != DP_KIND_OPEN && (req->chunk_index || (tried & 1)))
-        return 0;
-    if (sent <= (tried & ~1ull))
+    if (!DP_REOPENS(kind, req->chunk_index, sent, cut->try_sent))
         return 0;
     cut->retry_sent = sent;   /* (another CPU's retry of it may race: either stamp lets the later records by) */
     return 1;
@@ -579,7 +575,7 @@ int xdp_steer(struct xdp_md *ctx)
 
 over:
     if (more_to_come) {
-        struct dp_cut c = { .t_cut = now, .try_sent = (req->send_ns & ~1ull) | (kind == DP_KIND_OPEN) };
+        struct dp_cut c = { .t_cut = now, .try_sent = DP_TRY_OF(req->send_ns, kind == DP_KIND_OPEN) };
         cuts.update(&ck, &c);
     }
     drop(DP_DROP_RATE_LIMITED);

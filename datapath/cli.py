@@ -73,9 +73,15 @@ def main(argv=None) -> int:
         rc = _run(build_parser().parse_args(argv))
         sys.stdout.flush()      # here, not at exit: buffered, a pipe's end fails its flush
         return rc
-    except BrokenPipeError:     # `datapath model info | head`: the reader left; no traceback
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # (nor one at exit's flush)
-        return 141              # as a shell reports a command SIGPIPE ended
+    except BrokenPipeError:     # `datapath model info | head`
+        return reader_left()
+
+
+def reader_left() -> int:
+    """stdout's reader left (`... | head`): no traceback, nor one at exit's flush (stdout goes to
+    /dev/null); the status a shell reports for a command SIGPIPE ended. bench's too."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 141
 
 
 def _run(args) -> int:

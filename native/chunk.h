@@ -127,6 +127,19 @@ struct dp_cut {
 #define DP_CUT_TTL_NS 2000000000ull   /* how long a cut stands: past it, the same ids are a new request */
 /* LAYOUT END */
 
+/* A client's try of a request, as the router's done cache and the cuts keep it: its first record's
+ * send stamp (to the even ns), the low bit 1 if that record was an OPEN. */
+#define DP_TRY_OF(sent, by_open) (((sent) & ~1ull) | (__u64)!!(by_open))
+/* Does a record (kind, chunk_index, send stamp) open again the request whose try is `try`, sent
+ * later: a client's retry under the same ids, not one of the try's stragglers or repeats? An OPEN
+ * does; a first chunk or a CLOSE unless the try began with an OPEN (whose own first chunk follows
+ * it). A client that stamps nothing (0) cannot retry so. One rule, which the router's done cache
+ * and live requests and the steering program's cuts all ask. */
+#define DP_REOPENS(kind, chunk_index, sent, try)                                                       \
+    (((kind) == DP_KIND_OPEN ||                                                                       \
+      (!((try) & 1) && ((kind) == DP_KIND_CLOSE || ((kind) == DP_KIND_CHUNK && !(chunk_index))))) && \
+     ((sent) & ~1ull) > ((try) & ~1ull))
+
 /* A request whose refusal at XDP cuts it (dp_cut_key): one of several chunks, refused at a chunk or
  * its OPEN; a CLOSE or a COUNT_TOKENS never is. The steering program and the router both ask. */
 #define DP_CUTTABLE(kind, chunk_count) \

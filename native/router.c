@@ -175,7 +175,7 @@ struct dp_router {
     uint32_t done_head, done_tail;      /* finished requests waiting for egress room (via fifo_next) */
     uint64_t key_secret;                /* random per router: req_key, session_key */
     _Alignas(64) uint64_t recent[(1u << RECENT_SET_BITS) * RECENT_WAYS];   /* keys of requests that finished lately */
-    uint64_t recent_sent[(1u << RECENT_SET_BITS) * RECENT_WAYS];           /* ... each one's try (try_of) */
+    uint64_t recent_sent[(1u << RECENT_SET_BITS) * RECENT_WAYS];           /* ... each one's try (DP_TRY_OF) */
     uint8_t recent_next[1u << RECENT_SET_BITS];                             /* each set's oldest way */
     struct last_run last_run[1u << LAST_RUN_BITS];   /* direct-mapped, by session key */
     uint32_t reserved;                  /* pool slots promised to chunks of admitted requests not here yet */
@@ -784,7 +784,7 @@ static enum why worker_why(const struct req *r, const struct dp_completion_entry
  * forgotten once 8 newer ones landed in its set. Direct-mapped (4096 entries), any one finishing
  * request with the same 12 bits made it forget: a refused request's later chunks were then taken
  * for a new request, admitted or refused again, its client answered twice. Each key keeps its
- * try (try_of), to tell a client's retry from a straggler (recently_done). */
+ * try (DP_TRY_OF), to tell a client's retry from a straggler (recently_done). */
 static void remember_done(struct dp_router *rt, uint64_t key, uint64_t try)
 {
     uint32_t set = (key >> 32) & ((1u << RECENT_SET_BITS) - 1), way = set * RECENT_WAYS + rt->recent_next[set];
@@ -795,26 +795,17 @@ static void remember_done(struct dp_router *rt, uint64_t key, uint64_t try)
 
 #define TRY_SPENT UINT64_MAX   /* a try answered 200: its turn ran, so its ids admit no retry */
 
-/* A try that ended without its turn run (refused, failed, expired), as the done cache keeps it:
- * its first record's send stamp, the low bit 1 if that record was an OPEN. */
-static uint64_t try_of(uint64_t t_send, int by_open)
-{
-    return (t_send & ~1ull) | (uint64_t)!!by_open;
-}
-
 /* A request refused at its record c, before it had a slot: remembered as its try. */
 static void remember_refused(struct dp_router *rt, uint64_t key, const struct dp_chunk *c)
 {
-    remember_done(rt, key, try_of(c->t_send, c->kind == DP_KIND_OPEN));
+    remember_done(rt, key, DP_TRY_OF(c->t_send, c->kind == DP_KIND_OPEN));
 }
 
 /* Record c's request (key) finished lately, and c is one of its stragglers or repeats, not a
- * client's retry of it under the same ids. A retry opens the request again (an OPEN; or, unless
- * the try began with one, a first chunk or a CLOSE) and was sent later than the latest try's
- * first record (to the even ns), which ended without running: a retry the answer asked for (a
- * 429's retry_after, a 503's "retry") was dropped unanswered as a late duplicate for thousands of
- * requests more (found by review). One after a 200 is a repeat: run again, it would put its turn
- * in the session twice. A client that stamps nothing (0) cannot retry under the same ids. */
+ * client's retry of it under the same ids (chunk.h, DP_REOPENS) after the latest try, which ended
+ * without running: a retry the answer asked for (a 429's retry_after, a 503's "retry") was dropped
+ * unanswered as a late duplicate for thousands of requests more (found by review). One after a
+ * 200 is a repeat: run again, it would put its turn in the session twice. */
 static int recently_done(const struct dp_router *rt, uint64_t key, const struct dp_chunk *c)
 {
     uint32_t base = ((key >> 32) & ((1u << RECENT_SET_BITS) - 1)) * RECENT_WAYS;
@@ -825,9 +816,7 @@ static int recently_done(const struct dp_router *rt, uint64_t key, const struct 
             hit = 1;
             latest = rt->recent_sent[base + i] > latest ? rt->recent_sent[base + i] : latest;
         }
-    int opens = c->kind == DP_KIND_OPEN ||
-                (!(latest & 1) && (c->kind == DP_KIND_CLOSE || (c->kind == DP_KIND_CHUNK && !c->chunk_index)));
-    return hit && !(opens && latest != TRY_SPENT && (c->t_send & ~1ull) > (latest & ~1ull));
+    return hit && !(latest != TRY_SPENT && DP_REOPENS(c->kind, c->chunk_index, c->t_send, latest));
 }
 
 static void free_list(struct dp_router *rt, uint32_t p)
@@ -1119,11 +1108,11 @@ static void finish(struct dp_router *rt, uint32_t ri)
     if (r->status && r->received < r->chunk_count && bucketed(rt, r->tenant)) {
         silent = xdp_cut(rt, r->session_id, r->request_id, r->tenant, r->t_xdp, r->t_send_max);
         if (!silent)
-            cut_at_xdp(rt, r->session_id, r->request_id, r->tenant, try_of(r->t_try, r->by_open));
+            cut_at_xdp(rt, r->session_id, r->request_id, r->tenant, DP_TRY_OF(r->t_try, r->by_open));
     }
     uint32_t next = r->in_session ? r->session_next : NIL;   /* (session_leave unlinks it) */
     session_leave(rt, ri);
-    remember_done(rt, r->key, r->status ? try_of(r->t_try, r->by_open) : TRY_SPENT);
+    remember_done(rt, r->key, r->status ? DP_TRY_OF(r->t_try, r->by_open) : TRY_SPENT);
     policy_done(rt, r);
     if (!r->status)
         w->st.answered++;
@@ -1238,7 +1227,7 @@ static int answer(struct dp_router *rt, const struct dp_chunk *c, uint16_t statu
         return 0;
     rt->st.responses++;
     if (several)
-        cut_at_xdp(rt, c->session_id, c->request_id, c->tenant, try_of(c->t_send, c->kind == DP_KIND_OPEN));
+        cut_at_xdp(rt, c->session_id, c->request_id, c->tenant, DP_TRY_OF(c->t_send, c->kind == DP_KIND_OPEN));
     return 1;
 }
 
@@ -1446,8 +1435,8 @@ static int close_session(struct dp_router *rt, const struct dp_chunk *c, uint64_
 }
 
 /* Record c, one of r's (repeats too), was sent at: kept for xdp_cut, which tells by it whether r
- * holds a retry that passed XDP's cut. A record that opens r again, sent later than r's try (the
- * done cache's rule, recently_done), is a client's retry of it while r still waits for chunks or
+ * holds a retry that passed XDP's cut. A record that opens r again, sent later than r's try
+ * (DP_REOPENS), with its chunk count, is a client's retry of it while r still waits for chunks or
  * runs: XDP's cut let it by, or the client gave up waiting. Its repeats of what r holds are
  * dropped as duplicates and its other chunks complete r, which is now the retry's try: answered
  * to the retry's address under its stamp, remembered (and cut) as its try, and given the
@@ -1457,8 +1446,8 @@ static int close_session(struct dp_router *rt, const struct dp_chunk *c, uint64_
  * repeats until r's expiry was answered 400 (found by review). */
 static void sent_by(struct dp_router *rt, struct req *r, const struct dp_chunk *c, uint64_t t)
 {
-    int opens = c->kind == DP_KIND_OPEN || (!r->by_open && c->kind == DP_KIND_CHUNK && !c->chunk_index);
-    if (opens && c->chunk_count == r->chunk_count && (c->t_send & ~1ull) > (r->t_try & ~1ull)) {
+    if (c->chunk_count == r->chunk_count && DP_REOPENS(c->kind, c->chunk_index, c->t_send,
+                                                       DP_TRY_OF(r->t_try, r->by_open))) {
         r->t_try = c->t_send;            /* (not t_send: the worker has had some of it under that) */
         r->by_open = c->kind == DP_KIND_OPEN;
         r->t_xdp = c->t_xdp;
@@ -2245,7 +2234,7 @@ static uint32_t expire_stalled(struct dp_router *rt)
                           body, (uint32_t)len))
             break;                       /* egress full: try again at the next scan */
         if (!cut && bucketed(rt, r->tenant))
-            cut_at_xdp(rt, r->session_id, r->request_id, r->tenant, try_of(r->t_try, r->by_open));
+            cut_at_xdp(rt, r->session_id, r->request_id, r->tenant, DP_TRY_OF(r->t_try, r->by_open));
         dp_adm_settle(rt->adm, r->tenant, &r->adm, r->tokens_in, 0, 0);
         if (r->in_fifo)
             fifo_remove(rt, &rt->w[r->worker], ri);
@@ -2257,7 +2246,7 @@ static uint32_t expire_stalled(struct dp_router *rt)
          * passed XDP and was dropped as a late duplicate, unanswered (found by review). A straggler
          * that passed XDP before the cut begins a request whose own expiry finds the cut again. */
         if (!cut)
-            remember_done(rt, r->key, try_of(r->t_try, r->by_open));
+            remember_done(rt, r->key, DP_TRY_OF(r->t_try, r->by_open));
         not_run(rt, r);
         session_leave(rt, ri);
         r->status = DP_STATUS_BAD_REQUEST;

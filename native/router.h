@@ -129,7 +129,7 @@ struct dp_router_stats {
     uint64_t kv_moved;          /* requests a store-less worker refused for want of KV room, moved to
                                  * the next worker of their pool (router.c, kv_move) */
     uint64_t retries_taken;     /* live requests a client's retry under their ids reached, sent later:
-                                 * answered to the retry's address, under its stamp (router.c, reopens) */
+                                 * answered to the retry's address, under its stamp (router.c, sent_by) */
     uint32_t active_requests, pool_free;
     uint32_t kv_homes;          /* sessions a kv_move sent to another worker, or a failover to one without
                                  * a store, placed there until their CLOSE (router.c, KV_HOMES at most) */
