@@ -174,6 +174,14 @@ def main(argv=None) -> int:
                 what = "a file of that name is in the way" if out.exists() else e.strerror
                 p.error(f"the report's directory {out} (beside --json PATH, PATH without its suffix): "
                         f"cannot make it ({what})")
+    if args.suite in ("snapshot", "nvmetcp", "all"):
+        try:
+            from .snapshot import bench_dir
+            bench_dir()
+        except ImportError as e:
+            p.error(f"the native extensions are not built ({e}): run `sudo make setup`")
+        except ValueError as e:
+            p.error(str(e))
     if args.suite in NEED_ROOT:
         try:
             from .e2e import require_root_and_bcc

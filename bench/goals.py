@@ -136,8 +136,10 @@ def _static_over_dynamic(suffix: str):
         v = _get(r, "ratios", f"static_vs_dynamic_p95_at_10qps{suffix}")
         if v is None:
             return NO_FIGURE, ""
+        # a p95 that is not finite is written as null (the ratio 0 for an infinite dynamic's)
         s, d = (_get(r, "metrics", f"sweep{suffix}_p95_ms_{m}_10") for m in ("static", "dynamic"))
-        return ("met" if v >= STATIC_OVER_DYNAMIC else "missed"), f"{v:.2f}x ({s:,.1f} / {d:,.1f} ms)"
+        ms = " / ".join("no finite figure" if x is None else f"{x:,.1f}" for x in (s, d))
+        return ("met" if v >= STATIC_OVER_DYNAMIC else "missed"), f"{v:.2f}x ({ms} ms)"
     return judge
 
 

@@ -26,7 +26,7 @@ from snapshotstore import Delta, LogStore, format_device, session_key
 from snapshotstore.format import HEADER_SIZE
 from snapshotstore.nvmetcp.process import TargetProcess
 
-from .snapshot import MiB, _filesystem, _precondition, _us, pct, put_rate
+from .snapshot import MiB, _filesystem, _precondition, _us, bench_dir, pct, put_rate
 
 SECRET = b"bench-nvmetcp-secret-0123"
 
@@ -49,7 +49,7 @@ def _alternate(report, stores, name, samples, op):
 
 def run(report, args):
     quick = args.quick
-    base = os.environ.get("ZEROLAYER_BENCH_DIR", "/var/tmp")
+    base = bench_dir()
     workdir = tempfile.mkdtemp(prefix="zl-nvmetcp-bench-", dir=base)
     size = (64 if quick else 256) * MiB
     samples = 300 if quick else 3000

@@ -63,13 +63,34 @@ def _precondition(path: str, size: int):
         os.close(fd)
 
 
-def _filesystem(path: str) -> str:
-    best = ("?", "?", "")
+def _mount(path: str) -> tuple[str, str]:
+    """(source, type) of the filesystem path is on: its longest mount point in /proc/mounts."""
+    path, best = os.path.realpath(path), ("?", "?", "")
     for line in open("/proc/mounts"):
         src, mnt, fstype = line.split()[:3]
-        if os.path.abspath(path).startswith(mnt) and len(mnt) >= len(best[2]):
+        if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best[2]):
             best = (src, fstype, mnt)
-    return f"{best[0]} ({best[1]})"
+    return best[0], best[1]
+
+
+def _filesystem(path: str) -> str:
+    return "{} ({})".format(*_mount(path))
+
+
+# O_DIRECT there is taken and ignored (tmpfs since Linux 6.6): the "raw I/O" reference and the
+# store's would both be copies in memory, the ratios of nothing the goals speak of
+MEMORY_FILESYSTEMS = ("tmpfs", "ramfs")
+
+
+def bench_dir() -> str:
+    """Where the image files go: ZEROLAYER_BENCH_DIR (default /var/tmp), refused on a filesystem in
+    memory (ValueError)."""
+    base = os.environ.get("ZEROLAYER_BENCH_DIR", "/var/tmp")
+    fstype = _mount(base)[1]
+    if fstype in MEMORY_FILESYSTEMS:
+        raise ValueError(f"ZEROLAYER_BENCH_DIR={base} is on {fstype}, in memory: O_DIRECT there measures no "
+                         f"device (give a directory on a disk)")
+    return base
 
 
 class RawDevice:
@@ -298,7 +319,7 @@ def _soak(report, workdir, iterations):
 
 def run(report, args):
     quick = args.quick
-    base = os.environ.get("ZEROLAYER_BENCH_DIR", "/var/tmp")
+    base = bench_dir()
     workdir = tempfile.mkdtemp(prefix="zl-snapshot-bench-", dir=base)
     rng = random.Random(6)
     try:

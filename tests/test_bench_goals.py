@@ -144,3 +144,12 @@ def test_bench_all_ends_with_every_suite_s_goals(tmp_path, monkeypatch, capsys):
         "  [met]        snapshot: index <= 64 bytes per session: 60.0 bytes"]
     written = json.loads((tmp_path / "bench-results" / "snapshot.json").read_text())
     assert [j["verdict"] for j in written["goals"]] == ["missed", "met", "met"]
+
+
+def test_static_over_dynamic_with_a_p95_written_null_is_judged_not_raised():
+    """An infinite dynamic p95 at 10 req/s (a request unanswered) is written null and makes the
+    ratio 0: a verdict, not a TypeError from formatting the null."""
+    e2e = {"suite": "e2e", "metrics": {"sweep_p95_ms_static_10": 60.0, "sweep_p95_ms_dynamic_10": None},
+           "ratios": {"static_vs_dynamic_p95_at_10qps": 0.0}}
+    (j,) = [j for j in goals.judge(e2e) if "1/5 of static's (tiny model)" in j["goal"]]
+    assert j["verdict"] == "missed" and j["measured"] == "0.00x (60.0 / no finite figure ms)"
