@@ -30,7 +30,7 @@ class Responder:
         if egress.slot_size < RESPONSE.itemsize:        # each slot is read as a whole record
             raise ValueError(f"egress ring {egress.name!r} has {egress.slot_size}-byte slots: a response "
                              f"record needs {RESPONSE.itemsize}")
-        self.egress, self.sock = egress, sock
+        self.egress, self.sock = egress.act("consumer"), sock
         self._trace = np.zeros(trace_cap, dtype=TRACE)
         self._r = ffi.new("struct dp_responder *")
         self._r.egress = egress.ptr

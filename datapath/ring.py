@@ -29,6 +29,10 @@ class RingBusy(RingError):
     """The role is held by a live process."""
 
 
+class RingNotReady(RingError):
+    """The segment is not a ring yet: being created, or its creator died before it was one."""
+
+
 def _raise(code: int, name: str, what: str):
     code = -code
     if code == errno.ENOENT:
@@ -42,6 +46,9 @@ def _raise(code: int, name: str, what: str):
                          "multiple of 8, capacity a power of two >= 2)")
     if code == errno.EPROTO:
         raise RingError(f"/dev/shm/dp-{name} is not a ring of this version")
+    if code == errno.EAGAIN:
+        raise RingNotReady(f"/dev/shm/dp-{name} is not a ring yet: being created (retry), or its creator "
+                           "died first (unlink it)")
     raise OSError(code, f"ring {name!r}: {what}: {os.strerror(code)}")
 
 
@@ -115,11 +122,20 @@ class Ring:
             _raise(k, self.name, "consumer")
         return bytes(ffi.buffer(out, k * self.slot_size))
 
+    def act(self, role: str) -> "Ring":
+        """This handle may act as role ("producer" or "consumer"): the role is this process's
+        already, or free or its holder dead (taken, released at close); RingBusy if a live process
+        holds it. For a native loop handed the ring, whose inline calls do not check."""
+        if role not in ("producer", "consumer"):
+            raise ValueError(f"role must be producer or consumer, not {role!r}")
+        rc = lib.dp_ring_act(self.ptr, ROLES[role])
+        if rc:
+            _raise(rc, self.name, role)
+        return self
+
     def wait(self, timeout_s: float) -> int:
         """Block (per the ring's wait mode) until a record is readable; readable count or 0."""
-        rc = lib.dp_ring_act(self.ptr, lib.DP_ROLE_CONSUMER)
-        if rc:
-            _raise(rc, self.name, "consumer")
+        self.act("consumer")
         return lib.dp_ring_wait(self.ptr, int(timeout_s * 1e9) if timeout_s >= 0 else -1)
 
     def stats(self) -> dict:

@@ -106,6 +106,7 @@ class Router:
         self.n_workers = 0
 
     def add_input(self, ring: Ring) -> int:
+        ring.act("consumer")        # the router drains it: a second consumer is refused (RingBusy)
         self._rings.append(ring)
         return _check(lib.dp_router_add_input(self._rt, ring.ptr), f"input ring {ring.name!r} (slots too small?)")
 
@@ -132,6 +133,7 @@ class Router:
         _check(lib.dp_router_watch_cuts(self._rt, map_fd, buckets_fd, others_fd), f"cuts map fd {map_fd}")
 
     def add_worker(self, lane: Ring, done: Ring, weight: int = 1, pool: int = 0) -> int:
+        lane.act("producer"), done.act("consumer")
         k = _check(lib.dp_router_add_worker(self._rt, lane.ptr, done.ptr, weight),
                    f"worker lane {lane.name!r}/{done.name!r} (slot sizes or capacity too small?)")
         self._lanes[k] = (lane, done)
@@ -149,6 +151,7 @@ class Router:
         return k
 
     def set_egress(self, ring: Ring):
+        ring.act("producer")
         self._rings.append(ring)
         _check(lib.dp_router_set_egress(self._rt, ring.ptr), f"egress ring {ring.name!r}")
 
@@ -178,6 +181,7 @@ class Router:
     def replace_lane(self, worker: int, lane: Ring, done: Ring) -> tuple[Ring, Ring]:
         """A down shm worker's fresh lane and completion ring, for the process that replaces it
         (set it up after). Returns the old pair, which the router no longer touches."""
+        lane.act("producer"), done.act("consumer")
         _check(lib.dp_router_replace_lane(self._rt, worker, lane.ptr, done.ptr),
                f"lane of worker {worker} (it must be an shm worker, and down)")
         old, self._lanes[worker] = self._lanes[worker], (lane, done)

@@ -33,14 +33,16 @@ static int pid_alive(int32_t pid)
     return pid > 0 && (kill(pid, 0) == 0 || errno == EPERM);
 }
 
-/* Take a role: free, or held by a dead process (taken over), else -EBUSY. */
+/* Take a role: free, or held by a dead process (taken over): 0; this process's already, through
+ * another handle: MINE (nothing to take over, and that handle's to release); else -EBUSY. */
+#define MINE 1
 static int claim(int32_t *slot)
 {
     int32_t me = getpid();
     for (;;) {
         int32_t cur = __atomic_load_n(slot, __ATOMIC_ACQUIRE);
         if (cur == me)
-            return 0;
+            return MINE;
         if (pid_alive(cur))
             return -EBUSY;
         if (__atomic_compare_exchange_n(slot, &cur, me, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
@@ -92,31 +94,34 @@ static void settle_dead_commit(struct dp_ring *r)
             __atomic_store_n(dp_ring_seq(r, tail + i), 0, __ATOMIC_RELAXED);
 }
 
+/* A role taken (0: r's to release at close), already this process's (MINE: acted under, neither
+ * settled, since the take-over steps would run under the live handle's feet, nor released), or
+ * an error. getpid each call, not a cached bit, so a forked child is not its parent. */
 static int take_role(struct dp_ring *r, int role)
 {
+    int rc;
     if (role == DP_ROLE_PRODUCER) {
-        int rc = claim(&r->h->producer_pid);
-        if (rc == 0)
+        if ((rc = claim(&r->h->producer_pid)) == 0)
             settle_dead_commit(r);
-        return rc;
-    }
-    if (role == DP_ROLE_CONSUMER) {
-        int rc = claim(&r->h->consumer_pid);
-        /* a new consumer starts from the released head, whatever the dead one cached */
-        if (rc == 0)
+    } else if (role == DP_ROLE_CONSUMER) {
+        /* a new consumer starts from the released head, whatever the dead one cached, and awake:
+         * a dead sleeper's flag made every later commit a futex wake */
+        if ((rc = claim(&r->h->consumer_pid)) == 0) {
             r->h->tail_cache = r->h->head;
-        return rc;
-    }
-    return role == DP_ROLE_OBSERVER ? 0 : -EINVAL;
+            __atomic_store_n(&r->h->sleeping, 0, __ATOMIC_RELAXED);
+        }
+    } else
+        return role == DP_ROLE_OBSERVER ? 0 : -EINVAL;
+    if (rc == 0)
+        r->acts |= 1u << role;
+    return rc < 0 ? rc : 0;
 }
 
 int dp_ring_claim(struct dp_ring *r, int role)
 {
     int rc = take_role(r, role);
-    if (rc == 0) {
+    if (rc == 0)
         r->role = role;
-        r->acts |= 1u << role;
-    }
     return rc;
 }
 
@@ -124,16 +129,7 @@ int dp_ring_act(struct dp_ring *r, int role)
 {
     if (role != DP_ROLE_PRODUCER && role != DP_ROLE_CONSUMER)
         return -EINVAL;
-    int32_t *slot = role == DP_ROLE_PRODUCER ? &r->h->producer_pid : &r->h->consumer_pid;
-    /* this process's already, through this handle or another: act under it, and neither settle a
-     * live role (claim's take-over steps would run under the other handle's feet) nor take its
-     * release at close; getpid each call, not a cached bit, so a forked child is not its parent */
-    if (__atomic_load_n(slot, __ATOMIC_ACQUIRE) == getpid())
-        return 0;
-    int rc = take_role(r, role);    /* free, or its holder dead: taken over */
-    if (rc == 0)
-        r->acts |= 1u << role;
-    return rc;
+    return take_role(r, role);
 }
 
 struct dp_ring *dp_ring_create(const char *name, uint32_t slot_size, uint32_t capacity, int wait_mode, int *err)
@@ -187,6 +183,25 @@ struct dp_ring *dp_ring_create(const char *name, uint32_t slot_size, uint32_t ca
     return r;
 }
 
+/* The geometry create wrote, checked before any slot is touched: the mapping's bounds and the
+ * sequence words' alignment rest on it (no sum here can wrap: each term is checked first). A
+ * header without its magic yet (create writes it last) is -EAGAIN: being made, or its maker died. */
+static int check_header(int fd, uint64_t size)
+{
+    const struct dp_ring_hdr *h = mmap(NULL, sizeof(*h), PROT_READ, MAP_SHARED, fd, 0);
+    if (h == MAP_FAILED)
+        return -errno;
+    uint64_t magic = __atomic_load_n(&h->magic, __ATOMIC_ACQUIRE);
+    int ok = magic == DP_RING_MAGIC && h->version == DP_RING_VERSION && h->map_size == size &&
+             h->capacity >= 2 && !(h->capacity & (h->capacity - 1)) && h->mask == h->capacity - 1 &&
+             h->slot_size && !(h->slot_size % 8) && !(h->stride % DP_CACHELINE) &&
+             h->stride >= DP_RING_SEQ_BYTES + (uint64_t)h->slot_size && h->data_offset >= sizeof(*h) &&
+             !(h->data_offset % DP_CACHELINE) && h->data_offset <= h->map_size &&
+             (uint64_t)h->stride * h->capacity <= h->map_size - h->data_offset;
+    munmap((void *)h, sizeof(*h));
+    return ok ? 0 : magic ? -EPROTO : -EAGAIN;
+}
+
 struct dp_ring *dp_ring_attach(const char *name, int role, int *err)
 {
     char path[256];
@@ -201,8 +216,16 @@ struct dp_ring *dp_ring_attach(const char *name, int role, int *err)
         *err = -errno;
         return NULL;
     }
-    if (fstat(fd, &st) < 0 || st.st_size < (off_t)sizeof(struct dp_ring_hdr)) {
-        *err = -EPROTO;
+    if (fstat(fd, &st) < 0) {
+        *err = -errno;
+        close(fd);
+        return NULL;
+    }
+    /* the header alone first, unpopulated: a segment that is no ring is refused before the whole
+     * of it is faulted in (MAP_POPULATE allocated every page of a sparse one in /dev/shm) */
+    rc = st.st_size < (off_t)sizeof(struct dp_ring_hdr) ? -EAGAIN : check_header(fd, (uint64_t)st.st_size);
+    if (rc) {
+        *err = rc;
         close(fd);
         return NULL;
     }
@@ -211,27 +234,12 @@ struct dp_ring *dp_ring_attach(const char *name, int role, int *err)
         close(fd);
         return NULL;
     }
-    struct dp_ring_hdr *h = r->h;
-    /* the geometry create wrote, checked before any slot is touched: the mapping's bounds and the
-     * sequence words' alignment rest on it (no sum here can wrap: each term is checked first) */
-    if (__atomic_load_n(&h->magic, __ATOMIC_ACQUIRE) != DP_RING_MAGIC || h->version != DP_RING_VERSION ||
-        h->map_size != (uint64_t)st.st_size || h->capacity < 2 || (h->capacity & (h->capacity - 1)) ||
-        h->mask != h->capacity - 1 || h->slot_size == 0 || h->slot_size % 8 || h->stride % DP_CACHELINE ||
-        h->stride < DP_RING_SEQ_BYTES + (uint64_t)h->slot_size || h->data_offset < sizeof(*h) ||
-        h->data_offset > h->map_size || (uint64_t)h->stride * h->capacity > h->map_size - h->data_offset) {
-        *err = -EPROTO;
-        dp_ring_close(r);
-        return NULL;
-    }
     rc = take_role(r, role);
     if (rc) {
         *err = rc;
-        r->role = DP_ROLE_OBSERVER;
         dp_ring_close(r);
         return NULL;
     }
-    if (role != DP_ROLE_OBSERVER)
-        r->acts = 1u << role;
     return r;
 }
 

@@ -8,9 +8,11 @@ import time
 
 import pytest
 
+from datapath import records
 from datapath import ring as ringmod
 from datapath._dataplane import ffi, lib
 from datapath.ring import Ring, RingBusy
+from datapath.router import Router
 
 SEC = 1_000_000_000
 _names = itertools.count()
@@ -295,6 +297,50 @@ def test_acting_under_a_role_this_process_holds_neither_takes_nor_releases_it(ri
         assert prod.enqueue(b"b" * 16) == 1
 
 
+def test_attaching_a_role_this_process_holds_neither_takes_it_over_nor_releases_it(ring_name):
+    """A second handle attached (or claimed) as the producer this process is already: taken as a
+    free role, its take-over steps cleared the slots of the live handle's commit in progress and
+    its close gave the role away, so another process attached as a second producer (a review's
+    probe)."""
+    q = ctx.Queue()
+    with Ring.create(ring_name, 16, 8, role="producer") as prod:
+        Ring.attach(ring_name, "producer").close()
+        assert prod.stats()["producer_pid"] == os.getpid()
+        other = ctx.Process(target=try_attach, args=(ring_name, "producer", q))
+        other.start()
+        assert q.get(timeout=10) == "busy"
+        other.join(10)
+
+
+def test_a_router_is_refused_an_input_another_live_process_consumes(ring_name):
+    """Router.add_input takes the consumer's role: handed a ring attached as an observer (as
+    dataplane.md's example had it), the router drained it holding no role, and a second consumer
+    could attach beside it (a review's probe)."""
+    q, release = ctx.Queue(), ctx.Event()
+    with Ring.create(ring_name, records.CHUNK.itemsize, 8, role="producer") as r, Router() as router:
+        p = ctx.Process(target=hold, args=(ring_name, "consumer", q, release))
+        p.start()
+        try:
+            assert q.get(timeout=10) == "holding"
+            with pytest.raises(RingBusy, match="consumer"):
+                router.add_input(Ring.attach(ring_name))
+        finally:
+            release.set()
+            p.join(10)
+        router.add_input(Ring.attach(ring_name))       # its holder gone: the router's process takes it
+        assert r.stats()["consumer_pid"] == os.getpid()
+
+
+# dp_ring_hdr's line 3 (native/ring.h): the futex word and the sleeping flag, u32 each
+_FUTEX, _SLEEPING = 192, 196
+
+
+def _header_word(name, off):
+    with open(f"/dev/shm/dp-{name}", "rb") as f:
+        f.seek(off)
+        return struct.unpack("<I", f.read(4))[0]
+
+
 def sleeper(name, q):
     with Ring.attach(name, "consumer") as r:
         q.put("waiting")
@@ -302,20 +348,46 @@ def sleeper(name, q):
         q.put((n, r.stats()["sleeps"]))
 
 
+def _until_asleep(r):
+    deadline = time.monotonic() + 10   # wait until it is in the futex, past spinning and yielding
+    while r.stats()["sleeps"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert r.stats()["sleeps"] >= 1
+
+
 def test_sleeping_consumer_is_woken(ring_name):
+    """The commit wakes it (the futex word moves): without the wake, its wait's 100 ms re-check
+    returned the record anyway, and this test passed (a review)."""
     with Ring.create(ring_name, 8, 16, wait="sleep", role="producer") as r:
         q = ctx.Queue()
         p = ctx.Process(target=sleeper, args=(ring_name, q))
         p.start()
         assert q.get(timeout=10) == "waiting"
-        deadline = time.monotonic() + 10   # wait until it is in the futex, past spinning and yielding
-        while r.stats()["sleeps"] == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert r.stats()["sleeps"] >= 1
+        _until_asleep(r)
+        before = _header_word(ring_name, _FUTEX)
         assert r.enqueue(b"\1" * 8) == 1
         n, sleeps = q.get(timeout=10)
         p.join(10)
-        assert n == 1 and sleeps >= 1
+        assert n == 1 and sleeps >= 1 and _header_word(ring_name, _FUTEX) > before
+
+
+def test_a_consumer_killed_asleep_leaves_its_successor_awake(ring_name):
+    """Its sleeping flag stayed set under a successor that only polls, and every commit after made
+    a futex wake syscall for no one (a review's probe: 1,000 commits, 1,000 wakes)."""
+    with Ring.create(ring_name, 8, 16, wait="sleep", role="producer") as r:
+        q = ctx.Queue()
+        p = ctx.Process(target=sleeper, args=(ring_name, q))
+        p.start()
+        assert q.get(timeout=10) == "waiting"
+        _until_asleep(r)
+        os.kill(p.pid, signal.SIGKILL)
+        p.join(10)
+        assert _header_word(ring_name, _SLEEPING) == 1
+        with Ring.attach(ring_name, "consumer"):
+            assert _header_word(ring_name, _SLEEPING) == 0
+            before = _header_word(ring_name, _FUTEX)
+            assert r.enqueue(b"\1" * 8) == 1
+            assert _header_word(ring_name, _FUTEX) == before, "no wake for a consumer that is not asleep"
 
 
 def test_bad_input_is_a_clear_error(ring_name):
@@ -363,7 +435,8 @@ _HDR_FIELD = {"slot_size": (8, "<I"), "capacity": (12, "<I"), "mask": (16, "<I")
 
 
 @pytest.mark.parametrize("field,value", [("mask", 0xFFFF), ("capacity", 24), ("stride", 28), ("stride", 0),
-                                         ("slot_size", 12), ("data_offset", 2**64 - 4096), ("data_offset", 8)])
+                                         ("slot_size", 12), ("data_offset", 2**64 - 4096), ("data_offset", 8),
+                                         ("data_offset", 1000)])
 def test_a_header_whose_geometry_is_not_create_s_is_refused_at_attach(ring_name, field, value):
     """Attach checks the geometry before it touches a slot: a mask past the capacity indexed past the
     mapping, a stride off the line misaligned the sequence words, a data offset near 2^64 wrapped
@@ -375,6 +448,22 @@ def test_a_header_whose_geometry_is_not_create_s_is_refused_at_attach(ring_name,
         f.write(struct.pack(fmt, value))
     with pytest.raises(ringmod.RingError, match="not a ring of this version"):
         Ring.attach(ring_name, "consumer")
+
+
+def test_a_segment_that_is_no_ring_yet_is_refused_as_not_ready_and_never_faulted_in(ring_name):
+    """Empty (shm_open'd, not yet sized) or without its magic (create writes it last): not ready,
+    which a caller may retry, not "not a ring of this version". Checked from the header alone:
+    attach mapped the whole segment with MAP_POPULATE first, and a sparse 256 MiB one was left
+    allocated in /dev/shm (a review's probe)."""
+    path = f"/dev/shm/dp-{ring_name}"
+    with open(path, "wb"):
+        pass
+    with pytest.raises(ringmod.RingNotReady, match="not a ring yet"):
+        Ring.attach(ring_name, "consumer")
+    os.truncate(path, 256 << 20)
+    with pytest.raises(ringmod.RingNotReady):
+        Ring.attach(ring_name)
+    assert os.stat(path).st_blocks * 512 <= 4096, "the header's page at most"
 
 
 def test_a_ring_is_resident_from_the_start(ring_name):
