@@ -825,6 +825,46 @@ def test_an_empty_h2cdata_and_a_read_carrying_data_are_refused(target):
     assert io.recv()[0] == P.C2H_DATA
 
 
+def test_a_command_that_moves_no_data_is_refused_data_or_a_length(target):
+    """A Flush, Keep Alive, Set Features or Property Get carrying data in the capsule, or a length
+    in its SGL, and an Identify carrying data: each succeeded, the data dropped (a review's probe),
+    where nvmet answers Data SGL Length Invalid."""
+    admin, io = _associate(target)
+    cid = iter(range(10, 100))
+
+    def status(host, layout, icd=None, sgl_len=None, **f):
+        n = len(icd) if icd is not None else sgl_len or 0
+        host.ch.send(P.CAPSULE_CMD, P.pack(layout, flags=P.PSDT_SGL, cid=next(cid), sgl_len=n,
+                                           sgl_id=P.SGL_ICD if icd is not None else P.SGL_TRANSPORT, **f), icd)
+        r = host.response()
+        assert r["type"] == P.CAPSULE_RESP
+        return P.status_code(r["status"])
+    flush = dict(opc=P.NVM_FLUSH, nsid=1)
+    assert status(io, P.SQE, icd=bytes(4096), **flush) == P.SC_SGL_INVALID_DATA_LENGTH
+    assert status(io, P.SQE, sgl_len=1 << 20, **flush) == P.SC_SGL_INVALID_DATA_LENGTH
+    assert status(io, P.SQE, **flush) == P.SC_SUCCESS
+    features = dict(opc=P.ADMIN_SET_FEATURES, cdw10=P.FID_NUM_QUEUES)
+    assert status(admin, P.SQE, icd=bytes(4096), **features) == P.SC_SGL_INVALID_DATA_LENGTH
+    assert status(admin, P.SQE, **features) == P.SC_SUCCESS
+    assert status(admin, P.SQE, icd=bytes(512), opc=P.ADMIN_KEEP_ALIVE) == P.SC_SGL_INVALID_DATA_LENGTH
+    assert status(admin, P.SQE, icd=bytes(4096), opc=P.ADMIN_IDENTIFY, cdw10=P.CNS_CONTROLLER) == \
+        P.SC_SGL_INVALID_DATA_LENGTH
+    prop = dict(opc=P.OPC_FABRICS, fctype=P.FCTYPE_PROPERTY_GET, specific=P.pack(P.PROPERTY_SPECIFIC, ofst=0x8))
+    assert status(admin, P.FABRICS_SQE, sgl_len=8, **prop) == P.SC_SGL_INVALID_DATA_LENGTH
+    assert status(admin, P.FABRICS_SQE, **prop) == P.SC_SUCCESS           # the queues go on
+    io.rw(P.NVM_READ, 7, 0, 1)
+    assert io.recv()[0] == P.C2H_DATA
+
+
+def test_a_term_req_over_its_limit_is_not_answered_but_closed(target):
+    """A TermReq ends the stream whatever it holds: one with more error data than the limit drew a
+    C2HTermReq back (a review's probe)."""
+    h = RawHost(target.port)
+    assert h.connect_admin()["status"] == 0
+    h.ch.send(P.H2C_TERM_REQ, P.psh(P.TERM_REQ_PDU, fes=P.FES_INVALID_HEADER_FIELD), bytes(200))
+    assert h.closed_by_peer()
+
+
 def test_a_read_whose_data_digest_fails_is_sent_again_and_the_queue_goes_on(target, monkeypatch):
     """One bit of a C2HData flipped on the wire (its digest as sent): the read is sent again, as a
     write whose H2CData digest fails is. It closed the I/O queue, and every later call failed
@@ -1044,7 +1084,15 @@ def test_a_dead_host_s_last_write_never_lands_over_the_next_host_s(target, monke
     a, b = NvmeTcpDevice(target.url), None
     buf = aligned_buffer(4096)
     buf[:] = b"A" * 4096
-    writer = threading.Thread(target=lambda: pytest.raises(Exception, a.write_from, buf, 0, 9, 1), daemon=True)
+    outcome = []
+
+    def write_a():
+        try:
+            a.write_from(buf, 0, 9, 1)
+            outcome.append("written")
+        except DeviceError as e:
+            outcome.append(e)
+    writer = threading.Thread(target=write_a, daemon=True)
     writer.start()
     assert started.wait(5)
     for q in (a.io, a.admin):                      # the host dies: its connections drop
@@ -1061,6 +1109,8 @@ def test_a_dead_host_s_last_write_never_lands_over_the_next_host_s(target, monke
         writer.join(5)
         if b is not None:
             b.close()
+    # its connections gone, A's write is an error to A (pytest.raises in the thread could not fail)
+    assert len(outcome) == 1 and isinstance(outcome[0], DeviceError)
 
 
 def test_no_target_and_a_dead_target_are_clear_errors(image):

@@ -442,6 +442,10 @@ class _Connection:
             raise ConnectionClosed("this queue's association has ended")
         if cmd.data is False:
             return self._respond(cid, P.SC_TRANSIENT_TRANSPORT)
+        if (sqe["sgl_len"] or cmd.data is not None) and not self._moves_data(cmd):
+            # a Flush, Keep Alive, Features or Property command carrying data (or an SGL length):
+            # each succeeded, the data dropped (found by review); nvmet refuses the same
+            return self._respond(cid, P.SC_SGL_INVALID_DATA_LENGTH)
         if sqe["opc"] == P.OPC_FABRICS:
             return self._fabrics(cmd)
         if not self.connected:
@@ -449,6 +453,16 @@ class _Connection:
         if self.qid == 0:
             return self._admin(cmd)
         return self._io(cmd)
+
+    def _moves_data(self, cmd: _Command) -> bool:
+        """The command has data of its own: to the controller (a Connect's, a Write's, which may come
+        in the capsule) or from it (a Read's, Identify's, Get Log Page's, by C2HData only)."""
+        opc = cmd.sqe["opc"]
+        if opc == P.OPC_FABRICS:
+            return P.unpack(P.FABRICS_SQE, cmd.header, P.CH.size)["fctype"] == P.FCTYPE_CONNECT
+        if cmd.data is not None:
+            return self.qid != 0 and opc == P.NVM_WRITE
+        return opc in ((P.ADMIN_IDENTIFY, P.ADMIN_GET_LOG_PAGE) if self.qid == 0 else (P.NVM_WRITE, P.NVM_READ))
 
     def _fabrics(self, cmd: _Command):
         f = P.unpack(P.FABRICS_SQE, cmd.header, P.CH.size)

@@ -170,6 +170,10 @@ class Channel:
             self.recv_exact(memoryview(self._scratch)[:P.DIGEST_LEN])
 
     def send_term(self, pdu_type: int, fes: int, fei: int, header: bytes) -> None:
+        """A TermReq naming the PDU (header) that broke the protocol; none for a TermReq, which ends
+        the stream whatever it holds (one with too much error data was answered: a review)."""
+        if header[:1] in (bytes([P.H2C_TERM_REQ]), bytes([P.C2H_TERM_REQ])):
+            return
         self.send(pdu_type, P.psh(P.TERM_REQ_PDU, fes=fes, fei=fei), header[:P.TERM_MAX_ERROR_DATA] or None)
 
     def shutdown(self) -> None:
