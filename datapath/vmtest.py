@@ -45,7 +45,9 @@ BUSYBOX = "/bin/busybox"
 
 # What the guest loads, in this order (each with its dependencies first). The
 # crypto modules are softdeps (aliases like "crct10dif") a plain insmod would
-# not pull in; nvme-tcp and nvmet-tcp need crc32c for their digests.
+# not pull in; nvme-tcp and nvmet-tcp need crc32c for their digests. Tested
+# with Debian 12's kernel (6.1); the softdeps are loaded where the kernel has
+# them as modules (newer ones build some in, or dropped them: SOFTDEPS).
 MODULES = [
     ("virtio_pci", ""), ("9pnet_virtio", ""), ("9p", ""),
     ("crc32c_generic", ""), ("crct10dif_generic", ""), ("crc64_rocksoft_generic", ""),
@@ -57,6 +59,14 @@ MODULES = [
     # a 512e disk: 512-byte LBAs on 4 KiB physical sectors, which the store must write whole
     ("sd_mod", ""), ("scsi_debug", "dev_size_mb=32 sector_size=512 physblk_exp=3"),
 ]
+
+SOFTDEPS = {"crc32c_generic", "crct10dif_generic", "crc64_rocksoft_generic"}
+# what a module file may be: as built, or compressed as newer Debian kernels ship them (insmod
+# in the guest takes them uncompressed: build_initramfs writes them so)
+MODULE_SUFFIXES = (".ko", ".ko.xz", ".ko.zst")
+# under KVM, the host's CPU; else x86-64-v2 (numpy's baseline: qemu64 alone lacks SSSE3-SSE4.2
+# and POPCNT, and numpy refused to import); under TCG, everything qemu emulates
+KVM_CPUS = ("host", "qemu64,+ssse3,+sse4.1,+sse4.2,+popcnt,+cx16,+lahf_lm")
 
 GUEST_MEMORY_MB = 3072     # two 1 GiB null_blk devices at most, plus python and numpy
 PROBE_TIMEOUT_S = 20       # a KVM guest reaches init in ~1 s; one that hangs is not KVM that works
@@ -133,21 +143,45 @@ def kernel_package(apt: _Apt) -> str:
 
 def unpack_kernel(deb: str, dest: str) -> tuple[str, str]:
     """Unpack the package's kernel image and modules under dest: (vmlinuz, modules dir)."""
-    tar = subprocess.Popen(["dpkg-deb", "--fsys-tarfile", deb], stdout=subprocess.PIPE)
-    subprocess.run(["tar", "-x", "-C", dest, "--wildcards", "./boot/vmlinuz-*", "./lib/modules/*"],
-                   stdin=tar.stdout, check=True)
-    tar.stdout.close()
-    if tar.wait():
-        raise VmTestError(f"dpkg-deb could not read {deb}: remove it and run again")
-    (vmlinuz,) = glob.glob(f"{dest}/boot/vmlinuz-*")
-    (moddir,) = glob.glob(f"{dest}/lib/modules/*")
-    return vmlinuz, moddir
+    deb_p = subprocess.Popen(["dpkg-deb", "--fsys-tarfile", deb], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    tar = subprocess.run(["tar", "-x", "-C", dest, "--wildcards", "./boot/vmlinuz-*", "./lib/modules/*"],
+                         stdin=deb_p.stdout, capture_output=True, text=True)
+    deb_p.stdout.close()
+    deb_rc, deb_err = deb_p.wait(), deb_p.stderr.read().decode(errors="replace").strip()
+    deb_p.stderr.close()
+    if deb_rc or tar.returncode:
+        why = deb_err if deb_rc else tar.stderr.strip()
+        raise VmTestError(f"could not unpack the kernel and its modules from {deb} ({why[-300:]}): remove it "
+                          "and run again")
+    vmlinuz, moddir = glob.glob(f"{dest}/boot/vmlinuz-*"), glob.glob(f"{dest}/lib/modules/*")
+    if len(vmlinuz) != 1 or len(moddir) != 1:
+        raise VmTestError(f"{deb} holds {len(vmlinuz)} kernel images and {len(moddir)} module trees, not one of "
+                          "each: is it a linux-image package?")
+    return vmlinuz[0], moddir[0]
+
+
+def module_bytes(path: str) -> bytes:
+    """A module file's contents, uncompressed."""
+    with open(path, "rb") as f:
+        data = f.read()
+    if path.endswith(".xz"):
+        import lzma
+        return lzma.decompress(data)
+    if path.endswith(".zst"):
+        import zstandard
+        return zstandard.ZstdDecompressor().decompressobj().decompress(data)
+    return data
+
+
+def _module_name(path: str) -> str:
+    """nvme-tcp.ko.xz -> nvme_tcp (the kernel's name: dashes and underscores are one)."""
+    base = os.path.basename(path)
+    return base[:base.index(".ko")].replace("-", "_")
 
 
 def _modinfo_depends(path: str) -> list[str]:
     """The depends= field of a .ko's .modinfo strings (no kmod on these hosts)."""
-    with open(path, "rb") as f:
-        data = f.read()
+    data = module_bytes(path)
     m = re.search(rb"\0depends=([^\0]*)\0", data)
     return [d for d in m.group(1).decode().split(",") if d] if m else []
 
@@ -155,8 +189,9 @@ def _modinfo_depends(path: str) -> list[str]:
 def module_load_order(moddir: str) -> list[tuple[str, str]]:
     """(path, params) for MODULES and everything they depend on, dependencies first."""
     by_name = {}
-    for p in glob.glob(f"{moddir}/kernel/**/*.ko", recursive=True):
-        by_name[os.path.basename(p)[:-3].replace("-", "_")] = p
+    for suffix in MODULE_SUFFIXES:
+        for p in glob.glob(f"{moddir}/kernel/**/*{suffix}", recursive=True):
+            by_name[_module_name(p)] = p
     params_of = {name.replace("-", "_"): params for name, params in MODULES}
     order, seen = [], set()
 
@@ -172,6 +207,9 @@ def module_load_order(moddir: str) -> list[tuple[str, str]]:
         order.append((by_name[key], params_of.get(key, "")))
 
     for name, _ in MODULES:
+        if name in SOFTDEPS and name not in by_name:
+            say(f"no module {name} in this kernel (built in, or not needed there): not loaded")
+            continue
         visit(name)
     return order
 
@@ -246,9 +284,9 @@ def build_initramfs(path: str, modules: list[tuple[str, str]], accel: str, guest
     entries = [("bin", d, b""), ("bin/busybox", x, busybox), ("init", x, init.encode()), ("modules", d, b"")]
     order = []
     for p, params in modules:
-        with open(p, "rb") as f:
-            entries.append((f"modules/{os.path.basename(p)}", r, f.read()))
-        order.append(f"{os.path.basename(p)} {params}".strip())
+        name = os.path.basename(p)[:os.path.basename(p).index(".ko") + 3]      # uncompressed for insmod
+        entries.append((f"modules/{name}", r, module_bytes(p)))
+        order.append(f"{name} {params}".strip())
     entries.append(("modules/order", r, ("\n".join(order) + "\n").encode()))
     with open(path, "wb") as f:
         f.write(_cpio_newc(entries))
@@ -262,14 +300,14 @@ def _die_with_parent():
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def qemu_command(accel: str, vmlinuz: str, initrd: str, scratch: str, console: str, probe: bool) -> list[str]:
+def qemu_command(accel: str, cpu: str, vmlinuz: str, initrd: str, scratch: str, console: str,
+                 probe: bool) -> list[str]:
     cmd = ["qemu-system-x86_64", "-machine", "pc", "-m", str(GUEST_MEMORY_MB), "-smp", "2",
            "-kernel", vmlinuz, "-initrd", initrd,
            "-append", "console=ttyS0 panic=-1 loglevel=4" + (" zl.probe" if probe else ""),
            "-display", "none", "-monitor", "none", "-serial", f"file:{console}",
            "-no-reboot", "-nic", "none"]
-    # -cpu host/max fail here under KVM (an MSR the host's KVM refuses); qemu64 is what works if anything
-    cmd += ["-accel", "kvm", "-cpu", "qemu64"] if accel == "kvm" else ["-accel", "tcg", "-cpu", "max"]
+    cmd += ["-accel", accel, "-cpu", cpu]
     if not probe:
         cmd += ["-virtfs", "local,path=/,mount_tag=hostroot,security_model=passthrough,readonly=on,multidevs=remap",
                 "-virtfs", f"local,path={scratch},mount_tag=scratch,security_model=passthrough"]
@@ -294,23 +332,31 @@ def run_qemu(cmd: list[str], timeout: float) -> tuple[int | None, float]:
             proc.wait()
 
 
-def pick_accel(want: str, vmlinuz: str, initrd: str, workdir: str) -> tuple[str, str]:
-    """(accel, why): KVM if a probe guest reaches its init under it, else TCG."""
-    if want in ("kvm", "tcg"):
-        return want, "as asked"
+def pick_accel(want: str, vmlinuz: str, initrd: str, workdir: str) -> tuple[str, str, str]:
+    """(accel, cpu, why): KVM with the first of KVM_CPUS a probe guest reaches its init with (-cpu
+    host failed on a host whose KVM refused one of its MSRs), else TCG."""
+    if want == "tcg":
+        return "tcg", "max", "as asked"
+    if want == "kvm":
+        return "kvm", KVM_CPUS[0], "as asked"
     if not os.access("/dev/kvm", os.R_OK | os.W_OK):
-        return "tcg", "no usable /dev/kvm"
-    console = os.path.join(workdir, "probe.log")
-    rc, secs = run_qemu(qemu_command("kvm", vmlinuz, initrd, workdir, console, probe=True), PROBE_TIMEOUT_S)
-    text = open(console, errors="replace").read() if os.path.exists(console) else ""
-    if "ZL-PROBE-OK" in text:
-        return "kvm", f"a probe guest booted in {secs:.1f} s"
-    last = text.strip().splitlines()[-1:]
-    why = (f"qemu exited {rc}" if rc is not None else f"no init in {PROBE_TIMEOUT_S} s, "
-           + (f"last console line {last[0]!r}" if last else "no console output"))
-    # kvm_pvm virtualizes without VMX/SVM and boots only kernels built as PVM guests
-    pvm = ", the host's KVM is kvm_pvm" if os.path.exists("/sys/module/kvm_pvm") else ""
-    return "tcg", f"/dev/kvm is there but cannot run this guest ({why}{pvm})"
+        return "tcg", "max", "no usable /dev/kvm"
+    if os.path.exists("/sys/module/kvm_pvm"):   # no probe: it timed out with either CPU, 40 s lost
+        return "tcg", "max", ("the host's KVM is kvm_pvm, which virtualizes without VMX/SVM and boots only "
+                              "kernels built as PVM guests")
+    whys = []
+    for cpu in KVM_CPUS:
+        console = os.path.join(workdir, "probe.log")
+        rc, secs = run_qemu(qemu_command("kvm", cpu, vmlinuz, initrd, workdir, console, probe=True),
+                            PROBE_TIMEOUT_S)
+        text = open(console, errors="replace").read() if os.path.exists(console) else ""
+        if "ZL-PROBE-OK" in text:
+            return "kvm", cpu, f"a probe guest booted in {secs:.1f} s"
+        last = text.strip().splitlines()[-1:]
+        whys.append(f"-cpu {cpu.split(',')[0]}: " + (f"qemu exited {rc}" if rc is not None else
+                                                      f"no init in {PROBE_TIMEOUT_S} s")
+                    + (f", last console line {last[0]!r}" if last else ", no console output"))
+    return "tcg", "max", f"/dev/kvm is there but cannot run this guest ({'; '.join(whys)})"
 
 
 # --- the run ------------------------------------------------------------------
@@ -348,13 +394,13 @@ def run(accel: str = "auto", timeout: float = 1800, crash_iterations: int = 50, 
         args = f"--crash-iterations {int(crash_iterations)}"
         initrd = os.path.join(workdir, "initramfs.cpio")
         build_initramfs(initrd, modules, "probe", args)
-        accel, why = pick_accel(accel, vmlinuz, initrd, workdir)
-        say(f"accelerator: {accel} ({why}); kernel {kernel} from {os.path.basename(deb)}")
+        accel, cpu, why = pick_accel(accel, vmlinuz, initrd, workdir)
+        say(f"accelerator: {accel}, -cpu {cpu} ({why}); kernel {kernel} from {os.path.basename(deb)}")
         build_initramfs(initrd, modules, accel, args)
         shutil.rmtree(os.path.join(workdir, "lib"))          # 400 MB of modules the guest does not need
         console = os.path.join(workdir, "console.log")
         left = max(60.0, timeout - (time.monotonic() - started))
-        rc, secs = run_qemu(qemu_command(accel, vmlinuz, initrd, scratch, console, probe=False), left)
+        rc, secs = run_qemu(qemu_command(accel, cpu, vmlinuz, initrd, scratch, console, probe=False), left)
         log = open(console, errors="replace").read() if os.path.exists(console) else ""
         result_path = os.path.join(scratch, "result.json")
         if rc is None:
@@ -363,7 +409,7 @@ def run(accel: str = "auto", timeout: float = 1800, crash_iterations: int = 50, 
             raise VmTestError(f"the guest wrote no result (qemu exited {rc}); console tail:\n{log[-3000:]}")
         with open(result_path) as f:
             result = json.load(f)
-        result["host"] = dict(accel=accel, accel_reason=why, kernel=kernel, kernel_package=os.path.basename(deb),
+        result["host"] = dict(accel=accel, cpu=cpu, accel_reason=why, kernel=kernel, kernel_package=os.path.basename(deb),
                               guest_seconds=round(secs, 1), total_seconds=round(time.monotonic() - started, 1),
                               qemu_exit=rc)
         return result
