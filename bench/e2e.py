@@ -118,7 +118,7 @@ def _offer(p: Pipeline, rate: float, seconds: float, count: int | None = None, *
     return {"qps": rate, "offered_qps": r["offered_pps"] * per, "achieved_qps": achieved,
             "answer_span_s": span if r["resp_ok"] >= 2 else 0.0,   # (_saturated: what it can tell)
             "requests": r["requests"] * per, "responses": r["responses"] * per, "errors": r["requests"] * per - ok,
-            "unanswered": r["unanswered"], "late_mean_us": r["late_mean_ns"] / 1e3,
+            "unanswered": r["unanswered"], "late_mean_us": None if r["late_mean_ns"] is None else r["late_mean_ns"] / 1e3,
             "late_max_ms": r["max_late_ns"] / 1e6,
             "wall_s": time.monotonic() - t, "sending_s": r["elapsed_s"], "rtt_ns": rtt, "by_status": r["by_status"],
             "sample_status": r["sample_status"], "sample_body": r["sample_body"], "seq_base": r["seq_base"],

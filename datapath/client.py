@@ -31,21 +31,32 @@ MAX_PACKET = wire.REQ_HDR_LEN + 4 * wire.MAX_CHUNK_TOKENS
 
 
 def _chunks(tokens) -> list[tuple]:
-    """A request's tokens cut into chunks of at most 128 (one empty chunk for none)."""
+    """A request's tokens cut into chunks of at most 128."""
     tokens = tuple(tokens)
-    return [tokens[i:i + wire.MAX_CHUNK_TOKENS] for i in range(0, len(tokens), wire.MAX_CHUNK_TOKENS)] or [()]
+    if not tokens:
+        raise ValueError("a request needs at least one token")
+    return [tokens[i:i + wire.MAX_CHUNK_TOKENS] for i in range(0, len(tokens), wire.MAX_CHUNK_TOKENS)]
+
+
+def _stamp(send_ns: int | None) -> int:
+    """A packet's send stamp: given, or now (CLOCK_MONOTONIC, as the sender stamps its own). A retry
+    under the same ids is one only if stamped later than its try: a stamp of 0 can never retry, and
+    the router dropped such a retry as a repeat, unanswered (docs/dataplane.md, "Retries")."""
+    return time.monotonic_ns() if send_ns is None else send_ns
 
 
 def request_packets(tenant: int, session_id: int, request_id: int, tokens, max_output_tokens: int = 0,
-                    kind: int = wire.KIND_CHUNK, trace: bool = False, key: bytes | None = None) -> list[bytes]:
+                    kind: int = wire.KIND_CHUNK, trace: bool = False, key: bytes | None = None,
+                    send_ns: int | None = None) -> list[bytes]:
     """One request's tokens cut into chunks of at most 128, each an encoded packet (trace: the
     response ends with the request's stamps, wire.Response.trace; key: the tenant's tag key, for
-    packets sent as they are; send() tags its own, from its keys)."""
-    parts = _chunks(tokens)
+    packets sent as they are; send() tags its own, from its keys; send_ns: the packets' send
+    stamp, now by default: to retry, build the packets again, later; send() stamps its own)."""
+    parts, stamp = _chunks(tokens), _stamp(send_ns)
     return [wire.encode_request(wire.Request(kind=kind, tenant=tenant, session_id=session_id,
                                              request_id=request_id, chunk_index=i, chunk_count=len(parts),
                                              tokens=part, max_output_tokens=max_output_tokens,
-                                             flags=wire.FLAG_TRACE if trace else 0), key)
+                                             flags=wire.FLAG_TRACE if trace else 0, send_ns=stamp), key)
             for i, part in enumerate(parts)]
 
 
@@ -87,16 +98,16 @@ def _check_whole_requests(packets: list[bytes]) -> list[bool]:
 
 
 def count_tokens_packet(tenant: int, session_id: int, request_id: int, tokens, max_output_tokens: int = 0,
-                        key: bytes | None = None) -> bytes:
+                        key: bytes | None = None, send_ns: int | None = None) -> bytes:
     """A COUNT_TOKENS record for a request of `tokens`: its first chunk and its chunk count are all
     the price needs (the estimate is chunk_count x 128); the answer is a 200 with the breakdown."""
     first = request_packets(tenant, session_id, request_id, tokens, max_output_tokens, kind=wire.KIND_COUNT_TOKENS,
-                            key=key)
+                            key=key, send_ns=send_ns)
     return first[0]
 
 
 def open_packet(tenant: int, session_id: int, request_id: int, tokens, max_output_tokens: int = 0,
-                key: bytes | None = None, trace: bool = False) -> bytes:
+                key: bytes | None = None, trace: bool = False, send_ns: int | None = None) -> bytes:
     """The OPEN record announcing a request of `tokens` (its chunk count; no tokens of its own): the
     router admits it, and reserves room for its chunks, before they come. Send it first, then the
     request's chunks (request_packets) with the same ids. trace: the record that opens a request
@@ -106,13 +117,15 @@ def open_packet(tenant: int, session_id: int, request_id: int, tokens, max_outpu
     return wire.encode_request(wire.Request(kind=wire.KIND_OPEN, tenant=tenant, session_id=session_id,
                                             request_id=request_id, chunk_index=0, chunk_count=len(_chunks(tokens)),
                                             tokens=(), max_output_tokens=max_output_tokens,
-                                            flags=wire.FLAG_TRACE if trace else 0), key)
+                                            flags=wire.FLAG_TRACE if trace else 0, send_ns=_stamp(send_ns)), key)
 
 
-def close_packet(tenant: int, session_id: int, request_id: int, key: bytes | None = None) -> bytes:
+def close_packet(tenant: int, session_id: int, request_id: int, key: bytes | None = None,
+                 send_ns: int | None = None) -> bytes:
     """The CLOSE record: the client is done with the session (its KV and snapshots are freed)."""
     return wire.encode_request(wire.Request(kind=wire.KIND_CLOSE, tenant=tenant, session_id=session_id,
-                                            request_id=request_id, chunk_index=0, chunk_count=1, tokens=()), key)
+                                            request_id=request_id, chunk_index=0, chunk_count=1, tokens=(),
+                                            send_ns=_stamp(send_ns)), key)
 
 
 MAX_COUNT = 1 << 24          # loadgen.c keeps a schedule slot per packet (stamp_seq)
@@ -212,8 +225,9 @@ def send(sock: socket.socket, packets: list[bytes], rate: float, count: int, dur
                     resp_ok=st.resp_ok, resp_other=st.resp_other, last_resp_s=st.last_resp_ns / 1e9,
                     first_ok_s=st.first_ok_ns / 1e9, last_ok_s=st.last_ok_ns / 1e9,
                     requests=st.requests, rtt_ns=rtt, rtt_ok_ns=rtt_ok, lat_ok_ns=lat_ok,
-                    unanswered=st.unanswered, duplicates=st.duplicates, strays=st.strays,
-                    late_mean_ns=st.late_ns_sum / st.sent if st.sent and merge == 1 else 0.0,
+                    unanswered=st.unanswered, duplicates=st.duplicates, strays=st.strays, malformed=st.malformed,
+                    # the lag is kept per request only with stamp_seq (it read 0 without, however late)
+                    late_mean_ns=(st.late_ns_sum / st.sent if st.sent else 0.0) if merge == 1 and stamp_seq else None,
                     merge_wait_ns_mean=st.merge_wait_ns / (st.sent * merge) if merge > 1 and st.sent else 0.0,
                     by_status={s: st.by_status[i] for i, s in enumerate(wire.STATUSES) if st.by_status[i]},
                     sample_status=st.sample_status,
@@ -326,7 +340,13 @@ def spawn_in_netns(netns: str, dst: str, packets: list[bytes], timeout: float, p
             _spawned.pop(proc, None)
     if proc.returncode:
         raise RuntimeError(f"client in {netns}: exit {proc.returncode}: {err.decode(errors='replace').strip()[-500:]}")
-    return json.loads(out)
+    return _from_json(json.loads(out))
+
+
+def _from_json(res: dict) -> dict:
+    """send()'s result as send() returns it, after a trip through JSON (which made by_status's
+    keys strings: .get(200) read None)."""
+    return {**res, "by_status": {int(k): v for k, v in res["by_status"].items()}}
 
 
 _spawned: dict = {}                 # spawn_in_netns's senders still running, from any thread: their netns
@@ -362,6 +382,6 @@ def send_from(netns: str, dst: str, packets: list[bytes], rate: float, count: in
         raise ValueError(f"{dst} is outside {topology.SUBNET}: the load generator only sends to test namespaces")
     # the sender runs its schedule, then waits drain_ms for the last answers: both within the timeout
     timeout = duration + kw.get("drain_ms", 50) / 1000 + 30
-    return run_in_netns(netns, _send_to, dst, port, packets, rate=rate, count=count, duration=duration,
-                        cpu=cpu, rt_priority=rt_priority, timeout=timeout, **kw)
+    return _from_json(run_in_netns(netns, _send_to, dst, port, packets, rate=rate, count=count, duration=duration,
+                                   cpu=cpu, rt_priority=rt_priority, timeout=timeout, **kw))
 

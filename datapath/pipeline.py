@@ -902,8 +902,7 @@ class Pipeline:
                                     cpu=cpu, rt_priority=1, rate=rate, count=count, duration=duration,
                                     drain_ms=int(drain_s * 1000), seq_base=base, merge=merge, seed=seed,
                                     keys={t: self.issue_tenant_key(t) for t in tenants} if self.cfg.require_tags else None)
-        by_status = {int(k): v for k, v in res["by_status"].items()}   # JSON made the keys strings
-        return {**res, "by_status": by_status, "seq_base": base}
+        return {**res, "seq_base": base}
 
     def set_slowdown(self, k: int, factor: float):
         """Worker k's steps (its device's, or its forward passes) last `factor` times as long from

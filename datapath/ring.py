@@ -142,7 +142,8 @@ class Ring:
         st = ffi.new("struct dp_ring_stats *")
         lib.dp_ring_get_stats(self.ptr, st)
         return {k: getattr(st, k) for k in ("capacity", "slot_size", "enqueued", "dequeued", "depth",
-                                            "full_events", "refused", "sleeps", "producer_pid", "consumer_pid")}
+                                            "full_events", "refused", "sleeps", "sleep_timeouts", "producer_pid",
+                                            "consumer_pid")}
 
     def close(self):
         if self._ptr is not None:

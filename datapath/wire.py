@@ -262,7 +262,12 @@ def encode_response(resp: Response) -> bytes:
         raise WireError("status", f"{resp.status} is not one of {STATUSES}")
     body, flags = bytes(resp.body), resp.flags & ~FLAG_TRACE   # the flag says whether a trace follows
     if resp.trace is not None:
-        body += RESP_TRACE.pack(*(resp.trace.get(name, 0) for name, _ in TRACE_FIELDS))
+        if resp.trace.get("reserved", 0):
+            raise WireError("trace", "its reserved field must be 0")
+        try:
+            body += RESP_TRACE.pack(*(resp.trace.get(name, 0) for name, _ in TRACE_FIELDS))
+        except struct.error as e:        # (a worker past 16 bits raised a bare struct.error)
+            raise WireError("trace", f"a field is out of range: {e}") from None
         flags |= FLAG_TRACE
     if len(body) > MAX_RESP_BODY:
         raise WireError("body_len", f"{len(body)} exceeds {MAX_RESP_BODY}")
@@ -295,6 +300,8 @@ def decode_response(buf) -> Response:
             raise WireError("body", f"flags say a {RESP_TRACE_LEN}-byte trace ends the body, it has {body_len} bytes")
         body, tail = body[:-RESP_TRACE_LEN], body[-RESP_TRACE_LEN:]
         trace = dict(zip((name for name, _ in TRACE_FIELDS), RESP_TRACE.unpack(tail)))
+        if trace["reserved"]:
+            raise WireError("trace", f"its reserved field is 0x{trace['reserved']:x}, not 0 (bpf/wire.h)")
     return Response(tenant=tenant, session_id=session_id, request_id=request_id, status=status,
                     body=body, flags=flags, send_ns=send_ns, trace=trace)
 

@@ -170,6 +170,7 @@ struct dp_send_stats {
     uint64_t strays;           /* answers to no request this run sent (stamp_seq: another run's late
                                   answer to a client that had the same port): in no other count */
     uint64_t unanswered;       /* requests without an answer when the drain ended */
+    uint64_t malformed;        /* datagrams that are no answer wire.decode_response takes: in no other count */
     struct dp_lat rtt;         /* now - echoed send_ns, per response: the path's round trip (merge > 1:
                                   per request it answered, plus that request's wait for the packet) */
     struct dp_lat rtt_ok;      /* the same, for 200 responses only */

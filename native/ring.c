@@ -298,6 +298,7 @@ void dp_ring_get_stats(const struct dp_ring *r, struct dp_ring_stats *s)
     s->full_events = h->full_events;
     s->refused = h->refused;
     s->sleeps = h->sleeps;
+    s->sleep_timeouts = h->sleep_timeouts;
     s->producer_pid = h->producer_pid;
     s->consumer_pid = h->consumer_pid;
 }
@@ -362,7 +363,8 @@ uint32_t dp_ring_wait(struct dp_ring *r, int64_t timeout_ns)
                     left = 100000000ull;   /* re-check the deadline at least every 100 ms */
                 struct timespec ts = { .tv_sec = (time_t)(left / 1000000000ull), .tv_nsec = (long)(left % 1000000000ull) };
                 h->sleeps++;
-                syscall(SYS_futex, &h->futex, FUTEX_WAIT, seen, &ts, NULL, 0);
+                if (syscall(SYS_futex, &h->futex, FUTEX_WAIT, seen, &ts, NULL, 0) < 0 && errno == ETIMEDOUT)
+                    h->sleep_timeouts++;
             }
             __atomic_store_n(&h->sleeping, 0, __ATOMIC_RELAXED);
             if (n)

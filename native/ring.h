@@ -58,7 +58,7 @@ enum dp_role { DP_ROLE_OBSERVER = 0, DP_ROLE_PRODUCER = 1, DP_ROLE_CONSUMER = 2 
 
 struct dp_ring;
 struct dp_ring_stats {
-    uint64_t capacity, slot_size, enqueued, dequeued, depth, full_events, refused, sleeps;
+    uint64_t capacity, slot_size, enqueued, dequeued, depth, full_events, refused, sleeps, sleep_timeouts;
     int64_t producer_pid, consumer_pid;
 };
 
@@ -108,6 +108,7 @@ struct dp_ring_hdr {
     _Alignas(DP_CACHELINE) uint64_t head;   /* next slot to read */
     uint64_t tail_cache;                    /* consumer's: slots below it seen published */
     uint64_t sleeps;                        /* futex waits entered */
+    uint64_t sleep_timeouts;                /* of them, ended by their timeout, not a producer's wake */
     int32_t consumer_pid;
     /* line 3: the sleep handshake (touched only in DP_WAIT_SLEEP mode) */
     _Alignas(DP_CACHELINE) uint32_t futex;

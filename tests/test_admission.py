@@ -861,25 +861,37 @@ def test_count_tokens_is_answered_200_with_the_price_and_runs_nothing(bench_fact
 
 # --- bodies ---------------------------------------------------------------------------------------------------
 
+LARGEST = 65535 * 128 + 256          # the request tokens of the most chunks and output tokens
+
+
+# (policy, chunk count, max_output_tokens, whether a first request spends the minute, the status):
+# every status's body at the largest figures (the cases once all stopped at the max_output_tokens
+# 400, so no 422 or 429 body was ever built: a review's probe)
 EXTREMES = [
-    (TenantPolicy(price_per_1k=2**32 - 1, budget_per_day=2**63 - 1), 65535, 2**32 - 1),
-    (TenantPolicy(price_per_1k=2**32 - 1, budget_per_day=1), 65535, 2**32 - 1),
-    (TenantPolicy(max_request_tokens=2**32 - 1), 65535, 2**32 - 1),
-    (TenantPolicy(max_request_tokens=129), 65535, 2**32 - 1),
-    (TenantPolicy(tokens_per_minute=1), 65535, 2**32 - 1),
-    (TenantPolicy(tokens_per_minute=2**32 - 1), 65535, 2**32 - 1),
+    (TenantPolicy(price_per_1k=2**32 - 1, budget_per_day=2**63 - 1), 65535, 256, False, 200),
+    (TenantPolicy(price_per_1k=2**32 - 1, budget_per_day=1), 65535, 256, False, 422),
+    (TenantPolicy(max_request_tokens=2**32 - 1), 65535, 256, False, 200),
+    (TenantPolicy(max_request_tokens=129), 65535, 256, False, 400),
+    (TenantPolicy(price_per_1k=2**32 - 1, tokens_per_minute=LARGEST), 65535, 256, True, 429),
+    (TenantPolicy(tokens_per_minute=1), 65535, 256, False, 400),
+    (TenantPolicy(price_per_1k=2**32 - 1, budget_per_day=1), 65535, 2**32 - 1, False, 400),
 ]
 
 
-@pytest.mark.parametrize("policy,chunks,max_out", EXTREMES)
-def test_every_body_is_valid_json_within_1024_bytes_at_extreme_values(policy, chunks, max_out):
+@pytest.mark.parametrize("policy,chunks,max_out,spent,status", EXTREMES)
+def test_every_body_is_valid_json_within_1024_bytes_at_extreme_values(policy, chunks, max_out, spent, status):
     adm = ffi.gc(lib.dp_adm_create(), lib.dp_adm_destroy)
     lib.dp_adm_set_tenant(adm, 1, policy.cdata())
     toks = ffi.new("uint32_t[]", list(range(2**32 - 128, 2**32)))
     body = ffi.new("char[]", wire.MAX_RESP_BODY)
     d = ffi.new("struct dp_adm_decision *")
+    if spent:                     # a first request admitted and committed spends the minute
+        lib.dp_adm_decide(adm, 1, toks, 128, chunks, max_out, 0, 10**15, d, body, wire.MAX_RESP_BODY)
+        assert d.status == 200
+        lib.dp_adm_commit(adm, 1, d, 10**15)
     for count_only in (0, 1):
         n = lib.dp_adm_decide(adm, 1, toks, 128, chunks, max_out, count_only, 10**15, d, body, wire.MAX_RESP_BODY)
+        assert count_only or d.status == status
         if d.status == 200 and not count_only:
             assert n == 0
             continue

@@ -253,6 +253,7 @@ def test_rate_limit_cuts_one_tenant_and_spares_the_other(live):
     assert budget - 2 * tokens <= admitted_tokens <= budget + tokens, (admitted_tokens, budget)
     assert c["drop_rate_limited"] == n // 2 - by_tenant[7] == c["reply_429"]
     assert res["resp_429"] == c["reply_429"], "every rejected chunk got its 429"
+    assert res["by_status"] == {429: c["reply_429"]}, "by status, as send() keys it (JSON made them strings)"
 
 
 def test_udp_ingress_has_the_same_downstream(topology):

@@ -465,36 +465,42 @@ def test_recovery_after_the_target_is_sigkilled_mid_stream(image):
     format_device(path)
     seed = int.from_bytes(os.urandom(4), "little")
     rng = random.Random(seed)
-    acked, attempted, lock = {}, {}, threading.Lock()
+    acked, attempted, errors, lock = {}, {}, [], threading.Lock()
     proc = TargetProcess(path)
     store = LogStore(proc.url)
 
     def writer(w):
-        for i in range(10 ** 6):
-            k = key(f"{w}-{i}")
-            payload = os.urandom(rng.choice([500, 3968, 9000, 40000]))
-            with lock:
-                attempted[k] = payload
-            try:
-                store.put(k, Delta(payload))
-            except SnapshotError:
-                return                        # the target is gone: this put and all later ones fail
-            with lock:
-                acked[k] = payload
+        try:
+            for i in range(10 ** 6):
+                k = key(f"{w}-{i}")
+                payload = os.urandom(rng.choice([500, 3968, 9000, 40000]))
+                with lock:
+                    attempted[k] = payload
+                try:
+                    store.put(k, Delta(payload))
+                except SnapshotError:
+                    return                    # the target is gone: this put and all later ones fail
+                with lock:
+                    acked[k] = payload
+        except BaseException as e:            # (any other error ended a thread unseen, and the wait
+            errors.append(e)                  # below for acknowledgements ran for ever)
 
     threads = [threading.Thread(target=writer, args=(w,)) for w in range(3)]
     for t in threads:
         t.start()
     stop_at = rng.randint(20, 120)
+    deadline = time.monotonic() + 60
     while True:                               # kill after a random number of acknowledgements
         with lock:
             if len(acked) >= stop_at:
                 break
+        assert not errors and time.monotonic() < deadline, (errors, len(acked))
         time.sleep(0.001)
     proc.kill()
     for t in threads:
         t.join(TIMEOUT_S)
     assert not any(t.is_alive() for t in threads), "a put hung on a dead target"
+    assert not errors, errors
     with pytest.raises(SnapshotError):
         store.put(key("after"), Delta(b"x"))
     store.close()

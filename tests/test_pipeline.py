@@ -39,6 +39,7 @@ def test_a_worker_that_dies_unannounced_is_failed_over_and_nothing_is_lost():
         assert p.router.worker_stats(1)["up"] == 1
     r = out["r"]
     assert r["requests"] == 60 and r["resp_ok"] == 60 and r["unanswered"] == 0, r["by_status"]
+    assert r["by_status"] == {200: 60}, "by status, as send() keys it (JSON made the keys strings)"
 
 
 @pytest.mark.root

@@ -199,3 +199,17 @@ def test_tenant_keys_are_the_master_s_and_differ_per_tenant():
     assert wire.tenant_key(master, 5) == wire.tenant_key(master, 5) != wire.tenant_key(b"n" * 32, 5)
     with pytest.raises(ValueError):
         wire.tenant_key(b"short", 1)
+
+
+def test_a_trace_out_of_range_or_with_reserved_bits_is_a_wire_error():
+    """A worker past 16 bits raised a bare struct.error at encoding; a trace whose reserved field
+    was not zero decoded (bpf/wire.h: reserved fields are zero). A review's probe."""
+    resp = dict(tenant=1, session_id=2, request_id=3, status=200, body=b"{}")
+    with pytest.raises(WireError, match="trace"):
+        wire.encode_response(wire.Response(**resp, trace={"worker": 70000}))
+    with pytest.raises(WireError, match="trace"):
+        wire.encode_response(wire.Response(**resp, trace={"reserved": 1}))
+    buf = bytearray(wire.encode_response(wire.Response(**resp, trace={"worker": 3})))
+    struct.pack_into("<I", buf, len(buf) - 4, 0xDEADBEEF)
+    with pytest.raises(WireError, match="reserved"):
+        wire.decode_response(bytes(buf))
