@@ -122,4 +122,10 @@ static inline int dp_status_slot(__u16 status)
     }
 }
 
+/* One of the statuses above (the last slot takes any other too). */
+static inline int dp_status_known(__u16 status)
+{
+    return status == DP_STATUS_UNAVAILABLE || dp_status_slot(status) != DP_N_STATUSES - 1;
+}
+
 #endif /* DP_WIRE_H */

@@ -147,7 +147,7 @@ static void read_responses(int fd, struct dp_send_stats *st, uint64_t start, str
             continue;
         memcpy(&h, buf, sizeof(h));
         if (h.magic != DP_WIRE_MAGIC || h.version != DP_WIRE_VERSION || h.kind != DP_KIND_RESPONSE ||
-            (h.flags & ~DP_FLAGS_KNOWN) || (dp_status_slot(h.status) == 6 && h.status != DP_STATUS_UNAVAILABLE) ||
+            (h.flags & ~DP_FLAGS_KNOWN) || !dp_status_known(h.status) ||
             h.body_len > DP_MAX_RESP_BODY || sizeof(h) + h.body_len != (size_t)n ||
             ((h.flags & DP_FLAG_TRACE) && h.body_len < DP_RESP_TRACE_LEN)) {
             st->malformed++;            /* not an answer the decoder takes (wire.decode_response): an

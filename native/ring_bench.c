@@ -284,7 +284,7 @@ uint64_t dp_latency_produce(struct dp_ring *r, uint64_t n, uint64_t gap_ns, uint
         while (now_ns() < t)
             relax();
         /* stamped before the first store to the record's line, as the reference is: a store
-         * before the clock began the line's transfer outside the sample (~12% of it) */
+         * before the clock began the line's transfer outside the sample (~11% of it) */
         uint64_t sent = now_ns();
         if (dp_ring_prod_reserve(r, 1) != 1)
             return i;

@@ -1,4 +1,5 @@
 """The shared-memory SPSC ring between real processes: nothing lost, duplicated or reordered."""
+import contextlib
 import itertools
 import multiprocessing
 import os
@@ -348,23 +349,27 @@ def sleeper(name, q):
         q.put((n, r.stats()["sleeps"]))
 
 
-def _until_asleep(r):
-    deadline = time.monotonic() + 10   # wait until it is in the futex, past spinning and yielding
-    while r.stats()["sleeps"] == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert r.stats()["sleeps"] >= 1
+@contextlib.contextmanager
+def _a_sleeper(ring_name):
+    """A sleep-mode ring (this process its producer) and a consumer process asleep on it: (ring,
+    the consumer's queue, the process)."""
+    with Ring.create(ring_name, 8, 16, wait="sleep", role="producer") as r:
+        q = ctx.Queue()
+        p = ctx.Process(target=sleeper, args=(ring_name, q))
+        p.start()
+        assert q.get(timeout=10) == "waiting"
+        deadline = time.monotonic() + 10   # wait until it is in the futex, past spinning and yielding
+        while r.stats()["sleeps"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert r.stats()["sleeps"] >= 1
+        yield r, q, p
 
 
 def test_sleeping_consumer_is_woken(ring_name):
     """The commit wakes it: its futex wait ends by the producer's wake, not by its timeout. The
     wait re-checks every 100 ms, so without the wake the record was still taken, and this test
     passed with the futex word's move checked too (a review's mutation, the FUTEX_WAKE removed)."""
-    with Ring.create(ring_name, 8, 16, wait="sleep", role="producer") as r:
-        q = ctx.Queue()
-        p = ctx.Process(target=sleeper, args=(ring_name, q))
-        p.start()
-        assert q.get(timeout=10) == "waiting"
-        _until_asleep(r)
+    with _a_sleeper(ring_name) as (r, q, p):
         before = r.stats()["sleep_timeouts"]
         assert r.enqueue(b"\1" * 8) == 1
         n, sleeps = q.get(timeout=10)
@@ -375,12 +380,7 @@ def test_sleeping_consumer_is_woken(ring_name):
 def test_a_consumer_killed_asleep_leaves_its_successor_awake(ring_name):
     """Its sleeping flag stayed set under a successor that only polls, and every commit after made
     a futex wake syscall for no one (a review's probe: 1,000 commits, 1,000 wakes)."""
-    with Ring.create(ring_name, 8, 16, wait="sleep", role="producer") as r:
-        q = ctx.Queue()
-        p = ctx.Process(target=sleeper, args=(ring_name, q))
-        p.start()
-        assert q.get(timeout=10) == "waiting"
-        _until_asleep(r)
+    with _a_sleeper(ring_name) as (r, q, p):
         os.kill(p.pid, signal.SIGKILL)
         p.join(10)
         assert _header_word(ring_name, _SLEEPING) == 1

@@ -31,7 +31,7 @@ def test_every_field_size_and_offset(cname, fields, offsets, size):
 
 def test_every_constant_matches():
     header = (BPF_DIR / "wire.h").read_text()
-    names = re.findall(r"#define (DP_[A-Z0-9_]+)\s", header.split("/* LAYOUT END */")[0])
+    names = re.findall(r"#define (DP_[A-Z0-9_]+)[ \t]", header.split("/* LAYOUT END */")[0])
     assert len(names) > 15
     py_names = {n: n.removeprefix("DP_").removeprefix("WIRE_") for n in names}
     for cname, pyname in py_names.items():
