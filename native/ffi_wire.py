@@ -19,6 +19,8 @@ ffibuilder = FFI()
 ffibuilder.cdef(
     "typedef uint8_t __u8; typedef uint16_t __u16; typedef uint32_t __u32; typedef uint64_t __u64;"
     + layout_cdef("wire.h")
+    # the count slots, which by_status reads in wire.STATUSES' order (tests compare the two)
+    + "int dp_status_slot(__u16 status); int dp_status_known(__u16 status);"
 )
 ffibuilder.set_source(
     "datapath._wire_layout",

@@ -62,3 +62,11 @@ def test_response_bytes_identical_to_c_struct():
         setattr(c, k, v)
     py = wire.encode_response(wire.Response(tenant=5, session_id=6, request_id=7, status=429, body=b"abc", send_ns=8))
     assert py == bytes(ffi.buffer(c)) + b"abc"
+
+
+def test_each_status_counts_in_the_slot_python_reads_it_from():
+    """by_status (the load generator's, the egress's) is read in wire.STATUSES' order: each status's
+    slot is its place there, and any other status is no known one (the last slot takes it, as 503)."""
+    assert [lib.dp_status_slot(s) for s in wire.STATUSES] == list(range(len(wire.STATUSES)))
+    assert all(lib.dp_status_known(s) for s in wire.STATUSES)
+    assert not any(lib.dp_status_known(s) for s in (0, 201, 299, 500, 0xFFFF))
