@@ -133,7 +133,8 @@ class Router:
         _check(lib.dp_router_watch_cuts(self._rt, map_fd, buckets_fd, others_fd), f"cuts map fd {map_fd}")
 
     def add_worker(self, lane: Ring, done: Ring, weight: int = 1, pool: int = 0) -> int:
-        lane.act("producer"), done.act("consumer")
+        lane.act("producer")
+        done.act("consumer")
         k = _check(lib.dp_router_add_worker(self._rt, lane.ptr, done.ptr, weight),
                    f"worker lane {lane.name!r}/{done.name!r} (slot sizes or capacity too small?)")
         self._lanes[k] = (lane, done)
@@ -181,7 +182,8 @@ class Router:
     def replace_lane(self, worker: int, lane: Ring, done: Ring) -> tuple[Ring, Ring]:
         """A down shm worker's fresh lane and completion ring, for the process that replaces it
         (set it up after). Returns the old pair, which the router no longer touches."""
-        lane.act("producer"), done.act("consumer")
+        lane.act("producer")
+        done.act("consumer")
         _check(lib.dp_router_replace_lane(self._rt, worker, lane.ptr, done.ptr),
                f"lane of worker {worker} (it must be an shm worker, and down)")
         old, self._lanes[worker] = self._lanes[worker], (lane, done)

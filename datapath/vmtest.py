@@ -173,10 +173,15 @@ def module_bytes(path: str) -> bytes:
     return data
 
 
+def _module_file(path: str) -> str:
+    """.../nvme-tcp.ko.xz -> nvme-tcp.ko (the file insmod takes, uncompressed)."""
+    base = os.path.basename(path)
+    return base[:base.index(".ko") + 3]
+
+
 def _module_name(path: str) -> str:
     """nvme-tcp.ko.xz -> nvme_tcp (the kernel's name: dashes and underscores are one)."""
-    base = os.path.basename(path)
-    return base[:base.index(".ko")].replace("-", "_")
+    return _module_file(path)[:-3].replace("-", "_")
 
 
 def _modinfo_depends(path: str) -> list[str]:
@@ -284,7 +289,7 @@ def build_initramfs(path: str, modules: list[tuple[str, str]], accel: str, guest
     entries = [("bin", d, b""), ("bin/busybox", x, busybox), ("init", x, init.encode()), ("modules", d, b"")]
     order = []
     for p, params in modules:
-        name = os.path.basename(p)[:os.path.basename(p).index(".ko") + 3]      # uncompressed for insmod
+        name = _module_file(p)
         entries.append((f"modules/{name}", r, module_bytes(p)))
         order.append(f"{name} {params}".strip())
     entries.append(("modules/order", r, ("\n".join(order) + "\n").encode()))

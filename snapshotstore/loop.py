@@ -16,6 +16,13 @@ import subprocess
 from .errors import DeviceError
 
 
+def cache_flushes(dev: str) -> int:
+    """Cache flushes the block device completed (/sys/block/<dev>/stat, its 16th field): an
+    fdatasync of it issues one, an O_DIRECT write none. What tests of durability count."""
+    with open(f"/sys/block/{os.path.basename(dev)}/stat") as f:
+        return int(f.read().split()[15])
+
+
 @contextlib.contextmanager
 def loop_device(image: str, sector_size: int = 512):
     if os.geteuid() != 0:

@@ -55,15 +55,14 @@ def test_every_acknowledged_remote_put_has_flushed_the_target_s_device(image):
     """A store's put over NVMe/TCP returns after its Flush completed, and the target's Flush flushed
     its device's cache: the target's Flush and FUA made no-ops passed every test here (a review's
     mutation). Counted by the loop device under the target, one flush per fdatasync."""
-    from snapshotstore.loop import loop_device
+    from snapshotstore.loop import cache_flushes, loop_device
     with loop_device(image(size=16 << 20)) as dev:
         format_device(dev)
-        flushes = lambda: int(open(f"/sys/block/{os.path.basename(dev)}/stat").read().split()[15])   # noqa: E731
         with Target(dev, port=0) as t, LogStore(t.url) as store:
             for i in range(4):
-                before = flushes()
+                before = cache_flushes(dev)
                 store.put(session_key(b"durable-remote-secret", 1), Delta(os.urandom(3000), tokens=(i * 10, i * 10 + 10)))
-                assert flushes() > before, f"remote put {i} returned before the target's device flushed"
+                assert cache_flushes(dev) > before, f"remote put {i} returned before the target's device flushed"
 
 
 # --- layouts, pinned against NVMe/TCP 1.0 (TP 8000) and NVMe-oF 1.1 -----------------------------

@@ -17,7 +17,7 @@ from snapshotstore import format as fmt
 from snapshotstore import log as log_mod
 from snapshotstore.device import BlockDevice, aligned_buffer, create_image
 from snapshotstore.log import _write_superblocks
-from snapshotstore.loop import loop_device
+from snapshotstore.loop import cache_flushes, loop_device
 
 SECRET = b"tenant-secret-0123456789"
 
@@ -141,13 +141,6 @@ def as_version_1(path, **changes):
         rewrite_blocks(path, copy, lambda blk: v1 + blk[len(v1):])
 
 
-def device_flushes(dev: str) -> int:
-    """Cache flushes the block device completed (/sys/block/<dev>/stat, its 16th field): an
-    fdatasync of it issues one; an O_DIRECT write does not."""
-    with open(f"/sys/block/{os.path.basename(dev)}/stat") as f:
-        return int(f.read().split()[15])
-
-
 @pytest.mark.root
 @pytest.mark.parametrize("path", ["at once", "group commit", "compressed"])
 def test_every_acknowledged_put_and_delete_has_flushed_the_device_s_cache(tmp_path, path):
@@ -163,13 +156,13 @@ def test_every_acknowledged_put_and_delete_has_flushed_the_device_s_cache(tmp_pa
         format_device(dev)
         with LogStore(dev, **kw) as store:
             for i, d in enumerate(deltas(6, 3000)):
-                before = device_flushes(dev)
+                before = cache_flushes(dev)
                 store.put(key(0), d)
-                assert device_flushes(dev) > before, f"put {i} returned before a cache flush"
+                assert cache_flushes(dev) > before, f"put {i} returned before a cache flush"
             counters = store.stats()
-            before = device_flushes(dev)
+            before = cache_flushes(dev)
             assert store.delete(key(0))
-            assert device_flushes(dev) > before, "the delete returned before a cache flush"
+            assert cache_flushes(dev) > before, "the delete returned before a cache flush"
     assert counters["puts_at_once"] == (6 if path == "at once" else 0)
 
 
