@@ -10,9 +10,11 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/random.h>
 #include <time.h>
 
 #include "chunk.h"
+#include "policy.h"
 #include "wire.h"
 
 #define MINUTE_NS 60000000000ull
@@ -52,6 +54,7 @@ struct dp_admission {
     uint32_t max_chunks;                  /* chunks a request may have (a tenant's share of the router's
                                            * pool; 0: any) */
     uint32_t used;                        /* < SLOTS, so every probe ends */
+    uint64_t key;                         /* random per table: where a tenant's slot is (home) */
     struct tenant *t;                     /* [SLOTS] */
     uint64_t next_idle;                   /* no default-settings tenant is idle before this */
     uint64_t quiet_until;                 /* no sweep before this */
@@ -96,6 +99,8 @@ struct dp_admission *dp_adm_create(void)
     madvise(a->t, TABLE_BYTES, MADV_DONTFORK);   /* as the router's state: no copy-on-write faults after
                                                     a fork of its process (best effort) */
     a->next_idle = UINT64_MAX;
+    if (getrandom(&a->key, sizeof(a->key), 0) != sizeof(a->key))
+        a->key = dp_hash64((uint64_t)(uintptr_t)a ^ now_ns());
     return a;
 }
 
@@ -106,13 +111,18 @@ void dp_adm_destroy(struct dp_admission *a)
     free(a);
 }
 
-static uint32_t mix(uint32_t x)
+/* A tenant's home slot, keyed by a secret of this table's as the router's tables are: with a fixed
+ * hash anyone could choose tenant ids that all share one home, and every request of theirs (or of the
+ * tenant they aimed at) walked the run, and a sweep of it moved the run back once per idle tenant
+ * (a review: 16,384 such ids, 47 us a decision, a 2.2 s sweep on the router's thread). */
+static uint32_t home(const struct dp_admission *a, uint32_t id)
 {
-    x ^= x >> 16;
-    x *= 0x7feb352dU;
-    x ^= x >> 15;
-    x *= 0x846ca68bU;
-    return x ^ (x >> 16);
+    return (uint32_t)dp_hash64(id ^ a->key) & MASK;
+}
+
+uint32_t dp_adm_home(const struct dp_admission *a, uint32_t tenant)
+{
+    return home(a, tenant);
 }
 
 enum { FIND, INSERT, INSERT_OWN };
@@ -140,7 +150,7 @@ static void note_idle(struct dp_admission *a, const struct tenant *t)
 /* The tenant's slot, or the empty one its probe ends at. */
 static struct tenant *probe(const struct dp_admission *a, uint32_t id)
 {
-    for (uint32_t i = mix(id) & MASK;; i = (i + 1) & MASK)
+    for (uint32_t i = home(a, id);; i = (i + 1) & MASK)
         if (!a->t[i].used || a->t[i].id == id)
             return &a->t[i];
 }
@@ -150,8 +160,8 @@ static struct tenant *probe(const struct dp_admission *a, uint32_t id)
 static void vacate(struct dp_admission *a, uint32_t i)
 {
     for (uint32_t j = (i + 1) & MASK; a->t[j].used; j = (j + 1) & MASK) {
-        uint32_t home = mix(a->t[j].id) & MASK;
-        if (((j - home) & MASK) < ((j - i) & MASK))
+        uint32_t h = home(a, a->t[j].id);
+        if (((j - h) & MASK) < ((j - i) & MASK))
             continue;                     /* its home lies after i: it must stay past it */
         a->t[i] = a->t[j];
         i = j;
@@ -298,9 +308,22 @@ static double output_factor(uint32_t max_output)
 
 static double cost_of(uint32_t price, uint32_t input, uint32_t max_output, double entropy_factor)
 {
-    /* price x tokens first: a whole product, exact in a double, so a whole-number price stays whole
-     * (price / 1000 first is inexact, and ceil() took 70 x 100 / 1000 = 7 for 8) */
+    /* (the decision's cost, for the record: what is charged is charge_of's exact ceiling) */
     return (double)price * ((double)input + max_output) / 1000.0 * entropy_factor * output_factor(max_output);
+}
+
+/* ceil(cost): what is charged. price x tokens x (1024 + output) is a whole number (exact in 128 bits),
+ * and with a whole entropy factor (1.0 for one repeated token, 5.0 for distinct ones or none seen)
+ * so is the division's dividend: an exact integer ceiling. In doubles 1322 x 640 / 1000 x 6.25 read
+ * 5288.000000000001, charged 5289, and a request costing exactly the day's budget got a 422 (a review). */
+static uint64_t charge_of(uint32_t price, uint32_t input, uint32_t max_output, double entropy_factor)
+{
+    uint32_t o = max_output < DP_ADM_OUTPUT_SCALE ? max_output : DP_ADM_OUTPUT_SCALE;
+    unsigned __int128 whole = (unsigned __int128)price * ((uint64_t)input + max_output) * (DP_ADM_OUTPUT_SCALE + o);
+    const uint64_t per = 1000ull * DP_ADM_OUTPUT_SCALE;
+    if (entropy_factor == (double)(uint32_t)entropy_factor)
+        return (uint64_t)((whole * (uint32_t)entropy_factor + per - 1) / per);
+    return (uint64_t)ceill((long double)whole * entropy_factor / per);
 }
 
 /* Every factor but the entropy's. */
@@ -387,8 +410,8 @@ static void put(struct jw *w, const char *fmt, ...)
 
 static int fits(const struct dp_adm_decision *d, uint32_t chunks, uint32_t out)
 {
-    double c = cost_of(d->p.price_per_1k, chunks * DP_MAX_CHUNK_TOKENS, out, d->p.entropy_factor);
-    return (uint64_t)ceil(c) <= d->remaining;
+    uint64_t c = charge_of(d->p.price_per_1k, chunks * DP_MAX_CHUNK_TOKENS, out, d->p.entropy_factor);
+    return c <= d->remaining;
 }
 
 /* The largest x in [lo, hi] with ok(x), or lo - 1 (ok is monotone: true, then false). */
@@ -412,13 +435,15 @@ static uint64_t secs_up(uint64_t ns)
     return (ns + 999999999ull) / 1000000000ull;
 }
 
+/* The factors as computed (%.17g: the double itself), so price / 1000 x tokens x them gives the
+ * estimate: rounded to 4 places, 5% of bodies recomputed 1 micro-USD off it (a review). */
 static void breakdown(struct jw *w, const struct dp_tenant_cfg *cfg, const struct dp_adm_decision *d)
 {
     const struct dp_adm_price *p = &d->p;
     put(w, "\"cost_breakdown\":{\"price_per_1k_tokens_micro_usd\":%" PRIu32 ",\"chunk_count\":%" PRIu32
            ",\"input_tokens_estimate\":%" PRIu32 ",\"max_output_tokens\":%" PRIu32 ",\"entropy_bits\":%.4f"
-           ",\"entropy_sample_tokens\":%" PRIu32 ",\"entropy_factor\":%.4f,\"output_factor\":%.4f"
-           ",\"complexity\":%.4f,\"estimate_micro_usd\":%" PRIu64,
+           ",\"entropy_sample_tokens\":%" PRIu32 ",\"entropy_factor\":%.17g,\"output_factor\":%.17g"
+           ",\"complexity\":%.17g,\"estimate_micro_usd\":%" PRIu64,
         p->price_per_1k, p->chunk_count, p->input_tokens, p->max_output, p->entropy_bits, p->sample_tokens,
         p->entropy_factor, p->output_factor, p->complexity, d->charge);
     if (cfg->budget_per_day)
@@ -605,7 +630,7 @@ void dp_adm_finish(struct dp_admission *a, struct dp_adm_decision *d, const uint
     if (d->priced)
         return;
     price_entropy(&a->counts, tokens, &d->p);
-    d->charge = (uint64_t)ceil(d->p.cost);
+    d->charge = charge_of(d->p.price_per_1k, d->p.input_tokens, d->p.max_output, d->p.entropy_factor);
     d->priced = 1;
 }
 
@@ -630,7 +655,7 @@ uint32_t dp_adm_decide(struct dp_admission *a, uint32_t tenant, const uint32_t *
      * the budget even at factor 5. */
     int hi_rule = cfg->hi_entropy_factor > 1.0;
     if (!(flags & DP_ADM_LAZY) || count_only || hi_rule ||
-        (uint64_t)ceil(cost_of(cfg->price_per_1k, d->p.input_tokens, max_output, 5.0)) > d->remaining)
+        charge_of(cfg->price_per_1k, d->p.input_tokens, max_output, 5.0) > d->remaining)
         dp_adm_finish(a, d, tokens);
     d->status = DP_STATUS_OK;
     if (oversize(a, cfg, &d->p) != FITS)
@@ -711,7 +736,7 @@ void dp_adm_settle(struct dp_admission *a, uint32_t tenant, const struct dp_adm_
     if (!t)
         return;
     const struct dp_adm_price *p = &admitted->p;
-    uint64_t exact = ok ? (uint64_t)ceil(cost_of(p->price_per_1k, input, output, p->entropy_factor)) : 0;
+    uint64_t exact = ok ? charge_of(p->price_per_1k, input, output, p->entropy_factor) : 0;
     /* a charge of a day that has ended is not given back to the new one (the tenant could spend
      * more than its budget in that day) */
     if (exact < admitted->charge && admitted->charged_day == t->day_start) {
@@ -769,7 +794,7 @@ double dp_adm_decide_bench(uint32_t fill, uint32_t decisions)
     char body[DP_MAX_RESP_BODY];
     uint64_t t0 = now_ns();
     for (uint32_t i = 0; i < decisions; i++) {    /* ids past 2^31: never one of the table's 1..fill */
-        dp_adm_decide(a, mix(i) | 0x80000000u, &token, 1, 1, 1, 0, BENCH_T0, &d, body, sizeof(body));
+        dp_adm_decide(a, (uint32_t)dp_hash64(i) | 0x80000000u, &token, 1, 1, 1, 0, BENCH_T0, &d, body, sizeof(body));
         admitted += d.status == DP_STATUS_OK;
     }
     double ns = (double)(now_ns() - t0) / decisions;

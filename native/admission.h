@@ -121,6 +121,8 @@ struct dp_admission;
 
 struct dp_admission *dp_adm_create(void);
 void dp_adm_destroy(struct dp_admission *a);
+/* The slot where a tenant's probe starts: keyed by a random secret of the table's (tests). */
+uint32_t dp_adm_home(const struct dp_admission *a, uint32_t tenant);
 /* Settings of one tenant (kept with its spending), or the default for the others. -ENOSPC: no room
  * (the table holds DP_ADM_MAX_ALL_TENANTS tenants at most). */
 int dp_adm_set_tenant(struct dp_admission *a, uint32_t tenant, const struct dp_tenant_cfg *cfg);
