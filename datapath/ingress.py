@@ -22,6 +22,7 @@ the namespace it lives in.
 from __future__ import annotations
 
 import contextlib
+import errno
 import ctypes
 import functools
 import ipaddress
@@ -502,6 +503,9 @@ class Consumer(_Thread):
         self.others_fd = others_fd     # and every tenant's while the others' bucket is set
         fds = ffi.new("int[]", list(ring_fds))
         ptr = lib.dp_consumer_new(fds, len(ring_fds), hist_fd, _ring_ptr(out) if out else ffi.NULL, samples)
+        if ptr == ffi.NULL and ffi.errno == errno.EBUSY:
+            raise OSError(errno.EBUSY, "these ring buffers already have a consumer in this process (a ring buffer "
+                          "has one reader: two would each take the same records): close() it first")
         if ptr == ffi.NULL:
             raise OSError("cannot set up the ring-buffer consumer: a ring buffer could not be mapped, or the "
                           "output ring's slots are smaller than a chunk or this process is not its producer")
@@ -510,6 +514,7 @@ class Consumer(_Thread):
         # stops the thread, which must not outlive the ring it writes (found by review)
         self.out = out
         self.cpu, self.rt_priority = cpu, rt_priority
+        self.fed = False         # a router's feed (Router.add_feed): the router may call it until it goes
 
     @property
     def records(self) -> int:
@@ -522,13 +527,28 @@ class Consumer(_Thread):
 
     @property
     def out_full(self) -> int:
-        """Records dropped because the output ring was full."""
+        """Times a record found the output ring full: it stayed in its ring buffer for a later
+        pass (and what XDP could then not write there, it counts in drop_ring_full)."""
         return self.ptr.out.full
+
+    @property
+    def malformed(self) -> int:
+        """Records skipped: not a chunk record (steer.bpf.c writes none such)."""
+        return self.ptr.malformed
 
     def poll(self) -> int:
         """One pass over the ring buffers from the calling thread (a consumer not started): the
-        records it read from them (one the output ring had no room for among them, in out_full)."""
+        records it took from them, up to a burst from each."""
         return lib.dp_consumer_poll(self.ptr)
+
+    def close(self):
+        """Stop the thread and let the ring buffers go, for another consumer (freed here, not at
+        garbage collection). Its counters are gone with it."""
+        if self.fed:
+            raise RuntimeError("this consumer is a router's feed: it lives as long as the router")
+        if self.ptr is not None:
+            ffi.release(self.ptr)
+            self.ptr = None
 
     def reset(self):
         """Clear the latency records (call while stopped)."""

@@ -120,6 +120,7 @@ class Router:
         fn, src = consumer.feed()
         _check(lib.dp_router_add_feed(self._rt, fn, src), "feed (one per router)")
         self._rings.append(consumer)   # kept alive as long as the router may call it
+        consumer.fed = True
         if consumer.cuts_fd >= 0:
             self.watch_cuts(consumer.cuts_fd, consumer.buckets_fd, consumer.others_fd)
 

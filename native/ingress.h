@@ -40,6 +40,7 @@ struct dp_bpf_ring {
     const uint8_t *data;
     unsigned long mask;        /* data size - 1 (a power of two) */
     size_t map_len;            /* of the producer page and the data area */
+    uint32_t map_id;           /* the kernel's id of the map: one consumer per ring buffer */
 };
 
 /* Where a consumer writes: the router's input ring, and what it could not place. */
@@ -47,7 +48,8 @@ struct dp_out {
     struct dp_ring *ring;      /* slot_size >= sizeof(struct dp_chunk) */
     uint32_t reserved;         /* slots reserved for this burst */
     uint32_t pending;          /* of them, filled and not yet published */
-    uint64_t full;             /* records dropped: the ring was full */
+    uint64_t full;             /* records that found the ring full: the UDP receiver dropped them, a
+                                  ring-buffer consumer left them in their ring buffer for a later pass */
 };
 
 struct dp_consumer {
@@ -60,6 +62,7 @@ struct dp_consumer {
     int cpu;                   /* pinned there, or -1 */
     int rt_priority;           /* SCHED_FIFO priority while running, 0: the normal scheduler */
     uint64_t records;          /* records taken from the ring buffers */
+    uint64_t malformed;        /* records skipped: not a chunk record (never one of steer.bpf.c's) */
     uint64_t per_queue[8];
     uint64_t polls;            /* passes over the ring buffers */
     struct dp_lat xdp_lat;     /* t_consumer - t_xdp */
@@ -73,6 +76,8 @@ struct dp_consumer {
     struct dp_consumer *shadow; /* runs on_record on the rehearsal, into a ring of its own */
     int (*take)(void *, const struct dp_chunk *, uint64_t);   /* feeding a router: dp_consumer_feed's */
     void *take_arg;
+    uint32_t next_ring;        /* where the next pass starts */
+    struct dp_consumer *next_holder;   /* the process's consumers holding ring buffers (ingress.c) */
 };
 
 struct dp_udp_rx {

@@ -1,15 +1,17 @@
 """The ingress live on a veth: real packets from the client namespace through XDP to the C consumer."""
 import contextlib
+import errno
 import itertools
 import os
 import threading
 import socket
 import time
+import types
 
 import pytest
 
 from datapath import client, ring, wire
-from datapath.ingress import Ingress, UdpIngress, output_ring, session_queue, take
+from datapath.ingress import Ingress, UdpIngress, lib, output_ring, session_queue, take
 from datapath.topology import Topology, socket_in
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf]
@@ -275,25 +277,123 @@ def test_udp_ingress_has_the_same_downstream(topology):
     assert all(int(r["client_ip"]) == client_ip and r["client_port"] != 0 for r in recs)
 
 
-def test_records_a_full_output_ring_drops_are_counted_and_measured_in_no_latency():
-    """With the router's input ring full a consumer thread drops the record (out.full); the
-    ring-buffer consumer and the UDP receiver still counted it taken and kept its latency, a
-    sample of a record that went nowhere (found by review)."""
+def _frames(n, tokens=(1, 2, 3)):
+    """n requests, one frame each, request ids 1..n over 8 sessions (the four queues)."""
+    from datapath import packet
+    return [packet.udp_frame(wire.pack_request_raw(tokens, session_id=1 + i % 8, request_id=1 + i, tenant=1),
+                             wire.DEFAULT_PORT) for i in range(n)]
+
+
+def test_a_full_output_ring_leaves_records_in_their_ring_buffer_for_a_later_pass():
+    """The router's input ring full, the consumer thread took the record out of its ring buffer
+    and dropped it (a review: 1,928 of 2,000 records, the ring buffers with room, counted only in
+    this process). Now it waits there: every record arrives once, each session's in order."""
+    from datapath.xdp import prog_test_run
+    with Ingress(queues=QUEUES) as ig, rings(64) as (out, rd):
+        consumer = ig.consumer(out)
+        for f in _frames(200):
+            prog_test_run(ig.fn.fd, f)
+        got = []
+        for _ in range(100):                       # (4 passes of 64 are enough)
+            while consumer.poll():
+                pass
+            got += list(take(rd))
+            if len(got) == 200:
+                break
+        assert consumer.out_full > 0, "the ring never filled: nothing tested"
+        assert sorted(int(r["request_id"]) for r in got) == list(range(1, 201))
+        for sid in range(1, 9):
+            ids = [int(r["request_id"]) for r in got if r["session_id"] == sid]
+            assert ids == sorted(ids), f"session {sid} out of order"
+        assert consumer.records == 200 and ig.counters()["drop_ring_full"] == 0
+        assert consumer.ptr.xdp_lat.count == 200, "each record's latency counted once"
+
+
+def test_each_ring_buffer_gets_its_turn_in_a_pass():
+    """A pass drained ring buffer 0 to its end before looking at 1: a record on queue 1 written
+    before a backlog of 5,000 on queue 0 came 5,000th (a review), and of a full output ring's room
+    the last queues got none. Now a burst a ring buffer a pass, the first one in turn."""
+    from datapath import packet
+    from datapath.xdp import prog_test_run
+    s0 = next(s for s in range(1, 100) if session_queue(s, 2) == 0)
+    s1 = next(s for s in range(1, 100) if session_queue(s, 2) == 1)
+    f0, f1 = (packet.udp_frame(wire.pack_request_raw((1, 2), session_id=s, tenant=1), wire.DEFAULT_PORT) for s in (s0, s1))
+    with Ingress(queues=2, ring_pages=1024) as ig, rings(1 << 14) as (out, rd):
+        consumer = ig.consumer(out)
+        prog_test_run(ig.fn.fd, f1, 1)
+        prog_test_run(ig.fn.fd, f0, 5000)
+        firsts = [int(q) for q in take(rd)["queue"]] if consumer.poll() else []
+        assert len(firsts) <= 2 * lib.DP_INGRESS_BURST and 1 in firsts, firsts[:5]
+        n = len(firsts)
+        for _ in range(1000):
+            n += consumer.poll()
+            if n == 5001:
+                break
+        assert n == 5001 == consumer.records
+
+
+def test_one_consumer_per_ring_buffer():
+    """Two consumers of one program each read every record and raced the consumer position (a
+    review: 44,110 records delivered of 40,000): a second is refused until the first is closed."""
+    with Ingress(queues=QUEUES) as ig, rings() as (out, rd):
+        first = ig.consumer(out)
+        with pytest.raises(OSError, match="already have a consumer") as e:
+            ig.consumer(None)
+        assert e.value.errno == errno.EBUSY
+        first.close()
+        ig.consumer(None).close()
+        first.close()                              # (twice: nothing more)
+
+
+def test_a_record_that_is_not_a_chunk_is_skipped_and_counted():
+    """A ring buffer's record too short for a chunk header, or claiming more tokens than it
+    carries, was skipped silently and counted taken by poll(): steer.bpf.c writes none, but the
+    consumer maps any program's ring buffer."""
+    from datapath import xdp
+    from datapath.ingress import Consumer
+    src = r"""
+    #include <uapi/linux/bpf.h>
+    #include "chunk.h"
+    BPF_RINGBUF_OUTPUT(ring0, 1);
+    int xdp_bad(struct xdp_md *ctx) {
+        void *data = (void *)(long)ctx->data, *end = (void *)(long)ctx->data_end;
+        if (data + 1 > end)
+            return XDP_PASS;
+        if (*(__u8 *)data == 1) {                  /* shorter than a chunk header */
+            __u64 *r = ring0.ringbuf_reserve(8);
+            if (!r) return XDP_DROP;
+            *r = 0;
+            ring0.ringbuf_submit(r, 0);
+        } else {                                   /* 200 tokens claimed in a 16-token record */
+            struct dp_chunk *r = ring0.ringbuf_reserve(DP_CHUNK_HDR_LEN + 64);
+            if (!r) return XDP_DROP;
+            __builtin_memset(r, 0, DP_CHUNK_HDR_LEN + 64);
+            r->n_tokens = 200;
+            ring0.ringbuf_submit(r, 0);
+        }
+        return XDP_DROP;
+    }
+    """
+    bcc = xdp.import_bcc()
+    b = bcc.BPF(text=src.encode(), cflags=[f"-I{xdp.BPF_DIR}", f"-I{xdp.BPF_DIR.parent / 'native'}"])
+    try:
+        fn = b.load_func(b"xdp_bad", bcc.BPF.XDP)
+        with rings(64) as (out, rd):
+            consumer = Consumer([b[b"ring0"].map_fd], out)
+            for k in (1, 2):
+                xdp.prog_test_run(fn.fd, bytes([k]) + bytes(63), 5)
+            assert consumer.poll() == 0 and consumer.records == 0 and consumer.malformed == 10
+            assert not len(take(rd))
+            consumer.close()
+    finally:
+        b.cleanup()
+
+
+def test_the_udp_receiver_drops_what_a_full_output_ring_has_no_room_for_and_measures_none_of_it():
+    """Its datagrams are out of the socket once read: with the router's input ring full it drops
+    them (out.full), counted neither taken nor in a latency (found by review)."""
     pkts = sessions(8, 25)                         # 200 records into a 64-slot ring nobody drains
     with Topology(clients=1) as topo:
-        with Ingress(queues=QUEUES) as ig, rings(64) as (out, rd):
-            ig.attach(topo.host_if[0], topo.host_ns, veth_peer=(topo.client_if[0], topo.client_ns[0]))
-            with ig.consumer(out) as consumer:
-                res = client.send_from(topo.client_ns[0], topo.host_ip[0], pkts, rate=20_000, count=len(pkts),
-                                       duration=10)
-                deadline = time.monotonic() + 5
-                while consumer.records + consumer.out_full < len(pkts) and time.monotonic() < deadline:
-                    time.sleep(0.01)
-                consumer.stop()
-                assert res["sent"] == len(pkts) and consumer.out_full > 0
-                assert consumer.records + consumer.out_full == len(pkts)
-                assert consumer.ptr.xdp_lat.count == consumer.ptr.send_lat.count == consumer.records
-                assert len(take(rd)) == consumer.records
         sock = socket_in(topo.host_ns)
         sock.bind((topo.host_ip[0], wire.DEFAULT_PORT))
         with sock, rings(64) as (out, rd), UdpIngress(sock, out, queues=QUEUES) as rx:
@@ -394,9 +494,11 @@ def test_a_router_fed_by_the_consumer_takes_each_record_once_and_leaves_what_it_
         for _ in range(600):                       # polled as a stage of its own by mistake: it takes nothing,
             ingress_lib.dp_consumer_poll(consumer.ptr)   # and its idle rehearsals need no output ring
         with pytest.raises(RuntimeError):
-            router.add_feed(ig.consumer(None))     # one feed per router
+            router.add_feed(consumer)              # one feed per router
+        with pytest.raises(RuntimeError, match="a router's feed"):
+            consumer.close()                       # the router may call it until it goes
         with pytest.raises(ValueError), rings() as (out, _):
-            router.add_feed(ig.consumer(out))      # a consumer with a ring of its own could run its thread
+            router.add_feed(types.SimpleNamespace(out=out))   # a consumer with a ring of its own could run its thread
 
 
 def test_a_request_the_bucket_cuts_gets_one_answer_the_429():
