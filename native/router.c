@@ -24,6 +24,7 @@
 #define INPUT_BURST 32
 #define RECENT_SET_BITS 9           /* finished request keys remembered, to spot late duplicates: */
 #define RECENT_WAYS 8               /* 512 sets of 8 (a set is one cache line), first in first out */
+#define LOST_SLOTS 256              /* tries lost in a failover, remembered for their retry (lost_note) */
 #define LAST_RUN_BITS 12            /* sessions whose last worker is remembered (DP_CHUNK_F_MOVED) */
 #define EXPIRY_SCAN_NS 10000000ull  /* look for stalled reassemblies every 10 ms */
 
@@ -69,6 +70,10 @@ struct req {
     uint8_t spill;                               /* admission throttled it to the secondary pool */
     uint8_t moved;                               /* its session last ran elsewhere: DP_CHUNK_F_MOVED */
     uint8_t replayed;                            /* failover replayed it once already (see failover) */
+    uint8_t unsure;                              /* a worker that had some of it died: its turn may be in
+                                                    the store (lost_note, if it then fails) */
+    uint8_t retake;                              /* a client's retry of a try lost so: sent to its worker
+                                                    under that try's stamp, flagged DP_CHUNK_F_REPLAY */
     uint8_t why;                                 /* enum why: what its failure's body says (WHY_NONE: no body);
                                                     WHY_REPLAY_DIED: its replay's worker died too, its own doing */
     uint8_t kv_moving;                           /* refused so: its other records in that batch are ignored,
@@ -177,6 +182,7 @@ struct dp_router {
     _Alignas(64) uint64_t recent[(1u << RECENT_SET_BITS) * RECENT_WAYS];   /* keys of requests that finished lately */
     uint64_t recent_sent[(1u << RECENT_SET_BITS) * RECENT_WAYS];           /* ... each one's try (DP_TRY_OF) */
     uint8_t recent_next[1u << RECENT_SET_BITS];                             /* each set's oldest way */
+    struct lost { uint64_t key, attempt, try; } lost[LOST_SLOTS];           /* direct-mapped, by request key */
     struct last_run last_run[1u << LAST_RUN_BITS];   /* direct-mapped, by session key */
     uint32_t reserved;                  /* pool slots promised to chunks of admitted requests not here yet */
     struct arriving *arr;               /* max_requests entries: the tenants with requests still arriving */
@@ -819,6 +825,35 @@ static int recently_done(const struct dp_router *rt, uint64_t key, const struct 
     return hit && !(latest != TRY_SPENT && DP_REOPENS(c->kind, c->chunk_index, c->t_send, latest));
 }
 
+/* A request that failed after a worker holding some of it died (a failover with nowhere to go, its
+ * replay's worker dead too): that worker may have put its turn in the store before dying. The
+ * client's retry under the same ids is a new request, and it ran on top of that turn: the prompt
+ * twice in the context, a 200 with other tokens, and every later turn of the session off (a
+ * review's probes: the only worker killed after its put; a replay's worker killed after its put).
+ * Remembered here: the retry goes to its worker as this try's replay (lost_retake), and the
+ * worker takes that turn back out of the store if it is the chain's last (worker.py, _restore:
+ * by request id and this stamp, so a turn of another request is never taken). */
+static void lost_note(struct dp_router *rt, const struct req *r)
+{
+    struct lost *l = &rt->lost[r->key % LOST_SLOTS];
+    *l = (struct lost){ r->key, r->t_send, DP_TRY_OF(r->t_try, r->by_open) };
+    rt->st.lost_tries++;
+}
+
+/* A new request r opened by record c: a client's retry of a try lost in a failover? It is sent to
+ * its worker under that try's stamp (r->t_send; the answer carries its own, r->t_try), flagged
+ * REPLAY. Once: the entry goes. */
+static void lost_retake(struct dp_router *rt, struct req *r, const struct dp_chunk *c)
+{
+    struct lost *l = &rt->lost[r->key % LOST_SLOTS];
+    if (l->key != r->key || !l->key || !DP_REOPENS(c->kind, c->chunk_index, c->t_send, l->try))
+        return;
+    r->t_send = l->attempt;
+    r->retake = 1;
+    l->key = 0;
+    rt->st.lost_retaken++;
+}
+
 static void free_list(struct dp_router *rt, uint32_t p)
 {
     for (uint32_t next; p != NIL; p = next) {
@@ -1113,6 +1148,8 @@ static void finish(struct dp_router *rt, uint32_t ri)
     uint32_t next = r->in_session ? r->session_next : NIL;   /* (session_leave unlinks it) */
     session_leave(rt, ri);
     remember_done(rt, r->key, r->status ? DP_TRY_OF(r->t_try, r->by_open) : TRY_SPENT);
+    if (r->status && r->unsure)
+        lost_note(rt, r);
     policy_done(rt, r);
     if (!r->status)
         w->st.answered++;
@@ -1351,6 +1388,8 @@ static int admit(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, uin
     r->spill = d.spill;
     r->adm = d;
     session_join(rt, ri, c, before);
+    if (rt->st.lost_tries)               /* (none lost, nothing to look up: the common path) */
+        lost_retake(rt, r, c);
     rt->st.requests_in++;
     *out = ri;
     return 1;
@@ -1992,7 +2031,7 @@ static void add_prefill(struct dp_router *rt, struct builder *b, uint32_t ri, ui
      * early (a 422 whose body was tokens) or never finish (the turn silently dropped) */
     out->max_output_tokens = r->max_output;
     out->flags = c->flags | (final ? DP_CHUNK_F_FINAL : 0) | (r->moved ? DP_CHUNK_F_MOVED : 0) |
-                 (r->replayed ? DP_CHUNK_F_REPLAY : 0);
+                 (r->replayed || r->retake ? DP_CHUNK_F_REPLAY : 0);
     b->tokens += take;
     if (whole) {                         /* all of it is out: keep it aside for a replay */
         b->w->meta[b->n - 1].releases = 1;   /* in flight until its completion: still the worker's depth */
@@ -2333,6 +2372,7 @@ static void failover(struct dp_router *rt, uint32_t k, int alive)
         r->inflight = r->in_fifo = r->in_set = 0;
         int spilled, ran = r->sent_head != NIL     /* the dead worker had some of it */
                            || (r->pending_head != NIL && rt->pool[r->pending_head].sent);
+        r->unsure |= (uint8_t)ran;
         struct dp_request rq = { r->session_id, r->tenant, r->close ? 0 : prompt_bound(r), r->max_output,
                                  r->chunk_count, pass_clock(rt) };
         uint64_t sk = session_key(rt, r->tenant, r->session_id);
@@ -2349,6 +2389,7 @@ static void failover(struct dp_router *rt, uint32_t k, int alive)
         if (nk < 0) {
             rt->st.bad_picks += nk == -2;
             rt->st.replay_refused += r->replayed && ran;
+            rt->st.no_worker += nk == -1 && !(r->replayed && ran);   /* (a review: counted nowhere) */
             free_list(rt, r->pending_head);
             early_drop(rt, ri);
             r->pending_head = r->pending_tail = NIL;

@@ -130,6 +130,10 @@ struct dp_router_stats {
                                  * the next worker of their pool (router.c, kv_move) */
     uint64_t retries_taken;     /* live requests a client's retry under their ids reached, sent later:
                                  * answered to the retry's address, under its stamp (router.c, sent_by) */
+    uint64_t lost_tries;        /* requests failed after a worker holding some of them died: its turn may
+                                 * be in the store (router.c, lost_note) */
+    uint64_t lost_retaken;      /* clients' retries of such a try, sent as its replay so their worker takes
+                                 * that turn back first (router.c, lost_retake) */
     uint32_t active_requests, pool_free;
     uint32_t kv_homes;          /* sessions a kv_move sent to another worker, or a failover to one without
                                  * a store, placed there until their CLOSE (router.c, KV_HOMES at most) */

@@ -1204,6 +1204,67 @@ def test_a_request_whose_worker_dies_with_no_other_up_is_answered_503_saying_so(
                           "again")
 
 
+def _replay_flagged(batch):
+    return [bool(f & records.CHUNK_F_REPLAY) for f in batch["flags"]]
+
+
+def test_a_retry_of_a_request_lost_with_its_worker_goes_as_that_try_s_replay(bench_factory):
+    """The only worker dies holding request 1 (it may have put the turn before dying): answered 503.
+    The client's retry under the same ids, sent later, was a new request and ran on top of that
+    turn: the prompt twice in the context, a 200 with other tokens, every later turn of the session
+    off (a review's probe). Now it goes to its worker as the lost try's replay, under that try's
+    stamp and flagged REPLAY, so the worker takes the turn back out of the store first; the answer
+    carries the retry's own stamp. Once: a request after it is plain. The 503 counts in no_worker."""
+    b = bench_factory(n_workers=1)
+    b.send(chunks_of(1, [1, 2, 3], session=5, max_out=2, t_send=1000))
+    b.router.poll()
+    assert b.workers[0].recv_batch(0)["request_id"].tolist() == [1]
+    b.router.set_up(0, False)
+    b.router.poll()
+    b.collect()
+    assert [(int(r["request_id"]), int(r["status"])) for r in b.responses] == [(1, 503)]
+    st = b.router.stats()
+    assert st["lost_tries"] == 1 and st["no_worker"] == 1
+    b.workers[0].recv_batch(0)                    # (what the dead worker left in its lane)
+    b.router.set_up(0, True)
+    b.send(chunks_of(1, [1, 2, 3], session=5, max_out=2, t_send=900))    # a straggler, not a retry
+    b.send(chunks_of(1, [1, 2, 3], session=5, max_out=2, t_send=3000))   # the retry
+    (retry, *decodes) = b.run()
+    assert retry["t_send"].tolist() == [1000] and _replay_flagged(retry) == [True]
+    assert [(int(r["request_id"]), int(r["status"]), int(r["t_send"])) for r in b.responses[1:]] == [(1, 200, 3000)]
+    b.send(chunks_of(2, [4, 5], session=5, max_out=1, t_send=4000))
+    (nxt,) = b.run()
+    assert nxt["t_send"].tolist() == [4000] and _replay_flagged(nxt) == [False]
+    st = b.router.stats()
+    assert st["lost_retaken"] == 1 and st["late_duplicates"] == 1 and st["lost_tries"] == 1
+
+
+def test_a_retry_of_a_request_whose_replay_died_too_goes_as_its_replay(bench_factory):
+    """Request 1's worker dies, its replay's worker dies too (after putting the turn, maybe): 503,
+    not tried a third time. The client's retry goes as that request's replay (its first stamp,
+    flagged), whatever worker it lands on: there the turn is taken back, not run on top of."""
+    b = bench_factory(n_workers=2, policy="round_robin")
+    b.send(chunks_of(1, [1, 2, 3], session=5, max_out=2, t_send=1000))
+    b.router.poll()
+    assert b.workers[0].recv_batch(0)["request_id"].tolist() == [1]
+    b.router.set_up(0, False)
+    b.router.poll()
+    replay = b.workers[1].recv_batch(0)
+    assert replay["t_send"].tolist() == [1000] and _replay_flagged(replay) == [True]
+    b.router.set_up(1, False)
+    b.router.poll()
+    b.collect()
+    assert [(int(r["request_id"]), int(r["status"])) for r in b.responses] == [(1, 503)]
+    for k in (0, 1):
+        b.workers[k].recv_batch(0)
+    b.router.set_up(1, True)
+    b.send(chunks_of(1, [1, 2, 3], session=5, max_out=2, t_send=2000))
+    (retry, *_) = b.run(k=1)
+    assert retry["t_send"].tolist() == [1000] and _replay_flagged(retry) == [True]
+    assert [(int(r["status"]), int(r["t_send"])) for r in b.responses[1:]] == [(200, 2000)]
+    assert b.router.stats()["lost_retaken"] == 1
+
+
 def test_a_record_a_worker_s_completion_leaves_out_fails_its_request_saying_so(bench_factory):
     """A completion of fewer entries than its batch's records: the rest are refused 503 (never taken
     as answered), with a body naming the worker's fault."""

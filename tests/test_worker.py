@@ -1068,3 +1068,59 @@ def test_resident_kv_bytes_follow_every_session_that_comes_grows_and_goes(model)
     for sid in list(w.sessions):
         w.close(sid[1], sid[0])
     assert w.kv_bytes_resident == held() == 0
+
+
+def test_a_client_s_retry_after_its_only_worker_died_past_its_put_runs_on_the_context_before(model):
+    """A real router and workers on one store: the only worker finishes request 2 (its turn put,
+    durable) and dies before the router has the answer, so the client is told 503 (no worker to
+    replay it on). The client's retry under the same ids, to the replacement, restored the chain
+    with that turn and ran on top of it: a 200 with other tokens, the turn stored twice (a review's
+    probe). The router now sends the retry as the lost try's replay, and the replacement takes
+    the turn back first: the answer is the one a run without the death gives, the turn stored once."""
+    from datapath.records import request_chunks
+    from test_router import Bench
+    store, b = MemoryStore(), Bench(n_workers=1)
+    try:
+        def serve(worker, die_after_put=False):
+            """Worker 0's lane, stepped by `worker` until the router is idle; dying (its answer
+            lost) right after the step that finished a request, if asked."""
+            finished(worker)
+            for _ in range(500):
+                batch = b.workers[0].recv_batch(0)
+                if batch is None:
+                    b.router.poll()
+                    b.collect()
+                    if b.router.stats()["active_requests"] == 0:
+                        return
+                    continue
+                comp = worker.step(batch)
+                if die_after_put and finished(worker):
+                    b.router.set_up(0, False)
+                    b.router.poll()
+                    b.collect()
+                    return
+                assert b.workers[0].send_completion(comp)
+            raise AssertionError("the router did not go idle")
+
+        first = Worker(model, store)
+        b.send(request_chunks(1, prompt(1, 40), session=5, max_out=2, t_send=1000))
+        serve(first)
+        b.send(request_chunks(2, prompt(2, 64), session=5, max_out=3, t_send=2000))
+        serve(first, die_after_put=True)
+        assert [int(r["status"]) for r in b.responses] == [200, 503]
+        held = store.held((0, 5))[0]
+        assert held == 41 + 64 + 2, "its turn is in the store"
+        b.workers[0].recv_batch(0)                     # (what the dead worker left in its lane)
+        b.router.set_up(0, True)
+        replacement = Worker(model, store)
+        b.send(request_chunks(2, prompt(2, 64), session=5, max_out=3, t_send=3000))
+        serve(replacement)
+        ref = Worker(model, MemoryStore())
+        drive(ref.step, [(5, 1, prompt(1, 40), 2)])
+        want = drive(ref.step, [(5, 2, prompt(2, 64), 3)])[2]
+        (retry,) = b.responses[2:]
+        assert (int(retry["status"]), int(retry["t_send"])) == (200, 3000)
+        assert retry["tokens"][:retry["n_out"]].tolist() == want, "run on the context before its lost turn"
+        assert store.held((0, 5))[0] == held and replacement.stats["replays_durable"] == 1, "the turn stored once"
+    finally:
+        b.close()
