@@ -179,6 +179,24 @@ def test_budget_cap_and_rechunking(bench_factory):
     assert all(r["n_out"] == 3 for r in b.responses)
 
 
+def test_a_long_prompt_takes_at_most_half_a_step_while_others_wait_behind_it(bench_factory):
+    """First come first served took the oldest request's chunks until they ran out: a 64-token
+    request behind a 4,096-token prompt went into the 9th step (behind a 262,144-token one, the
+    1,025th; a review). Now, while others wait, a request takes at most half the step's budget,
+    and the rest of the budget in a second round: the short one goes in the first step, the long
+    one still first and with all the budget the others leave."""
+    b = bench_factory(token_budget=512)
+    long, short = list(range(4096)), list(range(5000, 5064))
+    b.send(chunks_of(1, long, session=1, tenant=1, max_out=1), chunks_of(2, short, session=2, tenant=2, max_out=1))
+    batches = b.run()
+    ids = [x["request_id"].tolist() for x in batches]
+    at = next(i for i, x in enumerate(ids) if 2 in x)
+    assert at <= 1 and ids[at][:2] == [1, 1], ids[:3]          # (the first may go before the router saw 2)
+    assert int(batches[at]["n_tokens"].sum()) == 512, "the budget filled"
+    assert prefill_seen(batches) == {1: long, 2: short}
+    assert sorted((int(r["request_id"]), int(r["status"])) for r in b.responses) == [(1, 200), (2, 200)]
+
+
 def test_a_piece_that_overruns_the_budget_by_at_most_the_slack_goes_whole(bench_factory):
     """split_slack: a split costs its request a whole step (its first token a step later); a piece
     over the budget by at most the slack goes whole instead, and one over it by more is split."""
