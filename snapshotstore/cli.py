@@ -214,7 +214,12 @@ def _fsck(args) -> int:
     with _open(args) as store:
         st = store.stats()
         problems = store.verify()
-        if st["superblocks_valid"] < 2:
+        if st["superblock_cut"]:
+            # after a power cut the checkpoint being written may be torn: not damage (exit 0)
+            print(f"  1 of 2 superblock copies unreadable: the last checkpoint's, which a crash cut (or "
+                  f"damage there, which reads the same); the other, generation {st['generation']}, holds the "
+                  f"store, and the next read-write open rewrites both")
+        elif st["superblocks_valid"] < 2:
             problems.append(f"{2 - st['superblocks_valid']} of 2 superblock copies damaged "
                             f"(the next read-write open rewrites both)")
         if st["corrupt_blocks_skipped"]:

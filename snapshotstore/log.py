@@ -373,12 +373,26 @@ class LogStore:
             raise FormatError(f"{self.path} holds no snapshot store (both superblock copies are missing "
                               f"or corrupt): `snapshotstore format {self.path} --force` makes a new, empty one")
         sb = max((c for c in copies if c), key=lambda c: c.generation)
+        # the one bad copy, read but not valid, is where the next checkpoint after the good one went:
+        # a crash cut that write (the store opens on the other, one checkpoint older, and loses
+        # nothing), or damage there, which reads the same and is repaired the same (the next
+        # read-write open). fsck counted it as damage after every power cut (a review)
+        cut = (sb.generation + 1) % fmt.SB_COPIES
+        self.superblock_cut = self.superblocks_valid == fmt.SB_COPIES - 1 and copies[cut] is None \
+            and blocks[cut] is not None
         if sb.block_size != bs and sb.block_size == getattr(self.dev, "logical_block_size", None):
             # formatted (before session 16) in the logical blocks of a disk whose sectors are larger,
             # a 512e disk: opened as it was written, said once, not refused
             print(f"snapshotstore: {self.path} was formatted with {sb.block_size}-byte blocks on a disk with "
                   f"{bs}-byte sectors: a torn write there can damage the record beside it; reformat it to "
                   f"use {bs}-byte blocks", file=sys.stderr)
+            self.dev.set_block_size(sb.block_size)
+            return self._open()
+        if sb.block_size > bs and sb.block_size % bs == 0:
+            # formatted on a device with larger blocks (an image file's 4 KiB, opened now through a
+            # loop device of 512-byte sectors): its blocks stay whole multiples of the device's, so
+            # every I/O stays aligned, and a torn block fails its CRC as on any device. Refused,
+            # such an image could be opened only on what it was formatted on (a review)
             self.dev.set_block_size(sb.block_size)
             return self._open()
         if sb.block_size != bs:
@@ -678,6 +692,7 @@ class LogStore:
                 "used_blocks": used, "free_blocks": self.log_blocks - used,
                 "head": self._head, "tail": self._tail, "generation": self._generation,
                 "last_seq": self._last_seq, "superblocks_valid": self.superblocks_valid,
+                "superblock_cut": self.superblock_cut,
                 "max_record_bytes": self.max_payload, "recovery_ms": round(self.recovery_s * 1e3, 3),
                 **{k: self.counters[k] for k in ("puts", "puts_at_once", "restores", "flushes", "compactions",
                                                  "relocations", "copies", "evictions", "evicted_tombstones",
@@ -1131,6 +1146,7 @@ class LogStore:
         self._sb_head = self._head
         self._evicted = {k: start for k, start in self._evicted.items() if start[1] >= self._sb_head}
         self.superblocks_valid = fmt.SB_COPIES
+        self.superblock_cut = False
 
     def _read_record(self, e: Rec, key: bytes) -> tuple[RecordHeader, bytes, memoryview]:
         """The record's header and stored payload, its CRC and identity checked, and the whole
