@@ -139,7 +139,12 @@ def _static_over_dynamic(suffix: str):
         # a p95 that is not finite is written as null (the ratio 0 for an infinite dynamic's)
         s, d = (_get(r, "metrics", f"sweep{suffix}_p95_ms_{m}_10") for m in ("static", "dynamic"))
         ms = " / ".join("no finite figure" if x is None else f"{x:,.1f}" for x in (s, d))
-        return ("met" if v >= STATIC_OVER_DYNAMIC else "missed"), f"{v:.2f}x ({ms} ms)"
+        timeout = r.get("machine", {}).get("static_batch_timeout_s")
+        nowait = _get(r, "ratios", f"static_nowait_vs_dynamic_p95_at_10qps{suffix}")
+        # what static's timeout makes of it: at 10 req/s no batch fills, static waits it out
+        said = (f"; static waiting up to {timeout * 1e3:g} ms to fill a batch" if timeout is not None else "") + \
+            (f"; with no wait {nowait:.2f}x" if nowait is not None else "")
+        return ("met" if v >= STATIC_OVER_DYNAMIC else "missed"), f"{v:.2f}x ({ms} ms{said})"
     return judge
 
 

@@ -321,7 +321,9 @@ def test_e2e_quick_runs_every_landed_scenario_and_writes_the_report(tmp_path):
                 "e2e_send_to_response_p50_us", "e2e_send_to_response_p99_us", "sweep_p95_ms_dynamic_10", "sweep_p95_ms_static_10", "sweep_l4_p95_ms_dynamic_10",
                 "sweep_l4_p95_ms_static_10"):
         assert m[key] > 0, key
-    assert {"static_vs_dynamic_p95_at_10qps", "static_vs_dynamic_p95_at_10qps_l4"} <= set(data["ratios"])
+    assert {"static_vs_dynamic_p95_at_10qps", "static_vs_dynamic_p95_at_10qps_l4", "static_nowait_vs_dynamic_p95_at_10qps",
+            "static_nowait_vs_dynamic_p95_at_10qps_l4"} <= set(data["ratios"])
+    assert m["sweep_p95_ms_static_nowait_10"] > 0 and m["sweep_l4_p95_ms_static_nowait_10"] > 0
     sweep = json.loads((tmp_path / "e2e" / "results.json").read_text())["sweep"]
     steps = {p["step_p50_ms"] for p in sweep["dynamic (simulated l4)"]}
     assert min(steps) > 60, "a simulated L4 step lasts the profile's ~67 ms, not the tiny model's few"

@@ -146,6 +146,18 @@ def test_bench_all_ends_with_every_suite_s_goals(tmp_path, monkeypatch, capsys):
     assert [j["verdict"] for j in written["goals"]] == ["missed", "met", "met"]
 
 
+def test_static_over_dynamic_says_what_static_waited_and_the_ratio_with_no_wait():
+    """At 10 req/s no static batch fills, so static's p95 is its timeout plus a service time: the
+    verdict says the timeout and the ratio static without waiting gives (a review: the timeout
+    made most of the ratio)."""
+    e2e = {"suite": "e2e", "machine": {"static_batch_timeout_s": 0.05},
+           "metrics": {"sweep_p95_ms_static_10": 60.0, "sweep_p95_ms_dynamic_10": 10.0},
+           "ratios": {"static_vs_dynamic_p95_at_10qps": 6.0, "static_nowait_vs_dynamic_p95_at_10qps": 1.8}}
+    (j,) = [j for j in goals.judge(e2e) if "1/5 of static's (tiny model)" in j["goal"]]
+    assert j["verdict"] == "met"
+    assert j["measured"] == "6.00x (60.0 / 10.0 ms; static waiting up to 50 ms to fill a batch; with no wait 1.80x)"
+
+
 def test_static_over_dynamic_with_a_p95_written_null_is_judged_not_raised():
     """An infinite dynamic p95 at 10 req/s (a request unanswered) is written null and makes the
     ratio 0: a verdict, not a TypeError from formatting the null."""
