@@ -21,6 +21,7 @@ import os
 import pathlib
 import platform
 import subprocess
+import sys
 import time
 
 from . import goals
@@ -37,17 +38,47 @@ def machine() -> dict:
         pass
     # cores: the ones this run may use (taskset, a cpuset), which the pinning uses too
     return {"cores": len(os.sched_getaffinity(0)), "kernel": platform.release(), "cpu_model": cpu,
-            "python": platform.python_version(), "commit": _commit()}
+            "python": platform.python_version(), "commit": _commit(), "build": build_state()}
+
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def build_inputs() -> str:
+    """The hash scripts/setup.sh keeps in .venv/.installed of what the extensions are built from:
+    pyproject.toml, setup.py, then every .c, .h and .py under native/ and bpf/ in path order."""
+    import hashlib
+    files = [ROOT / "pyproject.toml", ROOT / "setup.py"] + sorted(
+        (p for d in ("native", "bpf") for p in (ROOT / d).rglob("*") if p.is_file() and p.suffix in (".c", ".h", ".py")),
+        key=lambda p: p.relative_to(ROOT).as_posix().encode())
+    h = hashlib.sha256()
+    for p in files:
+        h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def build_state() -> str:
+    """"current" when the built extensions are of native/ and bpf/ as they are; else what is not.
+    A run's commit cannot say it: an edited policy file that was never committed (untracked)
+    left the commit stamp as it was, and a run without `make setup` measured the old build."""
+    try:
+        built = (ROOT / ".venv" / ".installed").read_text().strip()
+    except OSError:
+        return "unknown (no .venv/.installed: not built by scripts/setup.sh)"
+    return "current" if built == build_inputs() else "stale: native/ or bpf/ changed since the last `make setup`"
 
 
 def _commit() -> str:
     """The checkout's commit (and "+changes" when its files differ from it), so a figure names its code."""
-    root = pathlib.Path(__file__).resolve().parent.parent
+    root = ROOT
     try:
         head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, timeout=10).stdout.strip()
         dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
                                capture_output=True, text=True, timeout=10).stdout.strip()
+        # a new native/ or bpf/ file (a policy of one's own) is built in, tracked or not
+        dirty += subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=all", "--",
+                                 "native", "bpf"], capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return (head + ("+changes" if dirty else "")) if head else "unknown"
@@ -68,6 +99,9 @@ class Report:
     def __init__(self, suite: str, quick: bool = False):
         self.suite, self.quick = suite, quick
         self.machine = machine()
+        if self.machine["build"].startswith("stale"):
+            print(f"bench {suite}: the built extensions are older than native/ or bpf/ (run `make setup`): this "
+                  f"run measures the old build, and its JSON says so (machine.build)", file=sys.stderr, flush=True)
         self.references: dict[str, float] = {}
         self.metrics: dict[str, float] = {}
         self.ratios: dict[str, float] = {}

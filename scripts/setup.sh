@@ -99,7 +99,8 @@ echo "$VENV/debian-bcc" > "$SITE/debian-bcc.pth"
 
 # --- the package and its cffi extensions -----------------------------------------
 STAMP="$VENV/.installed"
-INPUTS=$(cd "$ROOT" && cat pyproject.toml setup.py $(find native bpf -type f \( -name '*.c' -o -name '*.h' -o -name '*.py' \) | sort) | sha256sum | cut -d' ' -f1)
+# (path order byte by byte, whatever the locale: bench/contract.py, build_inputs, computes it again)
+INPUTS=$(cd "$ROOT" && cat pyproject.toml setup.py $(find native bpf -type f \( -name '*.c' -o -name '*.h' -o -name '*.py' \) | LC_ALL=C sort) | sha256sum | cut -d' ' -f1)
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$INPUTS" ] || ! "$VENV/bin/python" -c 'import datapath._wire_layout' 2>/dev/null; then
     say "installing the package and building its cffi extensions"
     "$VENV/bin/pip" install -q --disable-pip-version-check "setuptools>=64" wheel "cffi>=1.15" 2>&1 | grep -v '^WARNING: Location' || true

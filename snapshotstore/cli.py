@@ -108,6 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _host_port(s: str) -> str:
     """--listen of target: a usage error (exit 2) as argparse's own, not a device's (1)."""
     host, _, port = s.rpartition(":")
+    if host.startswith("[") or ":" in host:
+        raise argparse.ArgumentTypeError(f"takes an IPv4 address or a host name: {s!r} is IPv6")
     if not host or not port.isdigit() or int(port) > 65535:
         raise argparse.ArgumentTypeError(f"takes HOST:PORT, not {s!r} (for example 127.0.0.1:4420)")
     return s
@@ -116,10 +118,11 @@ def _host_port(s: str) -> str:
 def _maxh2cdata(s: str) -> int:
     """--maxh2cdata of target: under the spec's floor is a usage error (exit 2); not a multiple of
     the device's block size is the device's (1), known once it is open."""
-    from .nvmetcp.target import MIN_MAXH2CDATA
+    from .nvmetcp.target import MAX_MAXH2CDATA, MIN_MAXH2CDATA
     n = parse_size(s)
-    if n < MIN_MAXH2CDATA:
-        raise argparse.ArgumentTypeError(f"is at least {MIN_MAXH2CDATA} bytes (NVMe/TCP), not {s!r}")
+    if not MIN_MAXH2CDATA <= n <= MAX_MAXH2CDATA:
+        raise argparse.ArgumentTypeError(f"is {MIN_MAXH2CDATA} bytes to 4 GiB - 1 (NVMe/TCP's 32-bit field), "
+                                         f"not {s!r}")
     return n
 
 

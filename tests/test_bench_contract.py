@@ -622,3 +622,26 @@ def test_a_suite_run_alone_without_root_is_refused_before_its_last_json_is_touch
     with pytest.raises(SystemExit) as refused:
         main([suite, "--json", str(last)])
     assert refused.value.code == 2 and last.read_text() == '{"kept": 1}'
+
+
+def test_a_run_says_whether_its_build_is_of_the_sources_as_they_are(tmp_path, monkeypatch):
+    """A policy file edited, or new and never committed, left a run's commit stamp as it was, and a
+    run without `make setup` measured the old build (a review). machine.build says which: setup.sh's
+    stamp against the same hash of native/ and bpf/ taken again."""
+    from bench import contract
+    installed = contract.ROOT / ".venv" / ".installed"
+    if installed.exists():              # what setup.sh hashed is what build_inputs hashes
+        assert installed.read_text().strip() == contract.build_inputs()
+    for name, text in (("pyproject.toml", "p"), ("setup.py", "s"), ("native/ring.c", "r"), ("bpf/a.h", "a"),
+                       ("native/policies/mine.c", "m"), ("native/notes.txt", "n")):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    monkeypatch.setattr(contract, "ROOT", tmp_path)
+    assert contract.build_state().startswith("unknown")
+    (tmp_path / ".venv").mkdir()
+    (tmp_path / ".venv" / ".installed").write_text(contract.build_inputs() + "\n")
+    assert contract.build_state() == "current"
+    (tmp_path / "native" / "notes.txt").write_text("not built from")
+    assert contract.build_state() == "current"
+    (tmp_path / "native" / "policies" / "mine.c").write_text("edited, make setup not run")
+    assert contract.build_state().startswith("stale")

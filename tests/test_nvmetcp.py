@@ -202,9 +202,9 @@ def test_a_target_refuses_an_empty_namespace_and_a_maxh2cdata_below_the_spec_s(i
         t.start()
     assert t._listener is None
     path = image()
-    for small in (0, 512):
-        with pytest.raises(ValueError, match="at least 4096"):
-            Target(path, port=0, maxh2cdata=small)
+    for bad in (0, 512, 1 << 32):
+        with pytest.raises(ValueError, match="4096 to 4294967295"):
+            Target(path, port=0, maxh2cdata=bad)
 
 
 # --- the initiator, and LogStore on a remote namespace ----------------------------------------------

@@ -113,7 +113,13 @@ def test_help_has_examples_and_bad_size_is_a_usage_error():
     r = cli("serve", "x.img", "--listen", "tcp://127.0.0.1:99999")
     assert r.returncode == 2 and "the port a number from 1 to 65535" in r.stderr and "usage:" in r.stderr
     r = cli("target", "x.img", "--maxh2cdata", "3")            # under the spec's floor: exit 1 before
-    assert r.returncode == 2 and "at least 4096 bytes" in r.stderr and "usage:" in r.stderr
+    assert r.returncode == 2 and "is 4096 bytes to 4 GiB - 1" in r.stderr and "usage:" in r.stderr
+    r = cli("target", "x.img", "--maxh2cdata", "4G")           # over ICResp's 32 bits: it served, and every
+    assert r.returncode == 2 and "32-bit field" in r.stderr      # queue's thread died packing (a review)
+    r = cli("target", "x.img", "--listen", "[::1]:0")           # IPv6: it failed binding "[::1]" as a name
+    assert r.returncode == 2 and "is IPv6" in r.stderr
+    r = cli("fsck", "nvme-tcp://[::1]:4420/nqn.x")
+    assert r.returncode == 1 and "over IPv4 only" in r.stderr
 
 
 def test_format_refuses_data_that_is_not_a_store_without_force(tmp_path):

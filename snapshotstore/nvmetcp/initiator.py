@@ -86,6 +86,9 @@ def parse_url(url: str) -> tuple[str, int, str]:
     rest, _, option = (url[len(SCHEME):] if is_url(url) else "").partition("?")
     hostport, _, nqn = rest.partition("/")
     host, _, port = hostport.rpartition(":") if ":" in hostport else (hostport, "", str(DEFAULT_PORT))
+    if host.startswith("[") or ":" in host:      # (it failed as "Name or service not known")
+        raise DeviceError(f"{url!r}: an IPv6 address; the NVMe/TCP initiator connects over IPv4 only "
+                          f"(an address or a host name)")
     if not host or not nqn or not port.isdigit() or int(port) > 65535 or option not in ("", "digests"):
         raise DeviceError(f"{url!r} is not an NVMe/TCP namespace URL: write "
                           f"nvme-tcp://HOST[:PORT]/SUBSYSTEM-NQN[?digests] "

@@ -49,6 +49,7 @@ ADMIN_QUEUE_DEPTH = 32       # Linux's NVME_AQ_DEPTH: the admin queue's size fro
 MAX_CONNECTIONS = 8            # an association (2), and room for refused or reconnecting hosts
 HANDSHAKE_TIMEOUT_S = 10.0     # a connection that has not connected its queue by then is dropped
 MIN_MAXH2CDATA = 4096          # the spec's floor (Linux refuses a target that offers less)
+MAX_MAXH2CDATA = 0xFFFFFFFF    # the ICResp field is 32 bits
 
 
 class Target:
@@ -56,8 +57,9 @@ class Target:
                  queue_depth: int = 32, maxh2cdata: int = 128 << 10, in_capsule: int = 8192,
                  max_transfer: int = 1 << 20, keepalive_s: float = 10.0, log=None):
         P.nqn_field(nqn)
-        if maxh2cdata < MIN_MAXH2CDATA:
-            raise ValueError(f"maxh2cdata is at least {MIN_MAXH2CDATA} bytes (NVMe/TCP), not {maxh2cdata}")
+        if not MIN_MAXH2CDATA <= maxh2cdata <= MAX_MAXH2CDATA:
+            # (over 32 bits, every connection's ICResp failed to pack: a traceback per queue thread)
+            raise ValueError(f"maxh2cdata is {MIN_MAXH2CDATA} to {MAX_MAXH2CDATA} bytes (NVMe/TCP), not {maxh2cdata}")
         if not keepalive_s >= 1:
             raise ValueError(f"keepalive_s is at least 1 second, not {keepalive_s}")
         self.keepalive_s = keepalive_s
