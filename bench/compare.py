@@ -59,7 +59,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from bench.e2e import (MIN_REQUESTS, OUTPUT, PROMPT, _config, _idle, _left_out, _offer, _pcts, _progress, _warm_up,
+from bench.e2e import (MIN_REQUESTS, OUTPUT, PROMPT, _RUN, _config, _idle, _left_out, _offer, _pcts, _progress, _warm_up,
                        drain_s, fresh_store, require_root_and_bcc)
 from bench.report import REPORT_DEFAULTS, _jsonable, report_dir
 from datapath import client
@@ -82,6 +82,11 @@ def _plot(rows: list[dict], path: pathlib.Path, stragglers: str):
     width = 0.25
     for i, (q, label) in enumerate((("p50_ms", "p50"), ("p95_ms", "p95"), ("p99_ms", "p99"))):
         ax.bar([j + (i - 1) * width for j in range(len(rows))], [r[q] for r in rows], width, label=label)
+    # each round's p95 as a point on its bar: how much one round moved
+    xs = [j for j, r in enumerate(rows) for x in r["p95_ms_per_round"] if x is not None]
+    ys = [x for r in rows for x in r["p95_ms_per_round"] if x is not None]
+    if len(ys) > len(rows):
+        ax.scatter(xs, ys, color="black", s=12, zorder=3, label="p95, each round")
     ax.set_xticks(range(len(rows)), [r["name"] for r in rows])
     ax.set_ylabel("send -> response (ms)")
     # the nominal rate: each round offers its seed's Poisson draws (the table has the offer as it was)
@@ -502,11 +507,12 @@ def run(report, args):
                           seconds_per_run=seconds, sessions=SESSIONS, repeat=repeat, workers=workers,
                           stragglers=slow_said)
     runs = {label: [] for label, _, _ in names}
+    _RUN.update(t0=time.monotonic(), scenario="", suite="compare")
     for k in range(repeat):
         order = names[k % len(names):] + names[:k % len(names)]
         for i, (label, name, param) in enumerate(order):
-            _progress(f"compare {label}: {rate:g} req/s for {seconds:.0f} s, round {k + 1} of {repeat} "
-                      f"({len(order) - i} left in the round)")
+            _progress(f"{label}: {rate:g} req/s for {seconds:.0f} s, round {k + 1} of {repeat}, run {i + 1} "
+                      f"of {len(order)} in the round")
             res = _one(label, name, param, device, rate, seconds, seed=k + 1,   # a round's own schedule
                        workers=workers, stragglers=stragglers)
             report.machine["xdp_mode"] = res["xdp_mode"]
@@ -552,6 +558,13 @@ def run(report, args):
             elif tl["recover_s"] is not None:
                 report.note(f"{label}: did not give the recovered worker back half an even share in every "
                             f"second from one on, two at least, to the run's end: no recovered_within_s")
+        if i:
+            # each round's p95 over the first name's in the same round (the same seed, so the same
+            # arrivals): the spread of these is what one round moves, which the pooled ratio hides
+            # (a review's A/A pair, affinity against affinity:0.25, read 0.20-2.47x round by round)
+            ref = rows[0]["p95_ms_per_round"]
+            row["p95_vs_first_per_round"] = [a / b if a is not None and b else None
+                                             for a, b in zip(row["p95_ms_per_round"], ref)]
         rows.append(row)
         for key in ("p50_ms", "p95_ms", "p99_ms"):
             (report.reference if i == 0 else report.metric)(f"{label}_{key}", row[key], "ms")
@@ -581,11 +594,14 @@ def run(report, args):
     report.note("send->response from each request's scheduled send; percentiles over the rounds pooled "
                 "(200 answers, and the unanswered at the time they had waited); p95_ms_per_round in rows.json, "
                 "beside the table, shows how much one round moved")
+    spread = _round_spread(rows, repeat)
+    report.note(spread)
     out.mkdir(parents=True, exist_ok=True)
     slow = f" | placed on / answered by the straggler{'s' if len(stragglers) > 1 else ''}" if stragglers else ""
     lines = ["| policy | offered req/s | achieved | p50 ms | p95 ms (each round) | p99 ms | not answered 200 "
              f"| records per batch | requests moved | sessions restored{slow} |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if stragglers else "")]
+    lines = [_context(report, args, names, repeat, rate, seconds, workers, device), "", spread, ""] + lines
     lines += [f"| {r['name']} | {r['offered_qps']:.1f} | {r['achieved_qps']:.1f} | {r['p50_ms']:.2f} | "
               f"{r['p95_ms']:.2f} ({', '.join(f'{x:.2f}' for x in r['p95_ms_per_round'])}) | "
               f"{r['p99_ms']:.2f} | {r['errors']} of {r['requests']} | {r['records_per_batch']:.2f} | "
@@ -611,6 +627,37 @@ def run(report, args):
     print("\n".join(lines))
     print(f"  table and plot: {out}/compare.md, {out}/compare.png")
     _all_compared(runs)
+
+
+def _context(report, args, names, repeat: int, rate: float, seconds: float, workers: int, device) -> str:
+    """What the table is of, said with it (compare.md alone did not say the run's length, rounds,
+    workers or build)."""
+    m = report.machine
+    return (f"`bench compare --policy {args.policy}{' --quick' if args.quick else ''}`: {rate:g} requests/s "
+            f"nominal for {seconds:.0f} s a run, {repeat} round{'s' if repeat > 1 else ''} (the order rotated "
+            f"each), {workers} workers, device {device or 'none (the tiny model)'}; commit {m.get('commit')}, "
+            f"build {m.get('build')}, {m.get('cores')} cores, {m.get('cpu_model')}.")
+
+
+def _round_spread(rows: list[dict], repeat: int) -> str:
+    """What one round moved, beside what the names differ by: each name's p95 over the first's,
+    round by round (same seed, same arrivals)."""
+    if repeat < 2:
+        return ("One round: how much a round moves is not measured, so a difference between the names "
+                "may be the host's (`--repeat 3` or more to see it).")
+    said, within = [], []
+    for r in rows[1:]:
+        xs = [x for x in r["p95_vs_first_per_round"] if x is not None]
+        if not xs:
+            continue
+        said.append(f"{r['name']} {min(xs):.2f}-{max(xs):.2f}x")
+        if min(xs) < 1 < max(xs):
+            within.append(r["name"])
+    text = (f"p95 over {rows[0]['name']}'s, round by round (the same arrivals): " + "; ".join(said) + ".")
+    if within:
+        text += (f" The rounds disagree on which is faster for {', '.join(within)}: that difference is within "
+                 f"what one round moves on this host.")
+    return text
 
 
 def _all_compared(runs: dict[str, list[dict]]):

@@ -62,13 +62,13 @@ def require_root_and_bcc(what: str):
     import_bcc()                      # BpfUnavailable (a RuntimeError) says what to install
 
 
-_RUN = {"t0": time.monotonic(), "scenario": ""}     # for the progress lines: elapsed, which scenario
+_RUN = {"t0": time.monotonic(), "scenario": "", "suite": "e2e"}   # the progress lines: elapsed, where
 
 
 def _progress(msg: str):
     elapsed = int(time.monotonic() - _RUN["t0"])
     where = f" {_RUN['scenario']}" if _RUN["scenario"] else ""
-    print(f"  e2e [{elapsed // 60}:{elapsed % 60:02d}{where}]: {msg}", file=sys.stderr, flush=True)
+    print(f"  {_RUN['suite']} [{elapsed // 60}:{elapsed % 60:02d}{where}]: {msg}", file=sys.stderr, flush=True)
 
 
 def _pcts(samples, scale) -> dict:

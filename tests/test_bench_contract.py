@@ -360,6 +360,10 @@ def test_compare_runs_each_policy_under_the_same_load(tmp_path):
     assert data["machine"]["repeat"] == 2 and data["machine"]["rate_per_s"] == 10
     rows = json.loads((tmp_path / "compare" / "rows.json").read_text())
     assert [len(r["p95_ms_per_round"]) for r in rows] == [2, 2, 2]
+    assert [len(r["p95_vs_first_per_round"]) for r in rows[1:]] == [2, 2]
+    md = (tmp_path / "compare" / "compare.md").read_text()
+    assert md.startswith("`bench compare --policy power_of_two,static,affinity:0.1 --quick`: 10 requests/s nominal")
+    assert "round by round" in md and "2 rounds" in md and "build current" in md
     assert (tmp_path / "compare" / "compare.png").stat().st_size > 5_000
     for args, says in ((["--policy", "nope"], "unknown policy"), (["--policy", "affinity:x"], "must be a number"), (["--policy", "affinity:-1"], "> 0"),
                        (["--policy", "static:1"], "takes no parameter"),
@@ -371,6 +375,20 @@ def test_compare_runs_each_policy_under_the_same_load(tmp_path):
                              capture_output=True, text=True, timeout=60)
         assert bad.returncode == 2 and says in bad.stderr, (args, bad.stderr)
         assert not json_path.exists(), "refused before any result is written"
+
+
+def test_compare_says_what_one_round_moves_beside_what_the_names_differ_by():
+    """An A/A pair (affinity against affinity:0.25, the same policy) read 0.30x pooled, its rounds
+    0.20-2.47x apart, and nothing said so (a review). Each name's p95 over the first's, round by
+    round, is said beside the table, and where the rounds disagree on which is faster."""
+    from bench.compare import _round_spread
+    rows = [{"name": "affinity", "p95_ms_per_round": [50.0, 100.0]},
+            {"name": "affinity:0.25", "p95_vs_first_per_round": [2.47, 0.2]},
+            {"name": "least_tokens", "p95_vs_first_per_round": [0.5, 0.6]}]
+    said = _round_spread(rows, 2)
+    assert "affinity:0.25 0.20-2.47x; least_tokens 0.50-0.60x" in said
+    assert "disagree on which is faster for affinity:0.25:" in said
+    assert "not measured" in _round_spread(rows, 1)
 
 
 def test_answers_falling_behind_count_only_over_a_span_of_many_latencies():
