@@ -5,7 +5,17 @@ PY := .venv/bin/python
 PYTEST_ARGS ?= -m "not vm"
 BENCH_ARGS ?= all
 
-.PHONY: setup test vm-test bench doctor clean
+.PHONY: help setup test vm-test bench doctor clean
+
+# the first target: a bare `make` says what there is (it ran setup, which may apt-get install)
+help:
+	@echo "sudo make test      install what is missing (scripts/setup.sh), then the test suite (not the VM tests)"
+	@echo "sudo make bench     the same setup, then every benchmark suite in full (python -m bench -h lists them)"
+	@echo "sudo make vm-test   the VM tests: real NVMe-oF namespaces in a qemu guest (~2 min under TCG)"
+	@echo "sudo make doctor    can this machine run the data path? one line a check"
+	@echo "sudo make setup     only the setup (idempotent: seconds when nothing changed)"
+	@echo "make clean          remove the venv and the built extensions"
+	@echo "variables: PYTEST_ARGS (default: -m \"not vm\"), BENCH_ARGS (default: all), VM_PYTEST_ARGS"
 
 setup:
 	@scripts/setup.sh
