@@ -527,8 +527,9 @@ class Consumer(_Thread):
 
     @property
     def out_full(self) -> int:
-        """Times a record found the output ring full: it stayed in its ring buffer for a later
-        pass (and what XDP could then not write there, it counts in drop_ring_full)."""
+        """Records that found the output ring full, each counted once: each stayed in its ring
+        buffer for a later pass (and what XDP could then not write there, it counts in
+        drop_ring_full)."""
         return self.ptr.out.full
 
     @property

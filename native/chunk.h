@@ -22,6 +22,9 @@
 #define DP_CHUNK_F_MOVED 0x4000           /* its session last ran on another worker (or the router does not
                                              know where): a copy this worker holds may be stale */
 #define DP_CHUNK_F_REPLAY 0x2000          /* failover replays its request: its own turn may be in the store */
+#define DP_CHUNK_F_RETAKE 0x1000          /* with REPLAY, on the first record of a client's retry of a try lost
+                                             in a failover (router.c, lost_retake), sent under that try's stamp:
+                                             the request begins again here, whatever of that try a worker holds */
 #define DP_MAX_BATCH_CHUNKS 64            /* records in one micro-batch, at most */
 #define DP_MAX_OUTPUT_TOKENS 256          /* output tokens a response carries (1 KiB body) */
 #define DP_CE_EOS 1                       /* completion entry: the model ended the sequence */

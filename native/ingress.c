@@ -103,10 +103,22 @@ static void out_flush(struct dp_out *o)
     o->reserved = o->pending = 0;
 }
 
+/* A record found the output ring full: counted once (in `full` and the ring's refusals), however
+ * many passes it then waits (a ring-buffer consumer's: it counted each retry, millions a second,
+ * as a refused record; a review). */
+static void out_full(struct dp_out *o)
+{
+    if (o->stalled)
+        return;
+    dp_ring_note_full(o->ring, 1, 0);
+    o->full++;
+    o->stalled = 1;
+}
+
 /* The one place records leave a consumer. Copies the header and the tokens the
  * record carries into a reserved slot (never the unused tail) and stamps
  * t_consumer in the copy (libbpf maps ring-buffer data read-only). 0: the ring
- * was full (counted in `full`): the UDP receiver drops the record, a ring-buffer
+ * was full (out_full): the UDP receiver drops the record, a ring-buffer
  * consumer leaves it where it is for its next pass. */
 static int out_put(struct dp_out *o, const struct dp_chunk *c, uint64_t now)
 {
@@ -115,11 +127,11 @@ static int out_put(struct dp_out *o, const struct dp_chunk *c, uint64_t now)
         out_flush(o);
         o->reserved = dp_ring_prod_reserve(o->ring, DP_INGRESS_BURST);
         if (!o->reserved) {
-            dp_ring_note_full(o->ring, 1, 0);
-            o->full++;
+            out_full(o);
             return 0;
         }
     }
+    o->stalled = 0;
     slot = dp_ring_prod_slot(o->ring, o->pending++);
     memcpy(slot, c, DP_CHUNK_HDR_LEN + (size_t)c->n_tokens * sizeof(uint32_t));
     slot->t_consumer = now;
@@ -381,7 +393,10 @@ static void *consumer_main(void *arg)
     while (!__atomic_load_n(&c->stop, __ATOMIC_RELAXED))
         if (!dp_consumer_poll(c))
             cpu_relax();
-    dp_consumer_poll(c);   /* what arrived before stop */
+    /* what arrived before stop: a pass takes a burst a ring buffer, so passes until one takes
+     * nothing (bounded: a sender still going, or no room downstream, ends it) */
+    for (int i = 0; i < 4096 && dp_consumer_poll(c); i++)
+        ;
     lat_flush(c);
     return NULL;
 }
@@ -574,8 +589,10 @@ static void udp_record(struct dp_udp_rx *r, const uint8_t *buf, uint32_t len, ui
         c.client_port = sin->sin_port;
     }
     memcpy(c.tokens, buf + sizeof(*h), h->n_tokens * 4u);
-    if (!out_put(&r->out, &c, now))
-        return;                          /* dropped (out.full): no record taken, no latency of one */
+    if (!out_put(&r->out, &c, now)) {
+        r->out.stalled = 0;              /* dropped: the next datagram is another record */
+        return;                          /* (out.full): no record taken, no latency of one */
+    }
     if (c.t_send)
         dp_lat_add(&r->send_lat, now - c.t_send);
     r->records++;

@@ -48,8 +48,10 @@ struct dp_out {
     struct dp_ring *ring;      /* slot_size >= sizeof(struct dp_chunk) */
     uint32_t reserved;         /* slots reserved for this burst */
     uint32_t pending;          /* of them, filled and not yet published */
-    uint64_t full;             /* records that found the ring full: the UDP receiver dropped them, a
-                                  ring-buffer consumer left them in their ring buffer for a later pass */
+    uint64_t full;             /* records that found the ring full, each once: the UDP receiver dropped
+                                  them, a ring-buffer consumer left them in their ring buffer for a later
+                                  pass */
+    int stalled;               /* the record being placed found it full already (counted) */
 };
 
 struct dp_consumer {

@@ -25,6 +25,7 @@
 #define RECENT_SET_BITS 9           /* finished request keys remembered, to spot late duplicates: */
 #define RECENT_WAYS 8               /* 512 sets of 8 (a set is one cache line), first in first out */
 #define LOST_SLOTS 256              /* tries lost in a failover, remembered for their retry (lost_note) */
+#define LOST_TTL_NS 60000000000ull  /* ... for a minute: a client retries a 503 soon, or not at all */
 #define LAST_RUN_BITS 12            /* sessions whose last worker is remembered (DP_CHUNK_F_MOVED) */
 #define EXPIRY_SCAN_NS 10000000ull  /* look for stalled reassemblies every 10 ms */
 
@@ -73,7 +74,9 @@ struct req {
     uint8_t unsure;                              /* a worker that had some of it died: its turn may be in
                                                     the store (lost_note, if it then fails) */
     uint8_t retake;                              /* a client's retry of a try lost so: sent to its worker
-                                                    under that try's stamp, flagged DP_CHUNK_F_REPLAY */
+                                                    under that try's stamp, flagged DP_CHUNK_F_REPLAY; 2 until
+                                                    its first record is out (DP_CHUNK_F_RETAKE), again at a
+                                                    replay */
     uint8_t why;                                 /* enum why: what its failure's body says (WHY_NONE: no body);
                                                     WHY_REPLAY_DIED: its replay's worker died too, its own doing */
     uint8_t kv_moving;                           /* refused so: its other records in that batch are ignored,
@@ -182,7 +185,7 @@ struct dp_router {
     _Alignas(64) uint64_t recent[(1u << RECENT_SET_BITS) * RECENT_WAYS];   /* keys of requests that finished lately */
     uint64_t recent_sent[(1u << RECENT_SET_BITS) * RECENT_WAYS];           /* ... each one's try (DP_TRY_OF) */
     uint8_t recent_next[1u << RECENT_SET_BITS];                             /* each set's oldest way */
-    struct lost { uint64_t key, attempt, try; } lost[LOST_SLOTS];           /* direct-mapped, by request key */
+    struct lost { uint64_t key, attempt, try, at; } lost[LOST_SLOTS];       /* direct-mapped, by request key */
     struct last_run last_run[1u << LAST_RUN_BITS];   /* direct-mapped, by session key */
     uint32_t reserved;                  /* pool slots promised to chunks of admitted requests not here yet */
     struct arriving *arr;               /* max_requests entries: the tenants with requests still arriving */
@@ -836,20 +839,27 @@ static int recently_done(const struct dp_router *rt, uint64_t key, const struct 
 static void lost_note(struct dp_router *rt, const struct req *r)
 {
     struct lost *l = &rt->lost[r->key % LOST_SLOTS];
-    *l = (struct lost){ r->key, r->t_send, DP_TRY_OF(r->t_try, r->by_open) };
+    uint64_t now = pass_clock(rt);
+    rt->st.lost_forgotten += l->key && l->key != r->key && now - l->at < LOST_TTL_NS;   /* its retry goes plain */
+    *l = (struct lost){ r->key, r->t_send, DP_TRY_OF(r->t_try, r->by_open), now };
     rt->st.lost_tries++;
 }
 
-/* A new request r opened by record c: a client's retry of a try lost in a failover? It is sent to
- * its worker under that try's stamp (r->t_send; the answer carries its own, r->t_try), flagged
- * REPLAY. Once: the entry goes. */
+/* A new request r opened by record c: a client's retry of a try lost in a failover within the last
+ * minute? It is sent to its worker under that try's stamp (r->t_send; the answer carries its own,
+ * r->t_try), flagged REPLAY. Once: the entry goes. (Kept for ever, a request that reused the id
+ * much later went as a retake: a needless restore on its worker; a review.) */
 static void lost_retake(struct dp_router *rt, struct req *r, const struct dp_chunk *c)
 {
     struct lost *l = &rt->lost[r->key % LOST_SLOTS];
     if (l->key != r->key || !l->key || !DP_REOPENS(c->kind, c->chunk_index, c->t_send, l->try))
         return;
+    if (pass_clock(rt) - l->at >= LOST_TTL_NS) {
+        l->key = 0;
+        return;
+    }
     r->t_send = l->attempt;
-    r->retake = 1;
+    r->retake = 2;
     l->key = 0;
     rt->st.lost_retaken++;
 }
@@ -2031,7 +2041,9 @@ static void add_prefill(struct dp_router *rt, struct builder *b, uint32_t ri, ui
      * early (a 422 whose body was tokens) or never finish (the turn silently dropped) */
     out->max_output_tokens = r->max_output;
     out->flags = c->flags | (final ? DP_CHUNK_F_FINAL : 0) | (r->moved ? DP_CHUNK_F_MOVED : 0) |
-                 (r->replayed || r->retake ? DP_CHUNK_F_REPLAY : 0);
+                 (r->replayed || r->retake ? DP_CHUNK_F_REPLAY : 0) | (r->retake == 2 ? DP_CHUNK_F_RETAKE : 0);
+    if (r->retake)
+        r->retake = 1;                   /* (its first record is out: the rest continue it) */
     b->tokens += take;
     if (whole) {                         /* all of it is out: keep it aside for a replay */
         b->w->meta[b->n - 1].releases = 1;   /* in flight until its completion: still the worker's depth */
@@ -2051,15 +2063,37 @@ static void add_prefill(struct dp_router *rt, struct builder *b, uint32_t ri, ui
     }
 }
 
-/* One round over the worker's prefill queue, oldest first: each request's queued chunks up to
- * `most` tokens (all the budget left for the last in the queue); one whose chunks are all out
- * leaves the queue (make_ready puts it back when more come). */
+/* Does request r have more than n prompt tokens queued here (walked until it is known)? */
+static int queued_over(const struct dp_router *rt, const struct req *r, uint32_t n)
+{
+    uint32_t sum = 0;
+    for (uint32_t p = r->pending_head; p != NIL; p = rt->pool[p].next)
+        if ((sum += rt->pool[p].c.n_tokens - rt->pool[p].sent) > n)
+            return 1;
+    return 0;
+}
+
+/* One round over the worker's prefill queue, oldest first. most 0: each request takes what it has
+ * queued, as the budget allows. Else a request with more queued than the step has left, one that
+ * cannot be done in it, takes `most` at most, and only the first such: a request that can be done
+ * takes it all (a prompt that would have gone whole is not split for fairness, and two long ones do
+ * not halve the step between them ahead of a short one). The last in the queue, with none waiting
+ * behind it, takes all. One whose chunks are all out leaves the queue (make_ready puts it back
+ * when more come). */
 static void prefill_round(struct dp_router *rt, struct builder *b, uint32_t most)
 {
     struct worker *w = b->w;
+    int long_one = 0;
     for (uint32_t ri = w->fifo_head, prev = NIL; ri != NIL && b->n < b->cap && b->tokens < b->budget;) {
         struct req *r = &rt->reqs[ri];
-        uint32_t next = r->fifo_next, cap = next != NIL ? most : b->budget, took = 0;
+        uint32_t next = r->fifo_next, cap = b->budget, took = 0;
+        if (most && next != NIL && queued_over(rt, r, b->budget - b->tokens)) {
+            if (long_one) {              /* one long partial prefill a step: the rest in round two */
+                prev = ri, ri = next;
+                continue;
+            }
+            long_one = 1, cap = most;
+        }
         while (r->pending_head != NIL && b->n < b->cap && b->tokens < b->budget && took < cap) {
             uint32_t before = b->tokens, room = b->budget - b->tokens;
             add_prefill(rt, b, ri, room < cap - took ? room : cap - took);
@@ -2093,14 +2127,16 @@ static void build_dynamic(struct dp_router *rt, struct builder *b)
     }
     if (w->n_decoding)
         w->decode_cursor = (w->decode_cursor + (k ? k : 1)) % w->n_decoding;
-    /* then prefill, first come first served, but while others wait behind it a request takes at
-     * most half the step's budget: taking it all until its chunks ran out, a long prompt held every
-     * request behind it for its whole prefill (a review: a 64-token request behind a 262,144-token
-     * prompt answered after 1,028 steps, 69 s on the L4; vLLM bounds it so, long_prefill_token_threshold).
+    /* then prefill, first come first served, but while others wait behind it a request that cannot
+     * be done in this step takes at most half of what the decodes left: taking it all until its
+     * chunks ran out, a long prompt held every request behind it for its whole prefill (a review: a
+     * 64-token request behind a 262,144-token prompt answered after 1,028 steps, 69 s on the L4;
+     * vLLM bounds it so, long_prefill_token_threshold and one long partial prefill at a time).
      * Each keeps its place: the oldest still goes first at every step, and what the others leave
      * of the budget it takes in a second round. */
-    prefill_round(rt, b, b->budget / 2 ? b->budget / 2 : 1);
-    prefill_round(rt, b, b->budget);
+    uint32_t left = b->tokens < b->budget ? b->budget - b->tokens : 0;
+    prefill_round(rt, b, left / 2 ? left / 2 : 1);
+    prefill_round(rt, b, 0);
 }
 
 static void build_static(struct dp_router *rt, struct builder *b, uint64_t now)
@@ -2426,6 +2462,8 @@ static void failover(struct dp_router *rt, uint32_t k, int alive)
             continue;
         }
         requeue_all(rt, r, nk);
+        if (r->retake)
+            r->retake = 2;               /* it begins again on the next worker too */
         r->worker = (int16_t)nk;
         note_run(rt, sk, nk);
         /* a worker without a store: the session lives where this runs, and only the router knows

@@ -134,6 +134,8 @@ struct dp_router_stats {
                                  * be in the store (router.c, lost_note) */
     uint64_t lost_retaken;      /* clients' retries of such a try, sent as its replay so their worker takes
                                  * that turn back first (router.c, lost_retake) */
+    uint64_t lost_forgotten;    /* such tries forgotten within their minute for another's (256 slots): their
+                                 * retry goes as a plain request */
     uint32_t active_requests, pool_free;
     uint32_t kv_homes;          /* sessions a kv_move sent to another worker, or a failover to one without
                                  * a store, placed there until their CLOSE (router.c, KV_HOMES at most) */

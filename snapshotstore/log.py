@@ -364,6 +364,8 @@ class LogStore:
         # formatted in other blocks is not this store's (a reformat left it; the 512e vm check)
         copies = [c if c is None or i == 0 or c.block_size == bs else None for i, c in enumerate(copies)]
         self.superblocks_valid = sum(c is not None for c in copies)
+        if not self.superblocks_valid and self._larger_blocks():
+            return self._open()
         if not self.superblocks_valid:
             newer = [v for b in blocks if b is not None and (v := fmt.superblock_version(b)) is not None
                      and v > fmt.VERSION]
@@ -449,6 +451,28 @@ class LogStore:
                 print(f"snapshotstore: {self.path}: the tombstones of {len(self._dropped)} damaged sessions "
                       f"wait for room ({self._ix.live_blocks} of {self.log_blocks} blocks live): the next "
                       f"puts' reclaim writes them as it frees blocks", file=sys.stderr)
+
+    def _larger_blocks(self) -> bool:
+        """No valid copy at this device's block size: is this a store formatted in larger blocks
+        (an image file's 4 KiB, through a loop device of 512-byte sectors) whose copy 0 is bad? Its
+        copy 1 is at its own block size, which the read at this one missed: looked for at each
+        larger power of two up to 64 KiB, and if found there the device takes those blocks. Else
+        a torn copy 0 read as "no store", with `format --force` advised (a review)."""
+        bs, size = self.dev.block_size, getattr(self.dev, "size", 0)
+        if not hasattr(self.dev, "set_block_size"):
+            return False
+        for big in (bs << k for k in range(1, 8)):
+            if big > 1 << 16 or fmt.SB_COPIES * big > size:
+                break
+            try:
+                view = self.dev.read_into(self._sbuf, big // bs, 1)
+            except OSError:
+                continue
+            c = fmt.unpack_superblock(bytes(view[:bs]))
+            if c is not None and c.block_size == big:
+                self.dev.set_block_size(big)
+                return True
+        return False
 
     def _superblock_block(self, i: int) -> bytes | None:
         """Copy i's block, or None if it cannot be read (EIO: a bad sector, which is what the second

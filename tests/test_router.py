@@ -197,6 +197,30 @@ def test_a_long_prompt_takes_at_most_half_a_step_while_others_wait_behind_it(ben
     assert sorted((int(r["request_id"]), int(r["status"])) for r in b.responses) == [(1, 200), (2, 200)]
 
 
+def test_one_long_prefill_a_step_is_bounded_and_a_prompt_that_fits_is_not_split(bench_factory):
+    """Two long prompts halved the step between them ahead of a short one behind (15 steps to its
+    first piece), and a 300-token prompt that would have gone whole was split to make room (its
+    first token a step later); a review of the bound. Only what cannot be done in the step is
+    bounded, and one such a step: the short request goes in the first two steps, and of two
+    300-token prompts the first still goes whole."""
+    b = bench_factory(token_budget=512)
+    b.send(chunks_of(1, list(range(4096)), session=1, max_out=1), chunks_of(2, list(range(4096)), session=2, max_out=1))
+    for _ in range(3):
+        b.step()                                  # (both long ones queued, their prefill under way)
+    b.send(chunks_of(3, list(range(64)), session=3, max_out=1))
+    batches = b.run()
+    ids = [x["request_id"].tolist() for x in batches]
+    at = next(i for i, x in enumerate(ids) if 3 in x)
+    assert at <= 1 and ids[at][0] == 1, ids[:3]       # (the batch already built when it came, then its own)
+    assert all(int(x["n_tokens"][x["kind"] == wire.KIND_CHUNK].sum()) <= 512 + 32 for x in batches)
+    assert sorted(int(r["request_id"]) for r in b.responses if r["status"] == 200) == [1, 2, 3]
+    b.send(chunks_of(4, list(range(300)), session=4, max_out=1), chunks_of(5, list(range(300)), session=5, max_out=1))
+    b.router.poll()
+    first = b.workers[0].recv_batch(0)
+    got = [(int(r["request_id"]), int(r["n_tokens"])) for r in first]
+    assert got[:3] == [(4, 128), (4, 128), (4, 44)] and sum(n for _, n in got) == 512, got
+
+
 def test_a_piece_that_overruns_the_budget_by_at_most_the_slack_goes_whole(bench_factory):
     """split_slack: a split costs its request a whole step (its first token a step later); a piece
     over the budget by at most the slack goes whole instead, and one over it by more is split."""
@@ -1223,7 +1247,7 @@ def test_a_request_whose_worker_dies_with_no_other_up_is_answered_503_saying_so(
 
 
 def _replay_flagged(batch):
-    return [bool(f & records.CHUNK_F_REPLAY) for f in batch["flags"]]
+    return [bool(f & records.CHUNK_F_REPLAY) + 2 * bool(f & records.CHUNK_F_RETAKE) for f in batch["flags"]]
 
 
 def test_a_retry_of_a_request_lost_with_its_worker_goes_as_that_try_s_replay(bench_factory):
@@ -1248,11 +1272,12 @@ def test_a_retry_of_a_request_lost_with_its_worker_goes_as_that_try_s_replay(ben
     b.send(chunks_of(1, [1, 2, 3], session=5, max_out=2, t_send=900))    # a straggler, not a retry
     b.send(chunks_of(1, [1, 2, 3], session=5, max_out=2, t_send=3000))   # the retry
     (retry, *decodes) = b.run()
-    assert retry["t_send"].tolist() == [1000] and _replay_flagged(retry) == [True]
+    assert retry["t_send"].tolist() == [1000] and _replay_flagged(retry) == [3], "REPLAY and RETAKE"
+    assert decodes and not any(d["flags"] & records.CHUNK_F_RETAKE for d in decodes), "RETAKE on its first record only"
     assert [(int(r["request_id"]), int(r["status"]), int(r["t_send"])) for r in b.responses[1:]] == [(1, 200, 3000)]
     b.send(chunks_of(2, [4, 5], session=5, max_out=1, t_send=4000))
     (nxt,) = b.run()
-    assert nxt["t_send"].tolist() == [4000] and _replay_flagged(nxt) == [False]
+    assert nxt["t_send"].tolist() == [4000] and _replay_flagged(nxt) == [0]
     st = b.router.stats()
     assert st["lost_retaken"] == 1 and st["late_duplicates"] == 1 and st["lost_tries"] == 1
 
@@ -1262,13 +1287,13 @@ def test_a_retry_of_a_request_whose_replay_died_too_goes_as_its_replay(bench_fac
     not tried a third time. The client's retry goes as that request's replay (its first stamp,
     flagged), whatever worker it lands on: there the turn is taken back, not run on top of."""
     b = bench_factory(n_workers=2, policy="round_robin")
-    b.send(chunks_of(1, [1, 2, 3], session=5, max_out=2, t_send=1000))
+    b.send(chunks_of(1, list(range(300)), session=5, max_out=2, t_send=1000))
     b.router.poll()
-    assert b.workers[0].recv_batch(0)["request_id"].tolist() == [1]
+    assert b.workers[0].recv_batch(0)["request_id"].tolist() == [1, 1, 1]
     b.router.set_up(0, False)
     b.router.poll()
     replay = b.workers[1].recv_batch(0)
-    assert replay["t_send"].tolist() == [1000] and _replay_flagged(replay) == [True]
+    assert replay["t_send"].tolist() == [1000] * 3 and _replay_flagged(replay) == [1, 1, 1]
     b.router.set_up(1, False)
     b.router.poll()
     b.collect()
@@ -1276,9 +1301,9 @@ def test_a_retry_of_a_request_whose_replay_died_too_goes_as_its_replay(bench_fac
     for k in (0, 1):
         b.workers[k].recv_batch(0)
     b.router.set_up(1, True)
-    b.send(chunks_of(1, [1, 2, 3], session=5, max_out=2, t_send=2000))
+    b.send(chunks_of(1, list(range(300)), session=5, max_out=2, t_send=2000))
     (retry, *_) = b.run(k=1)
-    assert retry["t_send"].tolist() == [1000] and _replay_flagged(retry) == [True]
+    assert retry["t_send"].tolist() == [1000] * 3 and _replay_flagged(retry) == [3, 1, 1], "RETAKE on the first"
     assert [(int(r["status"]), int(r["t_send"])) for r in b.responses[1:]] == [(200, 2000)]
     assert b.router.stats()["lost_retaken"] == 1
 

@@ -1950,3 +1950,34 @@ def test_fsck_takes_a_checkpoint_copy_a_crash_cut_for_no_damage(make_device, cap
             assert s.restore(key(1)).payload == want
         with open(path, "r+b") as f:                 # both copies back as they were
             f.write(good)
+
+
+@pytest.mark.root
+def test_a_store_of_larger_blocks_whose_copy_0_is_torn_opens_through_smaller_sectors(tmp_path, capsys):
+    """Copy 0 torn (the checkpoint a crash cut), a 4 KiB image through a loop device of 512-byte
+    sectors read copy 1 at byte 512, not 4096: "holds no snapshot store", `format --force` advised
+    (a review). Copy 1 is looked for at the larger block sizes: it opens, nothing lost, and fsck
+    says the crash cut it."""
+    from snapshotstore import cli
+    image = str(tmp_path / "torn.img")
+    create_image(image, 4 << 20)
+    format_device(image)
+    with LogStore(image) as s:
+        want = put_all(s, key(1), deltas(3, 2000))
+    with LogStore(image, readonly=True) as s:
+        gen = s.stats()["generation"]
+    if (gen + 1) % 2 != 0:                           # make copy 0 the one a checkpoint would go to next
+        with LogStore(image) as s:
+            pass
+        with LogStore(image, readonly=True) as s:
+            gen = s.stats()["generation"]
+    rewrite_blocks(image, 0, lambda b: b[:40] + bytes(len(b) - 40))
+    with loop_device(image, sector_size=512) as dev:
+        with LogStore(dev, readonly=True) as s:
+            assert s.block_size == 4096 and s.restore(key(1)).payload == want
+        assert cli.main(["fsck", dev]) == (0 if (gen + 1) % 2 == 0 else 1)
+        assert "holds no snapshot store" not in capsys.readouterr().err
+        with LogStore(dev) as s:                     # read-write: both copies written again
+            assert s.restore(key(1)).payload == want
+    with LogStore(image, readonly=True) as s:
+        assert s.superblocks_valid == 2

@@ -1124,3 +1124,33 @@ def test_a_client_s_retry_after_its_only_worker_died_past_its_put_runs_on_the_co
         assert store.held((0, 5))[0] == held and replacement.stats["replays_durable"] == 1, "the turn stored once"
     finally:
         b.close()
+
+
+@pytest.mark.parametrize("abandoned", [False, True], ids=["held", "released as abandoned"])
+def test_a_retake_begins_its_request_again_whatever_of_the_lost_try_is_here(model, abandoned, monkeypatch):
+    """A zmq worker given up on for a stall holds a replay's first piece; the router answered 503
+    and the client's retry comes back here as that try's retake (its stamp, REPLAY, and RETAKE on
+    the first record). Taken as the try going on, the piece ran twice (a review: 368 tokens of
+    context, not 240); released as abandoned meanwhile, the retake was refused 503 at every try.
+    The retake begins the request again: the context the request would have alone."""
+    from datapath.serving import worker as wmod
+    w = Worker(model, MemoryStore())
+    drive(w.step, [(1, 1, prompt(1, 40), 1)])
+    finished(w)
+    replay = prefill_records(1, 2, prompt(2, 200), 1, t_send=1000)
+    replay["flags"] |= records.CHUNK_F_REPLAY
+    w.step(as_batch([replay[:1]]))                   # its first piece; then the stall
+    if abandoned:                                    # (its stall outlasted the worker's patience)
+        monkeypatch.setattr(wmod, "ABANDONED_NS", 0)
+        w._release_abandoned()
+        assert w._abandoned[(0, 1)] == (2, 1000)
+    retake = prefill_records(1, 2, prompt(2, 200), 1, t_send=1000)
+    retake["flags"] |= records.CHUNK_F_REPLAY
+    retake["flags"][0] |= records.CHUNK_F_RETAKE
+    comp = w.step(as_batch([retake]))
+    assert comp["e"][0]["status"][:len(retake)].tolist() == [200] * len(retake)
+    (done,) = finished(w)
+    assert done.context_tokens == 40 + 200, "the first piece once"
+    ref = Worker(model, MemoryStore())
+    drive(ref.step, [(1, 1, prompt(1, 40), 1)])
+    assert done.tokens == drive(ref.step, [(1, 2, prompt(2, 200), 1)])[2]

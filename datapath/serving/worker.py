@@ -256,10 +256,13 @@ class Worker:
         tokens = rec["tokens"][:rec["n_tokens"]]
         if tokens.max() >= self.model.config.vocab:
             return wire.STATUS_BAD_REQUEST  # one bad record must not fail the whole step
+        # a client's retry of a try lost in a failover, sent under that try's stamp (router.c,
+        # lost_retake): the request begins again with this record, whatever of that try is here
+        retake = bool(rec["flags"] & records.CHUNK_F_RETAKE)
         if key in self._abandoned:
-            if self._abandoned[key] == attempt:
+            if self._abandoned[key] == attempt and not retake:
                 return wire.STATUS_UNAVAILABLE   # released as abandoned: never run on a cut context
-            del self._abandoned[key]             # (a retry, stamped anew, runs)
+            del self._abandoned[key]             # (a retry, stamped anew or retaken, runs)
         s = self.sessions.get(key)
         # The store is another component (a remote one times out): its failure is this request's
         # 503, never the worker's death, which would replay the request onto the next worker.
@@ -298,14 +301,16 @@ class Worker:
             # and the session went on from a history its client never had.
             self.stats["duplicates_refused"] += 1
             return wire.STATUS_CONFLICT
-        if s.request is not None and (not s.request.is_(attempt) or (replay and not s.request.replay)):
+        if s.request is not None and (not s.request.is_(attempt) or (replay and not s.request.replay) or retake):
             # A new request on the session: one the router gave up on (refused, expired: its client
             # got an error) is superseded, and the KV its pieces added is cut off (not the
             # session's) before this one's room is judged. So is a retry of it under its id, sent
             # anew (its stamp differs: it ran on top of the first try's pieces, the prompt twice,
             # and was answered 200; found by review), and this very request when the router
             # replays it from its first chunk (it gave up on this worker, a zmq one, for a stall,
-            # then the request came back to it): its pieces so far would have been run twice.
+            # then the request came back to it): its pieces so far would have been run twice. And a
+            # retake, under the stamp of the try whose pieces are here (a zmq worker given up on for a
+            # stall, come back): they were run twice (a review's probe: 368 tokens of context, not 240).
             self.stats["superseded"] += 1
             s = self._cut_back(key, s)
         queued = sum(len(x) for x in segments[key].tokens) if key in segments else 0
