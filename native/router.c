@@ -833,7 +833,7 @@ static int recently_done(const struct dp_router *rt, uint64_t key, const struct 
  * client's retry under the same ids is a new request, and it ran on top of that turn: the prompt
  * twice in the context, a 200 with other tokens, and every later turn of the session off (a
  * review's probes: the only worker killed after its put; a replay's worker killed after its put).
- * Remembered here: the retry goes to its worker as this try's replay (lost_retake), and the
+ * Remembered here: the retry goes to its worker as this try's retake (lost_retake), and the
  * worker takes that turn back out of the store if it is the chain's last (worker.py, _restore:
  * by request id and this stamp, so a turn of another request is never taken). */
 static void lost_note(struct dp_router *rt, const struct req *r)
@@ -847,8 +847,9 @@ static void lost_note(struct dp_router *rt, const struct req *r)
 
 /* A new request r opened by record c: a client's retry of a try lost in a failover within the last
  * minute? It is sent to its worker under that try's stamp (r->t_send; the answer carries its own,
- * r->t_try), flagged REPLAY. Once: the entry goes. (Kept for ever, a request that reused the id
- * much later went as a retake: a needless restore on its worker; a review.) */
+ * r->t_try), flagged REPLAY, its first record RETAKE too (the worker begins the request again
+ * there). Once: the entry goes. (Kept for ever, a request that reused the id much later went as
+ * a retake: a needless restore on its worker; a review.) */
 static void lost_retake(struct dp_router *rt, struct req *r, const struct dp_chunk *c)
 {
     struct lost *l = &rt->lost[r->key % LOST_SLOTS];
