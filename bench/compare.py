@@ -601,7 +601,7 @@ def run(report, args):
     lines = ["| policy | offered req/s | achieved | p50 ms | p95 ms (each round) | p99 ms | not answered 200 "
              f"| records per batch | requests moved | sessions restored{slow} |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if stragglers else "")]
-    lines = [_context(report, args, names, repeat, rate, seconds, workers, device), "", spread, ""] + lines
+    lines = [_context(report, args, repeat, rate, seconds, workers, device), "", spread, ""] + lines
     lines += [f"| {r['name']} | {r['offered_qps']:.1f} | {r['achieved_qps']:.1f} | {r['p50_ms']:.2f} | "
               f"{r['p95_ms']:.2f} ({', '.join(f'{x:.2f}' for x in r['p95_ms_per_round'])}) | "
               f"{r['p99_ms']:.2f} | {r['errors']} of {r['requests']} | {r['records_per_batch']:.2f} | "
@@ -629,7 +629,7 @@ def run(report, args):
     _all_compared(runs)
 
 
-def _context(report, args, names, repeat: int, rate: float, seconds: float, workers: int, device) -> str:
+def _context(report, args, repeat: int, rate: float, seconds: float, workers: int, device) -> str:
     """What the table is of, said with it (compare.md alone did not say the run's length, rounds,
     workers or build)."""
     m = report.machine

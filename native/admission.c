@@ -306,12 +306,6 @@ static double output_factor(uint32_t max_output)
     return 1.0 + (double)o / DP_ADM_OUTPUT_SCALE;
 }
 
-static double cost_of(uint32_t price, uint32_t input, uint32_t max_output, double entropy_factor)
-{
-    /* (the decision's cost, for the record: what is charged is charge_of's exact ceiling) */
-    return (double)price * ((double)input + max_output) / 1000.0 * entropy_factor * output_factor(max_output);
-}
-
 /* ceil(cost): what is charged. price x tokens x (1024 + output) is a whole number (exact in 128 bits),
  * and with a whole entropy factor (1.0 for one repeated token, 5.0 for distinct ones or none seen)
  * so is the division's dividend: an exact integer ceiling. In doubles 1322 x 640 / 1000 x 6.25 read
@@ -343,13 +337,12 @@ static void price_base(const struct dp_tenant_cfg *cfg, uint32_t n_tokens, uint3
     p->output_factor = output_factor(max_output);
 }
 
-/* The entropy's factors, and so the cost (tokens: the sample price_base was given). */
+/* The entropy's factors (tokens: the sample price_base was given); the charge is charge_of's. */
 static void price_entropy(struct count_table *t, const uint32_t *tokens, struct dp_adm_price *p)
 {
     p->entropy_bits = p->sample_tokens ? entropy_bits(t, tokens, p->sample_tokens) : ENTROPY_MAX_BITS;
     p->entropy_factor = 1.0 + 4.0 * p->entropy_bits / ENTROPY_MAX_BITS;
     p->complexity = p->entropy_factor * p->output_factor;
-    p->cost = cost_of(p->price_per_1k, p->input_tokens, p->max_output, p->entropy_factor);
 }
 
 static void price(const struct dp_tenant_cfg *cfg, struct count_table *t, const uint32_t *tokens, uint32_t n_tokens,

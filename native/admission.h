@@ -89,7 +89,6 @@ struct dp_adm_price {             /* every factor of one request's price */
     uint32_t max_output;
     uint32_t sample_tokens;       /* tokens the entropy was measured on (0: none seen, assumed the maximum) */
     double entropy_bits, entropy_factor, output_factor, complexity;
-    double cost;                  /* micro-USD */
 };
 
 struct dp_adm_decision {
@@ -98,7 +97,7 @@ struct dp_adm_decision {
     uint8_t spill;                /* admitted, to the secondary pool */
     uint8_t high;                 /* high-entropy */
     uint8_t count_only;           /* a COUNT_TOKENS record: answered, never charged */
-    uint8_t priced;               /* 0: a lazy decision's entropy (p.entropy_*, complexity, cost) and
+    uint8_t priced;               /* 0: a lazy decision's entropy (p.entropy_*, complexity) and
                                      charge are not measured yet: dp_adm_finish */
     uint64_t charge;              /* ceil(cost): micro-USD charged if admitted */
     uint64_t remaining;           /* budget left before this request (UINT64_MAX: unlimited) */

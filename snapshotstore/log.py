@@ -382,19 +382,18 @@ class LogStore:
         cut = (sb.generation + 1) % fmt.SB_COPIES
         self.superblock_cut = self.superblocks_valid == fmt.SB_COPIES - 1 and copies[cut] is None \
             and blocks[cut] is not None
-        if sb.block_size != bs and sb.block_size == getattr(self.dev, "logical_block_size", None):
-            # formatted (before session 16) in the logical blocks of a disk whose sectors are larger,
-            # a 512e disk: opened as it was written, said once, not refused
-            print(f"snapshotstore: {self.path} was formatted with {sb.block_size}-byte blocks on a disk with "
-                  f"{bs}-byte sectors: a torn write there can damage the record beside it; reformat it to "
-                  f"use {bs}-byte blocks", file=sys.stderr)
-            self.dev.set_block_size(sb.block_size)
-            return self._open()
-        if sb.block_size > bs and sb.block_size % bs == 0:
-            # formatted on a device with larger blocks (an image file's 4 KiB, opened now through a
-            # loop device of 512-byte sectors): its blocks stay whole multiples of the device's, so
-            # every I/O stays aligned, and a torn block fails its CRC as on any device. Refused,
-            # such an image could be opened only on what it was formatted on (a review)
+        smaller = sb.block_size == getattr(self.dev, "logical_block_size", None)
+        if sb.block_size != bs and (smaller or sb.block_size % bs == 0) and hasattr(self.dev, "set_block_size"):
+            # opened in the blocks it was formatted in. Smaller: (before session 16) the logical blocks
+            # of a disk whose sectors are larger, a 512e disk: said once, not refused. Larger: formatted
+            # on a device with larger blocks (an image file's 4 KiB, opened now through a loop device of
+            # 512-byte sectors), whole multiples of this one's, so every I/O stays aligned and a torn
+            # block fails its CRC as on any device (refused, it opened only where it was formatted: a
+            # review)
+            if smaller:
+                print(f"snapshotstore: {self.path} was formatted with {sb.block_size}-byte blocks on a disk with "
+                      f"{bs}-byte sectors: a torn write there can damage the record beside it; reformat it to "
+                      f"use {bs}-byte blocks", file=sys.stderr)
             self.dev.set_block_size(sb.block_size)
             return self._open()
         if sb.block_size != bs:
