@@ -91,6 +91,10 @@ class PipelineConfig:
                                        # and failed over (0: never; a step is ms, a simulated L4's ~70 ms;
                                        # a shared store that stopped answering costs a step one
                                        # RemoteStore timeout, 5 s, well inside it)
+    worker_stall_s: float = 0.5        # a worker holding a batch this long (or 4x its recent longest batch,
+                                       # if longer; times the largest straggler factor) is stalled: new
+                                       # requests go to the others until it answers (router.h, stall_ns;
+                                       # 0: never). What it holds waits for it, or for worker_hang_s
     worker_respawns: int = 3           # a worker process that exits is replaced by a fresh one on a fresh
                                        # lane, up to this many times in a row per worker (0: never): a crash
                                        # loop stops there, and the worker stays down; one that served
@@ -546,7 +550,8 @@ class Pipeline:
         self.consumer = self.ingress.consumer(None)   # the router's feed: no input ring between them
         self.router = Router(policy=cfg.policy, policy_param=cfg.policy_param, batching=cfg.batching,
                              token_budget=cfg.token_budget, max_chunks=cfg.max_chunks, max_batch_size=cfg.max_batch_size,
-                             batch_timeout_s=cfg.batch_timeout_s, split_slack=cfg.split_slack)
+                             batch_timeout_s=cfg.batch_timeout_s, split_slack=cfg.split_slack,
+                             stall_s=cfg.worker_stall_s * max([1.0, *cfg.stragglers.values()]))
         es.callback(self.router.close)
         if cfg.key_secret is not None:
             self.router.set_key_secret(cfg.key_secret)

@@ -73,7 +73,8 @@ class Router:
     def __init__(self, policy: str = "round_robin", batching: str = "dynamic", token_budget: int = 512,
                  max_chunks: int = 64, max_batch_size: int = 32, batch_timeout_s: float = 0.05,
                  max_requests: int = 4096, pool_chunks: int = 8192, seed: int = 1, policy_param: float = 0.0,
-                 reassembly_timeout_s: float = 1.0, split_slack: int = 32, zmq_timeout_s: float = 30.0):
+                 reassembly_timeout_s: float = 1.0, split_slack: int = 32, zmq_timeout_s: float = 30.0,
+                 stall_s: float = 0.5):
         self._rt = None
         self._loop = None
         if batching not in BATCHING:
@@ -84,6 +85,8 @@ class Router:
                 raise ValueError(f"{name} must be {lo}..{hi}, not {v}")
         if not 0 <= zmq_timeout_s < 1e9:
             raise ValueError(f"zmq_timeout_s must be 0 (never) or a positive number of seconds, not {zmq_timeout_s}")
+        if not 0 <= stall_s < 1e9:
+            raise ValueError(f"stall_s must be 0 (never) or a positive number of seconds, not {stall_s}")
         if not 0 <= split_slack <= 128:
             raise ValueError(f"split_slack must be 0..128 tokens, not {split_slack}")
         if max_requests < 8 or max_requests & (max_requests - 1):
@@ -94,7 +97,7 @@ class Router:
             max_batch_size=max_batch_size, batch_timeout_ns=max(1, int(batch_timeout_s * 1e9)),
             max_requests=max_requests, pool_chunks=pool_chunks, seed=seed,
             reassembly_timeout_ns=max(1, int(reassembly_timeout_s * 1e9)), split_slack=split_slack,
-            zmq_timeout_ns=int(zmq_timeout_s * 1e9)))
+            zmq_timeout_ns=int(zmq_timeout_s * 1e9), stall_ns=int(stall_s * 1e9)))
         err = ffi.new("int *")
         self._rt = lib.dp_router_create(cfg, policy.encode(), policy_param, err)
         if self._rt == ffi.NULL:

@@ -47,7 +47,7 @@ struct dp_workers {
                                           * last piece is done), one per request decoding (its next step) */
     uint64_t total_tokens;               /* sum of tokens[] (kept by the router) */
     uint32_t weight[DP_MAX_WORKERS];     /* relative share for `weighted`, set live from Python */
-    uint8_t up[DP_MAX_WORKERS];          /* 1 if healthy and accepting work */
+    uint8_t up[DP_MAX_WORKERS];          /* 1 if up and not stalled (router.c, find_stalls): accepting work */
     uint16_t id[DP_MAX_WORKERS];         /* each worker's own name (the router's index of it): what a policy
                                           * that hashes workers keys on, since an index here shifts when an
                                           * earlier worker leaves the pool */

@@ -111,6 +111,8 @@ struct worker {
     struct dp_completion *cbuf;         /* zmq: the last completion received */
     uint64_t t_busy;                    /* when its batch was placed (zmq: its answer's deadline counts
                                          * from here) */
+    uint64_t batch_peak_ns;             /* its recent longest batch, placed to answered (find_stalls) */
+    uint8_t stalled;                    /* its batch unanswered too long: placed on only if all are so */
     uint32_t unsent;                    /* zmq: records of a built batch the socket refused */
     uint8_t timed_out;                  /* zmq: marked down by zmq_timeouts (not by the control plane):
                                          * probed, and back up once it answers (zmq_health) */
@@ -414,10 +416,22 @@ static int32_t chunk_tokens(const struct dp_router *rt, uint32_t p)
 
 /* --- pools ------------------------------------------------------------------------- */
 
-/* The pools' views again from the workers' (after a worker joins or changes pool). */
+/* Worker w is stalled (find_stalls), and hidden from the placement rule and the policies: not if it
+ * is known to have no snapshot store (its sessions could not be restored elsewhere, and a stall may
+ * end), nor while no other worker is up and not stalled (brisk). */
+static int hidden(const struct worker *w, int brisk)
+{
+    return w->stalled && !w->no_store && brisk;
+}
+
+/* The pools' views again from the workers' (after a worker joins or changes pool, goes up or down,
+ * stalls or answers again): a hidden worker is down in them, up in the router's own view. */
 static void rebuild_pools(struct dp_router *rt)
 {
     uint32_t was[DP_MAX_POOLS];
+    int brisk = 0;
+    for (uint32_t k = 0; k < rt->view.n; k++)
+        brisk |= rt->view.up[k] && !rt->w[k].stalled;
     for (uint32_t p = 0; p < DP_MAX_POOLS; p++) {
         was[p] = rt->pools[p].view.n;
         rt->pools[p].view.n = rt->pools[p].view.total_depth = 0;
@@ -436,7 +450,7 @@ static void rebuild_pools(struct dp_router *rt)
         pv->tokens[i] = rt->view.tokens[k];
         pv->total_tokens += pv->tokens[i];
         pv->weight[i] = rt->view.weight[k];
-        pv->up[i] = rt->view.up[k];
+        pv->up[i] = rt->view.up[k] && !hidden(w, brisk);
         pv->id[i] = (uint16_t)k;
         pv->total_depth += pv->depth[i];
     }
@@ -1955,9 +1969,117 @@ static uint32_t zmq_health(struct dp_router *rt)
     return n;
 }
 
+/* --- stalled workers ---------------------------------------------------------------
+ * Health beyond up. A worker whose batch has gone unanswered for the larger of stall_ns and
+ * STALL_FACTOR x its recent longest batch (a SIGSTOP, a host that stopped scheduling it, a store
+ * call that hangs) is stalled: the pools' views, which the placement rule and the policies read,
+ * show it down while another worker is up and not stalled, so new requests go elsewhere. It stays
+ * up in the router's own view: it keeps what it holds and nothing is replayed (it may answer yet;
+ * a hang is the control plane's to kill, worker_hang_s), and its next answer ends the stall.
+ * Before, a stopped worker drew its share of new requests until the hang kill (30 s). Checked
+ * every STALL_EVERY passes, the clock read only while a worker is busy. */
+#define STALL_FACTOR 4
+#define STALL_EVERY 64
+
+static void views_changed(struct dp_router *rt)
+{
+    rt->view.generation++;
+    rebuild_pools(rt);
+}
+
+static void move_unrun(struct dp_router *rt, uint32_t ri, int nk);
+
+/* Worker k is found stalled and hidden: its requests of which nothing reached its lane go where
+ * the placement rule puts a new one now (each request of its session held behind it on k with it,
+ * in order), as a failover would place them but with nothing replayed. One held behind a request
+ * elsewhere, and a CLOSE, stay (they go where their session is); what is in its lane waits for it,
+ * or for the control plane's hang kill. A scan of the request table: once a stall. */
+static void move_queued(struct dp_router *rt, uint32_t k)
+{
+    for (uint32_t ri = 0; ri < rt->cfg.max_requests; ri++) {
+        struct req *r = &rt->reqs[ri];
+        if (r->state != REQ_PREFILL || r->worker != (int16_t)k || r->t_worker || r->held || r->close ||
+            r->inflight)
+            continue;
+        struct dp_request rq = { r->session_id, r->tenant, prompt_bound(r), r->max_output, r->chunk_count,
+                                 pass_clock(rt) };
+        uint16_t pool = 0;
+        int spilled, nk = pick_worker(rt, &rq, r->spill, &pool, &spilled);
+        rt->st.bad_picks += nk == -2;
+        if (nk < 0 || nk == (int)k)
+            continue;
+        r->pool = pool;
+        move_unrun(rt, ri, nk);
+        rt->st.stall_moved++;
+        for (uint32_t n = r->in_session ? r->session_next : NIL; n != NIL; n = rt->reqs[n].session_next) {
+            struct req *q = &rt->reqs[n];
+            if (q->worker != (int16_t)k || q->t_worker || q->state != REQ_PREFILL || q->inflight)
+                break;
+            q->pool = pool;
+            rt->pools[pool].requests++;
+            move_unrun(rt, n, nk);
+            rt->st.stall_moved++;
+        }
+    }
+}
+
+/* A worker stalled or answered again: the views again, and what is queued for a hidden worker
+ * moved (one stalled while every worker was is hidden once another answers). */
+static void stalls_changed(struct dp_router *rt)
+{
+    views_changed(rt);
+    for (uint32_t k = 0; k < rt->view.n; k++) {
+        const struct worker *w = &rt->w[k];
+        if (w->stalled && rt->view.up[k] && !rt->pools[w->pool].view.up[w->local])
+            move_queued(rt, k);
+    }
+}
+
+static uint32_t find_stalls(struct dp_router *rt)
+{
+    if (!rt->cfg.stall_ns || rt->st.loops % STALL_EVERY)
+        return 0;
+    uint32_t n = 0;
+    uint64_t now = 0;
+    for (uint32_t k = 0; k < rt->view.n; k++) {
+        struct worker *w = &rt->w[k];
+        if (w->stalled || !rt->view.up[k] || !(w->busy || w->unsent))
+            continue;
+        if (!now)
+            now = pass_clock(rt);
+        uint64_t after = STALL_FACTOR * w->batch_peak_ns;
+        if (now - w->t_busy < (after > rt->cfg.stall_ns ? after : rt->cfg.stall_ns))
+            continue;
+        w->stalled = 1;
+        w->st.stalled = 1;
+        rt->st.stalls++;
+        n++;
+    }
+    if (n)
+        stalls_changed(rt);
+    return n;
+}
+
+/* Worker w's batch is answered: a stall ends, and its time is learnt, the longest at once, then
+ * decaying by 1/16 an answer: a device whose steps are long is judged stalled on its first long
+ * one only, and a stop's long batch lengthens the patience for a while, not for good. */
+static void batch_answered(struct dp_router *rt, struct worker *w, uint32_t *answered_stalled)
+{
+    if (w->stalled) {
+        w->stalled = 0;
+        w->st.stalled = 0;
+        (*answered_stalled)++;
+    }
+    uint64_t d = pass_clock(rt) - w->t_busy;
+    if (d >= w->batch_peak_ns)
+        w->batch_peak_ns = d;
+    else
+        w->batch_peak_ns -= (w->batch_peak_ns - d) / 16;
+}
+
 static uint32_t take_completions(struct dp_router *rt)
 {
-    uint32_t n = 0;
+    uint32_t n = 0, answered_stalled = 0;
     for (uint32_t k = 0; k < rt->view.n; k++) {
         struct worker *w = &rt->w[k];
         const struct dp_completion *c;
@@ -1966,6 +2088,7 @@ static uint32_t take_completions(struct dp_router *rt)
         if (c->batch_seq == w->batch_seq) {
             uint32_t len = w->batch_len;
             w->busy = 0;
+            batch_answered(rt, w, &answered_stalled);
             w->batch_len = 0;  /* meta stays valid below: nothing reuses it before the next batch */
             /* a record the completion does not cover was not answered: it fails, not succeeds */
             const struct dp_completion_entry missing = { .status = DP_STATUS_UNAVAILABLE, .flags = DP_CE_UNANSWERED };
@@ -1980,6 +2103,8 @@ static uint32_t take_completions(struct dp_router *rt)
         lane_completion_done(w);  /* a stale completion (wrong seq) is dropped */
         w->st.busy = w->busy;
     }
+    if (answered_stalled)
+        stalls_changed(rt);
     return n;
 }
 
@@ -2748,6 +2873,7 @@ uint32_t dp_router_poll(struct dp_router *rt)
     uint32_t work = flush_done(rt);
     work += take_completions(rt);
     work += zmq_health(rt);              /* after: an answer that came in time is taken */
+    work += find_stalls(rt);
     work += drain_inputs(rt);
     work += send_batches(rt);
     price_admitted(rt);
@@ -3126,6 +3252,8 @@ static void set_up(struct dp_router *rt, uint32_t k, int up, int probe)
     int was_up = rt->view.up[k];
     rt->view.up[k] = up ? 1 : 0;
     w->timed_out = 0;                   /* the control plane's word, or zmq_health's, is the last */
+    w->stalled = w->st.stalled = 0;     /* down: gone; up: the control plane's word (find_stalls may
+                                         * find it stalled again) */
     w->st.up = rt->view.up[k];
     rt->view.generation++;
     rebuild_pools(rt);
@@ -3197,6 +3325,8 @@ int dp_router_set_worker_store(struct dp_router *rt, uint32_t worker, int has_st
     rt->w[worker].no_store_said = !has_store;
     if (!has_store)
         rt->w[worker].no_store = 1;      /* (declared with one: what was said stands till its next answer) */
+    if (rt->w[worker].stalled)
+        views_changed(rt);               /* a stalled worker without a store is not hidden */
     pthread_mutex_unlock(&rt->lock);
     return 0;
 }

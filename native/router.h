@@ -31,6 +31,10 @@
  * with the price and run nothing. An admitted request is placed on a pool
  * (dp_router_set_pool), then on a worker of it by the routing policy.
  *
+ * A worker whose batch has gone unanswered too long (stall_ns) is stalled:
+ * hidden from placement while another is up and not stalled, what is queued
+ * for it (none of it in its lane) placed again; its next answer ends it.
+ *
  * Nothing is dropped silently: a malformed chunk or a full request table
  * yields a 400/503 response record (once per request: its other chunks then
  * count as late duplicates); a new request whose chunks the pool could not
@@ -78,6 +82,10 @@ struct dp_router_config {
     uint64_t zmq_timeout_ns;    /* a zmq worker whose batch is unanswered this long is marked down and
                                  * its requests replayed (0: never; shm workers: the control plane's
                                  * watcher, which sees their processes) */
+    uint64_t stall_ns;          /* a worker whose batch has gone unanswered for the larger of this and
+                                 * STALL_FACTOR x its recent longest batch is stalled: new requests go to
+                                 * the others while one is up and not stalled; it keeps what it holds
+                                 * until it answers (0: never) */
 };
 
 struct dp_worker_stats {
@@ -87,6 +95,7 @@ struct dp_worker_stats {
     uint64_t answered;                       /* requests that ended 200 here (where a failover or a
                                               * KV move took them, not where they were placed) */
     uint32_t depth, busy, decoding, up;
+    uint32_t stalled;                        /* up, but its batch unanswered too long (stall_ns) */
     uint32_t queued_tokens;                  /* depth in tokens (policy.h's dp_workers.tokens) */
     uint64_t lane_depth, lane_full_events;   /* shm lanes: the ring's own counters */
     uint32_t token_budget;                   /* dynamic batching's per-step budget on this worker */
@@ -121,6 +130,8 @@ struct dp_router_stats {
                                  * failover's replay */
     uint64_t zmq_timeouts;      /* zmq workers marked down: a batch unanswered for zmq_timeout */
     uint64_t zmq_revived;       /* zmq workers marked down so, back up: they answered a probe */
+    uint64_t stalls;            /* workers found stalled (dp_router_config.stall_ns), each time */
+    uint64_t stall_moved;       /* requests moved off a stalled worker before any of them reached its lane */
     uint64_t zmq_sockets_replaced;  /* zmq workers' sockets closed as they went down (what they held dropped):
                                      * a fresh one for the probes after a timeout, none on the
                                      * control plane's word until it says up */

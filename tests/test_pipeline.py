@@ -65,6 +65,37 @@ def test_a_worker_that_hangs_holding_a_batch_is_killed_and_failed_over():
 
 @pytest.mark.root
 @pytest.mark.bpf
+def test_a_stopped_worker_is_stalled_and_its_new_requests_go_to_the_others_until_it_wakes():
+    """A worker alive but stopped drew its share of new requests, which waited with it until the
+    hang kill (30 s). Its batch unanswered worker_stall_s, it is now stalled: what is queued for it
+    and what comes next go to the other worker (restored from the shared store) while the
+    request in its lane, and its session's next one, wait for it; woken, it answers them,
+    nothing replayed and nothing killed."""
+    with fresh_store() as store, Pipeline(_config(workers=2, shared_store=store, worker_stall_s=0.3)) as p:
+        p.offer(10, 10, sessions=10)
+        before = p.router.worker_stats(0)["answered"]
+        os.kill(p.workers[1].pid, signal.SIGSTOP)
+        try:
+            out = {}
+            load = threading.Thread(target=lambda: out.update(
+                r=p.offer(20, 40, max_output_tokens=8, sessions=20, drain_s=15)))
+            load.start()
+            time.sleep(3.5)                         # the 40 sent (2 s), the stall seen, the rest run
+            while_stopped = p.router.worker_stats(0)["answered"] - before
+            stats = p.router.stats()
+        finally:
+            os.kill(p.workers[1].pid, signal.SIGCONT)
+        load.join(60)
+        assert stats["stalls"] >= 1 and stats["stall_moved"] >= 1 and stats["replayed"] == 0
+        assert while_stopped >= 34, (while_stopped, stats["stall_moved"])   # all but its batch's and their sessions'
+        assert p.worker_hangs == [] and p.worker_exits == []
+        assert p.router.worker_stats(1)["stalled"] == 0 and p.router.worker_stats(1)["answered"] >= 1
+    r = out["r"]
+    assert r["requests"] == 40 and r["by_status"] == {200: 40}, r["by_status"]
+
+
+@pytest.mark.root
+@pytest.mark.bpf
 def test_killed_workers_are_replaced_by_fresh_processes_until_their_limit():
     """A killed worker was failed over but never replaced: once every worker had died, every
     request was answered 503 for the rest of the run. Now a fresh process on a fresh lane takes

@@ -466,36 +466,47 @@ def test_started_router_thread_pinned_and_stopped(bench_factory):
     assert b.router.stats()["loops"] > 0
 
 
-@pytest.mark.parametrize("batching,policy,seed", [
-    ("dynamic", "round_robin", 1), ("dynamic", "affinity", 2), ("dynamic", "power_of_two", 3),
-    ("static", "least_loaded", 4), ("static", "weighted", 5), ("dynamic", "least_tokens", 6),
-    ("dynamic", "peak_ewma", 7),
+@pytest.mark.parametrize("batching,policy,seed,pauses", [
+    ("dynamic", "round_robin", 1, False), ("dynamic", "affinity", 2, False), ("dynamic", "power_of_two", 3, False),
+    ("static", "least_loaded", 4, False), ("static", "weighted", 5, False), ("dynamic", "least_tokens", 6, False),
+    ("dynamic", "peak_ewma", 7, False),
+    ("dynamic", "affinity", 8, True), ("static", "round_robin", 9, True), ("dynamic", "least_tokens", 10, True),
 ])
-def test_random_traffic_every_request_answered_once_and_intact(bench_factory, batching, policy, seed):
-    """Random sizes, shuffled chunk order, duplicates, EOS and budgets: the invariants hold."""
+def test_random_traffic_every_request_answered_once_and_intact(bench_factory, batching, policy, seed, pauses):
+    """Random sizes, shuffled chunk order, duplicates, EOS and budgets (and, with pauses, workers that
+    stop answering for a while, stalled at 1 ms): the invariants hold."""
     rng = np.random.default_rng(seed)
     n_workers = 3
     b = bench_factory(n_workers=n_workers, batching=batching, policy=policy,
                       token_budget=int(rng.integers(64, 700)), max_chunks=int(rng.integers(4, 65)),
-                      max_batch_size=int(rng.integers(1, 9)), batch_timeout_s=0.001, max_requests=64)
-    want, max_out = {}, {}
+                      max_batch_size=int(rng.integers(1, 9)), batch_timeout_s=0.001,
+                      max_requests=1024 if pauses else 64,   # (requests a pause holds up: no tenant share 503)
+                      stall_s=0.001 if pauses else 0.5)
+    want, max_out, session = {}, {}, {}
     pending = []
     for rid in range(1, 121):
         toks = rng.integers(0, 50000, size=int(rng.integers(1, 700))).tolist()
         want[rid] = toks
         max_out[rid] = int(rng.integers(0, 6))
-        arr = chunks_of(rid, toks, session=int(rng.integers(1, 40)), max_out=max_out[rid])
+        session[rid] = int(rng.integers(1, 40))
+        arr = chunks_of(rid, toks, session=session[rid], max_out=max_out[rid])
         order = rng.permutation(len(arr))
         dup = [int(order[0])] if rng.random() < 0.2 else []
         pending += [arr[[i]] for i in list(order) + dup]
     seen, stepped = {}, 0
-    for _ in range(20000):
+    paused_until = [0] * n_workers
+    for i in range(20000):
         if pending and rng.random() < 0.6:
             k = int(rng.integers(1, 6))
             batch, pending = pending[:k], pending[k:]
             if b.input.enqueue(np.concatenate(batch).tobytes()) < len(batch):
                 pending = batch + pending   # input ring full: resend later, as ingress would
+        if pauses and rng.random() < 0.02:
+            paused_until[int(rng.integers(0, n_workers))] = i + int(rng.integers(10, 300))
         for k in range(n_workers):
+            if i < paused_until[k]:
+                b.router.poll()
+                continue
             got = b.step(k, eos=None)
             if got is not None:
                 stepped += 1
@@ -510,6 +521,11 @@ def test_random_traffic_every_request_answered_once_and_intact(bench_factory, ba
     ids = [int(r["request_id"]) for r in b.responses]
     assert sorted(ids) == sorted(want), "every request answered exactly once"
     assert seen == want, "prefill tokens arrive whole and in order"
+    for sid in set(session.values()):
+        mine = [rid for rid in ids if session[rid] == sid]
+        assert mine == sorted(mine), f"session {sid}'s requests answered in their order"
+    if pauses:
+        assert b.router.stats()["stalls"] > 0 and b.router.stats()["replayed"] == 0
     for r in b.responses:
         rid = int(r["request_id"])
         assert r["status"] == 200
@@ -1382,6 +1398,147 @@ def test_a_policy_parameter_that_is_not_a_finite_number_at_least_0_is_refused(pa
         Router(policy="affinity", policy_param=param)
     with Router(policy="affinity", policy_param=0.1) as rt:
         assert lib.dp_router_set_policy(rt._rt, b"affinity", param) < 0, "C refuses it too"
+
+
+def until_stalled(b, k, timeout_s=10.0):
+    """Poll passes (the router looks for stalls every 64) until worker k is stalled."""
+    deadline = time.monotonic() + timeout_s
+    while not b.router.worker_stats(k)["stalled"]:
+        assert time.monotonic() < deadline, b.router.worker_stats(k)
+        for _ in range(64):
+            b.router.poll()
+        time.sleep(0.005)
+
+
+def answer(b, k, batch):
+    assert b.workers[k].send_completion(lanes.completion_for(batch, [7] * len(batch), worker=k))
+    b.router.poll()
+    b.collect()
+
+
+def test_a_worker_whose_batch_goes_unanswered_is_stalled_and_new_requests_go_to_the_others(bench_factory):
+    """A worker alive but stopped (a SIGSTOP, a host that stopped scheduling it) drew its share of
+    new requests until the control plane's hang kill, 30 s on (a review's probe: every new request
+    waited 31 s). One whose batch has gone unanswered stall_s is now stalled: placed on no more
+    while another worker is up, it keeps what it holds (nothing replayed), and its answer ends
+    the stall."""
+    b = bench_factory(n_workers=2, policy="round_robin", stall_s=0.2)
+    b.send(chunks_of(1, [1, 2, 3], max_out=1))
+    b.router.poll()
+    held = b.workers[0].recv_batch(0)                 # worker 0 takes it and says nothing
+    assert held["request_id"].tolist() == [1]
+    b.send(chunks_of(2, [1, 2, 3], max_out=1), chunks_of(3, [1, 2, 3], max_out=1))
+    b.router.poll()                                   # 2 on worker 1; 3 queued on worker 0 behind its batch
+    assert b.router.worker_stats(0)["depth"] == 2 and b.router.worker_stats(1)["depth"] == 1
+    b.step(1)                                         # worker 1 answers 2 (else it would be stalled too)
+    until_stalled(b, 0)                               # 3, none of it in worker 0's lane, moves to worker 1
+    assert b.router.worker_stats(0)["up"] == 1 and b.router.worker_stats(0)["depth"] == 1
+    st = b.router.stats()
+    assert st["stalls"] == 1 and st["stall_moved"] == 1 and st["replayed"] == 0
+    for rid in range(4, 8):
+        b.send(chunks_of(rid, [1, 2, 3], max_out=1))
+    b.run(1)
+    assert sorted((int(r["request_id"]), int(r["worker"])) for r in b.responses) == [(rid, 1) for rid in range(2, 8)]
+    assert b.router.worker_stats(0)["placed"] == 2 and b.router.stats()["replayed"] == 0
+    answer(b, 0, held)                                # it wakes: its answer counts, and it is placed on again
+    assert [(int(r["request_id"]), int(r["status"]), int(r["worker"])) for r in b.responses[6:]] == [(1, 200, 0)]
+    assert b.router.worker_stats(0)["stalled"] == 0 and b.router.stats()["stalls"] == 1
+    for rid in range(8, 12):
+        b.send(chunks_of(rid, [1, 2, 3], max_out=1))
+    b.router.poll()
+    assert sorted(b.workers[0].recv_batch(0)["request_id"].tolist() + b.workers[1].recv_batch(0)["request_id"].tolist()) \
+        == [8, 9, 10, 11]
+    assert b.router.worker_stats(0)["placed"] >= 2
+
+
+def test_a_stalled_worker_s_queued_session_moves_whole_and_in_order(bench_factory):
+    """A request queued on the stalled worker moves with the requests of its session held behind
+    it, which run after it on the worker it went to; one that is not hidden (known to have no
+    store: its sessions could not be restored elsewhere) keeps drawing requests."""
+    b = bench_factory(n_workers=2, policy="weighted", stall_s=0.2)
+    b.router.set_weight(1, 0)                         # everything to worker 0 for now
+    b.send(chunks_of(1, [1, 2, 3], max_out=1))
+    b.router.poll()
+    held = b.workers[0].recv_batch(0)
+    b.send(chunks_of(3, [1, 2, 3], session=30, max_out=1), chunks_of(4, [4, 5], session=30, max_out=1))
+    b.router.poll()
+    assert b.router.worker_stats(0)["depth"] == 3 and b.router.stats()["held"] == 1
+    b.router.set_weight(1, 1)
+    until_stalled(b, 0)
+    assert b.router.stats()["stall_moved"] == 2 and b.router.worker_stats(1)["depth"] == 2
+    seen = b.run(1)
+    assert [r["request_id"].tolist() for r in seen] == [[3], [4]], "the session's order kept"
+    assert [int(r["worker"]) for r in b.responses] == [1, 1]
+    answer(b, 0, held)
+
+    b.no_store.add(0)                                 # worker 0's answers now say it has no store
+    b.router.set_weight(1, 0)
+    b.send(chunks_of(5, [1, 2, 3], max_out=1))
+    b.run(0)
+    b.send(chunks_of(6, [1, 2, 3], max_out=1))
+    b.router.poll()
+    held = b.workers[0].recv_batch(0)
+    assert held is not None and held["request_id"].tolist() == [6]
+    until_stalled(b, 0)
+    b.router.set_weight(1, 1)
+    b.send(*(chunks_of(rid, [1, 2, 3], max_out=1) for rid in range(7, 11)))
+    b.router.poll()
+    assert b.router.worker_stats(0)["depth"] > 1, "not hidden: it still takes its share"
+    assert b.router.stats()["stall_moved"] == 2
+
+
+def test_with_every_worker_stalled_a_new_request_waits_for_one_not_refused(bench_factory):
+    """A stall keeps a worker from new requests only while another is up and not stalled: with none,
+    a 503 would be worse than a wait."""
+    b = bench_factory(n_workers=1, stall_s=0.1)
+    b.send(chunks_of(1, [1, 2, 3], max_out=1))
+    b.router.poll()
+    held = b.workers[0].recv_batch(0)
+    until_stalled(b, 0)
+    b.send(chunks_of(2, [1, 2, 3], max_out=1))
+    b.router.poll()
+    assert b.router.stats()["no_worker"] == 0 and b.responses == []
+    answer(b, 0, held)
+    b.run(0)
+    assert sorted((int(r["request_id"]), int(r["status"])) for r in b.responses) == [(1, 200), (2, 200)]
+
+
+def test_a_worker_stalled_while_every_worker_was_is_hidden_once_another_answers(bench_factory):
+    """With both workers stalled neither is hidden and nothing moves; once one answers, the other,
+    still stalled, is hidden, and what is queued for it moves then."""
+    b = bench_factory(n_workers=2, policy="round_robin", stall_s=0.1)
+    b.send(chunks_of(1, [1, 2, 3], max_out=1), chunks_of(2, [1, 2, 3], max_out=1))
+    b.router.poll()
+    held = [b.workers[k].recv_batch(0) for k in (0, 1)]
+    b.send(chunks_of(3, [1, 2, 3], max_out=1), chunks_of(4, [1, 2, 3], max_out=1))
+    b.router.poll()                                   # 3 queued on worker 0, 4 on worker 1
+    until_stalled(b, 0)
+    until_stalled(b, 1)
+    assert b.router.stats()["stall_moved"] == 0
+    answer(b, 1, held[1])                             # worker 1 answers 2: worker 0 is hidden, 3 moves
+    assert b.router.stats()["stall_moved"] == 1 and b.router.worker_stats(0)["depth"] == 1
+    b.run(1)
+    assert sorted((int(r["request_id"]), int(r["worker"])) for r in b.responses) == [(2, 1), (3, 1), (4, 1)]
+    answer(b, 0, held[0])
+    assert b.router.worker_stats(0)["stalled"] == 0 and len(b.responses) == 4
+
+
+def test_a_worker_whose_steps_are_long_is_stalled_once_then_waited_for(bench_factory):
+    """What counts as a stall is the worker's own: 4x its recent longest batch when that is longer
+    than stall_s, so a slow device is judged stalled on its first long batch, not on every one."""
+    b = bench_factory(n_workers=1, stall_s=0.1)
+    for rid, stalls in ((1, 1), (2, 1)):
+        b.send(chunks_of(rid, [1, 2, 3], max_out=1))
+        b.router.poll()
+        batch = b.workers[0].recv_batch(0)
+        deadline = time.monotonic() + 0.3                 # a 0.3 s step, the router polling all along
+        while time.monotonic() < deadline:
+            for _ in range(64):
+                b.router.poll()
+            time.sleep(0.002)
+        assert b.router.stats()["stalls"] == stalls, "the first: nothing learnt yet; the second: 4 x 0.3 s allowed"
+        answer(b, 0, batch)
+    assert [int(r["status"]) for r in b.responses] == [200, 200] and b.router.worker_stats(0)["stalled"] == 0
 
 
 def test_a_zmq_worker_that_never_answers_is_marked_down_and_its_request_replayed(bench_factory):
