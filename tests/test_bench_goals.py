@@ -10,7 +10,7 @@ from bench import goals
 from bench.__main__ import main as bench_main
 
 FIGURES = pathlib.Path(__file__).resolve().parent.parent / "figures" / "run-cfbf254"
-README_RUN = FIGURES.parent / "run-f06529e"      # the run the README's front page quotes
+README_RUN = FIGURES.parent / "run-74299b4"      # the run the README's front page quotes
 
 
 def verdicts(results: dict) -> dict:
