@@ -14,6 +14,7 @@ import contextlib
 import math
 import os
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -667,13 +668,16 @@ def client_batching(report, quick: bool) -> dict:
 
 def failover(report, quick: bool) -> dict:
     """Scenario 6: a worker SIGKILLed mid-run; the router replays its requests on the other one,
-    which restores their sessions from the shared store, and a fresh process takes its place."""
+    which restores their sessions from the shared store, and a fresh process takes its place.
+    Then a worker SIGSTOPped for a while, as a host that stops scheduling it would: stalled once
+    its batch goes unanswered worker_stall_s, passed by meanwhile, against the same stop with the
+    stall handling off (the reference, in the same pipeline)."""
     rate, seconds = 40, (3.0 if quick else 10.0)
     with fresh_store() as store:
-        return _failover(report, rate, seconds, store)
+        return _failover(report, rate, seconds, store, stop_s=2.0 if quick else 3.0)
 
 
-def _failover(report, rate: float, seconds: float, store: str) -> dict:
+def _failover(report, rate: float, seconds: float, store: str, stop_s: float) -> dict:
     import threading
     with Pipeline(_config(workers=2, shared_store=store)) as p:
         _warm_up(p, None)
@@ -700,6 +704,9 @@ def _failover(report, rate: float, seconds: float, store: str) -> dict:
         replaced = next((r for r in reversed(p.worker_replacements) if r["worker"] == 1), None)
         up_again = p.router.worker_stats(1)["up"]
         replacement_ran = p.router.worker_stats(1)["completions"] - replaced["completions_before"] if replaced else 0
+        stopped = {mode: _stopped_worker(p, rate, seconds + stop_s, stop_s, p.cfg.worker_stall_s if mode == "stall" else 0)
+                   for mode in ("stall", "nostall")}
+        p.router.set_stall(p.cfg.worker_stall_s)
     if "error" in out:
         raise out["error"]
     res = out["r"]
@@ -716,9 +723,66 @@ def _failover(report, rate: float, seconds: float, store: str) -> dict:
     report.metric("failover_p99_ms", pc["p99"], "ms")
     report.metric("failover_replaced_after_ms", replaced_ms, "ms")     # its exit seen -> the new one up
     report.metric("failover_replacement_batches", replacement_ran)
-    return {"requests": res["requests"], "answered": res["responses"], "errors": res["errors"],
+    rows = {"requests": res["requests"], "answered": res["responses"], "errors": res["errors"],
             "replayed": st["replayed"], "p50_ms": pc["p50"], "p99_ms": pc["p99"],
             "replaced after (ms)": replaced_ms, "batches the replacement ran": replacement_ran}
+    return rows | _stopped_rows(report, stopped, stop_s, p.cfg.worker_stall_s)
+
+
+def _stopped_worker(p: Pipeline, rate: float, seconds: float, stop_s: float, stall_s: float) -> dict:
+    """An offer during which worker 0 is SIGSTOPped for stop_s (from a quarter of the way in), with
+    the router's stall threshold stall_s (0: off)."""
+    import threading
+    p.router.set_stall(stall_s)
+    before = p.router.stats()
+    out = {}
+
+    def load():
+        try:
+            out["r"] = _offer(p, rate, seconds, prompt_tokens=PROMPT, max_output_tokens=OUTPUT, drain_s=15)
+        except Exception as e:  # raised again below
+            out["error"] = e
+    t = threading.Thread(target=load)
+    t.start()
+    time.sleep(seconds / 4)
+    _progress(f"failover: worker 0 stopped (SIGSTOP) for {stop_s:g} s, "
+              + (f"stalled after {stall_s:g} s" if stall_s else "stall handling off (the reference)"))
+    os.kill(p.workers[0].pid, signal.SIGSTOP)
+    try:
+        time.sleep(stop_s)
+    finally:
+        os.kill(p.workers[0].pid, signal.SIGCONT)
+    t.join()
+    if "error" in out:
+        raise out["error"]
+    after = p.router.stats()
+    return {"r": out["r"], "stalls": after["stalls"] - before["stalls"],
+            "moved": after["stall_moved"] - before["stall_moved"], "replayed": after["replayed"] - before["replayed"],
+            "hangs": len(p.worker_hangs)}
+
+
+def _stopped_rows(report, stopped: dict, stop_s: float, stall_s: float) -> dict:
+    for mode, s in stopped.items():
+        _all_answered(f"a worker stopped ({mode}; {s['r']['by_status']})", s["r"])
+        if s["replayed"] or s["hangs"]:
+            raise RuntimeError(f"a worker stopped ({mode}): {s['replayed']} requests replayed, "
+                               f"{s['hangs']} workers killed as hung: a stop this short should cost neither")
+    if not stopped["stall"]["stalls"]:
+        raise RuntimeError("a worker stopped: the router never found it stalled")
+    pcs = {mode: _pcts(s["r"]["rtt_ns"], 1e6) for mode, s in stopped.items()}
+    late = {mode: float(np.mean(s["r"]["rtt_ns"] > 1e9)) for mode, s in stopped.items()}
+    for mode in stopped:
+        for q in ("p50", "p95", "p99"):
+            report.metric(f"stopped_worker_{q}_ms_{mode}", pcs[mode][q], "ms")
+        report.metric(f"stopped_worker_late_fraction_{mode}", late[mode])    # answered over 1 s after sent
+    report.metric("stopped_worker_stall_moved", stopped["stall"]["moved"])
+    report.ratios["stopped_worker_p95_stall_vs_nostall"] = pcs["stall"]["p95"] / pcs["nostall"]["p95"]
+    fmt = lambda m: f"{pcs[m]['p50']:.1f} / {pcs[m]['p95']:.1f} / {pcs[m]['p99']:.1f}"
+    return {f"worker 0 stopped {stop_s:g} s mid-run, stalled after its batch waited "
+            f"{stall_s:g} s: p50 / p95 / p99 ms": fmt("stall"),
+            "the same stop, stall handling off (the reference): p50 / p95 / p99 ms": fmt("nostall"),
+            "answered over 1 s after sent (stall, reference)": f"{late['stall']:.1%}, {late['nostall']:.1%}",
+            "requests moved off the stopped worker (stall_moved)": stopped["stall"]["moved"]}
 
 
 @contextlib.contextmanager

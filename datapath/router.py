@@ -65,6 +65,12 @@ def _check(rc: int, what: str) -> int:
     raise OSError(-rc, f"{what}: {os.strerror(-rc)}")
 
 
+def _stall_ns(stall_s: float) -> int:
+    if not 0 <= stall_s < 1e9:
+        raise ValueError(f"stall_s must be 0 (never) or a positive number of seconds, not {stall_s}")
+    return int(stall_s * 1e9)
+
+
 def _struct_dict(cdata) -> dict:
     return {name: getattr(cdata, name) for name, _ in ffi.typeof(cdata[0]).fields}
 
@@ -85,8 +91,6 @@ class Router:
                 raise ValueError(f"{name} must be {lo}..{hi}, not {v}")
         if not 0 <= zmq_timeout_s < 1e9:
             raise ValueError(f"zmq_timeout_s must be 0 (never) or a positive number of seconds, not {zmq_timeout_s}")
-        if not 0 <= stall_s < 1e9:
-            raise ValueError(f"stall_s must be 0 (never) or a positive number of seconds, not {stall_s}")
         if not 0 <= split_slack <= 128:
             raise ValueError(f"split_slack must be 0..128 tokens, not {split_slack}")
         if max_requests < 8 or max_requests & (max_requests - 1):
@@ -97,7 +101,7 @@ class Router:
             max_batch_size=max_batch_size, batch_timeout_ns=max(1, int(batch_timeout_s * 1e9)),
             max_requests=max_requests, pool_chunks=pool_chunks, seed=seed,
             reassembly_timeout_ns=max(1, int(reassembly_timeout_s * 1e9)), split_slack=split_slack,
-            zmq_timeout_ns=int(zmq_timeout_s * 1e9), stall_ns=int(stall_s * 1e9)))
+            zmq_timeout_ns=int(zmq_timeout_s * 1e9), stall_ns=_stall_ns(stall_s)))
         err = ffi.new("int *")
         self._rt = lib.dp_router_create(cfg, policy.encode(), policy_param, err)
         if self._rt == ffi.NULL:
@@ -174,6 +178,12 @@ class Router:
         ids whose keys collide, bench compare gives every policy's run the same; refused once the
         router has made a pass."""
         _check(lib.dp_router_set_key_secret(self._rt, secret), "key secret (only before the first pass)")
+
+    def set_stall(self, stall_s: float):
+        """A worker whose batch goes unanswered this long (or 4x its recent longest batch) is
+        stalled: new requests go to the others meanwhile (router.h, stall_ns). 0: never, and every
+        stall ends now."""
+        _check(lib.dp_router_set_stall(self._rt, _stall_ns(stall_s)), "stall threshold")
 
     def set_up(self, worker: int, up: bool):
         """Down: the worker is gone (its process died); its unfinished requests are replayed on

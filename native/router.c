@@ -3282,6 +3282,19 @@ static void set_up(struct dp_router *rt, uint32_t k, int up, int probe)
     }
 }
 
+int dp_router_set_stall(struct dp_router *rt, uint64_t stall_ns)
+{
+    pthread_mutex_lock(&rt->lock);
+    rt->cfg.stall_ns = stall_ns;
+    if (!stall_ns) {
+        for (uint32_t k = 0; k < rt->view.n; k++)
+            rt->w[k].stalled = rt->w[k].st.stalled = 0;
+        views_changed(rt);
+    }
+    pthread_mutex_unlock(&rt->lock);
+    return 0;
+}
+
 int dp_router_set_up(struct dp_router *rt, uint32_t worker, int up)
 {
     if (worker >= rt->view.n)

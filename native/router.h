@@ -202,6 +202,9 @@ int dp_router_set_policy(struct dp_router *rt, const char *policy, double param)
 int dp_router_set_weight(struct dp_router *rt, uint32_t worker, uint32_t weight);
 /* Tests: a known key secret (req_key), to compute colliding ids; only before the first pass. */
 int dp_router_set_key_secret(struct dp_router *rt, uint64_t secret);
+/* The stall threshold (dp_router_config.stall_ns) live; 0: never stalled again, and every stall
+ * now ends (its worker placed on again). */
+int dp_router_set_stall(struct dp_router *rt, uint64_t stall_ns);
 /* up = 0: the worker is gone; its unfinished requests are replayed on others (see failover). */
 int dp_router_set_up(struct dp_router *rt, uint32_t worker, int up);
 /* A fresh lane and completion ring for shm worker `worker`, while it is down (-EBUSY if up, -EINVAL

@@ -331,6 +331,8 @@ def test_e2e_quick_runs_every_landed_scenario_and_writes_the_report(tmp_path):
     assert data["machine"]["xdp_mode"] in ("native", "generic")
     assert data["machine"]["xdp_tags_required"] is True, "every request of the main job is tagged and checked"
     assert m["failover_answered_fraction"] == 1.0, "a killed worker loses no request"
+    assert m["stopped_worker_p95_ms_stall"] > 0 and m["stopped_worker_p95_ms_nostall"] > 0
+    assert "stopped_worker_p95_stall_vs_nostall" in data["ratios"], "a stopped worker, against its reference"
     assert m["kv_resident_bytes_snapshot_evict"] < m["kv_resident_bytes_resident"]
     report = (tmp_path / "e2e" / "report.md").read_text()
     for scenario in ("1 load sweep", "2 client-side batching", "3 snapshot+evict", "4 oversized requests",
