@@ -1523,6 +1523,27 @@ def test_a_worker_stalled_while_every_worker_was_is_hidden_once_another_answers(
     assert b.router.worker_stats(0)["stalled"] == 0 and len(b.responses) == 4
 
 
+def test_the_stall_threshold_changes_live_and_0_ends_every_stall(bench_factory):
+    b = bench_factory(n_workers=2, policy="round_robin", stall_s=0)
+    b.send(chunks_of(1, [1, 2, 3], max_out=1))
+    b.router.poll()
+    held = b.workers[0].recv_batch(0)
+    time.sleep(0.15)
+    for _ in range(128):
+        b.router.poll()
+    assert b.router.worker_stats(0)["stalled"] == 0, "0: never"
+    b.router.set_stall(0.1)
+    until_stalled(b, 0)
+    b.router.set_stall(0)
+    assert b.router.worker_stats(0)["stalled"] == 0
+    b.send(chunks_of(2, [1, 2, 3], max_out=1), chunks_of(3, [1, 2, 3], max_out=1))
+    b.router.poll()
+    assert b.router.worker_stats(0)["placed"] == 2, "placed on again"
+    with pytest.raises(ValueError):
+        b.router.set_stall(-1)
+    answer(b, 0, held)
+
+
 def test_a_worker_whose_steps_are_long_is_stalled_once_then_waited_for(bench_factory):
     """What counts as a stall is the worker's own: 4x its recent longest batch when that is longer
     than stall_s, so a slow device is judged stalled on its first long batch, not on every one."""
