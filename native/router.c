@@ -466,6 +466,18 @@ static uint32_t pool_up(const struct pool *pl)
     return up;
 }
 
+/* The depth of the pool's workers its view shows up: a down one has none left (failover), a
+ * hidden one's (stalled: what waits for it) is no room the others lack. Counted whole, a stalled
+ * worker's two chunks filled a pool of room 2 a worker, and every new request went to a dearer
+ * pool past the cheap one's idle worker (review). */
+static uint64_t up_depth(const struct pool *pl)
+{
+    uint64_t d = 0;
+    for (uint32_t i = 0; i < pl->view.n; i++)
+        d += pl->view.up[i] ? pl->view.depth[i] : 0;
+    return d;
+}
+
 /* The placement rule (router.h): the cheapest pool with an up worker and room; for a request
  * admission throttled (spill), the secondary (the next pool with an up worker after the cheapest)
  * if it has room; else the cheapest with an up worker; the policy then picks inside the pool.
@@ -480,7 +492,7 @@ static int choose_pool(const struct dp_router *rt, int spill, int *spilled)
         uint32_t up = pool_up(pl);
         if (!up)
             continue;
-        int room = !pl->room || pl->view.total_depth < (uint64_t)pl->room * up;
+        int room = !pl->room || up_depth(pl) < (uint64_t)pl->room * up;
         if (healthy < 0)
             healthy = p;
         else if (secondary < 0)
@@ -945,6 +957,9 @@ static void early_drop(struct dp_router *rt, uint32_t ri)
     }
 }
 
+static int is_hidden(const struct dp_router *rt, int k);
+static int stall_move(struct dp_router *rt, uint32_t ri, int k);
+
 /* Request ri goes on its worker's FIFO if it has something to schedule there and
  * waits for nothing: dynamic, pending chunks; static, all its chunks. */
 static void make_ready(struct dp_router *rt, uint32_t ri)
@@ -953,6 +968,11 @@ static void make_ready(struct dp_router *rt, uint32_t ri)
     /* a down worker's requests are being moved (failover): queued there, one stayed behind on
      * its queue after the move, and a worker set up again then read a freed slot */
     if (r->held || r->in_fifo || r->in_set || r->state != REQ_PREFILL || !rt->view.up[r->worker])
+        return;
+    /* let go (its session's request before ended), or its chunks come, on a stalled worker that
+     * has none of it: placed again (left there, it waited for the worker while others idled) */
+    if (rt->w[r->worker].stalled && !r->t_worker && !r->close && is_hidden(rt, r->worker) &&
+        stall_move(rt, ri, r->worker))
         return;
     if (rt->cfg.batching == DP_BATCH_DYNAMIC ? r->pending_head != NIL : r->next_index == r->chunk_count) {
         r->t_ready = pass_clock(rt);
@@ -1981,58 +2001,74 @@ static uint32_t zmq_health(struct dp_router *rt)
 #define STALL_FACTOR 4
 #define STALL_EVERY 64
 
-static void views_changed(struct dp_router *rt)
-{
-    rt->view.generation++;
-    rebuild_pools(rt);
-}
-
 static void move_unrun(struct dp_router *rt, uint32_t ri, int nk);
 
-/* Worker k is found stalled and hidden: its requests of which nothing reached its lane go where
- * the placement rule puts a new one now (each request of its session held behind it on k with it,
- * in order), as a failover would place them but with nothing replayed. One held behind a request
- * elsewhere, and a CLOSE, stay (they go where their session is); what is in its lane waits for it,
- * or for the control plane's hang kill. A scan of the request table: once a stall. */
+/* Worker k is stalled and hidden from placement: up in the router's view, down in its pool's. */
+static int is_hidden(const struct dp_router *rt, int k)
+{
+    const struct worker *w = &rt->w[k];
+    return w->stalled && rt->view.up[k] && !rt->pools[w->pool].view.up[w->local];
+}
+
+/* Request ri, on hidden worker k and none of it in k's lane, goes where the placement rule puts a
+ * new request now, as a failover would place it but with nothing replayed; unless that is k, none,
+ * or a worker known to have no store (the session's turns would not be there: waiting keeps them).
+ * 1 if it moved. */
+static int stall_move(struct dp_router *rt, uint32_t ri, int k)
+{
+    struct req *r = &rt->reqs[ri];
+    struct dp_request rq = { r->session_id, r->tenant, prompt_bound(r), r->max_output, r->chunk_count,
+                             pass_clock(rt) };
+    uint16_t pool = 0;
+    int spilled = 0, nk = pick_worker(rt, &rq, r->spill, &pool, &spilled);
+    rt->st.bad_picks += nk == -2;
+    if (nk < 0 || nk == k || rt->w[nk].no_store) {
+        if (nk >= 0) {                   /* not placed there after all: the pool's counts as they were */
+            rt->pools[pool].requests--;
+            rt->pools[pool].spilled -= (uint64_t)spilled;
+        }
+        return 0;
+    }
+    r->pool = pool;
+    move_unrun(rt, ri, nk);
+    rt->st.stall_moved++;
+    return 1;
+}
+
+/* Worker k is hidden: its requests of which nothing reached its lane are placed again
+ * (stall_move), each with the requests of its session held behind it on k, in order. One held
+ * behind a request elsewhere moves when it is let go (make_ready); a CLOSE stays (it goes where its
+ * session is); what is in k's lane waits for it, or for the control plane's hang kill. A scan of
+ * the request table: once a stall, or a change of the views while it lasts. */
 static void move_queued(struct dp_router *rt, uint32_t k)
 {
     for (uint32_t ri = 0; ri < rt->cfg.max_requests; ri++) {
         struct req *r = &rt->reqs[ri];
         if (r->state != REQ_PREFILL || r->worker != (int16_t)k || r->t_worker || r->held || r->close ||
-            r->inflight)
+            r->inflight || !stall_move(rt, ri, (int)k))
             continue;
-        struct dp_request rq = { r->session_id, r->tenant, prompt_bound(r), r->max_output, r->chunk_count,
-                                 pass_clock(rt) };
-        uint16_t pool = 0;
-        int spilled, nk = pick_worker(rt, &rq, r->spill, &pool, &spilled);
-        rt->st.bad_picks += nk == -2;
-        if (nk < 0 || nk == (int)k)
-            continue;
-        r->pool = pool;
-        move_unrun(rt, ri, nk);
-        rt->st.stall_moved++;
         for (uint32_t n = r->in_session ? r->session_next : NIL; n != NIL; n = rt->reqs[n].session_next) {
             struct req *q = &rt->reqs[n];
             if (q->worker != (int16_t)k || q->t_worker || q->state != REQ_PREFILL || q->inflight)
                 break;
-            q->pool = pool;
-            rt->pools[pool].requests++;
-            move_unrun(rt, n, nk);
+            q->pool = r->pool;
+            rt->pools[r->pool].requests++;
+            move_unrun(rt, n, r->worker);
             rt->st.stall_moved++;
         }
     }
 }
 
-/* A worker stalled or answered again: the views again, and what is queued for a hidden worker
- * moved (one stalled while every worker was is hidden once another answers). */
-static void stalls_changed(struct dp_router *rt)
+/* The views again (a worker joined, went up or down, stalled or answered again, changed pool or
+ * weight), and what is queued for a worker now hidden moved: one stalled while every worker was is
+ * hidden once another answers or comes up. */
+static void views_changed(struct dp_router *rt)
 {
-    views_changed(rt);
-    for (uint32_t k = 0; k < rt->view.n; k++) {
-        const struct worker *w = &rt->w[k];
-        if (w->stalled && rt->view.up[k] && !rt->pools[w->pool].view.up[w->local])
+    rt->view.generation++;
+    rebuild_pools(rt);
+    for (uint32_t k = 0; k < rt->view.n; k++)
+        if (is_hidden(rt, (int)k))
             move_queued(rt, k);
-    }
 }
 
 static uint32_t find_stalls(struct dp_router *rt)
@@ -2056,21 +2092,28 @@ static uint32_t find_stalls(struct dp_router *rt)
         n++;
     }
     if (n)
-        stalls_changed(rt);
+        views_changed(rt);
     return n;
 }
 
 /* Worker w's batch is answered: a stall ends, and its time is learnt, the longest at once, then
- * decaying by 1/16 an answer: a device whose steps are long is judged stalled on its first long
- * one only, and a stop's long batch lengthens the patience for a while, not for good. */
+ * decaying by 1/16 an answer. A stalled batch's only up to the wait it was found stalled at, so
+ * patience grows at most 4x a stall: a device whose steps are long is judged stalled on its first
+ * few only, and a stop lengthens the patience for a few dozen answers. */
 static void batch_answered(struct dp_router *rt, struct worker *w, uint32_t *answered_stalled)
 {
+    uint64_t d = pass_clock(rt) - w->t_busy;
     if (w->stalled) {
+        /* learnt up to the wait it was found stalled at: a stop's whole length, learnt, put the
+         * next stall past the hang kill for dozens of answers (a 7.5 s stop: 4 x that; review) */
+        uint64_t at = STALL_FACTOR * w->batch_peak_ns > rt->cfg.stall_ns ? STALL_FACTOR * w->batch_peak_ns
+                                                                          : rt->cfg.stall_ns;
+        if (d > at)
+            d = at;
         w->stalled = 0;
         w->st.stalled = 0;
         (*answered_stalled)++;
     }
-    uint64_t d = pass_clock(rt) - w->t_busy;
     if (d >= w->batch_peak_ns)
         w->batch_peak_ns = d;
     else
@@ -2104,7 +2147,7 @@ static uint32_t take_completions(struct dp_router *rt)
         w->st.busy = w->busy;
     }
     if (answered_stalled)
-        stalls_changed(rt);
+        views_changed(rt);
     return n;
 }
 
@@ -2525,6 +2568,7 @@ static void failover(struct dp_router *rt, uint32_t k, int alive)
     struct worker *w = &rt->w[k];
     if (!alive) {                        /* (a zmq worker that only timed out may come back, holding them) */
         w->no_store = w->no_store_said;  /* its replacement's answers tell (till then, the control plane) */
+        w->batch_peak_ns = 0;            /* and its own batches its patience (a dead one's inherited: review) */
         kv_homes_forget(rt, k);
     }
     w->busy = w->st.busy = 0;
@@ -3121,9 +3165,8 @@ static int add_worker(struct dp_router *rt, int kind, struct dp_ring *lane, stru
         rt->view.id[k] = (uint16_t)k;
         rt->view.depth[k] = rt->view.tokens[k] = 0;
         rt->view.n++;
-        rt->view.generation++;
         w->pool = 0;
-        rebuild_pools(rt);
+        views_changed(rt);
     }
     pthread_mutex_unlock(&rt->lock);
     return k;
@@ -3226,8 +3269,7 @@ int dp_router_set_weight(struct dp_router *rt, uint32_t worker, uint32_t weight)
         return -EINVAL;
     pthread_mutex_lock(&rt->lock);
     rt->view.weight[worker] = weight;
-    rt->view.generation++;
-    rebuild_pools(rt);
+    views_changed(rt);
     pthread_mutex_unlock(&rt->lock);
     return 0;
 }
@@ -3255,8 +3297,7 @@ static void set_up(struct dp_router *rt, uint32_t k, int up, int probe)
     w->stalled = w->st.stalled = 0;     /* down: gone; up: the control plane's word (find_stalls may
                                          * find it stalled again) */
     w->st.up = rt->view.up[k];
-    rt->view.generation++;
-    rebuild_pools(rt);
+    views_changed(rt);                  /* (a worker up: one stalled alone may be hidden now) */
     if (was_up && !up) {
         failover(rt, k, probe);
         /* A zmq worker's socket is replaced (linger 0 drops what it held): a connecting socket
@@ -3369,7 +3410,7 @@ int dp_router_set_worker_pool(struct dp_router *rt, uint32_t worker, uint32_t po
         return -EINVAL;
     pthread_mutex_lock(&rt->lock);
     rt->w[worker].pool = (uint16_t)pool;   /* requests already placed stay on their worker */
-    rebuild_pools(rt);
+    views_changed(rt);
     pthread_mutex_unlock(&rt->lock);
     return 0;
 }

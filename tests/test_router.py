@@ -1523,6 +1523,118 @@ def test_a_worker_stalled_while_every_worker_was_is_hidden_once_another_answers(
     assert b.router.worker_stats(0)["stalled"] == 0 and len(b.responses) == 4
 
 
+def test_a_request_let_go_on_a_stalled_worker_after_the_stall_moves_then(bench_factory):
+    """A request held behind its session's request on another worker, let go once the stall was
+    found, joined the stalled worker's queue and waited for it while the other worker idled
+    (review). It is placed again as it is let go."""
+    b = bench_factory(n_workers=2, policy="round_robin", stall_s=0.2)
+    b.send(chunks_of(1, [1, 2, 3], max_out=1))
+    b.router.poll()
+    held = b.workers[0].recv_batch(0)
+    b.send(chunks_of(10, [1, 2, 3], session=5, max_out=1), chunks_of(11, [4, 5], session=5, max_out=1))
+    b.router.poll()                                   # 10 on worker 1, 11 held behind it on worker 0
+    first = b.workers[1].recv_batch(0)
+    assert first["request_id"].tolist() == [10] and b.router.stats()["held"] == 1
+    until_stalled(b, 0)
+    assert b.router.stats()["stall_moved"] == 0, "held: it waits for 10 wherever it is"
+    answer(b, 1, first)                               # 10 answered: 11 let go, and placed again
+    assert b.router.stats()["stall_moved"] == 1
+    b.run(1)
+    assert [(int(r["request_id"]), int(r["worker"])) for r in b.responses] == [(10, 1), (11, 1)]
+    answer(b, 0, held)
+
+
+def test_a_worker_stalled_alone_is_hidden_once_another_comes_up_and_its_queue_moves(bench_factory):
+    """The only worker up, stalled, is not hidden: new requests queue on it. One coming up (a
+    replacement, a revived zmq worker, one added) hides it, and what is queued there moves: before,
+    it waited for the stalled worker while the new one idled (review)."""
+    b = bench_factory(n_workers=2, policy="round_robin", stall_s=0.2)
+    b.router.set_up(1, False)
+    b.send(chunks_of(1, [1, 2, 3], max_out=1))
+    b.router.poll()
+    held = b.workers[0].recv_batch(0)
+    until_stalled(b, 0)
+    b.send(chunks_of(2, [1, 2, 3], max_out=1), chunks_of(3, [1, 2, 3], max_out=1))
+    b.router.poll()
+    assert b.router.worker_stats(0)["depth"] == 3 and b.router.stats()["stall_moved"] == 0
+    b.router.set_up(1, True)
+    assert b.router.stats()["stall_moved"] == 2
+    b.run(1)
+    assert sorted((int(r["request_id"]), int(r["worker"])) for r in b.responses) == [(2, 1), (3, 1)]
+    answer(b, 0, held)
+
+
+def test_a_stalled_worker_s_queue_takes_no_room_from_its_pool(bench_factory):
+    """A pool has room while the depth of its workers up is under room x those workers: counted whole,
+    a stalled worker's two chunks filled a pool of room 2 a worker, and every new request went to
+    the dearer pool past the cheap one's idle worker (review)."""
+    b = bench_factory(n_workers=3, policy="round_robin", stall_s=0.2)
+    b.router.set_pool(0, 100, 2)                      # workers 0 and 1
+    b.router.set_pool(1, 900, 0)                      # worker 2
+    b.router.set_worker_pool(2, 1)
+    b.router.set_up(1, False)
+    b.send(chunks_of(1, [1, 2, 3], max_out=1), chunks_of(2, [1, 2, 3], max_out=1))
+    b.router.poll()
+    held = b.workers[0].recv_batch(0)
+    assert held["request_id"].tolist() == [1, 2]
+    b.router.set_up(1, True)
+    until_stalled(b, 0)
+    for rid in range(3, 9):
+        b.send(chunks_of(rid, [1, 2, 3], max_out=1))
+        b.router.poll()
+        b.step(1)
+        b.step(2)
+    assert {int(r["worker"]) for r in b.responses} == {1}, "the cheap pool's idle worker, not the dear pool"
+    answer(b, 0, held)
+
+
+def test_a_stop_lengthens_the_patience_a_little_and_a_replacement_starts_afresh(bench_factory):
+    """A stalled batch's time is learnt only up to the wait it was found stalled at: learnt whole, a
+    stop of 7.5 s put the next stall past the 30 s hang kill for dozens of answers, and a dead
+    worker's replacement inherited it (review)."""
+    b = bench_factory(n_workers=2, stall_s=0.1)
+    b.router.set_up(1, False)                         # everything on worker 0
+
+    def stalled_after(rid):
+        b.send(chunks_of(rid, [1, 2, 3], max_out=1))
+        b.router.poll()
+        batch = b.workers[0].recv_batch(0)
+        t0 = time.monotonic()
+        until_stalled(b, 0)
+        return batch, time.monotonic() - t0
+    batch, _ = stalled_after(1)
+    time.sleep(1.0)                                   # a 1.1 s stop, learnt as 0.1 s
+    answer(b, 0, batch)
+    batch, waited = stalled_after(2)
+    assert waited < 0.9, "4 x 0.1 s learnt, not 4 x 1.1 s"
+    time.sleep(0.5)
+    answer(b, 0, batch)                               # learnt as 0.4 s: the next 1.6 s
+    b.router.set_up(0, False)                         # it dies; its replacement comes up
+    b.router.set_up(0, True)
+    batch, waited = stalled_after(3)
+    assert waited < 0.9, "the replacement's own patience: stall_s, not the dead worker's 1.6 s"
+    answer(b, 0, batch)
+
+
+def test_a_stalled_worker_s_queue_does_not_move_to_a_worker_known_to_have_no_store(bench_factory):
+    """The session would begin again there without its turns (review): it waits for its worker."""
+    b = bench_factory(n_workers=2, policy="weighted", stall_s=0.2)
+    b.router.set_worker_store(1, False)
+    b.router.set_weight(1, 0)
+    b.send(chunks_of(1, [1, 2, 3], session=7, max_out=1))
+    b.router.poll()
+    held = b.workers[0].recv_batch(0)
+    b.send(chunks_of(2, [4, 5], session=8, max_out=1))
+    b.router.poll()                                   # queued on worker 0
+    b.router.set_weight(1, 1)
+    until_stalled(b, 0)
+    assert b.router.stats()["stall_moved"] == 0 and b.workers[1].recv_batch(0) is None
+    assert b.router.pool_stats(0)["requests"] == 2, "a pick not taken is not counted"
+    answer(b, 0, held)
+    b.run(0)
+    assert sorted((int(r["request_id"]), int(r["worker"])) for r in b.responses) == [(1, 0), (2, 0)]
+
+
 def test_the_stall_threshold_changes_live_and_0_ends_every_stall(bench_factory):
     b = bench_factory(n_workers=2, policy="round_robin", stall_s=0)
     b.send(chunks_of(1, [1, 2, 3], max_out=1))
