@@ -2013,7 +2013,8 @@ static int is_hidden(const struct dp_router *rt, int k)
 /* Request ri, on hidden worker k and none of it in k's lane, goes where the placement rule puts a
  * new request now, as a failover would place it but with nothing replayed; unless that is k, none,
  * or a worker known to have no store (the session's turns would not be there: waiting keeps them).
- * 1 if it moved. */
+ * The requests of its session held behind it on k go with it, in order (a CLOSE too: it goes where
+ * the session is). 1 if it moved. */
 static int stall_move(struct dp_router *rt, uint32_t ri, int k)
 {
     struct req *r = &rt->reqs[ri];
@@ -2032,30 +2033,45 @@ static int stall_move(struct dp_router *rt, uint32_t ri, int k)
     r->pool = pool;
     move_unrun(rt, ri, nk);
     rt->st.stall_moved++;
+    /* Every later request of the session is flagged moved, so its worker asks the store: its flag
+     * was set against where the one before it was placed, which has changed. Moved alone, a request
+     * left its followers on k, where a later turn then ran on k's stale copy and a CLOSE freed the
+     * wrong one (review). The last-run table names the latest's worker again (move_unrun named
+     * nk: a new request placed there ran, unflagged, before the ones left behind on another). */
+    int follow = 1;
+    uint32_t last = ri;
+    r->moved = 1;
+    for (uint32_t n = r->in_session ? r->session_next : NIL; n != NIL; n = rt->reqs[n].session_next) {
+        struct req *q = &rt->reqs[n];
+        follow = follow && q->worker == (int16_t)k && !q->t_worker && q->state == REQ_PREFILL && !q->inflight;
+        if (follow) {
+            q->pool = pool;
+            rt->pools[pool].requests++;
+            move_unrun(rt, n, nk);
+            rt->st.stall_moved++;
+        }
+        q->moved = 1;
+        last = n;
+    }
+    uint64_t sk = session_key(rt, r->tenant, r->session_id);
+    struct last_run *e = last_run_of(rt, sk);
+    if (e->session == sk)
+        e->worker = rt->reqs[last].worker;
     return 1;
 }
 
 /* Worker k is hidden: its requests of which nothing reached its lane are placed again
- * (stall_move), each with the requests of its session held behind it on k, in order. One held
- * behind a request elsewhere moves when it is let go (make_ready); a CLOSE stays (it goes where its
- * session is); what is in k's lane waits for it, or for the control plane's hang kill. A scan of
- * the request table: once a stall, or a change of the views while it lasts. */
+ * (stall_move, with those held behind them). One held behind a request elsewhere moves when it is
+ * let go (make_ready); a CLOSE not behind one of them stays (it goes where its session is); what is
+ * in k's lane waits for it, or for the control plane's hang kill. A scan of the request table: once
+ * a stall, or a change of the views while it lasts. */
 static void move_queued(struct dp_router *rt, uint32_t k)
 {
     for (uint32_t ri = 0; ri < rt->cfg.max_requests; ri++) {
         struct req *r = &rt->reqs[ri];
-        if (r->state != REQ_PREFILL || r->worker != (int16_t)k || r->t_worker || r->held || r->close ||
-            r->inflight || !stall_move(rt, ri, (int)k))
-            continue;
-        for (uint32_t n = r->in_session ? r->session_next : NIL; n != NIL; n = rt->reqs[n].session_next) {
-            struct req *q = &rt->reqs[n];
-            if (q->worker != (int16_t)k || q->t_worker || q->state != REQ_PREFILL || q->inflight)
-                break;
-            q->pool = r->pool;
-            rt->pools[r->pool].requests++;
-            move_unrun(rt, n, r->worker);
-            rt->st.stall_moved++;
-        }
+        if (r->state == REQ_PREFILL && r->worker == (int16_t)k && !r->t_worker && !r->held && !r->close &&
+            !r->inflight)
+            stall_move(rt, ri, (int)k);
     }
 }
 

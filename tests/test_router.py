@@ -1635,6 +1635,86 @@ def test_a_stalled_worker_s_queue_does_not_move_to_a_worker_known_to_have_no_sto
     assert sorted((int(r["request_id"]), int(r["worker"])) for r in b.responses) == [(1, 0), (2, 0)]
 
 
+@pytest.mark.parametrize("follower", ["request", "close"])
+def test_a_request_let_go_on_a_stalled_worker_takes_its_session_s_held_requests_with_it(bench_factory, follower):
+    """Moved alone as it was let go, a request left the requests of its session held behind it on the
+    stalled worker: a later turn ran there on its stale copy, unflagged, and a CLOSE waited for it
+    while the other idled, then freed a copy that was not the session's (review)."""
+    b = bench_factory(n_workers=2, policy="weighted", stall_s=0.2)
+
+    def weights(*w):
+        for k, x in enumerate(w):
+            b.router.set_weight(k, x)
+    weights(1, 0)
+    b.send(chunks_of(1, [1, 2, 3], session=1, max_out=1))
+    b.router.poll()
+    held = b.workers[0].recv_batch(0)                 # worker 0 takes it and stops
+    weights(0, 1)
+    ten = chunks_of(10, list(range(1, 200)), session=5, max_out=1)   # two chunks: the second comes later
+    b.send(ten[:1])
+    b.router.poll()
+    b.step(1)                                         # 10's first chunk runs on worker 1
+    weights(1, 0)
+    b.send(chunks_of(11, [3, 4], session=5, max_out=1))   # held behind 10, on worker 0
+    later = chunks_of(12, [5], session=5, max_out=1)
+    if follower == "close":
+        later["kind"], later["n_tokens"] = wire.KIND_CLOSE, 0
+    b.send(later)                                     # held behind 11, on worker 0 too
+    b.router.poll()
+    weights(1, 1)
+    until_stalled(b, 0)
+    b.send(ten[1:])
+    b.router.poll()
+    b.step(1)                                         # 10 answered: 11 let go, moved, 12 with it
+    assert b.router.stats()["stall_moved"] == 2 and b.router.worker_stats(0)["depth"] == 1, "what is in its lane"
+    answer(b, 0, held)                                # worker 0 wakes before 11 is done
+    b.run(1)
+    b.run(0)
+    assert sorted((int(r["request_id"]), int(r["worker"])) for r in b.responses) == [(1, 0), (10, 1), (11, 1), (12, 1)]
+
+
+def test_requests_of_a_session_left_behind_by_a_stall_move_ask_the_store_and_so_does_the_next(bench_factory):
+    """A move names the session's latest request's worker as its last: it named the moved one's, and
+    a new request placed there went unflagged although one of the session left behind on the stalled
+    worker ran before it there, on another copy (review: a turn lost)."""
+    b = bench_factory(n_workers=3, policy="weighted", stall_s=0.2)
+
+    def weights(*w):
+        for k, x in enumerate(w):
+            b.router.set_weight(k, x)
+
+    def flags_of(batch, rid):
+        return [bool(r["flags"] & records.CHUNK_F_MOVED) for r in batch if int(r["request_id"]) == rid]
+    weights(1, 0, 0)
+    b.send(chunks_of(1, [1, 2, 3], session=1, max_out=1))
+    b.router.poll()
+    held = b.workers[0].recv_batch(0)                 # worker 0 takes it and stops
+    b.send(chunks_of(10, [1, 2], session=5, max_out=1))    # queued on worker 0
+    b.router.poll()
+    weights(0, 1, 0)
+    b.send(chunks_of(11, [3], session=5, max_out=1))       # held behind 10, on worker 1
+    b.router.poll()
+    weights(1, 0, 0)
+    b.send(chunks_of(12, [4], session=5, max_out=1))       # held behind 11, on worker 0
+    b.router.poll()
+    weights(0, 0, 1)
+    until_stalled(b, 0)                               # 10 moves to worker 2; 11 and 12 are not behind it on 0
+    assert b.router.stats()["stall_moved"] == 1
+    answer(b, 0, held)                                # worker 0 wakes
+    b.send(chunks_of(13, [6], session=5, max_out=1))       # placed on worker 2, held behind 12
+    b.router.poll()
+    for k, rid in ((2, 10), (1, 11), (0, 12)):        # the session's turns where they were placed
+        batch = b.workers[k].recv_batch(0)
+        assert batch is not None and int(batch["request_id"][0]) == rid, (k, rid)
+        if rid != 10:
+            assert flags_of(batch, rid) == [True], f"{rid}: the request before it moved"
+        answer(b, k, batch)
+    batch = b.workers[2].recv_batch(0)
+    assert flags_of(batch, 13) == [True], "12 ran on worker 0: 13 on worker 2 asks the store"
+    answer(b, 2, batch)
+    assert sorted(int(r["request_id"]) for r in b.responses) == [1, 10, 11, 12, 13]
+
+
 def test_the_stall_threshold_changes_live_and_0_ends_every_stall(bench_factory):
     b = bench_factory(n_workers=2, policy="round_robin", stall_s=0)
     b.send(chunks_of(1, [1, 2, 3], max_out=1))
