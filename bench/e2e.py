@@ -706,7 +706,6 @@ def _failover(report, rate: float, seconds: float, store: str, stop_s: float) ->
         replacement_ran = p.router.worker_stats(1)["completions"] - replaced["completions_before"] if replaced else 0
         stopped = {mode: _stopped_worker(p, rate, seconds + stop_s, stop_s, p.cfg.worker_stall_s if mode == "stall" else 0)
                    for mode in ("stall", "nostall")}
-        p.router.set_stall(p.cfg.worker_stall_s)
     if "error" in out:
         raise out["error"]
     res = out["r"]

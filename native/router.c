@@ -112,7 +112,8 @@ struct worker {
     uint64_t t_busy;                    /* when its batch was placed (zmq: its answer's deadline counts
                                          * from here) */
     uint64_t batch_peak_ns;             /* its recent longest batch, placed to answered (find_stalls) */
-    uint8_t stalled;                    /* its batch unanswered too long: placed on only if all are so */
+    uint8_t stalled;                    /* its batch unanswered too long (find_stalls): hidden from
+                                         * placement while another is up and not (stall_hides) */
     uint32_t unsent;                    /* zmq: records of a built batch the socket refused */
     uint8_t timed_out;                  /* zmq: marked down by zmq_timeouts (not by the control plane):
                                          * probed, and back up once it answers (zmq_health) */
@@ -416,10 +417,10 @@ static int32_t chunk_tokens(const struct dp_router *rt, uint32_t p)
 
 /* --- pools ------------------------------------------------------------------------- */
 
-/* Worker w is stalled (find_stalls), and hidden from the placement rule and the policies: not if it
- * is known to have no snapshot store (its sessions could not be restored elsewhere, and a stall may
- * end), nor while no other worker is up and not stalled (brisk). */
-static int hidden(const struct worker *w, int brisk)
+/* Whether stalled worker w is to be hidden from the placement rule and the policies: not if it is
+ * known to have no snapshot store (its sessions could not be restored elsewhere, and a stall may
+ * end), nor while no other worker is up and not stalled (brisk). is_hidden reads the outcome. */
+static int stall_hides(const struct worker *w, int brisk)
 {
     return w->stalled && !w->no_store && brisk;
 }
@@ -450,7 +451,7 @@ static void rebuild_pools(struct dp_router *rt)
         pv->tokens[i] = rt->view.tokens[k];
         pv->total_tokens += pv->tokens[i];
         pv->weight[i] = rt->view.weight[k];
-        pv->up[i] = rt->view.up[k] && !hidden(w, brisk);
+        pv->up[i] = rt->view.up[k] && !stall_hides(w, brisk);
         pv->id[i] = (uint16_t)k;
         pv->total_depth += pv->depth[i];
     }
