@@ -733,7 +733,7 @@ def _stopped_worker(p: Pipeline, rate: float, seconds: float, stop_s: float, sta
     the router's stall threshold stall_s (0: off)."""
     import threading
     p.router.set_stall(stall_s)
-    before = p.router.stats()
+    before, hangs = p.router.stats(), len(p.worker_hangs)
     out = {}
 
     def load():
@@ -757,7 +757,7 @@ def _stopped_worker(p: Pipeline, rate: float, seconds: float, stop_s: float, sta
     after = p.router.stats()
     return {"r": out["r"], "stalls": after["stalls"] - before["stalls"],
             "moved": after["stall_moved"] - before["stall_moved"], "replayed": after["replayed"] - before["replayed"],
-            "hangs": len(p.worker_hangs)}
+            "hangs": len(p.worker_hangs) - hangs}
 
 
 def _stopped_rows(report, stopped: dict, stop_s: float, stall_s: float) -> dict:

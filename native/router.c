@@ -2088,6 +2088,14 @@ static void views_changed(struct dp_router *rt)
             move_queued(rt, k);
 }
 
+/* How long worker w's batch may go unanswered before it is stalled: stall_ns, or STALL_FACTOR x
+ * its recent longest batch if longer. */
+static uint64_t stall_after(const struct dp_router *rt, const struct worker *w)
+{
+    uint64_t after = STALL_FACTOR * w->batch_peak_ns;
+    return after > rt->cfg.stall_ns ? after : rt->cfg.stall_ns;
+}
+
 static uint32_t find_stalls(struct dp_router *rt)
 {
     if (!rt->cfg.stall_ns || rt->st.loops % STALL_EVERY)
@@ -2100,8 +2108,7 @@ static uint32_t find_stalls(struct dp_router *rt)
             continue;
         if (!now)
             now = pass_clock(rt);
-        uint64_t after = STALL_FACTOR * w->batch_peak_ns;
-        if (now - w->t_busy < (after > rt->cfg.stall_ns ? after : rt->cfg.stall_ns))
+        if (now - w->t_busy < stall_after(rt, w))
             continue;
         w->stalled = 1;
         w->st.stalled = 1;
@@ -2123,10 +2130,8 @@ static void batch_answered(struct dp_router *rt, struct worker *w, uint32_t *ans
     if (w->stalled) {
         /* learnt up to the wait it was found stalled at: a stop's whole length, learnt, put the
          * next stall past the hang kill for dozens of answers (a 7.5 s stop: 4 x that; review) */
-        uint64_t at = STALL_FACTOR * w->batch_peak_ns > rt->cfg.stall_ns ? STALL_FACTOR * w->batch_peak_ns
-                                                                          : rt->cfg.stall_ns;
-        if (d > at)
-            d = at;
+        if (d > stall_after(rt, w))
+            d = stall_after(rt, w);
         w->stalled = 0;
         w->st.stalled = 0;
         (*answered_stalled)++;
