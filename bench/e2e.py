@@ -706,6 +706,8 @@ def _failover(report, rate: float, seconds: float, store: str, stop_s: float) ->
         replacement_ran = p.router.worker_stats(1)["completions"] - replaced["completions_before"] if replaced else 0
         stopped = {mode: _stopped_worker(p, rate, seconds + stop_s, stop_s, p.cfg.worker_stall_s if mode == "stall" else 0)
                    for mode in ("stall", "nostall")}
+        p.router.set_stall(p.cfg.worker_stall_s)
+        spawner = _spawner_killed(p, rate, seconds)
     if "error" in out:
         raise out["error"]
     res = out["r"]
@@ -725,7 +727,53 @@ def _failover(report, rate: float, seconds: float, store: str, stop_s: float) ->
     rows = {"requests": res["requests"], "answered": res["responses"], "errors": res["errors"],
             "replayed": st["replayed"], "p50_ms": pc["p50"], "p99_ms": pc["p99"],
             "replaced after (ms)": replaced_ms, "batches the replacement ran": replacement_ran}
-    return rows | _stopped_rows(report, stopped, stop_s, p.cfg.worker_stall_s)
+    return rows | _stopped_rows(report, stopped, stop_s, p.cfg.worker_stall_s) | _spawner_rows(report, spawner)
+
+
+def _spawner_killed(p: Pipeline, rate: float, seconds: float) -> dict:
+    """An offer during which the worker spawner is SIGKILLed (a third of the way in): every worker
+    dies with it, and its heir forks them again. Then the same rate again, all served."""
+    import threading
+    before = len(p.worker_replacements)
+    out = {}
+
+    def load():
+        try:
+            out["r"] = _offer(p, rate, seconds, prompt_tokens=PROMPT, max_output_tokens=OUTPUT, drain_s=15)
+        except Exception as e:  # raised again below
+            out["error"] = e
+    t = threading.Thread(target=load)
+    t.start()
+    time.sleep(seconds / 3)
+    _progress(f"failover: killing the worker spawner (SIGKILL): its {len(p.workers)} workers die with it")
+    takeover = p.kill_spawner()
+    t.join()
+    if "error" in out:
+        raise out["error"]
+    deadline = time.monotonic() + 30
+    while not (len(fresh := p.worker_replacements[before:]) == len(p.workers) and all(x["t_up"] for x in fresh)):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"failover: the spawner's heir did not bring its workers back ({takeover}, {fresh})")
+        time.sleep(0.01)
+    after = _offer(p, rate, seconds / 2, prompt_tokens=PROMPT, max_output_tokens=OUTPUT)
+    return {"r": out["r"], "after": after, "takeover": takeover,
+            "up_after_ms": max(x["t_up"] - x["t_exit"] for x in fresh) * 1e3}
+
+
+def _spawner_rows(report, s: dict) -> dict:
+    r = s["r"]
+    ok, refused = r["by_status"].get(200, 0), r["by_status"].get(503, 0)
+    if r["unanswered"] or r["duplicates"] or r["send_errors"] + r["unsent"] or set(r["by_status"]) - {200, 503}:
+        raise RuntimeError(f"the spawner killed: every request must be sent and answered once, 200 or 503 while no "
+                           f"worker is up ({r['by_status']}, {r['unanswered']} unanswered, {r['duplicates']} "
+                           f"answered twice, {r['send_errors'] + r['unsent']} not sent)")
+    _all_answered("after the spawner's heir took over", s["after"])
+    report.metric("spawner_killed_ok_fraction", ok / r["requests"])
+    report.metric("spawner_killed_refused", refused)
+    report.metric("spawner_killed_workers_up_after_ms", s["up_after_ms"], "ms")   # its death seen -> the last up
+    return {"the worker spawner killed mid-run: answered 200 / 503 (no worker up)": f"{ok} / {refused} of {r['requests']}",
+            "its heir's workers all up after (ms)": s["up_after_ms"],
+            "the next offer, after: answered 200": f"{s['after']['responses']} of {s['after']['requests']}"}
 
 
 def _stopped_worker(p: Pipeline, rate: float, seconds: float, stop_s: float, stall_s: float) -> dict:

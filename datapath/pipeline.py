@@ -223,28 +223,75 @@ def _worker_main(lane_name: str, options, store_factory, trace_buf, slowdown_slo
             store.close()
 
 
-def _spawner_main(conn, parent_end, specs, store_factory, traces, slowdowns, stop, parent):
+def _spawner_main(conn, parent_end, specs, store_factory, traces, slowdowns, stop, parent, pipeline_fd=None):
     """The process that forks the workers (WorkerSpawner), itself forked while the pipeline had one
     thread: a worker forked later from the pipeline (a replacement) would copy a process whose poll
     loop, watcher and client threads may hold locks (stdio's, the allocator's) that no thread of
-    the child ever releases. Requests: (sid, k, lane name). Messages back: ("spawned", sid, pid)
+    the child ever releases. It exits when the pipeline closes its end or exits (pipeline_fd, a
+    pidfd of it), and its workers die with it (child_of_this_process).
+
+    Requests: ("spawn", sid, k, lane name), ("heir", sid). Messages back: ("spawned", sid, pid)
     followed by the worker's pidfd (SCM_RIGHTS: opened here, before this process can reap it, so
     it names that process and no later one with its pid); ("ready", sid) once it serves its lane;
-    ("exit", sid, exit code as multiprocessing gives it); ("failed", sid, why) if it could not fork
-    it (or open its pidfd)."""
+    ("exit", sid, exit code as multiprocessing gives it); ("heir", sid, pid) followed by the heir's
+    end of a fresh pipe and its pidfd; ("failed", sid, why) if it could not fork (or open a
+    pidfd). An heir is a spawner forked from this one (which has one thread too), idle until
+    this one dies: then the pipeline makes it the spawner and has it fork the workers again.
+    The heir outlives its parent: it is tied to the pipeline, not to the spawner."""
     import traceback
-    from multiprocessing.connection import wait
+    from multiprocessing.connection import Pipe, wait
     from multiprocessing.reduction import send_handle
-    parent_end.close()                               # else the pipeline's close() is no EOF here
-    child_of_this_process(parent)
     me = os.getpid()
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)    # not the pipeline's unwinding handler
+    parent_end.close()                               # else the pipeline's close() is no EOF here
+    if pipeline_fd is None:                          # the first spawner: the pipeline's own child
+        child_of_this_process(parent)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)   # not the pipeline's unwinding handler
+        try:
+            pipeline_fd = os.pidfd_open(parent)
+        except ProcessLookupError:
+            os._exit(1)
     children: dict[int, tuple[int, int]] = {}        # pidfd -> (sid, pid)
     waiting: dict[int, int] = {}                     # a child's ready pipe -> sid
+    heirs: dict[int, int] = {}                       # an heir's pidfd -> pid (reaped here if it dies first)
+
+    def fork_child(sid: int, run) -> int | None:
+        """fork, then in the child, with every fd of this loop closed, exit with run()'s code; the
+        child's pid, None if it could not fork."""
+        try:
+            pid = os.fork()
+        except OSError as e:                 # (out of memory, of processes): this one
+            conn.send(("failed", sid, f"{type(e).__name__}: {e}"))
+            return None
+        if pid == 0:
+            code = 1
+            try:
+                conn.close()
+                for fd in (*children, *waiting, *heirs):
+                    os.close(fd)
+                code = run()
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        return pid
+
+    def pidfd_of(sid: int, pid: int) -> int | None:
+        try:
+            return os.pidfd_open(pid)    # our unreaped child: its pid is still its own
+        except OSError as e:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            conn.send(("failed", sid, f"pidfd_open: {e}"))
+            return None
+
     try:
         while True:
             # one ready fd per wait: handling one closes fds whose numbers the next fork reuses
-            fd = wait([conn, *children, *waiting])[0]
+            fd = wait([conn, pipeline_fd, *children, *waiting, *heirs])[0]
+            if fd == pipeline_fd:
+                os._exit(0)                  # the pipeline is gone: its workers die with this process
             if fd in waiting:
                 sid = waiting.pop(fd)
                 if os.read(fd, 1):           # (EOF: it died first; its exit says so)
@@ -258,53 +305,56 @@ def _spawner_main(conn, parent_end, specs, store_factory, traces, slowdowns, sto
                     os.close(r)
                 _, status = os.waitpid(pid, 0)
                 conn.send(("exit", sid, os.waitstatus_to_exitcode(status)))
-            elif fd is conn:
-                sid, k, lane_name = conn.recv()
+            elif fd in heirs:
+                os.waitpid(heirs.pop(fd), 0)  # a standby heir that died: the pipeline's watcher sees it
+                os.close(fd)
+            elif (msg := conn.recv())[0] == "heir":
+                sid = msg[1]
+                mine, theirs = Pipe()
+                pid = fork_child(sid, lambda: _spawner_main(theirs, mine, specs, store_factory, traces, slowdowns,
+                                                            stop, parent, pipeline_fd))
+                theirs.close()
+                pidfd = pidfd_of(sid, pid) if pid is not None else None
+                if pidfd is not None:
+                    heirs[pidfd] = pid
+                    conn.send(("heir", sid, pid))
+                    send_handle(conn, mine.fileno(), parent)
+                    send_handle(conn, pidfd, parent)
+                mine.close()
+            else:
+                _, sid, k, lane_name = msg
                 ready_r, ready_w = os.pipe()
-                try:
-                    pid = os.fork()
-                except OSError as e:         # (out of memory, of processes): this one
-                    os.close(ready_r)
-                    os.close(ready_w)
-                    conn.send(("failed", sid, f"{type(e).__name__}: {e}"))
-                    continue
-                if pid == 0:
-                    code = 1
-                    try:
-                        conn.close()
-                        for fd in (ready_r, *children, *waiting):
-                            os.close(fd)
 
-                        def ready():
-                            os.write(ready_w, b"r")
-                            os.close(ready_w)
-                        opts, cpu, nice = specs[k]
+                def worker():
+                    os.close(ready_r)
+                    os.close(pipeline_fd)
+
+                    def ready():
+                        os.write(ready_w, b"r")
+                        os.close(ready_w)
+                    opts, cpu, nice = specs[k]
+                    try:
                         _worker_main(lane_name, opts, store_factory, traces[k], slowdowns[k:k + 1], stop, cpu,
                                      nice, ready, me)
-                        code = 0
+                        return 0
                     except Exception as e:           # one sentence (the pipeline says which worker)
                         print(f"pipeline: worker {k} ({lane_name}): {type(e).__name__}: {e}", file=sys.stderr)
-                    except BaseException:
-                        traceback.print_exc()
-                    finally:
-                        sys.stdout.flush()
-                        sys.stderr.flush()
-                        os._exit(code)
+                        return 1
+                pid = fork_child(sid, worker)
                 os.close(ready_w)
-                try:
-                    pidfd = os.pidfd_open(pid)   # our unreaped child: its pid is still its own
-                except OSError as e:
+                pidfd = pidfd_of(sid, pid) if pid is not None else None
+                if pidfd is None:
                     os.close(ready_r)
-                    os.kill(pid, signal.SIGKILL)
-                    os.waitpid(pid, 0)
-                    conn.send(("failed", sid, f"pidfd_open: {e}"))
                     continue
                 children[pidfd] = (sid, pid)
                 waiting[ready_r] = sid
                 conn.send(("spawned", sid, pid))
-                send_handle(conn, pidfd, os.getppid())
+                send_handle(conn, pidfd, parent)
     except (EOFError, BrokenPipeError, ConnectionResetError):   # the pipeline is done (or gone):
-        os._exit(0)                                              # its workers die with this process
+        for pid in heirs.values():                               # its workers die with this process
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)    # an heir already gone (closed first); one that is not is init's
+        os._exit(0)
 
 
 class WorkerProcess:
@@ -366,42 +416,71 @@ def join_all(procs: list[WorkerProcess], timeout: float | None) -> list[WorkerPr
 
 class WorkerSpawner:
     """The pipeline's end of _spawner_main. spawn() forks worker k (its spec, trace buffer and
-    the stop flag inherited) on a lane; events() are the ("ready", sid) and ("exit", sid, code)
-    messages since the last call. One thread at a time uses it: the build's, then the watcher's."""
+    the stop flag inherited) on a lane; spawn_heir() forks a standby spawner; events() are the
+    ("ready", sid) and ("exit", sid, code) messages since the last call. One thread at a time
+    uses it: the build's, then the watcher's."""
 
-    def __init__(self, specs, store_factory, traces, slowdowns, stop):
-        self.conn, child_conn = ctx.Pipe()           # a socketpair: it carries the pidfds too
-        self.proc = ctx.Process(target=_spawner_main,
-                                args=(child_conn, self.conn, specs, store_factory, traces, slowdowns, stop,
-                                      os.getpid()),
-                                name="worker-spawner", daemon=True)
-        try:
-            self.proc.start()
-        finally:
-            child_conn.close()
-        self._sids = itertools.count(1)
+    _sids = itertools.count(1)     # one count for every spawner: an heir's workers' never match a dead one's
+
+    def __init__(self, conn, pid: int, pidfd: int, proc=None):
+        self.conn, self.pid, self.pidfd, self.proc = conn, pid, pidfd, proc   # proc: the first one's
+        self.t_start = time.monotonic()              # (made the spawner then, for an heir: see promoted)
         self._events: list[tuple] = []               # read while waiting for a spawn
 
+    @classmethod
+    def start(cls, specs, store_factory, traces, slowdowns, stop) -> WorkerSpawner:
+        """The first spawner, the pipeline's child; forked now, so while the pipeline has one thread."""
+        conn, child_conn = ctx.Pipe()                # a socketpair: it carries the pidfds too
+        proc = ctx.Process(target=_spawner_main,
+                           args=(child_conn, conn, specs, store_factory, traces, slowdowns, stop, os.getpid()),
+                           name="worker-spawner", daemon=True)
+        try:
+            proc.start()
+        except BaseException:
+            conn.close()
+            raise
+        finally:
+            child_conn.close()
+        return cls(conn, proc.pid, os.pidfd_open(proc.pid), proc)   # (our unreaped child: its pid is its own)
+
     def spawn(self, k: int, lane_name: str, timeout_s: float = 30.0) -> WorkerProcess:
+        return self._ask(("spawn", k, lane_name), k, f"fork worker {k}", timeout_s)
+
+    def spawn_heir(self, timeout_s: float = 30.0) -> WorkerSpawner:
+        """A standby spawner forked from this one: it takes over if this one dies (Pipeline)."""
+        return self._ask(("heir",), None, "fork its heir", timeout_s)
+
+    def _ask(self, request: tuple, k: int | None, what: str, timeout_s: float):
         sid = next(self._sids)
         deadline = time.monotonic() + timeout_s
         try:
-            self.conn.send((sid, k, lane_name))
+            self.conn.send((request[0], sid, *request[1:]))
             while self.conn.poll(max(0.0, deadline - time.monotonic())):
                 got = self._read(sid, k)
                 if got is not None:
                     return got
         except (EOFError, BrokenPipeError, ConnectionResetError):
-            raise self.died(f"forking worker {k}") from None   # a bare EOFError('') was all it said (review)
-        raise RuntimeError(f"the worker spawner did not fork worker {k} in {timeout_s:g} s")
+            raise self.died(f"asked to {what}") from None   # a bare EOFError('') was all it said (review)
+        raise RuntimeError(f"the worker spawner did not {what} in {timeout_s:g} s")
+
+    def exited(self, timeout: float = 0) -> bool:
+        import select
+        return bool(select.select([self.pidfd], [], [], timeout)[0]) if self.pidfd >= 0 else True
+
+    def exitcode(self) -> int | None:
+        """As multiprocessing gives it; None while it runs, and for an heir (not the pipeline's
+        child: init reaps it)."""
+        return self.proc.exitcode if self.proc is not None and self.exited(1) else None
 
     def died(self, doing: str) -> RuntimeError:
-        self.proc.join(1)
-        return RuntimeError(f"the worker spawner exited while {doing} (code {self.proc.exitcode})")
+        code = self.exitcode()
+        return RuntimeError(f"the worker spawner (pid {self.pid}) exited when {doing}"
+                            + (f" (code {code})" if code is not None else ""))
 
-    def _read(self, sid: int | None = None, k: int | None = None) -> WorkerProcess | None:
-        """One message: spawn sid's handle, or its failure raised; another spawn's (late: its own
-        spawn() gave up) killed; "ready" and "exit" kept for events()."""
+    def _read(self, sid: int | None = None, k: int | None = None):
+        """One message: request sid's worker or heir, or its failure raised; another request's
+        (late: its own _ask gave up) killed or closed; "ready" and "exit" kept for events()."""
+        from multiprocessing.connection import Connection
         from multiprocessing.reduction import recv_handle
         msg = self.conn.recv()
         if msg[0] == "spawned":
@@ -410,6 +489,12 @@ class WorkerSpawner:
                 return w
             w.kill()
             w.close()
+        elif msg[0] == "heir":
+            conn = Connection(recv_handle(self.conn))
+            heir = WorkerSpawner(conn, msg[2], recv_handle(self.conn))
+            if msg[1] == sid:
+                return heir
+            heir.close()
         elif msg[0] == "failed":
             if msg[1] == sid:
                 raise RuntimeError(f"the worker spawner could not fork: {msg[2]}")
@@ -421,18 +506,30 @@ class WorkerSpawner:
         return bool(self._events) or self.conn.poll(0)
 
     def events(self) -> list[tuple]:
-        """Messages since the last call; EOFError if the spawner itself is gone (its workers with it)."""
+        """Messages since the last call; EOFError if the spawner itself is gone (its workers with it:
+        what it sent before is left in unread())."""
         while self.conn.poll(0):
             self._read()
         out, self._events = self._events, []
         return out
 
+    def unread(self) -> list[tuple]:
+        out, self._events = self._events, []
+        return out
+
     def close(self):
-        self.conn.close()                 # the spawner exits on EOF
-        self.proc.join(5)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(5)
+        """The spawner exits on EOF (its workers with it); waited for, killed if it does not."""
+        self.conn.close()
+        if self.pidfd < 0:
+            return
+        if not self.exited(5):
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+            self.exited(5)
+        fd, self.pidfd = self.pidfd, -1
+        os.close(fd)
+        if self.proc is not None:
+            self.proc.join(5)                        # reaped (an heir's parent, or init, reaps it)
 
 
 MASTER_SECRET = b"pipeline-master-secret-0123456789"   # tenants get HMAC(master, tenant) (WorkerStore)
@@ -474,6 +571,8 @@ class Pipeline:
         self._ids = itertools.count(1)   # request ids never repeat within a pipeline
         self.workers: list[WorkerProcess] = []   # worker k's current process
         self._spawner: WorkerSpawner | None = None
+        self._heir: WorkerSpawner | None = None   # the spawner's standby: the spawner if it dies
+        self._dead_spawners: list[WorkerSpawner] = []   # closed at teardown
         self._retired: list[WorkerProcess] = []  # replaced ones: their pidfds closed at teardown (a
                                                  # kill_worker racing the replacement must not find
                                                  # the number reused)
@@ -585,10 +684,12 @@ class Pipeline:
             opts = WorkerOptions(index=k, kv_budget_bytes=cfg.kv_budget_bytes, codec=cfg.codec, device=device,
                                  sim_mode=cfg.sim_mode)
             specs.append((opts, cfg.worker_cpus[k % len(cfg.worker_cpus)] if cfg.worker_cpus else None, nice))
-        self._spawner = WorkerSpawner(specs, store_factory, self.traces, self.slowdowns, self._stop_workers)
+        self._spawner = WorkerSpawner.start(specs, store_factory, self.traces, self.slowdowns, self._stop_workers)
         for k in range(len(specs)):
             self.workers.append(self._spawner.spawn(k, self._lane_names[k]))
         self._await_ready()
+        if cfg.worker_respawns:                     # (none: a worker is never replaced, nor the spawner)
+            self._heir = self._spawner.spawn_heir()
         self._watch_workers()
         # the response socket is made after the workers are forked, so none of them holds it
         self._building = f"the response socket on {topo.host_ip[0]}:{wire.DEFAULT_PORT}"
@@ -694,8 +795,13 @@ class Pipeline:
                 p.close()
             except OSError as e:
                 errors.append(e)
-        if self._spawner is not None:
-            self._spawner.close()
+        # the heir first, while its parent (the spawner, if alive) is there to reap it
+        for spawner in (self._heir, self._spawner, *self._dead_spawners):
+            if spawner is not None:
+                try:
+                    spawner.close()
+                except OSError as e:
+                    errors.append(e)
         if errors:
             raise errors[0]
 
@@ -705,7 +811,9 @@ class Pipeline:
         failover waits for no one to announce the death. Then a fresh process on a fresh lane takes
         its place (cfg.worker_respawns times in a row at most), set up again once it serves. A worker that
         holds a batch without completing anything for cfg.worker_hang_s (a hang, a SIGSTOP) is
-        killed, and so goes the same way."""
+        killed, and so goes the same way. If the spawner dies, its workers die with it: each is
+        marked down once gone, and the spawner's heir takes its place and forks them again (and
+        a new heir), cfg.worker_respawns times in a row at most."""
         import threading
         from multiprocessing.connection import wait
         wake_r, wake_w = os.pipe()
@@ -713,11 +821,13 @@ class Pipeline:
         self.worker_exits: list[tuple[int, int | None]] = []   # (worker, exit code) as the watcher saw them
         self.worker_hangs: list[int] = []                      # workers killed for holding a batch too long
         self.worker_replacements: list[dict] = []              # each replacement: worker, pid, when, ...
+        self.spawner_takeovers: list[dict] = []                # each spawner that died: pid, its heir, ...
         hang_s = self.cfg.worker_hang_s
         # a straggler's is its factor's: the larger of the one when its busy stretch began and the
         # one now (lowered mid-step, a step begun slow would be killed as hung)
         patience = lambda k, seen: hang_s * max(seen[k][2], self.slowdowns[k])
         quick: dict[int, int] = {}                             # worker -> its exits in a row soon after serving
+        quick_spawners = [0]                                   # spawners and heirs lost in a row, soon after start
 
         def hung(k: int, seen: dict) -> bool:
             st = self.router.worker_stats(k)
@@ -727,13 +837,18 @@ class Pipeline:
                 return False
             return now - seen[k][1] > patience(k, seen)
 
-        def replace(k: int, t_exit: float, seen: dict):
+        def replace(k: int, t_exit: float, seen: dict, blameless: bool = False):
             """Worker k's fresh process on a fresh lane (the old lane may hold a batch the router
-            has replayed elsewhere, which the new process must not run); up once it is ready."""
+            has replayed elsewhere, which the new process must not run); up once it is ready.
+            blameless: it died with its spawner (not counted, unless it was given up already)."""
             dead = self.workers[k]
-            served = t_exit - dead.t_ready if dead.t_ready is not None else 0.0
-            quick[k] = 0 if served >= CRASH_LOOP_S else quick.get(k, 0) + 1
-            if quick[k] > self.cfg.worker_respawns:
+            if blameless:
+                if quick.get(k, 0) > self.cfg.worker_respawns:
+                    return
+            else:
+                served = t_exit - dead.t_ready if dead.t_ready is not None else 0.0
+                quick[k] = 0 if served >= CRASH_LOOP_S else quick.get(k, 0) + 1
+            if quick.get(k, 0) > self.cfg.worker_respawns:
                 print(f"pipeline: worker {k} exited {quick[k]} times in a row within {CRASH_LOOP_S:g} s of "
                       f"serving: not replaced again, it stays down", file=sys.stderr, flush=True)
                 return
@@ -781,6 +896,74 @@ class Pipeline:
                   f"replayed on the others", file=sys.stderr, flush=True)
             return k
 
+        def new_heir(lost: WorkerSpawner) -> WorkerSpawner | None:
+            """An heir for the spawner, `lost` (the spawner or heir it replaces) gone; None once they
+            go in a row soon after they start (a crash loop): then the spawner's death is the end."""
+            age = time.monotonic() - lost.t_start
+            quick_spawners[0] = 0 if age >= CRASH_LOOP_S else quick_spawners[0] + 1
+            if quick_spawners[0] > self.cfg.worker_respawns:
+                print(f"pipeline: {quick_spawners[0]} worker spawners or heirs lost in a row within "
+                      f"{CRASH_LOOP_S:g} s of starting: no new heir (if the spawner dies, every worker "
+                      f"stays down)", file=sys.stderr, flush=True)
+                return None
+            try:
+                return self._spawner.spawn_heir()
+            except Exception as e:
+                print(f"pipeline: the worker spawner could not fork an heir ({type(e).__name__}: {e})",
+                      file=sys.stderr, flush=True)
+                return None
+
+        def heir_lost():
+            """The standby heir exited (it never speaks unasked: its end reads EOF): a new one."""
+            lost, self._heir = self._heir, None
+            self._dead_spawners.append(lost)
+            print(f"pipeline: the worker spawner's heir (pid {lost.pid}) exited: forking another",
+                  file=sys.stderr, flush=True)
+            self._heir = new_heir(lost)
+
+        def take_over(seen: dict) -> bool:
+            """The spawner died, and its workers with it (they die with their parent): each is
+            marked down once gone, so nothing the router replays runs twice; then the heir becomes
+            the spawner and forks them again. False if there is no heir: they stay down."""
+            dead, heir = self._spawner, self._heir
+            t = time.monotonic()
+            for event in dead.unread():            # what it said before it went
+                if event[0] == "exit":
+                    on_event(*event)
+            gone = [w for w in self.workers if w.exitcode is None]
+            left = join_all(gone, REAP_WAIT_S)
+            for w in left:
+                w.kill()
+            join_all(left, REAP_WAIT_S)
+            for k, w in enumerate(self.workers):
+                if w in gone:
+                    self.router.set_up(k, False)
+                    w.exitcode = -signal.SIGKILL   # its spawner's death's signal (not ours to reap)
+                    self.worker_exits.append((k, w.exitcode))
+            code = dead.exitcode()
+            self._dead_spawners.append(dead)
+            self.spawner_takeovers.append({"pid": dead.pid, "code": code, "t_exit": t, "workers": len(gone),
+                                           "heir": heir.pid if heir is not None else None})
+            said = (f"pipeline: the worker spawner (pid {dead.pid}) died" + (f" (code {code})" if code is not None
+                    else "") + f": its {len(gone)} worker(s) with it, marked down, their unfinished requests "
+                    f"replayed (503 while no worker is up)")
+            if heir is None or heir.exited():
+                if heir is not None:
+                    self._heir = None
+                    self._dead_spawners.append(heir)
+                print(f"{said}; no heir: they stay down", file=sys.stderr, flush=True)
+                return False
+            print(f"{said}; its heir (pid {heir.pid}) takes over and forks them again", file=sys.stderr, flush=True)
+            self._spawner, self._heir, heir.t_start = heir, None, t
+            self._heir = new_heir(dead)
+            for k in range(len(self.workers)):
+                try:
+                    replace(k, t, seen, blameless=True)
+                except Exception as e:
+                    print(f"pipeline: worker {k} could not be replaced ({type(e).__name__}: {e}): it "
+                          f"stays down", file=sys.stderr, flush=True)
+            return True
+
         def one_pass(seen: dict) -> bool:
             """False once the pipeline is being torn down."""
             if not self._spawner.pending():
@@ -788,9 +971,12 @@ class Pipeline:
                 # timeout one stuck before its ready sent no event, and was never killed (review)
                 starting = any(not w.ready and w.replacing is not None for w in self.workers)
                 timeout = min(1.0, hang_s / 4) if hang_s > 0 else 1.0 if starting else None
-                ready = wait([self._spawner.conn, wake_r], timeout=timeout)
+                heir = [self._heir.conn] if self._heir is not None else []
+                ready = wait([self._spawner.conn, wake_r, *heir], timeout=timeout)
                 if wake_r in ready:
                     return False                   # teardown: the workers are being stopped
+            if self._heir is not None and self._heir.conn.poll(0) and not stopping.is_set():
+                heir_lost()
             events = self._spawner.events()
             if stopping.is_set():
                 return False
@@ -826,10 +1012,8 @@ class Pipeline:
                     if not one_pass(seen):
                         return
                 except EOFError:                   # the spawner died, and its workers with it
-                    for k in range(len(self.workers)):
-                        self.router.set_up(k, False)
-                    print("pipeline: the worker spawner died: every worker marked down", file=sys.stderr, flush=True)
-                    return
+                    if stopping.is_set() or not take_over(seen):
+                        return
                 except Exception as e:             # the watcher must outlive one bad pass
                     if stopping.is_set():
                         return
@@ -866,6 +1050,20 @@ class Pipeline:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"worker {k} was killed but the watcher had not seen it exit after {timeout_s:g} s")
             time.sleep(0.01)
+
+    def kill_spawner(self, timeout_s: float = 10.0) -> dict:
+        """SIGKILL the worker spawner, as a crash would: its workers die with it, the watcher
+        marks them down and its heir takes over (or, with no heir, they stay down). Returns once
+        it has: its entry in spawner_takeovers."""
+        n = len(self.spawner_takeovers)
+        signal.pidfd_send_signal(self._spawner.pidfd, signal.SIGKILL)   # (its pipe then reads EOF)
+        deadline = time.monotonic() + timeout_s
+        while len(self.spawner_takeovers) == n:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the worker spawner was killed but the watcher had not seen it die after "
+                                   f"{timeout_s:g} s")
+            time.sleep(0.01)
+        return self.spawner_takeovers[n]
 
     # --- load -------------------------------------------------------------------------------
     def offer(self, rate: float, count: int, prompt_tokens: int = 64, max_output_tokens: int = 4,

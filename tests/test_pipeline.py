@@ -6,6 +6,7 @@ import os
 import signal
 import threading
 import time
+from unittest.mock import ANY
 
 import numpy as np
 import pytest
@@ -125,6 +126,92 @@ def test_killed_workers_are_replaced_by_fresh_processes_until_their_limit():
         assert r["resp_ok"] == 20 and r["unanswered"] == 0, r["by_status"]
         assert p.worker_exits == [(0, -signal.SIGKILL), (1, -signal.SIGKILL), (1, -signal.SIGKILL)]
     assert p._spawner.proc.exitcode == 0         # it saw the pipeline close its end: not killed
+
+
+@pytest.mark.root
+@pytest.mark.bpf
+def test_a_spawner_that_dies_is_taken_over_by_its_heir_which_forks_every_worker_again():
+    """The worker spawner was one process: killed, it took every worker with it, none replaced,
+    and every later request was answered 503 (a review's probe: 19 of 80 answered). Now its
+    heir, a standby spawner it forked, takes its place: the workers are marked down once gone
+    (their requests replayed or refused, none unanswered), forked again, and serve; a new heir
+    stands by, and a standby heir that dies is replaced. None of them outlives the pipeline."""
+    procs = []
+    with fresh_store() as store, Pipeline(_config(workers=2, shared_store=store)) as p:
+        p.offer(20, 10, sessions=10)
+        spawner, heir = p._spawner, p._heir
+        procs += [spawner.pid, heir.pid, *(w.pid for w in p.workers)]
+        out = {}
+        load = threading.Thread(target=lambda: out.update(
+            r=p.offer(20, 60, max_output_tokens=16, sessions=20, drain_s=10)))
+        load.start()
+        time.sleep(1.0)
+        os.kill(spawner.pid, signal.SIGKILL)
+        load.join(120)
+        r = out["r"]
+        assert r["requests"] == 60 and r["unanswered"] == 0 and set(r["by_status"]) <= {200, 503}, r["by_status"]
+        assert r["by_status"][200] >= 40, r["by_status"]          # (503: only while no worker was up)
+
+        def replaced(n):
+            deadline = time.monotonic() + 30
+            while not (len(p.worker_replacements) == n and all(x["t_up"] for x in p.worker_replacements)):
+                assert time.monotonic() < deadline, p.worker_replacements
+                time.sleep(0.01)
+        replaced(2)
+        assert p.spawner_takeovers == [{"pid": spawner.pid, "code": -signal.SIGKILL, "t_exit": ANY, "workers": 2,
+                                        "heir": heir.pid}]
+        assert sorted(p.worker_exits) == [(0, -signal.SIGKILL), (1, -signal.SIGKILL)]
+        assert p._spawner is heir and p._heir is not None and p._heir.pid not in procs
+        assert p.offer(20, 20, sessions=20)["by_status"] == {200: 20}
+        standby = p._heir.pid
+        os.kill(standby, signal.SIGKILL)                # the standby heir dies: another is forked
+        deadline = time.monotonic() + 10
+        while p._heir is None or p._heir.pid == standby:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        second = p._spawner.pid
+        procs += [standby, second, p._heir.pid, *(w.pid for w in p.workers)]
+        os.kill(second, signal.SIGKILL)                 # and the heir, now the spawner, dies in turn
+        replaced(4)
+        assert [t["pid"] for t in p.spawner_takeovers] == [spawner.pid, second]
+        assert p.offer(20, 20, sessions=20)["by_status"] == {200: 20}
+        procs += [p._spawner.pid, p._heir.pid, *(w.pid for w in p.workers)]
+    deadline = time.monotonic() + 10
+    while not all(_gone(x) for x in procs):
+        assert time.monotonic() < deadline, [x for x in procs if not _gone(x)]
+        time.sleep(0.02)
+
+
+@pytest.mark.root
+@pytest.mark.bpf
+def test_spawners_lost_in_a_row_soon_after_starting_stop_at_the_respawn_limit():
+    """Heirs are bounded as workers are (worker_respawns in a row, each lost within
+    CRASH_LOOP_S of starting): past it there is no heir, and the spawner's death leaves every
+    worker down, said once; with worker_respawns 0 no heir is forked at all."""
+    with Pipeline(_config(workers=1, worker_respawns=1)) as p:
+        first = p._heir.pid
+        os.kill(first, signal.SIGKILL)                  # lost 1 in a row: a new one
+        deadline = time.monotonic() + 10
+        while p._heir is None or p._heir.pid == first:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        os.kill(p._heir.pid, signal.SIGKILL)            # lost 2 in a row: past the limit
+        deadline = time.monotonic() + 10
+        while p._heir is not None:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        os.kill(p._spawner.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while not p.spawner_takeovers:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        time.sleep(0.5)
+        assert p.spawner_takeovers[0]["heir"] is None and p.worker_replacements == []
+        assert p.router.worker_stats(0)["up"] == 0 and p.worker_exits == [(0, -signal.SIGKILL)]
+        r = p.offer(20, 5, sessions=5)
+        assert r["by_status"] == {503: 5}, r["by_status"]
+    with Pipeline(_config(workers=1, worker_respawns=0)) as p:
+        assert p._heir is None
 
 
 @pytest.mark.root
@@ -298,14 +385,50 @@ def test_a_child_whose_parent_is_not_the_one_it_was_given_exits_at_once():
 
 def test_a_spawner_that_died_is_named_not_a_bare_eoferror():
     from datapath.pipeline import SharedFlag, WorkerSpawner
-    spawner = WorkerSpawner([], None, [], None, SharedFlag())
+    spawner = WorkerSpawner.start([], None, [], None, SharedFlag())
     try:
-        spawner.proc.kill()
+        os.kill(spawner.pid, signal.SIGKILL)
         spawner.proc.join(10)
-        with pytest.raises(RuntimeError, match=r"the worker spawner exited while forking worker 0 \(code -9\)"):
+        with pytest.raises(RuntimeError, match=r"the worker spawner \(pid \d+\) exited when asked to fork worker 0 "
+                                               r"\(code -9\)"):
             spawner.spawn(0, "no-lane", timeout_s=5)
     finally:
         spawner.close()
+
+
+def _gone(pid: int) -> bool:
+    """Exited (a zombie too: an orphan's reaper is init's business)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_a_spawner_and_its_heir_exit_when_the_pipeline_process_dies_without_closing_them():
+    """An heir is forked by the spawner, not the pipeline, and outlives the spawner by design: it
+    must still go when the pipeline does (it watches the pipeline's pidfd), as must the spawner."""
+    from datapath.pipeline import SharedFlag, WorkerSpawner
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:                                     # the "pipeline": starts both, then dies unclean
+        code = 1
+        try:
+            os.close(r)
+            spawner = WorkerSpawner.start([], None, [], None, SharedFlag())
+            heir = spawner.spawn_heir(timeout_s=10)
+            os.write(w, f"{spawner.pid} {heir.pid}".encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r) as f:
+        pids = [int(x) for x in f.read().split()]
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0 and len(pids) == 2
+    deadline = time.monotonic() + 10
+    while not all(_gone(x) for x in pids):
+        assert time.monotonic() < deadline, [x for x in pids if not _gone(x)]
+        time.sleep(0.02)
 
 
 def test_workers_that_do_not_stop_are_waited_for_under_one_deadline_not_one_each(monkeypatch):
@@ -319,7 +442,7 @@ def test_workers_that_do_not_stop_are_waited_for_under_one_deadline_not_one_each
     kids = [subprocess.Popen(["sleep", "60"]) for _ in range(4)]          # they ignore the stop flag
     procs = [WorkerProcess(k, k, c.pid, os.pidfd_open(c.pid)) for k, c in enumerate(kids)]
     p = Pipeline.__new__(Pipeline)
-    p._stop_workers, p.workers, p._retired, p._spawner = SharedFlag(), procs, [], None
+    p._stop_workers, p.workers, p._retired, p._spawner, p._heir, p._dead_spawners = SharedFlag(), procs, [], None, None, []
     reaped = False
     try:
         assert join_all(procs, 0) == procs and join_all([], None) == []
@@ -506,7 +629,8 @@ def test_the_teardown_closes_every_pidfd_whatever_one_of_them_raises(monkeypatch
     procs = [WorkerProcess(k, k, c.pid, os.pidfd_open(c.pid)) for k, c in enumerate(kids)]
     first = procs[0].pidfd
     p = Pipeline.__new__(Pipeline)
-    p._stop_workers, p.workers, p._retired, p._spawner = SharedFlag(), procs[:2], procs[2:], None
+    p._stop_workers, p.workers, p._retired = SharedFlag(), procs[:2], procs[2:]
+    p._spawner, p._heir, p._dead_spawners = None, None, []
     real_close = os.close
 
     def close(fd):
