@@ -37,7 +37,7 @@
 
 struct dp_workers {
     uint32_t n;                          /* workers 0..n-1 */
-    uint32_t total_depth;                /* sum of depth[] (kept by the router) */
+    uint32_t total_depth;                /* sum of depth[] over the workers up[] (kept by the router) */
     uint64_t generation;                 /* bumped when n, up[] or weight[] change */
     uint64_t membership;                 /* bumped only when an index may come to mean another worker (one
                                           * added, or moved between pools): what a policy learnt per index
@@ -45,7 +45,7 @@ struct dp_workers {
     uint32_t depth[DP_MAX_WORKERS];      /* chunks queued for or in flight on each worker */
     uint32_t tokens[DP_MAX_WORKERS];     /* the same in tokens: each such chunk's prompt tokens (until its
                                           * last piece is done), one per request decoding (its next step) */
-    uint64_t total_tokens;               /* sum of tokens[] (kept by the router) */
+    uint64_t total_tokens;               /* sum of tokens[] over the workers up[] (kept by the router) */
     uint32_t weight[DP_MAX_WORKERS];     /* relative share for `weighted`, set live from Python */
     uint8_t up[DP_MAX_WORKERS];          /* 1 if up and not stalled (router.c, find_stalls): accepting work */
     uint16_t id[DP_MAX_WORKERS];         /* each worker's own name (the router's index of it): what a policy

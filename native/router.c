@@ -392,7 +392,9 @@ static uint32_t fifo_pop(struct dp_router *rt, struct worker *w)
 }
 
 /* A worker's depth moves by d chunks and tok tokens (the policies' view: policy.h), in the router's
- * view and its pool's alike. */
+ * view and its pool's alike. A pool view's totals count only the workers it shows up: a hidden
+ * worker's queue is no load the others can share (counted, it raised affinity's mean, and so its
+ * load bound, for the workers left). */
 static void depth_add(struct dp_router *rt, int worker, int32_t d, int32_t tok)
 {
     struct worker *w = &rt->w[worker];
@@ -402,9 +404,11 @@ static void depth_add(struct dp_router *rt, int worker, int32_t d, int32_t tok)
     rt->view.tokens[worker] += (uint32_t)tok;
     rt->view.total_tokens += (uint64_t)(int64_t)tok;
     pv->depth[w->local] += (uint32_t)d;
-    pv->total_depth += (uint32_t)d;
     pv->tokens[w->local] += (uint32_t)tok;
-    pv->total_tokens += (uint64_t)(int64_t)tok;
+    if (pv->up[w->local]) {
+        pv->total_depth += (uint32_t)d;
+        pv->total_tokens += (uint64_t)(int64_t)tok;
+    }
     w->st.depth = rt->view.depth[worker];
     w->st.queued_tokens = rt->view.tokens[worker];
 }
@@ -449,11 +453,11 @@ static void rebuild_pools(struct dp_router *rt)
         w->local = (uint16_t)i;
         pv->depth[i] = rt->view.depth[k];
         pv->tokens[i] = rt->view.tokens[k];
-        pv->total_tokens += pv->tokens[i];
         pv->weight[i] = rt->view.weight[k];
         pv->up[i] = rt->view.up[k] && !stall_hides(w, brisk);
         pv->id[i] = (uint16_t)k;
-        pv->total_depth += pv->depth[i];
+        pv->total_depth += pv->up[i] ? pv->depth[i] : 0;        /* (depth_add) */
+        pv->total_tokens += pv->up[i] ? pv->tokens[i] : 0;
     }
     for (uint32_t p = 0; p < DP_MAX_POOLS; p++)
         rt->pools[p].view.membership += rt->pools[p].view.n < was[p];
@@ -465,18 +469,6 @@ static uint32_t pool_up(const struct pool *pl)
     for (uint32_t i = 0; i < pl->view.n; i++)
         up += pl->view.up[i];
     return up;
-}
-
-/* The depth of the pool's workers its view shows up: a down one has none left (failover), a
- * hidden one's (stalled: what waits for it) is no room the others lack. Counted whole, a stalled
- * worker's two chunks filled a pool of room 2 a worker, and every new request went to a dearer
- * pool past the cheap one's idle worker (review). */
-static uint64_t up_depth(const struct pool *pl)
-{
-    uint64_t d = 0;
-    for (uint32_t i = 0; i < pl->view.n; i++)
-        d += pl->view.up[i] ? pl->view.depth[i] : 0;
-    return d;
 }
 
 /* The placement rule (router.h): the cheapest pool with an up worker and room; for a request
@@ -493,7 +485,10 @@ static int choose_pool(const struct dp_router *rt, int spill, int *spilled)
         uint32_t up = pool_up(pl);
         if (!up)
             continue;
-        int room = !pl->room || up_depth(pl) < (uint64_t)pl->room * up;
+        /* total_depth is of the workers the view shows up (depth_add): a hidden one's queue is no
+         * room the others lack (counted, a stalled worker's two chunks filled a pool of room 2 a
+         * worker, and every new request went to a dearer pool past the cheap one's idle worker) */
+        int room = !pl->room || pl->view.total_depth < (uint64_t)pl->room * up;
         if (healthy < 0)
             healthy = p;
         else if (secondary < 0)

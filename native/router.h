@@ -157,7 +157,7 @@ struct dp_pool_stats {
     uint64_t spilled;           /* of them, throttled here from the primary */
     uint32_t price_per_1k;      /* micro-USD per 1,000 tokens: the placement order */
     uint32_t room_per_worker;   /* chunks queued per up worker before the next pool is used (0: no limit) */
-    uint32_t workers, up, depth;
+    uint32_t workers, up, depth;  /* depth: chunks queued on or in flight to its workers up (not a hidden one) */
 };
 
 struct dp_router;

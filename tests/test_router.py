@@ -1588,6 +1588,40 @@ def test_a_stalled_worker_s_queue_takes_no_room_from_its_pool(bench_factory):
     answer(b, 0, held)
 
 
+def test_a_stalled_worker_s_queue_does_not_loosen_affinity_s_load_bound_for_the_others(bench_factory):
+    """A pool's view counts only its up workers' depth in its totals: counted, a hidden worker's
+    32-chunk batch raised affinity's mean, and its bound (1.25 x the mean + 1) let one worker
+    take every new session that hashed to it (21 chunks) while the other stood idle."""
+    probe = bench_factory(n_workers=3, policy="affinity")
+    probe.router.set_up(0, False)
+    to_1 = []                                         # sessions that, unloaded, go to worker 1 of {1, 2}
+    for sid in range(1000, 1200):
+        probe.send(chunks_of(sid, [1, 2, 3], max_out=1, session=sid))
+        probe.router.poll()
+        if probe.step(1) is not None:
+            to_1.append(sid)
+        probe.step(2)
+    assert len(to_1) >= 12
+    b = bench_factory(n_workers=3, policy="affinity", stall_s=0.2)
+    b.router.set_up(1, False)
+    b.router.set_up(2, False)
+    b.send(*[chunks_of(rid, [1, 2, 3], max_out=1) for rid in range(1, 33)])
+    b.router.poll()
+    held = b.workers[0].recv_batch(0)                 # 32 chunks, held: worker 0 says nothing
+    assert len(held) == 32
+    b.router.set_up(1, True)
+    b.router.set_up(2, True)
+    until_stalled(b, 0)
+    assert b.router.worker_stats(0)["depth"] == 32 and b.router.pool_stats(0)["depth"] == 0
+    for sid in to_1[:12]:
+        b.send(chunks_of(sid, [1, 2, 3], max_out=1, session=sid))
+    b.router.poll()
+    depth = [b.router.worker_stats(k)["depth"] for k in (1, 2)]
+    assert b.router.pool_stats(0)["depth"] == 12
+    assert depth[0] <= 1.25 * 6 + 1 and depth[1] >= 4, depth     # 8 and 4 (12 and 0 counting worker 0)
+    answer(b, 0, held)
+
+
 def test_a_stop_lengthens_the_patience_a_little_and_a_replacement_starts_afresh(bench_factory):
     """A stalled batch's time is learnt only up to the wait it was found stalled at: learnt whole, a
     stop of 7.5 s put the next stall past the 30 s hang kill for dozens of answers, and a dead
