@@ -3,6 +3,8 @@
 Measured in one run (two pinned processes on cores 0 and 1 where there are two):
   references.pingpong_oneway_ns       a bare cache-line ping-pong between two pinned threads (round trip / 2),
                                       the median of three runs taken in turn with the ring's latency runs
+  references.pingpong_2line_oneway_ns the same on two lines, each side storing to the line the other polls (as
+                                      a one-way hand-off's writer and reader), no clock read; in turn too
   references.handoff_oneway_p50|p99_ns  a bare cache line handed from one pinned process to the other,
                                       stamped as the ring's records are: the same method, without the ring
   metrics.ring_op_ns_bulk1|8|32       enqueue+dequeue per 64-byte record, one thread
@@ -73,14 +75,15 @@ def _name(what):
     return f"bench{os.getpid()}-{what}-{next(_seq)}"
 
 
-def pingpong_oneway_ns(rounds: int, cpus: tuple[int, int] | None = None) -> float:
+def pingpong_oneway_ns(rounds: int, cpus: tuple[int, int] | None = None, two_lines: bool = False) -> float:
     """The bare cross-core hand-off: one cache line between two pinned threads (the median of
-    timed blocks, the first, start-up, left out: native/ring_bench.c). The calling thread's
-    affinity is restored afterwards."""
+    timed blocks, the first, start-up, left out: native/ring_bench.c); two_lines, each side
+    polls one line and stores to the other, as a one-way hand-off's two ends do. The calling
+    thread's affinity is restored afterwards."""
     a, b = cpus or _cores()
     affinity = os.sched_getaffinity(0)
     try:
-        ns = lib.dp_pingpong_oneway_ns(rounds, a, b, 60 * SEC)
+        ns = lib.dp_pingpong_oneway_ns(rounds, a, b, 60 * SEC, int(two_lines))
     finally:
         os.sched_setaffinity(0, affinity)
     if ns < 0:
@@ -250,14 +253,17 @@ def run(report, args):
     # the ring and its references in turn, three times each: a slow spell falls on all of them
     # (a ping-pong measured once, minutes from the ring's runs, read 217 ns beside a 70 ns ring)
     n = 25_000 if quick else 250_000
-    lat, bare, pp = [], [], []
+    lat, bare, pp, pp2 = [], [], [], []
     for _ in range(3):
         lat.append(ring_oneway_ns(n))
         bare.append(handoff_oneway_ns(n))
         pp.append(pingpong_oneway_ns(200_000 if quick else 1_000_000))
+        pp2.append(pingpong_oneway_ns(200_000 if quick else 1_000_000, two_lines=True))
     lat, bare = np.concatenate(lat), np.concatenate(bare)
     report.reference("pingpong_oneway_ns", float(np.median(pp)), "ns")
-    report.note(f"ping-pong one-way, the three runs: {', '.join(f'{x:.1f}' for x in pp)} ns")
+    report.reference("pingpong_2line_oneway_ns", float(np.median(pp2)), "ns")
+    report.note(f"ping-pong one-way, the three runs: {', '.join(f'{x:.1f}' for x in pp)} ns; on two lines: "
+                f"{', '.join(f'{x:.1f}' for x in pp2)} ns")
     for q, name in ((50, "p50"), (99, "p99"), (99.9, "p999")):
         report.metric(f"ring_oneway_{name}_ns", percentile(lat, q), "ns")
     report.reference("handoff_oneway_p50_ns", percentile(bare, 50), "ns")
@@ -308,8 +314,12 @@ def run(report, args):
         report.metric(f"lane_batch_us_{kind}", lane_batch_us(kind, rounds), "us")
     report.note("lane_batch_us_*: a Python driver and a Python echo worker on each side, per batch (never per chunk)")
     report.ratio("ring_oneway_p50_ns", "pingpong_oneway_ns")
+    report.ratio("ring_oneway_p50_ns", "pingpong_2line_oneway_ns")
     report.ratio("ring_oneway_p50_ns", "handoff_oneway_p50_ns")
     report.ratio("ring_oneway_p99_ns", "handoff_oneway_p99_ns")
     report.note("ring_oneway against handoff_oneway: the same stamped method (a clock read at each end), so "
                 "the ratio is the ring's own cost; against the ping-pong's round trip / 2, which reads no "
-                "clock per hand-off, it also carries the stamping")
+                "clock per hand-off, it also carries the stamping. The ping-pong stores to the line it has just "
+                "read, owned once read: a hop is one line transfer. A one-way hand-off's writer stores to a line "
+                "its reader polls, which it must take back first: two. pingpong_2line_oneway_ns is that "
+                "ping-pong on two lines, each side storing to the one the other polls, no clock read")

@@ -197,13 +197,19 @@ double dp_ring_op_ns(struct dp_ring *r, uint32_t bulk, uint64_t items, uint32_t 
  * reference for a cross-core hand-off. The rounds run in PP_BLOCKS blocks, each timed; the
  * figure is the median block's one-way ns. The first block is not counted: it holds the
  * threads' start and pinning (timed from before the other side existed, a 200k-round run
- * read 219 ns against 29 ns), and the median keeps a descheduled block out. -1 on timeout. */
+ * read 219 ns against 29 ns), and the median keeps a descheduled block out. -1 on timeout.
+ *
+ * two_lines: A serves on one line and B returns on another, as a one-way hand-off's reader polls
+ * the line its writer stores to. On one line each side stores to the line it has just read,
+ * whose ownership came with it: a hop is one line transfer. On two, a side's store must first
+ * take its line back from the other's polling, then the other's next read fetch it: two. */
 #define PP_BLOCKS 33
 
 struct pingpong {
-    _Alignas(64) uint64_t ball;   /* odd: A served, even: B returned */
-    _Alignas(64) uint64_t rounds;
-    int cpu, stop;
+    _Alignas(128) uint64_t ball;  /* odd: A served, even: B returned (on one line) */
+    _Alignas(128) uint64_t back;  /* B's return, on two lines (128 B apart: not one prefetch pair) */
+    _Alignas(128) uint64_t rounds;
+    int cpu, stop, two_lines;
 };
 
 static void pin_self(int cpu)
@@ -217,6 +223,7 @@ static void pin_self(int cpu)
 static void *pong(void *arg)
 {
     struct pingpong *p = arg;
+    uint64_t *out = p->two_lines ? &p->back : &p->ball;
     pin_self(p->cpu);
     for (uint64_t r = 0; r < p->rounds; r++) {
         while (__atomic_load_n(&p->ball, __ATOMIC_ACQUIRE) != 2 * r + 1) {
@@ -224,7 +231,7 @@ static void *pong(void *arg)
             if (__atomic_load_n(&p->stop, __ATOMIC_RELAXED))
                 return NULL;
         }
-        __atomic_store_n(&p->ball, 2 * r + 2, __ATOMIC_RELEASE);
+        __atomic_store_n(out, 2 * r + 2, __ATOMIC_RELEASE);
     }
     return NULL;
 }
@@ -235,36 +242,44 @@ static int cmp_double(const void *a, const void *b)
     return (x > y) - (x < y);
 }
 
-double dp_pingpong_oneway_ns(uint64_t rounds, int cpu_a, int cpu_b, uint64_t timeout_ns)
+double dp_pingpong_oneway_ns(uint64_t rounds, int cpu_a, int cpu_b, uint64_t timeout_ns, int two_lines)
 {
     uint64_t per = rounds / PP_BLOCKS;
-    struct pingpong p = { .ball = 0, .rounds = per * PP_BLOCKS, .cpu = cpu_b };
-    double block[PP_BLOCKS];
+    double block[PP_BLOCKS], ns = -1;
     pthread_t t;
-
-    if (!per || pthread_create(&t, NULL, pong, &p))
+    /* not on this stack: a call's frame (the deadline's clock read) stored beside the ball */
+    struct pingpong *p = aligned_alloc(128, sizeof(*p));
+    if (!p)
         return -1;
+    *p = (struct pingpong){ .ball = 0, .rounds = per * PP_BLOCKS, .cpu = cpu_b, .two_lines = two_lines };
+    const uint64_t *in = two_lines ? &p->back : &p->ball;
+    if (!per || pthread_create(&t, NULL, pong, p)) {
+        free(p);
+        return -1;
+    }
     pin_self(cpu_a);
     uint64_t deadline = now_ns() + timeout_ns, r = 0;
     for (int b = 0; b < PP_BLOCKS; b++) {
         uint64_t t0 = now_ns();
         for (uint64_t end = r + per; r < end; r++) {
             unsigned spins = 0;
-            __atomic_store_n(&p.ball, 2 * r + 1, __ATOMIC_RELEASE);
-            while (__atomic_load_n(&p.ball, __ATOMIC_ACQUIRE) != 2 * r + 2) {
+            __atomic_store_n(&p->ball, 2 * r + 1, __ATOMIC_RELEASE);
+            while (__atomic_load_n(in, __ATOMIC_ACQUIRE) != 2 * r + 2) {
                 relax();
                 if ((++spins & 4095) == 0 && now_ns() > deadline) {
-                    __atomic_store_n(&p.stop, 1, __ATOMIC_RELAXED);
-                    pthread_join(t, NULL);
-                    return -1;
+                    __atomic_store_n(&p->stop, 1, __ATOMIC_RELAXED);
+                    goto out;
                 }
             }
         }
         block[b] = (double)(now_ns() - t0) / (2.0 * (double)per);
     }
-    pthread_join(t, NULL);
     qsort(block + 1, PP_BLOCKS - 1, sizeof(double), cmp_double);
-    return block[1 + (PP_BLOCKS - 1) / 2];
+    ns = block[1 + (PP_BLOCKS - 1) / 2];
+out:
+    pthread_join(t, NULL);
+    free(p);
+    return ns;
 }
 
 /* One-way latency: the producer stamps a record and commits it only when the

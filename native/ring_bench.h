@@ -18,8 +18,9 @@ uint64_t dp_whole_consume(struct dp_ring *r, uint64_t commits, uint64_t timeout_
 uint32_t dp_ring_torn_commit(struct dp_ring *r, uint32_t n, uint32_t published);
 double dp_ring_op_ns(struct dp_ring *r, uint32_t bulk, uint64_t items, uint32_t rec_len);
 double dp_copy_ns(uint32_t rec_len, uint32_t slot_size, uint32_t slots, uint64_t n);
-/* one-way ns of a cache-line ping-pong between two threads pinned to cpu_a and cpu_b (median block) */
-double dp_pingpong_oneway_ns(uint64_t rounds, int cpu_a, int cpu_b, uint64_t timeout_ns);
+/* one-way ns of a cache-line ping-pong between two threads pinned to cpu_a and cpu_b (median block);
+ * two_lines: each side polls one line and stores to the other, as a one-way hand-off's two ends */
+double dp_pingpong_oneway_ns(uint64_t rounds, int cpu_a, int cpu_b, uint64_t timeout_ns, int two_lines);
 uint64_t dp_latency_produce(struct dp_ring *r, uint64_t n, uint64_t gap_ns, uint64_t timeout_ns);
 uint64_t dp_latency_consume(struct dp_ring *r, uint64_t n, uint64_t *samples, uint64_t timeout_ns);
 /* The same stamped one-way hand-off on a bare cache line (shared: DP_HANDOFF_BYTES, zeroed, shared by

@@ -277,6 +277,8 @@ def test_ring_suite_reports_every_figure(tmp_path):
     assert data["references"]["handoff_oneway_p50_ns"] > 0
     assert data["ratios"]["ring_oneway_p50_ns_vs_handoff_oneway_p50_ns"] > 0
     assert data["ratios"]["ring_oneway_p99_ns_vs_handoff_oneway_p99_ns"] > 0
+    assert data["references"]["pingpong_2line_oneway_ns"] > 0
+    assert data["ratios"]["ring_oneway_p50_ns_vs_pingpong_2line_oneway_ns"] > 0
     assert all(data["references"][f"policy_random_ns_{n}"] > 0 for n in (4, 16, 64, 256))
     assert data["ratios"]["policy_ns_affinity_256_vs_policy_random_ns_256"] > 0
     assert data["ratios"]["adm_decide_new_tenant_65535_ns_vs_adm_decide_new_tenant_0_ns"] > 0
