@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import mmap
 import multiprocessing
 import numbers
@@ -223,12 +224,20 @@ def _worker_main(lane_name: str, options, store_factory, trace_buf, slowdown_slo
             store.close()
 
 
-def _spawner_main(conn, parent_end, specs, store_factory, traces, slowdowns, stop, parent, pipeline_fd=None):
+class _BecomeHeir(BaseException):
+    """Raised in a freshly forked heir, out of the loop of the spawner it was forked from, which
+    it leaves behind for a loop of its own: so a generation of heirs adds nothing to the stack."""
+
+    def __init__(self, conn):
+        self.conn = conn
+
+
+def _spawner_main(conn, parent_end, specs, store_factory, traces, slowdowns, stop, parent):
     """The process that forks the workers (WorkerSpawner), itself forked while the pipeline had one
     thread: a worker forked later from the pipeline (a replacement) would copy a process whose poll
     loop, watcher and client threads may hold locks (stdio's, the allocator's) that no thread of
-    the child ever releases. It exits when the pipeline closes its end or exits (pipeline_fd, a
-    pidfd of it), and its workers die with it (child_of_this_process).
+    the child ever releases. It exits when the pipeline closes its end or exits (a pidfd of it
+    watched), and its workers die with it (child_of_this_process).
 
     Requests: ("spawn", sid, k, lane name), ("heir", sid). Messages back: ("spawned", sid, pid)
     followed by the worker's pidfd (SCM_RIGHTS: opened here, before this process can reap it, so
@@ -237,44 +246,48 @@ def _spawner_main(conn, parent_end, specs, store_factory, traces, slowdowns, sto
     end of a fresh pipe and its pidfd; ("failed", sid, why) if it could not fork (or open a
     pidfd). An heir is a spawner forked from this one (which has one thread too), idle until
     this one dies: then the pipeline makes it the spawner and has it fork the workers again.
-    The heir outlives its parent: it is tied to the pipeline, not to the spawner."""
+    The heir outlives its parent (a fork does not inherit the parent's death signal): it is
+    tied to the pipeline, not to the spawner."""
+    parent_end.close()                               # else the pipeline's close() is no EOF here
+    child_of_this_process(parent)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)    # not the pipeline's unwinding handler
+    try:
+        pipeline_fd = os.pidfd_open(parent)
+    except ProcessLookupError:
+        os._exit(1)
+    while True:
+        try:
+            _spawner_loop(conn, specs, store_factory, traces, slowdowns, stop, parent, pipeline_fd)
+        except _BecomeHeir as heir:                  # this process is a new heir, on its own pipe
+            conn = heir.conn
+
+
+def _spawner_loop(conn, specs, store_factory, traces, slowdowns, stop, parent, pipeline_fd):
+    """_spawner_main's requests until the pipeline is gone (then the process exits); raises
+    _BecomeHeir in an heir it forks."""
     import traceback
     from multiprocessing.connection import Pipe, wait
     from multiprocessing.reduction import send_handle
     me = os.getpid()
-    parent_end.close()                               # else the pipeline's close() is no EOF here
-    if pipeline_fd is None:                          # the first spawner: the pipeline's own child
-        child_of_this_process(parent)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)   # not the pipeline's unwinding handler
-        try:
-            pipeline_fd = os.pidfd_open(parent)
-        except ProcessLookupError:
-            os._exit(1)
     children: dict[int, tuple[int, int]] = {}        # pidfd -> (sid, pid)
     waiting: dict[int, int] = {}                     # a child's ready pipe -> sid
     heirs: dict[int, int] = {}                       # an heir's pidfd -> pid (reaped here if it dies first)
 
-    def fork_child(sid: int, run) -> int | None:
-        """fork, then in the child, with every fd of this loop closed, exit with run()'s code; the
-        child's pid, None if it could not fork."""
+    def fork(sid: int) -> int | None:
+        """os.fork; in the child, this loop's fds closed (pipeline_fd kept); None (said to the
+        pipeline) if it could not."""
         try:
             pid = os.fork()
         except OSError as e:                 # (out of memory, of processes): this one
             conn.send(("failed", sid, f"{type(e).__name__}: {e}"))
             return None
         if pid == 0:
-            code = 1
             try:
                 conn.close()
                 for fd in (*children, *waiting, *heirs):
                     os.close(fd)
-                code = run()
             except BaseException:
-                traceback.print_exc()
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
+                os._exit(1)
         return pid
 
     def pidfd_of(sid: int, pid: int) -> int | None:
@@ -285,6 +298,27 @@ def _spawner_main(conn, parent_end, specs, store_factory, traces, slowdowns, sto
             os.waitpid(pid, 0)
             conn.send(("failed", sid, f"pidfd_open: {e}"))
             return None
+
+    def run_worker(k: int, lane_name: str, ready_w: int):
+        """In the forked worker: serve, then exit (never returns)."""
+        code = 1
+        try:
+            os.close(pipeline_fd)
+
+            def ready():
+                os.write(ready_w, b"r")
+                os.close(ready_w)
+            opts, cpu, nice = specs[k]
+            _worker_main(lane_name, opts, store_factory, traces[k], slowdowns[k:k + 1], stop, cpu, nice, ready, me)
+            code = 0
+        except Exception as e:               # one sentence (the pipeline says which worker)
+            print(f"pipeline: worker {k} ({lane_name}): {type(e).__name__}: {e}", file=sys.stderr)
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
 
     try:
         while True:
@@ -311,8 +345,10 @@ def _spawner_main(conn, parent_end, specs, store_factory, traces, slowdowns, sto
             elif (msg := conn.recv())[0] == "heir":
                 sid = msg[1]
                 mine, theirs = Pipe()
-                pid = fork_child(sid, lambda: _spawner_main(theirs, mine, specs, store_factory, traces, slowdowns,
-                                                            stop, parent, pipeline_fd))
+                pid = fork(sid)
+                if pid == 0:
+                    mine.close()
+                    raise _BecomeHeir(theirs)
                 theirs.close()
                 pidfd = pidfd_of(sid, pid) if pid is not None else None
                 if pidfd is not None:
@@ -324,23 +360,10 @@ def _spawner_main(conn, parent_end, specs, store_factory, traces, slowdowns, sto
             else:
                 _, sid, k, lane_name = msg
                 ready_r, ready_w = os.pipe()
-
-                def worker():
+                pid = fork(sid)
+                if pid == 0:
                     os.close(ready_r)
-                    os.close(pipeline_fd)
-
-                    def ready():
-                        os.write(ready_w, b"r")
-                        os.close(ready_w)
-                    opts, cpu, nice = specs[k]
-                    try:
-                        _worker_main(lane_name, opts, store_factory, traces[k], slowdowns[k:k + 1], stop, cpu,
-                                     nice, ready, me)
-                        return 0
-                    except Exception as e:           # one sentence (the pipeline says which worker)
-                        print(f"pipeline: worker {k} ({lane_name}): {type(e).__name__}: {e}", file=sys.stderr)
-                        return 1
-                pid = fork_child(sid, worker)
+                    run_worker(k, lane_name, ready_w)
                 os.close(ready_w)
                 pidfd = pidfd_of(sid, pid) if pid is not None else None
                 if pidfd is None:
@@ -385,11 +408,32 @@ class WorkerProcess:
     def is_alive(self) -> bool:
         return not self.join(0)
 
+    def reap(self):
+        """Wait for it if it has exited and is this process's child: the spawner's, until the
+        spawner died and it was re-parented here (a pipeline that is PID 1, or a subreaper)."""
+        if self.pidfd >= 0:
+            _reap_orphan(self.pidfd)
+
     def close(self):
         """Once: a second close would close whatever file has the number by then."""
         fd, self.pidfd = self.pidfd, -1
         if fd >= 0:
             os.close(fd)
+
+
+def _pidfd_exited(pidfd: int, timeout: float) -> bool:
+    import select
+    poll = select.poll()                             # (select.select refuses fds past 1023)
+    poll.register(pidfd, select.POLLIN)
+    return bool(poll.poll(max(0, math.ceil(timeout * 1000))))
+
+
+def _reap_orphan(pidfd: int):
+    """Reap the process of pidfd if it has exited and is this process's child, which a process the
+    pipeline did not fork becomes if its parent died and the pipeline is PID 1 (a container's
+    entry point) or a subreaper: else it stayed a zombie for the pipeline's life (review)."""
+    with contextlib.suppress(OSError):                # (ECHILD: not ours)
+        os.waitid(os.P_PIDFD, pidfd, os.WEXITED | os.WNOHANG)
 
 
 REAP_WAIT_S = 5.0     # a teardown waits this long for its workers to stop, then as long for the killed
@@ -398,7 +442,6 @@ REAP_WAIT_S = 5.0     # a teardown waits this long for its workers to stop, then
 def join_all(procs: list[WorkerProcess], timeout: float | None) -> list[WorkerProcess]:
     """Wait up to `timeout` s in all (None: for good) for every one of procs to exit (its pidfd
     reads ready); those still running."""
-    import math
     import select
     deadline = None if timeout is None else time.monotonic() + timeout
     left = [p for p in procs if p.pidfd >= 0]        # a closed one cannot be waited for: gone
@@ -464,8 +507,7 @@ class WorkerSpawner:
         raise RuntimeError(f"the worker spawner did not {what} in {timeout_s:g} s")
 
     def exited(self, timeout: float = 0) -> bool:
-        import select
-        return bool(select.select([self.pidfd], [], [], timeout)[0]) if self.pidfd >= 0 else True
+        return self.pidfd < 0 or _pidfd_exited(self.pidfd, timeout)
 
     def exitcode(self) -> int | None:
         """As multiprocessing gives it; None while it runs, and for an heir (not the pipeline's
@@ -491,7 +533,12 @@ class WorkerSpawner:
             w.close()
         elif msg[0] == "heir":
             conn = Connection(recv_handle(self.conn))
-            heir = WorkerSpawner(conn, msg[2], recv_handle(self.conn))
+            try:
+                pidfd = recv_handle(self.conn)
+            except BaseException:
+                conn.close()                         # (the spawner died between the two)
+                raise
+            heir = WorkerSpawner(conn, msg[2], pidfd)
             if msg[1] == sid:
                 return heir
             heir.close()
@@ -527,9 +574,11 @@ class WorkerSpawner:
                 signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
             self.exited(5)
         fd, self.pidfd = self.pidfd, -1
-        os.close(fd)
         if self.proc is not None:
             self.proc.join(5)                        # reaped (an heir's parent, or init, reaps it)
+        else:
+            _reap_orphan(fd)                         # (unless it was re-parented here)
+        os.close(fd)
 
 
 MASTER_SECRET = b"pipeline-master-secret-0123456789"   # tenants get HMAC(master, tenant) (WorkerStore)
@@ -572,7 +621,6 @@ class Pipeline:
         self.workers: list[WorkerProcess] = []   # worker k's current process
         self._spawner: WorkerSpawner | None = None
         self._heir: WorkerSpawner | None = None   # the spawner's standby: the spawner if it dies
-        self._dead_spawners: list[WorkerSpawner] = []   # closed at teardown
         self._retired: list[WorkerProcess] = []  # replaced ones: their pidfds closed at teardown (a
                                                  # kill_worker racing the replacement must not find
                                                  # the number reused)
@@ -796,11 +844,11 @@ class Pipeline:
             except OSError as e:
                 errors.append(e)
         # the heir first, while its parent (the spawner, if alive) is there to reap it
-        for spawner in (self._heir, self._spawner, *self._dead_spawners):
+        for spawner in (self._heir, self._spawner):
             if spawner is not None:
                 try:
                     spawner.close()
-                except OSError as e:
+                except Exception as e:           # (each one closed, whatever the other raises)
                     errors.append(e)
         if errors:
             raise errors[0]
@@ -828,6 +876,10 @@ class Pipeline:
         patience = lambda k, seen: hang_s * max(seen[k][2], self.slowdowns[k])
         quick: dict[int, int] = {}                             # worker -> its exits in a row soon after serving
         quick_spawners = [0]                                   # spawners and heirs lost in a row, soon after start
+        # when the next heir is to be forked (None: not wanted, one stands by or none may), and the
+        # wait after a failed fork
+        heir_due: list = [None if self._heir is not None or not self.cfg.worker_respawns else time.monotonic()]
+        heir_backoff = [1.0]
 
         def hung(k: int, seen: dict) -> bool:
             st = self.router.worker_stats(k)
@@ -896,30 +948,45 @@ class Pipeline:
                   f"replayed on the others", file=sys.stderr, flush=True)
             return k
 
-        def new_heir(lost: WorkerSpawner) -> WorkerSpawner | None:
-            """An heir for the spawner, `lost` (the spawner or heir it replaces) gone; None once they
-            go in a row soon after they start (a crash loop): then the spawner's death is the end."""
+        def close_dead(spawner: WorkerSpawner):
+            try:
+                spawner.close()
+            except Exception as e:
+                print(f"pipeline: closing a dead worker spawner (pid {spawner.pid}): {type(e).__name__}: {e}",
+                      file=sys.stderr, flush=True)
+
+        def want_heir(lost: WorkerSpawner):
+            """An heir is due now, `lost` (the spawner or heir it replaces) gone; none once they go
+            in a row soon after they start (a crash loop): then the spawner's death is the end."""
             age = time.monotonic() - lost.t_start
             quick_spawners[0] = 0 if age >= CRASH_LOOP_S else quick_spawners[0] + 1
             if quick_spawners[0] > self.cfg.worker_respawns:
+                heir_due[0] = None
                 print(f"pipeline: {quick_spawners[0]} worker spawners or heirs lost in a row within "
                       f"{CRASH_LOOP_S:g} s of starting: no new heir (if the spawner dies, every worker "
                       f"stays down)", file=sys.stderr, flush=True)
-                return None
+            else:
+                heir_due[0], heir_backoff[0] = time.monotonic(), 1.0
+
+        def fork_heir():
+            """The heir that is due; one that cannot be forked (out of processes, say) is tried
+            again after 1 s, then 2, ... up to 30 (a failed fork is no heir lost: not counted)."""
             try:
-                return self._spawner.spawn_heir()
+                self._heir = self._spawner.spawn_heir()
+                heir_due[0] = None
             except Exception as e:
-                print(f"pipeline: the worker spawner could not fork an heir ({type(e).__name__}: {e})",
-                      file=sys.stderr, flush=True)
-                return None
+                heir_due[0] = time.monotonic() + heir_backoff[0]
+                print(f"pipeline: the worker spawner could not fork an heir ({type(e).__name__}: {e}): tried "
+                      f"again in {heir_backoff[0]:g} s", file=sys.stderr, flush=True)
+                heir_backoff[0] = min(30.0, 2 * heir_backoff[0])
 
         def heir_lost():
-            """The standby heir exited (it never speaks unasked: its end reads EOF): a new one."""
+            """The standby heir exited (it never speaks unasked: its end reads EOF): another is due."""
             lost, self._heir = self._heir, None
-            self._dead_spawners.append(lost)
+            close_dead(lost)
             print(f"pipeline: the worker spawner's heir (pid {lost.pid}) exited: forking another",
                   file=sys.stderr, flush=True)
-            self._heir = new_heir(lost)
+            want_heir(lost)
 
         def take_over(seen: dict) -> bool:
             """The spawner died, and its workers with it (they die with their parent): each is
@@ -927,9 +994,10 @@ class Pipeline:
             the spawner and forks them again. False if there is no heir: they stay down."""
             dead, heir = self._spawner, self._heir
             t = time.monotonic()
-            for event in dead.unread():            # what it said before it went
-                if event[0] == "exit":
-                    on_event(*event)
+            crashed = set()                        # exits it said before it went: theirs, counted
+            for event in dead.unread():
+                if event[0] == "exit" and (k := on_event(*event)) is not None:
+                    crashed.add(k)
             gone = [w for w in self.workers if w.exitcode is None]
             left = join_all(gone, REAP_WAIT_S)
             for w in left:
@@ -937,28 +1005,32 @@ class Pipeline:
             join_all(left, REAP_WAIT_S)
             for k, w in enumerate(self.workers):
                 if w in gone:
+                    w.reap()                       # (re-parented here if the pipeline is PID 1)
                     self.router.set_up(k, False)
                     w.exitcode = -signal.SIGKILL   # its spawner's death's signal (not ours to reap)
                     self.worker_exits.append((k, w.exitcode))
             code = dead.exitcode()
-            self._dead_spawners.append(dead)
+            close_dead(dead)
+            promoted = heir is not None and not heir.exited()
             self.spawner_takeovers.append({"pid": dead.pid, "code": code, "t_exit": t, "workers": len(gone),
-                                           "heir": heir.pid if heir is not None else None})
+                                           "heir": heir.pid if promoted else None})
             said = (f"pipeline: the worker spawner (pid {dead.pid}) died" + (f" (code {code})" if code is not None
                     else "") + f": its {len(gone)} worker(s) with it, marked down, their unfinished requests "
                     f"replayed (503 while no worker is up)")
-            if heir is None or heir.exited():
+            if not promoted:
                 if heir is not None:
                     self._heir = None
-                    self._dead_spawners.append(heir)
+                    close_dead(heir)
                 print(f"{said}; no heir: they stay down", file=sys.stderr, flush=True)
                 return False
             print(f"{said}; its heir (pid {heir.pid}) takes over and forks them again", file=sys.stderr, flush=True)
             self._spawner, self._heir, heir.t_start = heir, None, t
-            self._heir = new_heir(dead)
+            want_heir(dead)
             for k in range(len(self.workers)):
+                if stopping.is_set():
+                    break                          # the teardown: nothing to start now
                 try:
-                    replace(k, t, seen, blameless=True)
+                    replace(k, t, seen, blameless=k not in crashed)
                 except Exception as e:
                     print(f"pipeline: worker {k} could not be replaced ({type(e).__name__}: {e}): it "
                           f"stays down", file=sys.stderr, flush=True)
@@ -971,12 +1043,16 @@ class Pipeline:
                 # timeout one stuck before its ready sent no event, and was never killed (review)
                 starting = any(not w.ready and w.replacing is not None for w in self.workers)
                 timeout = min(1.0, hang_s / 4) if hang_s > 0 else 1.0 if starting else None
+                if heir_due[0] is not None:
+                    timeout = max(0.0, min(heir_due[0] - time.monotonic(), timeout or math.inf))
                 heir = [self._heir.conn] if self._heir is not None else []
                 ready = wait([self._spawner.conn, wake_r, *heir], timeout=timeout)
                 if wake_r in ready:
                     return False                   # teardown: the workers are being stopped
             if self._heir is not None and self._heir.conn.poll(0) and not stopping.is_set():
                 heir_lost()
+            if self._heir is None and heir_due[0] is not None and time.monotonic() >= heir_due[0]:
+                fork_heir()
             events = self._spawner.events()
             if stopping.is_set():
                 return False
@@ -1011,14 +1087,28 @@ class Pipeline:
                 try:
                     if not one_pass(seen):
                         return
+                    continue
                 except EOFError:                   # the spawner died, and its workers with it
-                    if stopping.is_set() or not take_over(seen):
-                        return
+                    pass
                 except Exception as e:             # the watcher must outlive one bad pass
                     if stopping.is_set():
                         return
                     print(f"pipeline: worker watcher: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
                     time.sleep(0.1)
+                    continue
+                try:                               # (outside the handler above: guarded too)
+                    if stopping.is_set() or not take_over(seen):
+                        return
+                except Exception as e:
+                    # the watcher ends: no worker is watched or replaced past here, and those of the
+                    # dead spawner are dying. Every worker is marked down, so the router answers
+                    # what they held (left up, it held requests unanswered: review)
+                    print(f"pipeline: worker watcher: the spawner's takeover failed ({type(e).__name__}: {e}): "
+                          f"every worker is marked down, and stays so", file=sys.stderr, flush=True)
+                    for k in range(len(self.workers)):
+                        with contextlib.suppress(Exception):
+                            self.router.set_up(k, False)
+                    return
         watcher = threading.Thread(target=watch, name="worker-watch", daemon=True)
 
         def halt():        # before the workers are reaped and the router is closed (LIFO)

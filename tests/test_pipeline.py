@@ -216,6 +216,136 @@ def test_spawners_lost_in_a_row_soon_after_starting_stop_at_the_respawn_limit():
 
 @pytest.mark.root
 @pytest.mark.bpf
+def test_an_heir_that_cannot_be_forked_is_tried_again_until_one_is(monkeypatch):
+    """A failed heir fork (out of processes, for a moment) left no heir for the pipeline's life,
+    and the spawner's next death took every worker for good (review). It is tried again after
+    1 s, 2, ... and the failure is not counted as an heir lost."""
+    from datapath.pipeline import WorkerSpawner
+    real, fails = WorkerSpawner.spawn_heir, [2]
+
+    def spawn_heir(self, timeout_s=30.0):
+        if fails[0]:
+            fails[0] -= 1
+            raise RuntimeError("the worker spawner could not fork: BlockingIOError: [Errno 11] (injected)")
+        return real(self, timeout_s)
+    with Pipeline(_config(workers=1, worker_respawns=1)) as p:
+        monkeypatch.setattr(WorkerSpawner, "spawn_heir", spawn_heir)
+        lost = p._heir.pid
+        os.kill(lost, signal.SIGKILL)
+        deadline = time.monotonic() + 15                # after two failures: 1 s, then 2 s
+        while p._heir is None or p._heir.pid == lost:
+            assert time.monotonic() < deadline, fails
+            time.sleep(0.05)
+        assert fails == [0]
+        p.kill_spawner()
+        deadline = time.monotonic() + 30
+        while not (p.worker_replacements and p.worker_replacements[-1]["t_up"]):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert p.offer(20, 5, sessions=5)["by_status"] == {200: 5}
+
+
+@pytest.mark.root
+@pytest.mark.bpf
+def test_a_takeover_that_fails_leaves_every_worker_down_and_every_request_answered(monkeypatch):
+    """take_over ran in the watcher's EOFError handler, outside its guard: one exception there
+    ended the watcher with the router still taking the dead workers for up, and an offer of 20
+    drew no answer at all (review). Now every worker is marked down: answered 503."""
+    from datapath import pipeline
+    real, armed = pipeline.join_all, [False]
+
+    def join_all(procs, timeout):
+        if armed[0]:
+            armed[0] = False
+            raise OSError(errno.EIO, "injected")
+        return real(procs, timeout)
+    monkeypatch.setattr(pipeline, "join_all", join_all)
+    with Pipeline(_config(workers=2)) as p:
+        p.offer(20, 5, sessions=5)
+        armed[0] = True
+        os.kill(p._spawner.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while any(p.router.worker_stats(k)["up"] for k in (0, 1)):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        r = p.offer(20, 10, sessions=10, drain_s=3)
+        assert r["by_status"] == {503: 10} and r["unanswered"] == 0, r["by_status"]
+
+
+PID1_SCRIPT = """
+import json, os, time
+from bench.e2e import _config
+from datapath.pipeline import Pipeline
+
+def zombies():
+    found = []
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                found += [int(d)] if f.read().rsplit(")", 1)[1].split()[0] == "Z" else []
+        except FileNotFoundError:
+            pass
+    return found
+
+with Pipeline(_config(workers=2)) as p:
+    p.kill_spawner()
+    deadline = time.monotonic() + 30
+    while not (len(p.worker_replacements) == 2 and all(r["t_up"] for r in p.worker_replacements)):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    after_takeover = zombies()
+    status = p.offer(20, 5, sessions=5)["by_status"]
+time.sleep(1)
+print(json.dumps({"pid": os.getpid(), "after_takeover": after_takeover, "after_teardown": zombies(),
+                  "status": {str(k): v for k, v in status.items()}}))
+"""
+
+
+@pytest.mark.root
+@pytest.mark.bpf
+def test_a_pipeline_that_is_pid_1_reaps_what_its_spawner_s_death_leaves_it():
+    """In a container the pipeline is PID 1: a dead spawner's workers, and later the heir it had
+    promoted, are re-parented to it, and it never waited for them (review: zombies for the
+    pipeline's life, workers + 1 a takeover). Now each is reaped."""
+    import subprocess
+    import sys
+    out = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", PID1_SCRIPT],
+                         capture_output=True, text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["pid"] == 1 and got["status"] == {"200": 5}, got
+    assert got["after_takeover"] == [] and got["after_teardown"] == [], got
+
+
+def test_the_spawner_s_pidfd_past_1023_is_waited_for(monkeypatch):
+    """WorkerSpawner.exited used select(), which refuses an fd past 1023: a process holding over a
+    thousand fds lost its takeover (the watcher died) and every teardown raised (review)."""
+    import resource
+    from datapath.pipeline import SharedFlag, WorkerSpawner
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 2048:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(2048, hard), hard))
+    spare = []
+    try:
+        spare = [os.open("/dev/null", os.O_RDONLY) for _ in range(1100)]
+        spawner = WorkerSpawner.start([], None, [], None, SharedFlag())
+        try:
+            heir = spawner.spawn_heir(timeout_s=10)
+            assert spawner.pidfd > 1023 and heir.pidfd > 1023
+            assert not spawner.exited() and not heir.exited()
+            os.kill(spawner.pid, signal.SIGKILL)
+            assert spawner.exited(10) and spawner.exitcode() == -signal.SIGKILL and not heir.exited()
+            heir.close()
+        finally:
+            spawner.close()
+    finally:
+        for fd in spare:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@pytest.mark.root
+@pytest.mark.bpf
 def test_the_respawn_limit_counts_deaths_in_a_row_a_worker_that_served_a_while_starts_it_again(monkeypatch):
     """worker_respawns counted every replacement of a worker's life: crashes hours apart left a
     long run short of it for good. One that served CRASH_LOOP_S (here 1 s) starts the count again."""
@@ -442,7 +572,7 @@ def test_workers_that_do_not_stop_are_waited_for_under_one_deadline_not_one_each
     kids = [subprocess.Popen(["sleep", "60"]) for _ in range(4)]          # they ignore the stop flag
     procs = [WorkerProcess(k, k, c.pid, os.pidfd_open(c.pid)) for k, c in enumerate(kids)]
     p = Pipeline.__new__(Pipeline)
-    p._stop_workers, p.workers, p._retired, p._spawner, p._heir, p._dead_spawners = SharedFlag(), procs, [], None, None, []
+    p._stop_workers, p.workers, p._retired, p._spawner, p._heir = SharedFlag(), procs, [], None, None
     reaped = False
     try:
         assert join_all(procs, 0) == procs and join_all([], None) == []
@@ -630,7 +760,7 @@ def test_the_teardown_closes_every_pidfd_whatever_one_of_them_raises(monkeypatch
     first = procs[0].pidfd
     p = Pipeline.__new__(Pipeline)
     p._stop_workers, p.workers, p._retired = SharedFlag(), procs[:2], procs[2:]
-    p._spawner, p._heir, p._dead_spawners = None, None, []
+    p._spawner, p._heir = None, None
     real_close = os.close
 
     def close(fd):
