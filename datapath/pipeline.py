@@ -390,6 +390,7 @@ class WorkerProcess:
         self.killed = False                          # by the watcher: a hang, or no start in time
         self.replacing: dict | None = None           # its entry in Pipeline.worker_replacements
         self.exitcode: int | None = None             # set by the watcher once it has exited
+        self.t_retired: float | None = None          # when a replacement took its place
 
     @property
     def ready(self) -> bool:
@@ -437,6 +438,8 @@ def _reap_orphan(pidfd: int):
 
 
 REAP_WAIT_S = 5.0     # a teardown waits this long for its workers to stop, then as long for the killed
+RETIRED_S = 10.0      # a replaced worker's pidfd is closed this long after (kept for good, each takeover
+                      # left one more open a worker: review)
 
 
 def join_all(procs: list[WorkerProcess], timeout: float | None) -> list[WorkerProcess]:
@@ -621,9 +624,9 @@ class Pipeline:
         self.workers: list[WorkerProcess] = []   # worker k's current process
         self._spawner: WorkerSpawner | None = None
         self._heir: WorkerSpawner | None = None   # the spawner's standby: the spawner if it dies
-        self._retired: list[WorkerProcess] = []  # replaced ones: their pidfds closed at teardown (a
-                                                 # kill_worker racing the replacement must not find
-                                                 # the number reused)
+        self._retired: list[WorkerProcess] = []  # replaced ones: their pidfds closed RETIRED_S later,
+                                                 # or at teardown (a kill_worker racing the replacement
+                                                 # must not find the number reused)
         self._store_endpoint = None      # the shared store server's, when shared_store is given
         self.traces: list = []
         self._untraced_said = 0
@@ -919,6 +922,7 @@ class Pipeline:
                 ring.close()
             completions = self.router.worker_stats(k)["completions"]
             w = self._spawner.spawn(k, name)
+            self.workers[k].t_retired = time.monotonic()
             self._retired.append(self.workers[k])
             self.workers[k] = w
             seen.pop(k, None)
@@ -1056,6 +1060,11 @@ class Pipeline:
             events = self._spawner.events()
             if stopping.is_set():
                 return False
+            if self._retired and time.monotonic() - self._retired[0].t_retired > RETIRED_S:
+                done = [w for w in self._retired if time.monotonic() - w.t_retired > RETIRED_S]
+                self._retired = [w for w in self._retired if w not in done]
+                for w in done:
+                    w.close()
             t = time.monotonic()
             dead = [k for event in events if (k := on_event(*event)) is not None]   # every death marked
             for k in dead:                                                          # down first

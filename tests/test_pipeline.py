@@ -346,6 +346,24 @@ def test_the_spawner_s_pidfd_past_1023_is_waited_for(monkeypatch):
 
 @pytest.mark.root
 @pytest.mark.bpf
+def test_a_replaced_worker_s_pidfd_is_closed_once_it_is_long_gone(monkeypatch):
+    """A replaced worker's pidfd was kept until the teardown (a kill_worker racing the replacement
+    must not find its number reused): every takeover left one more open a worker, without bound
+    in a long run (review). It is closed RETIRED_S after the replacement."""
+    from datapath import pipeline
+    monkeypatch.setattr(pipeline, "RETIRED_S", 0.2)
+    with Pipeline(_config(workers=1, worker_hang_s=2.0)) as p:       # (a watcher pass every 0.5 s)
+        old = p.workers[0]
+        p.kill_worker(0)
+        deadline = time.monotonic() + 15
+        while p._retired or old.pidfd >= 0:
+            assert time.monotonic() < deadline, p._retired
+            time.sleep(0.05)
+        assert p.workers[0] is not old and p.workers[0].pidfd >= 0
+
+
+@pytest.mark.root
+@pytest.mark.bpf
 def test_the_respawn_limit_counts_deaths_in_a_row_a_worker_that_served_a_while_starts_it_again(monkeypatch):
     """worker_respawns counted every replacement of a worker's life: crashes hours apart left a
     long run short of it for good. One that served CRASH_LOOP_S (here 1 s) starts the count again."""
