@@ -677,19 +677,33 @@ def failover(report, quick: bool) -> dict:
         return _failover(report, rate, seconds, store, stop_s=2.0 if quick else 3.0)
 
 
-def _failover(report, rate: float, seconds: float, store: str, stop_s: float) -> dict:
+def _offer_meanwhile(p: Pipeline, rate: float, seconds: float, **kw):
+    """_offer in a thread, while the scenario breaks something; returns its join(), which waits
+    for it and gives its result, or raises its error."""
     import threading
+    out = {}
+
+    def load():
+        try:
+            out["r"] = _offer(p, rate, seconds, **kw)
+        except Exception as e:  # raised again by join()
+            out["error"] = e
+    t = threading.Thread(target=load)
+    t.start()
+
+    def join() -> dict:
+        t.join()
+        if "error" in out:
+            raise out["error"]
+        return out["r"]
+    return join
+
+
+def _failover(report, rate: float, seconds: float, store: str, stop_s: float) -> dict:
     with Pipeline(_config(workers=2, shared_store=store)) as p:
         _warm_up(p, None)
-        out = {}
-
-        def load():
-            try:   # long answers (32 tokens), so the killed worker is in the middle of some
-                out["r"] = _offer(p, rate, seconds, prompt_tokens=PROMPT, max_output_tokens=32, drain_s=15)
-            except Exception as e:  # raised again below, in the scenario
-                out["error"] = e
-        t = threading.Thread(target=load)
-        t.start()
+        # long answers (32 tokens), so the killed worker is in the middle of some
+        join = _offer_meanwhile(p, rate, seconds, prompt_tokens=PROMPT, max_output_tokens=32, drain_s=15)
         time.sleep(seconds / 3)
         # killed while it is generating for some request (a worker idle between requests, as
         # half the time here, left the replay untested: 0 replayed in a quick run)
@@ -699,7 +713,7 @@ def _failover(report, rate: float, seconds: float, store: str, stop_s: float) ->
         _progress(f"failover: killing worker 1 with SIGKILL while it holds "
                   f"{p.router.worker_stats(1)['depth']} records of work")
         p.kill_worker(1)
-        t.join()
+        res = join()
         st = p.router.stats()
         replaced = next((r for r in reversed(p.worker_replacements) if r["worker"] == 1), None)
         up_again = p.router.worker_stats(1)["up"]
@@ -708,9 +722,6 @@ def _failover(report, rate: float, seconds: float, store: str, stop_s: float) ->
                    for mode in ("stall", "nostall")}
         p.router.set_stall(p.cfg.worker_stall_s)
         spawner = _spawner_killed(p, rate, seconds)
-    if "error" in out:
-        raise out["error"]
-    res = out["r"]
     _all_answered(f"failover (the kill lost work, or answered some twice; {res['by_status']})", res)
     if not st["replayed"]:
         raise RuntimeError("failover: no request replayed: the kill found the worker idle")
@@ -733,30 +744,19 @@ def _failover(report, rate: float, seconds: float, store: str, stop_s: float) ->
 def _spawner_killed(p: Pipeline, rate: float, seconds: float) -> dict:
     """An offer during which the worker spawner is SIGKILLed (a third of the way in): every worker
     dies with it, and its heir forks them again. Then the same rate again, all served."""
-    import threading
     before = len(p.worker_replacements)
-    out = {}
-
-    def load():
-        try:
-            out["r"] = _offer(p, rate, seconds, prompt_tokens=PROMPT, max_output_tokens=OUTPUT, drain_s=15)
-        except Exception as e:  # raised again below
-            out["error"] = e
-    t = threading.Thread(target=load)
-    t.start()
+    join = _offer_meanwhile(p, rate, seconds, prompt_tokens=PROMPT, max_output_tokens=OUTPUT, drain_s=15)
     time.sleep(seconds / 3)
     _progress(f"failover: killing the worker spawner (SIGKILL): its {len(p.workers)} workers die with it")
     takeover = p.kill_spawner()
-    t.join()
-    if "error" in out:
-        raise out["error"]
+    res = join()
     deadline = time.monotonic() + 30
     while not (len(fresh := p.worker_replacements[before:]) == len(p.workers) and all(x["t_up"] for x in fresh)):
         if time.monotonic() > deadline:
             raise RuntimeError(f"failover: the spawner's heir did not bring its workers back ({takeover}, {fresh})")
         time.sleep(0.01)
     after = _offer(p, rate, seconds / 2, prompt_tokens=PROMPT, max_output_tokens=OUTPUT)
-    return {"r": out["r"], "after": after, "takeover": takeover,
+    return {"r": res, "after": after, "takeover": takeover,
             "up_after_ms": max(x["t_up"] - x["t_exit"] for x in fresh) * 1e3}
 
 
@@ -779,18 +779,9 @@ def _spawner_rows(report, s: dict) -> dict:
 def _stopped_worker(p: Pipeline, rate: float, seconds: float, stop_s: float, stall_s: float) -> dict:
     """An offer during which worker 0 is SIGSTOPped for stop_s (from a quarter of the way in), with
     the router's stall threshold stall_s (0: off)."""
-    import threading
     p.router.set_stall(stall_s)
     before, hangs = p.router.stats(), len(p.worker_hangs)
-    out = {}
-
-    def load():
-        try:
-            out["r"] = _offer(p, rate, seconds, prompt_tokens=PROMPT, max_output_tokens=OUTPUT, drain_s=15)
-        except Exception as e:  # raised again below
-            out["error"] = e
-    t = threading.Thread(target=load)
-    t.start()
+    join = _offer_meanwhile(p, rate, seconds, prompt_tokens=PROMPT, max_output_tokens=OUTPUT, drain_s=15)
     time.sleep(seconds / 4)
     _progress(f"failover: worker 0 stopped (SIGSTOP) for {stop_s:g} s, "
               + (f"stalled after {stall_s:g} s" if stall_s else "stall handling off (the reference)"))
@@ -799,11 +790,9 @@ def _stopped_worker(p: Pipeline, rate: float, seconds: float, stop_s: float, sta
         time.sleep(stop_s)
     finally:
         os.kill(p.workers[0].pid, signal.SIGCONT)
-    t.join()
-    if "error" in out:
-        raise out["error"]
+    res = join()
     after = p.router.stats()
-    return {"r": out["r"], "stalls": after["stalls"] - before["stalls"],
+    return {"r": res, "stalls": after["stalls"] - before["stalls"],
             "moved": after["stall_moved"] - before["stall_moved"], "replayed": after["replayed"] - before["replayed"],
             "hangs": len(p.worker_hangs) - hangs}
 

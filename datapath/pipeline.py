@@ -266,16 +266,17 @@ def _spawner_loop(conn, specs, store_factory, traces, slowdowns, stop, parent, p
     """_spawner_main's requests until the pipeline is gone (then the process exits); raises
     _BecomeHeir in an heir it forks."""
     import traceback
-    from multiprocessing.connection import Pipe, wait
+    from multiprocessing.connection import Connection, Pipe, wait
     from multiprocessing.reduction import send_handle
     me = os.getpid()
     children: dict[int, tuple[int, int]] = {}        # pidfd -> (sid, pid)
     waiting: dict[int, int] = {}                     # a child's ready pipe -> sid
     heirs: dict[int, int] = {}                       # an heir's pidfd -> pid (reaped here if it dies first)
 
-    def fork(sid: int) -> int | None:
-        """os.fork; in the child, this loop's fds closed (pipeline_fd kept); None (said to the
-        pipeline) if it could not."""
+    def fork(sid: int, *parents: int | Connection) -> int | None:
+        """os.fork; in the child, this loop's fds closed (pipeline_fd kept) and the parent's ends
+        given (a child that failed to would carry on as a second spawner: it exits); None (said to
+        the pipeline) if it could not."""
         try:
             pid = os.fork()
         except OSError as e:                 # (out of memory, of processes): this one
@@ -283,7 +284,8 @@ def _spawner_loop(conn, specs, store_factory, traces, slowdowns, stop, parent, p
             return None
         if pid == 0:
             try:
-                conn.close()
+                for end in (conn, *parents):
+                    end.close() if isinstance(end, Connection) else os.close(end)
                 for fd in (*children, *waiting, *heirs):
                     os.close(fd)
             except BaseException:
@@ -345,9 +347,8 @@ def _spawner_loop(conn, specs, store_factory, traces, slowdowns, stop, parent, p
             elif (msg := conn.recv())[0] == "heir":
                 sid = msg[1]
                 mine, theirs = Pipe()
-                pid = fork(sid)
+                pid = fork(sid, mine)
                 if pid == 0:
-                    mine.close()
                     raise _BecomeHeir(theirs)
                 theirs.close()
                 pidfd = pidfd_of(sid, pid) if pid is not None else None
@@ -360,9 +361,8 @@ def _spawner_loop(conn, specs, store_factory, traces, slowdowns, stop, parent, p
             else:
                 _, sid, k, lane_name = msg
                 ready_r, ready_w = os.pipe()
-                pid = fork(sid)
+                pid = fork(sid, ready_r)
                 if pid == 0:
-                    os.close(ready_r)
                     run_worker(k, lane_name, ready_w)
                 os.close(ready_w)
                 pidfd = pidfd_of(sid, pid) if pid is not None else None
@@ -470,7 +470,7 @@ class WorkerSpawner:
 
     def __init__(self, conn, pid: int, pidfd: int, proc=None):
         self.conn, self.pid, self.pidfd, self.proc = conn, pid, pidfd, proc   # proc: the first one's
-        self.t_start = time.monotonic()              # (made the spawner then, for an heir: see promoted)
+        self.t_start = time.monotonic()              # (an heir's is reset when it takes over)
         self._events: list[tuple] = []               # read while waiting for a spawn
 
     @classmethod
