@@ -134,24 +134,39 @@ def _together(p: Pipeline, *offers: dict) -> list[dict]:
     """Several offers at once, each from its own thread (and client process); results in order.
     Each its own Poisson schedule (seed 1, 2, ... unless given): with one seed the second stream
     was the first's gaps scaled, so the two burst together (found by review)."""
-    import threading
-    out: list = [None] * len(offers)
-    offers = tuple({"seed": i + 1, **kw} for i, kw in enumerate(offers))
-
-    def run(i, kw):
+    joins = [_offer_meanwhile(p, **{"seed": i + 1, **kw}) for i, kw in enumerate(offers)]
+    out = []
+    for join in joins:                  # every one waited for before an error is raised
         try:
-            out[i] = _offer(p, **kw)
-        except Exception as e:  # raised again below, in the scenario
-            out[i] = e
-    threads = [threading.Thread(target=run, args=(i, kw)) for i, kw in enumerate(offers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+            out.append(join())
+        except Exception as e:
+            out.append(e)
     for r in out:
         if isinstance(r, Exception):
             raise r
     return out
+
+
+def _offer_meanwhile(p: Pipeline, **kw):
+    """_offer(p, **kw) in a thread, beside another offer or while the scenario breaks something;
+    returns its join(), which waits for it and gives its result, or raises its error."""
+    import threading
+    out = {}
+
+    def load():
+        try:
+            out["r"] = _offer(p, **kw)
+        except Exception as e:  # raised again by join()
+            out["error"] = e
+    t = threading.Thread(target=load)
+    t.start()
+
+    def join() -> dict:
+        t.join()
+        if "error" in out:
+            raise out["error"]
+        return out["r"]
+    return join
 
 
 def _left_out(r: dict, unanswered_ok: bool = False) -> list[str]:
@@ -677,33 +692,11 @@ def failover(report, quick: bool) -> dict:
         return _failover(report, rate, seconds, store, stop_s=2.0 if quick else 3.0)
 
 
-def _offer_meanwhile(p: Pipeline, rate: float, seconds: float, **kw):
-    """_offer in a thread, while the scenario breaks something; returns its join(), which waits
-    for it and gives its result, or raises its error."""
-    import threading
-    out = {}
-
-    def load():
-        try:
-            out["r"] = _offer(p, rate, seconds, **kw)
-        except Exception as e:  # raised again by join()
-            out["error"] = e
-    t = threading.Thread(target=load)
-    t.start()
-
-    def join() -> dict:
-        t.join()
-        if "error" in out:
-            raise out["error"]
-        return out["r"]
-    return join
-
-
 def _failover(report, rate: float, seconds: float, store: str, stop_s: float) -> dict:
     with Pipeline(_config(workers=2, shared_store=store)) as p:
         _warm_up(p, None)
         # long answers (32 tokens), so the killed worker is in the middle of some
-        join = _offer_meanwhile(p, rate, seconds, prompt_tokens=PROMPT, max_output_tokens=32, drain_s=15)
+        join = _offer_meanwhile(p, rate=rate, seconds=seconds, prompt_tokens=PROMPT, max_output_tokens=32, drain_s=15)
         time.sleep(seconds / 3)
         # killed while it is generating for some request (a worker idle between requests, as
         # half the time here, left the replay untested: 0 replayed in a quick run)
@@ -745,7 +738,7 @@ def _spawner_killed(p: Pipeline, rate: float, seconds: float) -> dict:
     """An offer during which the worker spawner is SIGKILLed (a third of the way in): every worker
     dies with it, and its heir forks them again. Then the same rate again, all served."""
     before = len(p.worker_replacements)
-    join = _offer_meanwhile(p, rate, seconds, prompt_tokens=PROMPT, max_output_tokens=OUTPUT, drain_s=15)
+    join = _offer_meanwhile(p, rate=rate, seconds=seconds, prompt_tokens=PROMPT, max_output_tokens=OUTPUT, drain_s=15)
     time.sleep(seconds / 3)
     _progress(f"failover: killing the worker spawner (SIGKILL): its {len(p.workers)} workers die with it")
     takeover = p.kill_spawner()
@@ -771,7 +764,8 @@ def _spawner_rows(report, s: dict) -> dict:
     report.metric("spawner_killed_ok_fraction", ok / r["requests"])
     report.metric("spawner_killed_refused", refused)
     report.metric("spawner_killed_workers_up_after_ms", s["up_after_ms"], "ms")   # its death seen -> the last up
-    return {"the worker spawner killed mid-run: answered 200 / 503 (no worker up)": f"{ok} / {refused} of {r['requests']}",
+    return {"the worker spawner killed mid-run: answered 200 / 503 (no worker up)":
+            f"{ok} / {refused} of {r['requests']}",
             "its heir's workers all up after (ms)": s["up_after_ms"],
             "the next offer, after: answered 200": f"{s['after']['responses']} of {s['after']['requests']}"}
 
@@ -781,7 +775,7 @@ def _stopped_worker(p: Pipeline, rate: float, seconds: float, stop_s: float, sta
     the router's stall threshold stall_s (0: off)."""
     p.router.set_stall(stall_s)
     before, hangs = p.router.stats(), len(p.worker_hangs)
-    join = _offer_meanwhile(p, rate, seconds, prompt_tokens=PROMPT, max_output_tokens=OUTPUT, drain_s=15)
+    join = _offer_meanwhile(p, rate=rate, seconds=seconds, prompt_tokens=PROMPT, max_output_tokens=OUTPUT, drain_s=15)
     time.sleep(seconds / 4)
     _progress(f"failover: worker 0 stopped (SIGSTOP) for {stop_s:g} s, "
               + (f"stalled after {stall_s:g} s" if stall_s else "stall handling off (the reference)"))

@@ -485,9 +485,8 @@ static int choose_pool(const struct dp_router *rt, int spill, int *spilled)
         uint32_t up = pool_up(pl);
         if (!up)
             continue;
-        /* total_depth is of the workers the view shows up (depth_add): a hidden one's queue is no
-         * room the others lack (counted, a stalled worker's two chunks filled a pool of room 2 a
-         * worker, and every new request went to a dearer pool past the cheap one's idle worker) */
+        /* (total_depth leaves a hidden worker's queue out, depth_add: counted, a stalled worker's
+         * two chunks filled a pool of room 2 a worker, and new requests went to a dearer pool) */
         int room = !pl->room || pl->view.total_depth < (uint64_t)pl->room * up;
         if (healthy < 0)
             healthy = p;
