@@ -714,7 +714,9 @@ def _failover(report, rate: float, seconds: float, store: str, stop_s: float) ->
         stopped = {mode: _stopped_worker(p, rate, seconds + stop_s, stop_s, p.cfg.worker_stall_s if mode == "stall" else 0)
                    for mode in ("stall", "nostall")}
         p.router.set_stall(p.cfg.worker_stall_s)
-        spawner = _spawner_killed(p, rate, seconds)
+        # the reference first: the same kill with no hold, each request no worker is up to take
+        # answered 503 at once (as before session 43)
+        spawner = {hold: _spawner_killed(p, rate, seconds, hold) for hold in (0.0, p.cfg.worker_hold_s)}
     _all_answered(f"failover (the kill lost work, or answered some twice; {res['by_status']})", res)
     if not st["replayed"]:
         raise RuntimeError("failover: no request replayed: the kill found the worker idle")
@@ -734,40 +736,62 @@ def _failover(report, rate: float, seconds: float, store: str, stop_s: float) ->
     return rows | _stopped_rows(report, stopped, stop_s, p.cfg.worker_stall_s) | _spawner_rows(report, spawner)
 
 
-def _spawner_killed(p: Pipeline, rate: float, seconds: float) -> dict:
+def _spawner_killed(p: Pipeline, rate: float, seconds: float, hold_s: float) -> dict:
     """An offer during which the worker spawner is SIGKILLed (a third of the way in): every worker
-    dies with it, and its heir forks them again. Then the same rate again, all served."""
-    before = len(p.worker_replacements)
-    join = _offer_meanwhile(p, rate=rate, seconds=seconds, prompt_tokens=PROMPT, max_output_tokens=OUTPUT, drain_s=15)
-    time.sleep(seconds / 3)
-    _progress(f"failover: killing the worker spawner (SIGKILL): its {len(p.workers)} workers die with it")
-    takeover = p.kill_spawner()
-    res = join()
+    dies with it, and its heir forks them again, while what no worker is up to take waits for them
+    up to hold_s (0: answered 503 at once). Then the same rate again, all served."""
+    deadline = time.monotonic() + 30
+    while p._heir is None:                     # (the last takeover's new heir: forked by the watcher)
+        if time.monotonic() > deadline:
+            raise RuntimeError("failover: the worker spawner has no heir to take over")
+        time.sleep(0.01)
+    before, waited = len(p.worker_replacements), p.router.stats()["waited_for_worker"]
+    p.cfg.worker_hold_s, kept = hold_s, p.cfg.worker_hold_s
+    try:
+        join = _offer_meanwhile(p, rate=rate, seconds=seconds, prompt_tokens=PROMPT, max_output_tokens=OUTPUT,
+                                drain_s=15)
+        time.sleep(seconds / 3)
+        _progress(f"failover: killing the worker spawner (SIGKILL): its {len(p.workers)} workers die with it; "
+                  + (f"requests wait for the new ones up to {hold_s:g} s" if hold_s else
+                     "no hold (the reference): 503 while none is up"))
+        takeover = p.kill_spawner()
+        res = join()
+    finally:
+        p.cfg.worker_hold_s = kept
     deadline = time.monotonic() + 30
     while not (len(fresh := p.worker_replacements[before:]) == len(p.workers) and all(x["t_up"] for x in fresh)):
         if time.monotonic() > deadline:
             raise RuntimeError(f"failover: the spawner's heir did not bring its workers back ({takeover}, {fresh})")
         time.sleep(0.01)
+    waited = p.router.stats()["waited_for_worker"] - waited
     after = _offer(p, rate, seconds / 2, prompt_tokens=PROMPT, max_output_tokens=OUTPUT)
-    return {"r": res, "after": after, "takeover": takeover,
+    return {"r": res, "after": after, "takeover": takeover, "waited": waited,
             "up_after_ms": max(x["t_up"] - x["t_exit"] for x in fresh) * 1e3}
 
 
-def _spawner_rows(report, s: dict) -> dict:
-    r = s["r"]
-    ok, refused = r["by_status"].get(200, 0), r["by_status"].get(503, 0)
-    if r["unanswered"] or r["duplicates"] or r["send_errors"] + r["unsent"] or set(r["by_status"]) - {200, 503}:
-        raise RuntimeError(f"the spawner killed: every request must be sent and answered once, 200 or 503 while no "
-                           f"worker is up ({r['by_status']}, {r['unanswered']} unanswered, {r['duplicates']} "
-                           f"answered twice, {r['send_errors'] + r['unsent']} not sent)")
-    _all_answered("after the spawner's heir took over", s["after"])
-    report.metric("spawner_killed_ok_fraction", ok / r["requests"])
-    report.metric("spawner_killed_refused", refused)
-    report.metric("spawner_killed_workers_up_after_ms", s["up_after_ms"], "ms")   # its death seen -> the last up
-    return {"the worker spawner killed mid-run: answered 200 / 503 (no worker up)":
-            f"{ok} / {refused} of {r['requests']}",
-            "its heir's workers all up after (ms)": s["up_after_ms"],
-            "the next offer, after: answered 200": f"{s['after']['responses']} of {s['after']['requests']}"}
+def _spawner_rows(report, runs: dict) -> dict:
+    rows = {}
+    for hold_s, s in runs.items():
+        r, mode = s["r"], f"held up to {hold_s:g} s" if hold_s else "no hold (the reference)"
+        ok, refused = r["by_status"].get(200, 0), r["by_status"].get(503, 0)
+        if r["unanswered"] or r["duplicates"] or r["send_errors"] + r["unsent"] or set(r["by_status"]) - {200, 503}:
+            raise RuntimeError(f"the spawner killed, {mode}: every request must be sent and answered once, 200 or "
+                               f"503 while no worker is up ({r['by_status']}, {r['unanswered']} unanswered, "
+                               f"{r['duplicates']} answered twice, {r['send_errors'] + r['unsent']} not sent)")
+        _all_answered(f"after the spawner's heir took over, {mode}", s["after"])
+        suffix = "" if hold_s else "_nohold"
+        report.metric(f"spawner_killed_ok_fraction{suffix}", ok / r["requests"])
+        report.metric(f"spawner_killed_refused{suffix}", refused)
+        report.metric(f"spawner_killed_waited{suffix}", s["waited"])   # requests that waited for a worker
+        pc = _pcts(r["rtt_ns"], 1e6)                  # (the 200s': a wait's cost is in the held run's tail)
+        report.metric(f"spawner_killed_p99_ms{suffix}", pc["p99"], "ms")
+        report.metric(f"spawner_killed_workers_up_after_ms{suffix}", s["up_after_ms"], "ms")   # death seen -> last up
+        rows |= {f"the worker spawner killed mid-run, {mode}: answered 200 / 503, waited for the new workers":
+                 f"{ok} / {refused} of {r['requests']}, {s['waited']}",
+                 f"p50 / p99 ms of the 200s, {mode}": f"{pc['p50']:.1f} / {pc['p99']:.1f}",
+                 f"its heir's workers all up after (ms), {mode}": s["up_after_ms"],
+                 f"the next offer, after: answered 200, {mode}": f"{s['after']['responses']} of {s['after']['requests']}"}
+    return rows
 
 
 def _stopped_worker(p: Pipeline, rate: float, seconds: float, stop_s: float, stall_s: float) -> dict:

@@ -101,6 +101,10 @@ class PipelineConfig:
                                        # loop stops there, and the worker stays down; one that served
                                        # CRASH_LOOP_S first starts the count again (a long run is not
                                        # left short of a worker by crashes hours apart)
+    worker_hold_s: float = 2.0         # while no worker is up and a replacement is starting, a request
+                                       # waits for it up to this long rather than being answered 503
+                                       # (router.h, dp_router_hold; 0: answered at once). A spawner's
+                                       # heir forked every worker again in ~150 ms (bench e2e scenario 6)
     codec: str = "zstd"
     store_factory: object = None       # callable(worker index) -> SnapshotStore, called in the worker
     shared_store: str | None = None    # an image path: one store process serves it to every worker
@@ -676,6 +680,8 @@ class Pipeline:
         cfg, es = self.cfg, self._stack
         if cfg.lane_wait not in WAIT_MODES:
             raise ValueError(f"lane_wait must be one of {', '.join(WAIT_MODES)}, not {cfg.lane_wait!r}")
+        if not (isinstance(cfg.worker_hold_s, numbers.Real) and 0 <= cfg.worker_hold_s < math.inf):
+            raise ValueError(f"worker_hold_s must be a finite number of seconds >= 0, not {cfg.worker_hold_s!r}")
         self.placement = _placement(cfg)      # (refused before anything is built)
         n = len(self.placement)
         for k, factor in cfg.stragglers.items():
@@ -940,17 +946,30 @@ class Pipeline:
                 if w.exitcode is not None:
                     return None                    # (the spawner drops it; belt and braces)
                 t_ready = time.monotonic()
-                self.router.set_up(k, True)
+                self.router.set_up(k, True)        # (what waited for a worker goes to k)
                 w.t_ready = w.replacing["t_up"] = t_ready      # after: a caller seeing t_up finds it up
                 print(f"pipeline: worker {k} replaced by a fresh process (pid {w.pid}) on a fresh lane, "
                       f"up again", file=sys.stderr, flush=True)
+                unhold_unless_coming()
                 return None
+            hold()                                 # (first: the router parks what k held)
             self.router.set_up(k, False)
             w.exitcode = rest[0]                   # after: kill_worker waits for it
             self.worker_exits.append((k, w.exitcode))
             print(f"pipeline: worker {k} exited (code {w.exitcode}): marked down, its unfinished requests "
                   f"replayed on the others", file=sys.stderr, flush=True)
             return k
+
+        def hold():
+            """A worker is going down, and may be replaced: while none is up, what it held and new
+            requests wait for the replacement, worker_hold_s at most (router.h, dp_router_hold)."""
+            if self.cfg.worker_respawns and self.cfg.worker_hold_s > 0:
+                self.router.hold(self.cfg.worker_hold_s)
+
+        def unhold_unless_coming():
+            """No replacement starting: what waits for one is answered now (503, none up)."""
+            if not any(w.replacing is not None and not w.ready and w.exitcode is None for w in self.workers):
+                self.router.hold(0)
 
         def close_dead(spawner: WorkerSpawner):
             try:
@@ -1003,16 +1022,18 @@ class Pipeline:
                 if event[0] == "exit" and (k := on_event(*event)) is not None:
                     crashed.add(k)
             gone = [w for w in self.workers if w.exitcode is None]
+            hold()                                 # before they go down: the heir forks them again
             left = join_all(gone, REAP_WAIT_S)
             for w in left:
                 w.kill()
             join_all(left, REAP_WAIT_S)
-            for k, w in enumerate(self.workers):
-                if w in gone:
-                    w.reap()                       # (re-parented here if the pipeline is PID 1)
-                    self.router.set_up(k, False)
-                    w.exitcode = -signal.SIGKILL   # its spawner's death's signal (not ours to reap)
-                    self.worker_exits.append((k, w.exitcode))
+            down = [k for k, w in enumerate(self.workers) if w in gone]
+            for k in down:
+                self.workers[k].reap()             # (re-parented here if the pipeline is PID 1)
+            self.router.set_down(down)             # at once: none's requests move onto another of them
+            for k in down:
+                self.workers[k].exitcode = -signal.SIGKILL   # its spawner's death's (not ours to reap)
+                self.worker_exits.append((k, self.workers[k].exitcode))
             code = dead.exitcode()
             close_dead(dead)
             promoted = heir is not None and not heir.exited()
@@ -1020,12 +1041,13 @@ class Pipeline:
                                            "heir": heir.pid if promoted else None})
             said = (f"pipeline: the worker spawner (pid {dead.pid}) died" + (f" (code {code})" if code is not None
                     else "") + f": its {len(gone)} worker(s) with it, marked down, their unfinished requests "
-                    f"replayed (503 while no worker is up)")
+                    f"replayed (held for the new workers, {self.cfg.worker_hold_s:g} s at most)")
             if not promoted:
                 if heir is not None:
                     self._heir = None
                     close_dead(heir)
                 print(f"{said}; no heir: they stay down", file=sys.stderr, flush=True)
+                self.router.hold(0)
                 return False
             print(f"{said}; its heir (pid {heir.pid}) takes over and forks them again", file=sys.stderr, flush=True)
             self._spawner, self._heir, heir.t_start = heir, None, t
@@ -1038,6 +1060,7 @@ class Pipeline:
                 except Exception as e:
                     print(f"pipeline: worker {k} could not be replaced ({type(e).__name__}: {e}): it "
                           f"stays down", file=sys.stderr, flush=True)
+            unhold_unless_coming()
             return True
 
         def one_pass(seen: dict) -> bool:
@@ -1073,6 +1096,8 @@ class Pipeline:
                 except Exception as e:
                     print(f"pipeline: worker {k} could not be replaced ({type(e).__name__}: {e}): it "
                           f"stays down", file=sys.stderr, flush=True)
+            if dead:
+                unhold_unless_coming()
             for k, w in enumerate(self.workers):
                 if (not w.ready and w.exitcode is None and not w.killed and w.replacing is not None
                         and time.monotonic() - w.replacing["t_exit"] > START_TIMEOUT_S):
@@ -1114,9 +1139,10 @@ class Pipeline:
                     # what they held (left up, it held requests unanswered: review)
                     print(f"pipeline: worker watcher: the spawner's takeover failed ({type(e).__name__}: {e}): "
                           f"every worker is marked down, and stays so", file=sys.stderr, flush=True)
-                    for k in range(len(self.workers)):
-                        with contextlib.suppress(Exception):
-                            self.router.set_up(k, False)
+                    with contextlib.suppress(Exception):
+                        self.router.hold(0)
+                    with contextlib.suppress(Exception):
+                        self.router.set_down(range(len(self.workers)))
                     return
         watcher = threading.Thread(target=watch, name="worker-watch", daemon=True)
 

@@ -193,6 +193,24 @@ class Router:
         is then dropped as stale, but its side effects, KV and snapshots, happen)."""
         _check(lib.dp_router_set_up(self._rt, worker, int(up)), f"health of worker {worker}")
 
+    def set_down(self, workers):
+        """Several workers gone at once (their spawner's death): all marked down before any one's
+        requests move, so none moves onto another of them (set_up one by one, a request the first
+        had some of moved onto the next, counted as run there, and was answered 503 at its death:
+        its replay's worker died too)."""
+        ks = [int(k) for k in workers]
+        _check(lib.dp_router_set_down(self._rt, ffi.new("uint32_t[]", ks) if ks else ffi.NULL, len(ks)),
+               f"health of workers {ks}")
+
+    def hold(self, hold_s: float):
+        """A worker is coming (a replacement is starting): for hold_s from now, a request no worker
+        is up to take, new or one a dead worker held, waits for the first worker set up instead of
+        being answered 503 (stats: waiting_for_worker, waited_for_worker). 0 ends the hold: what
+        still waits is answered 503 then, unless a worker is up."""
+        if not (hold_s >= 0 and math.isfinite(hold_s)):
+            raise ValueError(f"hold_s must be a finite number of seconds >= 0, not {hold_s!r}")
+        _check(lib.dp_router_hold(self._rt, round(hold_s * 1e9)), "hold")
+
     def replace_lane(self, worker: int, lane: Ring, done: Ring) -> tuple[Ring, Ring]:
         """A down shm worker's fresh lane and completion ring, for the process that replaces it
         (set it up after). Returns the old pair, which the router no longer touches."""

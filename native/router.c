@@ -71,6 +71,7 @@ struct req {
     uint8_t spill;                               /* admission throttled it to the secondary pool */
     uint8_t moved;                               /* its session last ran elsewhere: DP_CHUNK_F_MOVED */
     uint8_t replayed;                            /* failover replayed it once already (see failover) */
+    uint8_t parked;                              /* enum park: it waits for a worker to come up (park) */
     uint8_t unsure;                              /* a worker that had some of it died: its turn may be in
                                                     the store (lost_note, if it then fails) */
     uint8_t retake;                              /* a client's retry of a try lost so: sent to its worker
@@ -93,6 +94,9 @@ struct req {
     struct dp_adm_decision adm;
     uint32_t out[DP_MAX_OUTPUT_TOKENS];
 };
+
+/* req.parked (park): a new request; a dead worker's, none or some of it run there */
+enum park { PARK_NONE, PARK_NEW, PARK_MOVED, PARK_RAN };
 
 struct batch_meta {             /* what the router remembers of each record it sent */
     uint32_t req;
@@ -205,6 +209,8 @@ struct dp_router {
     uint32_t unpriced, unpriced_chunk;  /* a request admitted by a lazy decision (NIL: none), and the pool
                                            slot of the chunk it was decided on (its t_router: when) */
     struct shadow *shadow;              /* the live router's rehearsal stage (NULL in a shadow) */
+    uint64_t hold_until;                /* till then, a request no worker is up to take waits (dp_router_hold;
+                                         * 0: none does) */
     struct dp_router_stats st;
     char done_body[DP_MAX_RESP_BODY];   /* emit_done's (not on the stack of the path every response takes) */
 };
@@ -336,8 +342,18 @@ static uint32_t req_insert(struct dp_router *rt, uint64_t key)
     return r;
 }
 
+/* r waits for a worker no longer (park): placed, answered, or expired */
+static void unpark(struct dp_router *rt, struct req *r)
+{
+    if (r->parked) {
+        r->parked = 0;
+        rt->st.waiting_for_worker--;
+    }
+}
+
 static void req_free(struct dp_router *rt, uint32_t r)
 {
+    unpark(rt, &rt->reqs[r]);            /* (expire_stalled frees one without finish) */
     index_move(&rt->by_id, rt->reqs[r].key, r, NIL);
     rt->reqs[r].state = REQ_FREE;
     rt->reqs[r].fifo_next = rt->req_free;
@@ -543,7 +559,7 @@ static void policy_done(struct dp_router *rt, const struct req *r)
 {
     struct pool *pl = &rt->pools[r->pool];
     const struct worker *w = &rt->w[r->worker];
-    if (!pl->policy.ops->done || w->pool != r->pool)
+    if (!pl->policy.ops->done || w->pool != r->pool || r->parked == PARK_NEW)   /* (never placed) */
         return;
     uint64_t t = pass_clock(rt);
     struct dp_outcome o = { r->session_id, r->tenant, r->status ? r->status : DP_STATUS_OK, r->tokens_in,
@@ -1191,6 +1207,7 @@ static void finish(struct dp_router *rt, uint32_t ri)
     if (r->status && r->unsure)
         lost_note(rt, r);
     policy_done(rt, r);
+    unpark(rt, r);                       /* (after: policy_done tells a parked one's apart) */
     if (!r->status)
         w->st.answered++;
     if (r->close && !r->status && rt->st.kv_homes)   /* done with the session: its id starts afresh */
@@ -1322,13 +1339,15 @@ static struct req *req_init(struct dp_router *rt, uint32_t ri, const struct dp_c
     r->tenant = c->tenant;
     r->max_output = c->max_output_tokens;
     r->chunk_count = c->chunk_count;
-    r->worker = (int16_t)wk;
+    r->worker = (int16_t)(wk < 0 ? 0 : wk);   /* -1: to be parked (park), on worker 0, down as every one */
     r->pool = pool;
     uint64_t sk = session_key(rt, c->tenant, c->session_id);
     const struct last_run *e = last_run_of(rt, sk);
     r->was_on = (int16_t)(e->session == sk ? e->worker : -1);
-    r->moved = note_run(rt, sk, wk);
-    rt->w[wk].st.placed++;
+    if (wk >= 0) {                       /* (a parked one's, once placed: place_again) */
+        r->moved = note_run(rt, sk, wk);
+        rt->w[wk].st.placed++;
+    }
     r->state = REQ_PREFILL;
     r->arr = NIL;
     r->pending_head = r->pending_tail = r->ooo = r->fifo_next = NIL;
@@ -1342,6 +1361,15 @@ static struct req *req_init(struct dp_router *rt, uint32_t ri, const struct dp_c
     r->client_port = c->client_port;
     return r;
 }
+
+/* While no worker is up and the control plane says one is coming (dp_router_hold: a replacement is
+ * starting), a request answered 503 for want of a worker waits instead: parked (park). */
+static int holding(struct dp_router *rt)
+{
+    return rt->hold_until && rt->view.n && pass_clock(rt) < rt->hold_until;
+}
+
+static void park(struct dp_router *rt, struct req *r, int k, uint8_t how, enum why why);
 
 /* e: for WHY_SHARE, the tenant's requests arriving, said too */
 static int unavailable(struct dp_router *rt, const struct dp_chunk *c, enum why why, const struct arriving *e)
@@ -1402,7 +1430,8 @@ static int admit(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, uin
     uint16_t pool = 0;
     struct dp_request rq = request_of(c, t);
     int wk = room && rt->req_free != NIL ? pick_worker(rt, &rq, d.spill, &pool, &spilled) : -1;
-    uint32_t ri = wk < 0 ? NIL : req_insert(rt, key);   /* a free slot was checked: cannot fail */
+    int parks = wk == -1 && room && rt->req_free != NIL && holding(rt);   /* no worker up, one coming */
+    uint32_t ri = wk < 0 && !parks ? NIL : req_insert(rt, key);   /* a free slot was checked: cannot fail */
     if (ri == NIL) {
         if (!unavailable(rt, c, !room ? WHY_POOL : rt->req_free == NIL ? WHY_TABLE
                                 : wk == -2 ? WHY_BAD_PICK : WHY_NO_WORKER, NULL))
@@ -1423,6 +1452,8 @@ static int admit(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, uin
     rt->st.to_secondary += (uint64_t)spilled;
     rt->reserved += c->chunk_count;     /* each chunk takes one back as it comes */
     struct req *r = req_init(rt, ri, c, key, t, wk, pool);
+    if (parks)
+        park(rt, r, 0, PARK_NEW, WHY_NO_WORKER);
     if (shared)
         arriving_add(rt, r);
     r->spill = d.spill;
@@ -1480,7 +1511,8 @@ static int close_session(struct dp_router *rt, const struct dp_chunk *c, uint64_
             wk = pick_worker(rt, &rq, 0, &pool, &spilled);
         }
     }
-    if (wk < 0) {
+    int parks = wk == -1 && !over && rt->st.pool_free > rt->reserved && rt->req_free != NIL && holding(rt);
+    if (wk < 0 && !parks) {
         if (!unavailable(rt, c, over ? WHY_SHARE : rt->st.pool_free <= rt->reserved ? WHY_POOL
                                     : rt->req_free == NIL ? WHY_TABLE : wk == -2 ? WHY_BAD_PICK : WHY_NO_WORKER, e))
             return 0;
@@ -1491,6 +1523,8 @@ static int close_session(struct dp_router *rt, const struct dp_chunk *c, uint64_
     }
     ri = req_insert(rt, key);
     struct req *r = req_init(rt, ri, c, key, t, wk, pool);
+    if (parks)
+        park(rt, r, 0, PARK_NEW, WHY_NO_WORKER);
     r->close = 1;
     r->chunk_count = 1;                  /* one record, nothing to generate */
     r->max_output = 0;
@@ -2570,15 +2604,142 @@ static void kv_homes_forget(struct dp_router *rt, uint32_t k)
     }
 }
 
-/* Worker k is gone (its process died): whatever it held is lost with it, so
- * each of its unfinished requests is replayed on another worker from its
- * first chunk (kept for that until the request ends); the new worker restores
- * the session from the snapshot store and runs the prompt again. With no
- * worker left, the request is answered 503, and so is one whose replay's worker
- * died too with some of it: a request that kills workers (a bug, a store that
- * hangs them) must not go round the pool killing every one. One still queued,
- * none of it sent, had no part in the death: it moves on however often (it was
- * answered 503 at a second death before). Nothing is dropped silently. */
+/* --- waiting for a worker ------------------------------------------------------------------
+ * With no worker up, a request was answered 503 at once: every one of the ~150 ms a dead spawner's
+ * heir took to fork the workers again, and every one the dead workers held (bench e2e scenario 6,
+ * session 42: 7 of 400). While the control plane says a replacement is coming (dp_router_hold),
+ * such a request is parked instead: left on a down worker (make_ready queues nothing there), all
+ * its chunks pending and counted in that worker's depth, its chunks still to come accepted so. The
+ * first worker up (set_up) places every parked request as a failover would (place_again); a hold
+ * that ends first answers them 503 as before. Parked requests exist only while no worker is up. */
+static void park(struct dp_router *rt, struct req *r, int k, uint8_t how, enum why why)
+{
+    if (!r->parked) {
+        rt->st.waiting_for_worker++;
+        rt->st.waited_for_worker++;
+    }
+    r->parked = how;
+    r->why = why;                        /* its 503's, if the hold ends first */
+    r->worker = (int16_t)k;
+    requeue_all(rt, r, k);               /* all of it again, from its first chunk */
+}
+
+/* Place again every request on worker k, gone (k >= 0: failover), or every parked one (k < 0): each
+ * is replayed on another worker from its first chunk (kept for that until the request ends), where
+ * the new worker restores the session from the snapshot store and runs the prompt again. With no
+ * worker up, it is parked while one is coming (park), else answered 503, and so is one whose
+ * replay's worker died too with some of it: a request that kills workers (a bug, a store that
+ * hangs them) must not go round the pool killing every one. One still queued, none of it sent, had
+ * no part in the death: it moves on however often (it was answered 503 at a second death before).
+ * Nothing is dropped silently. */
+static void place_again(struct dp_router *rt, int k)
+{
+    /* a session's earliest unfinished request first, then, pass by pass, each held behind one just
+     * placed, which goes where the session now is (session_home), as close_session and kv_move
+     * place them: each picked anew, a held CLOSE ran on a worker that did not hold the session,
+     * which kept it for good (found by review, session 27); and in slot order alone, one whose
+     * predecessor sat in a later slot (slots are reused) was placed before it, by the dead worker's
+     * stale entries, elsewhere (found by review, session 29) */
+    for (int pass = 0, placed = 1; placed; pass++) {
+    placed = pass == 0;                  /* the first pass runs whatever it places */
+    for (uint32_t ri = 0; ri < rt->cfg.max_requests; ri++) {
+        struct req *r = &rt->reqs[ri];
+        if (r->state == REQ_FREE || (k >= 0 ? r->worker != (int16_t)k || r->parked : !r->parked))
+            continue;                    /* (parked on k: in this walk) */
+        if (r->state == REQ_DONE) {      /* failed, waiting for records the dead worker will not answer */
+            if (r->inflight) {
+                r->inflight = 0;
+                finish(rt, ri);
+            }
+            continue;                    /* else already answered, waiting for egress room */
+        }
+        if (r->in_session && r->session_prev != NIL) {   /* held: once its predecessor is placed */
+            const struct req *prev = &rt->reqs[r->session_prev];
+            if (pass == 0 || (k >= 0 ? prev->worker == (int16_t)k && prev->state != REQ_DONE && !prev->parked
+                                     : prev->parked))
+                continue;
+        }
+        int progress = placed;
+        placed = 1;
+        uint8_t how = r->parked;
+        int ran;
+        if (how) {                       /* parked: all of it pending, in its down worker's depth */
+            ran = how == PARK_RAN;
+            for (uint32_t p = r->pending_head; p != NIL; p = rt->pool[p].next)
+                depth_add(rt, r->worker, -1, -chunk_tokens(rt, p));
+        } else {
+            r->inflight = r->in_fifo = r->in_set = 0;
+            ran = r->sent_head != NIL    /* the dead worker had some of it */
+                  || (r->pending_head != NIL && rt->pool[r->pending_head].sent);
+            r->unsure |= (uint8_t)ran;
+        }
+        struct dp_request rq = { r->session_id, r->tenant, r->close ? 0 : prompt_bound(r), r->max_output,
+                                 r->chunk_count, pass_clock(rt) };
+        uint64_t sk = session_key(rt, r->tenant, r->session_id);
+        int nk = -1, spilled = 0;
+        if (!(r->replayed && ran)) {
+            /* (a new CLOSE goes where its session is, as close_session sends it) */
+            nk = pass || (how == PARK_NEW && r->close)
+                 ? session_home(rt, sk, r->in_session ? r->session_prev : NIL) : -1;
+            if (nk >= 0) {
+                r->pool = rt->w[nk].pool;
+                rt->pools[r->pool].requests++;
+            } else {
+                nk = pick_worker(rt, &rq, r->spill, &r->pool, &spilled);
+            }
+        }
+        if (nk == -1 && !(r->replayed && ran) && holding(rt)) {
+            park(rt, r, how ? r->worker : k, how ? how : ran ? PARK_RAN : PARK_MOVED,
+                 how ? (enum why)r->why : WHY_WORKER_DIED);
+            placed = how ? progress : 1; /* parked again (none up yet): no walk's progress */
+            continue;
+        }
+        if (nk < 0) {
+            rt->st.bad_picks += nk == -2;
+            rt->st.replay_refused += r->replayed && ran;
+            rt->st.no_worker += nk == -1 && !(r->replayed && ran);   /* (a review: counted nowhere) */
+            free_list(rt, r->pending_head);
+            early_drop(rt, ri);
+            r->pending_head = r->pending_tail = NIL;
+            r->status = DP_STATUS_UNAVAILABLE;
+            r->why = r->replayed && ran ? WHY_REPLAY_DIED : nk == -2 ? WHY_BAD_PICK
+                     : how ? r->why : WHY_WORKER_DIED;
+            finish(rt, ri);
+            continue;
+        }
+        unpark(rt, r);
+        requeue_all(rt, r, nk);
+        if (r->retake)
+            r->retake = 2;               /* it begins again on the next worker too */
+        r->worker = (int16_t)nk;
+        uint8_t moved = note_run(rt, sk, nk);
+        /* a worker without a store: the session lives where this runs, and only the router knows
+         * it, as after a kv_move. Left to the policy, its next request went to the dead worker's
+         * replacement, which began it again, and this copy stayed here, never closed (found by
+         * review, session 29). (With a store, the policy's pick restores it: no entry.) A full
+         * table takes none: as before. */
+        if (rt->w[nk].no_store)
+            kv_home_set(rt, sk, nk);
+        r->kv_moves = 0;                 /* a KV-full walk begins again: the pool it walked has changed */
+        if (how == PARK_NEW) {           /* placed now as it came (admit) */
+            r->moved = moved;
+            rt->w[nk].st.placed++;
+            rt->st.to_secondary += (uint64_t)spilled;
+        } else {
+            r->moved = 1;                /* replayed elsewhere: its session moved for sure */
+        }
+        r->replayed |= (uint8_t)ran;     /* its turn may be in the store (DP_CHUNK_F_REPLAY) */
+        r->state = REQ_PREFILL;
+        r->n_out = 0;
+        r->generated = 0;                /* what it ran on the dead worker is not what it returns */
+        r->decode_left = 0;
+        make_ready(rt, ri);
+        rt->st.replayed += (uint64_t)ran;   /* a move of one it never had is no replay */
+    }
+    }
+}
+
+/* Worker k is gone (its process died): whatever it held is lost with it (place_again). */
 static void failover(struct dp_router *rt, uint32_t k, int alive)
 {
     struct worker *w = &rt->w[k];
@@ -2593,83 +2754,7 @@ static void failover(struct dp_router *rt, uint32_t k, int alive)
     w->n_decoding = w->st.decoding = 0;
     w->n_set = 0;
     depth_add(rt, (int)k, -(int32_t)rt->view.depth[k], -(int32_t)rt->view.tokens[k]);
-    /* a session's earliest unfinished request first, then, pass by pass, each held behind one just
-     * placed, which goes where the session now is (session_home), as close_session and kv_move
-     * place them: each picked anew, a held CLOSE ran on a worker that did not hold the session,
-     * which kept it for good (found by review, session 27); and in slot order alone, one whose
-     * predecessor sat in a later slot (slots are reused) was placed before it, by the dead worker's
-     * stale entries, elsewhere (found by review, session 29) */
-    for (int pass = 0, placed = 1; placed; pass++) {
-    placed = pass == 0;                  /* the first pass runs whatever it places */
-    for (uint32_t ri = 0; ri < rt->cfg.max_requests; ri++) {
-        struct req *r = &rt->reqs[ri];
-        if (r->state == REQ_FREE || r->worker != (int16_t)k)
-            continue;
-        if (r->state == REQ_DONE) {      /* failed, waiting for records the dead worker will not answer */
-            if (r->inflight) {
-                r->inflight = 0;
-                finish(rt, ri);
-            }
-            continue;                    /* else already answered, waiting for egress room */
-        }
-        if (r->in_session && r->session_prev != NIL) {   /* held: once its predecessor is placed */
-            const struct req *prev = &rt->reqs[r->session_prev];
-            if (pass == 0 || (prev->worker == (int16_t)k && prev->state != REQ_DONE))
-                continue;
-        }
-        placed = 1;
-        r->inflight = r->in_fifo = r->in_set = 0;
-        int spilled, ran = r->sent_head != NIL     /* the dead worker had some of it */
-                           || (r->pending_head != NIL && rt->pool[r->pending_head].sent);
-        r->unsure |= (uint8_t)ran;
-        struct dp_request rq = { r->session_id, r->tenant, r->close ? 0 : prompt_bound(r), r->max_output,
-                                 r->chunk_count, pass_clock(rt) };
-        uint64_t sk = session_key(rt, r->tenant, r->session_id);
-        int nk = -1;
-        if (!(r->replayed && ran)) {
-            nk = pass ? session_home(rt, sk, r->in_session ? r->session_prev : NIL) : -1;
-            if (nk >= 0) {
-                r->pool = rt->w[nk].pool;
-                rt->pools[r->pool].requests++;
-            } else {
-                nk = pick_worker(rt, &rq, r->spill, &r->pool, &spilled);
-            }
-        }
-        if (nk < 0) {
-            rt->st.bad_picks += nk == -2;
-            rt->st.replay_refused += r->replayed && ran;
-            rt->st.no_worker += nk == -1 && !(r->replayed && ran);   /* (a review: counted nowhere) */
-            free_list(rt, r->pending_head);
-            early_drop(rt, ri);
-            r->pending_head = r->pending_tail = NIL;
-            r->status = DP_STATUS_UNAVAILABLE;
-            r->why = r->replayed && ran ? WHY_REPLAY_DIED : nk == -2 ? WHY_BAD_PICK : WHY_WORKER_DIED;
-            finish(rt, ri);
-            continue;
-        }
-        requeue_all(rt, r, nk);
-        if (r->retake)
-            r->retake = 2;               /* it begins again on the next worker too */
-        r->worker = (int16_t)nk;
-        note_run(rt, sk, nk);
-        /* a worker without a store: the session lives where this runs, and only the router knows
-         * it, as after a kv_move. Left to the policy, its next request went to the dead worker's
-         * replacement, which began it again, and this copy stayed here, never closed (found by
-         * review, session 29). (With a store, the policy's pick restores it: no entry.) A full
-         * table takes none: as before. */
-        if (rt->w[nk].no_store)
-            kv_home_set(rt, sk, nk);
-        r->kv_moves = 0;                 /* a KV-full walk begins again: the pool it walked has changed */
-        r->moved = 1;                    /* replayed elsewhere: its session moved for sure */
-        r->replayed |= (uint8_t)ran;     /* its turn may be in the store (DP_CHUNK_F_REPLAY) */
-        r->state = REQ_PREFILL;
-        r->n_out = 0;
-        r->generated = 0;                /* what it ran on the dead worker is not what it returns */
-        r->decode_left = 0;
-        make_ready(rt, ri);
-        rt->st.replayed += (uint64_t)ran;   /* a move of one it never had is no replay */
-    }
-    }
+    place_again(rt, (int)k);
 }
 
 /* --- keeping the fast path warm ------------------------------------------------------------
@@ -2944,6 +3029,10 @@ uint32_t dp_router_poll(struct dp_router *rt)
         rt->rehearsal_from = NIL;
     }
     work += expire_stalled(rt);
+    if (rt->st.waiting_for_worker && !holding(rt)) {
+        place_again(rt, -1);             /* the hold ended with no worker up: answered 503 */
+        work++;
+    }
     if (work)
         rt->idle_polls = 0;
     else if (rt->shadow) {               /* (a shadow's idle passes warm nothing) */
@@ -3304,16 +3393,21 @@ int dp_router_set_key_secret(struct dp_router *rt, uint64_t secret)
  * control plane's word) it keeps none until it is up again: a socket left connected to the
  * endpoint took the completions of the worker bound there next, which a DEALER sends to its
  * peers in turn (found by the CLI test, a second worker on the first one's endpoint) */
-static void set_up(struct dp_router *rt, uint32_t k, int up, int probe)
+static void mark_up(struct dp_router *rt, uint32_t k, int up)
 {
     struct worker *w = &rt->w[k];
-    int was_up = rt->view.up[k];
     rt->view.up[k] = up ? 1 : 0;
     w->timed_out = 0;                   /* the control plane's word, or zmq_health's, is the last */
     w->stalled = w->st.stalled = 0;     /* down: gone; up: the control plane's word (find_stalls may
                                          * find it stalled again) */
     w->st.up = rt->view.up[k];
     views_changed(rt);                  /* (a worker up: one stalled alone may be hidden now) */
+}
+
+/* Worker k marked up or down (mark_up), was_up before: what it held moves, its socket follows. */
+static void went(struct dp_router *rt, uint32_t k, int was_up, int up, int probe)
+{
+    struct worker *w = &rt->w[k];
     if (was_up && !up) {
         failover(rt, k, probe);
         /* A zmq worker's socket is replaced (linger 0 drops what it held): a connecting socket
@@ -3337,6 +3431,15 @@ static void set_up(struct dp_router *rt, uint32_t k, int up, int probe)
     } else if (!was_up && up && w->kind == DP_LANE_ZMQ && !w->zsock) {
         w->zsock = zmq_dealer(rt->zctx, w->endpoint);   /* NULL: its batches stay unsent, time out */
     }
+    if (!was_up && up && rt->st.waiting_for_worker)
+        place_again(rt, -1);            /* the first worker up takes what waited for one */
+}
+
+static void set_up(struct dp_router *rt, uint32_t k, int up, int probe)
+{
+    int was_up = rt->view.up[k];
+    mark_up(rt, k, up);
+    went(rt, k, was_up, up, probe);
 }
 
 int dp_router_set_stall(struct dp_router *rt, uint64_t stall_ns)
@@ -3348,6 +3451,35 @@ int dp_router_set_stall(struct dp_router *rt, uint64_t stall_ns)
             rt->w[k].stalled = rt->w[k].st.stalled = 0;
         views_changed(rt);
     }
+    pthread_mutex_unlock(&rt->lock);
+    return 0;
+}
+
+int dp_router_set_down(struct dp_router *rt, const uint32_t *workers, uint32_t n)
+{
+    uint8_t was_up[DP_MAX_WORKERS];
+    if (n > DP_MAX_WORKERS)
+        return -EINVAL;
+    for (uint32_t i = 0; i < n; i++)
+        if (workers[i] >= rt->view.n)
+            return -EINVAL;
+    pthread_mutex_lock(&rt->lock);
+    for (uint32_t i = 0; i < n; i++) {  /* all down first: none's requests move onto another of them */
+        was_up[i] = rt->view.up[workers[i]];
+        mark_up(rt, workers[i], 0);
+    }
+    for (uint32_t i = 0; i < n; i++)
+        went(rt, workers[i], was_up[i], 0, 0);
+    pthread_mutex_unlock(&rt->lock);
+    return 0;
+}
+
+int dp_router_hold(struct dp_router *rt, uint64_t hold_ns)
+{
+    pthread_mutex_lock(&rt->lock);
+    rt->hold_until = hold_ns ? now_ns() + hold_ns : 0;
+    if (!hold_ns && rt->st.waiting_for_worker)
+        place_again(rt, -1);            /* answered now (503, unless a worker is up) */
     pthread_mutex_unlock(&rt->lock);
     return 0;
 }

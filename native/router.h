@@ -147,7 +147,10 @@ struct dp_router_stats {
                                  * that turn back first (router.c, lost_retake) */
     uint64_t lost_forgotten;    /* such tries forgotten within their minute for another's (256 slots): their
                                  * retry goes as a plain request */
+    uint64_t waited_for_worker; /* requests that waited, none up, for a worker coming (dp_router_hold)
+                                 * instead of the 503: new ones, and those a dead worker held */
     uint32_t active_requests, pool_free;
+    uint32_t waiting_for_worker;  /* active requests waiting so now (waited_for_worker) */
     uint32_t kv_homes;          /* sessions a kv_move sent to another worker, or a failover to one without
                                  * a store, placed there until their CLOSE (router.c, KV_HOMES at most) */
 };
@@ -207,6 +210,15 @@ int dp_router_set_key_secret(struct dp_router *rt, uint64_t secret);
 int dp_router_set_stall(struct dp_router *rt, uint64_t stall_ns);
 /* up = 0: the worker is gone; its unfinished requests are replayed on others (see failover). */
 int dp_router_set_up(struct dp_router *rt, uint32_t worker, int up);
+/* Several workers gone at once (their spawner's death): all marked down before any one's requests
+ * move, so none moves onto another of them, where it counted as run and its replay's worker dead
+ * too (a 503, failover). A worker listed twice is marked down once. */
+int dp_router_set_down(struct dp_router *rt, const uint32_t *workers, uint32_t n);
+/* The control plane's word that a worker is coming (a replacement starting): for hold_ns from now,
+ * a request no worker is up to take, new or a dead worker's, waits for the first one set up
+ * instead of being answered 503; one still waiting when the hold ends (or 0 ends it) is answered
+ * 503 then, as it was at once before (router.c, park). */
+int dp_router_hold(struct dp_router *rt, uint64_t hold_ns);
 /* A fresh lane and completion ring for shm worker `worker`, while it is down (-EBUSY if up, -EINVAL
  * if a zmq worker or the rings are too small): its replacement process serves them, and nothing
  * the dead one was sent or wrote is read again. The old rings are the caller's to close. */

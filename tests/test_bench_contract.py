@@ -333,7 +333,9 @@ def test_e2e_quick_runs_every_landed_scenario_and_writes_the_report(tmp_path):
     assert data["machine"]["xdp_mode"] in ("native", "generic")
     assert data["machine"]["xdp_tags_required"] is True, "every request of the main job is tagged and checked"
     assert m["failover_answered_fraction"] == 1.0, "a killed worker loses no request"
-    assert m["spawner_killed_ok_fraction"] > 0.5 and m["spawner_killed_workers_up_after_ms"] > 0, "its heir took over"
+    assert m["spawner_killed_workers_up_after_ms"] > 0 and m["spawner_killed_workers_up_after_ms_nohold"] > 0
+    assert m["spawner_killed_ok_fraction"] == 1.0, "its heir took over, and what came meanwhile waited for it"
+    assert m["spawner_killed_waited_nohold"] == 0 and m["spawner_killed_ok_fraction_nohold"] > 0.5   # the reference
     assert m["stopped_worker_p95_ms_stall"] > 0 and m["stopped_worker_p95_ms_nostall"] > 0
     assert "stopped_worker_p95_stall_vs_nostall" in data["ratios"], "a stopped worker, against its reference"
     assert m["kv_resident_bytes_snapshot_evict"] < m["kv_resident_bytes_resident"]

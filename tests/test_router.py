@@ -1379,6 +1379,147 @@ def test_a_new_request_with_no_worker_up_is_counted_as_such_not_as_a_full_table(
     assert [int(r["status"]) for r in b.responses] == [503, 503] and refusal(b.responses[1]) == refusal(b.responses[0])
 
 
+def bring_back(b, k):
+    """Worker k's replacement: a fresh lane (the old one may hold a batch replayed since), then up."""
+    name = f"{b.lanes[k]}.r{next(_seq)}"
+    b.lanes.append(name)
+    for ring in b.router.replace_lane(k, *lanes.create_shm_lane(name)):
+        ring.close()
+    b.workers[k].close()
+    b.workers[k] = lanes.ShmWorkerLane(name)
+    b.router.set_up(k, True)
+
+
+def close_of(rid, session):
+    close = chunks_of(rid, [], session=session)
+    close["kind"], close["n_tokens"] = wire.KIND_CLOSE, 0
+    return close
+
+
+def poll_until(b, done, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.01)
+        b.router.poll()
+        b.collect()
+
+
+def test_while_a_worker_is_coming_what_none_is_up_to_take_waits_for_it_not_503(bench_factory):
+    """A spawner's death takes every worker: each request of the ~150 ms until its heir's were up,
+    and each the dead ones held, was answered 503 (bench e2e scenario 6). With the control plane's
+    word that a worker is coming (hold), they wait and run on it: two in flight, replayed from
+    their first tokens; one held behind one of them in its session; new ones, one of two chunks
+    whose second comes while it waits; a CLOSE, held behind its session's request."""
+    b = bench_factory(n_workers=1, token_budget=100, split_slack=0)
+    toks = {1: list(range(1000, 1300)), 2: [7, 8, 9], 3: [4, 5], 4: list(range(200)), 6: [11, 12]}
+    b.send(chunks_of(1, toks[1], session=1, max_out=2), chunks_of(2, toks[2], session=2, max_out=1),
+           chunks_of(6, toks[6], session=1, max_out=1))
+    b.router.poll()
+    ran = set(b.workers[0].recv_batch(0)["request_id"].tolist())     # 1's first 50 tokens, 2; 6 held
+    assert ran == {1, 2}
+    b.router.hold(60)
+    b.router.set_up(0, False)
+    four = chunks_of(4, toks[4], max_out=1)
+    b.send(chunks_of(3, toks[3], max_out=1), four[[0]], close_of(5, session=2))
+    b.router.poll()
+    b.send(four[[1]])
+    b.router.poll()
+    b.collect()
+    st = b.router.stats()
+    assert b.responses == [] and st["waiting_for_worker"] == st["waited_for_worker"] == 6
+    assert st["no_worker"] == 0 and st["replayed"] == 0
+    bring_back(b, 0)
+    assert b.router.stats()["waiting_for_worker"] == 0
+    batches = b.run(k=0)
+    got = {int(r["request_id"]): (int(r["status"]), int(r["n_out"])) for r in b.responses}
+    assert got == {1: (200, 2), 2: (200, 1), 3: (200, 1), 4: (200, 1), 5: (200, 0), 6: (200, 1)}, got
+    seen = prefill_seen(batches)
+    assert seen[1] == toks[1], "replayed from its first token"
+    assert seen[4] == toks[4] and seen[6] == toks[6]
+    with_ = lambda rid: [i for i, x in enumerate(batches) if rid in x["request_id"].tolist()]
+    assert max(with_(1)) < min(with_(6)) and max(with_(2)) < min(with_(5)), "each after its session's earlier one"
+    st = b.router.stats()
+    assert st["replayed"] == 2 and st["no_worker"] == 0 and st["waited_for_worker"] == 6
+    assert st["active_requests"] == 0 and st["pool_free"] == 8192
+    assert b.router.worker_stats(0)["depth"] == 0 and b.router.worker_stats(0)["queued_tokens"] == 0
+
+
+def test_what_waits_for_a_worker_is_answered_503_once_the_hold_ends(bench_factory):
+    """A hold is bounded: what still waits when it ends is answered 503 saying why, as it was at
+    once before; a hold of 0 ends one at once; a request whose chunks stop coming while it waits
+    still expires 400; none of it holds anything after."""
+    b = bench_factory(n_workers=1, reassembly_timeout_s=0.05)
+    b.send(chunks_of(1, [1, 2, 3], max_out=2))
+    b.router.poll()
+    assert b.workers[0].recv_batch(0)["request_id"].tolist() == [1]
+    b.router.hold(0.3)
+    b.router.set_up(0, False)
+    b.send(chunks_of(2, [4, 5], max_out=1), chunks_of(3, list(range(200)), max_out=1)[[0]])
+    b.router.poll()
+    b.collect()
+    assert b.responses == [] and b.router.stats()["waiting_for_worker"] == 3
+    poll_until(b, lambda: len(b.responses) == 3)
+    got = {int(r["request_id"]): (int(r["status"]), refusal(r)) for r in b.responses}
+    assert got == {1: (503, "the request's worker died or stopped answering, and no other worker is up to "
+                            "run it again"),
+                   2: (503, "no worker is up to take the request"),
+                   3: (400, "chunks missing after the reassembly timeout")}, got
+    assert [int(r["request_id"]) for r in b.responses][0] == 3, "3 expired first, while it waited"
+    st = b.router.stats()
+    assert st["no_worker"] == 2 and st["expired"] == 1 and st["waiting_for_worker"] == 0
+    b.router.hold(60)
+    b.send(chunks_of(4, [6], max_out=1))
+    b.router.poll()
+    b.collect()
+    assert len(b.responses) == 3 and b.router.stats()["waiting_for_worker"] == 1
+    b.router.hold(0)
+    b.collect()
+    assert [(int(r["request_id"]), int(r["status"])) for r in b.responses[3:]] == [(4, 503)]
+    st = b.router.stats()
+    assert st["waiting_for_worker"] == 0 and st["waited_for_worker"] == 4 and st["active_requests"] == 0
+    assert st["pool_free"] == 8192 and b.router.worker_stats(0)["depth"] == 0
+    with pytest.raises(ValueError, match="hold_s must be"):
+        b.router.hold(-1)
+
+
+def test_workers_gone_at_once_are_all_down_before_any_one_s_requests_move(bench_factory):
+    """The spawner's death takes every worker: marked down one by one, a request the first held
+    moved onto the next, dead too but not yet down, went out in its lane, and was answered 503 at
+    that one's death (its replay's worker died too: session 43's first run of the heir test). All
+    down at once, both wait for the worker coming; a worker listed twice or out of range is
+    handled."""
+    b = bench_factory(n_workers=2, policy="round_robin")
+    b.send(chunks_of(1, [1, 2], max_out=1), chunks_of(2, [3, 4], max_out=1))
+    b.router.poll()
+    assert [b.workers[k].recv_batch(0)["request_id"].tolist() for k in (0, 1)] == [[1], [2]]
+    with pytest.raises(ValueError, match="invalid argument"):
+        b.router.set_down([0, 2])
+    assert b.router.worker_stats(0)["up"] == 1, "refused whole"
+    b.router.hold(60)
+    b.router.set_down([0, 1, 0])
+    b.router.poll()
+    st = b.router.stats()
+    assert st["waiting_for_worker"] == 2 and st["replay_refused"] == 0 and st["replayed"] == 0
+    bring_back(b, 1)
+    b.run(k=1)
+    assert {int(r["request_id"]): int(r["status"]) for r in b.responses} == {1: 200, 2: 200}
+    st = b.router.stats()
+    assert st["replayed"] == 2 and st["active_requests"] == 0 and st["pool_free"] == 8192
+
+
+def test_a_hold_changes_nothing_while_a_worker_is_up(bench_factory):
+    """With one worker of two up, the dead one's requests move to it at once, hold or not."""
+    b = bench_factory(n_workers=2, policy="round_robin")
+    b.send(chunks_of(1, [1, 2], max_out=1), chunks_of(2, [3, 4], max_out=1))
+    b.router.poll()
+    b.router.hold(60)
+    b.router.set_up(0, False)
+    assert b.router.stats()["waiting_for_worker"] == 0
+    b.run(k=1)
+    assert {int(r["request_id"]): int(r["status"]) for r in b.responses} == {1: 200, 2: 200}
+    assert b.router.stats()["waited_for_worker"] == 0
+
+
 def test_a_parameter_for_a_policy_that_reads_none_is_refused():
     assert policy_params()["affinity"].startswith("load bound") and policy_params()["round_robin"] is None
     with pytest.raises(ValueError, match="takes no parameter"):
