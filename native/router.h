@@ -45,7 +45,8 @@
  * a request that has just finished is counted as a late duplicate, not run
  * again. A full lane only delays its worker's batches; input is held back
  * (input_stalls) only while a refusal or a price must be answered and the
- * egress ring is full.
+ * egress ring is full. With no worker up, a request waits for one while the
+ * control plane says one is coming (dp_router_hold), else it is answered 503.
  */
 #ifndef DP_ROUTER_H
 #define DP_ROUTER_H
