@@ -464,6 +464,10 @@ def join_all(procs: list[WorkerProcess], timeout: float | None) -> list[WorkerPr
     return left
 
 
+class SpawnerDied(RuntimeError):
+    """The worker spawner exited while asked for something (its workers died with it)."""
+
+
 class WorkerSpawner:
     """The pipeline's end of _spawner_main. spawn() forks worker k (its spec, trace buffer and
     the stop flag inherited) on a lane; spawn_heir() forks a standby spawner; events() are the
@@ -521,9 +525,9 @@ class WorkerSpawner:
         child: init reaps it)."""
         return self.proc.exitcode if self.proc is not None and self.exited(1) else None
 
-    def died(self, doing: str) -> RuntimeError:
+    def died(self, doing: str) -> SpawnerDied:
         code = self.exitcode()
-        return RuntimeError(f"the worker spawner (pid {self.pid}) exited when {doing}"
+        return SpawnerDied(f"the worker spawner (pid {self.pid}) exited when {doing}"
                             + (f" (code {code})" if code is not None else ""))
 
     def _read(self, sid: int | None = None, k: int | None = None):
@@ -997,6 +1001,8 @@ class Pipeline:
             try:
                 self._heir = self._spawner.spawn_heir()
                 heir_due[0] = None
+            except SpawnerDied:
+                raise EOFError from None           # (watch: the takeover's, not a fork to try again)
             except Exception as e:
                 heir_due[0] = time.monotonic() + heir_backoff[0]
                 print(f"pipeline: the worker spawner could not fork an heir ({type(e).__name__}: {e}): tried "
@@ -1093,6 +1099,8 @@ class Pipeline:
             for k in dead:                                                          # down first
                 try:                               # each on its own: one that fails leaves k down
                     replace(k, t, seen)
+                except SpawnerDied:
+                    raise EOFError from None       # (watch: the takeover forks every worker again)
                 except Exception as e:
                     print(f"pipeline: worker {k} could not be replaced ({type(e).__name__}: {e}): it "
                           f"stays down", file=sys.stderr, flush=True)

@@ -272,6 +272,32 @@ def test_an_heir_that_cannot_be_forked_is_tried_again_until_one_is(monkeypatch):
 
 @pytest.mark.root
 @pytest.mark.bpf
+def test_a_spawner_that_dies_while_forking_an_heir_is_taken_over_not_retried(monkeypatch, capfd):
+    """The spawner's death while asked for an heir was logged as a failed fork "tried again in
+    1 s" (and a death while asked for a worker, as that worker staying down), though the takeover
+    was what came next. It goes to the takeover now: here there is no heir, said once."""
+    from datapath.pipeline import WorkerSpawner
+    real = WorkerSpawner.spawn_heir
+
+    def spawn_heir(self, timeout_s=30.0):
+        signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+        assert self.exited(10)
+        return real(self, timeout_s)
+    with Pipeline(_config(workers=1, worker_respawns=1)) as p:
+        monkeypatch.setattr(WorkerSpawner, "spawn_heir", spawn_heir)
+        spawner = p._spawner.pid
+        os.kill(p._heir.pid, signal.SIGKILL)            # another heir is asked for: the spawner dies then
+        deadline = time.monotonic() + 10
+        while not p.spawner_takeovers:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert p.spawner_takeovers[0]["pid"] == spawner and p.spawner_takeovers[0]["heir"] is None
+    err = capfd.readouterr().err
+    assert "could not fork an heir" not in err and "no heir: they stay down" in err, err
+
+
+@pytest.mark.root
+@pytest.mark.bpf
 def test_a_takeover_that_fails_leaves_every_worker_down_and_every_request_answered(monkeypatch):
     """take_over ran in the watcher's EOFError handler, outside its guard: one exception there
     ended the watcher with the router still taking the dead workers for up, and an offer of 20
