@@ -2,6 +2,8 @@
 
 The snapshot store is the in-memory stand-in (tests/serving_support.py).
 """
+import os
+
 import numpy as np
 import pytest
 
@@ -116,6 +118,45 @@ def test_a_session_restored_from_another_codec_s_chain_continues_it_in_that_code
         assert lz4.stats["snapshot_failures"] == 0 and lz4.stats["restores"] == 2
         assert [kvdelta.header(d)["codec"] for d in store.restore((0, 7))] == ["zstd"] * 3
         assert [kvdelta.header(d)["codec"] for d in store.restore((0, 8))] == ["lz4"]
+
+
+def test_a_resident_session_whose_stored_chain_is_damaged_is_put_whole_again_not_refused_for_good(model, tmp_path):
+    """A record of a resident session's chain damaged on the device (a flipped bit): appends went on
+    until one compacted the chain, read it and failed; the session was then unsure, every later
+    request read the damaged chain again and was answered 503, and it was never evicted (review).
+    The worker's copy, the session's best now, replaces the chain: every turn is answered, and a
+    restore elsewhere continues the session as a worker that never met the damage does."""
+    from snapshotstore import LogStore
+    from snapshotstore.api import WorkerStore
+    from snapshotstore.device import create_image
+    from snapshotstore.log import format_device
+    image = str(tmp_path / "store.img")
+    create_image(image, 16 << 20)           # (a record holds the chain compacted: 1/16 of the log)
+    format_device(image)
+    turns = [(7, rid, prompt(rid, 100 if rid == 1 else 30), 2) for rid in range(1, 8)]
+    ref = Worker(model, MemoryStore(), kv_budget_bytes=BIG)
+    want = {}
+    for t in turns:
+        want |= drive(ref.step, [t])
+    with LogStore(image, compact_after=4) as log:
+        store = WorkerStore(log, b"0123456789abcdef0123")
+        w = Worker(model, store, kv_budget_bytes=BIG)
+        got = drive(w.step, [turns[0]])
+        (first,) = [e for e in log.entries() if e.live]
+        where = (log.log_start + first.lpos % log.log_blocks) * log.block_size + 200
+        fd = os.open(image, os.O_RDWR)
+        try:
+            os.pwrite(fd, bytes([os.pread(fd, 1, where)[0] ^ 0x40]), where)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        for t in turns[1:]:
+            got |= drive(w.step, [t])                    # (every record answered 200)
+        assert got == want
+        assert w.stats["damaged_rewritten"] == 1 and w.stats["snapshot_failures"] == 0
+        again = Worker(model, store, kv_budget_bytes=BIG)
+        assert drive(again.step, [(7, 9, prompt(9, 20), 3)]) == drive(ref.step, [(7, 9, prompt(9, 20), 3)])
+        assert again.stats["restores"] == 1
 
 
 def test_int8_restore_continues_with_bounded_logit_error(model):

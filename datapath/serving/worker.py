@@ -172,7 +172,7 @@ class Worker:
                           restores=0, evictions=0, over_budget_steps=0, stale_dropped=0, replay_restored=0,
                           moved_without_store=0, closed=0, whole_reputs=0, superseded=0, context_full=0,
                           store_errors=0, replays_durable=0, abandoned=0, unsure_rolled_back=0, unsure_settled_idle=0,
-                          kv_full_refused=0,
+                          kv_full_refused=0, damaged_rewritten=0,
                           duplicates_refused=0, cut_on_refusal=0, simulated_s=0.0, slowed_s=0.0)
         self.last_store_error: str | None = None
         self._abandoned: dict[SessionKey, tuple[int, int]] = {}   # the request (id, send stamp) released as
@@ -509,6 +509,17 @@ class Worker:
             n = self._put_from(key, cache, 0, req)
             self.stats["whole_reputs"] += 1
             return n
+        except DamagedRecord:
+            if not req.start_len:
+                raise
+            # The store's chain of the session is damaged (a record failed its CRC: an append that
+            # compacts the chain read it), so no worker can restore it; this copy, which the append
+            # continued, is the session's best. It replaces the chain, then the turn goes in as its
+            # own delta. Before, the failure left the session unsure, every later request of it read
+            # the damaged chain again and was answered 503, and it was never evicted (review).
+            n = self._put(key, cache, 0, 0, req.start_len, replace=True)
+            self.stats["damaged_rewritten"] += 1
+            return n + self._put(key, cache, req.start_len, req.request_id, sent_ns=req.stamps.get("t_send", 0))
 
     def _put_from(self, key: SessionKey, cache: KVCache, start: int, req: _Request) -> int:
         """Entries [start, length): what precedes the request's turn as a delta of its own, naming no
@@ -561,7 +572,15 @@ class Worker:
         and its retry does not run on top of that turn. None: the store holds another history
         of the session, whose copy then goes. Raises (this record's 503) while the store still
         cannot say."""
-        last, _ = self._last_delta(key)
+        try:
+            last, _ = self._last_delta(key)
+        except DamagedRecord:
+            # the store's chain is damaged: nobody can restore it, and this copy is what the client
+            # was told (_put_turn's reason); it replaces the chain
+            self._rewrite_whole(key, s.cache)
+            self.stats["damaged_rewritten"] += 1
+            s.unsure = None
+            return s
         # that request's own turn, by its id and send stamp: a retry of it (stamped anew) that ran
         # on another worker and was answered 200 named the same id, and was taken out of the store
         if (last is not None and (last["request_id"], last.get("sent_ns", 0)) == s.unsure
