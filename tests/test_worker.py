@@ -812,6 +812,32 @@ def test_a_verbatim_repeat_of_an_older_answered_request_is_409_too(model, where)
     assert store.held((0, 7))[0] == held[0] + 20 + 1
 
 
+@pytest.mark.parametrize("begun_again_by", ["a failover's take-back", "a whole re-put"])
+def test_a_verbatim_repeat_is_409_after_the_chain_was_begun_again(model, begun_again_by):
+    """A chain begun again from token 0 (a replay taking its turn back out, a whole re-put after
+    the store evicted the chain) names no request in its first delta: the turns it replaced took
+    the answered requests' ids with them, and a verbatim resend of one ran again on a fresh
+    worker, its prompt twice in the context (found by review). That delta carries them now."""
+    store = MemoryStore()
+    first = Worker(model, store)
+    drive(sent_at(first.step, 101), [(7, 1, prompt(1, 40), 2)])
+    if begun_again_by == "a whole re-put":
+        store.evict((0, 7))
+        drive(sent_at(first.step, 102), [(7, 2, prompt(2, 30), 2)])
+        assert first.stats["whole_reputs"] == 1
+    else:
+        drive(sent_at(first.step, 102), [(7, 2, prompt(2, 30), 2)])   # durable; its worker "dies"
+        replay = Worker(model, store)
+        drive(sent_at(replay.step, 102, replay=True), [(7, 2, prompt(2, 30), 2)])
+        assert replay.stats["replays_durable"] == 1
+    held = store.held((0, 7))
+    for rid, t in ((1, 101), (2, 102)):
+        fresh = Worker(model, store)
+        comp = fresh.step(as_batch([prefill_records(7, rid, prompt(rid, 40 if rid == 1 else 30), 2, t_send=t)]))
+        assert comp["e"][0]["status"][0] == wire.STATUS_CONFLICT, (rid, comp["e"][0]["status"][0])
+        assert fresh.stats["duplicates_refused"] == 1 and store.held((0, 7)) == held
+
+
 def test_a_repeat_of_a_request_whose_turn_failed_runs(model):
     """Only a request answered 200 is remembered: one whose turn the store refused was answered
     503, and its client's verbatim resend must run."""

@@ -6,20 +6,26 @@ header and a codec payload:
 
   off  field            off  field
     0  magic "ZLKD"      24  n_layers u16, n_kv_heads u16
-    4  format u16 = 3    28  head_dim u16, reserved u16 = 0
+    4  format u16 = 3|4  28  head_dim u16, n_answered u16 (format 3: 0)
     6  codec_version u16 32  token_start u32
     8  codec name 16s    36  token_end u32
                          40  payload_len u32
                          44  request_id u64 (0: none)
                          52  sent_ns u64 (the request's client send stamp; 0: none)
-                         60  crc32 u32 (zlib CRC-32 of the header with this field 0, then the payload)
+                         60  crc32 u32 (zlib CRC-32 of the header with this field 0, then the
+                             answered list, then the payload)
+   64  format 4 only: n_answered x (request_id u64, sent_ns u64), oldest first
 
 Little-endian. The checksum lets a corrupted delta fail at import with a clear
 error; the snapshot store adds its own record checksum around it. The request id
 and its send stamp let a worker that replays a request after a failover see that
 its turn is already in the store (worker.py, _restore): the id alone matched an
-earlier request of the session that reused it. Formats 1 (48 bytes, no request
-id) and 2 (56 bytes, no send stamp) are still read.
+earlier request of the session that reused it. A delta that begins a chain again
+from token 0 (a whole re-put, a turn taken back out) names no request; it carries
+the session's last answered requests instead (format 4, at most 8), which the
+turns it replaces named, so a verbatim repeat of one is still refused 409. Format 3
+is written when there are none. Formats 1 (48 bytes, no request id) and 2 (56
+bytes, no send stamp) are still read.
 
 Codecs (name, version):
   raw 1        K then V, fp16, (layers, KV heads, tokens, head dim) order
@@ -42,10 +48,12 @@ import zstandard
 from .model import KV_DTYPE, KVCache, ModelConfig
 
 MAGIC = b"ZLKD"
-FORMAT = 3
+FORMAT = 4                # (3 when it carries no answered requests)
 HEADER = struct.Struct("<4sHH16sHHHHIIIQQI")
-HEADER_LEN = HEADER.size  # 64
+HEADER_LEN = HEADER.size  # 64: format 4's answered list follows
 CRC_OFFSET = HEADER_LEN - 4
+ANSWERED = struct.Struct("<QQ")   # format 4: one answered request, (id, send stamp)
+MAX_ANSWERED = 8
 HEADER_V1 = struct.Struct("<4sHH16sHHHHIIII")   # format 1: no request id
 HEADER_V2 = struct.Struct("<4sHH16sHHHHIIIQI")  # format 2: no send stamp
 
@@ -169,15 +177,22 @@ def export_delta(cache: KVCache, start: int | None = None, end: int | None = Non
     return KVDelta(start, end, k, v)
 
 
-def encode(delta: KVDelta, config: ModelConfig, codec: str = "zstd", request_id: int = 0, sent_ns: int = 0) -> bytes:
+def encode(delta: KVDelta, config: ModelConfig, codec: str = "zstd", request_id: int = 0, sent_ns: int = 0,
+           answered: tuple = ()) -> bytes:
+    """answered: the session's last answered requests, (id, send stamp) oldest first, that a delta
+    beginning its chain again carries (format 4)."""
     if codec not in CODECS:
         raise ValueError(f"unknown KV codec {codec!r}: choose one of {', '.join(CODECS)}")
+    if len(answered) > MAX_ANSWERED:
+        raise ValueError(f"a delta carries at most {MAX_ANSWERED} answered requests, not {len(answered)}")
     c = CODECS[codec]
     payload = c.encode(delta.k, delta.v)
-    hdr = HEADER.pack(MAGIC, FORMAT, c.version, c.name.encode(), config.n_layers, config.n_kv_heads,
-                      config.head_dim, 0, delta.token_start, delta.token_end, len(payload), request_id, sent_ns, 0)
-    crc = zlib.crc32(payload, zlib.crc32(hdr))
-    return hdr[:CRC_OFFSET] + struct.pack("<I", crc) + payload
+    listed = b"".join(ANSWERED.pack(rid, sent) for rid, sent in answered)
+    hdr = HEADER.pack(MAGIC, FORMAT if answered else 3, c.version, c.name.encode(), config.n_layers,
+                      config.n_kv_heads, config.head_dim, len(answered), delta.token_start, delta.token_end,
+                      len(payload), request_id, sent_ns, 0)
+    crc = zlib.crc32(payload, zlib.crc32(listed, zlib.crc32(hdr)))
+    return hdr[:CRC_OFFSET] + struct.pack("<I", crc) + listed + payload
 
 
 def header(buf: bytes) -> dict:
@@ -188,22 +203,30 @@ def header(buf: bytes) -> dict:
     if magic != MAGIC:
         raise DeltaError(f"not a KV delta: magic {magic!r}, expected {MAGIC!r}")
     rid = sent = 0
+    answered: tuple = ()
     if fmt == 1:
         _, _, cver, name, L, H, D, _, start, end, plen, crc = HEADER_V1.unpack_from(buf)
         hlen = HEADER_V1.size
-    elif fmt in (2, FORMAT):
+    elif fmt in (2, 3, FORMAT):
         hlen = (HEADER_V2 if fmt == 2 else HEADER).size
         if len(buf) < hlen:
             raise DeltaError(f"KV delta is {len(buf)} bytes, shorter than its {hlen}-byte header")
         if fmt == 2:
             _, _, cver, name, L, H, D, _, start, end, plen, rid, crc = HEADER_V2.unpack_from(buf)
         else:
-            _, _, cver, name, L, H, D, _, start, end, plen, rid, sent, crc = HEADER.unpack_from(buf)
+            _, _, cver, name, L, H, D, n, start, end, plen, rid, sent, crc = HEADER.unpack_from(buf)
+            if fmt == FORMAT:
+                if not 1 <= n <= MAX_ANSWERED or len(buf) < hlen + n * ANSWERED.size:
+                    raise DeltaError(f"KV delta format 4 lists {n} answered requests: 1 to {MAX_ANSWERED}, "
+                                     f"in {len(buf) - hlen} bytes after its header")
+                answered = tuple(ANSWERED.unpack_from(buf, hlen + i * ANSWERED.size) for i in range(n))
+                hlen += n * ANSWERED.size
     else:
         raise DeltaError(f"KV delta format {fmt} is not supported (this build reads formats 1 to {FORMAT})")
     return dict(codec=name.rstrip(b"\0").decode(errors="replace"), codec_version=cver, n_layers=L,
                 n_kv_heads=H, head_dim=D, token_start=start, token_end=end, payload_len=plen, request_id=rid,
-                sent_ns=sent, crc32=crc, header_len=hlen)
+                sent_ns=sent, answered=answered, crc32=crc, header_len=hlen,
+                crc_offset=CRC_OFFSET if fmt >= 3 else hlen - 4)
 
 
 def decode(buf: bytes, config: ModelConfig) -> KVDelta:
@@ -212,7 +235,8 @@ def decode(buf: bytes, config: ModelConfig) -> KVDelta:
     hlen = h["header_len"]
     if len(buf) != hlen + h["payload_len"]:
         raise DeltaError(f"KV delta is {len(buf)} bytes, its header says {hlen + h['payload_len']}: truncated or padded")
-    zeroed = bytes(buf[:hlen - 4]) + b"\0\0\0\0"
+    off = h["crc_offset"]
+    zeroed = bytes(buf[:off]) + b"\0\0\0\0" + bytes(buf[off + 4:hlen])   # (format 4: the list after it)
     crc = zlib.crc32(memoryview(buf)[hlen:], zlib.crc32(zeroed))
     if crc != h["crc32"]:
         raise DeltaError(f"KV delta for tokens {h['token_start']}..{h['token_end']} is corrupted: "

@@ -154,6 +154,18 @@ def check_slowdown(factor: float):
         raise ValueError(f"a worker's slowdown must be a number from 1 (not slowed) to 1000, not {factor!r}")
 
 
+def _answered_of(chain) -> tuple:
+    """A stored session's last answered requests, (id, send stamp): those its deltas name, after
+    the list a delta that began the chain again carries (kvdelta, format 4)."""
+    answered: list = []
+    for h in map(kvdelta.header, chain):
+        if h["answered"]:
+            answered = list(h["answered"])
+        if h["request_id"] and h["sent_ns"]:
+            answered.append((h["request_id"], h["sent_ns"]))
+    return tuple(answered[-ANSWERED_KEPT:])
+
+
 class Worker:
     def __init__(self, model: Model, store: SnapshotStore | None = None, *, index: int = 0,
                  kv_budget_bytes: int = 256 << 20, codec: str = "zstd", temperature: float = 0.0, seed: int = 0,
@@ -457,15 +469,14 @@ class Worker:
         # with --codec, a pool whose workers differ) does not choose: the store refuses a chain of
         # mixed codecs, and every turn of the session was answered 503 (found by review)
         cache.snapshot_codec = kvdelta.header(chain[0])["codec"] if chain else None
+        answered = _answered_of(chain)
         if taken_back:
-            self._rewrite_whole(key, cache)
+            self._rewrite_whole(key, cache, answered)
             self.stats["replays_durable"] += 1
         if chain:
             self.stats["restores"] += 1
         s = self.sessions[key] = _Session(cache, restored_tokens=cache.length)
-        # its last turns' requests, where their deltas name them (a whole re-put's first names none)
-        named = (kvdelta.header(d) for d in chain[-ANSWERED_KEPT:])
-        s.answered = tuple((h["request_id"], h["sent_ns"]) for h in named if h["request_id"] and h["sent_ns"])
+        s.answered = answered
         self._kv_bytes += cache.nbytes
         return s
 
@@ -478,7 +489,7 @@ class Worker:
         done.stamps["t_last_token"] = t_step
         if self.store is not None and s.cache.length > s.cache.snapshot_len:
             try:
-                done.snapshot_bytes = self._put_turn(key, s.cache, req)
+                done.snapshot_bytes = self._put_turn(key, s.cache, req, s.answered)
             except Exception as e:
                 held, last, seq = self._store_end(key)
                 # this request's own turn, by its id and send stamp: by the id alone a retry of
@@ -498,15 +509,16 @@ class Worker:
             done.stamps["t_snapshot"] = time.monotonic_ns()
         return done
 
-    def _put_turn(self, key: SessionKey, cache: KVCache, req: _Request) -> int:
-        """The request's turn (and anything before it the store lacks) into the store; its stored bytes."""
+    def _put_turn(self, key: SessionKey, cache: KVCache, req: _Request, answered: tuple) -> int:
+        """The request's turn (and anything before it the store lacks) into the store; its stored
+        bytes. answered: the session's last answered requests, which a chain begun again carries."""
         try:
-            return self._put_from(key, cache, cache.snapshot_len, req)
+            return self._put_from(key, cache, cache.snapshot_len, req, answered)
         except SessionChanged:
             # The store no longer holds what this copy put last (its LRU evicted the chain while
             # the session stayed resident here): this copy is the whole session, so it goes in
             # whole, from token 0 (refused too if the store holds another history of it).
-            n = self._put_from(key, cache, 0, req)
+            n = self._put_from(key, cache, 0, req, answered)
             self.stats["whole_reputs"] += 1
             return n
         except DamagedRecord:
@@ -517,15 +529,16 @@ class Worker:
             # continued, is the session's best. It replaces the chain, then the turn goes in as its
             # own delta. Before, the failure left the session unsure, every later request of it read
             # the damaged chain again and was answered 503, and it was never evicted (review).
-            n = self._put(key, cache, 0, 0, req.start_len, replace=True)
+            n = self._put(key, cache, 0, 0, req.start_len, replace=True, answered=answered)
             self.stats["damaged_rewritten"] += 1
             return n + self._put(key, cache, req.start_len, req.request_id, sent_ns=req.stamps.get("t_send", 0))
 
-    def _put_from(self, key: SessionKey, cache: KVCache, start: int, req: _Request) -> int:
+    def _put_from(self, key: SessionKey, cache: KVCache, start: int, req: _Request, answered: tuple) -> int:
         """Entries [start, length): what precedes the request's turn as a delta of its own, naming no
-        request, then the turn, so a replay of the request finds its turn as the last delta and takes
-        back exactly that (_restore)."""
-        n = self._put(key, cache, start, 0, req.start_len) if start < req.start_len else 0
+        request (from token 0: carrying `answered` instead), then the turn, so a replay of the
+        request finds its turn as the last delta and takes back exactly that (_restore)."""
+        n = (self._put(key, cache, start, 0, req.start_len, answered=answered if start == 0 else ())
+             if start < req.start_len else 0)
         return n + self._put(key, cache, max(start, req.start_len), req.request_id,
                              sent_ns=req.stamps.get("t_send", 0))
 
@@ -577,7 +590,7 @@ class Worker:
         except DamagedRecord:
             # the store's chain is damaged: nobody can restore it, and this copy is what the client
             # was told (_put_turn's reason); it replaces the chain
-            self._rewrite_whole(key, s.cache)
+            self._rewrite_whole(key, s.cache, s.answered)
             self.stats["damaged_rewritten"] += 1
             s.unsure = None
             return s
@@ -588,7 +601,7 @@ class Worker:
             # It landed: this copy, without that turn, replaces the chain in one record. A delete then
             # a put left the store empty between them, and a failed put or a kill there lost the
             # session for every other worker (found by review). If the put fails, still unsure.
-            self._rewrite_whole(key, s.cache)
+            self._rewrite_whole(key, s.cache, s.answered)
             self.stats["unsure_rolled_back"] += 1
         elif (last["token_end"] if last else 0) != s.cache.length:
             self._drop(key)
@@ -596,25 +609,25 @@ class Worker:
         s.unsure = None
         return s
 
-    def _rewrite_whole(self, key: SessionKey, cache: KVCache):
-        """The store's chain replaced by this copy of the session, in one put (none left if the copy
-        is empty): a turn taken back out of it."""
+    def _rewrite_whole(self, key: SessionKey, cache: KVCache, answered: tuple):
+        """The store's chain replaced by this copy of the session, in one put carrying the session's
+        last answered requests (none left if the copy is empty): a turn taken back out of it."""
         if cache.length:
-            self._put(key, cache, 0, 0, replace=True)
+            self._put(key, cache, 0, 0, replace=True, answered=answered)
         else:
             self.store.delete(key)
             cache.snapshot_seq, cache.snapshot_codec = 0, None
         cache.snapshot_len = cache.length
 
     def _put(self, key: SessionKey, cache: KVCache, start: int, request_id: int, end: int | None = None,
-             replace: bool = False, sent_ns: int = 0) -> int:
+             replace: bool = False, sent_ns: int = 0, answered: tuple = ()) -> int:
         """Put the session's entries [start, end or length) as one delta (replace: as the whole chain);
-        its stored size once durable."""
+        its stored size once durable. answered: see kvdelta (a delta from token 0 only)."""
         end = cache.length if end is None else end
         # a delta continues its chain in the chain's codec; one from token 0 begins a chain in this worker's
         codec = cache.snapshot_codec if start and cache.snapshot_codec else self.codec
         blob = kvdelta.encode(kvdelta.export_delta(cache, start, end), self.model.config, codec, request_id,
-                              sent_ns)
+                              sent_ns, answered)
         meta = dict(token_start=start, token_end=end, codec=codec, request_id=request_id)
         cache.snapshot_seq = self.store.put(key, blob, {**meta, "replace": True} if replace else meta)
         cache.snapshot_codec = codec
