@@ -51,6 +51,28 @@ def test_round_trip(model, session, codec):
             assert not np.array_equal(got, want)
 
 
+def test_int8_keeps_values_at_the_ends_of_fp16_and_a_non_finite_value_to_itself(model):
+    """Found by review: a scale rounded up to fp16 took values near 65504 to inf, and one inf or
+    NaN made its whole channel decode non-finite. Now the largest come back finite, a non-finite
+    value goes to its end of the range (NaN: 0) without touching its channel's other tokens, and
+    a delta of no tokens encodes."""
+    shape = (model.config.n_layers, model.config.n_kv_heads, 4, model.config.head_dim)
+    k = np.full(shape, 1.0, np.float16)
+    k[0, 0, :, 0] = [65504, -65504, 60000, 1]
+    k[0, 0, :, 1] = [np.inf, 2.0, -4.0, np.nan]
+    v = k.copy()
+    back = kvdelta.decode(kvdelta.encode(kvdelta.KVDelta(0, 4, k, v), model.config, "int8_zstd"), model.config)
+    got = back.k.astype(np.float32)
+    assert np.isfinite(got).all()
+    assert np.allclose(got[0, 0, :, 0], [65504, -65504, 60000, 0], atol=65504 / 254 + 1)
+    assert np.allclose(got[0, 0, 1:3, 1], [2.0, -4.0], atol=4 / 254 + 1e-3) and got[0, 0, 0, 1] == 4.0
+    assert got[0, 0, 3, 1] == 0 and np.array_equal(back.v, back.k)
+    empty = np.zeros(shape[:2] + (0, shape[3]), np.float16)
+    none = kvdelta.decode(kvdelta.encode(kvdelta.KVDelta(7, 7, empty, empty), model.config, "int8_zstd"),
+                          model.config)
+    assert none.k.shape == empty.shape and (none.token_start, none.token_end) == (7, 7)
+
+
 @pytest.mark.parametrize("codec", LOSSLESS)
 def test_chain_restore_is_exact(model, session, codec):
     chain = [kvdelta.encode(kvdelta.export_delta(session, a, b), model.config, codec)

@@ -52,6 +52,7 @@ FORMAT = 4                # (3 when it carries no answered requests)
 HEADER = struct.Struct("<4sHH16sHHHHIIIQQI")
 HEADER_LEN = HEADER.size  # 64: format 4's answered list follows
 CRC_OFFSET = HEADER_LEN - 4
+FP16_MAX = float(np.finfo(np.float16).max)
 ANSWERED = struct.Struct("<QQ")   # format 4: one answered request, (id, send stamp)
 MAX_ANSWERED = 8
 HEADER_V1 = struct.Struct("<4sHH16sHHHHIIII")   # format 1: no request id
@@ -139,10 +140,14 @@ class Int8ZstdCodec(Codec):
     def _quantize(x):
         x = x.astype(np.float32)
         # One scale per (layer, head, channel) over the delta's tokens; rounded to fp16 first
-        # so encoder and decoder use the same scale.
-        scale = (np.abs(x).max(axis=2, keepdims=True) / 127.0).astype(np.float16)
+        # so encoder and decoder use the same scale. Over the finite values only: one inf or NaN
+        # made its channel's scale non-finite, and every token of the channel decoded to NaN or
+        # inf (found by review); such a value goes to the nearest end of the range (NaN: 0).
+        finite = np.where(np.isfinite(x), np.abs(x), 0)
+        peak = finite.max(axis=2, keepdims=True, initial=0.0)   # (initial: a delta of no tokens)
+        scale = (peak / 127.0).astype(np.float16)
         safe = np.where(scale == 0, np.float16(1), scale).astype(np.float32)
-        q = np.clip(np.rint(x / safe), -127, 127).astype(np.int8)
+        q = np.clip(np.nan_to_num(np.rint(x / safe), nan=0.0, posinf=127, neginf=-127), -127, 127).astype(np.int8)
         return scale.tobytes() + q.tobytes()
 
     def encode(self, k, v):
@@ -162,7 +167,8 @@ class Int8ZstdCodec(Codec):
         for off in (0, n_scale + n_q):
             scale = np.frombuffer(raw, np.float16, L * H * D, off).reshape(L, H, 1, D).astype(np.float32)
             q = np.frombuffer(raw, np.int8, n_q, off + n_scale).reshape(shape)
-            out.append((q * scale).astype(KV_DTYPE))
+            # (clipped: a scale rounded up to fp16 took values near its largest, 65504, to inf)
+            out.append(np.clip(q * scale, -FP16_MAX, FP16_MAX).astype(KV_DTYPE))
         return out[0], out[1]
 
 
