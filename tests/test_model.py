@@ -196,6 +196,10 @@ def test_sampling(model):
     cold = [sample(lg, 1e-3, (5, 1, i)) for i in range(50)]
     assert set(cold) == {int(np.argmax(lg))}
     assert sample(lg, 1e-308, (5, 1, 0)) == int(np.argmax(lg)), "a temperature the CLI takes (it drew from NaN)"
+    p = np.exp(lg.astype(np.float64) - lg.max())
+    p /= p.sum()
+    freq = np.bincount([sample(lg, 1.0, (3, 9, i)) for i in range(20_000)], minlength=p.size) / 20_000
+    assert np.abs(freq - p).max() < 0.015, "draws follow softmax(logits / T)"   # (fixed seeds: no flake)
 
 
 def test_config_rejects_bad_shapes():
