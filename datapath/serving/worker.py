@@ -398,7 +398,8 @@ class Worker:
                 req.prefill_done = True
                 req.stamps["t_prefill_done"] = t_step
             if len(req.tokens) < req.max_output_tokens:
-                tok = sample(lg, self.temperature, (self.seed, seg.key[1], s.cache.length))
+                # (the tenant too: two tenants whose session ids match drew alike)
+                tok = sample(lg, self.temperature, (self.seed, *seg.key, s.cache.length))
                 req.tokens.append(tok)
                 entries["token"][seg.answer] = tok
                 if self.return_logits:
