@@ -39,7 +39,7 @@ from .egress import Responder
 from .ingress import SigtermExit, signals_held
 from .loop import PollLoop
 from .ring import WAIT_MODES, Ring, unlink
-from .router import MAX_POOLS, Router
+from .router import HOLD_MAX_S, MAX_POOLS, Router
 from .serving.devices import profile
 from .topology import Topology, socket_in
 
@@ -684,8 +684,8 @@ class Pipeline:
         cfg, es = self.cfg, self._stack
         if cfg.lane_wait not in WAIT_MODES:
             raise ValueError(f"lane_wait must be one of {', '.join(WAIT_MODES)}, not {cfg.lane_wait!r}")
-        if not (isinstance(cfg.worker_hold_s, numbers.Real) and 0 <= cfg.worker_hold_s < math.inf):
-            raise ValueError(f"worker_hold_s must be a finite number of seconds >= 0, not {cfg.worker_hold_s!r}")
+        if not (isinstance(cfg.worker_hold_s, numbers.Real) and 0 <= cfg.worker_hold_s <= HOLD_MAX_S):
+            raise ValueError(f"worker_hold_s must be 0..{HOLD_MAX_S:g} seconds, not {cfg.worker_hold_s!r}")
         self.placement = _placement(cfg)      # (refused before anything is built)
         n = len(self.placement)
         for k, factor in cfg.stragglers.items():
@@ -1028,7 +1028,6 @@ class Pipeline:
                 if event[0] == "exit" and (k := on_event(*event)) is not None:
                     crashed.add(k)
             gone = [w for w in self.workers if w.exitcode is None]
-            hold()                                 # before they go down: the heir forks them again
             left = join_all(gone, REAP_WAIT_S)
             for w in left:
                 w.kill()
@@ -1036,6 +1035,7 @@ class Pipeline:
             down = [k for k, w in enumerate(self.workers) if w in gone]
             for k in down:
                 self.workers[k].reap()             # (re-parented here if the pipeline is PID 1)
+            hold()                                 # (after the wait for them, which may be long: REAP_WAIT_S)
             self.router.set_down(down)             # at once: none's requests move onto another of them
             for k in down:
                 self.workers[k].exitcode = -signal.SIGKILL   # its spawner's death's (not ours to reap)

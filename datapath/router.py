@@ -53,6 +53,9 @@ def _param_said(policy: str, param: float) -> str:
     return f" and parameter {param:g} ({meaning})" if param and meaning else ""
 
 
+HOLD_MAX_S = 86_400.0      # Router.hold: a day (a replacement starts in seconds)
+
+
 def _check(rc: int, what: str) -> int:
     if rc >= 0:
         return rc
@@ -203,13 +206,14 @@ class Router:
                f"health of workers {ks}")
 
     def hold(self, hold_s: float):
-        """A worker is coming (a replacement is starting): for hold_s from now, a request no worker
-        is up to take, new or one a dead worker held, waits for the first worker set up instead of
-        being answered 503 (stats: waiting_for_worker, waited_for_worker). 0 ends the hold: what
-        still waits is answered 503 then, unless a worker is up."""
-        if not (hold_s >= 0 and math.isfinite(hold_s)):
-            raise ValueError(f"hold_s must be a finite number of seconds >= 0, not {hold_s!r}")
-        _check(lib.dp_router_hold(self._rt, round(hold_s * 1e9)), "hold")
+        """A worker is coming (a replacement is starting): for hold_s from now (or to a later end
+        already set), a request no worker is up to take, new or one a dead worker held, waits for
+        the first worker set up or added instead of being answered 503 (stats: waiting_for_worker,
+        waited_for_worker). 0 ends the hold: what still waits is answered 503 then, unless a worker
+        is up."""
+        if not 0 <= hold_s <= HOLD_MAX_S:
+            raise ValueError(f"hold_s must be 0..{HOLD_MAX_S} seconds, not {hold_s!r}")
+        _check(lib.dp_router_hold(self._rt, math.ceil(hold_s * 1e9)), "hold")   # (ceil: > 0 holds)
 
     def replace_lane(self, worker: int, lane: Ring, done: Ring) -> tuple[Ring, Ring]:
         """A down shm worker's fresh lane and completion ring, for the process that replaces it

@@ -72,6 +72,7 @@ struct req {
     uint8_t moved;                               /* its session last ran elsewhere: DP_CHUNK_F_MOVED */
     uint8_t replayed;                            /* failover replayed it once already (see failover) */
     uint8_t parked;                              /* enum park: it waits for a worker to come up (park) */
+    uint8_t waited;                              /* it has (counted once: waited_for_worker) */
     uint8_t unsure;                              /* a worker that had some of it died: its turn may be in
                                                     the store (lost_note, if it then fails) */
     uint8_t retake;                              /* a client's retry of a try lost so: sent to its worker
@@ -2614,14 +2615,18 @@ static void kv_homes_forget(struct dp_router *rt, uint32_t k)
  * that ends first answers them 503 as before. Parked requests exist only while no worker is up. */
 static void park(struct dp_router *rt, struct req *r, int k, uint8_t how, enum why why)
 {
-    if (!r->parked) {
-        rt->st.waiting_for_worker++;
-        rt->st.waited_for_worker++;
-    }
+    rt->st.waiting_for_worker += !r->parked;
+    rt->st.waited_for_worker += !r->waited;   /* (once a request, however often it waits) */
+    r->waited = 1;
     r->parked = how;
     r->why = why;                        /* its 503's, if the hold ends first */
     r->worker = (int16_t)k;
     requeue_all(rt, r, k);               /* all of it again, from its first chunk */
+    /* its prefill again: left decoding, a failure of it took a decode step's depth off the down
+     * worker, whose depth failover had zeroed: it wrapped (found by review) */
+    r->state = REQ_PREFILL;
+    r->decode_left = r->n_out = 0;
+    r->generated = 0;
 }
 
 /* Place again every request on worker k, gone (k >= 0: failover), or every parked one (k < 0): each
@@ -2718,7 +2723,7 @@ static void place_again(struct dp_router *rt, int k)
          * replacement, which began it again, and this copy stayed here, never closed (found by
          * review, session 29). (With a store, the policy's pick restores it: no entry.) A full
          * table takes none: as before. */
-        if (rt->w[nk].no_store)
+        if (rt->w[nk].no_store && how != PARK_NEW)   /* (admit makes none for a new one: review) */
             kv_home_set(rt, sk, nk);
         r->kv_moves = 0;                 /* a KV-full walk begins again: the pool it walked has changed */
         if (how == PARK_NEW) {           /* placed now as it came (admit) */
@@ -3272,6 +3277,8 @@ static int add_worker(struct dp_router *rt, int kind, struct dp_ring *lane, stru
         rt->view.n++;
         w->pool = 0;
         views_changed(rt);
+        if (rt->st.waiting_for_worker)
+            place_again(rt, -1);        /* a worker up: it takes what waited (set_up's rule; review) */
     }
     pthread_mutex_unlock(&rt->lock);
     return k;
@@ -3477,7 +3484,8 @@ int dp_router_set_down(struct dp_router *rt, const uint32_t *workers, uint32_t n
 int dp_router_hold(struct dp_router *rt, uint64_t hold_ns)
 {
     pthread_mutex_lock(&rt->lock);
-    rt->hold_until = hold_ns ? now_ns() + hold_ns : 0;
+    uint64_t now = now_ns(), until = hold_ns > UINT64_MAX - now ? UINT64_MAX : now + hold_ns;
+    rt->hold_until = !hold_ns ? 0 : until > rt->hold_until ? until : rt->hold_until;   /* a later end kept */
     if (!hold_ns && rt->st.waiting_for_worker)
         place_again(rt, -1);            /* answered now (503, unless a worker is up) */
     pthread_mutex_unlock(&rt->lock);

@@ -215,10 +215,10 @@ int dp_router_set_up(struct dp_router *rt, uint32_t worker, int up);
  * move, so none moves onto another of them, where it counted as run and its replay's worker dead
  * too (a 503, failover). A worker listed twice is marked down once. */
 int dp_router_set_down(struct dp_router *rt, const uint32_t *workers, uint32_t n);
-/* The control plane's word that a worker is coming (a replacement starting): for hold_ns from now,
- * a request no worker is up to take, new or a dead worker's, waits for the first one set up
- * instead of being answered 503; one still waiting when the hold ends (or 0 ends it) is answered
- * 503 then, as it was at once before (router.c, park). */
+/* The control plane's word that a worker is coming (a replacement starting): for hold_ns from now
+ * (or to a later end already set), a request no worker is up to take, new or a dead worker's,
+ * waits for the first one set up or added instead of being answered 503; one still waiting when
+ * the hold ends (or 0 ends it) is answered 503 then, as it was at once before (router.c, park). */
 int dp_router_hold(struct dp_router *rt, uint64_t hold_ns);
 /* A fresh lane and completion ring for shm worker `worker`, while it is down (-EBUSY if up, -EINVAL
  * if a zmq worker or the rings are too small): its replacement process serves them, and nothing

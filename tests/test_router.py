@@ -1478,8 +1478,18 @@ def test_what_waits_for_a_worker_is_answered_503_once_the_hold_ends(bench_factor
     st = b.router.stats()
     assert st["waiting_for_worker"] == 0 and st["waited_for_worker"] == 4 and st["active_requests"] == 0
     assert st["pool_free"] == 8192 and b.router.worker_stats(0)["depth"] == 0
-    with pytest.raises(ValueError, match="hold_s must be"):
-        b.router.hold(-1)
+    for bad in (-1, float("nan"), 1e12):
+        with pytest.raises(ValueError, match="hold_s must be"):
+            b.router.hold(bad)
+    b.router.hold(60)
+    b.router.hold(0.01)                          # a shorter hold keeps the later end
+    time.sleep(0.05)
+    b.send(chunks_of(5, [7], max_out=1))
+    b.router.poll()
+    assert b.router.stats()["waiting_for_worker"] == 1
+    b.router.hold(0)
+    b.collect()
+    assert b.router.stats()["waiting_for_worker"] == 0 and int(b.responses[-1]["status"]) == 503
 
 
 def test_workers_gone_at_once_are_all_down_before_any_one_s_requests_move(bench_factory):
@@ -1505,6 +1515,73 @@ def test_workers_gone_at_once_are_all_down_before_any_one_s_requests_move(bench_
     assert {int(r["request_id"]): int(r["status"]) for r in b.responses} == {1: 200, 2: 200}
     st = b.router.stats()
     assert st["replayed"] == 2 and st["active_requests"] == 0 and st["pool_free"] == 8192
+
+
+def test_a_request_that_waits_waits_as_a_prefill_and_is_counted_once(bench_factory):
+    """Found by review: one parked while decoding kept its decode state, and a malformed chunk of it
+    then took a decode step's depth off its down worker, whose depth the failover had zeroed: it
+    wrapped to 2^32 - 1, and that worker's pool read as full from then on. And one that waited
+    twice (its worker died again in the hold) was counted twice in waited_for_worker."""
+    b = bench_factory(n_workers=1)
+    b.send(chunks_of(1, [1, 2, 3], max_out=5))
+    b.step(0)
+    b.step(0)                                    # prefilled: decoding
+    assert b.router.worker_stats(0)["decoding"] == 1
+    b.router.hold(60)
+    b.router.set_up(0, False)
+    bad = chunks_of(1, [9], max_out=5)
+    bad["n_tokens"] = 0                          # malformed: its request fails 400
+    b.send(bad)
+    b.router.poll()
+    b.collect()
+    assert [(int(r["request_id"]), int(r["status"])) for r in b.responses] == [(1, 400)]
+    assert b.router.worker_stats(0)["depth"] == 0 and b.router.worker_stats(0)["queued_tokens"] == 0
+    b.send(chunks_of(2, [4, 5], max_out=1))
+    b.router.poll()
+    bring_back(b, 0)
+    b.router.poll()                              # 2 placed, in the new lane
+    b.router.set_up(0, False)                    # and its worker dies again within the hold
+    bring_back(b, 0)
+    b.run(k=0)
+    assert [(int(r["request_id"]), int(r["status"])) for r in b.responses] == [(1, 400), (2, 200)]
+    st = b.router.stats()
+    assert st["waited_for_worker"] == 2 and st["active_requests"] == 0, st
+    assert b.router.worker_stats(0)["depth"] == 0 and b.router.pool_stats(0)["depth"] == 0
+
+
+def test_a_worker_added_while_requests_wait_takes_them(bench_factory):
+    """Found by review: only set_up placed what waited; a worker added (an operator replacing a
+    zmq worker) left it waiting out the hold while later requests ran."""
+    b = bench_factory(n_workers=1)
+    b.router.hold(60)
+    b.router.set_up(0, False)
+    b.send(chunks_of(1, [1, 2], max_out=1))
+    b.router.poll()
+    assert b.router.stats()["waiting_for_worker"] == 1
+    name = f"{b.lanes[0]}.added"
+    b.lanes.append(name)
+    assert b.router.add_worker(*lanes.create_shm_lane(name)) == 1
+    b.workers.append(lanes.ShmWorkerLane(name))
+    assert b.router.stats()["waiting_for_worker"] == 0
+    b.run(k=1)
+    assert [(int(r["request_id"]), int(r["status"])) for r in b.responses] == [(1, 200)]
+
+
+def test_a_new_request_that_waited_gets_no_moved_session_entry_on_a_store_less_worker(bench_factory):
+    """A failover's replay onto a store-less worker is remembered there (kv_homes); a new request
+    placed after a wait is not a replay, and admission makes no entry for one (found by review:
+    4,200 that waited left the table full, and KV-full refusals were then answered 503)."""
+    b = bench_factory(n_workers=1)
+    b.router.set_worker_store(0, False)
+    b.router.hold(60)
+    b.router.set_up(0, False)
+    for rid in range(10, 15):
+        b.send(chunks_of(rid, [rid], max_out=1))
+    b.router.poll()
+    bring_back(b, 0)
+    b.run(k=0)
+    assert sorted(int(r["status"]) for r in b.responses) == [200] * 5
+    assert b.router.stats()["kv_homes"] == 0
 
 
 def test_a_hold_changes_nothing_while_a_worker_is_up(bench_factory):
