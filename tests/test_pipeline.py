@@ -17,6 +17,20 @@ from datapath.pipeline import Pipeline
 from datapath.serving.model import KVCache, ModelConfig
 
 
+def offer_with(p: Pipeline, fault, after_s: float, count: int, sessions: int) -> dict:
+    """An offer at 20 req/s of `count` requests of 16 tokens out, fault() `after_s` into it: its result."""
+    out = {}
+    load = threading.Thread(target=lambda: out.update(
+        r=p.offer(20, count, max_output_tokens=16, sessions=sessions, drain_s=10)))
+    load.start()
+    time.sleep(after_s)
+    try:
+        fault()
+    finally:
+        load.join(120)
+    return out["r"]
+
+
 @pytest.mark.root
 @pytest.mark.bpf
 def test_a_worker_that_dies_unannounced_is_failed_over_and_nothing_is_lost():
@@ -24,13 +38,8 @@ def test_a_worker_that_dies_unannounced_is_failed_over_and_nothing_is_lost():
     crashed by itself kept its requests, and its sessions' later ones, unanswered for good. The
     pipeline now watches its worker processes."""
     with fresh_store() as store, Pipeline(_config(workers=2, shared_store=store)) as p:
-        out = {}
-        load = threading.Thread(target=lambda: out.update(
-            r=p.offer(20, 60, max_output_tokens=16, sessions=20, drain_s=10)))
-        load.start()
-        time.sleep(1.0)
-        os.kill(p.workers[1].pid, signal.SIGKILL)     # a crash: nobody tells the router
-        load.join(120)
+        # a crash: nobody tells the router
+        r = offer_with(p, lambda: os.kill(p.workers[1].pid, signal.SIGKILL), 1.0, 60, sessions=20)
         assert p.worker_exits == [(1, -signal.SIGKILL)]
         assert [r["worker"] for r in p.worker_replacements] == [1]
         deadline = time.monotonic() + 30                   # (its replacement may still be starting)
@@ -38,7 +47,6 @@ def test_a_worker_that_dies_unannounced_is_failed_over_and_nothing_is_lost():
             assert time.monotonic() < deadline
             time.sleep(0.01)
         assert p.router.worker_stats(1)["up"] == 1
-    r = out["r"]
     assert r["requests"] == 60 and r["resp_ok"] == 60 and r["unanswered"] == 0, r["by_status"]
     assert r["by_status"] == {200: 60}, "by status, as send() keys it (JSON made the keys strings)"
 
@@ -51,16 +59,9 @@ def test_a_worker_that_hangs_holding_a_batch_is_killed_and_failed_over():
     anything is now killed, and failed over like a crash."""
     with fresh_store() as store, Pipeline(_config(workers=2, shared_store=store, worker_hang_s=1.0)) as p:
         p.offer(10, 10, sessions=10)       # both workers past their first (slowest) steps
-        out = {}
-        load = threading.Thread(target=lambda: out.update(
-            r=p.offer(20, 60, max_output_tokens=16, sessions=20, drain_s=10)))
-        load.start()
-        time.sleep(1.0)
-        os.kill(p.workers[1].pid, signal.SIGSTOP)
-        load.join(120)
+        r = offer_with(p, lambda: os.kill(p.workers[1].pid, signal.SIGSTOP), 1.0, 60, sessions=20)
         assert p.worker_hangs == [1] and p.worker_exits == [(1, -signal.SIGKILL)]
-        assert [r["worker"] for r in p.worker_replacements] == [1]
-    r = out["r"]
+        assert [x["worker"] for x in p.worker_replacements] == [1]
     assert r["requests"] == 60 and r["resp_ok"] == 60 and r["unanswered"] == 0, r["by_status"]
 
 
@@ -103,15 +104,8 @@ def test_with_its_only_worker_killed_requests_wait_for_the_replacement_not_503(h
     until the replacement served; they now wait for it (worker_hold_s), and with worker_hold_s 0
     are answered 503 at once as before."""
     with fresh_store() as store, Pipeline(_config(workers=1, shared_store=store, worker_hold_s=hold_s)) as p:
-        out = {}
-        load = threading.Thread(target=lambda: out.update(
-            r=p.offer(20, 40, max_output_tokens=16, sessions=10, drain_s=10)))
-        load.start()
-        time.sleep(0.5)
-        os.kill(p.workers[0].pid, signal.SIGKILL)
-        load.join(120)
+        r = offer_with(p, lambda: os.kill(p.workers[0].pid, signal.SIGKILL), 0.5, 40, sessions=10)
         st = p.router.stats()
-    r = out["r"]
     assert r["requests"] == 40 and r["unanswered"] == 0, r["by_status"]
     assert st["waiting_for_worker"] == 0
     if hold_s:
@@ -167,14 +161,7 @@ def test_a_spawner_that_dies_is_taken_over_by_its_heir_which_forks_every_worker_
         p.offer(20, 10, sessions=10)
         spawner, heir = p._spawner, p._heir
         procs += [spawner.pid, heir.pid, *(w.pid for w in p.workers)]
-        out = {}
-        load = threading.Thread(target=lambda: out.update(
-            r=p.offer(20, 60, max_output_tokens=16, sessions=20, drain_s=10)))
-        load.start()
-        time.sleep(1.0)
-        os.kill(spawner.pid, signal.SIGKILL)
-        load.join(120)
-        r = out["r"]
+        r = offer_with(p, lambda: os.kill(spawner.pid, signal.SIGKILL), 1.0, 60, sessions=20)
         assert r["requests"] == 60 and r["by_status"] == {200: 60}, r["by_status"]
 
         def replaced(n):
