@@ -3396,10 +3396,6 @@ int dp_router_set_key_secret(struct dp_router *rt, uint64_t secret)
     return fresh ? 0 : -EBUSY;
 }
 
-/* probe: a zmq worker going down keeps a socket, fresh, for zmq_health's probes; without (the
- * control plane's word) it keeps none until it is up again: a socket left connected to the
- * endpoint took the completions of the worker bound there next, which a DEALER sends to its
- * peers in turn (found by the CLI test, a second worker on the first one's endpoint) */
 static void mark_up(struct dp_router *rt, uint32_t k, int up)
 {
     struct worker *w = &rt->w[k];
@@ -3411,7 +3407,11 @@ static void mark_up(struct dp_router *rt, uint32_t k, int up)
     views_changed(rt);                  /* (a worker up: one stalled alone may be hidden now) */
 }
 
-/* Worker k marked up or down (mark_up), was_up before: what it held moves, its socket follows. */
+/* Worker k marked up or down (mark_up), was_up before: what it held moves, its socket follows.
+ * probe: a zmq worker going down keeps a socket, fresh, for zmq_health's probes; without (the
+ * control plane's word) it keeps none until it is up again: a socket left connected to the
+ * endpoint took the completions of the worker bound there next, which a DEALER sends to its
+ * peers in turn (found by the CLI test, a second worker on the first one's endpoint) */
 static void went(struct dp_router *rt, uint32_t k, int was_up, int up, int probe)
 {
     struct worker *w = &rt->w[k];
