@@ -1047,7 +1047,8 @@ class Pipeline:
                                            "heir": heir.pid if promoted else None})
             said = (f"pipeline: the worker spawner (pid {dead.pid}) died" + (f" (code {code})" if code is not None
                     else "") + f": its {len(gone)} worker(s) with it, marked down, their unfinished requests "
-                    f"replayed (held for the new workers, {self.cfg.worker_hold_s:g} s at most)")
+                    + (f"replayed (held for the new workers, {self.cfg.worker_hold_s:g} s at most)"
+                       if self.cfg.worker_hold_s and self.cfg.worker_respawns else "replayed (503 while no worker is up)"))
             if not promoted:
                 if heir is not None:
                     self._heir = None
