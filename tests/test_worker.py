@@ -838,6 +838,21 @@ def test_a_verbatim_repeat_is_409_after_the_chain_was_begun_again(model, begun_a
         assert fresh.stats["duplicates_refused"] == 1 and store.held((0, 7)) == held
 
 
+def test_the_answered_requests_of_a_chain_are_its_last_eight_across_a_chain_begun_again(model):
+    """A chain begun again lists 6; three named turns follow: the last 8 are the list's last 5,
+    then the three, oldest first; a chain of named turns alone gives its last 8."""
+    from datapath.serving.worker import _answered_of
+    cache = KVCache(model.config)
+    model.prefill(cache, prompt(1, 12))
+    enc = lambda a, b, **kw: kvdelta.encode(kvdelta.export_delta(cache, a, b), model.config, "raw", **kw)
+    begun = enc(0, 3, answered=tuple((i, 100 + i) for i in range(1, 7)))
+    chain = [begun] + [enc(3 + i, 4 + i, request_id=7 + i, sent_ns=107 + i) for i in range(3)]
+    assert _answered_of(chain) == tuple((i, 100 + i) for i in range(2, 10))
+    named = [enc(i, i + 1, request_id=i + 1, sent_ns=101 + i) for i in range(10)]
+    assert _answered_of(named) == tuple((i, 100 + i) for i in range(3, 11))
+    assert _answered_of([enc(0, 12)]) == ()
+
+
 def test_a_repeat_of_a_request_whose_turn_failed_runs(model):
     """Only a request answered 200 is remembered: one whose turn the store refused was answered
     503, and its client's verbatim resend must run."""

@@ -71,7 +71,8 @@ SessionKey = tuple[int, int]   # (tenant, session_id): sessions of different ten
 ABANDONED_NS = 60_000_000_000
 ABANDONED_KEPT = 4096      # released requests remembered (per session); the oldest forgotten first
 SETTLE_EVERY_NS = 1_000_000_000   # an idle unsure session settled to be evicted: one a second at most
-ANSWERED_KEPT = 8          # a session's answered requests a verbatim repeat of is refused 409
+ANSWERED_KEPT = kvdelta.MAX_ANSWERED   # a session's answered requests a verbatim repeat of is refused 409 (8:
+                                      # a delta that begins a chain again carries them)
 
 
 class SnapshotStore(Protocol):
@@ -155,15 +156,16 @@ def check_slowdown(factor: float):
 
 
 def _answered_of(chain) -> tuple:
-    """A stored session's last answered requests, (id, send stamp): those its deltas name, after
-    the list a delta that began the chain again carries (kvdelta, format 4)."""
-    answered: list = []
-    for h in map(kvdelta.header, chain):
-        if h["answered"]:
-            answered = list(h["answered"])
+    """A stored session's last answered requests, (id, send stamp), oldest first: those its last
+    deltas name, after the list a delta that began the chain again carries (kvdelta, format 4)."""
+    newest_first: list = []
+    for h in map(kvdelta.header, reversed(chain)):
         if h["request_id"] and h["sent_ns"]:
-            answered.append((h["request_id"], h["sent_ns"]))
-    return tuple(answered[-ANSWERED_KEPT:])
+            newest_first.append((h["request_id"], h["sent_ns"]))
+        newest_first += reversed(h["answered"])
+        if h["answered"] or len(newest_first) >= ANSWERED_KEPT:
+            break                        # (what came before is in its list, or older than kept)
+    return tuple(reversed(newest_first[:ANSWERED_KEPT]))
 
 
 class Worker:
