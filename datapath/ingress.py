@@ -513,6 +513,9 @@ class Consumer(_Thread):
         # after ptr: an object's attributes go in the order they were set, and dp_consumer_free
         # stops the thread, which must not outlive the ring it writes (found by review)
         self.out = out
+        # poll() and close() from two threads: a close freed the consumer under a poll running in
+        # it (cffi lets go of the GIL for the call), and a poll after close ran on NULL
+        self._lock = threading.Lock()
         self.cpu, self.rt_priority = cpu, rt_priority
         self.fed = False         # a router's feed (Router.add_feed): the router may call it until it goes
 
@@ -540,16 +543,29 @@ class Consumer(_Thread):
     def poll(self) -> int:
         """One pass over the ring buffers from the calling thread (a consumer not started): the
         records it took from them, up to a burst from each."""
-        return lib.dp_consumer_poll(self.ptr)
+        with self._lock:
+            if self.ptr is None:
+                raise RuntimeError("this consumer is closed")
+            return lib.dp_consumer_poll(self.ptr)
+
+    def start(self):
+        if self.ptr is None:
+            raise RuntimeError("this consumer is closed")
+        super().start()
+
+    def stop(self):
+        if self.ptr is not None:         # (closed: its thread was stopped then)
+            super().stop()
 
     def close(self):
         """Stop the thread and let the ring buffers go, for another consumer (freed here, not at
-        garbage collection). Its counters are gone with it."""
+        garbage collection; after a poll running in another thread). Its counters are gone with it."""
         if self.fed:
             raise RuntimeError("this consumer is a router's feed: it lives as long as the router")
-        if self.ptr is not None:
-            ffi.release(self.ptr)
-            self.ptr = None
+        with self._lock:
+            if self.ptr is not None:
+                ffi.release(self.ptr)
+                self.ptr = None
 
     def reset(self):
         """Clear the latency records (call while stopped)."""

@@ -348,6 +348,35 @@ def test_a_stopped_consumer_thread_has_taken_what_came_before_stop():
         assert consumer.records == 5000 and len(take(rd, 1 << 14)) == 5000
 
 
+def test_a_consumer_closed_while_another_thread_polls_it_waits_for_that_poll():
+    """close() freed the consumer while another thread's poll() ran in it (cffi lets go of the
+    GIL for the call), and a poll after close ran on NULL: the process died. Now close waits for
+    a poll under way, and a poll, or a start, after close says the consumer is closed."""
+    from datapath.xdp import prog_test_run
+    with Ingress(queues=1, ring_pages=1024) as ig, rings(1 << 14) as (out, rd):
+        consumer = ig.consumer(out)
+        prog_test_run(ig.fn.fd, _frames(1)[0], 5000)
+        polls, said = [0], []
+
+        def poller():
+            for _ in range(1_000_000):           # (bounded: the close ends it long before)
+                try:
+                    consumer.poll()
+                except RuntimeError as e:
+                    said.append(str(e))
+                    return
+                polls[0] += 1
+        t = threading.Thread(target=poller)
+        t.start()
+        time.sleep(0.05)
+        consumer.close()
+        t.join(30)
+        assert not t.is_alive() and said == ["this consumer is closed"] and polls[0] > 0
+        with pytest.raises(RuntimeError, match="closed"):
+            consumer.start()
+        consumer.stop()                            # (closed: nothing to stop)
+
+
 def test_one_consumer_per_ring_buffer():
     """Two consumers of one program each read every record and raced the consumer position (a
     review: 44,110 records delivered of 40,000): a second is refused until the first is closed."""
