@@ -557,7 +557,8 @@ static void suggestions(struct jw *w, const struct dp_admission *a, const struct
             HINT("it costs more than a whole day's budget (%" PRIu64 " micro-USD): only a smaller request, or a "
                  "larger budget, fits", cfg->budget_per_day);
         else
-            HINT("wait %" PRIu64 " s for the daily budget to reset, or raise it", secs_up(d->resets_in_ns));
+            HINT("wait %" PRIu64 " s for the daily budget to reset, or raise it",
+                 secs_up(d->resets_in_ns > d->retry_after_ns ? d->resets_in_ns : d->retry_after_ns));
     } else if (st == DP_STATUS_RATE_LIMITED) {
         HINT("retry after %" PRIu64 " ms", (d->retry_after_ns + 999999) / 1000000);
     }
@@ -650,20 +651,25 @@ uint32_t dp_adm_decide(struct dp_admission *a, uint32_t tenant, const uint32_t *
     if (!(flags & DP_ADM_LAZY) || count_only || hi_rule ||
         charge_of(cfg->price_per_1k, d->p.input_tokens, max_output, 5.0) > d->remaining)
         dp_adm_finish(a, d, tokens);
+    uint64_t minute_wait = 0;            /* till the minute's bucket holds this request */
+    if (cfg->tokens_per_minute) {
+        uint64_t tat = t && t->tat_minute > now ? t->tat_minute : now;
+        uint64_t next = tat + (uint64_t)((double)tokens_all * MINUTE_NS / cfg->tokens_per_minute);
+        minute_wait = next - now > MINUTE_NS ? next - now - MINUTE_NS : 0;
+    }
     d->status = DP_STATUS_OK;
     if (oversize(a, cfg, &d->p) != FITS)
         d->status = DP_STATUS_BAD_REQUEST;
     else if (limited(cfg) && !t && !room(a, now, !(flags & (DP_ADM_NO_SWEEP | DP_ADM_COUNT_ONLY))))
         d->status = DP_STATUS_UNAVAILABLE;   /* its limits could not be kept: refused, not run unlimited */
-    else if (d->priced && d->charge > d->remaining)
+    else if (d->priced && d->charge > d->remaining) {
         d->status = DP_STATUS_UNPROCESSABLE;
-    else if (cfg->tokens_per_minute) {
-        uint64_t tat = t && t->tat_minute > now ? t->tat_minute : now;
-        uint64_t next = tat + (uint64_t)((double)tokens_all * MINUTE_NS / cfg->tokens_per_minute);
-        if (next - now > MINUTE_NS) {
-            d->status = DP_STATUS_RATE_LIMITED;
-            d->retry_after_ns = next - now - MINUTE_NS;
-        }
+        /* its hint's wait: the day's reset, or the minute's bucket if that is later (a retry the
+         * hint timed by the reset alone, a few seconds before it, was refused 429: review) */
+        d->retry_after_ns = minute_wait;
+    } else if (minute_wait) {
+        d->status = DP_STATUS_RATE_LIMITED;
+        d->retry_after_ns = minute_wait;
     }
     d->high = cfg->hi_entropy_factor > 0 && (!hi_rule || d->p.entropy_factor >= cfg->hi_entropy_factor);
     if (d->status == DP_STATUS_OK && d->high) {

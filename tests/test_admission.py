@@ -636,6 +636,28 @@ def test_a_limit_under_one_chunk_s_estimate_says_no_request_fits_and_a_day_s_wai
     assert "wait 1 s for the daily budget to reset, or raise it" in doc.suggestions, doc.suggestions
 
 
+def test_a_422_s_wait_covers_the_minute_s_bucket_too():
+    """The 422's hint timed its wait by the day's reset alone: a few seconds before it, a tenant
+    whose minute's bucket was spent as well was told to wait those seconds, and its retry then was
+    refused 429. The wait is the later of the two."""
+    adm = ffi.gc(lib.dp_adm_create(), lib.dp_adm_destroy)
+    lib.dp_adm_set_tenant(adm, 1, TenantPolicy(price_per_1k=1000, budget_per_day=1000,
+                                               tokens_per_minute=200).cdata())
+    day0 = 10**12
+    first, _ = _adm_decide(adm, 1, 1, day0)      # 129 tokens: over half the budget and the bucket
+    assert first.status == 200
+    lib.dp_adm_commit(adm, 1, first, day0)
+    late = day0 + 86_400 * 10**9 - 3 * 10**9     # 3 s before the day's end
+    lib.dp_adm_commit(adm, 1, first, late - 1)   # (and again just now: the minute's bucket spent too)
+    d, doc = _adm_decide(adm, 1, 1, late)
+    assert d.status == 422 and doc.cost_breakdown["budget_resets_in_s"] == 3
+    (wait,) = [h for h in doc.suggestions if h.startswith("wait ")]
+    secs = int(wait.split()[1])
+    assert secs > 3, wait
+    retry, _ = _adm_decide(adm, 1, 1, late + secs * 10**9)
+    assert retry.status == 200, "the retry the hint timed is admitted"
+
+
 def test_a_request_of_more_chunks_than_the_router_holds_is_refused_400_not_503_forever(bench_factory):
     """chunk_count over a tenant's share of the router's chunk pool (a quarter) can never be held
     whole: it was answered 503 (pool full) at every try, as if waiting would help."""
