@@ -665,7 +665,7 @@ uint32_t dp_adm_decide(struct dp_admission *a, uint32_t tenant, const uint32_t *
     else if (d->priced && d->charge > d->remaining) {
         d->status = DP_STATUS_UNPROCESSABLE;
         /* its hint's wait: the day's reset, or the minute's bucket if that is later (a retry the
-         * hint timed by the reset alone, a few seconds before it, was refused 429: review) */
+         * hint timed by the reset alone, a few seconds before it, was refused 429) */
         d->retry_after_ns = minute_wait;
     } else if (minute_wait) {
         d->status = DP_STATUS_RATE_LIMITED;
