@@ -174,7 +174,7 @@ def test_run_figures(report, quick):
     # header; a run writes 10k) and its consumer drains it between runs: every run takes the full
     # path, never ring-full.
     with Ingress(queues=1, ring_pages=4096) as ig, _RingFloor(queues=1, ring_pages=4096) as fl, \
-            _router_input() as (out, reader), _router_input(1 << 16, "floor") as (fl_out, fl_reader):
+            _router_input() as (out, reader), _router_input(1 << 16, "floor") as (fl_out, _):
         c, fl_c = ig.consumer(out), fl.consumer(fl_out)      # not started: _test_run drains them
         ig.set_tenant_key(1, TAG_KEY)
         ig.refuse_sources(["198.18.0.1"])   # as an attach in the pipeline's namespace sets them: its one address

@@ -66,7 +66,6 @@ TAG_KEY_LEN = 16                # DP_ constant: tests/test_wire_layout.py proves
 RESP_HDR_LEN = RESP_HDR.size    # 40
 RESP_TRACE = struct.Struct("<" + "".join(code for _, code in TRACE_FIELDS))
 RESP_TRACE_LEN = RESP_TRACE.size  # 40
-TOKEN = struct.Struct("<I")
 
 
 def field_offsets(fields) -> dict[str, tuple[int, int]]:
