@@ -53,7 +53,7 @@ class Responder:
     def stats(self) -> dict:
         r = self._r
         return {"sent": r.sent, "send_errors": r.send_errors, "send_blocked": r.send_blocked,
-                "send_held": r.send_held, "held": r.n_held, "traced": r.traced,
+                "send_held": r.send_held, "held": r.n_held, "held_tries": r.held_tries, "traced": r.traced,
                 "by_status": {s: r.by_status[i] for i, s in enumerate(STATUSES) if r.by_status[i]}}
 
     def trace(self) -> np.ndarray:

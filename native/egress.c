@@ -65,45 +65,52 @@ static void count_sent(struct dp_responder *r, const struct dp_response_rec *rec
     }
 }
 
-/* The held answers, each tried once more: sent, dropped past its deadline or refused for good, or
- * kept. Returns those settled; *blocked if the socket had no room (the ring's wait too). */
-static uint32_t retry_held(struct dp_responder *r, int *blocked)
+/* The held answers whose time has come, each tried once more: sent, dropped past its deadline or
+ * refused for good, or kept with a longer wait. Returns those settled; *blocked if the socket had
+ * no room (the ring's wait too). */
+static uint32_t retry_held(struct dp_responder *r, uint64_t now, int *blocked)
 {
     static __thread uint8_t pkt[DP_RESP_HDR_LEN + DP_MAX_RESP_BODY];
     uint32_t kept = 0, settled = 0;
-    uint64_t now = now_ns();
+    uint64_t next = UINT64_MAX;
     for (uint32_t i = 0; i < r->n_held; i++) {
         struct dp_held_response *hr = &r->held[i];
         int keep = 0;
-        if (*blocked) {
-            keep = 1;
-        } else if (now > hr->deadline) {
+        if (now > hr->deadline) {
             r->send_errors++;
+        } else if (*blocked || now < hr->next_try) {
+            keep = 1;
         } else {
             struct sockaddr_in dst;
             uint32_t len = encode(r, &hr->rec, pkt, &dst);
             ssize_t k;
+            r->held_tries++;
             do
                 k = sendto(r->fd, pkt, len, MSG_DONTWAIT, (struct sockaddr *)&dst, sizeof(dst));
             while (k < 0 && errno == EINTR);
-            if (k >= 0)
+            if (k >= 0) {
                 count_sent(r, &hr->rec, now_ns());
-            else if (no_room(errno))
-                keep = *blocked = 1;
-            else if (may_pass(errno))
+            } else if (no_room(errno)) {
+                keep = *blocked = 1;     /* tried again at the next pass */
+            } else if (may_pass(errno)) {
                 keep = 1;
-            else
+                hr->wait *= 2;
+                hr->next_try = now + hr->wait < hr->deadline ? now + hr->wait : hr->deadline + 1;
+            } else {
                 r->send_errors++;
+            }
         }
         if (keep) {
             if (kept != i)
                 r->held[kept] = *hr;
+            next = hr->next_try < next ? hr->next_try : next;
             kept++;
         } else {
             settled++;
         }
     }
     r->n_held = kept;
+    r->held_next = next;
     return settled;
 }
 
@@ -114,7 +121,8 @@ uint32_t dp_responder_poll(struct dp_responder *r)
     struct iovec iov[DP_EGRESS_BURST];
     struct sockaddr_in dst[DP_EGRESS_BURST];
     int blocked = 0;
-    uint32_t settled = r->n_held ? retry_held(r, &blocked) : 0;
+    uint64_t now = r->n_held ? now_ns() : 0;
+    uint32_t settled = r->n_held && now >= r->held_next ? retry_held(r, now, &blocked) : 0;
     if (blocked) {
         r->send_blocked++;
         return settled;
@@ -148,7 +156,11 @@ uint32_t dp_responder_poll(struct dp_responder *r)
              * this socket cannot send to) is counted and dropped. */
             if (may_pass(errno) && r->n_held < DP_EGRESS_HELD) {
                 struct dp_held_response *hr = &r->held[r->n_held++];
-                hr->deadline = now_ns() + DP_EGRESS_HOLD_NS;
+                uint64_t t = now_ns();
+                hr->deadline = t + DP_EGRESS_HOLD_NS;
+                hr->wait = DP_EGRESS_RETRY_NS;
+                hr->next_try = t + hr->wait;
+                r->held_next = r->n_held == 1 || hr->next_try < r->held_next ? hr->next_try : r->held_next;
                 memcpy(&hr->rec, dp_ring_cons_slot(r->egress, done), sizeof(hr->rec));
                 r->send_held++;
             } else {

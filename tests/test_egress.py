@@ -7,8 +7,11 @@ import numpy as np
 import pytest
 
 from datapath import records, wire
+from datapath._dataplane import lib
 from datapath.egress import Responder
 from datapath.ring import Ring, unlink
+
+DP_HELD = lib.DP_EGRESS_HELD
 
 _seq = itertools.count()
 
@@ -147,7 +150,11 @@ def test_an_answer_refused_for_want_of_a_route_is_held_and_sent_once_the_route_i
         assert st["sent"] == 1 and st["send_held"] == 2 and st["held"] == 2 and st["send_errors"] == 0
         with NetNS(topology.host_ns) as ns:
             ns.route("add", dst=f"{far}/32", gateway=topology.client_ip[0])
-        resp.poll()
+        for _ in range(200):                          # tried again 1 ms after the refusal, then at doubling waits
+            if resp.stats()["sent"] == 2:
+                break
+            resp.poll()
+            time.sleep(0.001)
         assert wire.decode_response(rx.recv(2048)).request_id == 1
         st = resp.stats()
         assert st["sent"] == 2 and st["held"] == 1 and st["send_errors"] == 0
@@ -158,6 +165,42 @@ def test_an_answer_refused_for_want_of_a_route_is_held_and_sent_once_the_route_i
         assert st["held"] == 0 and st["send_errors"] == 1 and st["sent"] == 2
     finally:
         rx.close(), near.close(), tx.close(), egress.close()
+        unlink(name)
+
+
+@pytest.mark.root
+def test_held_answers_are_tried_again_at_doubling_waits_not_at_every_pass(topology):
+    """The poll loop's passes run every few hundred ns, the router and the ingress consumer in the
+    same thread: a held answer tried again at each one cost every pass a failing sendto, 32 of them
+    ~5 us a pass (found by review). Each is tried 1 ms after its refusal, then at doubling waits:
+    8 tries in its 200 ms, however many passes run, and a pass with nothing due does no send."""
+    import time
+
+    from datapath.egress import Responder
+    from datapath.topology import socket_in
+    name = f"eg{os.getpid()}-{next(_seq)}"
+    egress = Ring.create(name, records.RESPONSE.itemsize, 64, role="producer")
+    tx = socket_in(topology.host_ns)
+    try:
+        recs = np.zeros(DP_HELD, dtype=records.RESPONSE)
+        recs["request_id"] = np.arange(1, DP_HELD + 1)
+        recs["status"] = 200
+        recs["client_ip"] = int.from_bytes(socket.inet_aton("198.19.88.8"), "little")   # no route to it
+        recs["client_port"] = socket.htons(9)
+        egress.enqueue(recs.tobytes())
+        resp = Responder(Ring.attach(name, "consumer"), tx, topology.client_ip[0], 9)
+        assert resp.poll() == DP_HELD and resp.stats()["held"] == DP_HELD
+        passes, end = 0, time.monotonic() + 0.3
+        while resp.stats()["held"] and passes < 5_000_000 and time.monotonic() < end:
+            resp.poll()
+            passes += 1
+        st = resp.stats()
+        assert st["held"] == 0 and st["send_errors"] == DP_HELD and st["sent"] == 0
+        assert passes > 1000, "the loop ran"
+        # 1, 3, 7, 15, 31, 63, 127 ms after the refusal, and the deadline's: at most 8 each
+        assert DP_HELD <= st["held_tries"] <= 8 * DP_HELD, st
+    finally:
+        tx.close(), egress.close()
         unlink(name)
 
 
