@@ -96,7 +96,9 @@ def main(argv=None) -> int:
     p.add_argument("--soak", action="store_true", help="snapshot: also run the 1,000-iteration crash soak")
     p.add_argument("--policy", metavar="A,B,...",
                    help=f"compare: routing policies ({_policy_names()}; NAME:X gives the policy's parameter X) "
-                        "and batching modes (dynamic, static) to run under the same load")
+                        "and batching modes (dynamic, static) to run under the same load; the first is the "
+                        "reference every ratio is over. A policy of your own: a C file in native/policies/, a "
+                        "line in its registry.c, `sudo make setup` (docs/dataplane.md, \"Routing policies\")")
     p.add_argument("--rate", type=float, help="compare: offered requests/s (default 40, at least 1)")
     p.add_argument("--repeat", type=int, metavar="N",
                    help="compare: rounds of every name, the order rotated by one each round, so N a multiple "

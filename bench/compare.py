@@ -51,22 +51,30 @@ restored.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import pathlib
+import pickle
+import signal
+import sys
 import time
+import traceback
 from typing import NamedTuple
 
 import numpy as np
 
 from bench.e2e import (MIN_REQUESTS, OUTPUT, PROMPT, _RUN, _config, _idle, _left_out, _offer, _pcts, _progress, _warm_up,
                        drain_s, fresh_store, require_root_and_bcc)
+from bench.contract import build_state
 from bench.report import REPORT_DEFAULTS, _jsonable, report_dir
 from datapath import client
 from datapath.pipeline import Pipeline
 from datapath.records import KIND_DECODE
 from datapath.router import check_policy, policy_params
 from datapath.serving.devices import PROFILES
+from datapath.topology import sweep_stale
 
 # Sessions the offer cycles through: a prime, so that a session's next request does not land on
 # the same worker of a rotation by the arithmetic of the load (with 64 and 2 workers, round_robin
@@ -169,7 +177,11 @@ def parse_names(spec: str) -> list[tuple[str, str, float | None]]:
             continue
         name, colon, param = label.partition(":")
         if name not in known:
-            raise ValueError(f"unknown policy or batching mode {name!r} (known: {', '.join(sorted(known))})")
+            state = build_state()
+            raise ValueError(f"unknown policy or batching mode {name!r} (known: {', '.join(sorted(known))})"
+                             + ("" if state == "current" else
+                                f"; the build is {state.split(':')[0]}: a policy added since is in it after "
+                                f"`sudo make setup`"))
         if colon and name in ("dynamic", "static"):
             raise ValueError(f"{label!r}: a batching mode takes no parameter")
         try:
@@ -507,16 +519,31 @@ def run(report, args):
                           seconds_per_run=seconds, sessions=SESSIONS, repeat=repeat, workers=workers,
                           stragglers=slow_said)
     runs = {label: [] for label, _, _ in names}
+    died: dict[str, str] = {}
     _RUN.update(t0=time.monotonic(), scenario="", suite="compare")
     for k in range(repeat):
         order = names[k % len(names):] + names[:k % len(names)]
         for i, (label, name, param) in enumerate(order):
+            if label in died:
+                continue
             _progress(f"{label}: {rate:g} req/s for {seconds:.0f} s, round {k + 1} of {repeat}, run {i + 1} "
                       f"of {len(order)} in the round")
-            res = _one(label, name, param, device, rate, seconds, seed=k + 1,   # a round's own schedule
-                       workers=workers, stragglers=stragglers)
+            res = _isolated(_one, label, name, param, device, rate, seconds, seed=k + 1,   # a round's own schedule
+                            workers=workers, stragglers=stragglers)
+            if isinstance(res, str):
+                died[label] = f"{label}: its run died of {res} in round {k + 1} (run {i + 1} of the round)"
+                _progress(died[label] + ": its other rounds are not run")
+                continue
             report.machine["xdp_mode"] = res["xdp_mode"]
             runs[label].append(res)
+    if died:
+        for why in died.values():
+            report.note(why + "; not compared (a policy's C runs in the router: a fault in it kills the run's "
+                              "process, the comparison goes on)")
+        names = [n for n in names if n[0] not in died]
+        runs = {label: rs for label, rs in runs.items() if label not in died}
+        if not names:
+            raise RuntimeError(f"compare: every name's run died: {'; '.join(died.values())}")
     rows = []
     if live:
         timelines = [r["timeline"] for rs in runs.values() for r in rs]
@@ -626,7 +653,60 @@ def run(report, args):
         _plot_timeline(rows, out / "timeline.png", slow_said)
     print("\n".join(lines))
     print(f"  table and plot: {out}/compare.md, {out}/compare.png")
+    if died:
+        raise RuntimeError(f"compare: {'; '.join(died.values())} (the table above has the others)")
     _all_compared(runs)
+
+
+def _isolated(fn, *args, **kw):
+    """fn(*args, **kw) in a forked child, its result (or its exception, raised here) sent back
+    pickled; the name of the signal if the child died of one. A routing policy is C the router runs
+    in the run's process: a policy that faulted (a researcher's new one) killed the whole comparison
+    with it, no table, no JSON, the reference's finished runs lost, and its namespaces, rings and
+    store image left behind until the next run's sweep (found by review)."""
+    sys.stdout.flush(), sys.stderr.flush()       # (or the child's exit writes the parent's buffer again)
+    rfd, wfd = os.pipe()
+    pid = os.fork()
+    if pid == 0:                                 # the child: never back into the parent's stack
+        code = 0
+        try:
+            os.close(rfd)
+            try:
+                out = ("ok", fn(*args, **kw))
+            except BaseException as e:           # raised in the parent as it was raised here
+                traceback.print_exc()
+                out = ("raised", e)
+            try:
+                data = pickle.dumps(out)
+            except Exception as e:               # an exception that does not pickle: said, not lost
+                data = pickle.dumps(("raised", RuntimeError(f"{type(out[1]).__name__}: {out[1]} ({e})")))
+            with os.fdopen(wfd, "wb") as f:
+                f.write(data)
+        except BaseException:
+            code = 1
+        finally:
+            sys.stdout.flush(), sys.stderr.flush()
+            os._exit(code)
+    os.close(wfd)
+    done = False
+    try:
+        with os.fdopen(rfd, "rb") as f:
+            data = f.read()
+        done = True
+    finally:
+        if not done:                             # interrupted here: the child is told to stop too
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        _, status = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status):
+        sweep_stale()                            # its namespaces, rings and store image
+        return signal.Signals(os.WTERMSIG(status)).name
+    if not data:
+        raise RuntimeError(f"compare: a run's process exited {os.WEXITSTATUS(status)} without a result")
+    kind, value = pickle.loads(data)
+    if kind == "raised":
+        raise value
+    return value
 
 
 def _context(report, args, repeat: int, rate: float, seconds: float, workers: int, device) -> str:
@@ -636,7 +716,8 @@ def _context(report, args, repeat: int, rate: float, seconds: float, workers: in
     return (f"`bench compare --policy {args.policy}{' --quick' if args.quick else ''}`: {rate:g} requests/s "
             f"nominal for {seconds:.0f} s a run, {repeat} round{'s' if repeat > 1 else ''} (the order rotated "
             f"each), {workers} workers, device {device or 'none (the tiny model)'}; commit {m.get('commit')}, "
-            f"build {m.get('build')}, {m.get('cores')} cores, {m.get('cpu_model')}.")
+            f"build {m.get('build')} (of inputs {m.get('build_inputs')}), {m.get('cores')} cores, "
+            f"{m.get('cpu_model')}.")
 
 
 def _round_spread(rows: list[dict], repeat: int) -> str:
@@ -645,7 +726,7 @@ def _round_spread(rows: list[dict], repeat: int) -> str:
     if repeat < 2:
         return ("One round: how much a round moves is not measured, so a difference between the names "
                 "may be the host's (`--repeat 3` or more to see it).")
-    said, within = [], []
+    said, within, few = [], [], []
     for r in rows[1:]:
         xs = [x for x in r["p95_vs_first_per_round"] if x is not None]
         if not xs:
@@ -653,11 +734,24 @@ def _round_spread(rows: list[dict], repeat: int) -> str:
         said.append(f"{r['name']} {min(xs):.2f}-{max(xs):.2f}x")
         if min(xs) < 1 < max(xs):
             within.append(r["name"])
+        elif 2.0 ** (1 - len(xs)) > SIGN_LEVEL:
+            few.append((r["name"], len(xs)))
     text = (f"p95 over {rows[0]['name']}'s, round by round (the same arrivals): " + "; ".join(said) + ".")
     if within:
         text += (f" The rounds disagree on which is faster for {', '.join(within)}: that difference is within "
                  f"what one round moves on this host.")
+    if few:
+        # a sign test: two equal configurations' rounds fall all on one side 2^(1-n) of the time (a
+        # review's A/A pair, affinity against affinity:0.25, read 0.40-0.55x in each of 3 rounds)
+        n = min(k for _, k in few)
+        text += (f" The rounds agree for {', '.join(name for name, _ in few)}, but {n} rounds of two equal "
+                 f"configurations agree 1 time in {2 ** (n - 1)}: no evidence of a difference at "
+                 f"{SIGN_LEVEL:.0%} before {SIGN_ROUNDS} rounds all agree (--repeat {SIGN_ROUNDS}).")
     return text
+
+
+SIGN_LEVEL = 0.05   # the sign test's: all n rounds on one side by chance, 2^(1-n), is below it from n = 6
+SIGN_ROUNDS = next(n for n in range(1, 64) if 2.0 ** (1 - n) <= SIGN_LEVEL)
 
 
 def _all_compared(runs: dict[str, list[dict]]):

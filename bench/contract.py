@@ -38,7 +38,10 @@ def machine() -> dict:
         pass
     # cores: the ones this run may use (taskset, a cpuset), which the pinning uses too
     return {"cores": len(os.sched_getaffinity(0)), "kernel": platform.release(), "cpu_model": cpu,
-            "python": platform.python_version(), "commit": _commit(), "build": build_state()}
+            "python": platform.python_version(), "commit": _commit(), "build": build_state(),
+            # what the extensions were built from: two runs of one commit with a policy edited
+            # between them (and `make setup` run) carried the same stamps (found by review)
+            "build_inputs": _built_from()}
 
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -66,6 +69,14 @@ def build_state() -> str:
     except OSError:
         return "unknown (no .venv/.installed: not built by scripts/setup.sh)"
     return "current" if built == build_inputs() else "stale: native/ or bpf/ changed since the last `make setup`"
+
+
+def _built_from() -> str:
+    """The first 12 hex digits of the build's input hash (.venv/.installed), or "unknown"."""
+    try:
+        return (ROOT / ".venv" / ".installed").read_text().strip()[:12] or "unknown"
+    except OSError:
+        return "unknown"
 
 
 def _commit() -> str:

@@ -22,11 +22,16 @@ def policies() -> list[str]:
 
 
 def policy_params() -> dict[str, str | None]:
-    """Each registered policy: what its parameter means, or None if it takes none."""
+    """Each registered policy: what its parameter means, or None if it takes none. RuntimeError
+    for a name registered twice: the router runs the first, and a researcher's policy copied from
+    another with its name string left as it was never ran, with nothing said (found by review)."""
     out, i = {}, 0
     while (p := lib.dp_policy_name(i)) != ffi.NULL:
-        param = lib.dp_policy_param(i)
-        out[ffi.string(p).decode()] = ffi.string(param).decode() if param != ffi.NULL else None
+        param, name = lib.dp_policy_param(i), ffi.string(p).decode()
+        if name in out:
+            raise RuntimeError(f"policy name {name!r} is registered twice (native/policies/registry.c): the "
+                               f"router would run only the first; give each policy's ops its own name")
+        out[name] = ffi.string(param).decode() if param != ffi.NULL else None
         i += 1
     return out
 

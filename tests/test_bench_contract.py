@@ -396,6 +396,14 @@ def test_compare_says_what_one_round_moves_beside_what_the_names_differ_by():
     assert "affinity:0.25 0.20-2.47x; least_tokens 0.50-0.60x" in said
     assert "disagree on which is faster for affinity:0.25:" in said
     assert "not measured" in _round_spread(rows, 1)
+    # rounds that agree are no evidence either while so few that an equal pair's agree as often (a
+    # review's A/A pair read 0.40-0.55x in each of 3 rounds, and nothing was said): a sign test
+    rows[1]["p95_vs_first_per_round"] = [0.4, 0.55, 0.5]
+    said = _round_spread(rows[:2], 3)
+    assert "agree for affinity:0.25, but 3 rounds of two equal configurations agree 1 time in 4" in said
+    assert "--repeat 6" in said
+    rows[1]["p95_vs_first_per_round"] = [0.4, 0.55, 0.5, 0.45, 0.5, 0.6]
+    assert "agree for" not in _round_spread(rows[:2], 6), "6 rounds agreeing: 1 in 32, below 5%"
 
 
 def test_answers_falling_behind_count_only_over_a_span_of_many_latencies():
@@ -670,3 +678,25 @@ def test_a_run_says_whether_its_build_is_of_the_sources_as_they_are(tmp_path, mo
     assert contract.build_state() == "current"
     (tmp_path / "native" / "policies" / "mine.c").write_text("edited, make setup not run")
     assert contract.build_state().startswith("stale")
+
+
+def _raises_value_error():
+    raise ValueError("a refusal in the run")
+
+
+def _reads_address_8():
+    import ctypes
+    ctypes.string_at(8)             # SIGSEGV, as a policy's wild read in the router would
+
+
+def test_compare_runs_each_run_in_a_process_of_its_own():
+    """A routing policy is C that runs in the router, in the run's process: a researcher's policy
+    that faulted killed the whole comparison, no table and no JSON, and left its namespaces and
+    rings behind (found by review). Each run is a forked child: its result comes back, its
+    exception is raised here, and its death by a signal is said by the signal's name."""
+    from bench.compare import _isolated
+    got = _isolated(dict, rtt_ns=np.arange(3), router={"moved": 1})
+    assert got["rtt_ns"].tolist() == [0, 1, 2] and got["router"] == {"moved": 1}
+    with pytest.raises(ValueError, match="a refusal in the run"):
+        _isolated(_raises_value_error)
+    assert _isolated(_reads_address_8) == "SIGSEGV"

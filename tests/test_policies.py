@@ -82,9 +82,41 @@ def test_least_tokens_goes_by_tokens_not_chunks_and_spreads_ties():
     assert 1 not in decide("least_tokens", view(4, up=[1, 0, 1, 1]), SESSIONS[:300])
 
 
-def test_no_worker_up_means_no_choice():
-    for policy in policies():
-        assert set(decide(policy, view(4, up=[0, 0, 0, 0]), SESSIONS[:50])) == {-1}
+@pytest.mark.parametrize("policy", policies())
+def test_no_worker_up_means_no_choice(policy):
+    assert set(decide(policy, view(4, up=[0, 0, 0, 0]), SESSIONS[:50])) == {-1}
+
+
+@pytest.mark.parametrize("policy", policies())
+def test_every_pick_is_a_worker_that_is_up(policy):
+    """The pick contract, for every registered policy by name (a new one too): over views of 1 to 256
+    workers, some down, with queues, weights and outcomes learnt, each pick is the index of a worker
+    that is up. A policy returning w->n (one past the end) for a session in 7 passed every test
+    here before; it met the contract only at run time, its requests answered 503 (found by review)."""
+    rng = np.random.default_rng(11)
+    for n in (1, 2, 3, 8, 64, lib.DP_MAX_WORKERS):
+        for trial in range(4):
+            up = (rng.random(n) < 0.7).astype(int)
+            up[rng.integers(n)] = 1
+            w = view(n, depth=rng.integers(0, 50, n), tokens=rng.integers(0, 5000, n), up=up,
+                     weight=rng.integers(1, 5, n), generation=trial + 1)
+            learnt = [per_token(int(k), int(rng.integers(100, 10000)), 10**9 + i)
+                      for i, k in enumerate(rng.choice(np.flatnonzero(up), 20))]
+            for outcomes in ((), learnt):
+                out = decide(policy, w, SESSIONS[:2000], outcomes=outcomes)
+                ok = (out >= 0) & (out < n)
+                assert ok.all(), f"{policy}: picked {sorted(set(out[~ok].tolist()))} of {n} workers"
+                assert up[out].all(), f"{policy}: picked a worker that is down ({n} workers)"
+
+
+def test_every_policy_name_is_registered_once():
+    """A policy copied from another with its name string left as it was: the router runs the first of
+    the two, and the copy never ran, with nothing said (found by review). policy_params() says so."""
+    i, names = 0, []
+    while (p := lib.dp_policy_name(i)) != ffi.NULL:
+        names.append(ffi.string(p).decode())
+        i += 1
+    assert len(names) == len(set(names)) == len(policies())
 
 
 def test_power_of_two_with_one_worker():
