@@ -193,6 +193,7 @@ struct dp_router {
     _Alignas(64) uint64_t recent[(1u << RECENT_SET_BITS) * RECENT_WAYS];   /* keys of requests that finished lately */
     uint64_t recent_sent[(1u << RECENT_SET_BITS) * RECENT_WAYS];           /* ... each one's try (DP_TRY_OF) */
     uint8_t recent_next[1u << RECENT_SET_BITS];                             /* each set's oldest way */
+    uint8_t recent_ran[1u << RECENT_SET_BITS];                              /* ... the ways whose try ran (200) */
     struct lost { uint64_t key, attempt, try, at; } lost[LOST_SLOTS];       /* direct-mapped, by request key */
     struct last_run last_run[1u << LAST_RUN_BITS];   /* direct-mapped, by session key */
     uint32_t reserved;                  /* pool slots promised to chunks of admitted requests not here yet */
@@ -759,6 +760,7 @@ enum why {
     WHY_WORKER_DIED, WHY_REPLAY_DIED,                               /* a failover's 503 */
     WHY_KV_FULL, WHY_STORE, WHY_KV_LOST, WHY_UNANSWERED,            /* 503 for a worker's reason */
     WHY_CONFLICT, WHY_CONTEXT, WHY_TOKENS, WHY_ORDER,               /* a worker's 409, 413, 400, 422 */
+    WHY_RAN,                                                        /* 409: a retry after a 200 */
 };
 
 #define SAID_NUMBER(n) SAID_DIGITS(n)   /* a macro's value in a string */
@@ -789,6 +791,8 @@ static const char *const said[] = {
     [WHY_TOKENS] = "a token of the prompt is outside the model's vocabulary",
     [WHY_ORDER] = "the worker found this request's records out of order (a fault of the data path, not of the "
                   "request)",
+    [WHY_RAN] = "this request already ran and was answered 200 (that answer may have been lost on its way): not "
+                "run again, its turn is in the session; send it under a new request id to run it again",
 };
 
 /* {"status": status, "error": said[why]} in body (DP_MAX_RESP_BODY bytes); its length */
@@ -832,38 +836,45 @@ static enum why worker_why(const struct req *r, const struct dp_completion_entry
  * request with the same 12 bits made it forget: a refused request's later chunks were then taken
  * for a new request, admitted or refused again, its client answered twice. Each key keeps its
  * try (DP_TRY_OF), to tell a client's retry from a straggler (recently_done). */
-static void remember_done(struct dp_router *rt, uint64_t key, uint64_t try)
+static void remember_done(struct dp_router *rt, uint64_t key, uint64_t try, int ran)
 {
-    uint32_t set = (key >> 32) & ((1u << RECENT_SET_BITS) - 1), way = set * RECENT_WAYS + rt->recent_next[set];
-    rt->recent[way] = key;
-    rt->recent_sent[way] = try;
-    rt->recent_next[set] = (uint8_t)((rt->recent_next[set] + 1) % RECENT_WAYS);
+    uint32_t set = (key >> 32) & ((1u << RECENT_SET_BITS) - 1), k = rt->recent_next[set];
+    rt->recent[set * RECENT_WAYS + k] = key;
+    rt->recent_sent[set * RECENT_WAYS + k] = try;
+    rt->recent_ran[set] = (uint8_t)((rt->recent_ran[set] & ~(1u << k)) | (unsigned)!!ran << k);
+    rt->recent_next[set] = (uint8_t)((k + 1) % RECENT_WAYS);
 }
-
-#define TRY_SPENT UINT64_MAX   /* a try answered 200: its turn ran, so its ids admit no retry */
 
 /* A request refused at its record c, before it had a slot: remembered as its try. */
 static void remember_refused(struct dp_router *rt, uint64_t key, const struct dp_chunk *c)
 {
-    remember_done(rt, key, DP_TRY_OF(c->t_send, c->kind == DP_KIND_OPEN));
+    remember_done(rt, key, DP_TRY_OF(c->t_send, c->kind == DP_KIND_OPEN), 0);
 }
 
-/* Record c's request (key) finished lately, and c is one of its stragglers or repeats, not a
- * client's retry of it under the same ids (chunk.h, DP_REOPENS) after the latest try, which ended
- * without running: a retry the answer asked for (a 429's retry_after, a 503's "retry") was dropped
- * unanswered as a late duplicate for thousands of requests more (found by review). One after a
- * 200 is a repeat: run again, it would put its turn in the session twice. */
-static int recently_done(const struct dp_router *rt, uint64_t key, const struct dp_chunk *c)
+enum done { NOT_DONE, DONE_REPEAT, DONE_RAN };
+
+/* Has record c's request (key) finished lately? NOT_DONE if not, or if c is a client's retry of it
+ * under the same ids (chunk.h, DP_REOPENS) after the latest try, which ended without running: a
+ * retry the answer asked for (a 429's retry_after, a 503's "retry") was dropped unanswered as a
+ * late duplicate for thousands of requests more (found by review). DONE_REPEAT if c is one of the
+ * latest try's stragglers or repeats. DONE_RAN if c is a retry of a request whose turn ran
+ * (answered 200): run again, it would put its turn in the session twice (ran_already). */
+static enum done recently_done(const struct dp_router *rt, uint64_t key, const struct dp_chunk *c)
 {
-    uint32_t base = ((key >> 32) & ((1u << RECENT_SET_BITS) - 1)) * RECENT_WAYS;
+    uint32_t set = (key >> 32) & ((1u << RECENT_SET_BITS) - 1), base = set * RECENT_WAYS;
     uint64_t latest = 0;
-    int hit = 0;
+    int hit = 0, ran = 0;
     for (uint32_t i = 0; i < RECENT_WAYS; i++)
         if (rt->recent[base + i] == key) {
             hit = 1;
+            ran |= rt->recent_ran[set] >> i & 1;
             latest = rt->recent_sent[base + i] > latest ? rt->recent_sent[base + i] : latest;
         }
-    return hit && !(latest != TRY_SPENT && DP_REOPENS(c->kind, c->chunk_index, c->t_send, latest));
+    if (!hit)
+        return NOT_DONE;
+    if (!DP_REOPENS(c->kind, c->chunk_index, c->t_send, latest))
+        return DONE_REPEAT;
+    return ran ? DONE_RAN : NOT_DONE;
 }
 
 /* A request that failed after a worker holding some of it died (a failover with nowhere to go, its
@@ -1204,7 +1215,7 @@ static void finish(struct dp_router *rt, uint32_t ri)
     }
     uint32_t next = r->in_session ? r->session_next : NIL;   /* (session_leave unlinks it) */
     session_leave(rt, ri);
-    remember_done(rt, r->key, r->status ? DP_TRY_OF(r->t_try, r->by_open) : TRY_SPENT);
+    remember_done(rt, r->key, DP_TRY_OF(r->t_try, r->by_open), !r->status);
     if (r->status && r->unsure)
         lost_note(rt, r);
     policy_done(rt, r);
@@ -1323,6 +1334,21 @@ static int answer(struct dp_router *rt, const struct dp_chunk *c, uint16_t statu
     rt->st.responses++;
     if (several)
         cut_at_xdp(rt, c->session_id, c->request_id, c->tenant, DP_TRY_OF(c->t_send, c->kind == DP_KIND_OPEN));
+    return 1;
+}
+
+/* Record c is a client's retry of its request (key), answered 200 lately (recently_done's DONE_RAN).
+ * Its turn ran: run again, it would be in the session twice. It was dropped as a late duplicate,
+ * and a client whose 200 was lost on its way (UDP; the responder's drops) heard nothing however
+ * often it retried (found by review). Answered 409 once a retry, saying so, and remembered as a try
+ * that ran: the retry's own repeats and stragglers are dropped. 0: no room for the answer now. */
+static int ran_already(struct dp_router *rt, const struct dp_chunk *c, uint64_t key)
+{
+    char body[DP_MAX_RESP_BODY];
+    if (!answer(rt, c, DP_STATUS_CONFLICT, body, (uint32_t)error_body(body, DP_STATUS_CONFLICT, WHY_RAN)))
+        return 0;
+    rt->st.retries_ran++;
+    remember_done(rt, key, DP_TRY_OF(c->t_send, c->kind == DP_KIND_OPEN), 1);
     return 1;
 }
 
@@ -1492,7 +1518,10 @@ static int count_tokens(struct dp_router *rt, const struct dp_chunk *c, uint64_t
 static int close_session(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, uint64_t key, uint32_t ri,
                          int fed)
 {
-    if (ri != NIL || recently_done(rt, key, c)) {
+    enum done done = ri == NIL ? recently_done(rt, key, c) : NOT_DONE;
+    if (done == DONE_RAN)
+        return ran_already(rt, c, key);
+    if (ri != NIL || done) {
         rt->st.control_in++;
         return 1;
     }
@@ -1594,7 +1623,10 @@ static int ingest(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, in
          * and decides it. Admitted or refused here, the request could draw two answers: the
          * OPEN's refusal and the XDP bucket's 429 to its chunk, or that 429 and a 400 at the
          * reassembly timeout (found by review) */
-        if (c->chunk_count < 2 || ri != NIL || recently_done(rt, key, c)) {
+        enum done done = c->chunk_count > 1 && ri == NIL ? recently_done(rt, key, c) : NOT_DONE;
+        if (done == DONE_RAN)
+            return ran_already(rt, c, key);
+        if (c->chunk_count < 2 || ri != NIL || done) {
             rt->st.control_in++;         /* that, a repeat, or too late: its chunks decided already */
             if (c->chunk_count > 1 && ri != NIL)
                 sent_by(rt, &rt->reqs[ri], c, t);
@@ -1622,7 +1654,10 @@ static int ingest(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, in
         remember_refused(rt, key, c);
         return 1;
     }
-    if (ri == NIL && recently_done(rt, key, c)) {
+    enum done done = ri == NIL ? recently_done(rt, key, c) : NOT_DONE;
+    if (done == DONE_RAN)
+        return ran_already(rt, c, key);
+    if (done) {
         rt->st.late_duplicates++;        /* a repeat of a request already answered (or refused) */
         return 1;
     }
@@ -2568,7 +2603,7 @@ static uint32_t expire_stalled(struct dp_router *rt)
          * passed XDP and was dropped as a late duplicate, unanswered (found by review). A straggler
          * that passed XDP before the cut begins a request whose own expiry finds the cut again. */
         if (!cut)
-            remember_done(rt, r->key, DP_TRY_OF(r->t_try, r->by_open));
+            remember_done(rt, r->key, DP_TRY_OF(r->t_try, r->by_open), 0);
         not_run(rt, r);
         session_leave(rt, ri);
         r->status = DP_STATUS_BAD_REQUEST;

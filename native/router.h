@@ -142,6 +142,8 @@ struct dp_router_stats {
                                  * the next worker of their pool (router.c, kv_move) */
     uint64_t retries_taken;     /* live requests a client's retry under their ids reached, sent later:
                                  * answered to the retry's address, under its stamp (router.c, sent_by) */
+    uint64_t retries_ran;       /* clients' retries of a request answered 200 lately, answered 409 that it
+                                 * ran, not run again (router.c, ran_already) */
     uint64_t lost_tries;        /* requests failed after a worker holding some of them died: its turn may
                                  * be in the store (router.c, lost_note) */
     uint64_t lost_retaken;      /* clients' retries of such a try, sent as its replay so their worker takes

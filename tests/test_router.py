@@ -2660,11 +2660,26 @@ def test_a_retry_of_a_request_begun_with_an_open_is_an_open(bench_factory):
     b.send(opened, chunks)
     b.run()
     assert [(int(r["request_id"]), int(r["status"])) for r in b.responses][9:] == [(2, 200)]
-    # request 10 was answered 200: resent anew, it is a repeat (run again, its turn would be in
-    # the session twice), dropped, its first chunk and its second
-    b.send(chunks_of(10, list(range(200)), max_out=1, tenant=10, t_send=400))
+    # request 10 was answered 200: resent anew, it is not run again (its turn would be in the
+    # session twice). It was dropped unanswered, and a client whose 200 was lost on its way heard
+    # nothing however often it retried (found by review): answered 409 once, saying it ran; the
+    # retry's second chunk is its straggler, and a repeat of the retry is dropped whole
+    retry = chunks_of(10, list(range(200)), max_out=1, tenant=10, t_send=400)
+    b.send(retry)
     b.run()
-    assert len(b.responses) == 10 and b.router.stats()["late_duplicates"] == 2 + 2
+    assert [(int(r["request_id"]), int(r["status"])) for r in b.responses][10:] == [(10, 409)]
+    assert "already ran and was answered 200" in refusal(b.responses[10])
+    assert b.router.stats()["retries_ran"] == 1 and b.router.stats()["late_duplicates"] == 2 + 1
+    b.send(retry)
+    b.run()
+    assert len(b.responses) == 11 and b.router.stats()["late_duplicates"] == 2 + 3
+    # and a retry of a request answered 200 that began with an OPEN: 409 at the OPEN, its chunks
+    # (stamped after it) are its stragglers
+    opened["t_send"], chunks["t_send"] = 500, [501, 502]
+    b.send(opened, chunks)
+    b.run()
+    assert [(int(r["request_id"]), int(r["status"])) for r in b.responses][11:] == [(2, 409)]
+    assert b.router.stats()["retries_ran"] == 2 and b.router.stats()["active_requests"] == 0
 
 
 def test_a_retry_that_reaches_its_live_request_becomes_its_try(bench_factory):
