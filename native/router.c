@@ -772,7 +772,7 @@ static const char *const said[] = {
     [WHY_BAD_PICK] = "the routing policy picked no worker that is up (bad_picks: a fault of the policy)",
     [WHY_SHARE] = "the tenant's requests still arriving hold its share of the router",
     [WHY_BAD_CHUNK] = "a chunk of the request is malformed (its token count is not 1 to " SAID_NUMBER(DP_MAX_CHUNK_TOKENS)
-                      ", or its index is not below its chunk count)",
+                      ", its index is not below its chunk count, or its chunk count is not its first record's)",
     [WHY_WORKER_DIED] = "the request's worker died or stopped answering, and no other worker is up to run it "
                         "again",
     [WHY_REPLAY_DIED] = "the request's worker died or stopped answering, and so did the one it was run again on: "
@@ -1669,6 +1669,14 @@ static int ingest(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, in
     }
     struct req *r = &rt->reqs[ri];
     sent_by(rt, r, c, t);
+    if (r->state == REQ_PREFILL && c->chunk_count != r->chunk_count && r->received < r->chunk_count) {
+        /* its chunks disagree on their count: refused at once (it was dropped as a duplicate, and the
+         * request answered 400 "chunks missing" at the reassembly timeout, every chunk sent: found
+         * by review) */
+        rt->st.bad_chunks++;
+        fail_request(rt, r->worker, ri, DP_STATUS_BAD_REQUEST, WHY_BAD_CHUNK);
+        return 1;
+    }
     if (r->state != REQ_PREFILL || c->chunk_count != r->chunk_count || c->chunk_index < r->next_index ||
         r->received >= r->chunk_count) {
         rt->st.duplicate_chunks++;       /* a repeat or a chunk of a request already past prefill */

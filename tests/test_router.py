@@ -377,8 +377,8 @@ def test_malformed_chunks_and_full_table_are_answered(bench_factory):
     statuses = sorted(int(r["status"]) for r in b.responses)
     assert statuses.count(400) == 2
     assert {refusal(r) for r in b.responses if r["status"] == 400} == {
-        "a chunk of the request is malformed (its token count is not 1 to 128, or its index is not below its "
-        "chunk count)"}, "said (it had no body)"
+        "a chunk of the request is malformed (its token count is not 1 to 128, its index is not below its "
+        "chunk count, or its chunk count is not its first record's)"}, "said (it had no body)"
     assert statuses.count(503) == 20 - 8                          # 8 slots; the rest refused, not lost
     assert {refusal(r) for r in b.responses if r["status"] == 503} == {"the router's request table is full: retry shortly"}
     st = b.router.stats()
@@ -397,6 +397,26 @@ def test_a_malformed_chunk_of_a_request_under_way_fails_it_400_saying_so(bench_f
     (r,) = b.responses
     assert r["status"] == 400 and b.router.stats()["bad_chunks"] == 1
     assert refusal(r).startswith("a chunk of the request is malformed"), "said (it had no body)"
+
+
+def test_chunks_that_disagree_on_their_count_fail_the_request_400_at_once(bench_factory):
+    """Chunk 0 says 2 chunks, chunks 1 and 2 say 3: the disagreeing chunk was dropped as a duplicate
+    and the request answered 400 "chunks missing" at the reassembly timeout, every chunk sent
+    (found by review). It is refused at once, saying why, and its later chunks are dropped."""
+    b = bench_factory(n_workers=1, reassembly_timeout_s=30)
+    arr = chunks_of(1, list(range(300)), max_out=1)
+    first = arr[[0]]
+    first["chunk_count"] = 2
+    b.send(first)
+    b.router.poll()
+    b.send(arr[[1]])
+    b.run()
+    (r,) = b.responses
+    assert r["status"] == 400 and b.router.stats()["bad_chunks"] == 1
+    assert "its chunk count is not its first record's" in refusal(r)
+    b.send(arr[[2]])
+    b.run()
+    assert len(b.responses) == 1 and b.router.stats()["active_requests"] == 0
 
 
 def test_requests_spread_over_workers(bench_factory):
