@@ -767,7 +767,7 @@ class LogStore:
                 return
             self._closed = True
             try:
-                if not self.readonly and self._failed is None:
+                if not self.readonly and self.failed is None:   # (a device gone: nothing to write to)
                     self._write_superblock()
             finally:
                 self.dev.close()
@@ -921,8 +921,12 @@ class LogStore:
 
     @property
     def failed(self) -> BaseException | None:
-        """The write error that left this open store unusable (every call refused until reopened)."""
-        return self._failed
+        """The write error that left this open store unusable (every call refused until reopened), or
+        a device that lost its connection (an NVMe/TCP target gone: every read and write fails until
+        the device is opened again; a restore-only load never met a write error, and a server
+        refused every restore after the target came back: found by review)."""
+        lost = getattr(self.dev, "lost", None)
+        return self._failed if self._failed is not None or not lost else DeviceError(lost)
 
     def _check_usable(self, write: bool = False):
         if self._closed:

@@ -173,14 +173,14 @@ def serve(path: str, endpoint: str, stop, eviction: str = "lru", ready=None, sec
                     sock.send_multipart([ident, empty, call, *_err(errors.DeviceError(
                         f"the store failed ({failed}) and could not be reopened yet: {e}"))])
                     continue
-                print(f"snapshot store server: {path} reopened after a write error ({failed})",
+                print(f"snapshot store server: {path} reopened after an error ({failed})",
                       file=sys.stderr, flush=True)
             sock.send_multipart([ident, empty, call, *handle(store, frames)])
             if store.failed is not None:
                 failed = store.failed
                 try:
                     store.close()        # (its hold on the device too, so it can be opened again)
-                except OSError:
+                except (OSError, errors.SnapshotError):
                     pass                 # (the fault, again: the device is closed all the same)
                 store = None
     finally:

@@ -221,3 +221,36 @@ def test_a_store_that_failed_a_write_is_reopened_once_its_device_writes_again(tm
                 assert store.restore(b).payload == b"b" * 100
         finally:
             _stop(stop, p)
+
+
+def test_a_server_on_an_nvme_tcp_target_reopens_it_once_the_target_is_back(tmp_path):
+    """Only a write error failed the server's store: after its NVMe/TCP target was killed and
+    restarted, every restore went on to the lost connection's closed socket ("Bad file
+    descriptor") until a put happened to fail too (found by review). A device whose connection
+    is lost fails the store, and the server reopens it at the next call once the target is back."""
+    from snapshotstore.nvmetcp.process import TargetProcess
+    image = str(tmp_path / "remote.img")
+    create_image(image, 64 << 20)
+    target = TargetProcess(image)
+    stop = p = None
+    try:
+        format_device(target.url)
+        port = target.url.split("://")[1].split("/")[0].rsplit(":", 1)[1]
+        endpoint = f"ipc://{tmp_path}/remote.sock"
+        stop, ready = ctx.Event(), ctx.Event()
+        p = ctx.Process(target=serve, args=(target.url, endpoint, stop), kwargs={"ready": ready})
+        p.start()
+        assert ready.wait(30)
+        a = session_key(SECRET, 1)
+        with RemoteStore(endpoint) as store:
+            store.put(a, Delta(b"a" * 100, tokens=(0, 5), codec="raw"))
+            target.kill()
+            with pytest.raises(DeviceError):
+                store.restore(a)
+            target = TargetProcess(image, listen=f"127.0.0.1:{port}")
+            for _ in range(3):               # restores alone: no put to fail and reopen it
+                assert store.restore(a).payload == b"a" * 100
+    finally:
+        if stop is not None:
+            _stop(stop, p)
+        target.stop()

@@ -121,6 +121,7 @@ class _Queue:
         self.in_capsule = P.ADMIN_ICD                # the I/O queue's comes from Identify (IOCCSZ)
         self._expect = 0                             # data bytes the current command may still receive
         self.transient_retries = 0
+        self.lost: str | None = None                 # why the connection was lost (a DeviceError said it)
         self._call(self._icreq, digests)
 
     def _call(self, fn, *args):
@@ -136,18 +137,22 @@ class _Queue:
                 self.channel.send_term(P.H2C_TERM_REQ, e.fes, e.fei, e.header)
             except OSError:
                 pass
-            self.close()
-            raise DeviceError(f"the NVMe/TCP target at {self.url} broke the protocol ({e}): reconnect") from None
+            raise self._lose(f"the NVMe/TCP target at {self.url} broke the protocol ({e}): reconnect") from None
         except socket.timeout:
-            self.close()
-            raise DeviceError(f"the NVMe/TCP target at {self.url} did not complete the exchange within "
-                              f"{self.timeout_s:g} s") from None
+            raise self._lose(f"the NVMe/TCP target at {self.url} did not complete the exchange within "
+                             f"{self.timeout_s:g} s") from None
         except (ConnectionClosed, OSError) as e:
-            self.close()
-            raise DeviceError(f"the NVMe/TCP target at {self.url} closed the connection ({e}): is it "
-                              f"still running? reopen the store once it is back") from None
+            raise self._lose(f"the NVMe/TCP target at {self.url} closed the connection ({e}): is it "
+                             f"still running? reopen the store once it is back") from None
         finally:
             self.channel.deadline = None
+
+    def _lose(self, why: str) -> DeviceError:
+        """The queue is dead: closed, and every later command told why (it went on to the closed
+        socket and failed "Bad file descriptor", found by review)."""
+        self.close()
+        self.lost = why
+        return DeviceError(why)
 
     def _icreq(self, digests: bool):
         dgst = (P.DGST_HEADER | P.DGST_DATA) if digests else 0
@@ -395,8 +400,7 @@ class NvmeTcpDevice:
         if block < 0 or nblocks < 1 or len(view) != nblocks * self.block_size:
             raise ValueError(f"{nblocks} blocks at {block} with a buffer of {len(view)} bytes")
         with self._lock:
-            if self.io is None:
-                raise DeviceError(f"{self.path} is closed")
+            self._check_io()
             done = 0
             while done < nblocks:
                 k = min(self.max_blocks, nblocks - done)
@@ -422,9 +426,20 @@ class NvmeTcpDevice:
 
     def sync(self) -> None:
         with self._lock:
-            if self.io is None:
-                raise DeviceError(f"{self.path} is closed")
+            self._check_io()
             self.io.command(dict(opc=P.NVM_FLUSH, nsid=1))
+
+    def _check_io(self):
+        if self.io is None:
+            raise DeviceError(f"{self.path} is closed")
+        if self.lost:
+            raise DeviceError(f"{self.lost} (the connection is gone: reopen the store)")
+
+    @property
+    def lost(self) -> str | None:
+        """Why a connection to the target was lost, if one was: every command fails until the
+        device is opened again (a target restarted is not reconnected to by itself)."""
+        return next((q.lost for q in (self.io, self.admin) if q is not None and q.lost), None)
 
     def close(self) -> None:
         """A normal shutdown (CC.SHN: the target syncs), then both connections closed."""
