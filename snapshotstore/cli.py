@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
                    f"K/M/G/T suffix (default {DEFAULT_IMAGE_SIZE >> 30}G for the default image)")
     f.add_argument("--force", action="store_true",
                    help="erase what DEVICE holds: a store, or any data (without it only zeroed blocks are formatted)")
+    f.add_argument("--block-size", type=parse_size, metavar="N",
+                   help="blocks of N bytes, a multiple of the device's (default: the device's own; 4K on a "
+                        "512-byte-LBA NVMe/TCP namespace of a 512e disk, whose physical sector it cannot read)")
     i = sub.add_parser("inspect", help="list the records of the log, oldest first")
     i.add_argument("device", **device)
     i.add_argument("--limit", type=_count, default=0, metavar="N", help="show at most N records (default 0: all)")
@@ -167,6 +170,9 @@ def _format(args) -> int:
     from .log import format_device
     path = args.device or default_image_path()
     made = False
+    if args.block_size is not None and not (512 <= args.block_size <= 65536
+                                            and args.block_size & (args.block_size - 1) == 0):
+        raise SnapshotError(f"--block-size must be a power of two from 512 to 64K, not {args.block_size}")
     if is_url(path):
         if args.size is not None:
             raise SnapshotError("--size creates an image file: a remote namespace has its size already")
@@ -182,7 +188,7 @@ def _format(args) -> int:
     elif args.size is not None:
         raise SnapshotError(f"{path} exists already: --size only applies to a new image file")
     try:
-        sb = format_device(path, force=args.force)
+        sb = format_device(path, force=args.force, block_size=args.block_size)
     except BaseException:
         if made:
             os.unlink(path)        # the image made here goes with the format that failed on it

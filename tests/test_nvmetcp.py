@@ -1487,3 +1487,32 @@ def test_a_property_set_of_a_queue_no_longer_the_controller_s_is_refused_under_t
         target.set_property(P.PROP_CC, 0, object())        # not the controller's admin queue
     assert target.cc == before and target.admin_queue is live
     assert target.set_property(P.PROP_CC, before | 1, live) and target.cc & 1
+
+
+@pytest.mark.root
+def test_a_store_formatted_in_4k_blocks_opens_through_a_namespace_of_512_byte_blocks(image):
+    """The image is formatted in 4 KiB blocks; a loop device of 512-byte sectors serves it. Local
+    opens read it in the blocks it was formatted in, and so does the initiator now: it was refused
+    ("formatted with 4096-byte blocks but has 512-byte blocks now"), NvmeTcpDevice having no
+    set_block_size (found by review). Each command then counts 8 LBAs a block."""
+    from snapshotstore.loop import loop_device
+    path = image(size=16 << 20)
+    format_device(path)
+    a, b = key("a"), key("b")
+    with LogStore(path) as s:
+        assert s.block_size == 4096
+        s.put(a, Delta(os.urandom(9000), tokens=(0, 5)))
+        payload = s.restore(a).payload
+    with loop_device(path, sector_size=512) as dev, Target(dev, port=0) as t:
+        nd = NvmeTcpDevice(t.url)
+        try:
+            assert nd.logical_block_size == nd.block_size == 512
+        finally:
+            nd.close()
+        with LogStore(t.url) as s:
+            assert s.block_size == 4096
+            assert s.restore(a).payload == payload
+            s.put(b, Delta(os.urandom(70000), tokens=(0, 9)))    # several 4 KiB blocks, one command
+            more = s.restore(b).payload
+    with LogStore(path) as s:                                   # where the image's own blocks put them
+        assert s.restore(a).payload == payload and s.restore(b).payload == more

@@ -53,6 +53,16 @@ def test_format_creates_a_sparse_image(tmp_path):
     assert image.stat().st_size == 8 << 20
 
 
+def test_format_takes_a_block_size_a_power_of_two(tmp_path):
+    """A store over NVMe/TCP takes the namespace's LBA size, and a 512e disk's namespace says 512:
+    --block-size 4K formats it in its physical sectors' blocks."""
+    image = str(tmp_path / "b.img")
+    r = cli("format", image, "--size", "4M", "--block-size", "3000")
+    assert r.returncode == 1 and "power of two from 512 to 64K" in r.stderr and not os.path.exists(image)
+    assert cli("format", image, "--size", "4M", "--block-size", "8K").returncode == 0
+    assert json.loads(cli("stats", image, "--json").stdout)["block_size"] == 8192
+
+
 def test_inspect_lists_records_and_stats_counts_them(store_image):
     r = cli("inspect", store_image)
     assert r.returncode == 0, r.stderr

@@ -320,21 +320,21 @@ class NvmeTcpDevice:
             ns = self._identify(P.CNS_NAMESPACE, 1, P.ID_NS)
             if P.nqn_of(ctrl["subnqn"]) != self.subnqn:
                 raise DeviceError(f"{url}: the controller reports subsystem {P.nqn_of(ctrl['subnqn'])!r}")
-            self.block_size, metadata = P.lba_format(ns)
-            if self.block_size < 512:
-                raise DeviceError(f"{url}: namespace 1 reports {self.block_size}-byte blocks (LBADS below 9)")
+            # the namespace's LBA size, which every command counts in; block_size is the I/O's
+            # (set_block_size: a store formatted in larger blocks)
+            self.logical_block_size, metadata = P.lba_format(ns)
+            if self.logical_block_size < 512:
+                raise DeviceError(f"{url}: namespace 1 reports {self.logical_block_size}-byte blocks (LBADS "
+                                  f"below 9)")
             if metadata:
                 raise DeviceError(f"{url}: namespace 1 is formatted with {metadata} bytes of metadata per "
                                   f"block; the store writes plain blocks (format it without metadata)")
-            self.blocks = ns["nsze"]
-            self.size = self.blocks * self.block_size
+            self._lbas = ns["nsze"]
+            self.size = self._lbas * self.logical_block_size
             # MDTS in units of CAP.MPSMIN (4 KiB); 0 means no limit (Linux's nvmet), where a command is
             # still kept to NO_MDTS_BYTES: the target allocates a command's whole transfer at once
-            self.max_blocks = ((4096 << ctrl["mdts"]) if ctrl["mdts"] else NO_MDTS_BYTES) // self.block_size
-            self.max_blocks = min(self.max_blocks, 1 << 16)          # NLB is 16 bits
-            if self.max_blocks < 1:
-                raise DeviceError(f"{url}: a command may move {(4096 << ctrl['mdts'])} bytes (MDTS), less than "
-                                  f"one {self.block_size}-byte block")
+            self._max_bytes = (4096 << ctrl["mdts"]) if ctrl["mdts"] else NO_MDTS_BYTES
+            self.set_block_size(self.logical_block_size)
             # in-capsule data starts ICDOFF 16-byte units past the SQE; Linux's host refuses a nonzero
             # ICDOFF: here such a controller gets every write's data by R2T instead (none in capsule;
             # the I/O queue's Connect still carries its data in capsule, as on the admin queue)
@@ -343,6 +343,20 @@ class NvmeTcpDevice:
         except BaseException:
             self.close()
             raise
+
+    def set_block_size(self, n: int) -> None:
+        """I/O in n-byte blocks, a multiple of the namespace's LBA size: a store formatted in other
+        blocks than the namespace's own (LogStore._open), as BlockDevice's. A store formatted in
+        4 KiB blocks opened through a loop device of 512-byte sectors locally, and was refused
+        through a target on the same device (found by review)."""
+        lba = self.logical_block_size
+        if n < lba or n % lba:
+            raise DeviceError(f"{n}-byte blocks on {self.path}, whose namespace has {lba}-byte blocks")
+        most = min(self._max_bytes // n, (1 << 16) // (n // lba))    # NLB, in LBAs, is 16 bits
+        if most < 1:
+            raise DeviceError(f"{self.path}: a command may move {self._max_bytes} bytes (MDTS), less than one "
+                              f"{n}-byte block")
+        self.block_size, self.blocks, self.max_blocks = n, self._lbas // (n // lba), most
 
     def _io_queue(self) -> "_Queue":
         url, host, port, digests, timeout_s = self._queue_args
@@ -401,13 +415,13 @@ class NvmeTcpDevice:
             raise ValueError(f"{nblocks} blocks at {block} with a buffer of {len(view)} bytes")
         with self._lock:
             self._check_io()
-            done = 0
+            done, per = 0, self.block_size // self.logical_block_size
             while done < nblocks:
                 k = min(self.max_blocks, nblocks - done)
-                lba = block + done
+                lba = (block + done) * per
                 part = view[done * self.block_size:(done + k) * self.block_size]
                 fields = dict(opc=opc, nsid=1, cdw10=lba & 0xFFFFFFFF, cdw11=lba >> 32,
-                              cdw12=(k - 1) | (P.RW_FUA if fua else 0))
+                              cdw12=(k * per - 1) | (P.RW_FUA if fua else 0))
                 if opc == P.NVM_READ:
                     self.io.command(fields, data_in=part)
                 else:
