@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("device", help="block device or image file (opened with O_DIRECT, held exclusively)")
     t.add_argument("--listen", default=f"127.0.0.1:{DEFAULT_PORT}", metavar="HOST:PORT", type=_host_port,
                    help=f"address to listen on (default 127.0.0.1:{DEFAULT_PORT}; port 0 picks a free one)")
+    t.add_argument("--insecure", action="store_true",
+                   help="listen off loopback: any peer that reaches the address reads and writes every block "
+                        "(this target has no NVMe in-band authentication, and takes any host NQN)")
     t.add_argument("--nqn", default=DEFAULT_NQN, help=f"subsystem NQN (default {DEFAULT_NQN})")
     t.add_argument("--maxh2cdata", type=_maxh2cdata, default=128 << 10, metavar="SIZE",
                    help="largest H2CData PDU, and R2T chunk, the target accepts: a multiple of the block "
@@ -265,7 +268,14 @@ def _target(args) -> int:
     import signal
     import threading
     from .nvmetcp.target import Target
+    from .server import off_loopback
     host, _, port = args.listen.rpartition(":")
+    if not args.insecure and off_loopback(f"tcp://{args.listen}"):
+        # as serve refuses a tcp:// endpoint off loopback without a secret: every tenant's sessions,
+        # raw blocks here, to any peer (it served 0.0.0.0 without a word: found by review)
+        raise SnapshotError(f"--listen {args.listen} is off loopback: any peer reaching it could read and write "
+                            f"every block of {args.device} (no authentication here). Listen on 127.0.0.1, or "
+                            f"give --insecure on a network only trusted hosts reach")
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

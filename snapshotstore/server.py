@@ -74,7 +74,7 @@ def check_endpoint(endpoint: str) -> str:
     return endpoint
 
 
-def _off_loopback(endpoint: str) -> bool:
+def off_loopback(endpoint: str) -> bool:
     """A tcp:// endpoint bound on something other than loopback."""
     if not endpoint.startswith("tcp://"):
         return False
@@ -126,7 +126,7 @@ def serve(path: str, endpoint: str, stop, eviction: str = "lru", ready=None, sec
     secret, only to clients holding it (CURVE)."""
     import zmq
     from .log import LogStore
-    if secret is None and _off_loopback(endpoint):
+    if secret is None and off_loopback(endpoint):
         raise errors.SnapshotError(f"{endpoint} is on the network: serving it needs a secret both ends hold "
                                    f"(--secret-file), or any peer could read and delete every tenant's sessions")
     ctx = zmq.Context()
