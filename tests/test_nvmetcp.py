@@ -1516,3 +1516,14 @@ def test_a_store_formatted_in_4k_blocks_opens_through_a_namespace_of_512_byte_bl
             more = s.restore(b).payload
     with LogStore(path) as s:                                   # where the image's own blocks put them
         assert s.restore(a).payload == payload and s.restore(b).payload == more
+
+
+def test_an_nqn_is_at_most_223_bytes(image):
+    """The field is 256 bytes, an NQN at most 223 (NVMe base spec; Linux's NVMF_NQN_SIZE, whose host
+    takes a longer SUBNQN for missing): 255 was taken (found by review)."""
+    longest = "nqn.2026-12.io.zerolayer:" + "x" * (223 - 25)
+    assert len(P.nqn_field(longest)) == 223
+    with pytest.raises(ValueError, match="1 to 223 bytes, not 224"):
+        P.nqn_field(longest + "x")
+    with pytest.raises(ValueError, match="1 to 223 bytes"):
+        Target(image(), longest + "x", port=0)

@@ -164,7 +164,9 @@ def lba_format(ns: dict) -> tuple[int, int]:
 
 
 NVME_VERSION = 0x00010400    # 1.4
-NQN_LEN = 256
+NQN_LEN = 256      # the fields' bytes
+NQN_MAX = 223      # an NQN's (NVMe base spec; Linux's NVMF_NQN_SIZE): Linux's host takes a longer
+                   # SUBNQN for missing and makes up its own (255 was taken here: found by review)
 ADMIN_ICD = 8192             # in-capsule data on the admin queue (Linux's NVME_TCP_ADMIN_CCSZ): the Connect data
 
 
@@ -194,8 +196,8 @@ def digest(buf) -> bytes:
 
 def nqn_field(nqn: str) -> bytes:
     raw = nqn.encode("utf-8")
-    if not raw or len(raw) >= NQN_LEN:
-        raise ValueError(f"an NQN is 1 to {NQN_LEN - 1} bytes, not {len(raw)}")
+    if not raw or len(raw) > NQN_MAX:
+        raise ValueError(f"an NQN is 1 to {NQN_MAX} bytes, not {len(raw)}")
     return raw
 
 
