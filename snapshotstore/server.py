@@ -33,7 +33,9 @@ from . import errors
 from .api import MIN_SECRET_BYTES, Delta, Snapshot, check_key
 
 POLL_MS = 100
-RCVHWM = 64                 # requests queued per client connection (they are served one at a time)
+RCVHWM = 2                  # requests queued per client connection: its calls come one at a time (a
+                            # late one after a timeout); 64 of up to maxmsgsize each let one client
+                            # make the server buffer GBs (found by review)
 
 
 def read_secret(path: str) -> bytes:
