@@ -173,7 +173,7 @@ def test_held_answers_are_tried_again_at_doubling_waits_not_at_every_pass(topolo
     """The poll loop's passes run every few hundred ns, the router and the ingress consumer in the
     same thread: a held answer tried again at each one cost every pass a failing sendto, 32 of them
     ~5 us a pass (found by review). Each is tried 1 ms after its refusal, then at doubling waits:
-    8 tries in its 200 ms, however many passes run, and a pass with nothing due does no send."""
+    7 tries in its 200 ms, however many passes run, and a pass with nothing due does no send."""
     import time
 
     from datapath.egress import Responder
@@ -197,8 +197,8 @@ def test_held_answers_are_tried_again_at_doubling_waits_not_at_every_pass(topolo
         st = resp.stats()
         assert st["held"] == 0 and st["send_errors"] == DP_HELD and st["sent"] == 0
         assert passes > 1000, "the loop ran"
-        # 1, 3, 7, 15, 31, 63, 127 ms after the refusal, and the deadline's: at most 8 each
-        assert DP_HELD <= st["held_tries"] <= 8 * DP_HELD, st
+        # 1, 3, 7, 15, 31, 63, 127 ms after the refusal: 7 each (a slow pass may skip one)
+        assert DP_HELD <= st["held_tries"] <= 7 * DP_HELD, st
     finally:
         tx.close(), egress.close()
         unlink(name)
