@@ -34,9 +34,9 @@ struct dp_trace {            /* one response's life, for the report */
 /* An answer the kernel refused for a reason that may pass (no route for the moment, a link down,
  * a firewall's drop): kept aside and sent again until its deadline, 1 ms after the refusal, then
  * at doubling waits (7 tries in the 200 ms: 1, 3, 7, ... 127 ms after). Kept in the ring instead,
- * one unroutable client's answers held every other answer back; tried again at every pass, 32 of them cost each pass of
- * the poll loop (router and consumer too) ~5 us of failing sendto calls, ~40x an idle pass, and
- * every tenant's chunks waited on them (found by review). */
+ * one unroutable client's answers held every other answer back; tried again at every pass, 32 of
+ * them cost each pass of the poll loop (router and consumer too) ~5 us of failing sendto calls,
+ * ~40x an idle pass, and every tenant's chunks waited on them (found by review). */
 #define DP_EGRESS_HELD 32
 #define DP_EGRESS_HOLD_NS 200000000ull   /* 200 ms: a route being changed, a link flapping */
 #define DP_EGRESS_RETRY_NS 1000000ull    /* the first try again's wait, doubled after each refusal */

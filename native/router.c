@@ -25,6 +25,7 @@
 #define RECENT_SET_BITS 9           /* finished request keys remembered, to spot late duplicates: */
 #define RECENT_WAYS 8               /* 512 sets of 8 (a set is one cache line), first in first out */
 #define LOST_SLOTS 256              /* tries lost in a failover, remembered for their retry (lost_note) */
+#define COUNTED_SLOTS 256           /* COUNT_TOKENS answered lately, to drop a repeat (count_tokens) */
 #define LOST_TTL_NS 60000000000ull  /* ... for a minute: a client retries a 503 soon, or not at all */
 #define LAST_RUN_BITS 12            /* sessions whose last worker is remembered (DP_CHUNK_F_MOVED) */
 #define EXPIRY_SCAN_NS 10000000ull  /* look for stalled reassemblies every 10 ms */
@@ -195,6 +196,7 @@ struct dp_router {
     uint8_t recent_next[1u << RECENT_SET_BITS];                             /* each set's oldest way */
     uint8_t recent_ran[1u << RECENT_SET_BITS];                              /* ... the ways whose try ran (200) */
     struct lost { uint64_t key, attempt, try, at; } lost[LOST_SLOTS];       /* direct-mapped, by request key */
+    uint64_t counted[COUNTED_SLOTS];    /* direct-mapped: a hash of each count's ids and send stamp */
     struct last_run last_run[1u << LAST_RUN_BITS];   /* direct-mapped, by session key */
     uint32_t reserved;                  /* pool slots promised to chunks of admitted requests not here yet */
     struct arriving *arr;               /* max_requests entries: the tenants with requests still arriving */
@@ -1498,11 +1500,20 @@ static int count_tokens(struct dp_router *rt, const struct dp_chunk *c, uint64_t
 {
     char body[DP_MAX_RESP_BODY];
     struct dp_adm_decision d;
+    /* a repeat (its ids and send stamp: the network's duplicate) is answered once, as any other
+     * record: it was answered every time (found by review). Not in the done cache: a count's ids
+     * may be its request's, which must still run. */
+    uint64_t seen = dp_hash64(chunk_key(rt, c) ^ c->t_send) | 1, *slot = &rt->counted[seen % COUNTED_SLOTS];
+    if (*slot == seen) {
+        rt->st.late_duplicates++;
+        return 1;
+    }
     price_admitted(rt);
     uint32_t len = dp_adm_decide(rt->adm, c->tenant, c->tokens, c->n_tokens, c->chunk_count, c->max_output_tokens,
                                  DP_ADM_COUNT_ONLY, t, &d, body, sizeof(body));
     if (!answer(rt, c, DP_STATUS_OK, body, len))
         return 0;
+    *slot = seen;
     dp_adm_commit(rt->adm, c->tenant, &d, t);
     rt->st.adm_counted++;
     return 1;

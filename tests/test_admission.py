@@ -953,6 +953,20 @@ def test_count_tokens_is_answered_200_with_the_price_and_runs_nothing(bench_fact
     assert st["adm_counted"] == 1 and st["batches"] == 0 and st["admitted"] == 0
     ts = b.router.tenant_stats(7)
     assert ts["counted"] == 1 and ts["spent"] == 0 and ts["charged"] == 0
+    # a repeat (the same stamp: the network's duplicate) is not answered again (it was, every time:
+    # found by review); the same count sent again later is a new question, answered
+    b.send(count_record(1, toks, chunk_count=3, max_out=50, tenant=7))
+    b.run()
+    assert len(b.responses) == 1 and b.router.stats()["late_duplicates"] == 1
+    again = count_record(1, toks, chunk_count=3, max_out=50, tenant=7)
+    again["t_send"] += 1
+    b.send(again)
+    b.run()
+    assert len(b.responses) == 2 and b.router.tenant_stats(7)["counted"] == 2
+    # and the request under the count's ids is still decided, as the count said it would be
+    b.send(chunks_of(1, toks, max_out=50, tenant=7)[[0]].copy())
+    b.run()
+    assert len(b.responses) == 3 and int(b.responses[2]["status"]) == doc.fields["would_be"]
 
 
 # --- bodies ---------------------------------------------------------------------------------------------------
