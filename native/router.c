@@ -25,8 +25,8 @@
 #define RECENT_SET_BITS 9           /* finished request keys remembered, to spot late duplicates: */
 #define RECENT_WAYS 8               /* 512 sets of 8 (a set is one cache line), first in first out */
 #define LOST_SLOTS 256              /* tries lost in a failover, remembered for their retry (lost_note) */
-#define COUNTED_SLOTS 256           /* COUNT_TOKENS answered lately, to drop a repeat (count_tokens) */
 #define LOST_TTL_NS 60000000000ull  /* ... for a minute: a client retries a 503 soon, or not at all */
+#define COUNTED_SLOTS 256           /* COUNT_TOKENS answered lately, to drop a repeat (count_tokens) */
 #define LAST_RUN_BITS 12            /* sessions whose last worker is remembered (DP_CHUNK_F_MOVED) */
 #define EXPIRY_SCAN_NS 10000000ull  /* look for stalled reassemblies every 10 ms */
 
