@@ -2028,14 +2028,20 @@ static void set_up(struct dp_router *rt, uint32_t k, int up, int probe);
 static void *zmq_dealer(void *zctx, const char *endpoint);
 
 /* The health of zmq workers, which no process of ours watches. One whose batch has gone
- * unanswered (or unsent: no peer took it) for zmq_timeout is marked down and its requests
- * replayed: nothing else would ever free it (a worker that died after taking the batch, a
- * dropped link: it stayed busy, and every request placed on it waited for ever), and its
- * socket is replaced (set_up), so the batch is not delivered when the worker is back. Then it is probed, an empty message at most
+ * unanswered for zmq_timeout (or unsent, no peer took it, for ZMQ_UNSENT_NS) is marked down and
+ * its requests replayed: nothing else would ever free it (a worker that died after taking the
+ * batch, a dropped link: it stayed busy, and every request placed on it waited for ever), and its
+ * socket is replaced (set_up), so the batch is not delivered when the worker is back. Then it is
+ * probed, an empty message at most
  * every ZMQ_PROBE_NS, which its lane answers with an empty one from its receive loop (lanes.py):
  * any message from it (that answer, a late completion) brings it back up. Before, it stayed
  * down for good after a passing stall or a dropped link. */
 #define ZMQ_PROBE_NS 1000000000ull
+/* A batch no connection took (unsent) is due this soon, zmq_timeout if shorter: nothing of it
+ * reached the worker, so it is replayed safely, and a worker restarting on its endpoint
+ * reconnects within it (100 ms). Due at zmq_timeout, its requests waited 30 s for a worker that
+ * was gone (found by review). */
+#define ZMQ_UNSENT_NS 1000000000ull
 static uint32_t zmq_health(struct dp_router *rt)
 {
     if (!rt->n_zmq || !rt->cfg.zmq_timeout_ns)
@@ -2046,7 +2052,9 @@ static uint32_t zmq_health(struct dp_router *rt)
         if (w->kind != DP_LANE_ZMQ)
             continue;
         if (rt->view.up[k]) {
-            if (!(w->busy || w->unsent) || pass_clock(rt) - w->t_busy < rt->cfg.zmq_timeout_ns)
+            uint64_t due = w->unsent && ZMQ_UNSENT_NS < rt->cfg.zmq_timeout_ns ? ZMQ_UNSENT_NS
+                                                                             : rt->cfg.zmq_timeout_ns;
+            if (!(w->busy || w->unsent) || pass_clock(rt) - w->t_busy < due)
                 continue;
             rt->st.zmq_timeouts++;
             set_up(rt, k, 0, 1);

@@ -2141,6 +2141,30 @@ def test_a_zmq_worker_nobody_serves_is_marked_down_and_gets_no_stale_batch_when_
         back.close()
 
 
+def test_a_zmq_batch_no_connection_took_is_replayed_within_a_second_not_the_timeout(bench_factory):
+    """The worker's endpoint has nobody bound (a worker killed, not yet back): the socket refuses
+    the batch. Nothing of it reached a worker, yet it was due at zmq_timeout like a batch sent, and
+    its requests waited 30 s (found by review). Unsent for ZMQ_UNSENT_NS (1 s), the worker is
+    marked down and the batch replayed on the other."""
+    b = bench_factory(n_workers=1, policy="round_robin", zmq_timeout_s=30)
+    endpoint = lanes.free_tcp_endpoint()
+    assert b.router.add_zmq_worker(endpoint) == 1      # nobody binds it
+    b.router.set_up(0, False)
+    b.send(chunks_of(1, [1, 2, 3], max_out=2))
+    b.router.poll()
+    b.router.set_up(0, True)
+    t0, deadline = time.monotonic(), time.monotonic() + 10
+    while b.router.stats()["zmq_timeouts"] == 0 and time.monotonic() < deadline:
+        b.router.poll()
+        time.sleep(0.01)
+    waited = time.monotonic() - t0
+    b.run(0)
+    assert [(int(r["request_id"]), int(r["status"]), int(r["worker"])) for r in b.responses] == [(1, 200, 0)]
+    assert 0.9 < waited < 5, waited
+    assert b.router.worker_stats(1)["up"] == 0 and b.router.stats()["replayed"] == 1
+    b.router.close()
+
+
 def test_a_timed_out_zmq_worker_marked_down_leaves_no_socket_on_its_endpoint(bench_factory):
     """A zmq worker times out (its probe socket connected to the endpoint); the operator marks it
     down and adds the replacement bound there as a new worker. The probe socket stayed open,
