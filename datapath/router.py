@@ -161,8 +161,8 @@ class Router:
 
     def add_zmq_worker(self, endpoint: str, weight: int = 1) -> int:
         """A worker behind ZeroMQ (lanes.ZmqWorkerLane bound at endpoint: tcp://host:port or ipc://path)."""
-        if not endpoint.startswith(("tcp://", "ipc://")):
-            raise ValueError(f"endpoint must be tcp://host:port or ipc://path, not {endpoint!r}")
+        from snapshotstore.server import check_endpoint
+        check_endpoint(endpoint)   # (ZeroMQ took port 99999 as 34463, and port 0: found by review)
         k = _check(lib.dp_router_add_zmq_worker(self._rt, endpoint.encode(), weight), f"zmq worker at {endpoint}")
         self.n_workers += 1
         return k

@@ -3361,7 +3361,10 @@ int dp_router_add_worker(struct dp_router *rt, struct dp_ring *lane, struct dp_r
 
 /* A DEALER connected to endpoint, dropping what it holds when closed (linger 0), and queueing
  * only to a connection that is up (ZMQ_IMMEDIATE: with none, a send is refused, the batch stays
- * unsent here and times out, never waits in the socket for a worker that comes back). NULL and
+ * unsent here and times out, never waits in the socket for a worker that comes back). What it
+ * takes in is bounded: a message past a completion's size drops its peer, and a few wait at
+ * most (a worker answers one batch at a time). Unbounded, a peer bound on the endpoint sent
+ * 4 frames of 256 MiB and the router's RSS grew 72 MB -> 1.1 GB (found by review). NULL and
  * errno on failure. */
 static void *zmq_dealer(void *zctx, const char *endpoint)
 {
@@ -3369,8 +3372,11 @@ static void *zmq_dealer(void *zctx, const char *endpoint)
     if (!s)
         return NULL;
     int linger = 0, hwm = 4, immediate = 1;
+    int64_t most = sizeof(struct dp_completion);
     zmq_setsockopt(s, ZMQ_LINGER, &linger, sizeof(linger));
     zmq_setsockopt(s, ZMQ_SNDHWM, &hwm, sizeof(hwm));
+    zmq_setsockopt(s, ZMQ_RCVHWM, &hwm, sizeof(hwm));
+    zmq_setsockopt(s, ZMQ_MAXMSGSIZE, &most, sizeof(most));
     zmq_setsockopt(s, ZMQ_IMMEDIATE, &immediate, sizeof(immediate));
     if (zmq_connect(s, endpoint) < 0) {
         int e = errno;

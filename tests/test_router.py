@@ -437,6 +437,10 @@ def test_bad_router_arguments():
         Router(max_requests=100)
     with pytest.raises(ValueError):
         Router(max_chunks=65)
+    with Router() as r:                # ZeroMQ took port 99999 as 34463, and port 0 (found by review)
+        for bad in ("tcp://127.0.0.1:99999", "tcp://127.0.0.1:0", "udp://127.0.0.1:5"):
+            with pytest.raises(ValueError):
+                r.add_zmq_worker(bad)
     assert policies()[:5] == ["round_robin", "least_loaded", "power_of_two", "affinity", "weighted"]   # then any new one
 
 

@@ -71,6 +71,10 @@ def test_user_errors_are_one_sentence(capsys):
         assert "the port a number from 1 to 65535" in capsys.readouterr().err
     assert main(["worker", "--lane", "zl-no-such-lane"]) == 1
     assert "no ring named 'zl-no-such-lane.lane'" in capsys.readouterr().err
+    # the lane has no authentication: off loopback only when asked (it bound 0.0.0.0 without a
+    # word, and any peer ran batches and took answers: found by review)
+    assert main(["worker", "--zmq", "tcp://0.0.0.0:5999"]) == 2
+    assert "is off loopback: any peer reaching it could run batches" in capsys.readouterr().err
 
 
 def test_a_worker_whose_store_nobody_serves_says_so_at_start(tmp_path, capsys):

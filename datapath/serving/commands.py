@@ -21,14 +21,15 @@ MODEL_INFO_MAX_BYTES = 1 << 30   # model info measures deltas on a model it buil
 
 WORKER_EPILOG = """examples:
     datapath worker --lane zl-w0                 # attach the shared-memory lane the router created
-    datapath worker --zmq tcp://198.18.0.1:5555 --device l4 --sim busy   # the router connects to it
-    datapath worker --zmq tcp://198.18.0.1:5555 --store tcp://198.18.0.9:5600 --store-secret-file key
+    datapath worker --zmq tcp://127.0.0.1:5555 --device l4 --sim busy   # the router connects to it
+    datapath worker --zmq tcp://198.18.0.1:5555 --insecure --store tcp://198.18.0.9:5600 --store-secret-file key
     datapath worker --demo 4 --prompt-tokens 300 --output-tokens 16
 
 --lane NAME attaches /dev/shm/dp-NAME.lane and .done (made by the router's
 control plane). --zmq ENDPOINT binds a ZeroMQ lane there (datapath.lanes) for
 the router to connect to: one message per micro-batch of dp_chunk records,
-one dp_completion back. Ctrl-C stops the worker. --demo runs the native
+one dp_completion back. The lane has no authentication: off loopback it
+needs --insecure, on a network only the router's host reaches. Ctrl-C stops the worker. --demo runs the native
 router in this process with one shared-memory lane and this worker, feeds it
 N requests and prints the responses. --store ENDPOINT attaches the snapshot
 store that `snapshotstore serve DEVICE --listen ENDPOINT --secret-file F`
@@ -91,6 +92,9 @@ def add_parsers(sub):
     w.add_argument("--lane", metavar="NAME", help="shared-memory lane to attach (created by the router)")
     w.add_argument("--index", type=positive(int, zero_ok=True, most=0xfffe), default=0, help="this worker's index in completions (default 0)")
     w.add_argument("--zmq", metavar="ENDPOINT", help="bind a ZeroMQ lane at tcp://HOST:PORT or ipc://PATH")
+    w.add_argument("--insecure", action="store_true",
+                   help="--zmq off loopback: any peer that reaches it can run batches for any tenant and "
+                        "session (and, with --store, read and write them in the store), and take answers")
     w.add_argument("--store", metavar="ENDPOINT",
                    help="the snapshot store served at ENDPOINT (snapshotstore serve): needs --store-secret-file")
     w.add_argument("--store-secret-file", metavar="PATH",
@@ -181,13 +185,20 @@ def worker(args) -> int:
     if args.store and args.demo is not None:
         print("datapath worker: --demo runs without a store (--store is for --lane or --zmq)", file=sys.stderr)
         return 2
-    from snapshotstore.server import check_endpoint
+    from snapshotstore.server import check_endpoint, off_loopback
     for flag, endpoint in (("--zmq", args.zmq), ("--store", args.store)):
         try:
             endpoint and check_endpoint(endpoint)
         except ValueError as e:
             print(f"datapath worker: {flag} {e}", file=sys.stderr)
             return 2
+    if args.zmq and off_loopback(args.zmq) and not args.insecure:
+        # the lane has no authentication: it bound 0.0.0.0 without a word, and a peer that connected
+        # ran batches for any tenant and took answers meant for the router (found by review)
+        print(f"datapath worker: --zmq {args.zmq} is off loopback: any peer reaching it could run batches for "
+              f"any tenant and session and take the router's answers (the lane has no authentication). Bind "
+              f"127.0.0.1, or give --insecure on a network only the router's host reaches", file=sys.stderr)
+        return 2
     secret = None
     if args.store_secret_file:
         from snapshotstore.errors import SnapshotError
