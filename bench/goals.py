@@ -163,35 +163,35 @@ def _xdp_to_worker(r):
 
 
 GOALS = [
-    Goal("ring", 2, "ring one-way p50 within 1.5x the ping-pong",
+    Goal("ring", 3, "ring one-way p50 within 1.5x the ping-pong",
          _ratio("ring_oneway_p50_ns_vs_pingpong_oneway_ns", 1.5,
                 ("ring_oneway_p50_ns_vs_handoff_oneway_p50_ns", "the bare hand-off stamped as the ring's samples are"),
                 # a one-way hand-off is two line transfers, the ping-pong's hop one (bench/ring.py)
                 ("ring_oneway_p50_ns_vs_pingpong_2line_oneway_ns", "the ping-pong on two lines, as a one-way "
                                                                    "hand-off's ends"))),
-    Goal("ring", 2, ">= 10 M chunks/s batched", _metric("ring_mchunks_per_s", 10, "M chunks/s", at_least=True)),
-    Goal("ring", 2, "hash and power-of-two policies <= 50 ns a decision and flat from 4 to 256 workers "
+    Goal("ring", 3, ">= 10 M chunks/s batched", _metric("ring_mchunks_per_s", 10, "M chunks/s", at_least=True)),
+    Goal("ring", 3, "hash and power-of-two policies <= 50 ns a decision and flat from 4 to 256 workers "
                     f"(the most at most {POLICY_FLAT:g}x the least)", _policies),
-    Goal("ingress", 3, "steer_ns <= 3x xdp_count_ns", _ratio("steer_ns_vs_xdp_count_ns", 3.0,
+    Goal("ingress", 4, "steer_ns <= 3x xdp_count_ns", _ratio("steer_ns_vs_xdp_count_ns", 3.0,
                                                                 ("steer_ns_vs_xdp_ring_floor_ns", "its floor"))),
-    Goal("ingress", 3, "XDP-to-consumer p50 <= 2x the ping-pong",
+    Goal("ingress", 4, "XDP-to-consumer p50 <= 2x the ping-pong",
          _ratio("xdp_to_consumer_p50_ns_vs_pingpong_oneway_ns", 2.0,
                 ("xdp_to_consumer_p50_ns_vs_handoff_oneway_p50_ns", "the stamped bare hand-off"))),
-    Goal("ingress", 3, "sender-to-consumer at least 3x better than the UDP socket at p50 and p99",
+    Goal("ingress", 4, "sender-to-consumer at least 3x better than the UDP socket at p50 and p99",
          _all_ratios(["sender_to_consumer_p50_us_vs_udp_socket_p50_us",
                       "sender_to_consumer_p99_us_vs_udp_socket_p99_us"], 1 / 3,
                      # the socket the issue names is Python's, a wake-up per packet; the C one busy-polls
                      also=(["sender_to_consumer_p50_us_vs_udp_socket_c_p50_us",
                             "sender_to_consumer_p99_us_vs_udp_socket_c_p99_us"],
                            "the busy-polling C recvmmsg receiver"))),
-    Goal("worker", 4, "decode-step delta <= 4096 bytes stored", _decode_delta),
-    Goal("worker", 4, "restore at 2K context at least 10x faster than recompute",
+    Goal("worker", 5, "decode-step delta <= 4096 bytes stored", _decode_delta),
+    Goal("worker", 5, "restore at 2K context at least 10x faster than recompute",
          _ratio("restore_ms_ctx2048_vs_recompute_ms_ctx2048", 0.1)),
-    Goal("snapshot", 5, "put within 1.2x the raw write + sync (p50)",
+    Goal("snapshot", 6, "put within 1.2x the raw write + sync (p50)",
          _ratio("put_4k_p50_us_vs_raw_write_sync_p50_us", 1.2)),
-    Goal("snapshot", 5, "restore within 1.2x the raw reads (chains of 1 / 8 / 64 deltas, p50)",
+    Goal("snapshot", 6, "restore within 1.2x the raw reads (chains of 1 / 8 / 64 deltas, p50)",
          _all_ratios([f"restore_chain{n}_p50_us_vs_raw_read_chain{n}_p50_us" for n in (1, 8, 64)], 1.2)),
-    Goal("snapshot", 5, "index <= 64 bytes per session", _metric("index_bytes_per_session", 64, "bytes")),
+    Goal("snapshot", 6, "index <= 64 bytes per session", _metric("index_bytes_per_session", 64, "bytes")),
     # the issue's XDP stamp is the program's hand-off; the program's live part before it (its
     # steering and its write into a ring buffer gone cold between requests) is shown beside it
     Goal("e2e", 7, f"XDP-to-lane p50 <= {XDP_P50_NS:.0f} ns",
