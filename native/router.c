@@ -112,6 +112,8 @@ struct worker {
     uint16_t pool, local;               /* its pool, and its index in the pool's view */
     struct dp_ring *lane, *done;        /* shm */
     void *zsock;                        /* zmq: a DEALER connected to the worker's */
+    void *zmon;                         /* zmq: a PAIR its monitor reports lost connections on */
+    uint64_t t_lost;                    /* zmq: when its monitor last reported one (zmq_health) */
     char *endpoint;                     /* zmq: the worker's, for a fresh socket when it goes down */
     uint8_t *stage;                     /* zmq: the batch being built, sent as one message */
     struct dp_completion *cbuf;         /* zmq: the last completion received */
@@ -2025,7 +2027,9 @@ static void complete_entry(struct dp_router *rt, int wk, const struct batch_meta
 
 static void set_up(struct dp_router *rt, uint32_t k, int up, int probe);
 
-static void *zmq_dealer(void *zctx, const char *endpoint);
+static void *zmq_dealer(void *zctx, const char *endpoint, void **mon);
+static void zmq_shut(struct worker *w);
+static int zmq_lost(struct worker *w);
 
 /* The health of zmq workers, which no process of ours watches. One whose batch has gone
  * unanswered for zmq_timeout (or unsent, no peer took it, for ZMQ_UNSENT_NS) is marked down and
@@ -2042,6 +2046,11 @@ static void *zmq_dealer(void *zctx, const char *endpoint);
  * reconnects within it (100 ms). Due at zmq_timeout, its requests waited 30 s for a worker that
  * was gone (found by review). */
 #define ZMQ_UNSENT_NS 1000000000ull
+/* A batch sent whose connection was lost after (the monitor's disconnect: the worker died, its
+ * TCP connection closed) cannot be answered on it: due this long after the loss (an answer that
+ * came before it is read first), not at zmq_timeout. Its requests waited 30 s, and a worker
+ * restarted on the endpoint idled meanwhile (found by review). */
+#define ZMQ_LOST_NS 50000000ull
 static uint32_t zmq_health(struct dp_router *rt)
 {
     if (!rt->n_zmq || !rt->cfg.zmq_timeout_ns)
@@ -2052,19 +2061,24 @@ static uint32_t zmq_health(struct dp_router *rt)
         if (w->kind != DP_LANE_ZMQ)
             continue;
         if (rt->view.up[k]) {
+            if (zmq_lost(w))
+                w->t_lost = pass_clock(rt);
             uint64_t due = w->unsent && ZMQ_UNSENT_NS < rt->cfg.zmq_timeout_ns ? ZMQ_UNSENT_NS
                                                                              : rt->cfg.zmq_timeout_ns;
-            if (!(w->busy || w->unsent) || pass_clock(rt) - w->t_busy < due)
+            int lost = w->busy && !w->unsent && w->t_lost >= w->t_busy && pass_clock(rt) - w->t_lost >= ZMQ_LOST_NS;
+            if (!lost && (!(w->busy || w->unsent) || pass_clock(rt) - w->t_busy < due))
                 continue;
             rt->st.zmq_timeouts++;
+            rt->st.zmq_lost += (uint64_t)lost;
             set_up(rt, k, 0, 1);
             w->timed_out = 1;
             w->t_probe = 0;
             n++;
         } else if (w->timed_out) {
             int heard = 0;
+            zmq_lost(w);                       /* (its probe socket's: a worker not up yet) */
             if (!w->zsock)                     /* its probe socket could not be made then: again */
-                w->zsock = zmq_dealer(rt->zctx, w->endpoint);
+                w->zsock = zmq_dealer(rt->zctx, w->endpoint, &w->zmon);
             while (w->zsock && zmq_recv(w->zsock, w->cbuf, sizeof(*w->cbuf), ZMQ_DONTWAIT) >= 0)
                 heard = 1;                     /* whatever it was (its batch was replayed): it lives */
             if (heard) {
@@ -3231,8 +3245,7 @@ void dp_router_destroy(struct dp_router *rt)
         free(rt->w[k].stage);
         free(rt->w[k].cbuf);
         free(rt->w[k].endpoint);
-        if (rt->w[k].zsock)
-            zmq_close(rt->w[k].zsock);
+        zmq_shut(&rt->w[k]);
     }
     if (rt->zctx)
         zmq_ctx_term(rt->zctx);
@@ -3303,7 +3316,7 @@ int dp_router_add_input(struct dp_router *rt, struct dp_ring *in)
 }
 
 static int add_worker(struct dp_router *rt, int kind, struct dp_ring *lane, struct dp_ring *done, void *zsock,
-                      char *endpoint, uint32_t weight)
+                      void *zmon, char *endpoint, uint32_t weight)
 {
     pthread_mutex_lock(&rt->lock);
     int k = -ENOSPC;
@@ -3315,6 +3328,7 @@ static int add_worker(struct dp_router *rt, int kind, struct dp_ring *lane, stru
         w->lane = lane;
         w->done = done;
         w->zsock = zsock;
+        w->zmon = zmon;
         w->endpoint = endpoint;
         if (kind == DP_LANE_ZMQ) {
             w->stage = malloc((size_t)DP_MAX_BATCH_CHUNKS * sizeof(struct dp_chunk));
@@ -3356,7 +3370,7 @@ int dp_router_add_worker(struct dp_router *rt, struct dp_ring *lane, struct dp_r
 {
     if (!lane_fits(rt, lane, done))
         return -EINVAL;
-    return add_worker(rt, DP_LANE_SHM, lane, done, NULL, NULL, weight);
+    return add_worker(rt, DP_LANE_SHM, lane, done, NULL, NULL, NULL, weight);
 }
 
 /* A DEALER connected to endpoint, dropping what it holds when closed (linger 0), and queueing
@@ -3366,8 +3380,9 @@ int dp_router_add_worker(struct dp_router *rt, struct dp_ring *lane, struct dp_r
  * most (a worker answers one batch at a time). Unbounded, a peer bound on the endpoint sent
  * 4 frames of 256 MiB and the router's RSS grew 72 MB -> 1.1 GB (found by review). NULL and
  * errno on failure. */
-static void *zmq_dealer(void *zctx, const char *endpoint)
+static void *zmq_dealer(void *zctx, const char *endpoint, void **mon)
 {
+    *mon = NULL;
     void *s = zmq_socket(zctx, ZMQ_DEALER);
     if (!s)
         return NULL;
@@ -3384,7 +3399,48 @@ static void *zmq_dealer(void *zctx, const char *endpoint)
         errno = e;
         return NULL;
     }
+    /* its lost connections reported on *mon (none made: the timeout alone finds a dead peer) */
+    char addr[64];
+    snprintf(addr, sizeof(addr), "inproc://dp-zmq-monitor-%p", s);
+    if (zmq_socket_monitor(s, addr, ZMQ_EVENT_DISCONNECTED) == 0) {
+        void *m = zmq_socket(zctx, ZMQ_PAIR);
+        if (m && zmq_setsockopt(m, ZMQ_LINGER, &linger, sizeof(linger)) == 0 && zmq_connect(m, addr) == 0) {
+            *mon = m;
+        } else {
+            if (m)
+                zmq_close(m);
+            zmq_socket_monitor(s, NULL, 0);
+        }
+    }
     return s;
+}
+
+/* w's socket and its monitor's, closed (linger 0: what they hold is dropped) */
+static void zmq_shut(struct worker *w)
+{
+    if (w->zsock)
+        zmq_close(w->zsock);
+    if (w->zmon)
+        zmq_close(w->zmon);
+    w->zsock = w->zmon = NULL;
+}
+
+/* Whether w's monitor reported a connection lost since the last look (its events all read: a
+ * 6-byte frame, the event's id and value, then the endpoint's). */
+static int zmq_lost(struct worker *w)
+{
+    int lost = 0, more;
+    uint8_t ev[6];
+    while (w->zmon) {
+        int n = zmq_recv(w->zmon, ev, sizeof(ev), ZMQ_DONTWAIT);
+        if (n < 0)
+            break;
+        lost |= n >= 2 && (ev[0] | ev[1] << 8) == ZMQ_EVENT_DISCONNECTED;
+        size_t len = sizeof(more);
+        while (zmq_getsockopt(w->zmon, ZMQ_RCVMORE, &more, &len) == 0 && more)
+            zmq_recv(w->zmon, ev, sizeof(ev), ZMQ_DONTWAIT);   /* (the endpoint, truncated) */
+    }
+    return lost;
 }
 
 int dp_router_add_zmq_worker(struct dp_router *rt, const char *endpoint, uint32_t weight)
@@ -3394,15 +3450,17 @@ int dp_router_add_zmq_worker(struct dp_router *rt, const char *endpoint, uint32_
     char *ep = strdup(endpoint);
     if (!ep)
         return -ENOMEM;
-    void *s = zmq_dealer(rt->zctx, endpoint);
+    void *mon, *s = zmq_dealer(rt->zctx, endpoint, &mon);
     if (!s) {
         int e = errno;
         free(ep);
         return -e;
     }
-    int k = add_worker(rt, DP_LANE_ZMQ, NULL, NULL, s, ep, weight);
+    int k = add_worker(rt, DP_LANE_ZMQ, NULL, NULL, s, mon, ep, weight);
     if (k < 0) {
         zmq_close(s);
+        if (mon)
+            zmq_close(mon);
         free(ep);
     }
     return k;
@@ -3491,9 +3549,9 @@ static void went(struct dp_router *rt, uint32_t k, int was_up, int up, int probe
          * sessions (found by review). A batch already in the worker's own buffers is not
          * reached: a stalled worker that wakes still runs it (docs/known-limits.md, left open). */
         if (w->kind == DP_LANE_ZMQ) {
-            if (w->zsock)
-                zmq_close(w->zsock);
-            w->zsock = probe ? zmq_dealer(rt->zctx, w->endpoint) : NULL;
+            zmq_shut(w);
+            if (probe)
+                w->zsock = zmq_dealer(rt->zctx, w->endpoint, &w->zmon);
             w->unsent = 0;
             rt->st.zmq_sockets_replaced++;
         }
@@ -3501,10 +3559,9 @@ static void went(struct dp_router *rt, uint32_t k, int was_up, int up, int probe
         /* down already, timed out, its probe socket connected: the control plane's word closes
          * that too. Left open, nobody read it, and it took every other completion and probe reply
          * of the worker bound at the endpoint next (found by review) */
-        zmq_close(w->zsock);
-        w->zsock = NULL;
+        zmq_shut(w);
     } else if (!was_up && up && w->kind == DP_LANE_ZMQ && !w->zsock) {
-        w->zsock = zmq_dealer(rt->zctx, w->endpoint);   /* NULL: its batches stay unsent, time out */
+        w->zsock = zmq_dealer(rt->zctx, w->endpoint, &w->zmon);   /* NULL: its batches stay unsent, time out */
     }
     if (!was_up && up && rt->st.waiting_for_worker)
         place_again(rt, -1);            /* the first worker up takes what waited for one */

@@ -131,6 +131,8 @@ struct dp_router_stats {
                                  * failover's replay */
     uint64_t zmq_timeouts;      /* zmq workers marked down: a batch unanswered for zmq_timeout */
     uint64_t zmq_revived;       /* zmq workers marked down so, back up: they answered a probe */
+    uint64_t zmq_lost;          /* of zmq_timeouts, those found at once: the connection of a batch sent was
+                                 * lost (the socket monitor's disconnect), ZMQ_LOST_NS after the loss */
     uint64_t stalls;            /* workers found stalled (dp_router_config.stall_ns), each time */
     uint64_t stall_moved;       /* requests moved off a stalled worker before any of them reached its lane */
     uint64_t zmq_sockets_replaced;  /* zmq workers' sockets closed as they went down (what they held dropped):

@@ -2169,6 +2169,38 @@ def test_a_zmq_batch_no_connection_took_is_replayed_within_a_second_not_the_time
     b.router.close()
 
 
+def test_a_zmq_worker_that_dies_with_a_batch_is_found_by_its_lost_connection_not_the_timeout(bench_factory):
+    """The worker takes a batch and dies unanswered: its TCP connection closes with it, so the answer
+    cannot come, yet the batch was due at zmq_timeout and its requests waited 30 s, a worker
+    restarted on the endpoint idle meanwhile (found by review). The socket's monitor reports the
+    loss: the worker is marked down ZMQ_LOST_NS (50 ms) after it and the batch replayed."""
+    b = bench_factory(n_workers=1, policy="round_robin", zmq_timeout_s=30)
+    endpoint = lanes.free_tcp_endpoint()
+    lane = lanes.ZmqWorkerLane(endpoint)
+    try:
+        assert b.router.add_zmq_worker(endpoint) == 1
+        b.router.set_up(0, False)
+        b.send(chunks_of(1, [1, 2, 3], max_out=2))
+        batch, deadline = None, time.monotonic() + 10
+        while batch is None and time.monotonic() < deadline:
+            b.router.poll()
+            batch = lane.recv_batch(0.01)
+        assert batch is not None and batch["request_id"].tolist() == [1]
+        b.router.set_up(0, True)
+    finally:
+        lane.close()                                   # it dies, the batch unanswered
+    t0 = time.monotonic()
+    while b.router.stats()["zmq_timeouts"] == 0 and time.monotonic() < t0 + 10:
+        b.router.poll()
+        time.sleep(0.005)
+    waited = time.monotonic() - t0
+    b.run(0)
+    assert [(int(r["request_id"]), int(r["status"]), int(r["worker"])) for r in b.responses] == [(1, 200, 0)]
+    st = b.router.stats()
+    assert waited < 5 and st["zmq_lost"] == 1 and st["replayed"] == 1, (waited, st)
+    b.router.close()
+
+
 def test_a_timed_out_zmq_worker_marked_down_leaves_no_socket_on_its_endpoint(bench_factory):
     """A zmq worker times out (its probe socket connected to the endpoint); the operator marks it
     down and adds the replacement bound there as a new worker. The probe socket stayed open,
