@@ -3400,8 +3400,10 @@ static void *zmq_dealer(void *zctx, const char *endpoint, void **mon)
         return NULL;
     }
     /* its lost connections reported on *mon (none made: the timeout alone finds a dead peer) */
+    static uint64_t monitors;            /* (a name of its own: a closed socket's may be taken still) */
     char addr[64];
-    snprintf(addr, sizeof(addr), "inproc://dp-zmq-monitor-%p", s);
+    snprintf(addr, sizeof(addr), "inproc://dp-zmq-monitor-%llu",
+             (unsigned long long)__atomic_add_fetch(&monitors, 1, __ATOMIC_RELAXED));
     if (zmq_socket_monitor(s, addr, ZMQ_EVENT_DISCONNECTED) == 0) {
         void *m = zmq_socket(zctx, ZMQ_PAIR);
         if (m && zmq_setsockopt(m, ZMQ_LINGER, &linger, sizeof(linger)) == 0 && zmq_connect(m, addr) == 0) {
