@@ -29,9 +29,10 @@ WORKER_EPILOG = """examples:
 control plane). --zmq ENDPOINT binds a ZeroMQ lane there (datapath.lanes) for
 the router to connect to: one message per micro-batch of dp_chunk records,
 one dp_completion back. The lane has no authentication: off loopback it
-needs --insecure, on a network only the router's host reaches. Ctrl-C stops the worker. --demo runs the native
-router in this process with one shared-memory lane and this worker, feeds it
-N requests and prints the responses. --store ENDPOINT attaches the snapshot
+needs --insecure, on a network only the router's host reaches. Ctrl-C stops
+the worker. --demo runs the native router in this process with one
+shared-memory lane and this worker, feeds it N requests and prints the
+responses. --store ENDPOINT attaches the snapshot
 store that `snapshotstore serve DEVICE --listen ENDPOINT --secret-file F`
 serves, with the master secret in --store-secret-file (every worker sharing
 the store and the server hold the same: a tenant's keys are HMACs of it, and
