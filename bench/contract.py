@@ -41,7 +41,7 @@ def machine() -> dict:
             "python": platform.python_version(), "commit": _commit(), "build": build_state(),
             # what the extensions were built from: two runs of one commit with a policy edited
             # between them (and `make setup` run) carried the same stamps (found by review)
-            "build_inputs": _built_from()}
+            "build_inputs": (_built() or "unknown")[:12]}
 
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -60,23 +60,22 @@ def build_inputs() -> str:
     return h.hexdigest()
 
 
+def _built() -> str | None:
+    """The input hash the build was made of (scripts/setup.sh's .venv/.installed), if it says."""
+    try:
+        return (ROOT / ".venv" / ".installed").read_text().strip() or None
+    except OSError:
+        return None
+
+
 def build_state() -> str:
     """"current" when the built extensions are of native/ and bpf/ as they are; else what is not.
     A run's commit cannot say it: an edited policy file that was never committed (untracked)
     left the commit stamp as it was, and a run without `make setup` measured the old build."""
-    try:
-        built = (ROOT / ".venv" / ".installed").read_text().strip()
-    except OSError:
+    built = _built()
+    if built is None:
         return "unknown (no .venv/.installed: not built by scripts/setup.sh)"
     return "current" if built == build_inputs() else "stale: native/ or bpf/ changed since the last `make setup`"
-
-
-def _built_from() -> str:
-    """The first 12 hex digits of the build's input hash (.venv/.installed), or "unknown"."""
-    try:
-        return (ROOT / ".venv" / ".installed").read_text().strip()[:12] or "unknown"
-    except OSError:
-        return "unknown"
 
 
 def _commit() -> str:

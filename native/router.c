@@ -1803,6 +1803,8 @@ uint32_t dp_lane_recv(struct dp_ring *lane, struct dp_chunk *out, uint32_t max, 
     return n;
 }
 
+static int zmq_lost(struct worker *w);
+
 /* Publish n built records as one batch; 0 if a zmq socket refused it (kept for a retry). */
 static int lane_commit(struct worker *w, uint32_t n)
 {
@@ -1810,6 +1812,7 @@ static int lane_commit(struct worker *w, uint32_t n)
         dp_ring_prod_commit(w->lane, n);   /* the whole batch becomes visible at once */
         return 1;
     }
+    zmq_lost(w);                         /* (a connection lost before this batch is not its) */
     if (!w->zsock || zmq_send(w->zsock, w->stage, (size_t)n * sizeof(struct dp_chunk), ZMQ_DONTWAIT) < 0) {
         w->unsent = n;
         return 0;
@@ -2029,7 +2032,6 @@ static void set_up(struct dp_router *rt, uint32_t k, int up, int probe);
 
 static void *zmq_dealer(void *zctx, const char *endpoint, void **mon);
 static void zmq_shut(struct worker *w);
-static int zmq_lost(struct worker *w);
 
 /* The health of zmq workers, which no process of ours watches. One whose batch has gone
  * unanswered for zmq_timeout (or unsent, no peer took it, for ZMQ_UNSENT_NS) is marked down and
@@ -2061,7 +2063,7 @@ static uint32_t zmq_health(struct dp_router *rt)
         if (w->kind != DP_LANE_ZMQ)
             continue;
         if (rt->view.up[k]) {
-            if (zmq_lost(w))
+            if (w->busy && !w->unsent && zmq_lost(w))   /* (read only with a batch out: a pass costs nothing idle) */
                 w->t_lost = pass_clock(rt);
             uint64_t due = w->unsent && ZMQ_UNSENT_NS < rt->cfg.zmq_timeout_ns ? ZMQ_UNSENT_NS
                                                                              : rt->cfg.zmq_timeout_ns;
@@ -2076,7 +2078,6 @@ static uint32_t zmq_health(struct dp_router *rt)
             n++;
         } else if (w->timed_out) {
             int heard = 0;
-            zmq_lost(w);                       /* (its probe socket's: a worker not up yet) */
             if (!w->zsock)                     /* its probe socket could not be made then: again */
                 w->zsock = zmq_dealer(rt->zctx, w->endpoint, &w->zmon);
             while (w->zsock && zmq_recv(w->zsock, w->cbuf, sizeof(*w->cbuf), ZMQ_DONTWAIT) >= 0)
