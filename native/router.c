@@ -3374,6 +3374,16 @@ int dp_router_add_worker(struct dp_router *rt, struct dp_ring *lane, struct dp_r
     return add_worker(rt, DP_LANE_SHM, lane, done, NULL, NULL, NULL, weight);
 }
 
+/* ZMTP heartbeats on a zmq lane's connection: a PING every ZMQ_PING_MS; one unanswered for
+ * ZMQ_PING_TIMEOUT_MS closes the connection, which the monitor reports as lost (zmq_lost). The
+ * peer's libzmq I/O thread answers, not the worker's loop, so a long step is not taken for a
+ * silence, while a stopped process (SIGSTOP) or a link that drops without a FIN is: before, a
+ * batch sent on such a connection waited zmq_timeout (30 s) and a stopped worker drew new
+ * requests meanwhile. The worker is told to drop a router it has not heard from for as long
+ * (the PING's TTL), so its answers do not go to a connection that is gone. */
+#define ZMQ_PING_MS 500
+#define ZMQ_PING_TIMEOUT_MS 2000
+
 /* A DEALER connected to endpoint, dropping what it holds when closed (linger 0), and queueing
  * only to a connection that is up (ZMQ_IMMEDIATE: with none, a send is refused, the batch stays
  * unsent here and times out, never waits in the socket for a worker that comes back). What it
@@ -3394,6 +3404,10 @@ static void *zmq_dealer(void *zctx, const char *endpoint, void **mon)
     zmq_setsockopt(s, ZMQ_RCVHWM, &hwm, sizeof(hwm));
     zmq_setsockopt(s, ZMQ_MAXMSGSIZE, &most, sizeof(most));
     zmq_setsockopt(s, ZMQ_IMMEDIATE, &immediate, sizeof(immediate));
+    int ping = ZMQ_PING_MS, silent = ZMQ_PING_TIMEOUT_MS;
+    zmq_setsockopt(s, ZMQ_HEARTBEAT_IVL, &ping, sizeof(ping));
+    zmq_setsockopt(s, ZMQ_HEARTBEAT_TIMEOUT, &silent, sizeof(silent));
+    zmq_setsockopt(s, ZMQ_HEARTBEAT_TTL, &silent, sizeof(silent));
     if (zmq_connect(s, endpoint) < 0) {
         int e = errno;
         zmq_close(s);

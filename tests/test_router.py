@@ -8,6 +8,9 @@ import json
 import math
 import time
 import os
+import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -2200,6 +2203,59 @@ def test_a_zmq_worker_that_dies_with_a_batch_is_found_by_its_lost_connection_not
     st = b.router.stats()
     assert waited < 5 and st["zmq_lost"] == 1 and st["replayed"] == 1, (waited, st)
     b.router.close()
+
+
+# a zmq worker in a process of its own: takes batches and never answers (bounded: 60 s)
+SILENT_ZMQ_WORKER = """
+import sys, time
+from datapath import lanes
+lane = lanes.ZmqWorkerLane(sys.argv[1])
+print("ready", flush=True)
+t_end = time.monotonic() + 60
+while time.monotonic() < t_end:
+    lane.recv_batch(0.1)
+"""
+
+
+def test_a_zmq_worker_stopped_with_a_batch_is_found_by_its_heartbeats_not_the_timeout(bench_factory):
+    """A worker stopped (SIGSTOP; or a link that drops with no FIN) keeps its TCP connection, so
+    no disconnect came: its batch waited zmq_timeout (30 s) and a store-less one drew new requests
+    meanwhile (found by review). ZMTP heartbeats, answered by the peer's I/O thread and not its
+    loop, close the connection once pings go unanswered (ZMQ_PING_TIMEOUT_MS): the loss is
+    reported and the batch replayed. A worker alive but slow (the batch held 3.5 s, past that
+    timeout) is not taken for lost."""
+    b = bench_factory(n_workers=1, policy="round_robin", zmq_timeout_s=30)
+    endpoint = lanes.free_tcp_endpoint()
+    proc = subprocess.Popen([sys.executable, "-c", SILENT_ZMQ_WORKER, endpoint], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        assert b.router.add_zmq_worker(endpoint) == 1
+        time.sleep(0.5)                                # connected
+        b.router.set_up(0, False)                      # the request goes to the zmq worker
+        b.send(chunks_of(1, [1, 2, 3], max_out=2))
+        t_end = time.monotonic() + 3.5
+        while time.monotonic() < t_end:                # alive, holding its batch
+            b.router.poll()
+            time.sleep(0.005)
+        st = b.router.stats()
+        assert st["zmq_lost"] == 0 and st["zmq_timeouts"] == 0 and b.router.worker_stats(1)["up"] == 1, st
+        b.router.set_up(0, True)
+        os.kill(proc.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        while b.router.stats()["zmq_timeouts"] == 0 and time.monotonic() < t0 + 15:
+            b.router.poll()
+            time.sleep(0.005)
+        waited = time.monotonic() - t0
+        b.run(0)
+        assert [(int(r["request_id"]), int(r["status"]), int(r["worker"])) for r in b.responses] == [(1, 200, 0)]
+        st = b.router.stats()
+        assert waited < 6 and st["zmq_lost"] == 1 and st["replayed"] == 1, (waited, st)
+        assert b.router.worker_stats(1)["up"] == 0     # down while stopped: no new requests
+    finally:
+        proc.kill()                                    # (SIGKILL ends a stopped process too)
+        proc.wait(10)
+        proc.stdout.close()
+        b.router.close()
 
 
 def test_a_zmq_worker_restarted_while_idle_is_not_taken_for_lost_at_its_next_batch(bench_factory):

@@ -136,6 +136,11 @@ def test_native_router_restores_on_the_other_worker(store, processes, kind):
                 endpoint = f"ipc://{tmp}/w{k}"
                 processes(("zmq", endpoint), store, opts)
                 router.add_zmq_worker(endpoint)
+                # bound before the first request: a batch no connection takes is due in 1 s, and a
+                # spawned worker took up to 1.02 s to bind here (the request answered 503)
+                deadline = time.monotonic() + 30
+                while not os.path.exists(endpoint[len("ipc://"):]) and time.monotonic() < deadline:
+                    time.sleep(0.01)
         turns = [(9, 101, prompt(31, 300), 6), (9, 102, prompt(32, 50), 6)]
         router.set_up(1, False)
         router.start()
