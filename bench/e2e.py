@@ -277,6 +277,7 @@ def sweep(report, quick: bool, stages: dict, out: dict) -> dict:
         _flatness(report, out[_label("dynamic", device)], suffix, rates)
         if device is None:
             figures.update(_polling_workers(report, quick, stages))
+            figures.update(_zmq_lane(report, quick, stages))
     return figures
 
 
@@ -377,6 +378,36 @@ def _polling_workers(report, quick: bool, stages: dict) -> dict:
     report.metric("e2e_xdp_to_worker_polling_p99_ns", pc["p99"], "ns")
     return {"xdp->worker p50 us, worker polling": pc["p50"] / 1e3,
             "send->response p95 ms, worker polling": _pcts(res["rtt_ns"], 1e6)["p95"]}
+
+
+def _zmq_lane(report, quick: bool, stages: dict) -> dict:
+    """The lightest rate again with the worker behind a ZeroMQ lane (ipc://, the transport a remote
+    worker's tcp:// lane shares: datapath worker --zmq) instead of shared-memory rings; its
+    lane->worker against the sweep's (shm, the worker asleep on its futex: the same rate and
+    worker count) in this run."""
+    rate, seconds = 10, (3.0 if quick else 10.0)
+    _progress(f"zmq lane: {rate} req/s for {seconds:.0f} s, the worker behind ZeroMQ over ipc")
+    with Pipeline(_config(batching="dynamic", workers=1, lane="zmq")) as p:
+        _warm_up(p, None)
+        p.reset_trace()
+        res = _offer(p, rate, seconds, prompt_tokens=PROMPT, max_output_tokens=OUTPUT,
+                     sessions=max(1, int(rate * seconds) // TURNS), drain_s=drain_s(None))
+        trace = p.trace()
+    _all_answered("zmq lane", res)
+    pre = _from_xdp(report, trace)
+    stages["lane->worker (zmq ipc lane)"] = (pre["t_pickup"] - pre["t_lane"]).astype(np.int64)
+    stages["xdp->worker (zmq ipc lane)"] = (pre["t_pickup"] - pre["t_xdp"]).astype(np.int64)
+    lane = _pcts(stages["lane->worker (zmq ipc lane)"], 1)
+    report.metric("e2e_lane_to_worker_zmq_p50_ns", lane["p50"], "ns")
+    report.metric("e2e_lane_to_worker_zmq_p99_ns", lane["p99"], "ns")
+    figures = {"lane->worker p50 us, zmq ipc lane": lane["p50"] / 1e3,
+               "send->response p95 ms, zmq ipc lane": _pcts(res["rtt_ns"], 1e6)["p95"]}
+    if "lane->worker" in stages:       # the sweep's lightest dynamic rate, on shm lanes
+        shm = _pcts(stages["lane->worker"], 1)["p50"]
+        report.reference("e2e_lane_to_worker_shm_p50_ns", shm, "ns")
+        report.ratio("e2e_lane_to_worker_zmq_p50_ns", "e2e_lane_to_worker_shm_p50_ns")
+        figures["lane->worker p50 us, shm lane (the sweep's)"] = shm / 1e3
+    return figures
 
 
 def _step_ns(trace: np.ndarray) -> np.ndarray:

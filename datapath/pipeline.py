@@ -2,7 +2,7 @@
 
     client netns --UDP--> veth --XDP steer--> BPF ring buffers
         --> [one native poll loop: router (its feed: the ingress consumer) -> responder]
-        --> shm lanes --> worker processes (tiny model, KV caches, snapshots)
+        --> shm lanes (or ZeroMQ) --> worker processes (tiny model, KV caches, snapshots)
         --> completions --> router --> egress ring --> responder --UDP--> client
 
 The router admits each request (native/admission.h: price, budget, limits;
@@ -25,9 +25,11 @@ import mmap
 import multiprocessing
 import numbers
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -44,6 +46,7 @@ from .serving.devices import profile
 from .topology import Topology, socket_in
 
 _seq = itertools.count()
+LANES = ("shm", "zmq")
 ctx = multiprocessing.get_context("fork")
 
 # per record, what the worker saw: the chunk's stamps plus its own; on the record that finished a
@@ -76,6 +79,9 @@ class PipelineConfig:
     max_batch_size: int = 32           # static
     batch_timeout_s: float = 0.05      # static
     xdp_mode: str = "auto"
+    lane: str = "shm"                  # how batches reach the workers: "shm" (a lane ring and a completion
+                                       # ring in shared memory) or "zmq" (ZeroMQ over ipc://, as a remote
+                                       # worker's tcp:// lane runs: datapath worker --zmq); lane_wait is shm's
     lane_wait: str = "sleep"           # how workers wait on their lanes: "sleep" (poll ~1-2 us, then a futex
                                        # the router wakes), "yield" (poll, yielding the core to whatever else
                                        # is runnable: a core's worth of polling) or "spin"
@@ -217,7 +223,8 @@ def _worker_main(lane_name: str, options, store_factory, trace_buf, slowdown_slo
     store = store_factory(options.index) if store_factory else None
     worker = options.build(store)
     worker.follow_slowdown(slowdown_slot)
-    lane = TracingLane(lanes.ShmWorkerLane(lane_name), trace, count, worker)
+    inner = lanes.ZmqWorkerLane(lane_name) if lane_name.startswith("ipc://") else lanes.ShmWorkerLane(lane_name)
+    lane = TracingLane(inner, trace, count, worker)
     try:
         ready()
         with one_blas_thread():
@@ -684,6 +691,8 @@ class Pipeline:
         cfg, es = self.cfg, self._stack
         if cfg.lane_wait not in WAIT_MODES:
             raise ValueError(f"lane_wait must be one of {', '.join(WAIT_MODES)}, not {cfg.lane_wait!r}")
+        if cfg.lane not in LANES:
+            raise ValueError(f"lane must be one of {', '.join(LANES)}, not {cfg.lane!r}")
         if not (isinstance(cfg.worker_hold_s, numbers.Real) and 0 <= cfg.worker_hold_s <= HOLD_MAX_S):
             raise ValueError(f"worker_hold_s must be 0..{HOLD_MAX_S:g} seconds, not {cfg.worker_hold_s!r}")
         self.placement = _placement(cfg)      # (refused before anything is built)
@@ -711,7 +720,10 @@ class Pipeline:
         self.router = Router(policy=cfg.policy, policy_param=cfg.policy_param, batching=cfg.batching,
                              token_budget=cfg.token_budget, max_chunks=cfg.max_chunks, max_batch_size=cfg.max_batch_size,
                              batch_timeout_s=cfg.batch_timeout_s, split_slack=cfg.split_slack,
-                             stall_s=cfg.worker_stall_s * max([1.0, *cfg.stragglers.values()]))
+                             stall_s=cfg.worker_stall_s * max([1.0, *cfg.stragglers.values()]),
+                             # zmq workers here are the pipeline's own processes, watched as shm
+                             # ones are (their exits, worker_hang_s): not the router's timeouts
+                             zmq_timeout_s=0)
         es.callback(self.router.close)
         if cfg.key_secret is not None:
             self.router.set_key_secret(cfg.key_secret)
@@ -728,8 +740,14 @@ class Pipeline:
         self._building = "the pools' and tenants' admission settings"
         self._admission(cfg)
         self._building = "the workers and their lanes"
-        self._lane_names: dict[int, str] = {}       # worker -> its current lane's name
-        es.callback(lambda: [lanes.unlink_shm_lane(n) for n in self._lane_names.values()])
+        self._lane_names: dict[int, str] = {}       # worker -> its current lane's name (zmq: endpoint)
+        if cfg.lane == "zmq":
+            # the workers' ipc endpoints (short: a socket path has 107 bytes at most); a
+            # replacement binds its worker's again (libzmq unlinks what a dead one left)
+            self._ipc_dir = tempfile.mkdtemp(prefix=f"{self.tag}.")
+            es.callback(shutil.rmtree, self._ipc_dir, True)
+        else:
+            es.callback(lambda: [lanes.unlink_shm_lane(n) for n in self._lane_names.values()])
         # each worker's slowdown, shared: a worker reads its own at every step (and a replacement
         # from the start), so set_slowdown turns one into a straggler, or back, while it serves
         self.slowdowns = np.frombuffer(mmap.mmap(-1, 8 * n), dtype="<f8")
@@ -737,7 +755,10 @@ class Pipeline:
         specs = []
         for k, (pool, device, nice) in enumerate(self.placement):
             self._lane_names[k] = name = self._lane_name(k, 0)   # first: an interrupt in the create leaks nothing
-            self.router.add_worker(*lanes.create_shm_lane(name, wait=cfg.lane_wait), pool=pool)
+            if cfg.lane == "zmq":
+                self.router.add_zmq_worker(name, pool=pool)
+            else:
+                self.router.add_worker(*lanes.create_shm_lane(name, wait=cfg.lane_wait), pool=pool)
             self.router.set_worker_store(k, store_factory is not None)
             if device and cfg.budget_at_knee:
                 self.router.set_worker_budget(k, profile(device).knee_tokens)
@@ -771,7 +792,12 @@ class Pipeline:
         self._building = ""
 
     def _lane_name(self, k: int, replacement: int) -> str:
-        """Worker k's shm lane; a replacement's is a fresh one (the old may hold a replayed batch)."""
+        """Worker k's shm lane; a replacement's is a fresh one (the old may hold a replayed batch).
+        A zmq worker's endpoint, the same for its replacements: the router closed its socket to
+        the endpoint (linger 0: what it held dropped) as the worker went down, and connects a
+        fresh one as the replacement comes up."""
+        if self.cfg.lane == "zmq":
+            return f"ipc://{self._ipc_dir}/w{k}"
         return f"{self.tag}.w{k}" + (f".{replacement}" if replacement else "")
 
     def _admission(self, cfg: PipelineConfig):
@@ -919,17 +945,18 @@ class Pipeline:
                 return
             n = sum(r["worker"] == k for r in self.worker_replacements) + 1     # (its lane's number)
             name = self._lane_name(k, n)
-            lanes.unlink_shm_lane(self._lane_names[k])
-            self._lane_names[k] = name                 # first: the teardown unlinks it, made or not
-            fresh = lanes.create_shm_lane(name, wait=self.cfg.lane_wait)
-            try:
-                old = self.router.replace_lane(k, *fresh)
-            except BaseException:
-                for ring in fresh:
+            if self.cfg.lane != "zmq":
+                lanes.unlink_shm_lane(self._lane_names[k])
+                self._lane_names[k] = name             # first: the teardown unlinks it, made or not
+                fresh = lanes.create_shm_lane(name, wait=self.cfg.lane_wait)
+                try:
+                    old = self.router.replace_lane(k, *fresh)
+                except BaseException:
+                    for ring in fresh:
+                        ring.close()
+                    raise
+                for ring in old:
                     ring.close()
-                raise
-            for ring in old:
-                ring.close()
             completions = self.router.worker_stats(k)["completions"]
             w = self._spawner.spawn(k, name)
             self.workers[k].t_retired = time.monotonic()

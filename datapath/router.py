@@ -159,12 +159,14 @@ class Router:
             self.set_worker_pool(k, pool)
         return k
 
-    def add_zmq_worker(self, endpoint: str, weight: int = 1) -> int:
+    def add_zmq_worker(self, endpoint: str, weight: int = 1, pool: int = 0) -> int:
         """A worker behind ZeroMQ (lanes.ZmqWorkerLane bound at endpoint: tcp://host:port or ipc://path)."""
         from snapshotstore.server import check_endpoint
         check_endpoint(endpoint)   # (ZeroMQ took port 99999 as 34463, and port 0: found by review)
         k = _check(lib.dp_router_add_zmq_worker(self._rt, endpoint.encode(), weight), f"zmq worker at {endpoint}")
         self.n_workers += 1
+        if pool:
+            self.set_worker_pool(k, pool)
         return k
 
     def set_egress(self, ring: Ring):

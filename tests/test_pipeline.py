@@ -33,11 +33,13 @@ def offer_with(p: Pipeline, fault, after_s: float, count: int, sessions: int) ->
 
 @pytest.mark.root
 @pytest.mark.bpf
-def test_a_worker_that_dies_unannounced_is_failed_over_and_nothing_is_lost():
+@pytest.mark.parametrize("lane", ["shm", "zmq"])
+def test_a_worker_that_dies_unannounced_is_failed_over_and_nothing_is_lost(lane):
     """Failover ran only when someone called set_up(k, False) (kill_worker did): a worker that
     crashed by itself kept its requests, and its sessions' later ones, unanswered for good. The
-    pipeline now watches its worker processes."""
-    with fresh_store() as store, Pipeline(_config(workers=2, shared_store=store)) as p:
+    pipeline now watches its worker processes. The same with the workers behind ZeroMQ lanes:
+    the replacement binds the dead one's endpoint, and nothing of the batch replayed reaches it."""
+    with fresh_store() as store, Pipeline(_config(workers=2, shared_store=store, lane=lane)) as p:
         # a crash: nobody tells the router
         r = offer_with(p, lambda: os.kill(p.workers[1].pid, signal.SIGKILL), 1.0, 60, sessions=20)
         assert p.worker_exits == [(1, -signal.SIGKILL)]
@@ -47,17 +49,22 @@ def test_a_worker_that_dies_unannounced_is_failed_over_and_nothing_is_lost():
             assert time.monotonic() < deadline
             time.sleep(0.01)
         assert p.router.worker_stats(1)["up"] == 1
+        after = p.offer(20, 20, sessions=20)               # the replacement serves its lane
+        assert after["by_status"] == {200: 20} and p.router.worker_stats(1)["completions"] >= 1
+        picked_up = p.trace(1)
+        assert (picked_up["t_pickup"] > 0).any()           # traced through its lane, as shm's are
     assert r["requests"] == 60 and r["resp_ok"] == 60 and r["unanswered"] == 0, r["by_status"]
     assert r["by_status"] == {200: 60}, "by status, as send() keys it (JSON made the keys strings)"
 
 
 @pytest.mark.root
 @pytest.mark.bpf
-def test_a_worker_that_hangs_holding_a_batch_is_killed_and_failed_over():
+@pytest.mark.parametrize("lane", ["shm", "zmq"])
+def test_a_worker_that_hangs_holding_a_batch_is_killed_and_failed_over(lane):
     """A worker alive but stuck (here SIGSTOPped) held its batch, and its sessions, forever: a
     process watcher alone cannot see it. One that holds a batch worker_hang_s without completing
     anything is now killed, and failed over like a crash."""
-    with fresh_store() as store, Pipeline(_config(workers=2, shared_store=store, worker_hang_s=1.0)) as p:
+    with fresh_store() as store, Pipeline(_config(workers=2, shared_store=store, worker_hang_s=1.0, lane=lane)) as p:
         p.offer(10, 10, sessions=10)       # both workers past their first (slowest) steps
         r = offer_with(p, lambda: os.kill(p.workers[1].pid, signal.SIGSTOP), 1.0, 60, sessions=20)
         assert p.worker_hangs == [1] and p.worker_exits == [(1, -signal.SIGKILL)]
@@ -839,3 +846,10 @@ def test_the_teardown_closes_every_pidfd_whatever_one_of_them_raises(monkeypatch
         for c in kids:
             c.kill()
             c.wait()
+
+
+@pytest.mark.parametrize("field, value", [("lane", "rdma"), ("lane_wait", "nap")])
+def test_a_lane_or_lane_wait_it_does_not_know_is_refused_before_anything_is_built(field, value):
+    with pytest.raises(ValueError, match=f"{field} must be one of .*not '{value}'"):
+        with Pipeline(_config(**{field: value})):
+            pass
