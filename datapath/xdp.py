@@ -1,23 +1,30 @@
 """Loading, attaching and test-running XDP programs (bcc compiles, pyroute2 attaches).
 
 Programs are loaded from the files in bpf/ with bpf/ on the include path.
-Attachment goes through netlink in the interface's own namespace, so it works
-for veths inside namespaces the caller created; an attachment never outlives
-its namespace, and XdpAttachment detaches on exit, on error and on Ctrl-C.
+An attachment is a BPF link (bpf_link_create, BPF_XDP) made in the
+interface's own namespace, so it works for veths inside namespaces the caller
+created. The link is held by a file descriptor of this process alone (a forked
+child closes its copy), so the kernel detaches the program when the process
+ends, however it ends: a SIGKILL, a SIGHUP, an OOM kill left a netlink
+attachment on the device, dropping its port's traffic with nobody reading it
+(found by review). XdpAttachment also detaches on exit, on error and on
+Ctrl-C, and never outlives its namespace.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import pathlib
 import platform
+import threading
 
 BPF_DIR = pathlib.Path(__file__).resolve().parent.parent / "bpf"
 
 XDP_FLAGS_SKB_MODE = 1 << 1   # generic: works on any device, after the skb is built
 XDP_FLAGS_DRV_MODE = 1 << 2   # native: in the driver (veth supports it)
-XDP_FLAGS_UPDATE_IF_NOEXIST = 1 << 0   # fail, not replace, if a program is attached already
-XDP_FLAGS_REPLACE = 1 << 4             # with IFLA_XDP_EXPECTED_FD: only if that program is the one there
+BPF_XDP = 37                           # enum bpf_attach_type: an XDP link
+CLONE_NEWNET = 0x40000000
 XDP_MODES = {"native": XDP_FLAGS_DRV_MODE, "generic": XDP_FLAGS_SKB_MODE}
 XDP_ABORTED, XDP_DROP, XDP_PASS, XDP_TX, XDP_REDIRECT = range(5)
 VERDICTS = {XDP_ABORTED: "XDP_ABORTED", XDP_DROP: "XDP_DROP", XDP_PASS: "XDP_PASS",
@@ -80,18 +87,105 @@ def _iproute(netns: str | None):
 _ATTACHED = {"xdp": "native", "xdpgeneric": "generic", "xdpoffload": "offload", "xdpmulti": "multi"}
 
 
-def _set_xdp(ipr, ifindex: int, fd: int, flags: int, expected_fd: int | None = None):
-    # The nested IFLA_XDP attribute spelled out: pyroute2 0.9's xdp_fd=/xdp_flags= keywords drop
-    # the flags, so a "generic" attach silently became a driver-mode one. expected_fd: only if that
-    # program is the one attached (XDP_FLAGS_REPLACE; the kernel refuses with EEXIST otherwise).
-    attrs = [("IFLA_XDP_FD", fd), ("IFLA_XDP_FLAGS", flags | (XDP_FLAGS_REPLACE if expected_fd is not None else 0))]
-    if expected_fd is not None:
-        attrs.append(("IFLA_XDP_EXPECTED_FD", expected_fd))
-    ipr.link("set", index=ifindex, xdp={"attrs": attrs})
+class _LinkCreateOpts(ctypes.Structure):
+    # struct bpf_link_create_opts's head (libbpf >= 0.2): sz, then flags (an XDP link: its mode)
+    _fields_ = [("sz", ctypes.c_size_t), ("flags", ctypes.c_uint32)]
+
+
+_LINKS: set[int] = set()          # this process's XDP link fds, closed in any child it forks
+_links_lock = threading.Lock()
+
+
+def _close_links_in_child():
+    # a forked child's copy of a link fd would keep the program attached after this process is
+    # gone (and after its detach): the link dies with its last fd
+    for fd in _LINKS:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _LINKS.clear()
+
+
+os.register_at_fork(after_in_child=_close_links_in_child)
+
+
+@contextlib.contextmanager
+def _in_netns(netns: str | None):
+    """This thread in netns (/run/netns/NAME) for the block, back in its own after, whatever
+    happens (setns moves the calling thread only)."""
+    if not netns:
+        yield
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    home = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        target = os.open(f"/run/netns/{netns}", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            if libc.setns(target, CLONE_NEWNET) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"setns into netns {netns}: {os.strerror(err)}")
+        finally:
+            os.close(target)
+        try:
+            yield
+        finally:
+            if libc.setns(home, CLONE_NEWNET) != 0:     # (never seen; a thread left there is worse)
+                err = ctypes.get_errno()
+                raise OSError(err, f"setns back from netns {netns}: {os.strerror(err)}")
+    finally:
+        os.close(home)
+
+
+def _link_xdp(prog_fd: int, ifindex: int, netns: str | None, flags: int) -> int:
+    """An XDP link of prog_fd on ifindex (in netns), in mode flags: its fd, registered so a
+    forked child closes it. The kernel never lets a link replace a program already attached,
+    nor anything replace a link (EBUSY)."""
+    lib = libbpf()
+    lib.bpf_link_create.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.POINTER(_LinkCreateOpts)]
+    opts = _LinkCreateOpts(sz=ctypes.sizeof(_LinkCreateOpts), flags=flags)
+    with _links_lock, _in_netns(netns):
+        fd = lib.bpf_link_create(prog_fd, ifindex, BPF_XDP, ctypes.byref(opts))
+        if fd < 0:
+            err = -fd                   # (libbpf 1.x returns -errno)
+            raise OSError(err, f"bpf_link_create: {os.strerror(err)}")
+        os.set_inheritable(fd, False)
+        _LINKS.add(fd)
+    return fd
+
+
+def _unlink_xdp(fd: int):
+    with _links_lock:
+        _LINKS.discard(fd)
+        os.close(fd)
+
+
+def attached_prog_id(ifname: str, netns: str | None = None) -> int | None:
+    """The id of the XDP program attached to ifname (in netns) now, whoever attached it."""
+    with _iproute(netns) as ipr:
+        found = ipr.link_lookup(ifname=ifname)
+        xdp = ipr.get_links(found[0])[0].get_attr("IFLA_XDP") if found else None
+        return (xdp.get_attr("IFLA_XDP_PROG_ID") or None) if xdp else None
+
+
+def attached_prog(ifname: str, netns: str | None = None) -> str:
+    """What is attached to ifname, for an error: "program ID (NAME)", or "" if nothing is."""
+    prog = attached_prog_id(ifname, netns)
+    if not prog:
+        return ""
+    try:
+        import subprocess
+        out = subprocess.run(["bpftool", "prog", "show", "id", str(prog)], capture_output=True, text=True,
+                             timeout=5).stdout.split()
+        name = out[out.index("name") + 1] if "name" in out else "?"
+    except (OSError, ValueError, subprocess.SubprocessError):
+        name = "?"
+    return f"program {prog} ({name})"
 
 
 class XdpAttachment:
-    """Attach prog_fd to ifname (inside netns) for the life of a with-block.
+    """Attach prog_fd to ifname (inside netns) for the life of a with-block, as a BPF link: the
+    kernel detaches it when this process ends, however it ends.
 
     mode: "native", "generic", or "auto" (native, falling back to generic);
     self.mode says which one is in use.
@@ -103,52 +197,45 @@ class XdpAttachment:
         self.prog_fd, self.ifname, self.netns, self.want = prog_fd, ifname, netns, mode
         self.mode = None
         self.ifindex = None
+        self.link_fd = None
 
     def __enter__(self):
         with _iproute(self.netns) as ipr:
             found = ipr.link_lookup(ifname=self.ifname)
-            if not found:
-                raise BpfUnavailable(f"no interface {self.ifname!r} in netns {self.netns or '(current)'}")
-            self.ifindex = found[0]
-            tries = ["native", "generic"] if self.want == "auto" else [self.want]
-            errors = []
-            for mode in tries:
-                # before the call: a signal in it, after the kernel attached, left the program
-                # attached with no mode for close() to detach in (found by review). A detach
-                # removes only our own program (XDP_FLAGS_REPLACE), so one that never attached
-                # costs nothing; before that guard, this had to come after the attach.
-                self.mode = mode
-                try:
-                    # never over another's program (an operator's filter was replaced, and
-                    # the detach then removed whatever was there)
-                    _set_xdp(ipr, self.ifindex, self.prog_fd, XDP_MODES[mode] | XDP_FLAGS_UPDATE_IF_NOEXIST)
-                except Exception as e:  # netlink error: mode unsupported on this device
-                    self.mode = None
-                    errors.append(f"{mode}: {e}")
-                    continue
-                try:
-                    got = self.attached_mode()
-                except BaseException:       # (SIGTERM's SystemExit among them) never left attached
-                    self.detach()
-                    raise
-                if got != mode:
-                    self.mode = got if got in XDP_MODES else mode   # removed in the mode it has: the
-                    self.detach()                                    # asked one's slot is empty
-                    raise BpfUnavailable(f"asked the kernel for {mode} XDP on {self.ifname}, it attached {got}")
-                return self
-        raise BpfUnavailable(f"cannot attach XDP to {self.ifname}: " + "; ".join(errors))
+        if not found:
+            raise BpfUnavailable(f"no interface {self.ifname!r} in netns {self.netns or '(current)'}")
+        self.ifindex = found[0]
+        tries = ["native", "generic"] if self.want == "auto" else [self.want]
+        errors = []
+        for mode in tries:
+            try:
+                # never over another's program: the kernel refuses a link where one is attached
+                # (an operator's filter was replaced once, and the detach then removed it)
+                self.link_fd = _link_xdp(self.prog_fd, self.ifindex, self.netns, XDP_MODES[mode])
+            except OSError as e:        # mode unsupported on this device, or a program there
+                errors.append(f"{mode}: {e}")
+                continue
+            self.mode = mode
+            try:
+                got = self.attached_mode()
+            except BaseException:       # (SIGTERM's SystemExit among them) never left attached
+                self.detach()
+                raise
+            if got != mode:
+                self.detach()
+                raise BpfUnavailable(f"asked the kernel for {mode} XDP on {self.ifname}, it attached {got}")
+            return self
+        there = attached_prog(self.ifname, self.netns)
+        raise BpfUnavailable(f"cannot attach XDP to {self.ifname}: " + "; ".join(errors)
+                             + (f". {there} is attached there: if it is a dead run's, remove it with `ip "
+                                f"{'-n ' + self.netns + ' ' if self.netns else ''}link set dev {self.ifname} "
+                                f"xdp off`" if there else ""))
 
     def detach(self):
-        """Our program off the device, in one netlink call that the kernel carries out only if it is
-        still the one attached (XDP_FLAGS_REPLACE, IFLA_XDP_EXPECTED_FD): another's put there since
-        stays (EEXIST). Before, whatever was there was removed."""
-        if self.mode is None:
-            return
-        try:
-            with _iproute(self.netns) as ipr:
-                _set_xdp(ipr, self.ifindex, -1, XDP_MODES[self.mode], expected_fd=self.prog_fd)
-        except Exception:
-            pass  # gone with its namespace, or another's program there now: not ours to remove
+        """Our link closed: the kernel takes our program, and only ours, off the device."""
+        if self.link_fd is not None:
+            _unlink_xdp(self.link_fd)
+        self.link_fd = None
         self.mode = None
 
     def __exit__(self, *exc):

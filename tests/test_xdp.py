@@ -113,3 +113,67 @@ def test_an_attach_never_replaces_another_program_and_a_detach_never_removes_one
         assert late.prog_id() is None
     finally:
         b2.cleanup()
+
+
+# a process that attaches the count program to a veth and waits to be killed (bounded: 60 s)
+ATTACHED_AND_WAITING = """
+import sys, time
+from datapath.xdp import XdpAttachment, load_xdp
+b, fn = load_xdp("count.bpf.c", "xdp_count")
+with XdpAttachment(fn.fd, sys.argv[1], sys.argv[2], "native") as att:
+    print(att.prog_id(), flush=True)
+    time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGHUP"])
+def test_a_process_killed_however_it_dies_leaves_no_program_attached(topology, sig):
+    """The attachment was a netlink one, which outlives its process: a SIGKILL, a SIGHUP (a closed
+    terminal), an OOM kill left the program on the device, dropping every request to its port with
+    nothing reading the rings, and the next run could not attach (found by review). It is a BPF
+    link now, held by the process's fd alone: the kernel detaches it as the process ends."""
+    import signal
+    import subprocess
+    import sys
+    from datapath.xdp import attached_prog_id
+    ifname, ns = topology.host_if[0], topology.host_ns
+    proc = subprocess.Popen([sys.executable, "-c", ATTACHED_AND_WAITING, ifname, ns], stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        line = proc.stdout.readline().strip()
+        assert line.isdigit(), line
+        assert attached_prog_id(ifname, ns) == int(line)
+        proc.send_signal(getattr(signal, sig))
+        proc.wait(20)
+        deadline = time.monotonic() + 5       # (the kernel releases the link as the fd table goes)
+        while attached_prog_id(ifname, ns) is not None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert attached_prog_id(ifname, ns) is None, f"left attached after {sig}"
+    finally:
+        proc.kill()
+        proc.wait(20)
+        proc.stdout.close()
+
+
+def test_a_forked_child_does_not_keep_the_program_attached(topology, xdp_program):
+    """A child forked while the program is attached (the pipeline forks its workers, the load
+    generator) held a copy of the link's fd, so the parent's detach left the program there until
+    every child had exited: children close their copies as they start."""
+    b, fn, att = xdp_program("count.bpf.c", "xdp_count", topology.host_if[0], topology.host_ns, mode="native")
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:                                   # the child: waits for the parent's word, then exits
+        try:
+            os.close(w)
+            os.read(r, 1)
+        finally:
+            os._exit(0)
+    os.close(r)
+    try:
+        att.detach()
+        assert att.prog_id() is None, "the child's copy kept it attached"
+    finally:
+        os.write(w, b"x")
+        os.close(w)
+        os.waitpid(pid, 0)
+
