@@ -643,6 +643,8 @@ class Pipeline:
                                                  # or at teardown (a kill_worker racing the replacement
                                                  # must not find the number reused)
         self._store_endpoint = None      # the shared store server's, when shared_store is given
+        self._store_proc = None          # its process, the current one (it is started again if it dies)
+        self.store_restarts: list[dict] = []   # each death of the store server: exitcode, t_exit, t_up
         self.traces: list = []
         self._untraced_said = 0
         self._building = ""              # the build's stage, named on an error that does not say it
@@ -815,7 +817,8 @@ class Pipeline:
             self.router.set_tenant(tenant, policy)
 
     def _start_store_server(self, path: str):
-        """The store's own process (snapshotstore.server); returns the workers' store factory."""
+        """The store's own process (snapshotstore.server); returns the workers' store factory. The
+        worker watcher restarts it on the same image and endpoint if it dies (_restart_store)."""
         import functools
         import shutil
         import tempfile
@@ -823,27 +826,67 @@ class Pipeline:
             sockdir = tempfile.mkdtemp(prefix=f"zl-{self.tag}-")     # topology.sweep_stale knows the name
             self._stack.callback(shutil.rmtree, sockdir, ignore_errors=True)
         endpoint = f"ipc://{sockdir}/store"
-        stop, ready = SharedFlag(), SharedFlag()
-        server = ctx.Process(target=_store_main, args=(path, endpoint, stop, ready, os.getpid()), name="store",
-                             daemon=True)
+        self._store_path, self._store_stop = path, SharedFlag()
+        self._store_proc = None
 
         def halt():
-            stop.set()
-            if server.pid is None:
+            self._store_stop.set()
+            server = self._store_proc
+            if server is None or server.pid is None:
                 return                    # interrupted before it started
             server.join(10)
             if server.is_alive():
                 server.kill()
                 server.join(5)
         self._stack.callback(halt)
-        server.start()
         self._store_endpoint = endpoint
+        self._store_server_start()
+        return functools.partial(_remote_store, endpoint)
+
+    def _store_server_start(self):
+        """A store server process on the image and endpoint, serving once this returns."""
+        ready = SharedFlag()
+        server = ctx.Process(target=_store_main, name="store", daemon=True,
+                             args=(self._store_path, self._store_endpoint, self._store_stop, ready, os.getpid()))
+        self._store_proc = server
+        server.start()
+        self._store_started = time.monotonic()
         deadline = time.monotonic() + 30
         while not ready.is_set():
             time.sleep(0.01)
             if not server.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"the snapshot store server on {path} did not start (see its message above)")
-        return functools.partial(_remote_store, endpoint)
+                raise RuntimeError(f"the snapshot store server on {self._store_path} did not start "
+                                   f"(see its message above)")
+
+    def _restart_store(self, quick: list):
+        """The shared store server died (a crash, the OOM killer, a SIGKILL): every worker's store
+        call then timed out and every request was answered 503 for good, nothing said (found by
+        review). It is started again on the same image, whose log it recovers, and endpoint, which
+        the workers' sockets reconnect to: a call in flight at the death times out (RemoteStore,
+        5 s), the next ones are served. worker_respawns times in a row at most, counting deaths
+        within CRASH_LOOP_S of starting, as for workers."""
+        dead = self._store_proc
+        t_exit = time.monotonic()
+        quick[0] = 0 if t_exit - self._store_started >= CRASH_LOOP_S else quick[0] + 1
+        event = {"exitcode": dead.exitcode, "t_exit": t_exit, "t_up": None}
+        self.store_restarts.append(event)
+        if quick[0] > self.cfg.worker_respawns:
+            print(f"pipeline: the snapshot store server exited (code {dead.exitcode}) {quick[0]} times in a row "
+                  f"within {CRASH_LOOP_S:g} s of starting: not started again; every store call fails",
+                  file=sys.stderr, flush=True)
+            self._store_proc = None
+            return
+        print(f"pipeline: the snapshot store server exited (code {dead.exitcode}): starting it again on "
+              f"{self._store_path}", file=sys.stderr, flush=True)
+        try:
+            self._store_server_start()
+        except Exception as e:
+            print(f"pipeline: the snapshot store server could not be started again ({e}): every store call "
+                  f"fails", file=sys.stderr, flush=True)
+            return
+        event["t_up"] = time.monotonic()
+        print(f"pipeline: the snapshot store server is up again (pid {self._store_proc.pid})",
+              file=sys.stderr, flush=True)
 
     def _await_ready(self, timeout_s: float = START_TIMEOUT_S):
         """Until every worker serves its lane: one that exits first fails the build, in one sentence."""
@@ -919,6 +962,7 @@ class Pipeline:
         # wait after a failed fork
         heir_due: list = [None if self._heir is not None or not self.cfg.worker_respawns else time.monotonic()]
         heir_backoff = [1.0]
+        store_quick = [0]                                      # store server deaths in a row soon after start
 
         def hung(k: int, seen: dict) -> bool:
             st = self.router.worker_stats(k)
@@ -1107,9 +1151,13 @@ class Pipeline:
                 if heir_due[0] is not None:
                     timeout = max(0.0, min(heir_due[0] - time.monotonic(), timeout or math.inf))
                 heir = [self._heir.conn] if self._heir is not None else []
-                ready = wait([self._spawner.conn, wake_r, *heir], timeout=timeout)
+                store = [self._store_proc.sentinel] if self._store_proc is not None else []
+                ready = wait([self._spawner.conn, wake_r, *heir, *store], timeout=timeout)
                 if wake_r in ready:
                     return False                   # teardown: the workers are being stopped
+            if (self._store_proc is not None and self._store_proc.exitcode is not None
+                    and not stopping.is_set() and not self._store_stop.is_set()):
+                self._restart_store(store_quick)
             if self._heir is not None and self._heir.conn.poll(0) and not stopping.is_set():
                 heir_lost()
             if self._heir is None and heir_due[0] is not None and time.monotonic() >= heir_due[0]:

@@ -105,6 +105,31 @@ def test_a_stopped_worker_is_stalled_and_its_new_requests_go_to_the_others_until
 
 @pytest.mark.root
 @pytest.mark.bpf
+def test_a_store_server_that_dies_is_started_again_and_the_sessions_go_on():
+    """The shared store server killed: every worker's store call timed out and every request was
+    answered 503 for good, nothing said (found by review). The watcher starts it again on the same
+    image (its log recovered) and endpoint, which the workers reconnect to."""
+    with fresh_store() as store, Pipeline(_config(workers=2, shared_store=store, policy="round_robin")) as p:
+        r = p.offer(20, 40, sessions=10)                  # round robin: sessions restored across workers
+        assert r["by_status"] == {200: 40}, r["by_status"]
+        before = p.store_stats()
+        dead = p._store_proc.pid
+        os.kill(dead, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while not (p.store_restarts and p.store_restarts[0]["t_up"]):
+            assert time.monotonic() < deadline, p.store_restarts
+            time.sleep(0.05)
+        assert p._store_proc.pid != dead and p.store_restarts[0]["exitcode"] == -signal.SIGKILL
+        time.sleep(0.5)                                   # (the workers' sockets reconnect: 100 ms)
+        r = p.offer(20, 40, sessions=10)                  # 10 new sessions, stored by the new server
+        assert r["by_status"] == {200: 40}, r["by_status"]
+        st = p.store_stats()                              # (a fresh server's counters: from its start)
+    assert before["sessions"] == 10 and before["puts"] > 0
+    assert st["puts"] > 0 and st["sessions"] == 20, st   # the first 10 recovered from its log
+
+
+@pytest.mark.root
+@pytest.mark.bpf
 @pytest.mark.parametrize("hold_s", [2.0, 0.0])
 def test_with_its_only_worker_killed_requests_wait_for_the_replacement_not_503(hold_s):
     """A pipeline of one worker answered 503 to what its dead worker held and to each request
