@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import math
+import numbers
 import os
 
 from ._dataplane import ffi, lib
@@ -15,6 +16,11 @@ from .ring import Ring
 
 BATCHING = {"dynamic": lib.DP_BATCH_DYNAMIC, "static": lib.DP_BATCH_STATIC}
 MAX_POOLS = lib.DP_MAX_POOLS
+
+
+def _check_pool(pool):
+    if isinstance(pool, bool) or not isinstance(pool, numbers.Integral) or not 0 <= pool < MAX_POOLS:
+        raise ValueError(f"pool must be 0..{MAX_POOLS - 1}, not {pool!r}")
 
 
 def policies() -> list[str]:
@@ -149,6 +155,7 @@ class Router:
         _check(lib.dp_router_watch_cuts(self._rt, map_fd, buckets_fd, others_fd), f"cuts map fd {map_fd}")
 
     def add_worker(self, lane: Ring, done: Ring, weight: int = 1, pool: int = 0) -> int:
+        _check_pool(pool)        # before: a worker added, then its pool refused, served requests in pool 0
         lane.act("producer")
         done.act("consumer")
         k = _check(lib.dp_router_add_worker(self._rt, lane.ptr, done.ptr, weight),
@@ -163,6 +170,7 @@ class Router:
         """A worker behind ZeroMQ (lanes.ZmqWorkerLane bound at endpoint: tcp://host:port or ipc://path)."""
         from snapshotstore.server import check_endpoint
         check_endpoint(endpoint)   # (ZeroMQ took port 99999 as 34463, and port 0: found by review)
+        _check_pool(pool)
         k = _check(lib.dp_router_add_zmq_worker(self._rt, endpoint.encode(), weight), f"zmq worker at {endpoint}")
         self.n_workers += 1
         if pool:

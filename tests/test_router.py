@@ -1810,6 +1810,25 @@ def test_a_worker_stalled_alone_is_hidden_once_another_comes_up_and_its_queue_mo
     answer(b, 0, held)
 
 
+@pytest.mark.parametrize("pool", [7, -1, 1.5, True])
+def test_a_worker_added_to_a_pool_that_cannot_be_is_not_added(pool):
+    """The worker was added, then its pool refused: the caller saw an error, and the router served
+    requests on that worker in pool 0 (found by review). Now refused before anything is added."""
+    tag = f"zl-pool-{os.getpid()}"
+    lane, done = lanes.create_shm_lane(tag)
+    r = Router()
+    try:
+        with pytest.raises(ValueError, match="pool must be 0..3"):
+            r.add_worker(lane, done, pool=pool)
+        with pytest.raises(ValueError, match="pool must be 0..3"):
+            r.add_zmq_worker("ipc:///tmp/zl-pool-nobody", pool=pool)
+        assert r.n_workers == 0 and r.pool_stats(0)["workers"] == 0
+    finally:
+        r.close()
+        lane.close(), done.close()
+        lanes.unlink_shm_lane(tag)
+
+
 def test_a_stalled_worker_s_queue_takes_no_room_from_its_pool(bench_factory):
     """A pool has room while the depth of its workers up is under room x those workers: counted whole,
     a stalled worker's two chunks filled a pool of room 2 a worker, and every new request went to
