@@ -142,11 +142,14 @@ def ours() -> list[str]:
 
 def _leftovers() -> list:
     """What a run leaves if SIGKILLed, as (name pattern with its pid, directory): a pipeline's rings
-    and lanes (datapath.pipeline, tag pl<pid>-<seq>), its store server's socket directory, and
-    bench e2e's store images (bench.e2e.fresh_store)."""
+    and lanes (datapath.pipeline, tag pl<pid>-<seq>), its store server's socket directory and its
+    zmq lanes' (lane="zmq"), `datapath worker --demo`'s rings, and bench e2e's store images
+    (bench.e2e.fresh_store)."""
     from snapshotstore.device import state_dir
     return [(re.compile(r"^dp-pl(\d+)-\d+\."), "/dev/shm"),
+            (re.compile(r"^dp-zl-demo-(\d+)\."), "/dev/shm"),
             (re.compile(r"^zl-pl(\d+)-\d+-"), tempfile.gettempdir()),
+            (re.compile(r"^pl(\d+)-\d+\."), tempfile.gettempdir()),
             (re.compile(r"^e2e-store-(\d+)-"), state_dir())]
 
 

@@ -120,6 +120,9 @@ def test_sweep_removes_what_a_killed_run_left():
         ring = f"/dev/shm/dp-pl{proc.pid}-1.out"
         open(ring, "w").close()
         sockdir = tempfile.mkdtemp(prefix=f"zl-pl{proc.pid}-1-")
+        zmq_dir = tempfile.mkdtemp(prefix=f"pl{proc.pid}-1.")         # its zmq lanes' (lane="zmq")
+        demo_ring = f"/dev/shm/dp-zl-demo-{proc.pid}.in"               # datapath worker --demo's
+        open(demo_ring, "w").close()
         os.makedirs(state_dir(), exist_ok=True)
         image_dir = tempfile.mkdtemp(prefix=f"e2e-store-{proc.pid}-", dir=state_dir())   # bench e2e's
         live_ring = f"/dev/shm/dp-pl{os.getpid()}-999.out"
@@ -133,6 +136,7 @@ def test_sweep_removes_what_a_killed_run_left():
             assert not set(mine.namespaces()) & set(removed)
             assert set(mine.namespaces()) <= set(topology.ours())
             assert not os.path.exists(ring) and not os.path.exists(sockdir) and not os.path.exists(image_dir)
+            assert not os.path.exists(zmq_dir) and not os.path.exists(demo_ring)
             assert os.path.exists(live_ring)
         finally:
             mine.close()

@@ -224,11 +224,13 @@ def worker(args) -> int:
                          codec=args.codec, temperature=args.temperature, device=args.device, sim_mode=args.sim,
                          slowdown=args.slowdown)
     if args.demo is not None:
+        from ..ingress import SigtermExit, Terminated
+        SigtermExit.install()         # SIGTERM unwinds too: its default left the demo's rings in /dev/shm
         try:
             return _demo(opts, args)
-        except KeyboardInterrupt:     # (the demo's rings are gone: its finally)
+        except (KeyboardInterrupt, Terminated) as e:     # (the demo's rings are gone: its finally)
             print("datapath worker: interrupted", file=sys.stderr)
-            return 130
+            return e.code if isinstance(e, Terminated) else 130
     spec = ("shm", args.lane) if args.lane else ("zmq", args.zmq)
     store = None
     if args.store:
@@ -250,12 +252,13 @@ def worker(args) -> int:
             print(f"datapath worker: --store: {e}", file=sys.stderr)
             return 1
         store = WorkerStore(remote, secret)
-    print(f"worker {args.index}: {spec[0]} lane {spec[1]}, codec {args.codec}"
-          + (f", simulating {args.device} ({args.sim})" if args.device else "")
-          + (f", slowed {args.slowdown:g}x" if args.slowdown > 1 else "")
-          + (f"; snapshot store at {args.store}" if store else
-             "; no snapshot store attached: sessions stay resident (over the KV budget, new ones are refused "
-             "503), and one moved here from another worker runs on what this one holds of it"), flush=True)
+    # said once the lane is attached or bound: before, a lane with a typo read as started, then failed
+    banner = (f"worker {args.index}: {spec[0]} lane {spec[1]}, codec {args.codec}"
+              + (f", simulating {args.device} ({args.sim})" if args.device else "")
+              + (f", slowed {args.slowdown:g}x" if args.slowdown > 1 else "")
+              + (f"; snapshot store at {args.store}" if store else
+                 "; no snapshot store attached: sessions stay resident (over the KV budget, new ones are "
+                 "refused 503), and one moved here from another worker runs on what this one holds of it"))
     # Ctrl-C and SIGTERM set a flag the serving loop reads between its 50 ms waits. As a
     # KeyboardInterrupt, about one SIGINT in 60 was lost here (caught, nothing pending, the worker
     # serving on: seen by hand and in the suite, session 22); where it went was not found. A list,
@@ -264,7 +267,7 @@ def worker(args) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.__setitem__(0, True))
     try:
-        worker_process(spec, store, opts, lambda: stop[0])
+        worker_process(spec, store, opts, lambda: stop[0], serving=lambda: print(banner, flush=True))
     except (OSError, RingError) as e:  # no such ring, or an endpoint that cannot be bound
         print(f"datapath worker: {e}", file=sys.stderr)
         return 1
@@ -276,6 +279,7 @@ def _demo(opts, args) -> int:
     import os
 
     from .. import lanes, records, wire
+    from ..ingress import Terminated
     from ..lanes import ShmWorkerLane
     from ..ring import Ring, unlink
     from ..router import Router
@@ -309,7 +313,7 @@ def _demo(opts, args) -> int:
             if inp.enqueue(recs.tobytes()) != len(recs):
                 raise RuntimeError("the demo's input ring is full")   # sized above: cannot happen
         router.start()
-        got, interrupted = [], False
+        got, interrupted = [], 0
         deadline = time.monotonic() + 600
         try:
             with one_blas_thread():
@@ -321,7 +325,9 @@ def _demo(opts, args) -> int:
                             time.sleep(1e-4)
                     got += list(np.frombuffer(egress.dequeue(256), dtype=records.RESPONSE))
         except KeyboardInterrupt:     # Ctrl-C: what was answered, then the code a shell expects
-            interrupted = True
+            interrupted = 130
+        except Terminated as e:       # SIGTERM (SigtermExit): the same, with its code
+            interrupted = e.code
         router.stop()
     finally:
         router.close()
@@ -340,5 +346,5 @@ def _demo(opts, args) -> int:
           + (f", {st['simulated_s']:.3f} s simulated on {opts.device}" if opts.device else ""))
     if interrupted:
         print(f"datapath worker: interrupted, {len(got)} of {args.demo} requests answered", file=sys.stderr)
-        return 130
+        return interrupted
     return 0 if len(got) == args.demo else 1

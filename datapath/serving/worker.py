@@ -762,17 +762,20 @@ def one_blas_thread():
 
 
 def worker_process(lane_spec: tuple, store: SnapshotStore | None, options: WorkerOptions,
-                   stop: Callable[[], bool] = lambda: False):
+                   stop: Callable[[], bool] = lambda: False, serving: Callable[[], None] | None = None):
     """Entry point of a worker process (multiprocessing target, and `datapath worker`).
 
     lane_spec: ("shm", name) to attach a lane the router created, or ("zmq", endpoint) to bind
-    one the router connects to. stop() says when to stop (an Event's is_set, a signal's flag).
+    one the router connects to. stop() says when to stop (an Event's is_set, a signal's flag);
+    serving(), if given, is called once the lane is attached, before the first batch.
     """
     from ..lanes import ShmWorkerLane, ZmqWorkerLane
     worker = options.build(store)
     kind, where = lane_spec
     lane = ShmWorkerLane(where) if kind == "shm" else ZmqWorkerLane(where)
     try:
+        if serving is not None:
+            serving()
         with one_blas_thread():
             serve(worker, lane, stop)
     finally:
