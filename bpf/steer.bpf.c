@@ -9,7 +9,8 @@
  * queue's ring buffer with an XDP stamp, then the packet is dropped: the
  * consumer has everything.
  * A record over its tenant's token bucket (a chunk, an OPEN or a COUNT_TOKENS:
- * each costs its tokens, one at least; a CLOSE is free), or over the bucket the
+ * each costs its tokens, one at least; a CLOSE one token, with a burst more of
+ * room), or over the bucket the
  * tenants without one share, never reaches user space: the packet is rewritten in place into a 429 response and sent back
  * (XDP_TX);
  * a valid request over IPv6 is answered 400 the same way (responses go to
@@ -185,14 +186,15 @@ static __always_inline __u64 gcra_tat(struct dp_bucket *b, __u64 old, __u32 n, _
     return (old > now ? old : now) + n * b->ns_per_token;
 }
 
-/* GCRA, looked at: would n tokens fit now? (Refused here, a record is never reserved for them.) */
-static __always_inline int has_room(struct dp_bucket *b, __u32 n, __u64 now)
+/* GCRA, looked at: would n tokens fit now, slack ns past the burst? (Refused here, a record is
+ * never reserved for them.) */
+static __always_inline int has_room(struct dp_bucket *b, __u32 n, __u64 now, __u64 slack)
 {
-    return gcra_tat(b, b->tat, n, now) <= now + b->burst_ns;
+    return gcra_tat(b, b->tat, n, now) <= now + b->burst_ns + slack;
 }
 
-/* GCRA: admit n tokens if the bucket has room, and charge them. */
-static __always_inline int over_limit(struct dp_bucket *b, __u32 n, __u64 now)
+/* GCRA: admit n tokens if the bucket has room (slack ns past the burst), and charge them. */
+static __always_inline int over_limit(struct dp_bucket *b, __u32 n, __u64 now, __u64 slack)
 {
     __u64 tat;
 
@@ -203,7 +205,7 @@ static __always_inline int over_limit(struct dp_bucket *b, __u32 n, __u64 now)
     for (int i = 0; i < 4; i++) {
         __u64 old = b->tat;
         tat = gcra_tat(b, old, n, now);
-        if (tat > now + b->burst_ns)
+        if (tat > now + b->burst_ns + slack)
             return 1;
         if (__sync_val_compare_and_swap(&b->tat, old, tat) == old)
             return 0;
@@ -372,7 +374,7 @@ int xdp_steer(struct xdp_md *ctx)
     struct dp_policy *pol;
     struct dp_bucket *b = NULL;
     struct dp_cut_key ck;        /* (set, and read, only with limits) */
-    __u64 now, *cnt;
+    __u64 now, slack = 0, *cnt;
 
     proto = parse_ethhdr(&c, data_end, &eth);
     if (proto == bpf_htons(ETH_P_IP)) {
@@ -502,10 +504,8 @@ int xdp_steer(struct xdp_md *ctx)
     }
     if (limits) {
         __u32 tenant = req->tenant;
-        /* a CLOSE is free: it frees what the session holds, and refused it would leave that
-         * held; it draws no body */
-        b = kind != DP_KIND_CLOSE ? buckets.lookup(&tenant) : NULL;
-        if (!b && kind != DP_KIND_CLOSE) {
+        b = buckets.lookup(&tenant);
+        if (!b) {
             /* a tenant without a bucket of its own shares the others' bucket, if one is set: made
              * up, a tenant id was a way past every limit here */
             b = others_bucket.lookup(&zero);
@@ -528,7 +528,11 @@ int xdp_steer(struct xdp_md *ctx)
          * answer with a body, and free they let a sender past its rate (reflected, with a
          * forged source) */
         cost = n ? n : 1;
-        if (b && !has_room(b, cost, now))
+        /* a CLOSE costs its one token too, and has a burst more of room: a tenant over its rate
+         * can still free what its sessions hold, but cannot flood the rings with CLOSEs (free, a
+         * throttled tenant's filled a ring another tenant's chunks then missed: found by review) */
+        slack = b && kind == DP_KIND_CLOSE ? b->burst_ns : 0;
+        if (b && !has_room(b, cost, now, slack))
             goto over;
     }
 
@@ -538,7 +542,7 @@ int xdp_steer(struct xdp_md *ctx)
         return drop(truncated ? DP_DROP_TRUNCATED : DP_DROP_RING_FULL);
     /* charged only once it has its record: a chunk the full ring drops costs the tenant nothing
      * (it was charged and then dropped, its tokens spent on nothing) */
-    if (b && over_limit(b, cost, now)) {
+    if (b && over_limit(b, cost, now, slack)) {
         ring0.ringbuf_discard(rec, BPF_RB_NO_WAKEUP);   /* (another CPU took the room meanwhile) */
         goto over;
     }

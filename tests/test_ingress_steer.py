@@ -65,6 +65,13 @@ def limited(ig):  # an empty bucket: 1 token a minute, burst of one chunk, alrea
     assert prog_test_run(ig.fn.fd, frame(req(tokens=tuple(range(128)))))[0] == XDP_DROP
 
 
+def closes_spent(ig):  # the bucket spent, then the burst more of room CLOSEs have (128 of one token)
+    limited(ig)
+    close, queued = frame(req(tokens=(), kind=wire.KIND_CLOSE)), ig.counters()["queued"]
+    assert all(prog_test_run(ig.fn.fd, close)[0] == XDP_DROP for _ in range(128))
+    assert ig.counters()["queued"] - queued == 128
+
+
 def local_only(ig):  # the service's address named: datagrams to others are transit traffic
     ig.accept_only(["198.18.0.1"])
 
@@ -219,7 +226,8 @@ CASES = [
     # over the tenant's budget: answered from XDP
     case("over the token bucket, ipv4", VALID, XDP_TX, "drop_rate_limited", setup=limited),
     # OPEN and COUNT_TOKENS cost their tokens too, one at least: free, each drew an answer with a
-    # body; a CLOSE stays free (refused, the session would stay held)
+    # body; a CLOSE costs one token, with a burst more of room (refused, the session would stay
+    # held; free, a throttled tenant's CLOSEs filled a ring others needed: found by review)
     case("open, over the token bucket", frame(req(tokens=(), kind=wire.KIND_OPEN, chunk_count=3)), XDP_TX,
          "drop_rate_limited", setup=limited),
     # ... but a one-chunk request's OPEN draws none: its chunk gets the request's one answer
@@ -227,6 +235,8 @@ CASES = [
          XDP_DROP, "drop_rate_limited_silent", setup=limited),
     case("close, over the token bucket", frame(req(tokens=(), kind=wire.KIND_CLOSE)), XDP_DROP, "queued", HASHED,
          limited),
+    case("close, a burst past the token bucket", frame(req(tokens=(), kind=wire.KIND_CLOSE)), XDP_TX,
+         "drop_rate_limited", setup=closes_spent),
     case("count_tokens, over the token bucket", frame(req(kind=wire.KIND_COUNT_TOKENS)), XDP_TX,
          "drop_rate_limited", setup=limited),
     # a tenant without a bucket shares the others' bucket when one is set (a made-up tenant id was
