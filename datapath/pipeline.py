@@ -401,6 +401,8 @@ class WorkerProcess:
         self.killed = False                          # by the watcher: a hang, or no start in time
         self.replacing: dict | None = None           # its entry in Pipeline.worker_replacements
         self.exitcode: int | None = None             # set by the watcher once it has exited
+        self.gone = False                            # its pidfd read exited: marked down (before its
+                                                     # spawner reports the exit, which it may not yet)
         self.t_retired: float | None = None          # when a replacement took its place
 
     @property
@@ -1018,7 +1020,7 @@ class Pipeline:
                 return None                        # a replaced process's
             w = self.workers[k]
             if kind == "ready":                    # (the first workers' were the build's)
-                if w.exitcode is not None:
+                if w.exitcode is not None or w.gone:
                     return None                    # (the spawner drops it; belt and braces)
                 t_ready = time.monotonic()
                 self.router.set_up(k, True)        # (what waited for a worker goes to k)
@@ -1027,8 +1029,9 @@ class Pipeline:
                       f"up again", file=sys.stderr, flush=True)
                 unhold_unless_coming()
                 return None
-            hold()                                 # (first: the router parks what k held)
-            self.router.set_up(k, False)
+            if not w.gone:                         # (else marked down already, by its pidfd)
+                hold()                             # (first: the router parks what k held)
+                self.router.set_up(k, False)
             w.exitcode = rest[0]                   # after: kill_worker waits for it
             self.worker_exits.append((k, w.exitcode))
             print(f"pipeline: worker {k} exited (code {w.exitcode}): marked down, its unfinished requests "
@@ -1152,12 +1155,23 @@ class Pipeline:
                     timeout = max(0.0, min(heir_due[0] - time.monotonic(), timeout or math.inf))
                 heir = [self._heir.conn] if self._heir is not None else []
                 store = [self._store_proc.sentinel] if self._store_proc is not None else []
-                ready = wait([self._spawner.conn, wake_r, *heir, *store], timeout=timeout)
+                alive = [w.pidfd for w in self.workers if w.pidfd >= 0 and w.exitcode is None and not w.gone]
+                ready = wait([self._spawner.conn, wake_r, *heir, *store, *alive], timeout=timeout)
                 if wake_r in ready:
                     return False                   # teardown: the workers are being stopped
             if (self._store_proc is not None and self._store_proc.exitcode is not None
                     and not stopping.is_set() and not self._store_stop.is_set()):
                 self._restart_store(store_quick)
+            # a worker whose process is gone is marked down at once, by its pidfd: its death came
+            # only as the spawner's report, and a spawner stopped or slow (a SIGSTOP, a host that
+            # does not schedule it) left it up, what it held unanswered meanwhile (found by review).
+            # Its replacement still waits for that report (the spawner reaps it and forks anew).
+            for k, w in enumerate(self.workers):
+                if (w.pidfd >= 0 and w.exitcode is None and not w.gone and not stopping.is_set()
+                        and _pidfd_exited(w.pidfd, 0)):
+                    w.gone = True
+                    hold()                         # (first: the router parks what k held)
+                    self.router.set_up(k, False)
             if self._heir is not None and self._heir.conn.poll(0) and not stopping.is_set():
                 heir_lost()
             if self._heir is None and heir_due[0] is not None and time.monotonic() >= heir_due[0]:

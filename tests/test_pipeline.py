@@ -105,6 +105,32 @@ def test_a_stopped_worker_is_stalled_and_its_new_requests_go_to_the_others_until
 
 @pytest.mark.root
 @pytest.mark.bpf
+def test_a_dead_worker_is_marked_down_by_its_pidfd_while_its_spawner_is_stopped():
+    """A worker's death came only as its spawner's report: with the spawner stopped (SIGSTOP, a
+    host not scheduling it), the dead worker stayed up, and what it held waited until the spawner
+    ran again (found by review: 33 s). Its pidfd now marks it down at once; the replacement
+    waits for the spawner."""
+    with fresh_store() as store, Pipeline(_config(workers=2, shared_store=store)) as p:
+        p.offer(10, 10, sessions=10)
+        os.kill(p._spawner.pid, signal.SIGSTOP)
+        try:
+            r = offer_with(p, lambda: signal.pidfd_send_signal(p.workers[1].pidfd, signal.SIGKILL), 0.5, 20,
+                           sessions=20)
+            down_while_stopped = p.router.worker_stats(1)["up"] == 0
+            assert p.worker_exits == [], "the spawner, stopped, reported nothing"
+        finally:
+            os.kill(p._spawner.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        while not (p.worker_replacements and p.worker_replacements[0]["t_up"]):
+            assert time.monotonic() < deadline, p.worker_replacements
+            time.sleep(0.05)
+        assert p.worker_exits == [(1, -signal.SIGKILL)] and p.worker_hangs == []
+    assert down_while_stopped
+    assert r["requests"] == 20 and r["by_status"] == {200: 20}, r["by_status"]
+
+
+@pytest.mark.root
+@pytest.mark.bpf
 def test_a_store_server_that_dies_is_started_again_and_the_sessions_go_on():
     """The shared store server killed: every worker's store call timed out and every request was
     answered 503 for good, nothing said (found by review). The watcher starts it again on the same
