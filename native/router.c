@@ -160,6 +160,8 @@ struct pool {
     uint16_t member[DP_MAX_WORKERS];    /* view index -> worker index */
     uint32_t price, room;
     uint64_t requests, spilled;
+    uint32_t promised;                  /* chunks still to come of the requests placed here (their
+                                         * OPENs, their first chunks came): counted in its room */
 };
 
 struct last_run {               /* the worker a session's latest request went to */
@@ -509,7 +511,9 @@ static int choose_pool(const struct dp_router *rt, int spill, int *spilled)
             continue;
         /* (total_depth leaves a hidden worker's queue out, depth_add: counted, a stalled worker's
          * two chunks filled a pool of room 2 a worker, and new requests went to a dearer pool) */
-        int room = !pl->room || pl->view.total_depth < (uint64_t)pl->room * up;
+        /* with the chunks still to come of the requests placed here: a burst of OPENs (no chunk
+         * queued yet) all went to the cheapest pool, 6x its room, the next one idle (review) */
+        int room = !pl->room || pl->view.total_depth + pl->promised < (uint64_t)pl->room * up;
         if (healthy < 0)
             healthy = p;
         else if (secondary < 0)
@@ -550,6 +554,17 @@ static int pick_worker(struct dp_router *rt, const struct dp_request *rq, int sp
     pl->requests++;
     pl->spilled += (uint64_t)*spilled;
     return rt->st.kv_homes ? kv_home(rt, rq->session, rq->tenant, pl->member[k], p) : pl->member[k];
+}
+
+/* r placed in another pool than `from` (a failover, a stall, its session's home): its chunks still
+ * to come count in its new pool's room, not the old one's. */
+static void pool_moved(struct dp_router *rt, const struct req *r, uint16_t from)
+{
+    uint32_t missing = (uint32_t)(r->chunk_count - r->received);
+    if (r->pool != from && missing) {
+        rt->pools[from].promised -= missing;
+        rt->pools[r->pool].promised += missing;
+    }
 }
 
 /* Request r's prompt at most: the tokens come, 128 for each chunk still to come. */
@@ -1185,7 +1200,9 @@ static void not_run(struct dp_router *rt, const struct req *r)
         if (home < 0 && r->was_on >= 0 && rt->view.up[r->was_on])
             home = r->was_on;
         if (home >= 0 && home != r->worker) {
+            uint16_t from = rt->reqs[ci].pool;
             rt->reqs[ci].pool = rt->w[home].pool;
+            pool_moved(rt, &rt->reqs[ci], from);
             rt->pools[rt->reqs[ci].pool].requests++;
             move_unrun(rt, ci, home);
         }
@@ -1234,6 +1251,7 @@ static void finish(struct dp_router *rt, uint32_t ri)
     int theirs = r->status != DP_STATUS_UNAVAILABLE || r->why == WHY_REPLAY_DIED;
     dp_adm_settle(rt->adm, r->tenant, &r->adm, theirs ? r->tokens_in : 0, theirs ? r->generated : 0, r->status == 0);
     rt->reserved -= r->chunk_count - r->received;   /* a failed request's missing chunks need no room now */
+    rt->pools[r->pool].promised -= r->chunk_count - r->received;
     arriving_done(rt, r);
     r->received = r->chunk_count;
     free_list(rt, r->sent_head);        /* no replay needed any more */
@@ -1482,6 +1500,7 @@ static int admit(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, uin
     rt->st.admitted++;
     rt->st.to_secondary += (uint64_t)spilled;
     rt->reserved += c->chunk_count;     /* each chunk takes one back as it comes */
+    rt->pools[pool].promised += c->chunk_count;
     struct req *r = req_init(rt, ri, c, key, t, wk, pool);
     if (parks)
         park(rt, r, 0, PARK_NEW, WHY_NO_WORKER);
@@ -1720,6 +1739,7 @@ static int ingest(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, in
         rt->unpriced_chunk = p;
     }
     rt->reserved--;                      /* a promised chunk has come */
+    rt->pools[r->pool].promised--;
     if (r->received + 1 == r->chunk_count && !r->held)
         arriving_done(rt, r);            /* (a held one stays in its tenant's share until it runs) */
     r->received++;
@@ -2137,7 +2157,9 @@ static int stall_move(struct dp_router *rt, uint32_t ri, int k)
         }
         return 0;
     }
+    uint16_t from = r->pool;
     r->pool = pool;
+    pool_moved(rt, r, from);
     move_unrun(rt, ri, nk);
     rt->st.stall_moved++;
     /* Every later request of the session is flagged moved, so its worker asks the store: its flag
@@ -2152,7 +2174,9 @@ static int stall_move(struct dp_router *rt, uint32_t ri, int k)
         struct req *q = &rt->reqs[n];
         follow = follow && q->worker == (int16_t)k && !q->t_worker && q->state == REQ_PREFILL && !q->inflight;
         if (follow) {
+            uint16_t from_q = q->pool;
             q->pool = pool;
+            pool_moved(rt, q, from_q);
             rt->pools[pool].requests++;
             move_unrun(rt, n, nk);
             rt->st.stall_moved++;
@@ -2651,6 +2675,7 @@ static uint32_t expire_stalled(struct dp_router *rt)
         r->status = DP_STATUS_BAD_REQUEST;
         policy_done(rt, r);
         rt->reserved -= r->chunk_count - r->received;
+        rt->pools[r->pool].promised -= r->chunk_count - r->received;
         arriving_done(rt, r);
         if (cut) {
             rt->st.xdp_cut++;
@@ -2759,6 +2784,7 @@ static void place_again(struct dp_router *rt, int k)
                                  r->chunk_count, pass_clock(rt) };
         uint64_t sk = session_key(rt, r->tenant, r->session_id);
         int nk = -1, spilled = 0;
+        uint16_t from = r->pool;
         if (!(r->replayed && ran)) {
             /* (a new CLOSE goes where its session is, as close_session sends it) */
             nk = pass || (how == PARK_NEW && r->close)
@@ -2769,6 +2795,7 @@ static void place_again(struct dp_router *rt, int k)
             } else {
                 nk = pick_worker(rt, &rq, r->spill, &r->pool, &spilled);
             }
+            pool_moved(rt, r, from);
         }
         if (nk == -1 && !(r->replayed && ran) && holding(rt)) {
             park(rt, r, how ? r->worker : k, how ? how : ran ? PARK_RAN : PARK_MOVED,
@@ -3720,7 +3747,7 @@ int dp_router_pool_stats(struct dp_router *rt, uint32_t pool, struct dp_pool_sta
     pthread_mutex_lock(&rt->lock);
     const struct pool *pl = &rt->pools[pool];
     *s = (struct dp_pool_stats){ pl->requests, pl->spilled, pl->price, pl->room, pl->view.n, pool_up(pl),
-                                 pl->view.total_depth };
+                                 pl->view.total_depth, pl->promised };
     pthread_mutex_unlock(&rt->lock);
     return 0;
 }

@@ -166,6 +166,7 @@ struct dp_pool_stats {
     uint32_t price_per_1k;      /* micro-USD per 1,000 tokens: the placement order */
     uint32_t room_per_worker;   /* chunks queued per up worker before the next pool is used (0: no limit) */
     uint32_t workers, up, depth;  /* depth: chunks queued on or in flight to its workers up (not a hidden one) */
+    uint32_t promised;          /* chunks still to come of the requests placed on it (counted in its room) */
 };
 
 struct dp_router;

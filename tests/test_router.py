@@ -2358,6 +2358,41 @@ def test_no_worker_left_answers_503(bench_factory):
     assert b.router.stats()["active_requests"] == 0 and b.router.stats()["pool_free"] == 8192
 
 
+def open_of(rid, chunk_count, max_out=2, **kw):
+    """The OPEN of request rid (its session rid), announcing chunk_count chunks."""
+    o = np.zeros(1, dtype=records.CHUNK)
+    o["kind"], o["request_id"], o["session_id"], o["chunk_count"] = wire.KIND_OPEN, rid, rid, chunk_count
+    o["max_output_tokens"] = max_out
+    for k, v in kw.items():
+        o[k] = v
+    return o
+
+
+def test_a_pool_s_room_counts_the_chunks_its_requests_have_still_to_send(bench_factory):
+    """A pool's room counted only the chunks queued on its workers: requests opened first (their
+    OPENs, no chunk queued yet) all went to the cheapest pool, 6x its room, the dearer one idle
+    (found by review). The chunks still to come of the requests placed on a pool count too."""
+    b = bench_factory(n_workers=2, policy="round_robin")
+    b.router.set_worker_pool(1, 1)
+    b.router.set_pool(0, 354, 4)                          # room: 4 chunks a worker
+    b.router.set_pool(1, 936, 4)
+    b.send(*[open_of(rid, 3) for rid in range(1, 9)])     # 8 requests of 3 chunks, opened first
+    b.router.poll()
+    placed = [b.router.pool_stats(p) for p in (0, 1)]
+    assert placed[0]["promised"] + placed[1]["promised"] == 24
+    assert placed[1]["requests"] >= 1, placed             # past the cheap pool's room: the next one
+    b.send(*[chunks_of(rid, list(range(300)), max_out=2, session=rid) for rid in range(1, 9)])
+    for _ in range(400):
+        if len(b.responses) == 8:
+            break
+        b.step(0)
+        b.step(1)
+    assert sorted(int(r["status"]) for r in b.responses) == [200] * 8
+    after = [b.router.pool_stats(p) for p in (0, 1)]
+    assert after[0]["promised"] == after[1]["promised"] == 0, after
+    assert after[1]["requests"] == placed[1]["requests"] >= 1
+
+
 def test_a_pool_full_of_half_arrived_requests_refuses_new_ones_instead_of_stalling(bench_factory):
     b = bench_factory(pool_chunks=8)
     # 2 chunks each, a tenant each (a tenant's requests still arriving hold a quarter of the pool at most)
