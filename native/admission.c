@@ -551,7 +551,10 @@ static void suggestions(struct jw *w, const struct dp_admission *a, const struct
             if (both >= 1)
                 HINT("send one chunk (128 prompt tokens) with max_output_tokens <= %" PRId64, both);
         }
-        if (p->entropy_factor > 1.5)
+        if (!p->sample_tokens)           /* assumed, not measured: the prompt itself may be cheap */
+            HINT("no full first chunk was seen (an OPEN), so the entropy factor is the most, 5.00: send the "
+                 "first chunk instead, priced on its tokens");
+        else if (p->entropy_factor > 1.5)
             HINT("a less varied prompt costs less: entropy factor %.2f of 1.00..5.00", p->entropy_factor);
         if (d->charge > cfg->budget_per_day)    /* a whole day's budget would not cover it either */
             HINT("it costs more than a whole day's budget (%" PRIu64 " micro-USD): only a smaller request, or a "
@@ -626,6 +629,20 @@ void dp_adm_finish(struct dp_admission *a, struct dp_adm_decision *d, const uint
     price_entropy(&a->counts, tokens, &d->p);
     d->charge = charge_of(d->p.price_per_1k, d->p.input_tokens, d->p.max_output, d->p.entropy_factor);
     d->priced = 1;
+}
+
+void dp_adm_measure(struct dp_admission *a, struct dp_adm_decision *d, const uint32_t *tokens, uint32_t n_tokens)
+{
+    if (!d->priced || d->p.sample_tokens)
+        return;                           /* measured at its decision (or to be, lazily) */
+    uint32_t n = n_tokens < DP_MAX_CHUNK_TOKENS ? n_tokens : DP_MAX_CHUNK_TOKENS;
+    if (!n || (d->p.chunk_count > 1 && n < DP_MAX_CHUNK_TOKENS))
+        return;                           /* no sample a decision would take (price_base) */
+    struct dp_adm_price m = d->p;
+    m.sample_tokens = n;
+    price_entropy(&a->counts, tokens, &m);
+    if (m.entropy_factor < d->p.entropy_factor)
+        d->p = m;
 }
 
 uint32_t dp_adm_decide(struct dp_admission *a, uint32_t tenant, const uint32_t *tokens, uint32_t n_tokens,

@@ -147,6 +147,11 @@ uint32_t dp_adm_decide(struct dp_admission *a, uint32_t tenant, const uint32_t *
 /* Completes a lazy decision's price (tokens: the ones it was decided on, still unchanged); nothing
  * if it is priced. The same outcome as deciding with the price measured, before its commit. */
 void dp_adm_finish(struct dp_admission *a, struct dp_adm_decision *d, const uint32_t *tokens);
+/* An admitted request priced on an assumed entropy (its OPEN, or a short first record of several: no
+ * sample), whose first chunk has come: its entropy measured on those tokens as a decision would, and
+ * kept for its settlement if lower. The charge stands (the most, at admission); the settlement
+ * gives back the difference. Priced at the most for good, an OPEN's request paid 5x (found by review). */
+void dp_adm_measure(struct dp_admission *a, struct dp_adm_decision *d, const uint32_t *tokens, uint32_t n_tokens);
 /* The decision stands (the router placed the request, or answered it): count it, charge an admission.
  * Its price is measured (priced), and nothing else of the tenant was decided since. */
 void dp_adm_commit(struct dp_admission *a, uint32_t tenant, struct dp_adm_decision *d, uint64_t now);

@@ -1732,8 +1732,11 @@ static int ingest(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, in
     pc->t_router = t;
     if (fed)
         pc->t_consumer = t;
-    if (c->chunk_index == 0)
+    if (c->chunk_index == 0) {
         rt->rehearsal_from = p;          /* (copied at the pass's end, off the chunk's way) */
+        if (!r->adm.p.sample_tokens && r->adm.priced)   /* priced on an assumed entropy: measured now */
+            dp_adm_measure(rt->adm, &r->adm, pc->tokens, n);
+    }
     if (admitted_now && !r->adm.priced) {   /* admitted on this chunk: priced on its tokens after the batch */
         rt->unpriced = ri;
         rt->unpriced_chunk = p;

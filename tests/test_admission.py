@@ -274,6 +274,35 @@ def test_an_open_record_is_priced_at_the_highest_entropy_and_admits_its_chunks(b
     assert by_id(b.responses)[2]["status"] == 422 and b.router.stats()["late_duplicates"] == 2
 
 
+def test_an_open_s_request_is_settled_at_the_entropy_its_first_chunk_measures(bench_factory):
+    """Priced at the most entropy at its OPEN (no tokens yet), a request kept that factor for good:
+    384 copies of one token paid 5x what the same request paid without the OPEN, and 5x what
+    COUNT_TOKENS quoted (found by review). Its first chunk now measures it: the OPEN's charge
+    stands, the settlement gives the difference back. A 422 for an OPEN says so."""
+    b = bench_factory()
+    for tenant in (3, 4):
+        b.router.set_tenant(tenant, TenantPolicy(price_per_1k=1000, budget_per_day=10**6))
+    toks = [9] * 300
+    b.send(open_record(1, 3, 4, tenant=3))
+    b.router.poll()
+    b.send(chunks_of(1, toks, max_out=4, tenant=3), chunks_of(2, toks, max_out=4, tenant=4))
+    b.run()
+    assert {rid: int(r["status"]) for rid, r in by_id(b.responses).items()} == {1: 200, 2: 200}
+    opened, plain = b.router.tenant_stats(3), b.router.tenant_stats(4)
+    assert opened["charged"] == ref_charge(1000, [], 3, 4) > 4 * plain["charged"] == 4 * ref_charge(1000, toks[:128], 3, 4)
+    assert opened["spent"] == plain["spent"] == exact_charge(1000, 300 + 4, 1, 4)
+    # over its budget at the OPEN's price, under it at the chunk's: the 422 says to send the chunk
+    b.router.set_tenant(5, TenantPolicy(price_per_1k=1000, budget_per_day=ref_charge(1000, toks[:128], 3, 4)))
+    b.send(open_record(3, 3, 4, tenant=5))
+    b.run()
+    doc = wire.decode_admission_body(body_of(by_id(b.responses)[3]))
+    assert doc.status == 422 and any(s.startswith("no full first chunk was seen (an OPEN)") for s in doc.suggestions)
+    assert not any(s.startswith("a less varied prompt") for s in doc.suggestions), doc.suggestions
+    b.send(chunks_of(4, toks, max_out=4, tenant=5))
+    b.run()
+    assert int(by_id(b.responses)[4]["status"]) == 200, "the chunk first: priced on its tokens, admitted"
+
+
 def test_a_one_chunk_request_s_open_is_taken_without_effect(bench_factory):
     """Its chunk carries the request whole and decides it alone. Admitting or refusing the request
     at the OPEN gave two answers whenever XDP's bucket refused the chunk (429): the OPEN's own
