@@ -539,17 +539,23 @@ static void suggestions(struct jw *w, const struct dp_admission *a, const struct
         else if (first)
             HINT(NO_FIT, limit, DP_MAX_CHUNK_TOKENS);
     } else if (st == DP_STATUS_UNPROCESSABLE) {
+        /* the minute's bucket short too (decide's retry_after): a smaller request sent at once was
+         * refused 429 (found by review). The whole request's wait bounds a smaller one's. */
+        char then[80] = "";
+        if (d->retry_after_ns)
+            snprintf(then, sizeof(then), ", after %" PRIu64 " ms (the tenant's tokens per minute)",
+                     (d->retry_after_ns + 999999) / 1000000);
         int64_t out = LARGEST(1, p->max_output ? p->max_output - 1 : 0, fits(d, p->chunk_count, x));
         if (out >= 1)
-            HINT("lower max_output_tokens to %" PRId64, out);
+            HINT("lower max_output_tokens to %" PRId64 "%s", out, then);
         int64_t chunks = LARGEST(1, p->chunk_count - 1, fits(d, x, p->max_output));
         if (chunks >= 1)
-            HINT("send fewer chunks: at most %" PRId64 " (%" PRId64 " prompt tokens)", chunks,
-                 chunks * DP_MAX_CHUNK_TOKENS);
+            HINT("send fewer chunks: at most %" PRId64 " (%" PRId64 " prompt tokens)%s", chunks,
+                 chunks * DP_MAX_CHUNK_TOKENS, then);
         if (out < 1 && chunks < 1) {
             int64_t both = LARGEST(1, p->max_output, fits(d, 1, x));
             if (both >= 1)
-                HINT("send one chunk (128 prompt tokens) with max_output_tokens <= %" PRId64, both);
+                HINT("send one chunk (128 prompt tokens) with max_output_tokens <= %" PRId64 "%s", both, then);
         }
         if (!p->sample_tokens)           /* assumed, not measured: the prompt itself may be cheap */
             HINT("no full first chunk was seen (an OPEN), so the entropy factor is the most, 5.00: send the "
@@ -606,7 +612,7 @@ static uint32_t write_body(const struct dp_admission *a, const struct dp_tenant_
         put(&w, ",\"limit_tokens\":%" PRIu32, cfg->max_request_tokens);
     else if (why == OVER_MINUTE)
         put(&w, ",\"tokens_per_minute\":%" PRIu32, cfg->tokens_per_minute);
-    if (d->status == DP_STATUS_RATE_LIMITED)
+    if (d->status == DP_STATUS_RATE_LIMITED || (d->status == DP_STATUS_UNPROCESSABLE && d->retry_after_ns))
         put(&w, ",\"tokens_per_minute\":%" PRIu32 ",\"retry_after_ms\":%" PRIu64, cfg->tokens_per_minute,
             (d->retry_after_ns + 999999) / 1000000);
     put(&w, ",");

@@ -1209,3 +1209,58 @@ def test_pool_arguments_are_checked(bench_factory):
         b.router.set_pool(4, 1)
     with pytest.raises(ValueError):
         b.router.set_worker_pool(3, 0)
+
+
+def test_every_422_and_429_hint_followed_as_it_says_is_admitted():
+    """A review's fuzz: 422 hints sized the request to the budget alone, so "lower max_output_tokens
+    to N" or "send fewer chunks", followed at once, met the minute's bucket (429; 38 of some
+    20,000 refusals). They now say to wait for it. Random tenants, some spending first; every
+    hint followed (at the time it says) is decided again: admitted."""
+    import json
+    import random
+    import re
+    rng = random.Random(7)
+    d, body = ffi.new("struct dp_adm_decision *"), ffi.new("char[]", 1024)
+
+    def decide(adm, toks, chunks, out, now):
+        arr = ffi.new("uint32_t[]", toks or [0])
+        n = lib.dp_adm_decide(adm, 1, arr, len(toks), chunks, out, 0, now, d, body, 1024)
+        return d.status, (json.loads(ffi.string(body, n)) if n else None)
+
+    hints = [(r"lower max_output_tokens to (\d+)", lambda m, t, c, o: (t, c, int(m[1]))),
+             (r"send fewer chunks: at most (\d+)", lambda m, t, c, o: (t, int(m[1]), o)),
+             (r"send one chunk \(128 prompt tokens\) with max_output_tokens <= (\d+)",
+              lambda m, t, c, o: (t[:128], 1, int(m[1]))),
+             (r"wait (\d+) s", lambda m, t, c, o: (t, c, o)),
+             (r"retry after (\d+) ms", lambda m, t, c, o: (t, c, o))]
+    checked, failed = 0, []
+    for _ in range(8000):
+        adm = ffi.gc(lib.dp_adm_create(), lib.dp_adm_destroy)
+        policy = TenantPolicy(price_per_1k=rng.choice([1, 7, 354, 936, 2000, 99999]),
+                              budget_per_day=rng.choice([0, rng.randint(1, 20000), rng.randint(1, 10**6)]),
+                              tokens_per_minute=rng.choice([0, rng.randint(200, 5000)]),
+                              max_request_tokens=rng.choice([0, rng.randint(300, 20000)]))
+        lib.dp_adm_set_tenant(adm, 1, policy.cdata())
+        now = 10**13
+        for _ in range(rng.randint(0, 4)):               # some spending first
+            decide(adm, [rng.randint(0, 50) for _ in range(128)], rng.randint(1, 4), rng.randint(0, 256), now)
+            lib.dp_adm_commit(adm, 1, d, now)
+            now += rng.randint(0, 5 * 10**9)
+        chunks, out = rng.randint(1, 12), rng.randint(0, 256)
+        toks = [rng.randint(0, rng.choice([1, 10, 1000, 2**32 - 1]))
+                for _ in range(128 if rng.random() < .7 else rng.randint(1, 128))]
+        st, doc = decide(adm, toks, chunks, out, now)
+        if st not in (422, 429):
+            continue
+        for hint in doc["suggestions"]:
+            for pattern, retry in hints:
+                m = re.match(pattern, hint)
+                if not m:
+                    continue
+                after = re.search(r"after (\d+) ms|wait (\d+) s|retry after (\d+) ms", hint)
+                wait = 0 if not after else (int(after[1] or after[3]) * 10**6 if not after[2] else int(after[2]) * 10**9)
+                checked += 1
+                again, _ = decide(adm, *retry(m, toks, chunks, out), now + wait)
+                if again != 200:
+                    failed.append((st, hint, again, policy))
+    assert checked > 1000 and not failed, (len(failed), failed[:5])
