@@ -18,6 +18,13 @@ BATCHING = {"dynamic": lib.DP_BATCH_DYNAMIC, "static": lib.DP_BATCH_STATIC}
 MAX_POOLS = lib.DP_MAX_POOLS
 
 
+def _u32(what: str, v) -> int:
+    """v as a C uint32 argument: a ValueError naming it, not cffi's OverflowError or TypeError."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or not 0 <= v < 1 << 32:
+        raise ValueError(f"{what} must be a whole number 0..2^32-1, not {v!r}")
+    return int(v)
+
+
 def _check_pool(pool):
     if isinstance(pool, bool) or not isinstance(pool, numbers.Integral) or not 0 <= pool < MAX_POOLS:
         raise ValueError(f"pool must be 0..{MAX_POOLS - 1}, not {pool!r}")
@@ -209,7 +216,7 @@ class Router:
         had published in the worker's lane (only its consumer may), so a worker set up again
         must be a fresh process on a fresh lane, or it first runs that old batch (its completion
         is then dropped as stale, but its side effects, KV and snapshots, happen)."""
-        _check(lib.dp_router_set_up(self._rt, worker, int(up)), f"health of worker {worker}")
+        _check(lib.dp_router_set_up(self._rt, _u32("worker", worker), int(up)), f"health of worker {worker}")
 
     def set_down(self, workers):
         """Several workers gone at once (their spawner's death): all marked down before any one's
@@ -251,29 +258,33 @@ class Router:
         """Declare whether a worker (and each replacement on its lane) has a snapshot store. Its
         answers say so anyway; declared, a session a failover replays on it before its first
         answer stays there too (native/router.h)."""
-        _check(lib.dp_router_set_worker_store(self._rt, worker, int(bool(has_store))), f"store of worker {worker}")
+        _check(lib.dp_router_set_worker_store(self._rt, _u32("worker", worker), int(bool(has_store))),
+               f"store of worker {worker}")
 
     # --- pools: placement by price, health and room (native/router.h) -------------------------
     def set_pool(self, pool: int, price_per_1k: int, room_per_worker: int = 0):
         """Pool `pool` (0..MAX_POOLS-1) costs price_per_1k micro-USD per 1,000 tokens (the placement
         order: cheapest first, see admission.pool_price_per_1k) and takes up to room_per_worker
         queued chunks per up worker before the next pool gets new requests (0: no limit)."""
+        _check_pool(pool)
         if not 0 <= price_per_1k < 1 << 32 or not 0 <= room_per_worker < 1 << 32:
             raise ValueError("price_per_1k and room_per_worker must be 0..2^32-1")
         _check(lib.dp_router_set_pool(self._rt, pool, price_per_1k, room_per_worker),
                f"pool {pool} (0..{lib.DP_MAX_POOLS - 1})")
 
     def set_worker_pool(self, worker: int, pool: int):
-        _check(lib.dp_router_set_worker_pool(self._rt, worker, pool), f"pool {pool} of worker {worker}")
+        _check_pool(pool)
+        _check(lib.dp_router_set_worker_pool(self._rt, _u32("worker", worker), pool), f"pool {pool} of worker {worker}")
 
     def pool_stats(self, pool: int) -> dict:
+        _check_pool(pool)
         st = ffi.new("struct dp_pool_stats *")
         _check(lib.dp_router_pool_stats(self._rt, pool, st), f"pool {pool}")
         return _struct_dict(st)
 
     # --- admission (native/admission.h), per tenant, live --------------------------------------
     def set_tenant(self, tenant: int, policy: TenantPolicy):
-        _check(lib.dp_router_set_tenant(self._rt, tenant, policy.cdata()),
+        _check(lib.dp_router_set_tenant(self._rt, _u32("tenant", tenant), policy.cdata()),
                f"tenant {tenant} (the tenant table holds {lib.DP_ADM_MAX_ALL_TENANTS} at most)")
 
     def set_default_tenant(self, policy: TenantPolicy):
@@ -283,7 +294,7 @@ class Router:
     def tenant_stats(self, tenant: int) -> dict:
         """Its decisions and spending (all zero for a tenant never seen)."""
         st = ffi.new("struct dp_adm_tenant_stats *")
-        lib.dp_router_tenant_stats(self._rt, tenant, st)
+        lib.dp_router_tenant_stats(self._rt, _u32("tenant", tenant), st)
         out = _struct_dict(st)
         del out["pad"]
         return out
@@ -330,7 +341,7 @@ class Router:
 
     def worker_stats(self, worker: int) -> dict:
         st = ffi.new("struct dp_worker_stats *")
-        _check(lib.dp_router_worker_stats(self._rt, worker, st), f"worker {worker}")
+        _check(lib.dp_router_worker_stats(self._rt, _u32("worker", worker), st), f"worker {worker}")
         return _struct_dict(st)
 
     def close(self):

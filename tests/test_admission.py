@@ -1211,6 +1211,22 @@ def test_pool_arguments_are_checked(bench_factory):
         b.router.set_worker_pool(3, 0)
 
 
+@pytest.mark.parametrize("call, says", [
+    (lambda r: r.set_tenant(-1, TenantPolicy()), "tenant must be a whole number"),
+    (lambda r: r.set_tenant(2**32, TenantPolicy()), "tenant must be a whole number"),
+    (lambda r: r.tenant_stats(-5), "tenant must be a whole number"),
+    (lambda r: r.set_pool(-1, 1), "pool must be 0..3"),
+    (lambda r: r.pool_stats(1.5), "pool must be 0..3"),
+    (lambda r: r.worker_stats(-1), "worker must be a whole number"),
+    (lambda r: r.set_up("0", True), "worker must be a whole number"),
+])
+def test_an_argument_out_of_its_c_type_is_a_value_error_naming_it(bench_factory, call, says):
+    """They raised cffi's OverflowError or TypeError, naming no argument (found by review)."""
+    b = bench_factory(n_workers=1)
+    with pytest.raises(ValueError, match=says):
+        call(b.router)
+
+
 def test_every_422_and_429_hint_followed_as_it_says_is_admitted():
     """A review's fuzz: 422 hints sized the request to the budget alone, so "lower max_output_tokens
     to N" or "send fewer chunks", followed at once, met the minute's bucket (429; 38 of some
