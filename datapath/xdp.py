@@ -1,4 +1,4 @@
-"""Loading, attaching and test-running XDP programs (bcc compiles, pyroute2 attaches).
+"""Loading, attaching and test-running XDP programs (bcc compiles, libbpf links, pyroute2 reads).
 
 Programs are loaded from the files in bpf/ with bpf/ on the include path.
 An attachment is a BPF link (bpf_link_create, BPF_XDP) made in the

@@ -2053,7 +2053,12 @@ static void complete_entry(struct dp_router *rt, int wk, const struct batch_meta
 
 static void set_up(struct dp_router *rt, uint32_t k, int up, int probe);
 
-static void *zmq_dealer(void *zctx, const char *endpoint, void **mon);
+static void *zmq_dealer(void *zctx, const char *endpoint, void **mon, int ping);
+/* w's socket, fresh, with its monitor's (NULL if it could not be made) */
+static void *worker_dealer(struct dp_router *rt, struct worker *w)
+{
+    return zmq_dealer(rt->zctx, w->endpoint, &w->zmon, rt->cfg.zmq_timeout_ns != 0);
+}
 static void zmq_shut(struct worker *w);
 
 /* The health of zmq workers, which no process of ours watches. One whose batch has gone
@@ -2102,7 +2107,7 @@ static uint32_t zmq_health(struct dp_router *rt)
         } else if (w->timed_out) {
             int heard = 0;
             if (!w->zsock)                     /* its probe socket could not be made then: again */
-                w->zsock = zmq_dealer(rt->zctx, w->endpoint, &w->zmon);
+                w->zsock = worker_dealer(rt, w);
             while (w->zsock && zmq_recv(w->zsock, w->cbuf, sizeof(*w->cbuf), ZMQ_DONTWAIT) >= 0)
                 heard = 1;                     /* whatever it was (its batch was replayed): it lives */
             if (heard) {
@@ -3404,7 +3409,9 @@ int dp_router_add_worker(struct dp_router *rt, struct dp_ring *lane, struct dp_r
     return add_worker(rt, DP_LANE_SHM, lane, done, NULL, NULL, NULL, weight);
 }
 
-/* ZMTP heartbeats on a zmq lane's connection: a PING every ZMQ_PING_MS; one unanswered for
+/* ZMTP heartbeats on a zmq lane's connection (with a zmq_timeout: a router without one, as the
+ * pipeline's, watches its workers' processes instead, and a stop past the heartbeats' timeout
+ * would only cut the connection a woken worker's answer was to take): a PING every ZMQ_PING_MS; one unanswered for
  * ZMQ_PING_TIMEOUT_MS closes the connection, which the monitor reports as lost (zmq_lost). The
  * peer's libzmq I/O thread answers, not the worker's loop, so a long step is not taken for a
  * silence, while a stopped process (SIGSTOP) or a link that drops without a FIN is: before, a
@@ -3421,7 +3428,7 @@ int dp_router_add_worker(struct dp_router *rt, struct dp_ring *lane, struct dp_r
  * most (a worker answers one batch at a time). Unbounded, a peer bound on the endpoint sent
  * 4 frames of 256 MiB and the router's RSS grew 72 MB -> 1.1 GB (found by review). NULL and
  * errno on failure. */
-static void *zmq_dealer(void *zctx, const char *endpoint, void **mon)
+static void *zmq_dealer(void *zctx, const char *endpoint, void **mon, int ping)
 {
     *mon = NULL;
     void *s = zmq_socket(zctx, ZMQ_DEALER);
@@ -3434,10 +3441,12 @@ static void *zmq_dealer(void *zctx, const char *endpoint, void **mon)
     zmq_setsockopt(s, ZMQ_RCVHWM, &hwm, sizeof(hwm));
     zmq_setsockopt(s, ZMQ_MAXMSGSIZE, &most, sizeof(most));
     zmq_setsockopt(s, ZMQ_IMMEDIATE, &immediate, sizeof(immediate));
-    int ping = ZMQ_PING_MS, silent = ZMQ_PING_TIMEOUT_MS;
-    zmq_setsockopt(s, ZMQ_HEARTBEAT_IVL, &ping, sizeof(ping));
-    zmq_setsockopt(s, ZMQ_HEARTBEAT_TIMEOUT, &silent, sizeof(silent));
-    zmq_setsockopt(s, ZMQ_HEARTBEAT_TTL, &silent, sizeof(silent));
+    if (ping) {                          /* (no zmq_timeout: nothing would act on a loss) */
+        int every = ZMQ_PING_MS, silent = ZMQ_PING_TIMEOUT_MS;
+        zmq_setsockopt(s, ZMQ_HEARTBEAT_IVL, &every, sizeof(every));
+        zmq_setsockopt(s, ZMQ_HEARTBEAT_TIMEOUT, &silent, sizeof(silent));
+        zmq_setsockopt(s, ZMQ_HEARTBEAT_TTL, &silent, sizeof(silent));
+    }
     if (zmq_connect(s, endpoint) < 0) {
         int e = errno;
         zmq_close(s);
@@ -3497,7 +3506,7 @@ int dp_router_add_zmq_worker(struct dp_router *rt, const char *endpoint, uint32_
     char *ep = strdup(endpoint);
     if (!ep)
         return -ENOMEM;
-    void *mon, *s = zmq_dealer(rt->zctx, endpoint, &mon);
+    void *mon, *s = zmq_dealer(rt->zctx, endpoint, &mon, rt->cfg.zmq_timeout_ns != 0);
     if (!s) {
         int e = errno;
         free(ep);
@@ -3598,7 +3607,7 @@ static void went(struct dp_router *rt, uint32_t k, int was_up, int up, int probe
         if (w->kind == DP_LANE_ZMQ) {
             zmq_shut(w);
             if (probe)
-                w->zsock = zmq_dealer(rt->zctx, w->endpoint, &w->zmon);
+                w->zsock = worker_dealer(rt, w);
             w->unsent = 0;
             rt->st.zmq_sockets_replaced++;
         }
@@ -3608,7 +3617,7 @@ static void went(struct dp_router *rt, uint32_t k, int was_up, int up, int probe
          * of the worker bound at the endpoint next (found by review) */
         zmq_shut(w);
     } else if (!was_up && up && w->kind == DP_LANE_ZMQ && !w->zsock) {
-        w->zsock = zmq_dealer(rt->zctx, w->endpoint, &w->zmon);   /* NULL: its batches stay unsent, time out */
+        w->zsock = worker_dealer(rt, w);   /* NULL: its batches stay unsent, time out */
     }
     if (!was_up && up && rt->st.waiting_for_worker)
         place_again(rt, -1);            /* the first worker up takes what waited for one */
