@@ -74,13 +74,14 @@ def test_a_worker_that_hangs_holding_a_batch_is_killed_and_failed_over(lane):
 
 @pytest.mark.root
 @pytest.mark.bpf
-def test_a_stopped_worker_is_stalled_and_its_new_requests_go_to_the_others_until_it_wakes():
+@pytest.mark.parametrize("lane", ["shm", "zmq"])
+def test_a_stopped_worker_is_stalled_and_its_new_requests_go_to_the_others_until_it_wakes(lane):
     """A worker alive but stopped drew its share of new requests, which waited with it until the
     hang kill (30 s). Its batch unanswered worker_stall_s, it is now stalled: what is queued for it
     and what comes next go to the other worker (restored from the shared store) while the
     request in its lane, and its session's next one, wait for it; woken, it answers them,
     nothing replayed and nothing killed."""
-    with fresh_store() as store, Pipeline(_config(workers=2, shared_store=store, worker_stall_s=0.3)) as p:
+    with fresh_store() as store, Pipeline(_config(workers=2, shared_store=store, worker_stall_s=0.3, lane=lane)) as p:
         p.offer(10, 10, sessions=10)
         before = p.router.worker_stats(0)["answered"]
         os.kill(p.workers[1].pid, signal.SIGSTOP)
