@@ -174,3 +174,16 @@ def test_a_failed_scenario_s_run_says_the_same_in_both_its_jsons(tmp_path, monke
     results = json.loads((tmp_path / "e2e" / "results.json").read_text())
     assert suite["status"] == results["status"] == "failed: scenario(s) 6 worker killed mid-run (failover)"
     assert suite["notes"] == results["notes"] and sum(n.startswith("FAILED:") for n in suite["notes"]) == 1
+
+
+def test_an_isolation_ratio_s_noise_band_comes_from_its_own_samples():
+    """The band was a lognormal model's for 30-80 samples, said of offers of 200 (where it is about
+    half as wide), so a 1.36x read as noise (found by review). It is resampled from the offers."""
+    import numpy as np
+    from bench.e2e import _p95_noise_band
+    rng = np.random.default_rng(3)
+    same = [_p95_noise_band(rng.lognormal(0, 0.5, n), rng.lognormal(0, 0.5, n)) for n in (30, 200, 2000)]
+    assert all(lo < 1 < hi for lo, hi in same)
+    assert [hi - lo for lo, hi in same] == sorted((hi - lo for lo, hi in same), reverse=True)   # narrows
+    lo, hi = _p95_noise_band(rng.lognormal(0, 0.5, 200), rng.lognormal(np.log(1.5), 0.5, 200))
+    assert hi < 1.5                                  # a 1.5x shift at 200 samples is outside it
