@@ -77,8 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--force", action="store_true",
                    help="erase what DEVICE holds: a store, or any data (without it only zeroed blocks are formatted)")
     f.add_argument("--block-size", type=parse_size, metavar="N",
-                   help="blocks of N bytes, a multiple of the device's (default: the device's own; 4K on a "
-                        "512-byte-LBA NVMe/TCP namespace of a 512e disk, whose physical sector it cannot read)")
+                   help="blocks of N bytes, a multiple of the device's logical block (default: the device's "
+                        "own, 4K at least, so the image opens as a file, through a loop device or over "
+                        "NVMe/TCP alike)")
     i = sub.add_parser("inspect", help="list the records of the log, oldest first")
     i.add_argument("device", **device)
     i.add_argument("--limit", type=_count, default=0, metavar="N", help="show at most N records (default 0: all)")

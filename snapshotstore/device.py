@@ -67,6 +67,21 @@ def create_image(path: str, size: int) -> None:
     os.close(fd)
 
 
+LOOP_MAJOR = 7
+
+
+def loop_backing_file(rdev: int) -> str | None:
+    """The file a loop device (by its device number) reads and writes, if it is one and has one."""
+    if os.major(rdev) != LOOP_MAJOR:
+        return None
+    try:
+        with open(f"/sys/dev/block/{os.major(rdev)}:{os.minor(rdev)}/loop/backing_file") as f:
+            path = f.read().rstrip("\n")
+    except OSError:
+        return None                       # no file attached
+    return None if path.endswith(" (deleted)") else path
+
+
 class BlockDevice:
     """One open device: read and write whole blocks at block offsets, O_DIRECT."""
 
@@ -82,6 +97,8 @@ class BlockDevice:
         if not (stat.S_ISBLK(st.st_mode) or stat.S_ISREG(st.st_mode)):
             raise DeviceError(f"{path} is neither a block device nor a regular file")
         self.is_block = stat.S_ISBLK(st.st_mode)
+        self.rdev = st.st_rdev if self.is_block else None
+        self.backing_fd = -1             # a loop device's backing file, locked with it (lock)
         flags = (os.O_RDONLY if readonly else os.O_RDWR) | os.O_DIRECT
         try:
             self.fd = os.open(path, flags)
@@ -134,16 +151,35 @@ class BlockDevice:
         os.fdatasync(self.fd)
 
     def lock(self, shared: bool) -> None:
-        """One store process per device: an exclusive flock (shared for read-only opens)."""
+        """One store process per device: an exclusive flock (shared for read-only opens). A loop
+        device's backing file is locked too: a flock is an inode's, and the loop device and its
+        file are two, so a store opened through each (or through two loop devices of one file)
+        wrote one log unaware of the other, and acknowledged puts were lost (found by review)."""
+        how = (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB
         try:
-            fcntl.flock(self.fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+            fcntl.flock(self.fd, how)
         except BlockingIOError:
             raise DeviceError(f"{self.path} is in use by another snapshot store process") from None
+        backing = loop_backing_file(self.rdev) if self.rdev is not None else None
+        if backing is None:
+            return
+        try:
+            self.backing_fd = os.open(backing, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as e:
+            raise DeviceError(f"cannot open {self.path}'s backing file {backing} to lock it: {e.strerror}") from None
+        try:
+            fcntl.flock(self.backing_fd, how)
+        except BlockingIOError:
+            raise DeviceError(f"{self.path}'s backing file {backing} is in use by another snapshot store "
+                              f"process") from None
 
     def close(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+        if self.backing_fd >= 0:
+            os.close(self.backing_fd)
+            self.backing_fd = -1
 
 
 def open_device(path: str, readonly: bool = False):

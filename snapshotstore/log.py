@@ -228,11 +228,16 @@ class _Request:
 def format_device(path: str, force: bool = False, block_size: int | None = None) -> Superblock:
     """Write an empty store (both superblock copies) on path. Unless force, refuses to erase a store,
     or any data in the first FORMAT_CHECK_BYTES: a mistyped path to a disk that holds a file system
-    or a partition table is refused, not overwritten. block_size: other blocks than the device's
-    own, a multiple of its logical block size (tests: a store as formatted before session 16)."""
+    or a partition table is refused, not overwritten. block_size: other blocks than the default,
+    a multiple of the device's logical block size (tests: a store as formatted before session 16).
+    The default is the device's own blocks, 4 KiB at least (the LBAs an NVMe-oF namespace has):
+    formatted in a loop device's 512-byte sectors, a store could not be opened through its image
+    file, whose blocks are 4 KiB, and the error said to reformat it (found by review)."""
     dev = open_device(path)
     try:
         dev.lock(shared=False)
+        if block_size is None and dev.block_size < fmt.FILE_BLOCK_SIZE:
+            block_size = fmt.FILE_BLOCK_SIZE
         if block_size is not None:
             dev.set_block_size(block_size)
         buf = aligned_buffer(fmt.SB_COPIES * dev.block_size)
