@@ -133,6 +133,8 @@ struct worker {
     uint32_t n_set;
     uint32_t busy, batch_seq, batch_len;
     uint32_t budget;                    /* its own token budget per step; 0: the router's */
+    uint32_t promised;                  /* chunks still to come of the requests on it (their OPEN,
+                                         * their first chunk came): its pool's room (pool_promised) */
     uint8_t no_store;                   /* its answers say it has no snapshot store (DP_CE_NO_STORE), or
                                          * the control plane did, before its first answer */
     uint8_t no_store_said;              /* the control plane's word (dp_router_set_worker_store) */
@@ -160,8 +162,6 @@ struct pool {
     uint16_t member[DP_MAX_WORKERS];    /* view index -> worker index */
     uint32_t price, room;
     uint64_t requests, spilled;
-    uint32_t promised;                  /* chunks still to come of the requests placed here (their
-                                         * OPENs, their first chunks came): counted in its room */
 };
 
 struct last_run {               /* the worker a session's latest request went to */
@@ -495,6 +495,16 @@ static uint32_t pool_up(const struct pool *pl)
     return up;
 }
 
+/* The chunks still to come of the requests on pl's workers (shown_only: of those its view shows
+ * up, as total_depth counts: a stalled worker hidden from placement takes none of its room). */
+static uint64_t pool_promised(const struct dp_router *rt, const struct pool *pl, int shown_only)
+{
+    uint64_t n = 0;
+    for (uint32_t i = 0; i < pl->view.n; i++)
+        n += !shown_only || pl->view.up[i] ? rt->w[pl->member[i]].promised : 0;
+    return n;
+}
+
 /* The placement rule (router.h): the cheapest pool with an up worker and room; for a request
  * admission throttled (spill), the secondary (the next pool with an up worker after the cheapest)
  * if it has room; else the cheapest with an up worker; the policy then picks inside the pool.
@@ -513,7 +523,7 @@ static int choose_pool(const struct dp_router *rt, int spill, int *spilled)
          * two chunks filled a pool of room 2 a worker, and new requests went to a dearer pool) */
         /* with the chunks still to come of the requests placed here: a burst of OPENs (no chunk
          * queued yet) all went to the cheapest pool, 6x its room, the next one idle (review) */
-        int room = !pl->room || pl->view.total_depth + pl->promised < (uint64_t)pl->room * up;
+        int room = !pl->room || pl->view.total_depth + pool_promised(rt, pl, 1) < (uint64_t)pl->room * up;
         if (healthy < 0)
             healthy = p;
         else if (secondary < 0)
@@ -556,15 +566,13 @@ static int pick_worker(struct dp_router *rt, const struct dp_request *rq, int sp
     return rt->st.kv_homes ? kv_home(rt, rq->session, rq->tenant, pl->member[k], p) : pl->member[k];
 }
 
-/* r placed in another pool than `from` (a failover, a stall, its session's home): its chunks still
- * to come count in its new pool's room, not the old one's. */
-static void pool_moved(struct dp_router *rt, const struct req *r, uint16_t from)
+/* r on worker k from now: its chunks still to come count in k's pool's room (pool_promised). */
+static void set_worker(struct dp_router *rt, struct req *r, int k)
 {
     uint32_t missing = (uint32_t)(r->chunk_count - r->received);
-    if (r->pool != from && missing) {
-        rt->pools[from].promised -= missing;
-        rt->pools[r->pool].promised += missing;
-    }
+    rt->w[r->worker].promised -= missing;
+    rt->w[k].promised += missing;
+    r->worker = (int16_t)k;
 }
 
 /* Request r's prompt at most: the tokens come, 128 for each chunk still to come. */
@@ -1200,9 +1208,7 @@ static void not_run(struct dp_router *rt, const struct req *r)
         if (home < 0 && r->was_on >= 0 && rt->view.up[r->was_on])
             home = r->was_on;
         if (home >= 0 && home != r->worker) {
-            uint16_t from = rt->reqs[ci].pool;
             rt->reqs[ci].pool = rt->w[home].pool;
-            pool_moved(rt, &rt->reqs[ci], from);
             rt->pools[rt->reqs[ci].pool].requests++;
             move_unrun(rt, ci, home);
         }
@@ -1251,7 +1257,7 @@ static void finish(struct dp_router *rt, uint32_t ri)
     int theirs = r->status != DP_STATUS_UNAVAILABLE || r->why == WHY_REPLAY_DIED;
     dp_adm_settle(rt->adm, r->tenant, &r->adm, theirs ? r->tokens_in : 0, theirs ? r->generated : 0, r->status == 0);
     rt->reserved -= r->chunk_count - r->received;   /* a failed request's missing chunks need no room now */
-    rt->pools[r->pool].promised -= r->chunk_count - r->received;
+    rt->w[r->worker].promised -= r->chunk_count - r->received;
     arriving_done(rt, r);
     r->received = r->chunk_count;
     free_list(rt, r->sent_head);        /* no replay needed any more */
@@ -1500,8 +1506,8 @@ static int admit(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, uin
     rt->st.admitted++;
     rt->st.to_secondary += (uint64_t)spilled;
     rt->reserved += c->chunk_count;     /* each chunk takes one back as it comes */
-    rt->pools[pool].promised += c->chunk_count;
     struct req *r = req_init(rt, ri, c, key, t, wk, pool);
+    rt->w[r->worker].promised += c->chunk_count;
     if (parks)
         park(rt, r, 0, PARK_NEW, WHY_NO_WORKER);
     if (shared)
@@ -1742,7 +1748,7 @@ static int ingest(struct dp_router *rt, const struct dp_chunk *c, uint64_t t, in
         rt->unpriced_chunk = p;
     }
     rt->reserved--;                      /* a promised chunk has come */
-    rt->pools[r->pool].promised--;
+    rt->w[r->worker].promised--;
     if (r->received + 1 == r->chunk_count && !r->held)
         arriving_done(rt, r);            /* (a held one stays in its tenant's share until it runs) */
     r->received++;
@@ -1967,7 +1973,7 @@ static void move_unrun(struct dp_router *rt, uint32_t ri, int nk)
         depth_add(rt, r->worker, -1, -chunk_tokens(rt, p));
     requeue_all(rt, r, nk);
     forget_run(rt, sk, r->worker);
-    r->worker = (int16_t)nk;
+    set_worker(rt, r, nk);
     r->moved = note_run(rt, sk, nk);
     make_ready(rt, ri);
 }
@@ -2165,9 +2171,7 @@ static int stall_move(struct dp_router *rt, uint32_t ri, int k)
         }
         return 0;
     }
-    uint16_t from = r->pool;
     r->pool = pool;
-    pool_moved(rt, r, from);
     move_unrun(rt, ri, nk);
     rt->st.stall_moved++;
     /* Every later request of the session is flagged moved, so its worker asks the store: its flag
@@ -2182,9 +2186,7 @@ static int stall_move(struct dp_router *rt, uint32_t ri, int k)
         struct req *q = &rt->reqs[n];
         follow = follow && q->worker == (int16_t)k && !q->t_worker && q->state == REQ_PREFILL && !q->inflight;
         if (follow) {
-            uint16_t from_q = q->pool;
             q->pool = pool;
-            pool_moved(rt, q, from_q);
             rt->pools[pool].requests++;
             move_unrun(rt, n, nk);
             rt->st.stall_moved++;
@@ -2683,7 +2685,7 @@ static uint32_t expire_stalled(struct dp_router *rt)
         r->status = DP_STATUS_BAD_REQUEST;
         policy_done(rt, r);
         rt->reserved -= r->chunk_count - r->received;
-        rt->pools[r->pool].promised -= r->chunk_count - r->received;
+        rt->w[r->worker].promised -= r->chunk_count - r->received;
         arriving_done(rt, r);
         if (cut) {
             rt->st.xdp_cut++;
@@ -2730,7 +2732,7 @@ static void park(struct dp_router *rt, struct req *r, int k, uint8_t how, enum w
     r->waited = 1;
     r->parked = how;
     r->why = why;                        /* its 503's, if the hold ends first */
-    r->worker = (int16_t)k;
+    set_worker(rt, r, k);
     requeue_all(rt, r, k);               /* all of it again, from its first chunk */
     /* its prefill again: left decoding, a failure of it took a decode step's depth off the down
      * worker, whose depth failover had zeroed: it wrapped (found by review) */
@@ -2792,7 +2794,6 @@ static void place_again(struct dp_router *rt, int k)
                                  r->chunk_count, pass_clock(rt) };
         uint64_t sk = session_key(rt, r->tenant, r->session_id);
         int nk = -1, spilled = 0;
-        uint16_t from = r->pool;
         if (!(r->replayed && ran)) {
             /* (a new CLOSE goes where its session is, as close_session sends it) */
             nk = pass || (how == PARK_NEW && r->close)
@@ -2803,7 +2804,6 @@ static void place_again(struct dp_router *rt, int k)
             } else {
                 nk = pick_worker(rt, &rq, r->spill, &r->pool, &spilled);
             }
-            pool_moved(rt, r, from);
         }
         if (nk == -1 && !(r->replayed && ran) && holding(rt)) {
             park(rt, r, how ? r->worker : k, how ? how : ran ? PARK_RAN : PARK_MOVED,
@@ -2828,7 +2828,7 @@ static void place_again(struct dp_router *rt, int k)
         requeue_all(rt, r, nk);
         if (r->retake)
             r->retake = 2;               /* it begins again on the next worker too */
-        r->worker = (int16_t)nk;
+        set_worker(rt, r, nk);
         uint8_t moved = note_run(rt, sk, nk);
         /* a worker without a store: the session lives where this runs, and only the router knows
          * it, as after a kv_move. Left to the policy, its next request went to the dead worker's
@@ -3759,7 +3759,7 @@ int dp_router_pool_stats(struct dp_router *rt, uint32_t pool, struct dp_pool_sta
     pthread_mutex_lock(&rt->lock);
     const struct pool *pl = &rt->pools[pool];
     *s = (struct dp_pool_stats){ pl->requests, pl->spilled, pl->price, pl->room, pl->view.n, pool_up(pl),
-                                 pl->view.total_depth, pl->promised };
+                                 pl->view.total_depth, (uint32_t)pool_promised(rt, pl, 0) };
     pthread_mutex_unlock(&rt->lock);
     return 0;
 }

@@ -2393,6 +2393,38 @@ def test_a_pool_s_room_counts_the_chunks_its_requests_have_still_to_send(bench_f
     assert after[1]["requests"] == placed[1]["requests"] >= 1
 
 
+def test_a_stalled_worker_s_chunks_to_come_take_no_room_from_its_pool(bench_factory):
+    """A worker stalled with a request of 6 chunks half arrived: its chunks to come counted in its
+    pool's room, while its queue and itself did not (hidden), so the pool read full with its other
+    worker idle and new requests went to the dearer pool (found by review). They count on their
+    worker, and a hidden one's are left out as its queue is."""
+    b = bench_factory(n_workers=3, policy="round_robin", stall_s=0.05)
+    b.router.set_worker_pool(2, 1)
+    b.router.set_pool(0, 100, 2)
+    b.router.set_pool(1, 900, 2)
+    big = chunks_of(1, list(range(128 * 6)), max_out=2, session=1)
+    b.router.set_up(1, False)
+    b.router.set_up(2, False)
+    b.send(big[:1])
+    b.router.poll()
+    assert b.workers[0].recv_batch(0.5) is not None    # worker 0 takes its first chunk, and stalls
+    b.router.set_up(1, True)
+    b.router.set_up(2, True)
+    t_end = time.monotonic() + 1.0
+    while b.router.worker_stats(0)["stalled"] == 0 and time.monotonic() < t_end:
+        b.router.poll()
+        time.sleep(0.01)
+    assert b.router.worker_stats(0)["stalled"] == 1
+    assert b.router.pool_stats(0)["promised"] == 5
+    before = b.router.pool_stats(1)["requests"]
+    b.send(chunks_of(2, list(range(50)), max_out=2, session=2))
+    for _ in range(50):
+        b.step(1)
+        b.step(2)
+    assert [(int(r["request_id"]), int(r["worker"])) for r in b.responses] == [(2, 1)]
+    assert b.router.pool_stats(1)["requests"] == before
+
+
 def test_a_pool_full_of_half_arrived_requests_refuses_new_ones_instead_of_stalling(bench_factory):
     b = bench_factory(pool_chunks=8)
     # 2 chunks each, a tenant each (a tenant's requests still arriving hold a quarter of the pool at most)
