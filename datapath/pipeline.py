@@ -748,7 +748,7 @@ class Pipeline:
         if cfg.lane == "zmq":
             # the workers' ipc endpoints (short: a socket path has 107 bytes at most); a
             # replacement binds its worker's again (libzmq unlinks what a dead one left)
-            self._ipc_dir = tempfile.mkdtemp(prefix=f"{self.tag}.")
+            self._ipc_dir = tempfile.mkdtemp(prefix=f"zl-{self.tag}-lanes-")   # (topology.sweep_stale's)
             es.callback(shutil.rmtree, self._ipc_dir, True)
         else:
             es.callback(lambda: [lanes.unlink_shm_lane(n) for n in self._lane_names.values()])
@@ -1166,12 +1166,16 @@ class Pipeline:
             # only as the spawner's report, and a spawner stopped or slow (a SIGSTOP, a host that
             # does not schedule it) left it up, what it held unanswered meanwhile (found by review).
             # Its replacement still waits for that report (the spawner reaps it and forks anew).
-            for k, w in enumerate(self.workers):
-                if (w.pidfd >= 0 and w.exitcode is None and not w.gone and not stopping.is_set()
-                        and _pidfd_exited(w.pidfd, 0)):
-                    w.gone = True
-                    hold()                         # (first: the router parks what k held)
-                    self.router.set_up(k, False)
+            # All marked down at once (set_down): one by one, a request of the first moved onto the
+            # next, dead too (the spawner's death takes them all: found by review).
+            gone = [k for k, w in enumerate(self.workers)
+                    if w.pidfd >= 0 and w.exitcode is None and not w.gone and not stopping.is_set()
+                    and _pidfd_exited(w.pidfd, 0)]
+            if gone:
+                for k in gone:
+                    self.workers[k].gone = True
+                hold()                             # (first: the router parks what they held)
+                self.router.set_down(gone)
             if self._heir is not None and self._heir.conn.poll(0) and not stopping.is_set():
                 heir_lost()
             if self._heir is None and heir_due[0] is not None and time.monotonic() >= heir_due[0]:

@@ -196,7 +196,8 @@ class Router:
         self.policy = policy
 
     def set_weight(self, worker: int, weight: int):
-        _check(lib.dp_router_set_weight(self._rt, worker, weight), f"weight of worker {worker}")
+        _check(lib.dp_router_set_weight(self._rt, _u32("worker", worker), _u32("weight", weight)),
+               f"weight of worker {worker}")
 
     def set_key_secret(self, secret: int):
         """The secret request and session keys are hashed with (random otherwise): a test computes
@@ -223,7 +224,7 @@ class Router:
         requests move, so none moves onto another of them (set_up one by one, a request the first
         had some of moved onto the next, counted as run there, and was answered 503 at its death:
         its replay's worker died too)."""
-        ks = [int(k) for k in workers]
+        ks = [_u32("worker", k) for k in workers]
         _check(lib.dp_router_set_down(self._rt, ffi.new("uint32_t[]", ks) if ks else ffi.NULL, len(ks)),
                f"health of workers {ks}")
 
@@ -252,7 +253,8 @@ class Router:
         e.g. its device's knee (serving.devices DeviceProfile.knee_tokens)."""
         if token_budget is not None and not 1 <= token_budget <= 1 << 20:
             raise ValueError(f"token_budget must be 1..{1 << 20}, got {token_budget}")
-        _check(lib.dp_router_set_worker_budget(self._rt, worker, token_budget or 0), f"budget of worker {worker}")
+        _check(lib.dp_router_set_worker_budget(self._rt, _u32("worker", worker), token_budget or 0),
+               f"budget of worker {worker}")
 
     def set_worker_store(self, worker: int, has_store: bool):
         """Declare whether a worker (and each replacement on its lane) has a snapshot store. Its
@@ -267,8 +269,8 @@ class Router:
         order: cheapest first, see admission.pool_price_per_1k) and takes up to room_per_worker
         queued chunks per up worker before the next pool gets new requests (0: no limit)."""
         _check_pool(pool)
-        if not 0 <= price_per_1k < 1 << 32 or not 0 <= room_per_worker < 1 << 32:
-            raise ValueError("price_per_1k and room_per_worker must be 0..2^32-1")
+        _u32("price_per_1k", price_per_1k)
+        _u32("room_per_worker", room_per_worker)
         _check(lib.dp_router_set_pool(self._rt, pool, price_per_1k, room_per_worker),
                f"pool {pool} (0..{lib.DP_MAX_POOLS - 1})")
 

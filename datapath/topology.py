@@ -143,13 +143,13 @@ def ours() -> list[str]:
 def _leftovers() -> list:
     """What a run leaves if SIGKILLed, as (name pattern with its pid, directory): a pipeline's rings
     and lanes (datapath.pipeline, tag pl<pid>-<seq>), its store server's socket directory and its
-    zmq lanes' (lane="zmq"), `datapath worker --demo`'s rings, and bench e2e's store images
-    (bench.e2e.fresh_store)."""
+    zmq lanes' (lane="zmq"; both zl-<tag>-), `datapath worker --demo`'s rings, and bench e2e's
+    store images (bench.e2e.fresh_store). Each pattern names this project's files alone: a bare
+    pl<n>-<n>. took a user's /tmp/pl2024-01.csv for a dead run's (found by review)."""
     from snapshotstore.device import state_dir
     return [(re.compile(r"^dp-pl(\d+)-\d+\."), "/dev/shm"),
             (re.compile(r"^dp-zl-demo-(\d+)\."), "/dev/shm"),
             (re.compile(r"^zl-pl(\d+)-\d+-"), tempfile.gettempdir()),
-            (re.compile(r"^pl(\d+)-\d+\."), tempfile.gettempdir()),
             (re.compile(r"^e2e-store-(\d+)-"), state_dir())]
 
 

@@ -1219,6 +1219,10 @@ def test_pool_arguments_are_checked(bench_factory):
     (lambda r: r.pool_stats(1.5), "pool must be 0..3"),
     (lambda r: r.worker_stats(-1), "worker must be a whole number"),
     (lambda r: r.set_up("0", True), "worker must be a whole number"),
+    (lambda r: r.set_weight(-1, 1), "worker must be a whole number"),
+    (lambda r: r.set_down([1 << 32]), "worker must be a whole number"),
+    (lambda r: r.set_worker_budget(-1, 10), "worker must be a whole number"),
+    (lambda r: r.set_pool(0, 1.5), "price_per_1k must be a whole number"),
 ])
 def test_an_argument_out_of_its_c_type_is_a_value_error_naming_it(bench_factory, call, says):
     """They raised cffi's OverflowError or TypeError, naming no argument (found by review)."""

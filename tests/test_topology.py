@@ -120,7 +120,9 @@ def test_sweep_removes_what_a_killed_run_left():
         ring = f"/dev/shm/dp-pl{proc.pid}-1.out"
         open(ring, "w").close()
         sockdir = tempfile.mkdtemp(prefix=f"zl-pl{proc.pid}-1-")
-        zmq_dir = tempfile.mkdtemp(prefix=f"pl{proc.pid}-1.")         # its zmq lanes' (lane="zmq")
+        zmq_dir = tempfile.mkdtemp(prefix=f"zl-pl{proc.pid}-1-lanes-")   # its zmq lanes' (lane="zmq")
+        theirs = os.path.join(tempfile.gettempdir(), f"pl{proc.pid}-01.csv")   # a user's, named alike
+        open(theirs, "w").close()
         demo_ring = f"/dev/shm/dp-zl-demo-{proc.pid}.in"               # datapath worker --demo's
         open(demo_ring, "w").close()
         os.makedirs(state_dir(), exist_ok=True)
@@ -137,10 +139,12 @@ def test_sweep_removes_what_a_killed_run_left():
             assert set(mine.namespaces()) <= set(topology.ours())
             assert not os.path.exists(ring) and not os.path.exists(sockdir) and not os.path.exists(image_dir)
             assert not os.path.exists(zmq_dir) and not os.path.exists(demo_ring)
+            assert os.path.exists(theirs), "a file the project did not make is not swept"
             assert os.path.exists(live_ring)
         finally:
             mine.close()
             os.unlink(live_ring)
+            os.unlink(theirs)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -177,3 +177,31 @@ def test_a_forked_child_does_not_keep_the_program_attached(topology, xdp_program
         os.close(w)
         os.waitpid(pid, 0)
 
+
+
+def test_a_forked_child_leaving_the_with_block_closes_none_of_its_own_files(topology, xdp_program, tmp_path):
+    """The child closed its copy of the link's fd as it started, and may have reused the number:
+    its detach, leaving the with-block, closed that file of its own (found by review)."""
+    b, fn, att = xdp_program("count.bpf.c", "xdp_count", topology.host_if[0], topology.host_ns, mode="native")
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(r)
+            files = [open(tmp_path / f"f{i}", "w") for i in range(64)]
+            mine = next(f for f in files if f.fileno() == att.link_fd)   # its number, reused
+            att.__exit__(None, None, None)
+            mine.write("still mine")
+            mine.flush()
+            code = 0
+        finally:
+            os.write(w, bytes([code]))
+            os._exit(code)
+    os.close(w)
+    try:
+        assert os.read(r, 1) == b"\0", "the child's own file was closed under it"
+        assert att.prog_id() is not None, "the parent's attachment stays"
+    finally:
+        os.close(r)
+        os.waitpid(pid, 0)
