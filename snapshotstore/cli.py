@@ -188,7 +188,7 @@ def _format(args) -> int:
         size = DEFAULT_IMAGE_SIZE if args.size is None else args.size
         create_image(path, size)
         made = True
-        print(f"created {path} ({size >> 20} MiB sparse image)")
+        print(f"created {path} ({size:,} bytes, {size / 2**20:g} MiB sparse image)")
     elif args.size is not None:
         raise SnapshotError(f"{path} exists already: --size only applies to a new image file")
     try:

@@ -377,8 +377,16 @@ class LogStore:
             if newer:
                 raise FormatError(f"{self.path} holds a snapshot store of format version {max(newer)}, written by a "
                                   f"newer version of zerolayer; this one reads versions 1 to {fmt.VERSION}: upgrade")
-            raise FormatError(f"{self.path} holds no snapshot store (both superblock copies are missing "
-                              f"or corrupt): `snapshotstore format {self.path} --force` makes a new, empty one")
+            if self.dev.blocks < fmt.SB_COPIES:   # (copy 0 may be whole: a truncated image, not a blank one)
+                raise FormatError(f"{self.path} is {self.dev.size} bytes, under the {fmt.SB_COPIES} blocks a "
+                                  f"store's superblocks take: truncated? (`snapshotstore format {self.path} "
+                                  f"--size N` makes a new, empty one)")
+            blank = all(b is not None and not any(b) for b in blocks)
+            raise FormatError(f"{self.path} holds no snapshot store (both superblock copies are "
+                              + ("zeros: never formatted): `snapshotstore format " + self.path
+                                 + "` makes a new, empty one" if blank else
+                                 f"missing or corrupt): `snapshotstore format {self.path} --force` makes a new, "
+                                 f"empty one, erasing what is there"))
         sb = max((c for c in copies if c), key=lambda c: c.generation)
         # the one bad copy, read but not valid, is where the next checkpoint after the good one went:
         # a crash cut that write (the store opens on the other, one checkpoint older, and loses

@@ -1375,8 +1375,9 @@ def test_bad_device_paths(path, msg):
 def test_unformatted_device_and_second_opener(tmp_path):
     image = str(tmp_path / "blank.img")
     create_image(image, 1 << 20)
-    with pytest.raises(FormatError, match="holds no snapshot store"):
-        LogStore(image)
+    with pytest.raises(FormatError, match=r"holds no snapshot store \(both superblock copies are zeros: never "
+                                          r"formatted\): `snapshotstore format .*blank.img` makes"):
+        LogStore(image)          # (it said --force, which a blank image does not need: found by review)
     format_device(image)
     with pytest.raises(FormatError, match="already holds a snapshot store"):
         format_device(image)
@@ -2050,3 +2051,13 @@ def test_a_bit_flipped_in_a_tombstone_s_header_never_brings_its_session_back(tmp
         assert s.restore(gone) is None, f"a bit flipped in the tombstone's {field} brought its session back"
         assert s.restore(kept).payload == want
         assert s.counters["corrupt_blocks_skipped"] == 1
+
+
+def test_an_image_truncated_under_two_blocks_is_said_truncated_not_unformatted(tmp_path):
+    """Its first superblock copy whole, it was said to hold no store, and --force advised (review)."""
+    image = str(tmp_path / "cut.img")
+    create_image(image, 1 << 20)
+    format_device(image)
+    os.truncate(image, 6000)
+    with pytest.raises(FormatError, match=r"is 6000 bytes, under the 2 blocks a store's superblocks take: truncated"):
+        LogStore(image)
