@@ -251,6 +251,8 @@ def main(argv=None) -> int:
         if not found:
             print(f"goals: no suite JSON with goals in {d}", file=sys.stderr)
             return 2
+        if len({bool(data.get("quick")) for _, data in found.values()}) > 1:
+            print(f"goals: {d} holds quick and full runs: the quick ones are marked", file=sys.stderr)
         print(f"{d}:" if not args.markdown else
               "| suite (issue) | goal | measured | verdict |\n|---|---|---|---|")
         for suite in order:
@@ -259,8 +261,10 @@ def main(argv=None) -> int:
                 judged = judge(data)
                 commit = data.get("machine", {}).get("commit", "?")
                 if args.markdown:
+                    # a quick run's row says so: the table looked a full run's (found by review)
+                    quick = ", a quick run" if data.get("quick") else ""
                     for j in judged:
-                        print(f"| {suite} ({j['issue']}) | {j['goal']} | {j['measured']} | **{j['verdict']}** |")
+                        print(f"| {suite} ({j['issue']}{quick}) | {j['goal']} | {j['measured']} | **{j['verdict']}** |")
                 else:
                     print(f"  {suite} ({path.name}, commit {commit}, {data.get('status')}"
                           + (", quick" if data.get("quick") else "") + ")")

@@ -165,3 +165,17 @@ def test_static_over_dynamic_with_a_p95_written_null_is_judged_not_raised():
            "ratios": {"static_vs_dynamic_p95_at_10qps": 0.0}}
     (j,) = [j for j in goals.judge(e2e) if "1/5 of static's (tiny model)" in j["goal"]]
     assert j["verdict"] == "missed" and j["measured"] == "0.00x (60.0 / no finite figure ms)"
+
+
+def test_a_quick_run_s_rows_say_so_in_the_markdown_table(tmp_path, capsys):
+    """A quick run's table read as a full run's (found by review)."""
+    run = tmp_path / "run"
+    shutil.copytree(FIGURES, run, ignore=shutil.ignore_patterns("e2e"))
+    ring = json.loads((run / "ring.json").read_text())
+    ring["quick"] = True
+    (run / "ring.json").write_text(json.dumps(ring))
+    assert bench_main(["goals", "--markdown", str(run)]) == 0
+    out, err = capsys.readouterr()
+    rows = [line for line in out.splitlines() if line.startswith("| ")][1:]
+    assert rows and all((", a quick run)" in row) == row.startswith("| ring (") for row in rows), rows
+    assert "holds quick and full runs" in err
