@@ -285,9 +285,9 @@ def test_ring_suite_reports_every_figure(tmp_path):
     assert data["ratios"]["adm_sweep_frees_one_us_vs_adm_table_read_us"] > 0
 
 
-INGRESS_REFERENCES = ["xdp_count_ns", "xdp_count_128_ns", "xdp_ring_floor_ns", "pingpong_oneway_ns", "handoff_oneway_p50_ns", "udp_socket_p50_us", "udp_socket_p99_us",
+INGRESS_REFERENCES = ["xdp_count_ns", "xdp_count_128_ns", "xdp_ring_floor_ns", "xdp_count_cold_p50_ns", "pingpong_oneway_ns", "handoff_oneway_p50_ns", "udp_socket_p50_us", "udp_socket_p99_us",
                       "udp_socket_c_p50_us", "udp_socket_c_p99_us"]
-INGRESS_METRICS = ["steer_ns", "steer_128_ns", "steer_tagged_ns", "xdp_to_consumer_p50_ns", "xdp_to_consumer_p99_ns", "xdp_to_consumer_p50_ns_100k",
+INGRESS_METRICS = ["steer_ns", "steer_128_ns", "steer_tagged_ns", "steer_limited_ns", "steer_cold_p50_ns", "xdp_to_consumer_p50_ns", "xdp_to_consumer_p99_ns", "xdp_to_consumer_p50_ns_100k",
                    "xdp_to_consumer_p99_ns_100k", "xdp_to_consumer_p50_ns_max", "xdp_to_consumer_p99_ns_max",
                    "sender_to_consumer_p50_us", "sender_to_consumer_p99_us", "max_pps_no_loss"]
 
@@ -303,7 +303,8 @@ def test_ingress_suite_reports_every_figure(tmp_path):
     for key in INGRESS_METRICS:
         assert data["metrics"][key] > 0, key
     for ratio in ("steer_ns_vs_xdp_count_ns", "steer_128_ns_vs_xdp_count_128_ns", "steer_ns_vs_xdp_ring_floor_ns",
-                  "steer_tagged_ns_vs_xdp_count_ns", "xdp_to_consumer_p50_ns_vs_pingpong_oneway_ns",
+                  "steer_tagged_ns_vs_xdp_count_ns", "steer_limited_ns_vs_xdp_count_ns",
+                  "steer_cold_p50_ns_vs_xdp_count_cold_p50_ns", "xdp_to_consumer_p50_ns_vs_pingpong_oneway_ns",
                   "sender_to_consumer_p50_us_vs_udp_socket_p50_us", "sender_to_consumer_p99_us_vs_udp_socket_p99_us",
                   "sender_to_consumer_p50_us_vs_udp_socket_c_p50_us", "sender_to_consumer_p99_us_vs_udp_socket_c_p99_us"):
         metric, ref = ratio.split("_vs_")
@@ -320,7 +321,8 @@ def test_e2e_quick_runs_every_landed_scenario_and_writes_the_report(tmp_path):
     for key in ("e2e_xdp_to_lane_p50_ns", "e2e_xdp_to_lane_p99_ns", "e2e_xdp_validated_to_lane_p50_ns",
                 "e2e_xdp_validated_to_lane_p99_ns", "e2e_xdp_to_worker_p50_ns",
                 "e2e_xdp_to_worker_p99_ns", "e2e_xdp_to_worker_polling_p50_ns", "e2e_xdp_to_worker_polling_p99_ns",
-                "e2e_send_to_response_p50_us", "e2e_send_to_response_p99_us", "sweep_p95_ms_dynamic_10", "sweep_p95_ms_static_10", "sweep_l4_p95_ms_dynamic_10",
+                "e2e_send_to_response_p50_us", "e2e_send_to_response_p99_us", "e2e_lane_to_worker_zmq_p50_ns",
+                "e2e_lane_to_worker_zmq_p99_ns", "sweep_p95_ms_dynamic_10", "sweep_p95_ms_static_10", "sweep_l4_p95_ms_dynamic_10",
                 "sweep_l4_p95_ms_static_10"):
         assert m[key] > 0, key
     assert {"static_vs_dynamic_p95_at_10qps", "static_vs_dynamic_p95_at_10qps_l4", "static_nowait_vs_dynamic_p95_at_10qps",
