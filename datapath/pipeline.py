@@ -857,6 +857,9 @@ class Pipeline:
         while not ready.is_set():
             time.sleep(0.01)
             if not server.is_alive() or time.monotonic() > deadline:
+                if server.is_alive():     # hung starting: not left running beside the next one
+                    server.kill()
+                    server.join(5)
                 raise RuntimeError(f"the snapshot store server on {self._store_path} did not start "
                                    f"(see its message above)")
 
