@@ -356,21 +356,27 @@ def _from_xdp(report, trace: np.ndarray) -> np.ndarray:
     return xdp[whole]
 
 
-def _polling_workers(report, quick: bool, stages: dict) -> dict:
-    """The lightest rate again with the worker polling its lane (lane_wait "yield": a core's worth of
-    polling that gives way to anything runnable) instead of sleeping on a futex: the goal's
-    "core per poller", as near as this machine comes. Its core is also the load generator's,
-    whose send the XDP program runs in, so a pickup can wait for the client's send to return."""
+def _lightest_again(report, quick: bool, what: str, **cfg) -> tuple[dict, np.ndarray]:
+    """The sweep's lightest rate (10 req/s, dynamic, one worker) once more, in a pipeline of its own
+    that differs by cfg: the offer's result and its XDP records with their stamps."""
     rate, seconds = 10, (3.0 if quick else 10.0)
-    _progress(f"polling workers: {rate} req/s for {seconds:.0f} s, the worker polling its lane")
-    with Pipeline(_config(batching="dynamic", workers=1, lane_wait="yield")) as p:
+    _progress(f"{what}: {rate} req/s for {seconds:.0f} s")
+    with Pipeline(_config(batching="dynamic", workers=1, **cfg)) as p:
         _warm_up(p, None)
         p.reset_trace()
         res = _offer(p, rate, seconds, prompt_tokens=PROMPT, max_output_tokens=OUTPUT,
                      sessions=max(1, int(rate * seconds) // TURNS), drain_s=drain_s(None))
         trace = p.trace()
-    _all_answered("polling workers", res)
-    pre = _from_xdp(report, trace)
+    _all_answered(what, res)
+    return res, _from_xdp(report, trace)
+
+
+def _polling_workers(report, quick: bool, stages: dict) -> dict:
+    """The lightest rate again with the worker polling its lane (lane_wait "yield": a core's worth of
+    polling that gives way to anything runnable) instead of sleeping on a futex: the goal's
+    "core per poller", as near as this machine comes. Its core is also the load generator's,
+    whose send the XDP program runs in, so a pickup can wait for the client's send to return."""
+    res, pre = _lightest_again(report, quick, "polling workers, the worker polling its lane", lane_wait="yield")
     stages["lane->worker (worker polling)"] = (pre["t_pickup"] - pre["t_lane"]).astype(np.int64)
     stages["xdp->worker (worker polling)"] = (pre["t_pickup"] - pre["t_xdp"]).astype(np.int64)
     pc = _pcts(stages["xdp->worker (worker polling)"], 1)
@@ -385,16 +391,7 @@ def _zmq_lane(report, quick: bool, stages: dict) -> dict:
     worker's tcp:// lane shares: datapath worker --zmq) instead of shared-memory rings; its
     lane->worker against the sweep's (shm, the worker asleep on its futex: the same rate and
     worker count) in this run."""
-    rate, seconds = 10, (3.0 if quick else 10.0)
-    _progress(f"zmq lane: {rate} req/s for {seconds:.0f} s, the worker behind ZeroMQ over ipc")
-    with Pipeline(_config(batching="dynamic", workers=1, lane="zmq")) as p:
-        _warm_up(p, None)
-        p.reset_trace()
-        res = _offer(p, rate, seconds, prompt_tokens=PROMPT, max_output_tokens=OUTPUT,
-                     sessions=max(1, int(rate * seconds) // TURNS), drain_s=drain_s(None))
-        trace = p.trace()
-    _all_answered("zmq lane", res)
-    pre = _from_xdp(report, trace)
+    res, pre = _lightest_again(report, quick, "zmq lane, the worker behind ZeroMQ over ipc", lane="zmq")
     stages["lane->worker (zmq ipc lane)"] = (pre["t_pickup"] - pre["t_lane"]).astype(np.int64)
     stages["xdp->worker (zmq ipc lane)"] = (pre["t_pickup"] - pre["t_xdp"]).astype(np.int64)
     lane = _pcts(stages["lane->worker (zmq ipc lane)"], 1)

@@ -2212,16 +2212,21 @@ def test_a_zmq_worker_that_dies_with_a_batch_is_found_by_its_lost_connection_not
         b.router.set_up(0, True)
     finally:
         lane.close()                                   # it dies, the batch unanswered
-    t0 = time.monotonic()
-    while b.router.stats()["zmq_timeouts"] == 0 and time.monotonic() < t0 + 10:
-        b.router.poll()
-        time.sleep(0.005)
-    waited = time.monotonic() - t0
+    waited = until_zmq_timeout(b, 10)
     b.run(0)
     assert [(int(r["request_id"]), int(r["status"]), int(r["worker"])) for r in b.responses] == [(1, 200, 0)]
     st = b.router.stats()
     assert waited < 5 and st["zmq_lost"] == 1 and st["replayed"] == 1, (waited, st)
     b.router.close()
+
+
+def until_zmq_timeout(b, limit_s: float) -> float:
+    """The router polled until it times a zmq worker out (limit_s at most): the seconds it took."""
+    t0 = time.monotonic()
+    while b.router.stats()["zmq_timeouts"] == 0 and time.monotonic() < t0 + limit_s:
+        b.router.poll()
+        time.sleep(0.005)
+    return time.monotonic() - t0
 
 
 # a zmq worker in a process of its own: takes batches and never answers (bounded: 60 s)
@@ -2260,11 +2265,7 @@ def test_a_zmq_worker_stopped_with_a_batch_is_found_by_its_heartbeats_not_the_ti
         assert st["zmq_lost"] == 0 and st["zmq_timeouts"] == 0 and b.router.worker_stats(1)["up"] == 1, st
         b.router.set_up(0, True)
         os.kill(proc.pid, signal.SIGSTOP)
-        t0 = time.monotonic()
-        while b.router.stats()["zmq_timeouts"] == 0 and time.monotonic() < t0 + 15:
-            b.router.poll()
-            time.sleep(0.005)
-        waited = time.monotonic() - t0
+        waited = until_zmq_timeout(b, 15)
         b.run(0)
         assert [(int(r["request_id"]), int(r["status"]), int(r["worker"])) for r in b.responses] == [(1, 200, 0)]
         st = b.router.stats()
