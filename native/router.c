@@ -3411,8 +3411,9 @@ int dp_router_add_worker(struct dp_router *rt, struct dp_ring *lane, struct dp_r
 
 /* ZMTP heartbeats on a zmq lane's connection (with a zmq_timeout: a router without one, as the
  * pipeline's, watches its workers' processes instead, and a stop past the heartbeats' timeout
- * would only cut the connection a woken worker's answer was to take): a PING every ZMQ_PING_MS; one unanswered for
- * ZMQ_PING_TIMEOUT_MS closes the connection, which the monitor reports as lost (zmq_lost). The
+ * would only cut the connection a woken worker's answer was to take): a PING every ZMQ_PING_MS;
+ * one unanswered for ZMQ_PING_TIMEOUT_MS closes the connection, which the monitor reports as
+ * lost (zmq_lost). The
  * peer's libzmq I/O thread answers, not the worker's loop, so a long step is not taken for a
  * silence, while a stopped process (SIGSTOP) or a link that drops without a FIN is: before, a
  * batch sent on such a connection waited zmq_timeout (30 s) and a stopped worker drew new
