@@ -85,23 +85,25 @@ def _writer(path: str, iteration: int, to_delete: list[tuple[int, int]], wfd: in
             say(f"E {type(e).__name__}: {e}")
 
     try:
-        store = LogStore(path, **STORE_OPTIONS)
-        say("R")
-        threads = [threading.Thread(target=guarded, args=(put_sessions, t)) for t in range(THREADS)]
-        for th in threads:
-            th.start()
-        for it, sid in to_delete:
-            say(f"DS {it} {sid}")
-            guarded(store.delete, key_of(it, sid))
-            say(f"DA {it} {sid}")
-        say("DD")
-        for th in threads:
-            th.join()
-        store.close()
-        say("F")
-    except BaseException as e:
-        say(f"E {type(e).__name__}: {e}")
-    os._exit(0)
+        try:
+            store = LogStore(path, **STORE_OPTIONS)
+            say("R")
+            threads = [threading.Thread(target=guarded, args=(put_sessions, t)) for t in range(THREADS)]
+            for th in threads:
+                th.start()
+            for it, sid in to_delete:
+                say(f"DS {it} {sid}")
+                guarded(store.delete, key_of(it, sid))
+                say(f"DA {it} {sid}")
+            say("DD")
+            for th in threads:
+                th.join()
+            store.close()
+            say("F")
+        except BaseException as e:
+            say(f"E {type(e).__name__}: {e}")
+    finally:
+        os._exit(0)         # whatever happens, even a say() that fails: never back into the caller's code
 
 
 @dataclasses.dataclass
@@ -110,6 +112,7 @@ class CrashResult:
     acked_puts: int = 0
     records_verified: int = 0
     writer_finished: int = 0          # iterations where the kill came after the writer was done
+    writer_ready: int = 0             # iterations whose writer opened the store (said R) before the kill
     torn_records_skipped: int = 0
     failures: list = dataclasses.field(default_factory=list)
     seconds: float = 0.0
@@ -189,7 +192,9 @@ def _check(path, it, lines, held, res: CrashResult) -> list[str]:
             del_acked.add((int(f[1]), int(f[2])))
         elif f[0] == "E":
             problems.append(f"the writer failed: {line[2:]}")
-        elif f[0] in ("R", "DD"):
+        elif f[0] == "R":
+            res.writer_ready += 1
+        elif f[0] == "DD":
             pass
         elif f[0] == "F":
             res.writer_finished += 1

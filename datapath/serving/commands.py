@@ -225,12 +225,15 @@ def worker(args) -> int:
                          slowdown=args.slowdown)
     if args.demo is not None:
         from ..ingress import SigtermExit, Terminated
-        SigtermExit.install()         # SIGTERM unwinds too: its default left the demo's rings in /dev/shm
+        sigterm = SigtermExit.install()   # SIGTERM unwinds too: its default left the demo's rings in /dev/shm
         try:
             return _demo(opts, args)
         except (KeyboardInterrupt, Terminated) as e:     # (the demo's rings are gone: its finally)
             print("datapath worker: interrupted", file=sys.stderr)
             return e.code if isinstance(e, Terminated) else 130
+        finally:
+            if sigterm is not None:       # the caller's handler back (main() called in-process)
+                signal.signal(signal.SIGTERM, sigterm.old if sigterm.old is not None else signal.SIG_DFL)
     spec = ("shm", args.lane) if args.lane else ("zmq", args.zmq)
     store = None
     if args.store:
