@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from ._dataplane import ffi, lib
-from .wire import KIND_CHUNK
+from .wire import KIND_CHUNK, KIND_OPEN
 
 MAX_CHUNK_TOKENS = lib.DP_MAX_CHUNK_TOKENS
 MAX_BATCH_CHUNKS = lib.DP_MAX_BATCH_CHUNKS
@@ -52,6 +52,20 @@ def dtype_of(cname: str) -> np.dtype:
 CHUNK = dtype_of("struct dp_chunk")
 COMPLETION = dtype_of("struct dp_completion")
 RESPONSE = dtype_of("struct dp_response_rec")
+
+
+def request_open(request_id: int, chunk_count: int, *, session: int | None = None, max_out: int = 0,
+                 tenant: int = 0, t_send: int = 0) -> np.ndarray:
+    """The OPEN record of a request of chunk_count chunks, as the ingress delivers it."""
+    arr = np.zeros(1, dtype=CHUNK)
+    arr["session_id"] = request_id if session is None else session
+    arr["request_id"] = request_id
+    arr["tenant"] = tenant
+    arr["max_output_tokens"] = max_out
+    arr["chunk_count"] = chunk_count
+    arr["kind"] = KIND_OPEN
+    arr["t_send"] = t_send
+    return arr
 
 
 def request_chunks(request_id: int, tokens, session: int | None = None, max_out: int = 0, tenant: int = 0,

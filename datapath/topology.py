@@ -145,7 +145,7 @@ def _leftovers() -> list:
     and lanes (datapath.pipeline, tag pl<pid>-<seq>), its store server's socket directory and its
     zmq lanes' (lane="zmq"; both zl-<tag>-), `datapath worker --demo`'s rings, and bench e2e's
     store images (bench.e2e.fresh_store). Each pattern names this project's files alone: a bare
-    pl<n>-<n>. took a user's /tmp/pl2024-01.csv for a dead run's (found by review)."""
+    pl<n>-<n>. took a user's pl2024-01.csv in the temp directory for a dead run's (found by review)."""
     from snapshotstore.device import state_dir
     return [(re.compile(r"^dp-pl(\d+)-\d+\."), "/dev/shm"),
             (re.compile(r"^dp-zl-demo-(\d+)\."), "/dev/shm"),

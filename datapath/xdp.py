@@ -258,10 +258,8 @@ class XdpAttachment:
         return _ATTACHED.get(xdp.get_attr("IFLA_XDP_ATTACHED")) if xdp else None
 
     def prog_id(self) -> int | None:
-        """The id of the program attached now (None if nothing is)."""
-        with _iproute(self.netns) as ipr:
-            xdp = ipr.get_links(self.ifindex)[0].get_attr("IFLA_XDP")
-            return xdp.get_attr("IFLA_XDP_PROG_ID") if xdp else None
+        """The id of the program attached now, whoever's (None if nothing is)."""
+        return attached_prog_id(self.ifname, self.netns)
 
 
 class _TestRunOpts(ctypes.Structure):

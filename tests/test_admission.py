@@ -82,13 +82,6 @@ def by_id(responses):
     return {int(r["request_id"]): r for r in responses}
 
 
-def open_record(rid, chunk_count, max_out, tenant):
-    rec = np.zeros(1, dtype=records.CHUNK)
-    rec["kind"], rec["request_id"], rec["session_id"] = wire.KIND_OPEN, rid, rid
-    rec["chunk_count"], rec["max_output_tokens"], rec["tenant"] = chunk_count, max_out, tenant
-    return rec
-
-
 def count_record(rid, tokens, chunk_count, max_out, tenant):
     rec = chunks_of(rid, tokens, max_out=max_out, tenant=tenant)[:1].copy()
     rec["kind"], rec["chunk_count"] = wire.KIND_COUNT_TOKENS, chunk_count
@@ -258,7 +251,7 @@ def test_the_budget_is_spent_by_admissions_and_settled_to_the_exact_price(bench_
 def test_an_open_record_is_priced_at_the_highest_entropy_and_admits_its_chunks(bench_factory):
     b = bench_factory()
     b.router.set_tenant(3, TenantPolicy(price_per_1k=1000, budget_per_day=10**6))
-    b.send(open_record(1, 2, 4, tenant=3))
+    b.send(records.request_open(1, 2, max_out=4, tenant=3))
     b.router.poll()
     assert b.router.stats()["opened"] == 1 and b.router.stats()["admitted"] == 1
     charged = b.router.tenant_stats(3)["charged"]
@@ -269,7 +262,7 @@ def test_an_open_record_is_priced_at_the_highest_entropy_and_admits_its_chunks(b
     assert resp["status"] == 200 and resp["n_out"] == 4
     # a refused OPEN makes its chunks late duplicates: nothing runs
     b.router.set_tenant(3, TenantPolicy(price_per_1k=1000, budget_per_day=1))
-    b.send(open_record(2, 2, 4, tenant=3), chunks_of(2, [1] * 200, max_out=4, tenant=3))
+    b.send(records.request_open(2, 2, max_out=4, tenant=3), chunks_of(2, [1] * 200, max_out=4, tenant=3))
     b.run()
     assert by_id(b.responses)[2]["status"] == 422 and b.router.stats()["late_duplicates"] == 2
 
@@ -283,7 +276,7 @@ def test_an_open_s_request_is_settled_at_the_entropy_its_first_chunk_measures(be
     for tenant in (3, 4):
         b.router.set_tenant(tenant, TenantPolicy(price_per_1k=1000, budget_per_day=10**6))
     toks = [9] * 300
-    b.send(open_record(1, 3, 4, tenant=3))
+    b.send(records.request_open(1, 3, max_out=4, tenant=3))
     b.router.poll()
     b.send(chunks_of(1, toks, max_out=4, tenant=3), chunks_of(2, toks, max_out=4, tenant=4))
     b.run()
@@ -293,7 +286,7 @@ def test_an_open_s_request_is_settled_at_the_entropy_its_first_chunk_measures(be
     assert opened["spent"] == plain["spent"] == exact_charge(1000, 300 + 4, 1, 4)
     # over its budget at the OPEN's price, under it at the chunk's: the 422 says to send the chunk
     b.router.set_tenant(5, TenantPolicy(price_per_1k=1000, budget_per_day=ref_charge(1000, toks[:128], 3, 4)))
-    b.send(open_record(3, 3, 4, tenant=5))
+    b.send(records.request_open(3, 3, max_out=4, tenant=5))
     b.run()
     doc = wire.decode_admission_body(body_of(by_id(b.responses)[3]))
     assert doc.status == 422 and any(s.startswith("no full first chunk was seen (an OPEN)") for s in doc.suggestions)
@@ -309,8 +302,8 @@ def test_a_one_chunk_request_s_open_is_taken_without_effect(bench_factory):
     refusal, or a 400 when the request it admitted expired without its chunk (found by review)."""
     b = bench_factory(reassembly_timeout_s=0.05)
     b.router.set_tenant(3, TenantPolicy(price_per_1k=1000, budget_per_day=1))
-    b.send(open_record(1, 1, 4, tenant=3),      # over its budget: was refused 422 at the OPEN
-           open_record(2, 1, 4, tenant=4))      # was admitted, then expired (its chunk cut by XDP)
+    b.send(records.request_open(1, 1, max_out=4, tenant=3),      # over its budget: was refused 422 at the OPEN
+           records.request_open(2, 1, max_out=4, tenant=4))      # was admitted, then expired (its chunk cut by XDP)
     b.router.poll()
     time.sleep(0.1)
     b.router.poll()
@@ -740,7 +733,7 @@ def test_one_tenant_s_requests_that_never_arrive_whole_cannot_hold_the_router(be
     requests complete or expire."""
     b = bench_factory(pool_chunks=64, max_requests=16, reassembly_timeout_s=0.3)
     held = chunks_of(99, list(range(14 * 128)), max_out=1, tenant=5)[:13]      # 14 chunks, all but one sent
-    hog = [open_record(100 + i, 8, 1, tenant=5) for i in range(6)]             # 8 chunks each, none sent
+    hog = [records.request_open(100 + i, 8, max_out=1, tenant=5) for i in range(6)]             # 8 chunks each, none sent
     b.send(held, *hog)
     b.router.poll()
     b.collect()
@@ -748,11 +741,11 @@ def test_one_tenant_s_requests_that_never_arrive_whole_cannot_hold_the_router(be
     assert refused == list(range(100, 106)), "14 + 8 > 16: the chunks it holds count, not only the missing one"
     doc = json.loads(body_of(b.responses[0]))
     assert (doc["requests_arriving"], doc["their_chunks"], doc["share_chunks"]) == (1, 14, 16)
-    b.send(open_record(106, 2, 1, tenant=5))                                   # 14 + 2 fits
+    b.send(records.request_open(106, 2, max_out=1, tenant=5))                                   # 14 + 2 fits
     b.router.poll()
     b.collect()
     assert all(int(r["request_id"]) != 106 for r in b.responses)
-    few = [open_record(200 + i, 2, 1, tenant=6) for i in range(5)]            # a table's quarter: 4 requests
+    few = [records.request_open(200 + i, 2, max_out=1, tenant=6) for i in range(5)]            # a table's quarter: 4 requests
     b.send(*few, *[chunks_of(300 + t, [t, t + 1], max_out=1, tenant=t) for t in (1, 2, 3)])
     b.router.poll()
     b.collect()

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -1821,7 +1822,7 @@ def test_a_worker_added_to_a_pool_that_cannot_be_is_not_added(pool):
         with pytest.raises(ValueError, match="pool must be 0..3"):
             r.add_worker(lane, done, pool=pool)
         with pytest.raises(ValueError, match="pool must be 0..3"):
-            r.add_zmq_worker("ipc:///tmp/zl-pool-nobody", pool=pool)
+            r.add_zmq_worker(f"ipc://{tempfile.gettempdir()}/zl-pool-nobody", pool=pool)
         assert r.n_workers == 0 and r.pool_stats(0)["workers"] == 0
     finally:
         r.close()
@@ -2359,16 +2360,6 @@ def test_no_worker_left_answers_503(bench_factory):
     assert b.router.stats()["active_requests"] == 0 and b.router.stats()["pool_free"] == 8192
 
 
-def open_of(rid, chunk_count, max_out=2, **kw):
-    """The OPEN of request rid (its session rid), announcing chunk_count chunks."""
-    o = np.zeros(1, dtype=records.CHUNK)
-    o["kind"], o["request_id"], o["session_id"], o["chunk_count"] = wire.KIND_OPEN, rid, rid, chunk_count
-    o["max_output_tokens"] = max_out
-    for k, v in kw.items():
-        o[k] = v
-    return o
-
-
 def test_a_pool_s_room_counts_the_chunks_its_requests_have_still_to_send(bench_factory):
     """A pool's room counted only the chunks queued on its workers: requests opened first (their
     OPENs, no chunk queued yet) all went to the cheapest pool, 6x its room, the dearer one idle
@@ -2377,7 +2368,7 @@ def test_a_pool_s_room_counts_the_chunks_its_requests_have_still_to_send(bench_f
     b.router.set_worker_pool(1, 1)
     b.router.set_pool(0, 354, 4)                          # room: 4 chunks a worker
     b.router.set_pool(1, 936, 4)
-    b.send(*[open_of(rid, 3) for rid in range(1, 9)])     # 8 requests of 3 chunks, opened first
+    b.send(*[records.request_open(rid, 3, max_out=2) for rid in range(1, 9)])     # 8 requests of 3 chunks, opened first
     b.router.poll()
     placed = [b.router.pool_stats(p) for p in (0, 1)]
     assert placed[0]["promised"] + placed[1]["promised"] == 24
