@@ -11,6 +11,21 @@ from snapshotstore.loop import loop_device
 ITERATIONS = 200
 
 
+def _run(path, iterations, seed):
+    """crashtest.run in a process of its own, which forks the writers: forked from this one, late in
+    a full suite, every writer opened the store and none got a put acknowledged before its kill
+    (2 of 3 CI runs in session 45, never alone), so what the suite left in this process is out."""
+    import json
+    import subprocess
+    import sys
+    code = ("import dataclasses, json, sys; from snapshotstore import crashtest; "
+            "print(json.dumps(dataclasses.asdict(crashtest.run(sys.argv[1], int(sys.argv[2]), seed=int(sys.argv[3])))))")
+    out = subprocess.run([sys.executable, "-c", code, path, str(iterations), str(seed)], capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return crashtest.CrashResult(**json.loads(out.stdout.strip().splitlines()[-1]))
+
+
 def _assert_consistent(res):
     assert res.failures == []
     assert res.iterations == ITERATIONS
@@ -21,7 +36,7 @@ def _assert_consistent(res):
 
 @pytest.mark.slow
 def test_sigkill_writer_on_a_file(tmp_path):
-    _assert_consistent(crashtest.run(str(tmp_path / "crash.img"), ITERATIONS, seed=6))
+    _assert_consistent(_run(str(tmp_path / "crash.img"), ITERATIONS, seed=6))
 
 
 @pytest.mark.slow
@@ -30,7 +45,7 @@ def test_sigkill_writer_on_a_loop_device(tmp_path):
     image = str(tmp_path / "crash.img")
     create_image(image, 4 << 20)
     with loop_device(image) as dev:
-        _assert_consistent(crashtest.run(dev, ITERATIONS, seed=7))
+        _assert_consistent(_run(dev, ITERATIONS, seed=7))
 
 
 
